@@ -8,9 +8,13 @@ import sys
 
 from . import __version__
 
-#: Sub-command name -> module under aggregator.commands exposing ``add_arguments(parser)`` and ``run(args) -> int``.
+#: Sub-command -> module in aggregator.commands with ``add_arguments(parser)`` and ``run(args) -> int``.
 COMMANDS = {
     "validate": "validate",
+    "harvest": "harvest",
+    "audit": "audit",
+    "status": "status",
+    "gc": "gc",
 }
 
 

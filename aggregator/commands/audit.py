@@ -1,0 +1,80 @@
+"""Compare the store with every upstream's current lists; exit 0 only when in sync."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import trio
+
+from ..harvest.audit import Difference, audit_source
+from ..harvest.context import open_context
+from ._common import add_config_arguments, start
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument(
+        "--source", action="append", default=[], metavar="NAME", help="only this source (repeatable)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object with every difference")
+    p.add_argument(
+        "--max-lines", type=int, default=1000, help="differences printed per source (all are counted)"
+    )
+
+
+async def _audit(
+    config, names: list[str]
+) -> tuple[dict[str, list[Difference]], dict[str, int], dict[str, str]]:
+    shown: dict[str, list[Difference]] = {}
+    counts: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    async with open_context(config) as ctx:
+        for src in config.sources:
+            if names and src.name not in names:
+                continue
+            shown[src.name], counts[src.name] = [], 0
+            try:
+                async for diff in audit_source(ctx, src):
+                    counts[src.name] += 1
+                    if len(shown[src.name]) < 100_000:
+                        shown[src.name].append(diff)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                errors[src.name] = f"{type(exc).__name__}: {exc}"
+    return shown, counts, errors
+
+
+def run(args: argparse.Namespace) -> int:
+    config = start(args)
+    if config is None:
+        return 2
+    shown, counts, errors = trio.run(_audit, config, args.source)
+    in_sync = not errors and not any(counts.values())
+    if args.json:
+        out = {
+            "in_sync": in_sync,
+            "sources": {
+                name: {
+                    "differences": counts[name],
+                    "error": errors.get(name),
+                    "items": [d.__dict__ for d in shown[name][: args.max_lines]],
+                }
+                for name in shown
+            },
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        for name in shown:
+            for d in shown[name][: args.max_lines]:
+                print(d)
+            if name in errors:
+                print(f"{name}: audit failed: {errors[name]}")
+            else:
+                verdict = "in sync" if not counts[name] else f"{counts[name]} difference(s): NOT IN SYNC"
+                print(f"{name}: {verdict}")
+    if errors:
+        print(f"rsagg: audit failed for: {', '.join(sorted(errors))}", file=sys.stderr)
+    return 0 if in_sync else 1

@@ -1,0 +1,76 @@
+"""Harvest every configured source (once, or polling until signalled)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import trio
+
+from ..harvest.context import open_context
+from ..harvest.source import SourceResult, poll_source, sync_source
+from ._common import add_config_arguments, start
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--once", action="store_true", help="bring every source up to date, then exit")
+    p.add_argument(
+        "--source", action="append", default=[], metavar="NAME", help="only this source (repeatable)"
+    )
+
+
+async def harvest_once(config, names: list[str]) -> list[SourceResult]:
+    results: list[SourceResult] = []
+    async with open_context(config) as ctx:
+        async with trio.open_nursery() as nursery:
+            for src in config.sources:
+                if src.enabled and (not names or src.name in names):
+
+                    async def one(src=src) -> None:
+                        results.append(await sync_source(ctx, src))
+
+                    nursery.start_soon(one)
+    return results
+
+
+async def _poll_forever(config, names: list[str]) -> None:
+    async with open_context(config) as ctx, trio.open_nursery() as nursery:
+        for src in config.sources:
+            if src.enabled and (not names or src.name in names):
+                nursery.start_soon(poll_source, ctx, src)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = start(args)
+    if config is None:
+        return 2
+    unknown = [n for n in args.source if n not in {s.name for s in config.sources}]
+    if unknown:
+        print(f"rsagg: {config.file}: no source named {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    if not args.once:
+        trio.run(_poll_forever, config, args.source)
+        return 0
+    results = trio.run(harvest_once, config, args.source)
+    failed = [r for r in results if not r.ok]
+    for r in sorted(results, key=lambda r: r.name):
+        applied: dict[str, int] = {}
+        for s in r.stats:
+            for k, v in s.applied.items():
+                applied[k] = applied.get(k, 0) + v
+        seen = sum(s.seen for s in r.stats)
+        fetched = sum(s.fetched for s in r.stats)
+        line = f"{r.name}: {'ok' if r.ok else 'FAILED'}: {r.sets} set(s), {seen} entries, {fetched} fetched"
+        line += ", " + (", ".join(f"{v} {k}" for k, v in sorted(applied.items())) or "no changes")
+        if r.baselines:
+            line += f", {r.baselines} baseline(s)"
+        if r.gaps:
+            line += f", {r.gaps} gap(s) recovered by baseline"
+        if r.error:
+            line += f" — {r.error}"
+        print(line)
+    if failed:
+        print(f"rsagg: failed sources: {', '.join(sorted(r.name for r in failed))}", file=sys.stderr)
+        return 1
+    return 0

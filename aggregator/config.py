@@ -1,0 +1,188 @@
+"""The TOML configuration: strict (unknown keys are errors), with messages naming file, key and problem."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}\Z")
+
+
+class ConfigError(Exception):
+    """A configuration problem; ``str()`` reads ``FILE: KEY: PROBLEM``."""
+
+    def __init__(self, file: str, key: str, problem: str) -> None:
+        super().__init__(f"{file}: {key}: {problem}")
+        self.file, self.key, self.problem = file, key, problem
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = "127.0.0.1:8080"
+    base_url: str = "http://127.0.0.1:8080"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    path: str = "./data"
+    #: SQLite synchronous mode: NORMAL survives a process crash; FULL also a power loss (slower).
+    synchronous: str = "NORMAL"
+
+
+@dataclass(frozen=True)
+class HarvestConfig:
+    """Defaults for every source; a source may override the ones marked per-source."""
+
+    interval: float = 300.0  # seconds between polls (per source)
+    jitter: float = 0.1  # +- fraction of the interval, so sources do not poll in lockstep
+    rediscover_interval: float = 3600.0  # seconds between discovery runs (new capability documents)
+    per_host: int = 8  # concurrent requests per upstream host
+    max_connections: int = 64
+    workers: int = 16  # concurrent resource fetches per set
+    timeout: float = 30.0
+    retries: int = 4
+    backoff_base: float = 0.5
+    backoff_max: float = 60.0
+    max_document_bytes: int = 256 * 1024 * 1024
+    max_resource_bytes: int = 16 * 1024**3
+    use_dumps: bool = True  # baseline from a Resource Dump when one is advertised
+    batch_size: int = 256  # changes committed per state transaction
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    name: str
+    url: str
+    interval: float | None = None
+    use_dumps: bool | None = None
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    file: str = "<defaults>"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    harvest: HarvestConfig = field(default_factory=HarvestConfig)
+    sources: tuple[SourceConfig, ...] = ()
+
+    @property
+    def store_path(self) -> Path:
+        """The store path, relative paths taken from the config file's folder."""
+        p = Path(self.store.path)
+        if not p.is_absolute() and self.file != "<defaults>":
+            p = Path(self.file).parent / p
+        return p
+
+    def source(self, name: str) -> SourceConfig:
+        for s in self.sources:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def interval(self, source: SourceConfig) -> float:
+        return source.interval if source.interval is not None else self.harvest.interval
+
+    def use_dumps(self, source: SourceConfig) -> bool:
+        return source.use_dumps if source.use_dumps is not None else self.harvest.use_dumps
+
+
+def _check_url(file: str, key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(file, key, f"must be a string URL, not {type(value).__name__}")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(file, key, f"not an http(s) URL: {value!r}")
+    return value
+
+
+def _section(file: str, prefix: str, cls: type, table: Any, required: tuple[str, ...] = ()) -> Any:
+    """Build a dataclass from a TOML table, rejecting unknown keys and wrong types."""
+    if not isinstance(table, dict):
+        raise ConfigError(file, prefix, "must be a table")
+    known = {f.name: f for f in fields(cls)}
+    for key in table:
+        if key not in known:
+            raise ConfigError(file, f"{prefix}.{key}", f"unknown key (known: {', '.join(sorted(known))})")
+    for key in required:
+        if key not in table:
+            raise ConfigError(file, f"{prefix}.{key}", "missing")
+    kwargs = {}
+    for key, value in table.items():
+        expected = known[key].type
+        ok = {
+            "str": isinstance(value, str),
+            "bool": isinstance(value, bool),
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+            "float | None": isinstance(value, (int, float)) and not isinstance(value, bool),
+            "bool | None": isinstance(value, bool),
+        }.get(expected, True)
+        if not ok:
+            raise ConfigError(file, f"{prefix}.{key}", f"must be {expected.split(' |')[0]}, not {value!r}")
+        if expected in ("int", "float", "float | None") and value < 0:
+            raise ConfigError(file, f"{prefix}.{key}", f"must not be negative, not {value!r}")
+        kwargs[key] = float(value) if expected.startswith("float") else value
+    return cls(**kwargs)
+
+
+def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
+    """Check and build a Config from parsed TOML."""
+    allowed = {"server", "store", "harvest", "sources"}
+    for key in data:
+        if key not in allowed:
+            raise ConfigError(file, key, f"unknown section (known: {', '.join(sorted(allowed))})")
+    server = _section(file, "server", ServerConfig, data.get("server", {}))
+    _check_url(file, "server.base_url", server.base_url)
+    host, sep, port = server.listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(file, "server.listen", f"must be HOST:PORT, not {server.listen!r}")
+    if server.base_url.endswith("/"):
+        server = ServerConfig(server.listen, server.base_url.rstrip("/"))
+    store = _section(file, "store", StoreConfig, data.get("store", {}))
+    if store.synchronous.upper() not in ("NORMAL", "FULL"):
+        raise ConfigError(file, "store.synchronous", f"must be NORMAL or FULL, not {store.synchronous!r}")
+    harvest = _section(file, "harvest", HarvestConfig, data.get("harvest", {}))
+    for key in ("per_host", "max_connections", "workers", "batch_size"):
+        if getattr(harvest, key) < 1:
+            raise ConfigError(file, f"harvest.{key}", "must be at least 1")
+    if not 0 <= harvest.jitter < 1:
+        raise ConfigError(file, "harvest.jitter", "must be in [0, 1)")
+    raw_sources = data.get("sources", [])
+    if not isinstance(raw_sources, list):
+        raise ConfigError(file, "sources", "must be an array of tables ([[sources]])")
+    sources: list[SourceConfig] = []
+    seen: set[str] = set()
+    for i, table in enumerate(raw_sources):
+        prefix = f"sources[{i}]"
+        src = _section(file, prefix, SourceConfig, table, required=("name", "url"))
+        if not NAME_RE.match(src.name):
+            raise ConfigError(
+                file, f"{prefix}.name", f"{src.name!r} is not a short URL-safe name ([a-z0-9_-], max 63)"
+            )
+        if src.name in seen:
+            raise ConfigError(file, f"{prefix}.name", f"duplicate source name {src.name!r}")
+        seen.add(src.name)
+        _check_url(file, f"{prefix}.url", src.url)
+        sources.append(src)
+    return Config(file=file, server=server, store=store, harvest=harvest, sources=tuple(sources))
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and check a config file; every problem is a ConfigError naming the file."""
+    file = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(file, "-", f"cannot read: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(file, "-", f"not UTF-8: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(file, "-", f"not valid TOML: {exc}") from None
+    return parse_config(data, file)

@@ -1,0 +1,80 @@
+"""What every harvest task shares: config, the one Fetcher, the blob store and the state database.
+
+SQLite is used through two connections: a reader used directly on the trio thread for quick indexed
+lookups (WAL lets it read while a write is in progress), and a writer used only from a worker thread, one
+call at a time, so that a long transaction never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import trio
+
+from ..config import Config
+from ..store.blobs import BlobStore, BlobWriter, FileBlobStore
+from ..store.state import State
+from .fetch import Fetcher
+from .patch import PatchApplier, builtin_patch_formats
+
+T = TypeVar("T")
+log = logging.getLogger("rsagg.harvest")
+
+
+@dataclass
+class HarvestContext:
+    config: Config
+    fetcher: Fetcher
+    blobs: BlobStore
+    reader: State
+    writer: State
+    patch_formats: dict[str, PatchApplier] = field(default_factory=builtin_patch_formats)
+    progress: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _write_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+
+    async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a state-writing call in a worker thread; one at a time (SQLite has one writer)."""
+        return await trio.to_thread.run_sync(
+            lambda: fn(*args, **kwargs), limiter=self._write_limiter, abandon_on_cancel=False
+        )
+
+    def progress_update(self, source: str, done: int, total: int) -> None:
+        """Live progress stays in memory (state is written once per sync, not per batch)."""
+        self.progress[source] = (done, total)
+
+    async def commit_blobs(self, writers: list[BlobWriter]) -> None:
+        """Make blobs durable before any state row names them (ARCHITECTURE invariant 2)."""
+        if writers:
+            await trio.to_thread.run_sync(self.blobs.commit, writers, abandon_on_cancel=False)
+
+
+@asynccontextmanager
+async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
+    """Open the store, the state database (reader + writer) and the one HTTP client for a run."""
+    hc = config.harvest
+    root = config.store_path
+    root.mkdir(parents=True, exist_ok=True)
+    blobs = FileBlobStore(root / "blobs")
+    writer = State(root / "state.db", synchronous=config.store.synchronous)
+    reader = State(root / "state.db", synchronous=config.store.synchronous)
+    fetcher = Fetcher(
+        per_host=hc.per_host,
+        max_connections=hc.max_connections,
+        timeout=hc.timeout,
+        retries=hc.retries,
+        backoff_base=hc.backoff_base,
+        backoff_max=hc.backoff_max,
+        max_document_bytes=hc.max_document_bytes,
+        max_resource_bytes=hc.max_resource_bytes,
+    )
+    try:
+        yield HarvestContext(config, fetcher, blobs, reader, writer)
+    finally:
+        with trio.CancelScope(shield=True):
+            await fetcher.aclose()
+        reader.close()
+        writer.close()

@@ -1,0 +1,847 @@
+"""Every HTTP GET rsagg makes goes through one ``Fetcher``: one ``httpx.AsyncClient`` for the process.
+
+Why one place: politeness (a per-host concurrency limit, retries with backoff that honour
+``Retry-After``), safety (size caps enforced while streaming, total deadlines on documents) and fixity
+(§7 ``hash``/``length`` checked on every resource, mirrors tried in order, §14.2) must hold for every
+fetch, not only for the ones that remembered to ask.
+
+Content codings and fixity (decision, §7): the ``hash`` and ``length`` attributes describe "a resource
+representation returned when the URI in <loc> is dereferenced"; ``length`` "should be equal to the value of
+the Content-Length header" and ``encoding`` "should be equal to the value of the content-encoding header".
+Content-Length counts the body *as sent*, after content coding (RFC 2616 §4.4, §14.13), so the announced
+hash and length are those of the encoded bytes. Resources are therefore fetched with
+``Accept-Encoding: identity`` (so that no server applies a coding the Source did not announce), streamed
+with ``aiter_raw`` (never decoded), verified and stored exactly as served, and the Content-Encoding
+is handed back (``FetchedResource.encoding``) so that republishing serves the same representation with
+the same hash. Capability documents, on the other hand, are only parsed: for them gzip/deflate codings
+(and a gzip file served as is, like ``sitemap.xml.gz``) are undone here, with bounded output per step,
+and ``DocumentStream.sha256`` is the hash of the decoded XML (stable for change detection even when a
+server re-compresses).
+
+Documents are downloaded as fast as the network allows into a spool file (memory, then a temp file),
+and parsed at the caller's pace. Why: callers iterate a Resource List while fetching every resource it
+names, which may take hours; holding the document's connection (and its per-host slot) open at that pace
+would both starve the per-host limit and let real servers time the connection out mid-document.
+"""
+
+from __future__ import annotations
+
+import collections
+import email.utils
+import logging
+import random
+import tempfile
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any, BinaryIO, TypeVar
+
+import httpx
+import trio
+
+from .. import __version__
+from ..rs import parse
+from ..rs.fixity import Hasher, mismatches
+from ..rs.model import Entry, Head
+from ..store.blobs import BlobInfo, BlobStore, BlobWriter
+
+log = logging.getLogger("rsagg.fetch")
+
+T = TypeVar("T")
+
+MAX_REDIRECTS = 10
+#: Statuses worth another try: the server is busy or a gateway failed (RFC 9110 §15.5.9, §15.6, RFC 6585).
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+#: Bytes read from the spool (and handed to the parser) per step; also the bound on decoded output per step.
+CHUNK = 64 * 1024
+#: Document bodies up to this size stay in memory while spooled; bigger ones go to a temp file.
+SPOOL_MEMORY = 1024 * 1024
+DOCUMENT_ACCEPT = "application/xml, text/xml;q=0.9, */*;q=0.1"
+
+MetricsHook = Callable[[str, int | None, float, int], None]
+
+
+class FetchError(Exception):
+    """A fetch that failed for good (after retries); ``str()`` names the URL and the problem.
+
+    ``kind`` is one of "http", "timeout", "network", "fixity", "size", "parse", "patch".
+    ``transient`` says another try may succeed (used by the retry loop); ``retry_after`` is the
+    server's ``Retry-After`` in seconds, if it sent one.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        kind: str,
+        message: str,
+        *,
+        status: int | None = None,
+        line: int | None = None,
+        transient: bool = False,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(url, kind, message)
+        self.url = url
+        self.kind = kind
+        self.message = message
+        self.status = status
+        self.line = line
+        self.transient = transient
+        self.retry_after = retry_after
+
+    def __str__(self) -> str:
+        # The parser's messages already start with the URL ("url:line: reason").
+        return self.message if self.message.startswith(self.url) else f"{self.url}: {self.message}"
+
+
+@dataclass
+class Expected:
+    """What the upstream announced for a resource (§7 ``rs:md``): checked on every fetch."""
+
+    hashes: dict[str, str]  # fixity.parse_hash(...) tokens
+    length: int | None = None
+
+    def problems(self, info: BlobInfo) -> list[str]:
+        """What differs between the announcement and what arrived (empty when it matches)."""
+        out = []
+        if self.length is not None and info.length != self.length:
+            out.append(f"length: expected {self.length}, got {info.length}")
+        for algo in mismatches(self.hashes, info.hashes):
+            out.append(f"{algo}: expected {self.hashes[algo]}, got {info.hashes[algo]}")
+        return out
+
+
+@dataclass
+class DocumentStream:
+    """A capability document being read: the head is there, entries arrive as the body is parsed."""
+
+    url: str  # final URL after redirects
+    not_modified: bool  # 304: head/entries unavailable
+    etag: str | None
+    last_modified: str | None
+    content_type: str | None
+    link_header: str | None
+    head: Head | None
+    entries: AsyncIterator[Entry]
+    sha256: str | None = None  # of the decoded body, set once entries are exhausted
+
+
+@dataclass
+class FetchedResource:
+    """A verified resource in a finished, *uncommitted* blob (the caller commits in batches)."""
+
+    url: str  # which URL served it
+    blob: BlobWriter
+    info: BlobInfo
+    content_type: str | None
+    encoding: str | None  # Content-Encoding as served (the bytes are stored encoded, see module doc)
+
+
+@dataclass
+class FetchedBytes:
+    """A small body, decoded (robots.txt, HTML pages, metadata records)."""
+
+    url: str  # final URL after redirects
+    status: int
+    content: bytes
+    content_type: str | None
+    headers: httpx.Headers = field(repr=False)
+
+    @property
+    def link_header(self) -> str | None:
+        return self.headers.get("link")
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def retry_after_seconds(value: str | None, now: datetime | None = None) -> float | None:
+    """``Retry-After`` as seconds from now: delta-seconds or an HTTP-date (RFC 9110 §10.2.3)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+
+
+def _transport_error(url: str, exc: Exception) -> FetchError:
+    """Map an httpx failure to a FetchError; only what may heal by itself is transient."""
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        return FetchError(url, "timeout", f"timed out ({type(exc).__name__}): {detail}", transient=True)
+    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL | httpx.LocalProtocolError):
+        return FetchError(url, "network", detail)
+    return FetchError(url, "network", f"{type(exc).__name__}: {detail}", transient=True)
+
+
+def _check_url(url: str) -> None:
+    scheme = url.partition(":")[0].lower()
+    if scheme not in ("http", "https"):
+        # e.g. a gsiftp:// mirror (§14.2 Example 24): not for us, never worth a retry.
+        raise FetchError(url, "network", f"unsupported URL scheme {scheme!r}")
+
+
+class _Inflate:
+    """One gzip/deflate layer with bounded output per step (a small bomb cannot balloon in memory)."""
+
+    def __init__(self, coding: str) -> None:
+        self.coding = coding
+        self._wbits: int | None = 31 if coding in ("gzip", "x-gzip") else None
+        self._z: Any = None if self._wbits is None else zlib.decompressobj(self._wbits)
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        if self._z is None:  # deflate: zlib-wrapped as the RFC says, or raw as some servers send it
+            self._wbits = 15 if data and data[0] & 0x0F == 8 else -15
+            self._z = zlib.decompressobj(self._wbits)
+        while data:
+            out = self._z.decompress(data, CHUNK)
+            if out:
+                yield out
+            if self._z.eof:
+                data = self._z.unused_data
+                if data:  # concatenated gzip members are one stream (RFC 1952 §2.2)
+                    self._z = zlib.decompressobj(self._wbits)
+            else:
+                data = self._z.unconsumed_tail
+
+    def finish(self) -> Iterator[bytes]:
+        if self._z is None:
+            return
+        out = self._z.flush()
+        if out:
+            yield out
+        if not self._z.eof:
+            raise zlib.error(f"{self.coding} stream truncated")
+
+
+class _Sniff:
+    """Undoes gzip when the body itself is a gzip file (``sitemap.xml.gz`` served without a coding)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._inner: _Inflate | None = None
+        self._decided = False
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        if not self._decided:
+            self._buf += data
+            if len(self._buf) < 2:
+                return
+            data, self._buf, self._decided = self._buf, b"", True
+            if data[:2] == b"\x1f\x8b":
+                self._inner = _Inflate("gzip")
+        yield from (self._inner.feed(data) if self._inner else (data,))
+
+    def finish(self) -> Iterator[bytes]:
+        if not self._decided and self._buf:
+            yield self._buf
+        if self._inner is not None:
+            yield from self._inner.finish()
+
+
+class _Decoder:
+    """Undo the content codings of a body, last applied first; bounded output pieces."""
+
+    def __init__(self, url: str, content_encoding: str | None, *, sniff_gzip: bool = False) -> None:
+        self.url = url
+        codings = [c.strip().lower() for c in (content_encoding or "").split(",")]
+        codings = [c for c in codings if c and c != "identity"]
+        for c in codings:
+            if c not in ("gzip", "x-gzip", "deflate"):
+                raise FetchError(url, "http", f"unsupported Content-Encoding {c!r}")
+        self._layers: list[_Inflate | _Sniff] = [_Inflate(c) for c in reversed(codings)]
+        if sniff_gzip:
+            self._layers.append(_Sniff())
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        try:
+            yield from self._run(0, data)
+        except zlib.error as exc:
+            raise FetchError(self.url, "parse", f"bad content coding: {exc}") from exc
+
+    def finish(self) -> Iterator[bytes]:
+        try:
+            for i, layer in enumerate(self._layers):
+                for out in layer.finish():
+                    yield from self._run(i + 1, out)
+        except zlib.error as exc:
+            raise FetchError(self.url, "parse", f"bad content coding: {exc}") from exc
+
+    def _run(self, i: int, data: bytes) -> Iterator[bytes]:
+        if i == len(self._layers):
+            if data:
+                yield data
+            return
+        for out in self._layers[i].feed(data):
+            yield from self._run(i + 1, out)
+
+
+class _Body:
+    """An open response; ``chunks()`` streams the raw body and turns httpx failures into FetchErrors."""
+
+    def __init__(self, url: str, response: httpx.Response) -> None:
+        self.url = url
+        self.response = response
+        self.received = 0
+
+    @property
+    def final_url(self) -> str:
+        return str(self.response.url)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        if self.response.is_stream_consumed:  # read up front by the transport (httpx.MockTransport)
+            self.received += len(self.response.content)
+            yield self.response.content
+            return
+        try:
+            async for chunk in self.response.aiter_raw():
+                self.received += len(chunk)
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise _transport_error(self.final_url, exc) from exc
+
+
+class _Spool:
+    """A document body written by the download task and read by the parser, each at its own pace."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY)  # closed by close()
+        self.written = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self.sha256: str | None = None
+        self.scope = trio.CancelScope()  # entered by the download task; cancelled by close()
+        self.closed = False
+        self._more = trio.Event()
+
+    def append(self, data: bytes) -> None:
+        if self.closed:  # a download finishing its last step after being cancelled
+            return
+        self.file.seek(0, 2)
+        self.file.write(data)
+        self.written += len(data)
+        self._wake()
+
+    def finish(self, sha256: str | None = None, error: BaseException | None = None) -> None:
+        if not self.done:
+            self.done, self.sha256, self.error = True, sha256, error
+            self._wake()
+
+    def _wake(self) -> None:
+        self._more.set()
+        self._more = trio.Event()
+
+    async def read(self, pos: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``pos``; b"" at the clean end; the download's error at a broken end."""
+        if self.written <= pos and not self.done:
+            while self.written <= pos and not self.done:
+                await self._more.wait()
+        else:
+            await trio.lowlevel.checkpoint()  # the caller's loop must yield even when data is ready
+        if self.written > pos:
+            self.file.seek(pos)
+            return self.file.read(min(n, self.written - pos))
+        if self.error is not None:
+            raise self.error
+        return b""
+
+    def close(self) -> None:
+        self.scope.cancel()
+        self.closed = True
+        self.file.close()
+
+
+class _Entries:
+    """The entries of a document, parsed from the spool as the caller asks for them."""
+
+    def __init__(self, spool: _Spool, reader: parse.DocumentReader, url: str) -> None:
+        self._spool = spool
+        self._reader = reader
+        self._url = url
+        self._pos = 0
+        self._items: collections.deque[Head | Entry] = collections.deque()
+        self._end = False
+        self._error: FetchError | None = None
+        self.on_end: Callable[[str | None], None] = lambda sha256: None
+
+    def __aiter__(self) -> _Entries:
+        return self
+
+    async def __anext__(self) -> Entry:
+        item = await self._next()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, Head):  # the parser promises one Head, first; anything else is a bug there
+            raise FetchError(self._url, "parse", "a second document head")
+        return item
+
+    async def head(self) -> Head:
+        item = await self._next()
+        if not isinstance(item, Head):
+            raise FetchError(self._url, "parse", "the document has no head")
+        return item
+
+    async def _next(self) -> Head | Entry | None:
+        while not self._items:
+            if self._error is not None:
+                raise self._error
+            if self._end:
+                return None
+            data = await self._spool.read(self._pos, CHUNK)
+            try:
+                if data:
+                    self._pos += len(data)
+                    self._items.extend(self._reader.feed(data))
+                else:
+                    self._items.extend(self._reader.close())
+                    self._end = True
+                    self.on_end(self._spool.sha256)
+            except parse.DocumentError as exc:
+                # The parser's message names the URL and the line (contract of parse.py).
+                self._error = FetchError(self._url, "parse", str(exc), line=getattr(exc, "line", None))
+                raise self._error from exc
+        return self._items.popleft()
+
+
+class _NoEntries:
+    def __aiter__(self) -> _NoEntries:
+        return self
+
+    async def __anext__(self) -> Entry:
+        raise StopAsyncIteration
+
+
+@dataclass
+class _DocMeta:
+    url: str
+    status: int
+    headers: httpx.Headers
+
+
+class _Started:
+    """The download task's first word: the response headers, or why there will be none."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.meta: _DocMeta | None = None
+        self.error: BaseException | None = None
+
+    def set(self, *, meta: _DocMeta | None = None, error: BaseException | None = None) -> None:
+        self.meta, self.error = meta, error
+        self.event.set()
+
+
+# -- the fetcher ---------------------------------------------------------------------------------
+
+
+class Fetcher:
+    """The one HTTP client of the process (see the module docstring for why)."""
+
+    def __init__(
+        self,
+        *,
+        per_host: int = 8,
+        max_connections: int = 64,
+        timeout: float = 30.0,
+        retries: int = 4,
+        backoff_base: float = 0.5,
+        backoff_max: float = 60.0,
+        max_document_bytes: int = parse.DEFAULT_MAX_BYTES,
+        max_resource_bytes: int = 2**34,
+        user_agent: str = f"rsagg/{__version__}",
+        transport: httpx.AsyncBaseTransport | None = None,
+        metrics_hook: MetricsHook | None = None,
+        document_deadline: float = 900.0,
+    ) -> None:
+        self.per_host = per_host
+        self.retries = retries
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.max_document_bytes = max_document_bytes
+        self.max_resource_bytes = max_resource_bytes
+        #: Total time for downloading one document (or one ``get_bytes`` body), retries excluded:
+        #: a server dripping a byte just often enough to beat the read timeout cannot hold us forever.
+        self.document_deadline = document_deadline
+        self.metrics_hook = metrics_hook
+        self._limiters: dict[str, trio.CapacityLimiter] = {}
+        # pool=None: waiting for a free connection is not a failure; our own limiters bound the waits.
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, pool=None),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            headers={"User-Agent": user_agent},
+            transport=transport,
+            follow_redirects=False,  # followed by hand: each hop takes its own host's slot
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def __aenter__(self) -> Fetcher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _limiter(self, host: str) -> trio.CapacityLimiter:
+        lim = self._limiters.get(host)
+        if lim is None:
+            lim = self._limiters[host] = trio.CapacityLimiter(self.per_host)
+        return lim
+
+    def _report(self, host: str, status: int | None, start: float, nbytes: int) -> None:
+        if self.metrics_hook is None:
+            return
+        try:
+            self.metrics_hook(host, status, trio.current_time() - start, nbytes)
+        except Exception:  # a broken metrics hook must not break harvesting
+            log.exception("metrics hook failed")
+
+    async def _sleep(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        """Exponential backoff with full jitter; the server's Retry-After wins, both capped."""
+        if retry_after is not None:
+            return min(self.backoff_max, retry_after)
+        return random.uniform(0, min(self.backoff_max, self.backoff_base * 2**attempt))
+
+    async def _with_retries(self, url: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        for n in range(self.retries + 1):
+            try:
+                return await attempt()
+            except FetchError as exc:
+                if not exc.transient or n == self.retries:
+                    raise
+                delay = self._backoff(n, exc.retry_after)
+                log.info("retry %d/%d of %s in %.2fs: %s", n + 1, self.retries, url, delay, exc)
+                await self._sleep(delay)
+        raise AssertionError("unreachable")
+
+    @asynccontextmanager
+    async def _get(self, url: str, headers: dict[str, str]) -> AsyncIterator[_Body]:
+        """One GET, redirects followed (max 10), the per-host slot held while the response is open."""
+        _check_url(url)
+        try:
+            request = self._client.build_request("GET", url, headers=headers)
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            raise _transport_error(url, exc) from exc
+        for _hop in range(MAX_REDIRECTS + 1):
+            host = request.url.host
+            async with self._limiter(host):
+                start = trio.current_time()
+                try:
+                    response = await self._client.send(request, stream=True, follow_redirects=False)
+                except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                    self._report(host, None, start, 0)
+                    raise _transport_error(str(request.url), exc) from exc
+                body = _Body(url, response)
+                try:
+                    if response.is_redirect and response.next_request is not None:
+                        request = response.next_request
+                        continue
+                    yield body
+                    return
+                finally:
+                    await response.aclose()
+                    self._report(host, response.status_code, start, body.received)
+        raise FetchError(url, "http", f"more than {MAX_REDIRECTS} redirects")
+
+    @staticmethod
+    def _check_status(body: _Body, *, allow: tuple[int, ...] = ()) -> None:
+        status = body.response.status_code
+        if 200 <= status < 300 or status in allow:
+            return
+        reason = body.response.reason_phrase or ""
+        raise FetchError(
+            body.final_url,
+            "http",
+            f"HTTP {status} {reason}".rstrip(),
+            status=status,
+            transient=status in RETRY_STATUSES,
+            retry_after=retry_after_seconds(body.response.headers.get("retry-after")),
+        )
+
+    # -- documents --------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def document(
+        self,
+        url: str,
+        *,
+        etag: str | None = None,
+        last_modified: str | None = None,
+        max_bytes: int | None = None,
+    ) -> AsyncIterator[DocumentStream]:
+        """Fetch a capability document (conditional GET); the head is parsed before this yields.
+
+        ``entries`` then streams the rest. Failures up to the head are retried; a body that breaks
+        later surfaces from ``entries`` as a FetchError (the caller retries the document later).
+        """
+        cap = self.max_document_bytes if max_bytes is None else max_bytes
+        headers = {"Accept": DOCUMENT_ACCEPT, "Accept-Encoding": "gzip, deflate"}
+        if etag:
+            headers["If-None-Match"] = etag
+        if last_modified:
+            headers["If-Modified-Since"] = last_modified
+        spools: list[_Spool] = []
+        try:
+            stream = await self._with_retries(url, partial(self._start_document, url, headers, cap, spools))
+            yield stream
+        finally:
+            for spool in spools:  # the caller is done: stop a download it no longer wants
+                spool.close()
+
+    async def _start_document(
+        self, url: str, headers: dict[str, str], cap: int, spools: list[_Spool]
+    ) -> DocumentStream:
+        spool = _Spool()
+        spools.append(spool)
+        started = _Started()
+        # A system task, not a nursery: callers iterate documents inside async generators (harvest/lists.py),
+        # and a nursery's cancel scope must never stay open across a generator's ``yield``. The task
+        # never raises; it is stopped through ``spool.scope`` and ends with the run at the latest.
+        trio.lowlevel.spawn_system_task(
+            self._download_document, url, headers, cap, spool, started, name=f"rsagg.fetch {url}"
+        )
+        try:
+            await started.event.wait()
+        finally:
+            if started.error is not None or not started.event.is_set():
+                spool.close()
+        if started.error is not None:
+            raise started.error
+        meta = started.meta
+        assert meta is not None
+        h = meta.headers
+        common: dict[str, Any] = {
+            "url": meta.url,
+            "content_type": h.get("content-type"),
+            "link_header": h.get("link"),
+            "last_modified": h.get("last-modified"),
+        }
+        if meta.status == 304:
+            common["last_modified"] = common["last_modified"] or headers.get("If-Modified-Since")
+            etag = h.get("etag") or headers.get("If-None-Match")
+            return DocumentStream(not_modified=True, etag=etag, head=None, entries=_NoEntries(), **common)
+        entries = _Entries(spool, parse.DocumentReader(meta.url, max_bytes=cap), meta.url)
+        try:
+            head = await entries.head()
+        except BaseException:
+            spool.close()  # stop this attempt's download; a transient failure is retried afresh
+            raise
+        stream = DocumentStream(not_modified=False, etag=h.get("etag"), head=head, entries=entries, **common)
+
+        def _ended(sha256: str | None) -> None:
+            stream.sha256 = sha256
+
+        entries.on_end = _ended
+        return stream
+
+    async def _download_document(
+        self, url: str, headers: dict[str, str], cap: int, spool: _Spool, started: _Started
+    ) -> None:
+        """Download into the spool. Errors before the headers go to ``started``, later ones to the spool.
+
+        Runs as a system task: it must not raise anything but Cancelled.
+        """
+        with spool.scope:
+            try:
+                with trio.move_on_after(self.document_deadline) as deadline:
+                    async with self._get(url, headers) as body:
+                        self._check_status(body, allow=(304,))
+                        resp = body.response
+                        decoder = _Decoder(
+                            body.final_url, resp.headers.get("content-encoding"), sniff_gzip=True
+                        )
+                        started.set(meta=_DocMeta(body.final_url, resp.status_code, resp.headers))
+                        if resp.status_code == 304:
+                            spool.finish()
+                            return
+                        hasher = Hasher()
+
+                        def put(piece: bytes) -> None:
+                            hasher.update(piece)
+                            if hasher.length > cap:
+                                raise FetchError(body.final_url, "size", f"document larger than {cap} bytes")
+                            spool.append(piece)
+
+                        async for raw in body.chunks():
+                            for piece in decoder.feed(raw):
+                                put(piece)
+                        for piece in decoder.finish():
+                            put(piece)
+                        spool.finish(sha256=hasher.sha256)
+                if deadline.cancelled_caught:
+                    raise FetchError(
+                        url, "timeout", f"document not read within {self.document_deadline}s", transient=True
+                    )
+            except Exception as exc:
+                if not isinstance(exc, FetchError):
+                    log.exception("downloading %s failed", url)
+                if started.event.is_set():
+                    spool.finish(error=exc)
+                else:
+                    started.set(error=exc)
+            finally:
+                # Cancelled (the caller left, or the run ends): nobody may be left waiting.
+                if not started.event.is_set():
+                    started.set(error=FetchError(url, "network", "download cancelled"))
+                if not spool.done:
+                    spool.finish(error=FetchError(url, "network", "download cancelled"))
+
+    # -- small bodies, resources, packages ------------------------------------------------------
+
+    async def get_bytes(self, url: str, *, max_bytes: int) -> FetchedBytes:
+        """A small body, decoded and held in memory (robots.txt, HTML, metadata records)."""
+
+        async def attempt() -> FetchedBytes:
+            with trio.move_on_after(self.document_deadline):
+                headers = {"Accept-Encoding": "gzip, deflate"}
+                async with self._get(url, headers) as body:
+                    self._check_status(body)
+                    resp = body.response
+                    decoder = _Decoder(body.final_url, resp.headers.get("content-encoding"))
+                    parts: list[bytes] = []
+                    size = 0
+
+                    def put(piece: bytes) -> None:
+                        nonlocal size
+                        size += len(piece)
+                        if size > max_bytes:
+                            raise FetchError(body.final_url, "size", f"body larger than {max_bytes} bytes")
+                        parts.append(piece)
+
+                    async for raw in body.chunks():
+                        for piece in decoder.feed(raw):
+                            put(piece)
+                    for piece in decoder.finish():
+                        put(piece)
+                    ctype = resp.headers.get("content-type")
+                    return FetchedBytes(
+                        body.final_url, resp.status_code, b"".join(parts), ctype, resp.headers
+                    )
+            raise FetchError(url, "timeout", f"not read within {self.document_deadline}s", transient=True)
+
+        return await self._with_retries(url, attempt)
+
+    async def _raw(
+        self, url: str, max_bytes: int, expected: Expected | None, sink: Callable[[bytes], None]
+    ) -> _Body:
+        """Stream a body as served (no decoding) into ``sink``, enforcing size caps on the way."""
+        headers = {"Accept-Encoding": "identity"}
+        limit = expected.length if expected is not None else None
+        async with self._get(url, headers) as body:
+            self._check_status(body)
+            final = body.final_url
+            declared = body.response.headers.get("content-length")
+            if declared and declared.isdigit() and int(declared) > max_bytes:
+                raise FetchError(
+                    final, "size", f"Content-Length {declared} exceeds the cap of {max_bytes} bytes"
+                )
+            n = 0
+            async for chunk in body.chunks():
+                n += len(chunk)
+                if limit is not None and n > limit:
+                    raise FetchError(
+                        final, "fixity", f"length: expected {limit}, got more than {limit} bytes"
+                    )
+                if n > max_bytes:
+                    raise FetchError(final, "size", f"larger than the cap of {max_bytes} bytes")
+                sink(chunk)
+            return body
+
+    async def _resource_once(self, url: str, expected: Expected, store: BlobStore) -> FetchedResource:
+        writer = store.begin(frozenset(expected.hashes))
+        try:
+            body = await self._raw(url, self.max_resource_bytes, expected, writer.write)
+            info = writer.finish()
+            problems = expected.problems(info)
+            if problems:
+                raise FetchError(body.final_url, "fixity", "; ".join(problems))
+        except BaseException:
+            writer.abort()
+            raise
+        headers = body.response.headers
+        return FetchedResource(
+            body.final_url, writer, info, headers.get("content-type"), headers.get("content-encoding")
+        )
+
+    async def resource(self, urls: Sequence[str], expected: Expected, store: BlobStore) -> FetchedResource:
+        """Fetch and verify one resource, trying each URL in order (mirrors by ``pri``, then loc, §14.2).
+
+        A fixity mismatch is tried once more at the same URL (a write may have been in progress), then
+        the next URL is tried. The blob is finished but not committed.
+        """
+        if not urls:
+            raise ValueError("resource() needs at least one URL")
+        failures: list[FetchError] = []
+        for url in urls:
+            for fixity_try in range(2):
+                try:
+                    return await self._with_retries(url, partial(self._resource_once, url, expected, store))
+                except FetchError as exc:
+                    failures.append(exc)
+                    if exc.kind == "fixity" and fixity_try == 0:
+                        log.info("fixity mismatch at %s, trying once more: %s", url, exc)
+                        continue
+                    log.info("giving up on %s: %s", url, exc)
+                    break
+        fixity = [f for f in failures if f.kind == "fixity"]
+        last = fixity[-1] if fixity else failures[-1]
+        if len(urls) == 1 and len(failures) == 1:
+            raise last
+        summary = "; ".join(str(f) for f in failures)
+        raise FetchError(
+            last.url, last.kind, f"no location served a good copy: {summary}", status=last.status
+        ) from last
+
+    async def download(
+        self, url: str, dest: BinaryIO, *, max_bytes: int, expected: Expected | None = None
+    ) -> BlobInfo:
+        """Stream a body as served into ``dest`` (a dump package), verifying ``expected`` if given.
+
+        ``dest`` is truncated and rewritten on a retry, so it must be seekable.
+        """
+        algos = frozenset(expected.hashes) if expected else frozenset()
+        start = dest.tell()
+
+        async def attempt() -> BlobInfo:
+            dest.seek(start)
+            dest.truncate()
+            hasher = Hasher(algos)
+
+            def sink(chunk: bytes) -> None:
+                hasher.update(chunk)
+                dest.write(chunk)
+
+            body = await self._raw(url, max_bytes, expected, sink)
+            info = BlobInfo(hasher.sha256, hasher.length, hasher.hexdigests())
+            problems = expected.problems(info) if expected else []
+            if problems:
+                raise FetchError(body.final_url, "fixity", "; ".join(problems))
+            return info
+
+        return await self._with_retries(url, attempt)
+
+
+__all__ = [
+    "DocumentStream",
+    "Expected",
+    "FetchError",
+    "FetchedBytes",
+    "FetchedResource",
+    "Fetcher",
+    "retry_after_seconds",
+]

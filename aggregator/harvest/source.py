@@ -1,0 +1,116 @@
+"""One upstream Source: discover its sets, then baseline or incremental sync for each (§5.2)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from ..config import SourceConfig
+from ..rs.model import CHANGELIST
+from ..rs.w3cdt import format_w3c, utcnow
+from .baseline import run_baseline
+from .context import HarvestContext
+from .discovery import discover
+from .incremental import run_incremental
+from .lists import GapError
+from .pipeline import Failure, PipelineStats
+
+log = logging.getLogger("rsagg.harvest")
+
+
+@dataclass
+class SourceResult:
+    name: str
+    ok: bool = True
+    error: str | None = None
+    sets: int = 0
+    baselines: int = 0
+    gaps: int = 0
+    stats: list[PipelineStats] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[Failure]:
+        return [f for s in self.stats for f in s.failures]
+
+
+class _Progress:
+    """Counts resources done for status displays; persisted at most once a second."""
+
+    def __init__(self, ctx: HarvestContext, name: str) -> None:
+        self.ctx, self.name = ctx, name
+        self.done = 0
+        self.total = 0
+        self._saved = 0.0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self._saved >= 1.0:
+            self._saved = now
+            self.ctx.progress_update(self.name, self.done, self.total)
+
+    def set_total(self, n: int) -> None:
+        self.total = n
+
+
+async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
+    """Bring one source up to date; never raises for upstream problems (they are the result)."""
+    result = SourceResult(src.name)
+    await ctx.write(ctx.writer.upsert_source, src.name, src.url)
+    await ctx.write(
+        ctx.writer.set_source_status, src.name, state="syncing", last_attempt=format_w3c(utcnow())
+    )
+    progress = _Progress(ctx, src.name)
+    try:
+        sets = await discover(ctx.fetcher, src.url)
+        result.sets = len(sets)
+        for info in sets:
+            set_id = await ctx.write(ctx.writer.ensure_set, src.name, info.capabilitylist_url)
+            cursor = ctx.reader.cursor(set_id)
+            baseline = cursor is None or CHANGELIST not in info.capabilities
+            if not baseline:
+                assert cursor is not None
+                try:
+                    result.stats.append(await run_incremental(ctx, info, set_id, src.name, cursor))
+                except GapError as exc:
+                    log.warning(
+                        "source=%s gap in the change stream, recovering with a baseline: %s", src.name, exc
+                    )
+                    result.gaps += 1
+                    baseline = True
+            if baseline:
+                result.baselines += 1
+                stats = await run_baseline(
+                    ctx, info, set_id, src.name, use_dumps=ctx.config.use_dumps(src),
+                    progress=progress.add, total=progress.set_total,
+                )  # fmt: skip
+                result.stats.append(stats)
+    except trio.Cancelled:
+        raise
+    except Exception as exc:  # an upstream problem must never take the daemon down
+        result.ok = False
+        result.error = f"{type(exc).__name__}: {exc}"
+        log.error("source=%s url=%s sync failed: %s", src.name, src.url, result.error)
+    if result.ok and result.failures:
+        result.ok = False
+        first = result.failures[0]
+        result.error = f"{len(result.failures)} resource(s) failed, e.g. {first.uri}: {first.message}"
+    fields_ = {"state": "ok" if result.ok else "error", "last_error": result.error,
+               "progress_done": progress.done, "progress_total": progress.total}  # fmt: skip
+    if result.ok:
+        fields_["last_success"] = format_w3c(utcnow())
+    await ctx.write(ctx.writer.set_source_status, src.name, **fields_)
+    return result
+
+
+async def poll_source(ctx: HarvestContext, src: SourceConfig) -> None:
+    """The daemon's per-source task: sync, sleep the interval with jitter, forever (until cancelled)."""
+    interval = ctx.config.interval(src)
+    jitter = ctx.config.harvest.jitter
+    while True:
+        await sync_source(ctx, src)
+        await trio.sleep(max(0.0, interval * (1 + random.uniform(-jitter, jitter))))

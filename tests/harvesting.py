@@ -1,0 +1,50 @@
+"""Helpers for harvest tests: a config pointing at an upstream, a one-shot harvest, an audit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from aggregator.commands.harvest import harvest_once
+from aggregator.config import Config, parse_config
+from aggregator.harvest.audit import Difference, audit_source
+from aggregator.harvest.context import open_context
+from aggregator.harvest.source import SourceResult
+from aggregator.store.state import State
+
+
+def make_config(store: Path, sources: dict[str, str], **harvest: Any) -> Config:
+    """A config with fast retries (tests must not sleep through real backoff)."""
+    settings = {"retries": 2, "backoff_base": 0.01, "backoff_max": 0.05, "timeout": 10, **harvest}
+    return parse_config(
+        {
+            "store": {"path": str(store)},
+            "harvest": settings,
+            "sources": [{"name": n, "url": u} for n, u in sources.items()],
+        },
+        str(store.parent / "test.toml"),
+    )
+
+
+async def harvest(config: Config) -> dict[str, SourceResult]:
+    return {r.name: r for r in await harvest_once(config, [])}
+
+
+async def audit(config: Config) -> list[Difference]:
+    out: list[Difference] = []
+    async with open_context(config) as ctx:
+        for src in config.sources:
+            out.extend([d async for d in audit_source(ctx, src)])
+    return out
+
+
+def changelog(config: Config) -> list[tuple[str, str, str | None]]:
+    """(uri, change, sha256) of every record rsagg logged, in order."""
+    with State(config.store_path / "state.db") as state:
+        return [(r.uri, r.change, r.sha256) for r in state.iter_changelog()]
+
+
+def held(config: Config) -> dict[str, str]:
+    """uri -> sha256 of every live resource in the store."""
+    with State(config.store_path / "state.db") as state:
+        return {r.uri: r.sha256 for r in state.iter_resources()}
