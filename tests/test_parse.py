@@ -26,7 +26,7 @@ from aggregator.rs.parse import (
 )
 from aggregator.rs.w3cdt import DatetimeError, parse_w3c
 
-EXAMPLES_DIR = Path("/work/shared/spec/examples")
+EXAMPLES_DIR = Path(__file__).parent / "data" / "spec-examples"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.xml"))
 ROOT_OPEN = f'<urlset xmlns="{SITEMAP_NS}" xmlns:rs="{RS_NS}">'
 INDEX_OPEN = f'<sitemapindex xmlns="{SITEMAP_NS}" xmlns:rs="{RS_NS}">'

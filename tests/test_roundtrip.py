@@ -16,7 +16,7 @@ from aggregator.rs.model import Entry, Head, Link, Md
 from aggregator.rs.parse import DocumentReader, iter_document, parse_bytes
 from aggregator.rs.write import iter_document_bytes, write_document, write_split
 
-EXAMPLES = sorted(Path("/work/shared/spec/examples").glob("*.xml"))
+EXAMPLES = sorted((Path(__file__).parent / "data" / "spec-examples").glob("*.xml"))
 
 
 def read(source) -> tuple[Head, list[Entry]]:

@@ -18,7 +18,7 @@ from aggregator.cli import main
 from aggregator.rs.model import Entry, Head, Link, Md
 from aggregator.rs.validate import ERROR, WARNING, Issue, check_source, validate_source, validate_stream
 
-EXAMPLES = Path("/work/shared/spec/examples")
+EXAMPLES = Path(__file__).parent / "data" / "spec-examples"
 SM = "http://www.sitemaps.org/schemas/sitemap/0.9"
 RS = "http://www.openarchives.org/rs/terms/"
 UP = '<rs:ln rel="up" href="http://example.com/capabilitylist.xml"/>'

@@ -444,6 +444,13 @@ class _Started:
 # -- the fetcher ---------------------------------------------------------------------------------
 
 
+def _problem_logger(url: str) -> Callable[[int | None, str], None]:
+    def problem(line: int | None, message: str) -> None:
+        log.warning("url=%s line %s: %s (value ignored)", url, line, message)
+
+    return problem
+
+
 class Fetcher:
     """The one HTTP client of the process (see the module docstring for why)."""
 
@@ -635,7 +642,10 @@ class Fetcher:
             common["last_modified"] = common["last_modified"] or headers.get("If-Modified-Since")
             etag = h.get("etag") or headers.get("If-None-Match")
             return DocumentStream(not_modified=True, etag=etag, head=None, entries=_NoEntries(), **common)
-        entries = _Entries(spool, parse.DocumentReader(meta.url, max_bytes=cap), meta.url)
+        # Lenient on values (an unknown attribute or one bad date must not cost the whole document):
+        # each problem is logged with its line; structural problems still raise DocumentError.
+        reader = parse.DocumentReader(meta.url, max_bytes=cap, on_problem=_problem_logger(meta.url))
+        entries = _Entries(spool, reader, meta.url)
         try:
             head = await entries.head()
         except BaseException:
@@ -763,7 +773,8 @@ class Fetcher:
             return body
 
     async def _resource_once(self, url: str, expected: Expected, store: BlobStore) -> FetchedResource:
-        writer = store.begin(frozenset(expected.hashes))
+        # md5 always: republished lists carry it for destinations that check md5 (resync's --hash md5).
+        writer = store.begin(frozenset(expected.hashes) | {"md5"})
         try:
             body = await self._raw(url, self.max_resource_bytes, expected, writer.write)
             info = writer.finish()
