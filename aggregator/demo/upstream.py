@@ -49,10 +49,8 @@ from urllib.parse import quote
 from xml.sax.saxutils import escape
 
 import anyio
-import hypercorn.trio
 import jsonpatch
 import trio
-from hypercorn.config import Config
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -66,6 +64,7 @@ from aggregator.rs.fixity import format_hash
 from aggregator.rs.model import Entry, Head, Link, Md
 from aggregator.rs.w3cdt import format_w3c, utcnow
 from aggregator.rs.write import iter_document_bytes
+from aggregator.serving import serve
 
 __all__ = [
     "META_SUFFIX",
@@ -981,32 +980,6 @@ class Upstream:
 
 
 # ---------------------------------------------------------------------- module helpers
-
-
-async def serve(
-    app: ASGIApp,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
-    graceful_timeout: float = 0.5,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve an ASGI app with hypercorn's trio worker until cancelled (or ``shutdown_trigger`` returns).
-
-    ``base_url = await nursery.start(serve, app)`` binds (port 0: the OS picks a free port) and hands
-    back ``http://host:port`` of the socket actually bound, so there is no pick-then-bind race.
-    """
-    config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None
-    config.loglevel = "WARNING"  # errors still reach stderr; no "Running on ..." lines
-    config.graceful_timeout = graceful_timeout
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(
-            partial(hypercorn.trio.serve, app, config, shutdown_trigger=shutdown_trigger)
-        )
-        task_status.started(binds[0].rstrip("/"))
 
 
 class _Instrument:

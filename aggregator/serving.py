@@ -1,0 +1,37 @@
+"""Serving an ASGI app with hypercorn's trio worker (the daemon, the demo upstream and tests use this)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import hypercorn.trio
+import trio
+from hypercorn.config import Config
+from starlette.types import ASGIApp
+
+
+async def serve(
+    app: ASGIApp,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    graceful_timeout: float = 0.5,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve an ASGI app with hypercorn's trio worker until cancelled (or ``shutdown_trigger`` returns).
+
+    ``base_url = await nursery.start(serve, app)`` binds (port 0: the OS picks a free port) and hands
+    back ``http://host:port`` of the socket actually bound, so there is no pick-then-bind race.
+    """
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.loglevel = "WARNING"  # errors still reach stderr; no "Running on ..." lines
+    config.graceful_timeout = graceful_timeout
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            partial(hypercorn.trio.serve, app, config, shutdown_trigger=shutdown_trigger)
+        )
+        task_status.started(binds[0].rstrip("/"))
