@@ -15,6 +15,8 @@ COMMANDS = {
     "audit": "audit",
     "status": "status",
     "gc": "gc",
+    "run": "run",
+    "demo": "demo",
 }
 
 

@@ -9,6 +9,7 @@ from aggregator.demo.upstream import Upstream, canonical_json
 from aggregator.store.blobs import FileBlobStore
 
 from .harvesting import audit, changelog, harvest, held, make_config
+from .httpserver import serve_app
 
 
 def sha(data: bytes) -> str:
@@ -160,3 +161,52 @@ async def test_audit_reports_differences(tmp_path: Path):
         up.create("r9.txt", b"new")
         kinds = sorted((d.kind, d.uri.rsplit("/", 1)[1]) for d in await audit(cfg))
         assert kinds == [("extra", "r000002.txt"), ("hash", "r000001.txt"), ("missing", "r9.txt")]
+
+
+def recording(app, statuses: list[tuple[str, int]]):
+    """Wrap an ASGI app to record (path, status) of every response."""
+
+    async def wrapped(scope, receive, send):
+        async def send_and_record(message):
+            if message["type"] == "http.response.start":
+                statuses.append((scope["path"], message["status"]))
+            await send(message)
+
+        await app(scope, receive, send_and_record)
+
+    return wrapped
+
+
+async def test_conditional_get_skips_unchanged_documents(tmp_path: Path):
+    """The open Change List, and the Resource List of a list-only set, are fetched conditionally;
+    their ETag is remembered only after the changes read with them are applied."""
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.bulk_create(5)
+    statuses: list[tuple[str, int]] = []
+    async with serve_app(recording(up.app(), statuses)) as base:
+        up.public_url = base
+        cfg = make_config(tmp_path / "data", {"up": base})
+        assert (await harvest(cfg))["up"].ok
+        up.update("r000001.txt", b"v2")
+        assert (await harvest(cfg))["up"].ok  # reads the open list, then remembers its ETag
+        before, statuses[:] = changelog(cfg), []
+        assert (await harvest(cfg))["up"].ok
+        assert changelog(cfg) == before
+        assert ("/default/changelist.xml", 304) in statuses
+        # A change after the 304: the list's ETag changes, and the change arrives.
+        up.update("r000002.txt", b"v2 of r2")
+        assert (await harvest(cfg))["up"].ok
+        assert held(cfg) == expected_store(up)
+
+        # A set without Change List: its Resource List is fetched conditionally on every poll.
+        up.change_list = False
+        cfg2 = make_config(tmp_path / "list-only", {"up": base}, use_dumps=False)
+        assert (await harvest(cfg2))["up"].ok
+        before, statuses[:] = changelog(cfg2), []
+        r = (await harvest(cfg2))["up"]
+        assert r.ok and r.baselines == 0 and changelog(cfg2) == before
+        assert ("/default/resourcelist.xml", 304) in statuses
+        up.delete("r000003.txt")
+        r = (await harvest(cfg2))["up"]
+        assert r.ok and r.baselines == 1
+        assert held(cfg2) == expected_store(up)

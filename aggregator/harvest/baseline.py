@@ -23,16 +23,21 @@ from .context import HarvestContext
 from .discovery import SetInfo
 from .dumps import DumpError, DumpLimits, read_package
 from .fetch import Expected, FetchError
-from .lists import Snapshot, SyncError, resource_list_entries
+from .lists import NotModified, Snapshot, SyncError, Validators, resource_list_entries
 from .pipeline import Pipeline, PipelineStats, Work
 
 log = logging.getLogger("rsagg.harvest")
 
 
 async def _resource_list_items(
-    ctx: HarvestContext, url: str, generation: int, snap: Snapshot, total: Callable[[int], None]
+    ctx: HarvestContext,
+    url: str,
+    generation: int,
+    snap: Snapshot,
+    total: Callable[[int], None],
+    validators: Validators | None,
 ) -> AsyncGenerator[Work, None]:
-    entries = resource_list_entries(ctx.fetcher, url, snap, lambda parts: total(parts * 50_000))
+    entries = resource_list_entries(ctx.fetcher, url, snap, lambda parts: total(parts * 50_000), validators)
     async with aclosing(entries):
         async for entry in entries:
             yield Work(entry, CREATED, None, generation)
@@ -76,21 +81,30 @@ async def run_baseline(
     use_dumps: bool = True,
     progress: Callable[[int], None] | None = None,
     total: Callable[[int], None] | None = None,
-) -> PipelineStats:
-    """Synchronize one set from a snapshot; returns the pipeline's figures."""
+    validators: Validators | None = None,
+) -> PipelineStats | None:
+    """Synchronize one set from a snapshot; returns the pipeline's figures.
+
+    With ``validators`` (a set already baselined and without Change List, re-read on every poll) an
+    unchanged Resource List returns None without touching the store.
+    """
     caps = info.capabilities
     if RESOURCELIST not in caps and RESOURCEDUMP not in caps:
         raise SyncError(f"{info.capabilitylist_url}: advertises neither a Resource List nor a Resource Dump")
     set_total = total or (lambda n: None)
     if use_dumps and RESOURCEDUMP in caps:
         try:
-            return await _baseline_from(ctx, info, set_id, source, "dump", progress, set_total)
+            return await _baseline_from(ctx, info, set_id, source, "dump", progress, set_total, None)
         except (DumpError, FetchError, SyncError) as exc:
             if RESOURCELIST not in caps:
                 raise
             log.warning("source=%s url=%s resource dump unusable, using the resource list: %s",
                         source, caps[RESOURCEDUMP].url, exc)  # fmt: skip
-    return await _baseline_from(ctx, info, set_id, source, "list", progress, set_total)
+    try:
+        return await _baseline_from(ctx, info, set_id, source, "list", progress, set_total, validators)
+    except NotModified:
+        log.debug("source=%s set=%s resource list not modified", source, info.capabilitylist_url)
+        return None
 
 
 async def _baseline_from(
@@ -101,6 +115,7 @@ async def _baseline_from(
     how: str,
     progress: Callable[[int], None] | None,
     total: Callable[[int], None],
+    validators: Validators | None,
 ) -> PipelineStats:
     generation = await ctx.write(ctx.writer.begin_baseline, set_id)
     snap = Snapshot()
@@ -114,7 +129,7 @@ async def _baseline_from(
                 stats = await pipeline.run(items)
     else:
         url = info.capabilities[RESOURCELIST].url
-        async with aclosing(_resource_list_items(ctx, url, generation, snap, total)) as items:
+        async with aclosing(_resource_list_items(ctx, url, generation, snap, total, validators)) as items:
             stats = await pipeline.run(items)
     cursor = Cursor(
         baseline_at=snap.at,
@@ -125,6 +140,9 @@ async def _baseline_from(
         list_until=None,
     )
     swept = await ctx.write(ctx.writer.finish_baseline, set_id, generation, cursor)
+    for doc_url, (etag, last_modified) in (validators.pending if validators else {}).items():
+        await ctx.write(ctx.writer.put_document, doc_url, source, RESOURCELIST, etag=etag,
+                        last_modified=last_modified, sha256=None)  # fmt: skip
     for ch in swept:
         stats.applied[ch.change] = stats.applied.get(ch.change, 0) + 1
     await trio.lowlevel.checkpoint()

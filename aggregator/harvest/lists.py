@@ -21,8 +21,36 @@ class SyncError(Exception):
     """A set cannot be synchronized (nothing usable advertised, or a document of the wrong kind)."""
 
 
+class NotModified(Exception):
+    """The document is as we last read it (HTTP 304): there is nothing to synchronize."""
+
+
 class GapError(SyncError):
     """The upstream no longer offers the changes between our position and its oldest Change List."""
+
+
+class Validators:
+    """ETag / Last-Modified of documents for conditional GET, remembered only once their changes apply.
+
+    A 304 means "nothing new since you last read this", so validators must not be stored before the
+    changes read with them are committed: otherwise a crash in between would skip those changes forever.
+    The caller stores ``pending`` after its pipeline succeeded.
+    """
+
+    def __init__(self, known: Callable[[str], dict | None], *, conditional: bool = True) -> None:
+        self._known = known
+        self._conditional = conditional  # False: only record (a first read must not be skipped)
+        self.pending: dict[str, tuple[str | None, str | None]] = {}
+
+    def of(self, url: str) -> dict[str, str | None]:
+        row = self._known(url) if self._conditional else None
+        if not row:
+            return {}
+        return {"etag": row.get("etag"), "last_modified": row.get("last_modified")}
+
+    def read(self, url: str, etag: str | None, last_modified: str | None) -> None:
+        if etag or last_modified:
+            self.pending[url] = (etag, last_modified)
 
 
 class Snapshot:
@@ -41,10 +69,21 @@ def _expect(url: str, head: Head | None, capability: str, index_ok: bool = True)
 
 
 async def resource_list_entries(
-    fetcher: Fetcher, url: str, snap: Snapshot, on_parts: Callable[[int], None] | None = None
+    fetcher: Fetcher,
+    url: str,
+    snap: Snapshot,
+    on_parts: Callable[[int], None] | None = None,
+    validators: Validators | None = None,
 ) -> AsyncGenerator[Entry, None]:
-    """Every entry of a Resource List, or of all parts of a Resource List Index (§10.2)."""
-    async with fetcher.document(url) as doc:
+    """Every entry of a Resource List, or of all parts of a Resource List Index (§10.2).
+
+    With ``validators``, an unchanged list (304) raises NotModified before any entry is yielded.
+    """
+    async with fetcher.document(url, **(validators.of(url) if validators else {})) as doc:
+        if doc.not_modified:
+            raise NotModified(url)
+        if validators:
+            validators.read(url, doc.etag, doc.last_modified)
         head = _expect(url, doc.head, RESOURCELIST)
         snap.at = head.md.at if head.md else None
         if not head.is_index:
@@ -131,7 +170,7 @@ def check_gap(url: str, refs: list[ListRef], position: datetime | None) -> None:
 
 
 async def change_entries(
-    fetcher: Fetcher, url: str, cursor: Cursor, source: str
+    fetcher: Fetcher, url: str, cursor: Cursor, source: str, validators: Validators | None = None
 ) -> AsyncGenerator[tuple[Entry, Cursor], None]:
     """Every change after ``cursor``, in order, each with the cursor that records it as applied.
 
@@ -139,7 +178,10 @@ async def change_entries(
     closed before the position are not fetched. Raises GapError when the stream cannot continue.
     """
     pos = Position(cursor)
-    async with fetcher.document(url) as doc:
+    conditional = validators.of(url) if validators else {}
+    async with fetcher.document(url, **conditional) as doc:
+        if doc.not_modified:
+            return  # the open list is as we last read it: nothing new
         head = _expect(url, doc.head, CHANGELIST)
         md = head.md
         if not head.is_index:
@@ -147,6 +189,8 @@ async def change_entries(
             check_gap(url, [ref], pos.datetime)
             async for item in _list_changes(ref, doc.entries, pos, source):
                 yield item
+            if validators and ref.until is None:
+                validators.read(url, doc.etag, doc.last_modified)
             return
         refs = [
             ListRef(e.loc, e.md.from_ if e.md else None, e.md.until if e.md else None)
@@ -157,10 +201,16 @@ async def change_entries(
     for ref in refs:
         if ref.until is not None and pos.datetime is not None and ref.until < pos.datetime:
             continue
-        async with fetcher.document(ref.url) as doc:
+        # Only the open list is fetched conditionally: a closed one is read once and then skipped.
+        conditional = validators.of(ref.url) if validators and ref.until is None else {}
+        async with fetcher.document(ref.url, **conditional) as doc:
+            if doc.not_modified:
+                continue
             _expect(ref.url, doc.head, CHANGELIST, index_ok=False)
             async for item in _list_changes(ref, doc.entries, pos, source):
                 yield item
+            if validators and ref.until is None:
+                validators.read(ref.url, doc.etag, doc.last_modified)
 
 
 async def _list_changes(

@@ -16,7 +16,7 @@ from .baseline import run_baseline
 from .context import HarvestContext
 from .discovery import discover
 from .incremental import run_incremental
-from .lists import GapError
+from .lists import GapError, Validators
 from .pipeline import Failure, PipelineStats
 
 log = logging.getLogger("rsagg.harvest")
@@ -83,12 +83,16 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
                     result.gaps += 1
                     baseline = True
             if baseline:
-                result.baselines += 1
+                # A set without Change List is re-read on every poll: fetch its list conditionally.
+                polled = cursor is not None and CHANGELIST not in info.capabilities
                 stats = await run_baseline(
-                    ctx, info, set_id, src.name, use_dumps=ctx.config.use_dumps(src),
+                    ctx, info, set_id, src.name, use_dumps=ctx.config.use_dumps(src) and not polled,
                     progress=progress.add, total=progress.set_total,
+                    validators=Validators(ctx.reader.document, conditional=polled),
                 )  # fmt: skip
-                result.stats.append(stats)
+                if stats is not None:
+                    result.baselines += 1
+                    result.stats.append(stats)
     except trio.Cancelled:
         raise
     except Exception as exc:  # an upstream problem must never take the daemon down

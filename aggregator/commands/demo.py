@@ -1,0 +1,117 @@
+"""Start a sample upstream Source on loopback and an rsagg harvesting and republishing it."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+
+from ..config import Config, parse_config
+from ..daemon import run_daemon
+from ..demo.upstream import Upstream
+from ..harvest.context import HarvestContext
+from ..logs import setup_logging
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=8080, help="rsagg's port (0: any free port)")
+    p.add_argument("--upstream-port", type=int, default=0, help="the sample upstream's port (0: any)")
+    p.add_argument("--resources", type=int, default=300, help="resources in the sample upstream")
+    p.add_argument("--change-every", type=float, default=3.0, help="seconds between upstream changes")
+    p.add_argument("--interval", type=float, default=5.0, help="rsagg's poll interval in seconds")
+    p.add_argument("--data", type=Path, default=None, help="store folder (default: a temporary one)")
+    p.add_argument("--duration", type=float, default=0, help="stop after this many seconds (0: run until ^C)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def demo_config(data: Path, port: int, upstream_url: str, interval: float) -> Config:
+    return parse_config(
+        {
+            "server": {"listen": f"127.0.0.1:{port}", "base_url": f"http://127.0.0.1:{port}"},
+            "store": {"path": str(data)},
+            "harvest": {"interval": interval, "jitter": 0.0},
+            "sources": [{"name": "demo", "url": upstream_url}],
+        },
+        str(data / "demo.toml"),
+    )
+
+
+async def _keep_changing(up: Upstream, every: float, rng: random.Random) -> None:
+    """A living Source: every few seconds some resources change, one appears, one goes."""
+    serial = 0
+    while True:
+        await trio.sleep(every)
+        paths = sorted(up.resources())
+        if not paths:
+            continue
+        for path in rng.sample(paths, min(2, len(paths))):
+            if path.endswith(".txt"):
+                up.update(path, f"{path} updated at change {serial}\n".encode())
+        victim = rng.choice(paths)
+        if victim.endswith(".txt"):
+            up.delete(victim)
+        up.create(f"new-{serial:05d}.txt", f"created at change {serial}\n".encode())
+        serial += 1
+
+
+async def run_demo(args: argparse.Namespace, data: Path) -> None:
+    up = Upstream(metadata=True, changes_per_list=50, resourcelist_page_size=50_000)
+    up.bulk_create(args.resources)
+    rng = random.Random(1)
+    port = args.port or _free_port()
+    async with trio.open_nursery() as nursery:
+        upstream = await nursery.start(up.serve, "127.0.0.1", args.upstream_port)
+        config = demo_config(data, port, f"{upstream}/.well-known/resourcesync", args.interval)
+
+        async def ready(ctx: HarvestContext, bound: str) -> None:
+            base = config.server.base_url
+            print(
+                f"rsagg demo running (store: {data})\n"
+                f"  sample upstream Source:  {upstream}/.well-known/resourcesync\n"
+                f"  rsagg home page:         {base}/\n"
+                f"  rsagg Source Description {base}/.well-known/resourcesync\n"
+                f"  status:                  rsagg status -c {data / 'demo.toml'}\n"
+                "Press Ctrl-C to stop.",
+                flush=True,
+            )
+
+        (data / "demo.toml").write_text(
+            f'[server]\nlisten = "127.0.0.1:{port}"\nbase_url = "http://127.0.0.1:{port}"\n'
+            f'[store]\npath = "."\n[[sources]]\nname = "demo"\nurl = "{upstream}/.well-known/resourcesync"\n'
+        )
+
+        async def daemon(task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+            await run_daemon(config, on_ready=ready, task_status=task_status)
+            nursery.cancel_scope.cancel()  # the daemon stopped on a signal: stop the upstream too
+
+        await nursery.start(daemon)
+        nursery.start_soon(_keep_changing, up, args.change_every, rng)
+        if args.duration:
+            await trio.sleep(args.duration)
+            nursery.cancel_scope.cancel()
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        if args.data is not None:
+            args.data.mkdir(parents=True, exist_ok=True)
+            trio.run(run_demo, args, args.data.resolve())
+        else:
+            with tempfile.TemporaryDirectory(prefix="rsagg-demo-") as tmp:
+                trio.run(run_demo, args, Path(tmp))
+    except OSError as exc:
+        print(f"rsagg demo: {exc} (try --port 0)", file=sys.stderr)
+        return 1
+    return 0
