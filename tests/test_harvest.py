@@ -210,3 +210,28 @@ async def test_conditional_get_skips_unchanged_documents(tmp_path: Path):
         r = (await harvest(cfg2))["up"]
         assert r.ok and r.baselines == 1
         assert held(cfg2) == expected_store(up)
+
+
+async def test_change_dumps_used_to_catch_up(tmp_path: Path):
+    """Many changes in closed intervals arrive through Change Dump packages, not one GET each."""
+    up = Upstream(changes_per_list=10, resource_dump=False)
+    up.bulk_create(20)
+    async with up.serving() as base:
+        cfg = make_config(tmp_path / "data", {"up": base})
+        assert (await harvest(cfg))["up"].ok
+        for round_ in range(3):
+            for i in range(10):
+                up.update(f"r{i:06d}.txt", f"round {round_} of {i}".encode())
+        up.delete("r000019.txt")
+        up.create("late.txt", b"in the open list")
+        up.reset_counts()
+        r = (await harvest(cfg))["up"]
+        assert r.ok, r.error
+        assert any(p.endswith(".zip") for p in up.counts), up.counts
+        fetched = [p for p in up.counts if "/res/" in p]
+        assert len(fetched) <= 2, fetched  # only what the open list adds, not the 30 dumped updates
+        assert held(cfg) == expected_store(up)
+        assert await audit(cfg) == []
+        # Nothing applied twice: each URI's last logged sha is the upstream's, and a rerun adds nothing.
+        before = changelog(cfg)
+        assert (await harvest(cfg))["up"].ok and changelog(cfg) == before

@@ -21,8 +21,8 @@ from ..rs.model import CREATED, RESOURCEDUMP, RESOURCELIST
 from ..store.state import Cursor
 from .context import HarvestContext
 from .discovery import SetInfo
-from .dumps import DumpError, DumpLimits, read_package
-from .fetch import Expected, FetchError
+from .dumps import DumpError, DumpLimits, fetch_package
+from .fetch import FetchError
 from .lists import NotModified, Snapshot, SyncError, Validators, resource_list_entries
 from .pipeline import Pipeline, PipelineStats, Work
 
@@ -57,19 +57,12 @@ async def _dump_items(
         if head.is_index:
             raise SyncError(f"{url}: Resource Dump Index not supported yet; use the Resource List")
         packages = [e async for e in doc.entries]
-    hc = ctx.config.harvest
-    limits = DumpLimits(max_package_bytes=hc.max_resource_bytes)
+    limits = DumpLimits(max_package_bytes=ctx.config.harvest.max_resource_bytes)
     for pkg in packages:
-        path = tmpdir / "package.zip"
-        with path.open("wb") as f:
-            await ctx.fetcher.download(
-                pkg.loc, f, max_bytes=limits.max_package_bytes,
-                expected=Expected(pkg.hashes, pkg.md.length if pkg.md else None),
-            )  # fmt: skip
-        async with aclosing(read_package(path, pkg.loc, ctx.blobs, limits=limits)) as items:
+        items = fetch_package(ctx.fetcher, pkg, ctx.blobs, tmpdir, limits=limits)
+        async with aclosing(items):
             async for item in items:
                 yield Work(item.entry, CREATED, None, generation, blob=item.blob, info=item.info)
-        path.unlink()
 
 
 async def run_baseline(

@@ -19,6 +19,7 @@ import re
 import zipfile
 from collections import Counter, deque
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -452,3 +453,25 @@ async def read_package(
         if stream is not None:
             stream.close()
         pkg.zf.close()
+
+
+async def fetch_package(
+    fetcher, package: Entry, store: BlobStore, folder: Path, *, limits: DumpLimits
+) -> AsyncIterator[DumpItem]:
+    """Download one package listed in a Resource Dump or Change Dump (verified against the dump's
+    ``hash``/``length`` for it) into ``folder``, then yield its items; the file is removed afterwards."""
+    from .fetch import Expected  # fetch imports parse; keep this module importable on its own
+
+    path = folder / "package.zip"
+    try:
+        with path.open("wb") as f:
+            await fetcher.download(
+                package.loc, f, max_bytes=limits.max_package_bytes,
+                expected=Expected(package.hashes, package.md.length if package.md else None),
+            )  # fmt: skip
+        items = read_package(path, package.loc, store, limits=limits)
+        async with aclosing(items):
+            async for item in items:
+                yield item
+    finally:
+        path.unlink(missing_ok=True)

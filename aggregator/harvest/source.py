@@ -75,7 +75,11 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
             if not baseline:
                 assert cursor is not None
                 try:
-                    result.stats.append(await run_incremental(ctx, info, set_id, src.name, cursor))
+                    result.stats.append(
+                        await run_incremental(
+                            ctx, info, set_id, src.name, cursor, use_dumps=ctx.config.use_dumps(src)
+                        )
+                    )
                 except GapError as exc:
                     log.warning(
                         "source=%s gap in the change stream, recovering with a baseline: %s", src.name, exc
