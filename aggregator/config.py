@@ -63,12 +63,33 @@ class SourceConfig:
 
 
 @dataclass(frozen=True)
+class PublishConfig:
+    """How rsagg republishes what it holds (spec §6-§14; issue text "Publish contracts")."""
+
+    changelist_size: int = 10_000  # changes per Change List window (global changelog seq)
+    dump_interval: float = 86_400.0  # seconds between Resource Dumps (0 = off)
+    keep_collection_links: bool = False  # §14.8: collection links may not fit the aggregator's copy
+    keep_canonical_links: bool = False  # §14.8: same for canonical
+
+
+@dataclass(frozen=True)
+class SetConfig:
+    """A published set grouping the state sets of several sources under one Capability List (§9)."""
+
+    name: str
+    sources: tuple[str, ...] = ()
+    describedby: str | None = None  # §8/§9: a document about the set
+
+
+@dataclass(frozen=True)
 class Config:
     file: str = "<defaults>"
     server: ServerConfig = field(default_factory=ServerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     harvest: HarvestConfig = field(default_factory=HarvestConfig)
     sources: tuple[SourceConfig, ...] = ()
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    sets: tuple[SetConfig, ...] = ()
 
     @property
     def store_path(self) -> Path:
@@ -132,7 +153,7 @@ def _section(file: str, prefix: str, cls: type, table: Any, required: tuple[str,
 
 def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
     """Check and build a Config from parsed TOML."""
-    allowed = {"server", "store", "harvest", "sources"}
+    allowed = {"server", "store", "harvest", "sources", "publish", "sets"}
     for key in data:
         if key not in allowed:
             raise ConfigError(file, key, f"unknown section (known: {', '.join(sorted(allowed))})")
@@ -169,7 +190,63 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
         seen.add(src.name)
         _check_url(file, f"{prefix}.url", src.url)
         sources.append(src)
-    return Config(file=file, server=server, store=store, harvest=harvest, sources=tuple(sources))
+    publish = _section(file, "publish", PublishConfig, data.get("publish", {}))
+    if publish.changelist_size < 1:
+        raise ConfigError(file, "publish.changelist_size", "must be at least 1")
+    sets = _parse_sets(file, data.get("sets", []), sources)
+    return Config(
+        file=file,
+        server=server,
+        store=store,
+        harvest=harvest,
+        sources=tuple(sources),
+        publish=publish,
+        sets=sets,
+    )
+
+
+def _parse_sets(file: str, raw: Any, sources: list[SourceConfig]) -> tuple[SetConfig, ...]:
+    """``[[sets]]``: each names known sources; a source belongs to at most one set, and a set name may
+    not be the default published name of a source outside it (both would claim ``/NAME/``)."""
+    if not isinstance(raw, list):
+        raise ConfigError(file, "sets", "must be an array of tables ([[sets]])")
+    known = {s.name for s in sources}
+    names: set[str] = set()
+    owner: dict[str, str] = {}  # source -> set name
+    out: list[SetConfig] = []
+    for i, table in enumerate(raw):
+        prefix = f"sets[{i}]"
+        if isinstance(table, dict) and isinstance(table.get("sources"), list):
+            table = {**table, "sources": tuple(table["sources"])}
+        st = _section(file, prefix, SetConfig, table, required=("name", "sources"))
+        if not isinstance(st.name, str) or not NAME_RE.match(st.name):
+            raise ConfigError(
+                file, f"{prefix}.name", f"{st.name!r} is not a short URL-safe name ([a-z0-9_-], max 63)"
+            )
+        if st.name in names:
+            raise ConfigError(file, f"{prefix}.name", f"duplicate set name {st.name!r}")
+        names.add(st.name)
+        if not isinstance(st.sources, tuple) or not st.sources:
+            raise ConfigError(file, f"{prefix}.sources", "must be a non-empty array of source names")
+        for src in st.sources:
+            if not isinstance(src, str):
+                raise ConfigError(file, f"{prefix}.sources", f"must hold source names, not {src!r}")
+            if src not in known:
+                raise ConfigError(file, f"{prefix}.sources", f"unknown source {src!r}")
+            if src in owner:
+                raise ConfigError(
+                    file, f"{prefix}.sources", f"source {src!r} is already in set {owner[src]!r}"
+                )
+            owner[src] = st.name
+        if st.describedby is not None:
+            _check_url(file, f"{prefix}.describedby", st.describedby)
+        out.append(st)
+    for i, st in enumerate(out):
+        if st.name in known and owner.get(st.name) != st.name:
+            raise ConfigError(
+                file, f"sets[{i}].name", f"{st.name!r} is the published name of source {st.name!r}"
+            )
+    return tuple(out)
 
 
 def load_config(path: str | Path) -> Config:

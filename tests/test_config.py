@@ -97,3 +97,93 @@ def test_cli_reports_config_error(tmp_path, capsys):
     assert main(["status", "-c", str(path)]) == 2
     err = capsys.readouterr().err
     assert "sources[0].bogus" in err and "unknown key" in err and str(path) in err
+
+
+PUBLISH = """
+[[sources]]
+name = "museum"
+url = "http://127.0.0.1:8000/"
+
+[[sources]]
+name = "gallery"
+url = "http://127.0.0.1:8001/"
+
+[[sources]]
+name = "library"
+url = "http://127.0.0.1:8002/"
+"""
+
+
+def test_publish_and_sets_load(tmp_path):
+    cfg = load_config(write(tmp_path, GOOD))
+    assert cfg.publish.changelist_size == 10_000 and cfg.publish.dump_interval == 86_400
+    assert not cfg.publish.keep_collection_links and not cfg.publish.keep_canonical_links
+    assert cfg.sets == ()
+    text = (
+        PUBLISH
+        + """
+[publish]
+changelist_size = 500
+dump_interval = 0
+keep_collection_links = true
+
+[[sets]]
+name = "art"
+sources = ["museum", "gallery"]
+describedby = "https://example.org/about-art"
+
+[[sets]]
+name = "library"
+sources = ["library"]
+"""
+    )
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.publish.changelist_size == 500 and cfg.publish.dump_interval == 0.0
+    assert cfg.publish.keep_collection_links and not cfg.publish.keep_canonical_links
+    assert [(s.name, s.sources, s.describedby) for s in cfg.sets] == [
+        ("art", ("museum", "gallery"), "https://example.org/about-art"),
+        ("library", ("library",), None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"),
+    [
+        ("[publish]\ncolour = 1\n", "publish.colour", "unknown key"),
+        ("[publish]\nchangelist_size = 0\n", "publish.changelist_size", "at least 1"),
+        ('[publish]\nchangelist_size = "many"\n', "publish.changelist_size", "must be int"),
+        ("[publish]\ndump_interval = -5\n", "publish.dump_interval", "negative"),
+        ('[publish]\nkeep_canonical_links = "yes"\n', "publish.keep_canonical_links", "must be bool"),
+        ('[[sets]]\nname = "art"\nsources = ["nope"]\n', "sets[0].sources", "unknown source 'nope'"),
+        ('[[sets]]\nname = "art"\n', "sets[0].sources", "missing"),
+        ('[[sets]]\nname = "art"\nsources = []\n', "sets[0].sources", "non-empty"),
+        ('[[sets]]\nname = "art"\nsources = "museum"\n', "sets[0].sources", "non-empty array"),
+        ('[[sets]]\nname = "art"\nsources = [1]\n', "sets[0].sources", "source names"),
+        ('[[sets]]\nname = "Art!"\nsources = ["museum"]\n', "sets[0].name", "URL-safe"),
+        ('[[sets]]\nname = "art"\nsources = ["museum"]\ncolour = 1\n', "sets[0].colour", "unknown key"),
+        (
+            '[[sets]]\nname = "art"\nsources = ["museum"]\ndescribedby = "about"\n',
+            "sets[0].describedby",
+            "not an http(s) URL",
+        ),
+        (
+            '[[sets]]\nname = "a"\nsources = ["museum"]\n[[sets]]\nname = "a"\nsources = ["gallery"]\n',
+            "sets[1].name",
+            "duplicate set name",
+        ),
+        (
+            '[[sets]]\nname = "a"\nsources = ["museum"]\n[[sets]]\nname = "b"\nsources = ["museum"]\n',
+            "sets[1].sources",
+            "already in set 'a'",
+        ),
+        ('[[sets]]\nname = "library"\nsources = ["museum"]\n', "sets[0].name", "published name of source"),
+        ('[sets]\nname = "art"\n', "sets", "array of tables"),
+    ],
+)
+def test_publish_config_errors(tmp_path, text, key, problem):
+    path = write(tmp_path, PUBLISH + text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.key == key
+    assert problem in err.value.problem
+    assert str(path) in str(err.value)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import heapq
 
+from ..publish import dumps
 from ..store.blobs import FileBlobStore
 from ..store.state import State
 from ._common import add_config_arguments, start
@@ -15,14 +17,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def collect_garbage(state: State, blobs: FileBlobStore, *, dry_run: bool = False) -> tuple[int, int]:
-    """Delete unreferenced blobs; returns (blobs removed, bytes freed).
+    """Delete blobs that no resource, changelog record or published dump names; returns (blobs removed,
+    bytes freed).
 
     Run it while no harvest is writing: a harvest commits blobs before the state rows that name them
     (invariant 2), so a concurrent gc could remove a blob in that window.
     """
     removed = freed = 0
     # Both streams come sorted ascending: a merge needs neither a set in memory nor a sha256 index.
-    refs = state.referenced_hashes()
+    refs = heapq.merge(state.referenced_hashes(), dumps.referenced_hashes(state))
     ref = next(refs, None)
     for sha in blobs.iter_hashes():
         while ref is not None and ref < sha:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import json
 import re
 import secrets
@@ -41,6 +42,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 #: Rows fetched per page by the iterators (bounded memory; the lock is released between pages).
 PAGE_SIZE = 1000
 SYNCHRONOUS = ("NORMAL", "FULL", "EXTRA")
+_MAX_INT = 2**63 - 1  # SQLite's largest INTEGER: "no upper bound" in range queries
 
 # ---------------------------------------------------------------------------------------------------
 # Values
@@ -302,6 +304,7 @@ class State:
         cache_mib: int = 64,
         wal_autocheckpoint: int = 10_000,
         clock: Callable[[], datetime] = utcnow,
+        readonly: bool = False,
     ) -> None:
         """Open (creating and migrating) the database at ``path``.
 
@@ -311,6 +314,10 @@ class State:
         the newest transactions is safe for rsagg because their cursor moves with them: the harvester
         just redoes that work (and the blobs they named are still there, or re-fetched). Pass
         ``synchronous="FULL"`` to fsync the WAL at every commit (durable against power loss too).
+
+        ``readonly=True`` opens a reader for the publisher (aggregator/publish/): the database must
+        exist at the current schema version (a writer created it), nothing is migrated, and the
+        connection refuses writes (``PRAGMA query_only``). WAL lets it read while the harvester writes.
         """
         sync = synchronous.upper()
         if sync not in SYNCHRONOUS:
@@ -322,6 +329,19 @@ class State:
         self.db = Database(conn)
         self.conn = conn
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        self.readonly = readonly
+        if readonly:
+            conn.execute(f"PRAGMA cache_size = {-cache_mib * 1024}")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version != len(MIGRATIONS):
+                conn.close()
+                raise RuntimeError(
+                    f"{self.path} has schema version {version}, this rsagg reads {len(MIGRATIONS)} "
+                    "(open it once read-write to create or migrate it)"
+                )
+            conn.execute("PRAGMA query_only = ON")
+            self._last_log_time = None
+            return
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal" and str(self.path) != ":memory:":
             raise RuntimeError(f"could not switch {self.path} to WAL (journal_mode={mode})")
@@ -762,6 +782,146 @@ class State:
         """The highest changelog seq (0 when empty): where a reader starting now would begin."""
         with self._lock:
             return self.conn.execute("SELECT coalesce(max(seq), 0) FROM changelog").fetchone()[0]
+
+    # -- reads for publishing (aggregator/publish/) ------------------------------------------------
+    # A published set is a list of state sets (config [[sets]] grouping). Queries run per state set
+    # on the indexes of migration 1 (resources_live, the (set_id, uri) key, changelog_set_seq) and are
+    # merged by id / seq in Python, so a small set in a big database never scans other sets' rows.
+
+    def history_start(self, set_ids: Sequence[int]) -> datetime | None:
+        """The earliest time the sets' change history covers: their creation, or their first changelog
+        record if the clock stepped back since (the ``from`` of their first Change List, §12.1)."""
+        if not set_ids:
+            return None
+        times: list[datetime] = []
+        with self._lock:
+            for sid in set_ids:
+                row = self.conn.execute("SELECT created_at FROM sets WHERE id = ?", (sid,)).fetchone()
+                if row:
+                    times.append(parse_dt(row[0]))
+                row = self.conn.execute(
+                    "SELECT datetime FROM changelog WHERE set_id = ? ORDER BY seq LIMIT 1", (sid,)
+                ).fetchone()
+                if row:
+                    times.append(parse_dt(row[0]))
+        return min(times) if times else None
+
+    def count_live(self, set_ids: Sequence[int]) -> int:
+        """Live resources of the sets (decides Resource List vs Resource List Index, §10.2)."""
+        with self._lock:
+            return sum(
+                self.conn.execute(
+                    "SELECT count(*) FROM resources WHERE set_id = ? AND deleted = 0", (sid,)
+                ).fetchone()[0]
+                for sid in set_ids
+            )
+
+    def live_part_boundaries(self, set_ids: Sequence[int], size: int) -> list[int]:
+        """The id of every ``size``-th live resource of the sets in id order.
+
+        Part k of a Resource List Index then holds the live resources with ``b[k-1] < id <= b[k]``
+        (b[0] = 0), at most ``size`` each (§7: 50,000 per document, §10.2). One pass in SQLite.
+        """
+        if size < 1:
+            raise ValueError("size must be at least 1")
+        if not set_ids:
+            return []
+        sql = (
+            "SELECT id FROM (SELECT id, row_number() OVER (ORDER BY id) AS n FROM resources "
+            "WHERE set_id IN (SELECT value FROM json_each(?)) AND deleted = 0) WHERE n % ? = 0 ORDER BY id"
+        )
+        with self._lock:
+            return [r[0] for r in self.conn.execute(sql, (json.dumps(list(set_ids)), size))]
+
+    def iter_live(
+        self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None
+    ) -> Iterator[Resource]:
+        """Live resources of the sets with ``after_id < id <= until_id`` (no upper bound when None), by id."""
+        top = _MAX_INT if until_id is None else until_id
+        sql = f"{_SELECT_RES} WHERE set_id = ? AND deleted = 0 AND id <= ? AND id > ? ORDER BY id LIMIT ?"
+        iters = [self._pages(sql, [sid, top], 0, after_id, None) for sid in dict.fromkeys(set_ids)]
+        rows = iters[0] if len(iters) == 1 else heapq.merge(*iters, key=lambda r: r[0])
+        for row in rows:
+            yield _resource(row)
+
+    def resource_in(self, set_ids: Sequence[int], uri: str) -> Resource | None:
+        """The resource ``uri`` held in any of the sets: a live row if there is one (the most recently
+        changed when several sets hold it), else the most recent tombstone; None when never held."""
+        best: Resource | None = None
+        for sid in dict.fromkeys(set_ids):
+            r = self.resource(sid, uri)
+            if r is None:
+                continue
+            if best is None or (not r.deleted, r.updated_at) > (not best.deleted, best.updated_at):
+                best = r
+        return best
+
+    def live_set_of(self, set_ids: Sequence[int], uri: str) -> int | None:
+        """The first of the sets (in the order given) that holds ``uri`` live, else None: a cheap
+        "do we hold it?" for rewriting links to our copy (§14.5)."""
+        with self._lock:
+            for sid in dict.fromkeys(set_ids):
+                row = self.conn.execute(
+                    "SELECT 1 FROM resources WHERE set_id = ? AND uri = ? AND deleted = 0", (sid, uri)
+                ).fetchone()
+                if row:
+                    return sid
+        return None
+
+    def iter_log_range(
+        self, set_ids: Sequence[int], after_seq: int = 0, until_seq: int | None = None
+    ) -> Iterator[tuple[LogRecord, Resource | None]]:
+        """Changelog records of the sets with ``after_seq < seq <= until_seq``, in seq order, each with
+        the resource row it names as that row is now (None if gone): the row holds what the record
+        does not (md5, links, upstream lastmod), valid for the record when their sha256 agree."""
+        top = _MAX_INT if until_seq is None else until_seq
+        cols = ", ".join(f"c.{c}" for c in _LOG_COLS)
+        res_cols = "r.id, " + ", ".join(f"r.{c}" for c in _RES_COLS)
+        sql = (
+            f"SELECT {cols}, {res_cols} FROM changelog c LEFT JOIN resources r ON r.id = c.resource_id "
+            "WHERE c.set_id = ? AND c.seq <= ? AND c.seq > ? ORDER BY c.seq LIMIT ?"
+        )
+        iters = [self._pages(sql, [sid, top], 0, after_seq, None) for sid in dict.fromkeys(set_ids)]
+        if not iters:
+            return
+        rows = iters[0] if len(iters) == 1 else heapq.merge(*iters, key=lambda r: r[0])
+        n = len(_LOG_COLS)
+        for r in rows:
+            rec = LogRecord(r[0], r[1], r[2], r[3], r[4], parse_dt(r[5]), r[6], r[7], r[8])
+            yield rec, (_resource(r[n:]) if r[n] is not None else None)
+
+    def log_windows(self, set_ids: Sequence[int], size: int) -> list[int]:
+        """Numbers k of the windows ``((k-1)*size, k*size]`` of the global changelog seq that hold at
+        least one record of the sets, ascending. One index seek per set and window found."""
+        if size < 1:
+            raise ValueError("size must be at least 1")
+        out: list[int] = []
+        after = 0
+        ids = list(dict.fromkeys(set_ids))
+        while True:
+            nxt = None
+            with self._lock:
+                for sid in ids:
+                    row = self.conn.execute(
+                        "SELECT seq FROM changelog WHERE set_id = ? AND seq > ? ORDER BY seq LIMIT 1",
+                        (sid, after),
+                    ).fetchone()
+                    if row and (nxt is None or row[0] < nxt):
+                        nxt = row[0]
+            if nxt is None:
+                return out
+            k = (nxt - 1) // size + 1
+            out.append(k)
+            after = k * size
+
+    def log_datetime(self, seq: int) -> datetime | None:
+        """The datetime of the last changelog record with seq <= ``seq`` (None when there is none): the
+        ``until`` of a closed Change List window ending at ``seq`` (§12.1)."""
+        with self._lock:
+            row = self.conn.execute(
+                "SELECT datetime FROM changelog WHERE seq <= ? ORDER BY seq DESC LIMIT 1", (seq,)
+            ).fetchone()
+        return parse_dt(row[0]) if row else None
 
     def referenced_hashes(self) -> Iterator[str]:
         """Every sha256 gc must keep, each once, in ascending order, as of one instant.

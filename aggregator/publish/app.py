@@ -1,0 +1,372 @@
+"""rsagg as a ResourceSync Source: the ASGI app (starlette, served by hypercorn's trio worker).
+
+URL layout (SET = published set name, see ``publish/sets.py``; ``publish/documents.py`` builds the
+documents, ``publish/resources.py`` serves the resources, ``publish/uris.py`` maps the URIs)::
+
+    /                                   HTML home page: the sets and their documents
+    /robots.txt                         a Sitemap: line per set's Resource List (§6.3.4)
+    /.well-known/resourcesync           Source Description (§6.3.2, §8)
+    /SET/capabilitylist.xml             Capability List (§9)
+    /SET/resourcelist.xml               Resource List, or Resource List Index above MAX_ENTRIES (§10)
+    /SET/resourcelist/LO-HI.xml         its parts (LO-end for the last)
+    /SET/changelist.xml                 Change List Index, or the open Change List when it is alone (§12)
+    /SET/changelist/K.xml               Change List window K
+    /SET/r/<scheme>/<netloc><path>...   the resources (§14.8; ``uris.py``)
+
+Database access: SQLite reads run in worker threads (``trio.to_thread``) on read-only connections from a
+small pool, one connection per request while it needs it (a document keeps its connection while it
+streams; a resource returns it before its bytes go out). The harvester writes through its own
+connection; WAL lets both proceed.
+
+Extension hook for the dump helper (``publish/dumps.py``): ``extra_routes`` are matched before the
+routes above, and ``request.app.state.publisher`` (a ``Publisher``) gives their handlers the config,
+the blob store, the reader pool (``await publisher.run(fn, ...)``) and the published sets.
+``dumps_available(set_name) -> {capability: url}`` decides the ``resourcedump``/``changedump`` entries
+of a Capability List; it is called in a worker thread, so it may block briefly but must be thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
+
+from ..config import Config
+from ..rs.w3cdt import utcnow
+from ..rs.write import iter_document_bytes
+from ..store.blobs import BlobStore
+from ..store.state import Resource, State
+from . import documents
+from .documents import Doc, Site, no_dumps
+from .links import LinkPolicy
+from .resources import gone, resource_response
+from .sets import PublishedSet, published_sets
+from .uris import split_resource_path
+
+log = logging.getLogger("rsagg.publish")
+T = TypeVar("T")
+
+XML = "application/xml"
+#: A document stream is cut after this long (hypercorn does not notice every stalled client).
+DOCUMENT_DEADLINE = 3600.0
+#: Idle read connections kept for reuse.
+POOL_IDLE = 8
+
+DumpsAvailable = Callable[[str], dict[str, str]]
+Build = Callable[[Site, State, PublishedSet, datetime], "Doc | None"]
+
+
+class ReaderPool:
+    """Read-only ``State`` connections (``State(readonly=True)``), reused across requests.
+
+    A connection is used by one request at a time (sqlite3 connections must not be shared
+    concurrently); there is no cap on connections in use, only on the idle ones kept.
+    """
+
+    def __init__(self, path: Path, *, max_idle: int = POOL_IDLE) -> None:
+        self.path = path
+        self.max_idle = max_idle
+        self._idle: list[State] = []
+        self._closed = False
+
+    async def acquire(self) -> State:
+        if self._idle:
+            return self._idle.pop()
+        return await trio.to_thread.run_sync(lambda: State(self.path, readonly=True, cache_mib=16))
+
+    def release(self, state: State) -> None:
+        if self._closed or len(self._idle) >= self.max_idle:
+            state.close()
+        else:
+            self._idle.append(state)
+
+    @contextlib.asynccontextmanager
+    async def reader(self) -> AsyncIterator[State]:
+        state = await self.acquire()
+        try:
+            yield state
+        finally:
+            self.release(state)
+
+    def close(self) -> None:
+        self._closed = True
+        while self._idle:
+            self._idle.pop().close()
+
+
+class Publisher:
+    """What every handler shares (``request.app.state.publisher``)."""
+
+    def __init__(
+        self,
+        config: Config,
+        blobs: BlobStore,
+        state_path: Path,
+        dumps_available: DumpsAvailable | None = None,
+    ) -> None:
+        self.config = config
+        self.blobs = blobs
+        self.pool = ReaderPool(state_path)
+        self.policy = LinkPolicy.from_config(config.publish)
+        self.dumps_available: DumpsAvailable = dumps_available or no_dumps
+
+    @property
+    def base_url(self) -> str:
+        return self.config.server.base_url
+
+    def site(self, state: State) -> Site:
+        """The published sets as the state has them now, and how to write their URLs (blocking)."""
+        return Site(
+            base_url=self.base_url,
+            sets=published_sets(self.config, state.sets()),
+            policy=self.policy,
+            changelist_size=self.config.publish.changelist_size,
+            dumps_available=self.dumps_available,
+        )
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(reader_state, *args)`` in a worker thread with a pooled read connection."""
+        async with self.pool.reader() as state:
+            return await trio.to_thread.run_sync(lambda: fn(state, *args))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Documents
+
+
+class DocumentResponse(StreamingResponse):
+    """A ResourceSync document streamed as it is read from the state; gives its connection back to the
+    pool when done, whatever happened (finished, client gone, deadline)."""
+
+    def __init__(self, doc: Doc, release: Callable[[], None]) -> None:
+        head, entries = doc
+        self._chunks = iter_document_bytes(head, entries)
+        self._release = release
+        super().__init__(self._body(), media_type=XML)
+
+    async def _body(self) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                chunk = await trio.to_thread.run_sync(next, self._chunks, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            self._chunks.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            with trio.move_on_after(DOCUMENT_DEADLINE) as cs:
+                await super().__call__(scope, receive, send)
+            if cs.cancelled_caught:
+                log.warning("document %s cut after %.0f s", scope.get("path"), DOCUMENT_DEADLINE)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self._release()
+
+
+def _prepare(pub: Publisher, state: State, name: str | None, build: Build, now: datetime) -> Doc | None:
+    site = pub.site(state)
+    ps = site.sets.get(name) if name is not None else None
+    if ps is None:
+        return None
+    return build(site, state, ps, now)
+
+
+async def _document(request: Request, build: Build) -> Response:
+    pub: Publisher = request.app.state.publisher
+    now = utcnow()
+    state = await pub.pool.acquire()
+    try:
+        doc = await trio.to_thread.run_sync(_prepare, pub, state, request.path_params.get("set"), build, now)
+    except BaseException:
+        pub.pool.release(state)
+        raise
+    if doc is None:
+        pub.pool.release(state)
+        return PlainTextResponse("not found\n", status_code=404)
+    if request.method == "HEAD":
+        pub.pool.release(state)
+        response = Response(headers={"content-type": XML})
+        del response.headers["content-length"]  # unknown until streamed
+        return response
+    return DocumentResponse(doc, lambda: pub.pool.release(state))
+
+
+async def well_known(request: Request) -> Response:
+    pub: Publisher = request.app.state.publisher
+    site = await pub.run(pub.site)
+    return DocumentResponse(documents.source_description(site), lambda: None)
+
+
+async def capabilitylist(request: Request) -> Response:
+    return await _document(request, lambda site, st, ps, now: documents.capability_list(site, ps))
+
+
+async def resourcelist(request: Request) -> Response:
+    return await _document(request, documents.resource_list)
+
+
+async def resourcelist_part(request: Request) -> Response:
+    lo: int = request.path_params["lo"]
+    hi_text: str = request.path_params["hi"]
+    if hi_text == "end":
+        hi = None
+    elif hi_text.isdigit() and int(hi_text) > lo:
+        hi = int(hi_text)
+    else:
+        return PlainTextResponse("not found\n", status_code=404)
+    return await _document(
+        request, lambda site, st, ps, now: documents.resource_list_part(site, st, ps, lo, hi, now)
+    )
+
+
+async def changelist(request: Request) -> Response:
+    return await _document(request, documents.change_list)
+
+
+async def changelist_window(request: Request) -> Response:
+    k: int = request.path_params["k"]
+    return await _document(
+        request, lambda site, st, ps, now: documents.change_list_window(site, st, ps, k, now)
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Resources, robots.txt, home page
+
+
+async def resource(request: Request) -> Response:
+    """``/SET/r/...``: decoded from the raw path, since the decoded one has lost ``%2F`` vs ``/``."""
+    pub: Publisher = request.app.state.publisher
+    raw = request.scope.get("raw_path") or request.scope["path"].encode("utf-8")
+    try:
+        raw_path = raw.decode("utf-8").partition("?")[0]
+    except UnicodeDecodeError:
+        return gone(None, 404)
+    parsed = split_resource_path(raw_path)
+    if parsed is None:
+        return gone(None, 404)
+    set_name, uri = parsed
+
+    def lookup(state: State) -> tuple[Site, Resource | None, PublishedSet | None]:
+        site = pub.site(state)
+        ps = site.sets.get(set_name)
+        return site, (state.resource_in(ps.set_ids, uri) if ps is not None else None), ps
+
+    site, row, ps = await pub.run(lookup)
+    if ps is None:
+        return gone(None, 404)
+    link = f'<{site.capabilitylist(ps.name)}>; rel="resourcesync"'
+    if row is None:
+        return gone(link, 404)
+    return await resource_response(request, row, pub.blobs, link)
+
+
+async def robots(request: Request) -> Response:
+    pub: Publisher = request.app.state.publisher
+    site = await pub.run(pub.site)
+    lines = ["User-agent: *", "Disallow:", ""]
+    lines += [f"Sitemap: {site.resourcelist(name)}" for name in site.sets]
+    return PlainTextResponse("\n".join(lines) + "\n")
+
+
+def _home_rows(state: State, site: Site) -> list[tuple[PublishedSet, int, dict[str, str]]]:
+    return [
+        (ps, state.count_live(ps.set_ids), site.dumps_available(ps.name) or {}) for ps in site.sets.values()
+    ]
+
+
+async def home(request: Request) -> Response:
+    pub: Publisher = request.app.state.publisher
+
+    def build(state: State) -> tuple[Site, list]:
+        site = pub.site(state)
+        return site, _home_rows(state, site)
+
+    site, rows = await pub.run(build)
+    e = html.escape
+    items = []
+    for ps, count, dumps in rows:
+        docs = [
+            ("Capability List", site.capabilitylist(ps.name)),
+            ("Resource List", site.resourcelist(ps.name)),
+            ("Change List", site.changelist(ps.name)),
+            *sorted(dumps.items()),
+        ]
+        links = " · ".join(f'<a href="{e(url)}">{e(label)}</a>' for label, url in docs)
+        about = f' — <a href="{e(ps.describedby)}">about</a>' if ps.describedby else ""
+        items.append(f"<li><strong>{e(ps.name)}</strong>: {count} resources — {links}{about}</li>")
+    body = "\n".join(items) or "<li>nothing harvested yet</li>"
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>rsagg — ResourceSync aggregator</title></head>
+<body>
+<h1>rsagg — ResourceSync aggregator</h1>
+<p>This server republishes resources harvested from other ResourceSync Sources
+(<a href="https://www.openarchives.org/rs/1.1/resourcesync">ResourceSync 1.1</a>), each with a
+<code>rel="via"</code> link to its origin. Start at the
+<a href="{e(site.well_known)}">Source Description</a>.</p>
+<h2>Sets</h2>
+<ul>
+{body}
+</ul>
+</body></html>
+"""
+    return HTMLResponse(page)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def create_app(
+    config: Config,
+    *,
+    blobs: BlobStore,
+    state_path: Path,
+    extra_routes: Sequence[BaseRoute] = (),
+    dumps_available: DumpsAvailable | None = None,
+) -> Starlette:
+    """The publishing app over the store the harvester fills (see the module docstring)."""
+    state_path = Path(state_path)
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    State(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
+    publisher = Publisher(config, blobs, state_path, dumps_available)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            publisher.pool.close()
+
+    get = ["GET", "HEAD"]
+    routes: list[BaseRoute] = [
+        *extra_routes,
+        Route("/", home, methods=get),
+        Route("/robots.txt", robots, methods=get),
+        Route("/.well-known/resourcesync", well_known, methods=get),
+        Route("/{set}/capabilitylist.xml", capabilitylist, methods=get),
+        Route("/{set}/resourcelist.xml", resourcelist, methods=get),
+        Route("/{set}/resourcelist/{lo:int}-{hi}.xml", resourcelist_part, methods=get),
+        Route("/{set}/changelist.xml", changelist, methods=get),
+        Route("/{set}/changelist/{k:int}.xml", changelist_window, methods=get),
+        Route("/{set}/r/{rest:path}", resource, methods=get),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.publisher = publisher
+    return app
+
+
+__all__ = ["DocumentResponse", "Publisher", "ReaderPool", "create_app"]

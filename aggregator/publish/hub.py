@@ -1,0 +1,921 @@
+"""rsagg's embedded WebSub hub: subscriptions, verification of intent, signed and retried delivery.
+
+Follows the W3C WebSub Recommendation (2018; "WebSub §N" below) as the transport of ResourceSync Change
+and Framework Notification (Notification 1.0 §4; spec/NOTES.md "Change Notification"):
+
+- ``POST`` at the hub path, form-encoded (WebSub §5.1): ``hub.mode=subscribe|unsubscribe`` is answered
+  202 at once and verified later (§5.1.2: the answer never depends on the verification); the worker
+  GETs the callback with a random single-use ``hub.challenge`` (§5.3, §8) and only a 2xx whose body is
+  exactly the challenge changes anything (§5.3.1), so a failed verification leaves the state as it was
+  (§5.1). A topic this hub does not serve is refused by the validation step, ``hub.mode=denied`` (§5.2).
+- Publishing, both ways (NOTES "Source -> hub"): ``hub.mode=publish`` with ``hub.topic`` (or the older
+  ``hub.url``) makes the hub GET the topic and fan its body out (WebSub §6, generic); a ``POST`` of an
+  XML payload whose ``Link`` header names the topic ``rel="self"`` fans that body out (Notification §4.1,
+  ResourceSync). rsagg itself calls ``Hub.publish`` in-process.
+- Delivery (WebSub §7): POST of the body with the topic's Content-Type and ``Link: <hub>; rel="hub",
+  <topic>; rel="self"`` (plus the publisher's ``rel="resourcesync"``, Notification §4.3 Example 7),
+  ``X-Hub-Signature: sha256=<hex HMAC>`` when the subscriber gave a secret (§7.1; SHA-256 as the floor
+  §8 recommends). 2xx = delivered; 410 = subscription deleted; anything else is retried with
+  exponential backoff and jitter until the lease ends (§7: the subscription stays active meanwhile).
+  Deliveries to one callback go out in publication order (a later one waits for the earlier), since
+  a ResourceSync Destination reads out-of-order notifications as a gap (NOTES "Payload").
+
+Everything the worker does comes from tables in the state database (``hub_*``, created here with
+``CREATE TABLE IF NOT EXISTS``; the harvester's schema versioning is not involved): pending
+verifications, subscriptions, payloads and deliveries survive a restart, and there is no in-memory queue
+to grow. A delivery interrupted by a crash is sent again (at-least-once). Bounds: concurrent jobs,
+per-request deadlines, payload size, pending deliveries per subscription (the oldest are dropped, §7
+"self-imposed limits"), pending verifications (503 when full).
+
+Security: a payload POST makes the hub sign and send whatever it is given to every subscriber, so it
+needs ``Authorization: Bearer <publish_token>`` (refused when no token is configured); the generic ping
+is harmless (the hub fetches the topic itself). Topics are limited by ``allowed_topic`` (by default,
+with ``topics_under``, rsagg's own URLs: a hub relaying anything is an open relay). Callbacks may be any
+http(s) URL unless ``allowed_callback`` says otherwise (verification GETs go wherever a subscriber
+points: a deployment that must not reach its internal network should restrict them). Secrets are kept
+in the database as given: the hub needs them to sign.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import random
+import re
+import secrets
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+import httpx
+import trio
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from .. import __version__
+from ..harvest.discovery import links_with_rel
+from ..harvest.fetch import retry_after_seconds
+from ..rs.w3cdt import utcnow
+from ..store.state import format_dt, parse_dt
+
+log = logging.getLogger("rsagg.hub")
+T = TypeVar("T")
+
+#: ``metrics(event, outcome)``; the pairs sent:
+#: ("verification", "subscribed" | "unsubscribed" | "failed" | "denied"),
+#: ("delivery", "ok" | "retry" | "failed" | "gone" | "dropped"), ("subscription", "expired"),
+#: ("publish", "accepted") once per payload queued for at least one subscriber.
+MetricsHook = Callable[[str, str], None]
+TopicPolicy = Callable[[str], bool]
+
+FORM = "application/x-www-form-urlencoded"
+MAX_FORM_BYTES = 64 * 1024
+MAX_URL_CHARS = 4096
+MAX_SECRET_BYTES = 200  # WebSub §5.1: hub.secret MUST be less than 200 bytes
+MAX_TOPICS_PER_PING = 16
+# Characters that would break a Link header or a request line; the rest is httpx's to check.
+_BAD_URL_CHARS = re.compile(r'[\x00-\x20\x7f<>"\\]')
+
+
+@dataclass(frozen=True)
+class HubLimits:
+    """Policy numbers (defaults for production; tests shrink the times)."""
+
+    lease_default: int = 86_400  # seconds granted when the subscriber asks for none
+    lease_min: int = 60
+    lease_max: int = 864_000  # WebSub §8: "10 days is a good default"; we never grant more
+    concurrency: int = 16  # verifications + deliveries in flight
+    request_timeout: float = 10.0  # whole-request deadline for every hub request
+    backoff_base: float = 5.0  # first retry after ~this; doubles each failure
+    backoff_max: float = 3600.0
+    max_payload_bytes: int = 4 * 1024 * 1024  # notifications are small: bursts are split (NOTES)
+    max_pending_per_subscription: int = 1000  # older undelivered payloads are dropped beyond this
+    max_pending_verifications: int = 10_000
+    max_topic_fetches: int = 4  # concurrent topic GETs for hub.mode=publish
+    poll_interval: float = 60.0  # worker wakes at least this often (clock changes, other writers)
+
+
+def topics_under(base_url: str) -> TopicPolicy:
+    """A topic policy: URLs at or below ``base_url`` (same scheme and host, path prefix by segment)."""
+    base = urlsplit(base_url.rstrip("/"))
+    scheme, netloc, root = base.scheme.lower(), base.netloc.lower(), base.path
+
+    def allowed(topic: str) -> bool:
+        try:
+            t = urlsplit(topic)
+        except ValueError:
+            return False
+        path = t.path or "/"
+        if t.scheme.lower() != scheme or t.netloc.lower() != netloc:
+            return False
+        if any(seg in (".", "..") for seg in path.split("/")):
+            return False
+        return path == root or path.startswith(root + "/")
+
+    return allowed
+
+
+def signature(secret: str, body: bytes) -> str:
+    """The ``X-Hub-Signature`` value for ``body`` (WebSub §7.1, sha256)."""
+    return "sha256=" + hmac.new(secret.encode("utf-8"), body, hashlib.sha256).hexdigest()
+
+
+class _Refusal(ValueError):
+    """A request answered with an error status and a plain-text reason (WebSub §5.1.2)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+@dataclass(frozen=True, slots=True)
+class _Verification:
+    id: int
+    mode: str  # subscribe | unsubscribe | denied
+    topic: str
+    callback: str
+    secret: str | None
+    lease_seconds: int | None
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Delivery:
+    id: int
+    subscription_id: int
+    callback: str
+    secret: str | None
+    attempts: int
+    body: bytes
+    content_type: str
+    link: str
+
+
+@dataclass(slots=True)
+class _Plan:
+    verifications: list[_Verification]
+    deliveries: list[_Delivery]
+    next_due: datetime | None
+    expired: int
+
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS hub_subscriptions (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: in-flight jobs name rows by id
+        topic TEXT NOT NULL,
+        callback TEXT NOT NULL,
+        secret TEXT,                            -- hub.secret as given (needed to sign); NULL = none
+        lease_seconds INTEGER NOT NULL,         -- as granted
+        lease_expires TEXT NOT NULL,            -- fixed-width W3C UTC (store.state.format_dt)
+        created TEXT NOT NULL,
+        verified TEXT NOT NULL,                 -- last successful verification (renewals move it)
+        UNIQUE (topic, callback)
+    )""",
+    "CREATE INDEX IF NOT EXISTS hub_subscriptions_expires ON hub_subscriptions(lease_expires)",
+    """CREATE TABLE IF NOT EXISTS hub_verifications (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,   -- a newer request for the pair replaces the row
+        mode TEXT NOT NULL CHECK (mode IN ('subscribe', 'unsubscribe', 'denied')),
+        topic TEXT NOT NULL,
+        callback TEXT NOT NULL,
+        secret TEXT,
+        lease_seconds INTEGER,                  -- granted (clamped) lease for subscribe
+        reason TEXT,                            -- hub.reason for denied
+        requested TEXT NOT NULL,
+        UNIQUE (topic, callback)
+    )""",
+    """CREATE TABLE IF NOT EXISTS hub_payloads (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        topic TEXT NOT NULL,
+        body BLOB NOT NULL,
+        content_type TEXT NOT NULL,
+        link TEXT NOT NULL,                     -- the Link header sent with every delivery of it
+        created TEXT NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS hub_deliveries (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,   -- order of publication per subscription
+        subscription_id INTEGER NOT NULL REFERENCES hub_subscriptions(id) ON DELETE CASCADE,
+        payload_id INTEGER NOT NULL REFERENCES hub_payloads(id),
+        attempts INTEGER NOT NULL DEFAULT 0,
+        next_attempt TEXT NOT NULL,             -- fixed-width W3C UTC
+        last_error TEXT
+    )""",
+    "CREATE INDEX IF NOT EXISTS hub_deliveries_subscription ON hub_deliveries(subscription_id, id)",
+    "CREATE INDEX IF NOT EXISTS hub_deliveries_payload ON hub_deliveries(payload_id)",
+)
+
+# The oldest pending delivery of each subscription: the only one that may go out (in-order delivery).
+_HEADS = "SELECT MIN(id) FROM hub_deliveries GROUP BY subscription_id"
+_GC_PAYLOADS = (
+    "DELETE FROM hub_payloads WHERE NOT EXISTS "
+    "(SELECT 1 FROM hub_deliveries d WHERE d.payload_id = hub_payloads.id)"
+)
+
+
+def _in(ids: Sequence[int]) -> str:
+    return ", ".join("?" * len(ids))
+
+
+class Hub:
+    """The embedded WebSub hub: ``routes()`` for the HTTP side, ``run()`` for the worker, ``publish()``.
+
+    One instance per process; its own SQLite connection to the state database (WAL: the harvester's
+    writes and the publisher's reads go on alongside; its calls run in worker threads).
+    """
+
+    def __init__(
+        self,
+        db_path: Path | str,
+        client: httpx.AsyncClient | Callable[[], httpx.AsyncClient] | None = None,
+        *,
+        hub_url: str,
+        allowed_topic: TopicPolicy,
+        allowed_callback: TopicPolicy | None = None,
+        publish_token: str | None = None,
+        path: str | None = None,
+        limits: HubLimits | None = None,
+        metrics: MetricsHook | None = None,
+        clock: Callable[[], datetime] = utcnow,
+        busy_timeout: float = 30.0,
+    ) -> None:
+        """``client``: an httpx client to share (not closed here), a factory (called on first use,
+        closed by ``aclose``) or None (an own client). ``path``: the route path, by default the path of
+        ``hub_url`` (differs when a proxy adds a prefix)."""
+        self.hub_url = hub_url
+        self.path = path or urlsplit(hub_url).path or "/"
+        self.allowed_topic = allowed_topic
+        self.allowed_callback = allowed_callback
+        self.publish_token = publish_token
+        self.limits = limits or HubLimits()
+        self.metrics = metrics
+        self._clock = clock
+        if isinstance(client, httpx.AsyncClient):
+            self._client: httpx.AsyncClient | None = client
+            self._factory: Callable[[], httpx.AsyncClient] | None = None
+        else:
+            self._client = None
+            self._factory = client or self._default_client
+        self._owned: httpx.AsyncClient | None = None
+        self._wake = trio.Event()
+        self._busy_verifications: set[int] = set()
+        self._busy_subscriptions: set[int] = set()
+        self._fetch_limiter = trio.CapacityLimiter(self.limits.max_topic_fetches)
+        self._db_limiter = trio.CapacityLimiter(1)
+        self._lock = threading.RLock()
+        self.conn = sqlite3.connect(
+            str(db_path), timeout=busy_timeout, check_same_thread=False, isolation_level=None
+        )
+        self.conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        self.conn.execute("PRAGMA journal_mode = WAL")
+        self.conn.execute("PRAGMA synchronous = NORMAL")
+        self.conn.execute("PRAGMA foreign_keys = ON")
+        with self._write() as c:
+            for statement in SCHEMA:
+                c.execute(statement)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _default_client(self) -> httpx.AsyncClient:
+        n = self.limits.concurrency + self.limits.max_topic_fetches
+        return httpx.AsyncClient(
+            timeout=self.limits.request_timeout,
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+            headers={"User-Agent": f"rsagg/{__version__} (WebSub hub)"},
+            follow_redirects=False,
+        )
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            assert self._factory is not None
+            self._client = self._owned = self._factory()
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close an own HTTP client and the database connection."""
+        if self._owned is not None:
+            await self._owned.aclose()
+            self._owned = self._client = None
+        with self._lock:
+            self.conn.close()
+
+    async def __aenter__(self) -> Hub:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def wake(self) -> None:
+        """Make the worker look at the tables now (new work, or a changed clock in tests)."""
+        self._wake.set()
+
+    # -- database plumbing -----------------------------------------------------------------------
+
+    def _now(self) -> datetime:
+        return self._clock()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.conn
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+            else:
+                self.conn.execute("COMMIT")
+
+    async def _db(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a database call in a worker thread (a harvester transaction must not stall the loop)."""
+        return await trio.to_thread.run_sync(
+            lambda: fn(*args), limiter=self._db_limiter, abandon_on_cancel=False
+        )
+
+    def _metric(self, event: str, outcome: str, n: int = 1) -> None:
+        if self.metrics is None:
+            return
+        for _ in range(n):
+            try:
+                self.metrics(event, outcome)
+            except Exception:
+                log.exception("hub metrics hook failed")
+
+    # -- reads (status, tests) -------------------------------------------------------------------
+
+    def subscriptions(self, topic: str | None = None) -> list[dict[str, Any]]:
+        """Active and not yet purged subscriptions (secrets are not returned, only whether one is set).
+
+        Blocking (a quick read, but it may wait for the hub's lock): from async code, call it through
+        ``trio.to_thread.run_sync``; so for ``pending``."""
+        sql = (
+            "SELECT topic, callback, secret IS NOT NULL, lease_seconds, lease_expires, created, verified "
+            "FROM hub_subscriptions" + (" WHERE topic = ?" if topic is not None else "") + " ORDER BY id"
+        )
+        with self._lock:
+            rows = self.conn.execute(sql, () if topic is None else (topic,)).fetchall()
+        keys = ("topic", "callback", "has_secret", "lease_seconds", "lease_expires", "created", "verified")
+        out = []
+        for row in rows:
+            d = dict(zip(keys, row, strict=True))
+            d["has_secret"] = bool(d["has_secret"])
+            for k in ("lease_expires", "created", "verified"):
+                d[k] = parse_dt(d[k])
+            out.append(d)
+        return out
+
+    def pending(self) -> dict[str, int]:
+        """How much work waits: verifications and deliveries."""
+        with self._lock:
+            v = self.conn.execute("SELECT COUNT(*) FROM hub_verifications").fetchone()[0]
+            d = self.conn.execute("SELECT COUNT(*) FROM hub_deliveries").fetchone()[0]
+        return {"verifications": v, "deliveries": d}
+
+    # -- HTTP side -------------------------------------------------------------------------------
+
+    def routes(self) -> list[Route]:
+        """The hub URL: POST only (subscription requests, pings, payloads)."""
+        return [Route(self.path, self.endpoint, methods=["POST"], name="websub-hub")]
+
+    async def endpoint(self, request: Request) -> Response:
+        """One POST at the hub URL, dispatched on its Content-Type and ``hub.mode``."""
+        try:
+            mime = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+            if mime == FORM:
+                form = _parse_form(await _read_body(request, MAX_FORM_BYTES))
+                mode = _one(form, "hub.mode")
+                if mode in ("subscribe", "unsubscribe"):
+                    return await self._subscription_request(mode, form)
+                if mode == "publish":
+                    return await self._ping(form)
+                if mode is None:
+                    raise _Refusal(400, "hub.mode is missing (subscribe, unsubscribe or publish)")
+                raise _Refusal(400, f"hub.mode {mode!r} is not supported (subscribe, unsubscribe, publish)")
+            if mime in ("application/xml", "text/xml") or mime.endswith("+xml"):
+                return await self._payload(request, mime)
+            raise _Refusal(
+                415,
+                f"Content-Type must be {FORM} (WebSub requests) or application/xml (a ResourceSync "
+                f"notification payload), not {mime or 'none'!r}",
+            )
+        except _Refusal as r:
+            return PlainTextResponse(r.message + "\n", status_code=r.status, headers=r.headers)
+
+    async def _subscription_request(self, mode: str, form: dict[str, list[str]]) -> Response:
+        """WebSub §5.1: check the request, queue its verification, answer 202 (§5.1.2)."""
+        callback = _url(_one(form, "hub.callback"), "hub.callback")
+        topic = _url(_one(form, "hub.topic"), "hub.topic")
+        if self.allowed_callback is not None and not self.allowed_callback(callback):
+            raise _Refusal(403, f"hub.callback {callback} is refused by this hub's policy")
+        secret = _one(form, "hub.secret") or None  # an empty secret signs nothing: treated as none
+        if secret is not None and len(secret.encode("utf-8")) >= MAX_SECRET_BYTES:
+            raise _Refusal(400, f"hub.secret must be less than {MAX_SECRET_BYTES} bytes (WebSub §5.1)")
+        lease: int | None = None
+        reason: str | None = None
+        if mode == "subscribe":  # §5.1: lease_seconds of an unsubscription MUST be ignored
+            lease = self._grant_lease(_one(form, "hub.lease_seconds"))
+            if not self.allowed_topic(topic):
+                mode, secret = "denied", None
+                reason = "this hub only serves topics of the aggregator that runs it"
+        now = format_dt(self._now())
+        await self._db(self._queue_verification, mode, topic, callback, secret, lease, reason, now)
+        self.wake()
+        return PlainTextResponse("Accepted: the hub will verify this request with the callback.\n", 202)
+
+    def _grant_lease(self, raw: str | None) -> int:
+        """WebSub §5.1/§5.3.1: the hub decides; we clamp to [lease_min, lease_max], never perpetual."""
+        lim = self.limits
+        if raw is None or raw == "":
+            return lim.lease_default
+        if not raw.isascii() or not raw.isdigit() or not raw.strip("0"):
+            raise _Refusal(400, f"hub.lease_seconds must be a positive decimal integer, not {raw[:40]!r}")
+        if len(raw) > 18:  # far beyond any maximum (and int() refuses very long digit strings)
+            return lim.lease_max
+        return max(lim.lease_min, min(lim.lease_max, int(raw)))
+
+    def _queue_verification(
+        self,
+        mode: str,
+        topic: str,
+        callback: str,
+        secret: str | None,
+        lease: int | None,
+        reason: str | None,
+        now: str,
+    ) -> None:
+        with self._write() as c:
+            waiting = c.execute("SELECT COUNT(*) FROM hub_verifications").fetchone()[0]
+            known = c.execute(
+                "SELECT 1 FROM hub_verifications WHERE topic = ? AND callback = ?", (topic, callback)
+            ).fetchone()
+            if waiting >= self.limits.max_pending_verifications and not known:
+                raise _Refusal(
+                    503, "too many subscription requests waiting; try later", {"Retry-After": "60"}
+                )
+            # A newer request for the same (topic, callback) replaces the waiting one: the latest intent
+            # is the one to verify (§5.1: each request overrides the previous state once verified).
+            c.execute(
+                "INSERT OR REPLACE INTO hub_verifications (mode, topic, callback, secret, lease_seconds, "
+                "reason, requested) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (mode, topic, callback, secret, lease, reason, now),
+            )
+
+    async def _ping(self, form: dict[str, list[str]]) -> Response:
+        """Generic WebSub publishing (§6): fetch each named topic, fan its body out."""
+        topics = list(dict.fromkeys(form.get("hub.topic", []) + form.get("hub.url", [])))
+        if not topics:
+            raise _Refusal(400, "hub.mode=publish needs hub.topic (or hub.url) naming the updated topic")
+        if len(topics) > MAX_TOPICS_PER_PING:
+            raise _Refusal(400, f"at most {MAX_TOPICS_PER_PING} topics per publish request")
+        for t in topics:
+            _url(t, "hub.topic")
+            if not self.allowed_topic(t):
+                raise _Refusal(403, f"topic {t} is not published through this hub")
+        fetched = [await self._fetch_topic(t) for t in topics]
+        queued = 0
+        for t, (body, content_type, resourcesync) in zip(topics, fetched, strict=True):
+            queued += await self.publish(t, body, content_type, resourcesync=resourcesync)
+        return PlainTextResponse(f"Accepted: {queued} deliveries queued.\n", 202)
+
+    async def _fetch_topic(self, topic: str) -> tuple[bytes, str, list[str]]:
+        """GET the topic (no redirects, bounded size and time): body, Content-Type, resourcesync links."""
+        lim = self.limits
+        with trio.move_on_after(lim.request_timeout) as waiting:
+            await self._fetch_limiter.acquire()
+        if waiting.cancelled_caught:
+            raise _Refusal(503, "the hub is busy fetching topics; try again", {"Retry-After": "5"})
+        try:
+            with trio.fail_after(lim.request_timeout):
+                headers = {"Accept-Encoding": "identity"}
+                async with self._http().stream("GET", topic, headers=headers, follow_redirects=False) as r:
+                    if r.status_code != 200:
+                        raise _Refusal(502, f"GET {topic} answered {r.status_code}, not 200")
+                    body = await _read_capped(r, lim.max_payload_bytes)
+                    if body is None:
+                        raise _Refusal(502, f"GET {topic}: body over {lim.max_payload_bytes} bytes")
+                    content_type = r.headers.get("content-type") or "application/octet-stream"
+                    resourcesync = links_with_rel(r.headers.get("link"), "resourcesync", topic)
+        except trio.TooSlowError:
+            raise _Refusal(502, f"GET {topic} timed out after {lim.request_timeout} s") from None
+        except httpx.HTTPError as exc:
+            raise _Refusal(502, f"GET {topic} failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._fetch_limiter.release()
+        return body, content_type, resourcesync
+
+    async def _payload(self, request: Request, content_type: str) -> Response:
+        """ResourceSync publishing (Notification §4.1): the body is the payload, Link rel="self" the topic."""
+        if self.publish_token is None:
+            raise _Refusal(
+                403,
+                "publishing a payload to this hub is disabled (no publish token configured); "
+                "ping it with hub.mode=publish&hub.topic=TOPIC instead",
+            )
+        auth = request.headers.get("authorization", "")
+        if not hmac.compare_digest(auth.encode(), f"Bearer {self.publish_token}".encode()):
+            raise _Refusal(
+                401, "a payload POST needs Authorization: Bearer <token>", {"WWW-Authenticate": "Bearer"}
+            )
+        link = ", ".join(request.headers.getlist("link"))
+        base = str(request.url)
+        selves = list(dict.fromkeys(links_with_rel(link, "self", base)))
+        if len(selves) != 1:
+            raise _Refusal(
+                400, f'the Link header must name exactly one topic with rel="self" (found {len(selves)})'
+            )
+        topic = _url(selves[0], 'Link rel="self"')
+        if not self.allowed_topic(topic):
+            raise _Refusal(403, f"topic {topic} is not published through this hub")
+        body = await _read_body(request, self.limits.max_payload_bytes)
+        if not body:
+            raise _Refusal(400, "the notification payload is empty")
+        resourcesync = [u for u in links_with_rel(link, "resourcesync", base) if _valid_url(u)]
+        queued = await self.publish(
+            topic, body, request.headers.get("content-type", content_type), resourcesync=resourcesync
+        )
+        return PlainTextResponse(f"Accepted: {queued} deliveries queued.\n", 202)
+
+    # -- publishing ------------------------------------------------------------------------------
+
+    async def publish(
+        self,
+        topic: str,
+        body: bytes,
+        content_type: str = "application/xml",
+        *,
+        resourcesync: Sequence[str] = (),
+    ) -> int:
+        """Queue ``body`` for every active subscriber of ``topic``; returns how many deliveries.
+
+        In-process publishing for rsagg's own notifications (not checked against ``allowed_topic``).
+        ``resourcesync``: Capability List URLs sent as ``rel="resourcesync"`` (Notification §4.1).
+        """
+        _url(topic, "topic")
+        links = [f'<{self.hub_url}>; rel="hub"', f'<{topic}>; rel="self"']
+        links += [f'<{u}>; rel="resourcesync"' for u in resourcesync if _valid_url(u)]
+        queued, dropped = await self._db(
+            self._queue_payload, topic, bytes(body), content_type, ", ".join(links), format_dt(self._now())
+        )
+        if queued:
+            self._metric("publish", "accepted")
+            self.wake()
+        self._metric("delivery", "dropped", dropped)
+        return queued
+
+    def _queue_payload(
+        self, topic: str, body: bytes, content_type: str, link: str, now: str
+    ) -> tuple[int, int]:
+        with self._write() as c:
+            subs = [
+                r[0]
+                for r in c.execute(
+                    "SELECT id FROM hub_subscriptions WHERE topic = ? AND lease_expires > ?", (topic, now)
+                )
+            ]
+            if not subs:
+                return 0, 0
+            pid = c.execute(
+                "INSERT INTO hub_payloads (topic, body, content_type, link, created) VALUES (?, ?, ?, ?, ?)",
+                (topic, body, content_type, link, now),
+            ).lastrowid
+            c.executemany(
+                "INSERT INTO hub_deliveries (subscription_id, payload_id, next_attempt) VALUES (?, ?, ?)",
+                [(s, pid, now) for s in subs],
+            )
+            # WebSub §7 "self-imposed limits": a callback that stays down keeps only the newest ones.
+            dropped = c.execute(
+                """DELETE FROM hub_deliveries WHERE id IN (
+                    SELECT id FROM (
+                        SELECT id, ROW_NUMBER() OVER (PARTITION BY subscription_id ORDER BY id DESC) AS n
+                        FROM hub_deliveries
+                        WHERE subscription_id IN (SELECT id FROM hub_subscriptions WHERE topic = ?)
+                    ) WHERE n > ?)""",
+                (topic, self.limits.max_pending_per_subscription),
+            ).rowcount
+            if dropped:
+                c.execute(_GC_PAYLOADS)
+        return len(subs), dropped
+
+    # -- the worker ------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The background worker: verifications, deliveries, retries, lease expiry. Runs until cancelled.
+
+        Each round reads what is due from the tables (at most ``concurrency`` jobs in flight), starts
+        it, and sleeps until the next due time, a wake-up (new work, a job done) or ``poll_interval``.
+        Cancelling it leaves unfinished work in the tables for the next start; call ``aclose`` only
+        after it has returned.
+        """
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                self._wake = trio.Event()  # before reading: a wake-up during the read is not lost
+                now = self._now()
+                free = self.limits.concurrency - len(self._busy_verifications) - len(self._busy_subscriptions)
+                plan = await self._db(
+                    self._plan, now, free, sorted(self._busy_verifications), sorted(self._busy_subscriptions)
+                )
+                self._metric("subscription", "expired", plan.expired)
+                for v in plan.verifications:
+                    self._busy_verifications.add(v.id)
+                    nursery.start_soon(self._job, self._verify, v)
+                for d in plan.deliveries:
+                    self._busy_subscriptions.add(d.subscription_id)
+                    nursery.start_soon(self._job, self._deliver, d)
+                delay = self.limits.poll_interval
+                if plan.next_due is not None:
+                    delay = max(0.0, min(delay, (plan.next_due - now).total_seconds()))
+                with trio.move_on_after(delay):
+                    await self._wake.wait()
+
+    def _plan(self, now_dt: datetime, free: int, busy_v: list[int], busy_s: list[int]) -> _Plan:
+        now = format_dt(now_dt)
+        expired = 0
+        with self._lock:
+            c = self.conn
+            if c.execute(
+                "SELECT 1 FROM hub_subscriptions WHERE lease_expires <= ? LIMIT 1", (now,)
+            ).fetchone():
+                with self._write():  # WebSub §5.3.1: hubs MUST enforce lease expirations
+                    expired = c.execute(
+                        "DELETE FROM hub_subscriptions WHERE lease_expires <= ?", (now,)
+                    ).rowcount
+                    c.execute(_GC_PAYLOADS)
+            row = c.execute("SELECT MIN(lease_expires) FROM hub_subscriptions").fetchone()
+            next_due = parse_dt(row[0]) if row and row[0] else None
+            if free <= 0:  # wait for a job to finish (it wakes us)
+                return _Plan([], [], next_due, expired)
+            verifications = [
+                _Verification(*r)
+                for r in c.execute(
+                    "SELECT id, mode, topic, callback, secret, lease_seconds, reason FROM hub_verifications "
+                    f"WHERE id NOT IN ({_in(busy_v)}) ORDER BY id LIMIT ?",
+                    (*busy_v, free + 1),
+                )
+            ]
+            if len(verifications) > free:
+                verifications, next_due = verifications[:free], now_dt
+            free -= len(verifications)
+            deliveries: list[_Delivery] = []
+            if free > 0:
+                deliveries = [
+                    _Delivery(*r)
+                    for r in c.execute(
+                        "SELECT d.id, s.id, s.callback, s.secret, d.attempts, p.body, p.content_type, p.link "
+                        "FROM hub_deliveries d JOIN hub_subscriptions s ON s.id = d.subscription_id "
+                        "JOIN hub_payloads p ON p.id = d.payload_id "
+                        f"WHERE d.id IN ({_HEADS}) AND d.next_attempt <= ? AND s.id NOT IN ({_in(busy_s)}) "
+                        "ORDER BY d.next_attempt, d.id LIMIT ?",
+                        (now, *busy_s, free + 1),
+                    )
+                ]
+                if len(deliveries) > free:
+                    deliveries, next_due = deliveries[:free], now_dt
+            busy_s = busy_s + [d.subscription_id for d in deliveries]
+            row = c.execute(
+                f"SELECT MIN(next_attempt) FROM hub_deliveries WHERE id IN ({_HEADS}) "
+                f"AND subscription_id NOT IN ({_in(busy_s)})",
+                busy_s,
+            ).fetchone()
+            if row and row[0]:
+                due = parse_dt(row[0])
+                next_due = due if next_due is None else min(next_due, due)
+        return _Plan(verifications, deliveries, next_due, expired)
+
+    async def _job(self, fn: Callable[[Any], Any], item: _Verification | _Delivery) -> None:
+        try:
+            await fn(item)
+        except Exception:
+            log.exception("hub: %s failed unexpectedly", item)
+            await trio.sleep(1.0)  # a persistent failure (database?) must not spin the worker
+        finally:
+            if isinstance(item, _Verification):
+                self._busy_verifications.discard(item.id)
+            else:
+                self._busy_subscriptions.discard(item.subscription_id)
+            self.wake()
+
+    async def _verify(self, v: _Verification) -> None:
+        """WebSub §5.3 (verification of intent) or §5.2 (denial): one GET to the callback."""
+        challenge = secrets.token_urlsafe(32)  # §8: random, single-use
+        params = [("hub.mode", v.mode), ("hub.topic", v.topic)]
+        if v.mode == "denied":
+            params.append(("hub.reason", v.reason or "refused"))
+        else:
+            params.append(("hub.challenge", challenge))
+            if v.mode == "subscribe":
+                params.append(("hub.lease_seconds", str(v.lease_seconds)))
+        started = self._now()  # §5.3: the lease runs from the time of the verification request
+        ok, detail = False, ""
+        try:
+            with trio.fail_after(self.limits.request_timeout):
+                headers = {"Accept-Encoding": "identity"}
+                url = _with_query(v.callback, params)
+                async with self._http().stream("GET", url, headers=headers, follow_redirects=False) as r:
+                    detail = f"status {r.status_code}"
+                    if v.mode != "denied" and 200 <= r.status_code < 300:  # §5.3.1: 3xx/4xx/5xx = failed
+                        body = await _read_capped(r, len(challenge))
+                        ok = body == challenge.encode("ascii")
+                        detail += "" if ok else ", body is not the challenge"
+        except trio.TooSlowError:
+            detail = "timed out"
+        except httpx.HTTPError as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+        outcome = await self._db(
+            self._verified, v, ok, format_dt(started + timedelta(seconds=v.lease_seconds or 0))
+        )
+        if outcome is None:
+            return  # replaced by a newer request for the same pair while we asked
+        log.info("hub: %s %s for %s -> %s (%s)", v.mode, v.topic, v.callback, outcome, detail)
+        self._metric("verification", outcome)
+
+    def _verified(self, v: _Verification, ok: bool, lease_expires: str) -> str | None:
+        now = format_dt(self._now())
+        with self._write() as c:
+            if c.execute("DELETE FROM hub_verifications WHERE id = ?", (v.id,)).rowcount == 0:
+                return None
+            if v.mode == "denied":  # §5.2: denied at any point ends the subscription too
+                c.execute(
+                    "DELETE FROM hub_subscriptions WHERE topic = ? AND callback = ?", (v.topic, v.callback)
+                )
+                c.execute(_GC_PAYLOADS)
+                return "denied"
+            if not ok:  # §5.1: if verification fails, the subscription state MUST be left unchanged
+                return "failed"
+            if v.mode == "unsubscribe":
+                c.execute(
+                    "DELETE FROM hub_subscriptions WHERE topic = ? AND callback = ?", (v.topic, v.callback)
+                )
+                c.execute(_GC_PAYLOADS)
+                return "unsubscribed"
+            # Renewal keeps the row (and so the pending deliveries), with the new secret and lease.
+            c.execute(
+                "INSERT INTO hub_subscriptions "
+                "(topic, callback, secret, lease_seconds, lease_expires, created, verified) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (topic, callback) DO UPDATE SET "
+                "secret = excluded.secret, lease_seconds = excluded.lease_seconds, "
+                "lease_expires = excluded.lease_expires, verified = excluded.verified",
+                (v.topic, v.callback, v.secret, v.lease_seconds, lease_expires, now, now),
+            )
+            return "subscribed"
+
+    async def _deliver(self, d: _Delivery) -> None:
+        """WebSub §7: POST the payload; the response body is ignored (never read)."""
+        headers = {"Content-Type": d.content_type, "Link": d.link}
+        if d.secret:
+            headers["X-Hub-Signature"] = signature(d.secret, d.body)  # §7.1
+        status: int | None = None
+        retry_after: float | None = None
+        error = ""
+        try:
+            with trio.fail_after(self.limits.request_timeout):
+                async with self._http().stream(
+                    "POST", d.callback, content=d.body, headers=headers, follow_redirects=False
+                ) as r:
+                    status = r.status_code
+                    if status in (429, 503):
+                        retry_after = retry_after_seconds(r.headers.get("retry-after"))
+        except trio.TooSlowError:
+            error = "timed out"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if status is not None:
+            error = f"status {status}"
+        if status is not None and 200 <= status < 300:
+            outcome = "ok"
+        elif status == 410:  # §7: the subscription has been deleted
+            outcome = "gone"
+        else:
+            outcome = "retry"
+        delay = self._backoff(d.attempts + 1, retry_after)
+        outcome = await self._db(self._delivered, d, outcome, error, delay)
+        if outcome != "ok":
+            log.info("hub: delivery to %s (attempt %d): %s -> %s", d.callback, d.attempts + 1, error, outcome)
+        self._metric("delivery", outcome)
+
+    def _backoff(self, attempts: int, retry_after: float | None) -> float:
+        """Exponential backoff with jitter (half fixed, half random); a Retry-After is honoured, capped."""
+        lim = self.limits
+        d = min(lim.backoff_max, lim.backoff_base * 2 ** min(attempts - 1, 60))
+        d = d / 2 + random.uniform(0, d / 2)
+        if retry_after is not None:
+            d = max(d, min(retry_after, lim.backoff_max))
+        return d
+
+    def _delivered(self, d: _Delivery, outcome: str, error: str, delay: float) -> str:
+        now_dt = self._now()
+        with self._write() as c:
+            if outcome == "gone":
+                c.execute("DELETE FROM hub_subscriptions WHERE id = ?", (d.subscription_id,))
+            elif outcome == "ok":
+                c.execute("DELETE FROM hub_deliveries WHERE id = ?", (d.id,))
+            else:
+                row = c.execute(
+                    "SELECT lease_expires FROM hub_subscriptions WHERE id = ?", (d.subscription_id,)
+                ).fetchone()
+                retry_at = format_dt(now_dt + timedelta(seconds=delay))
+                if row is None or retry_at >= row[0]:  # retried until the lease ends, no longer
+                    c.execute("DELETE FROM hub_deliveries WHERE id = ?", (d.id,))
+                    outcome = "failed"
+                else:
+                    c.execute(
+                        "UPDATE hub_deliveries SET attempts = ?, next_attempt = ?, last_error = ? "
+                        "WHERE id = ?",
+                        (d.attempts + 1, retry_at, error[:500], d.id),
+                    )
+            if outcome != "retry":
+                c.execute(_GC_PAYLOADS)
+        return outcome
+
+
+# -- small helpers -------------------------------------------------------------------------------
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) beyond ``limit`` bytes before or while reading."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _Refusal(413, f"request body over {limit} bytes")
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise _Refusal(413, f"request body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_capped(response: httpx.Response, limit: int) -> bytes | None:
+    """A response body of at most ``limit`` bytes, or None (stops reading) when longer."""
+    buf = bytearray()
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        if len(buf) > limit:
+            return None
+    return bytes(buf)
+
+
+def _parse_form(body: bytes) -> dict[str, list[str]]:
+    """WebSub §5.1: UTF-8, form-encoded; unknown parameters are kept aside (and so ignored)."""
+    try:
+        text = body.decode("utf-8")
+        pairs = parse_qsl(text, keep_blank_values=True, max_num_fields=100, errors="strict")
+    except UnicodeDecodeError:
+        raise _Refusal(400, "the form is not UTF-8 (WebSub §5.1)") from None
+    except ValueError as exc:
+        raise _Refusal(400, f"malformed form: {exc}") from None
+    form: dict[str, list[str]] = {}
+    for k, v in pairs:
+        form.setdefault(k, []).append(v)
+    return form
+
+
+def _one(form: dict[str, list[str]], name: str) -> str | None:
+    values = form.get(name, [])
+    if len(values) > 1:
+        raise _Refusal(400, f"{name} is given {len(values)} times")
+    return values[0] if values else None
+
+
+def _valid_url(value: str) -> bool:
+    try:
+        _url(value, "url")
+    except _Refusal:
+        return False
+    return True
+
+
+def _url(value: str | None, name: str) -> str:
+    """An absolute http(s) URL fit for a request and a Link header, else a 400 naming the parameter."""
+    if not value:
+        raise _Refusal(400, f"{name} is missing")
+    if len(value) > MAX_URL_CHARS:
+        raise _Refusal(400, f"{name} is longer than {MAX_URL_CHARS} characters")
+    if _BAD_URL_CHARS.search(value):
+        raise _Refusal(400, f'{name} contains characters not allowed in a URL (space, control, <>"\\)')
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 -- raises ValueError on a bad port
+        httpx.URL(value)
+    except (ValueError, httpx.InvalidURL) as exc:
+        raise _Refusal(400, f"{name} is not a valid URL: {exc}") from None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise _Refusal(400, f"{name} must be an absolute http or https URL, not {value!r}")
+    return value
+
+
+def _with_query(url: str, params: list[tuple[str, str]]) -> str:
+    """WebSub §5.1.1: keep the callback's own query, append ours with ``&`` (nothing is overwritten)."""
+    base, _, _fragment = url.partition("#")
+    sep = "" if base.endswith(("?", "&")) else ("&" if "?" in base else "?")
+    return base + sep + urlencode(params)
+
+
+__all__ = ["FORM", "Hub", "HubLimits", "MetricsHook", "signature", "topics_under"]
