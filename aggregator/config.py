@@ -60,6 +60,8 @@ class SourceConfig:
     interval: float | None = None
     use_dumps: bool | None = None
     enabled: bool = True
+    #: Per-source plugin settings, ``plugins.NAME = {...}``: overlaid on ``[plugins.NAME]``.
+    plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ class Config:
     sources: tuple[SourceConfig, ...] = ()
     publish: PublishConfig = field(default_factory=PublishConfig)
     sets: tuple[SetConfig, ...] = ()
+    #: ``[plugins.NAME]`` tables: ``enabled = false`` turns a plugin off, the rest are its settings.
+    plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def store_path(self) -> Path:
@@ -151,9 +155,19 @@ def _section(file: str, prefix: str, cls: type, table: Any, required: tuple[str,
     return cls(**kwargs)
 
 
+def _check_plugin_tables(file: str, key: str, tables: Any) -> None:
+    if not isinstance(tables, dict):
+        raise ConfigError(file, key, "must be a table of plugin tables")
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            raise ConfigError(file, f"{key}.{name}", "must be a table of settings")
+        if "enabled" in table and not isinstance(table["enabled"], bool):
+            raise ConfigError(file, f"{key}.{name}.enabled", "must be true or false")
+
+
 def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
     """Check and build a Config from parsed TOML."""
-    allowed = {"server", "store", "harvest", "sources", "publish", "sets"}
+    allowed = {"server", "store", "harvest", "sources", "publish", "sets", "plugins"}
     for key in data:
         if key not in allowed:
             raise ConfigError(file, key, f"unknown section (known: {', '.join(sorted(allowed))})")
@@ -189,11 +203,14 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
             raise ConfigError(file, f"{prefix}.name", f"duplicate source name {src.name!r}")
         seen.add(src.name)
         _check_url(file, f"{prefix}.url", src.url)
+        _check_plugin_tables(file, f"{prefix}.plugins", src.plugins)
         sources.append(src)
     publish = _section(file, "publish", PublishConfig, data.get("publish", {}))
     if publish.changelist_size < 1:
         raise ConfigError(file, "publish.changelist_size", "must be at least 1")
     sets = _parse_sets(file, data.get("sets", []), sources)
+    plugins = data.get("plugins", {})
+    _check_plugin_tables(file, "plugins", plugins)
     return Config(
         file=file,
         server=server,
@@ -202,6 +219,7 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
         sources=tuple(sources),
         publish=publish,
         sets=sets,
+        plugins=plugins,
     )
 
 

@@ -43,13 +43,14 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from ..config import Config
+from ..plugins import Plugins
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.state import Resource, State
 from . import documents
 from .documents import Doc, Site, no_dumps
-from .links import LinkPolicy
+from .links import LinkPolicy, PluginLinks
 from .resources import gone, resource_response
 from .sets import PublishedSet, published_sets
 from .uris import split_resource_path
@@ -114,11 +115,13 @@ class Publisher:
         blobs: BlobStore,
         state_path: Path,
         dumps_available: DumpsAvailable | None = None,
+        plugins: Plugins | None = None,
     ) -> None:
         self.config = config
         self.blobs = blobs
         self.pool = ReaderPool(state_path)
-        self.policy = LinkPolicy.from_config(config.publish)
+        self.plugins = plugins or Plugins.from_config(config)
+        self.policy = PluginLinks(self.plugins, LinkPolicy.from_config(config.publish))
         self.dumps_available: DumpsAvailable = dumps_available or no_dumps
 
     @property
@@ -133,7 +136,13 @@ class Publisher:
             policy=self.policy,
             changelist_size=self.config.publish.changelist_size,
             dumps_available=self.dumps_available,
+            visible=self.visible,
         )
+
+    def visible(self, set_name: str, resource: Resource) -> bool:
+        """Hidden when any plugin's ``rsagg_filter_publish`` answers False."""
+        results = self.plugins.call("rsagg_filter_publish", set_name=set_name, resource=resource)
+        return all(answer is not False for _, answer in results)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(reader_state, *args)`` in a worker thread with a pooled read connection."""
@@ -270,7 +279,7 @@ async def resource(request: Request) -> Response:
     if ps is None:
         return gone(None, 404)
     link = f'<{site.capabilitylist(ps.name)}>; rel="resourcesync"'
-    if row is None:
+    if row is None or not site.visible(ps.name, row):
         return gone(link, 404)
     return await resource_response(request, row, pub.blobs, link)
 
@@ -337,12 +346,13 @@ def create_app(
     state_path: Path,
     extra_routes: Sequence[BaseRoute] = (),
     dumps_available: DumpsAvailable | None = None,
+    plugins: Plugins | None = None,
 ) -> Starlette:
     """The publishing app over the store the harvester fills (see the module docstring)."""
     state_path = Path(state_path)
     state_path.parent.mkdir(parents=True, exist_ok=True)
     State(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
-    publisher = Publisher(config, blobs, state_path, dumps_available)
+    publisher = Publisher(config, blobs, state_path, dumps_available, plugins)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -44,7 +44,7 @@ from ..rs.model import (
     Md,
 )
 from ..store.state import LogRecord, Resource, State
-from .links import LinkPolicy
+from .links import LinkPolicy, PluginLinks
 from .sets import PublishedSet
 from .uris import rsagg_uri
 
@@ -69,9 +69,11 @@ class Site:
 
     base_url: str  # no trailing slash
     sets: dict[str, PublishedSet]
-    policy: LinkPolicy
+    policy: LinkPolicy | PluginLinks
     changelist_size: int
     dumps_available: Callable[[str], dict[str, str]] = no_dumps
+    #: ``visible(set name, resource)``: False hides a resource (plugins' ``rsagg_filter_publish``).
+    visible: Callable[[str, Resource], bool] = lambda set_name, resource: True
 
     # -- URL layout (one place) -----------------------------------------------------------------
     @property
@@ -180,7 +182,7 @@ def resource_entry(site: Site, ps: PublishedSet, r: Resource, uri_of: Callable[[
         site.resource(ps.name, r.uri),
         lastmod=r.updated_at,
         md=md,
-        links=site.policy.links(r, uri_of=uri_of),
+        links=site.policy.links(r, uri_of=uri_of, set_name=ps.name),
         extra=list(r.entry_extra),
     )
 
@@ -212,7 +214,7 @@ def change_entry(
             extra=_md_extra(row.md_extra) if current and row is not None else {},
         )
     if row is not None:
-        links = site.policy.links(row, uri_of=uri_of, record=rec)
+        links = site.policy.links(row, uri_of=uri_of, record=rec, set_name=ps.name)
     else:  # rows are never deleted; defensive only
         links = [Link("via", rec.uri)]
     extra = list(row.entry_extra) if current and row is not None else []
@@ -257,7 +259,8 @@ def resource_list_part(
 def _resources(site: Site, state: State, ps: PublishedSet, lo: int, hi: int | None) -> Iterator[Entry]:
     uri_of = UriOf(site, state, ps)
     for r in state.iter_live(ps.set_ids, after_id=lo, until_id=hi):
-        yield resource_entry(site, ps, r, uri_of)
+        if site.visible(ps.name, r):
+            yield resource_entry(site, ps, r, uri_of)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -339,7 +342,8 @@ def change_list_window(
 def _changes(site: Site, state: State, ps: PublishedSet, lo: int, hi: int) -> Iterator[Entry]:
     uri_of = UriOf(site, state, ps)
     for rec, row in state.iter_log_range(ps.set_ids, lo, hi):
-        yield change_entry(site, ps, rec, row, uri_of)
+        if row is None or site.visible(ps.name, row):
+            yield change_entry(site, ps, rec, row, uri_of)
 
 
 __all__ = [

@@ -52,6 +52,7 @@ class LinkPolicy:
         *,
         uri_of: Callable[[str], str | None],
         record: LogRecord | None = None,
+        set_name: str = "",
     ) -> list[Link]:
         """The links of ``resource``'s republished entry; ``uri_of(upstream uri)`` gives our URI of a
         resource we hold (None otherwise).
@@ -107,3 +108,28 @@ class LinkPolicy:
 
 
 __all__ = ["LinkPolicy"]
+
+
+class PluginLinks:
+    """The link policy as the plugins decide it (``rsagg_republish_links``; the default plugin applies
+    ``LinkPolicy``). Should every plugin fail, the built-in policy answers: exactly one via link is an
+    invariant of republishing (§14.8), not something a broken plugin may take away."""
+
+    def __init__(self, plugins, fallback: LinkPolicy | None = None) -> None:
+        self.plugins = plugins
+        self.fallback = fallback or LinkPolicy()
+
+    def links(
+        self,
+        resource: Resource,
+        *,
+        uri_of: Callable[[str], str | None],
+        record: LogRecord | None = None,
+        set_name: str = "",
+    ) -> list[Link]:
+        links = self.plugins.first(
+            "rsagg_republish_links", set_name=set_name, resource=resource, uri_of=uri_of, record=record
+        )
+        if links is None:
+            return self.fallback.links(resource, uri_of=uri_of, record=record)
+        return links

@@ -1,0 +1,1 @@
+"""rsagg's own behaviour at each plugin seam, registered before any third-party plugin."""
