@@ -1,12 +1,16 @@
-"""Run the daemon: harvest every source on its interval and serve the republished Source."""
+"""Run the daemon: harvest every source on its interval and serve the republished Source.
+
+SIGHUP re-reads the configuration file (sources added, removed, changed); SIGTERM/SIGINT stop cleanly.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import trio
 
-from ..daemon import run_daemon
+from ..daemon import ListenError, run_daemon
 from ._common import add_config_arguments, start
 
 
@@ -19,5 +23,9 @@ def run(args: argparse.Namespace) -> int:
     config = start(args)
     if config is None:
         return 2
-    trio.run(lambda: run_daemon(config, harvest=not args.no_harvest))
+    try:
+        trio.run(lambda: run_daemon(config, config_path=args.config, harvest=not args.no_harvest))
+    except ListenError as exc:
+        print(f"rsagg: {exc}", file=sys.stderr)
+        return 1
     return 0
