@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from aggregator.demo.upstream import Upstream, canonical_json
+from aggregator.demo.upstream import StepClock, Upstream, canonical_json
 from aggregator.store.blobs import FileBlobStore
 
 from .harvesting import audit, changelog, harvest, held, make_config
@@ -214,7 +214,8 @@ async def test_conditional_get_skips_unchanged_documents(tmp_path: Path):
 
 async def test_change_dumps_used_to_catch_up(tmp_path: Path):
     """Many changes in closed intervals arrive through Change Dump packages, not one GET each."""
-    up = Upstream(changes_per_list=10, resource_dump=False)
+    # A step clock: the dump-or-lists decision weighs time intervals, which must not depend on load.
+    up = Upstream(changes_per_list=10, resource_dump=False, clock=StepClock())
     up.bulk_create(20)
     async with up.serving() as base:
         cfg = make_config(tmp_path / "data", {"up": base})

@@ -114,9 +114,7 @@ async def _baseline_from(
     snap = Snapshot()
     pipeline = Pipeline(ctx, set_id, source, progress=progress)
     if how == "dump":
-        tmp = ctx.config.store_path / "tmp-dumps"
-        tmp.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=tmp) as d:
+        with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) as d:
             url = info.capabilities[RESOURCEDUMP].url
             async with aclosing(_dump_items(ctx, url, generation, snap, Path(d))) as items:
                 stats = await pipeline.run(items)

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
@@ -35,6 +36,16 @@ class HarvestContext:
     patch_formats: dict[str, PatchApplier] = field(default_factory=builtin_patch_formats)
     progress: dict[str, tuple[int, int]] = field(default_factory=dict)
     _write_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+    #: Called on the trio thread after each state transaction that logged changes (rsagg's notifier
+    #: publishes them at once instead of at its next look; ``publish/notify.py``).
+    commit_listeners: list[Callable[[], None]] = field(default_factory=list)
+    #: ``notifications.Notifications`` when they are on (set by ``start_notifications``): its
+    #: ``subscriber`` runs the sources whose channels rsagg follows (``poll_source``).
+    notifications: Any = None
+
+    def committed(self) -> None:
+        for listener in self.commit_listeners:
+            listener()
 
     async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-writing call in a worker thread; one at a time (SQLite has one writer)."""
@@ -45,6 +56,17 @@ class HarvestContext:
     def progress_update(self, source: str, done: int, total: int) -> None:
         """Live progress stays in memory (state is written once per sync, not per batch)."""
         self.progress[source] = (done, total)
+
+    def scratch_dir(self) -> Path:
+        """A folder for big temporary files (dump packages) that a killed process cannot leak.
+
+        The blob store's temp area when it has one (``tmp`` of FileBlobStore, S3BlobStore): a store
+        empties it when a process opens it as its only user, so what a kill -9 left goes at the next start.
+        """
+        tmp = getattr(self.blobs, "tmp", None)
+        folder = tmp if isinstance(tmp, Path) else self.config.store_path / "tmp-dumps"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
     async def commit_blobs(self, writers: list[BlobWriter]) -> None:
         """Make blobs durable before any state row names them (ARCHITECTURE invariant 2)."""

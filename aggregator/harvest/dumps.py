@@ -211,31 +211,50 @@ class _ManifestStream:
         self.read = 0
         self.done = False
 
-    def step(self) -> list[Head | Entry]:
-        """Read and parse up to CHUNK bytes; returns the items completed."""
+    async def step(self) -> list[Head | Entry]:
+        """Read up to CHUNK bytes in a worker thread, parse them here; returns the items completed.
+
+        The parser must stay on the trio thread: lxml parsers intern names in per-thread dictionaries,
+        and feeding one from whichever worker thread is free corrupts memory (seen as glibc aborts when
+        blob commits and state writes kept other workers busy). See ``parse.DocumentReader``.
+        """
+        data = await trio.to_thread.run_sync(self._pull)
+        if not data:
+            self.done = True
+            self.close()
+            return self._parse(None)
+        out: list[Head | Entry] = []
+        for i in range(0, len(data), PIECE):  # a checkpoint every PIECE keeps the event loop responsive
+            out += self._parse(data[i : i + PIECE])
+            await trio.lowlevel.checkpoint()
+        return out
+
+    def _pull(self) -> bytes:
+        """Blocking: the next CHUNK of the manifest (b"" at its end), counted against the caps."""
         pkg, lim = self.pkg, self.pkg.limits
         try:
             if self.file is None:
                 self.file = pkg.zf.open(self.info)
             data = self.file.read(min(CHUNK, lim.max_manifest_bytes - self.read + 1))
-            self.read += len(data)
-            if self.read > lim.max_manifest_bytes:
-                raise pkg.error(
-                    f"manifest is larger than max_manifest_bytes={lim.max_manifest_bytes}", MANIFEST_NAME
-                )
-            if self.count and data:
-                pkg.count_total(len(data), MANIFEST_NAME)
-            if data:
-                return self.reader.feed(data)
-            self.done = True
-            self.close()
-            return self.reader.close()
-        except DumpError:
-            raise
-        except DocumentError as exc:
-            raise pkg.error(f"bad manifest: line {exc.line}: {exc.reason}", MANIFEST_NAME) from None
         except Exception as exc:
             raise pkg.error(f"cannot read manifest: {exc}", MANIFEST_NAME) from None
+        self.read += len(data)
+        if self.read > lim.max_manifest_bytes:
+            raise pkg.error(
+                f"manifest is larger than max_manifest_bytes={lim.max_manifest_bytes}", MANIFEST_NAME
+            )
+        if self.count and data:
+            pkg.count_total(len(data), MANIFEST_NAME)
+        return data
+
+    def _parse(self, data: bytes | None) -> list[Head | Entry]:
+        """Feed the parser (``None``: the end); trio thread only."""
+        try:
+            return self.reader.feed(data) if data is not None else self.reader.close()
+        except DocumentError as exc:
+            raise self.pkg.error(f"bad manifest: line {exc.line}: {exc.reason}", MANIFEST_NAME) from None
+        except Exception as exc:
+            raise self.pkg.error(f"cannot read manifest: {exc}", MANIFEST_NAME) from None
 
     def close(self) -> None:
         if self.file is not None:
@@ -273,9 +292,9 @@ async def _pass_one(pkg: _Package) -> None:
     stream = _ManifestStream(pkg, count=True)
     state = {"entries": 0, "claimed": 0}
 
-    def hop() -> None:
+    def check(items: list[Head | Entry]) -> None:
         lim = pkg.limits
-        for item in stream.step():
+        for item in items:
             if isinstance(item, Head):
                 _check_head(pkg, item)
                 continue
@@ -298,7 +317,7 @@ async def _pass_one(pkg: _Package) -> None:
 
     try:
         while not stream.done:
-            await trio.to_thread.run_sync(hop)
+            check(await stream.step())
     finally:
         stream.close()
 
@@ -441,7 +460,7 @@ async def read_package(
             if not copier.pending and copier.current is None:
                 if stream.done:
                     break
-                items = await trio.to_thread.run_sync(stream.step)
+                items = await stream.step()
                 copier.pending.extend(i for i in items if isinstance(i, Entry))
                 continue
             await trio.to_thread.run_sync(copier.hop)

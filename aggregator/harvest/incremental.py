@@ -40,9 +40,7 @@ async def run_incremental(
     async def items() -> AsyncGenerator[Work, None]:
         last = cursor
         if use_dumps and CHANGEDUMP in info.capabilities:
-            folder = ctx.config.store_path / "tmp-dumps"
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) as tmp:
                 dumped = _from_change_dump(ctx, info.capabilities[CHANGEDUMP].url, cursor, source, Path(tmp))
                 try:
                     async with aclosing(dumped):
