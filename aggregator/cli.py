@@ -17,6 +17,7 @@ COMMANDS = {
     "gc": "gc",
     "run": "run",
     "demo": "demo",
+    "plugins": "plugins",
 }
 
 

@@ -31,6 +31,10 @@ class StoreConfig:
     path: str = "./data"
     #: SQLite synchronous mode: NORMAL survives a process crash; FULL also a power loss (slower).
     synchronous: str = "NORMAL"
+    #: Blob store backend, registered by a plugin (``rsagg_blob_stores``): "filesystem" or e.g. "s3".
+    backend: str = "filesystem"
+    #: The backend's own settings (``[store.settings]``).
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class SourceConfig:
     interval: float | None = None
     use_dumps: bool | None = None
     enabled: bool = True
+    notifications: bool | None = None  # subscribe to its notification channels (default: [notifications])
+    notified_interval: float | None = None  # poll interval while notifications are live (safety net)
     #: Per-source plugin settings, ``plugins.NAME = {...}``: overlaid on ``[plugins.NAME]``.
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -72,6 +78,23 @@ class PublishConfig:
     dump_interval: float = 86_400.0  # seconds between Resource Dumps (0 = off)
     keep_collection_links: bool = False  # §14.8: collection links may not fit the aggregator's copy
     keep_canonical_links: bool = False  # §14.8: same for canonical
+
+
+@dataclass(frozen=True)
+class NotificationsConfig:
+    """Change and Framework Notification over WebSub, both ways (spec/NOTES.md, ``notifications.py``).
+
+    ``hub`` empty: rsagg's embedded hub at ``hub_path`` carries rsagg's own channels; else that external
+    hub (generic WebSub publishing: ``hub.mode=publish`` ping, the hub fetches the topic).
+    """
+
+    enabled: bool = True  # advertise + publish own channels, subscribe to upstream channels
+    hub: str = ""  # external hub URL for rsagg's own channels; "" = the embedded hub
+    hub_path: str = "/hub"  # where the embedded hub is served
+    lease_seconds: int = 86_400  # lease rsagg asks for when it subscribes (renewed before it ends)
+    accept_sha1: bool = False  # accept X-Hub-Signature: sha1=... (WebSub §7.1 allows it; weak)
+    max_entries: int = 1000  # entries per change notification; a burst is split (never a sitemapindex)
+    notified_interval: float = 3600.0  # default poll interval of a source whose channels are live
 
 
 @dataclass(frozen=True)
@@ -94,6 +117,7 @@ class Config:
     sets: tuple[SetConfig, ...] = ()
     #: ``[plugins.NAME]`` tables: ``enabled = false`` turns a plugin off, the rest are its settings.
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notifications: NotificationsConfig = field(default_factory=NotificationsConfig)
 
     @property
     def store_path(self) -> Path:
@@ -114,6 +138,16 @@ class Config:
 
     def use_dumps(self, source: SourceConfig) -> bool:
         return source.use_dumps if source.use_dumps is not None else self.harvest.use_dumps
+
+    def notifications_on(self, source: SourceConfig) -> bool:
+        """Whether rsagg subscribes to this source's notification channels."""
+        return self.notifications.enabled and source.notifications is not False
+
+    def notified_interval(self, source: SourceConfig) -> float:
+        """The safety-net poll interval of a source while its change notifications are live."""
+        if source.notified_interval is not None:
+            return source.notified_interval
+        return self.notifications.notified_interval
 
 
 def _check_url(file: str, key: str, value: Any) -> str:
@@ -167,7 +201,7 @@ def _check_plugin_tables(file: str, key: str, tables: Any) -> None:
 
 def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
     """Check and build a Config from parsed TOML."""
-    allowed = {"server", "store", "harvest", "sources", "publish", "sets", "plugins"}
+    allowed = {"server", "store", "harvest", "sources", "publish", "sets", "plugins", "notifications"}
     for key in data:
         if key not in allowed:
             raise ConfigError(file, key, f"unknown section (known: {', '.join(sorted(allowed))})")
@@ -204,6 +238,8 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
         seen.add(src.name)
         _check_url(file, f"{prefix}.url", src.url)
         _check_plugin_tables(file, f"{prefix}.plugins", src.plugins)
+        if src.notified_interval is not None and src.notified_interval <= 0:
+            raise ConfigError(file, f"{prefix}.notified_interval", "must be more than 0")
         sources.append(src)
     publish = _section(file, "publish", PublishConfig, data.get("publish", {}))
     if publish.changelist_size < 1:
@@ -211,6 +247,7 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
     sets = _parse_sets(file, data.get("sets", []), sources)
     plugins = data.get("plugins", {})
     _check_plugin_tables(file, "plugins", plugins)
+    notifications = _parse_notifications(file, data.get("notifications", {}))
     return Config(
         file=file,
         server=server,
@@ -220,7 +257,28 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
         publish=publish,
         sets=sets,
         plugins=plugins,
+        notifications=notifications,
     )
+
+
+_HUB_PATH = re.compile(r"/[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*\Z")
+
+
+def _parse_notifications(file: str, table: Any) -> NotificationsConfig:
+    n = _section(file, "notifications", NotificationsConfig, table)
+    if n.hub:
+        _check_url(file, "notifications.hub", n.hub)
+    if not _HUB_PATH.match(n.hub_path) or n.hub_path.startswith("/."):
+        raise ConfigError(
+            file, "notifications.hub_path", f"must be a plain absolute path like /hub, not {n.hub_path!r}"
+        )
+    if n.lease_seconds < 1:
+        raise ConfigError(file, "notifications.lease_seconds", "must be at least 1")
+    if n.max_entries < 1:
+        raise ConfigError(file, "notifications.max_entries", "must be at least 1")
+    if n.notified_interval <= 0:
+        raise ConfigError(file, "notifications.notified_interval", "must be more than 0")
+    return n
 
 
 def _parse_sets(file: str, raw: Any, sources: list[SourceConfig]) -> tuple[SetConfig, ...]:

@@ -34,6 +34,7 @@ from .config import Config, ConfigError, SourceConfig, load_config
 from .harvest.context import HarvestContext, open_context
 from .harvest.source import poll_source
 from .hotswap import HotSwapApp
+from .notifications import prepare_notifications, run_notifications
 from .serving import serve
 
 log = logging.getLogger("rsagg.daemon")
@@ -66,9 +67,11 @@ def _listen(config: Config) -> tuple[str, int]:
 
 def publisher_app(config: Config, ctx: HarvestContext) -> ASGIApp:
     """The republishing Source (imported lazily: harvest-only commands do not need it)."""
+    from .notifications import app_options
     from .publish.app import create_app
 
-    return create_app(config, blobs=ctx.blobs, state_path=config.store_path / "state.db")
+    # app_options: the notification routes (hub, callbacks, topics) and Capability List entries
+    return create_app(config, blobs=ctx.blobs, state_path=config.store_path / "state.db", **app_options(ctx))
 
 
 def source_settings(config: Config, src: SourceConfig) -> tuple[Any, ...]:
@@ -281,7 +284,9 @@ async def _serve_and_harvest(
 ) -> None:
     _check_state_directory(config)
     async with open_context(config) as ctx, trio.open_nursery() as nursery:
+        prepare_notifications(ctx, harvest=harvest)  # notifications.py: before the app needs its routes
         daemon = _Daemon(ctx, nursery, harvest=harvest, config_path=config_path, app_factory=app_factory)
+        await run_notifications(nursery, ctx, stop_when=daemon.shutdown.wait)
         host, port = _listen(config)
         try:
             daemon.bound = await nursery.start(

@@ -31,6 +31,21 @@ Semantics mirrored from ``FileBlobStore``:
 
 Errors from S3 other than "not found" raise ``S3StoreError`` (an ``OSError``) naming the endpoint, the
 bucket and the key; a wrong access or secret key is detected when the store is created.
+
+As an rsagg plugin (entry point ``s3`` in the ``rsagg`` group; needs ``pip install 'rsagg[s3]'``) it
+registers the blob store backend ``s3`` (hook ``rsagg_blob_stores``); the settings are those of
+``create_store``::
+
+    [store]
+    path = "/var/lib/rsagg"          # state.db, and root/tmp for blobs being written
+    backend = "s3"
+
+    [store.settings]
+    endpoint_url = "http://127.0.0.1:8333"
+    bucket = "rsagg-blobs"
+    prefix = "blobs/"
+    access_key = "..."
+    secret_key = "..."
 """
 
 from __future__ import annotations
@@ -50,10 +65,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import boto3
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+try:  # the ``s3`` extra (pip install 'rsagg[s3]'); without it the plugin loads but cannot create a store
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+except ImportError:  # pragma: no cover - exercised only where boto3 is not installed
+    boto3 = None
 
+    class BotoCoreError(Exception):  # type: ignore[no-redef]  # never raised: no boto3, no store
+        pass
+
+    class ClientError(Exception):  # type: ignore[no-redef]
+        pass
+
+
+from aggregator.hookspecs import hookimpl
 from aggregator.rs.fixity import Hasher
 from aggregator.store.blobs import BlobInfo, BlobWriter, check_sha256
 
@@ -613,6 +639,8 @@ def create_store(settings: Mapping[str, Any], root: Path) -> S3BlobStore:
     (bytes, 8 MiB, at least 5 MiB), ``upload_threads`` (8), ``create_bucket`` (false),
     ``max_attempts`` (5, botocore "standard" retries), ``connect_timeout`` / ``read_timeout`` (seconds).
     """
+    if boto3 is None:
+        raise ValueError("S3 blob store: boto3 is not installed (pip install 'rsagg[s3]')")
     unknown = sorted(set(settings) - SETTINGS)
     if unknown:
         raise ValueError(f"S3 blob store: unknown setting(s) {', '.join(unknown)}")
@@ -623,3 +651,9 @@ def create_store(settings: Mapping[str, Any], root: Path) -> S3BlobStore:
     if "create_bucket" in kwargs and not isinstance(kwargs["create_bucket"], bool):
         raise ValueError("S3 blob store: create_bucket must be true or false")
     return S3BlobStore(tmp_dir=Path(root) / "tmp", **kwargs)
+
+
+@hookimpl
+def rsagg_blob_stores():
+    """``[store] backend = "s3"``, with the settings above in ``[store.settings]``."""
+    return {"s3": create_store}

@@ -39,6 +39,12 @@ not match its announced hash; ``fetch_by_patch`` then fetches the resource itsel
 
 Hardening as in ``aggregator/rs/parse.py``: no entity expansion (a DOCTYPE declaring entities, or any
 entity reference, is refused), no network, no DTD loading, libxml2's size limits.
+
+As an rsagg plugin (entry point ``xmlpatch`` in the ``rsagg`` group) it registers both media types
+through ``rsagg_patch_formats``; it has no settings and is on once installed. To turn it off::
+
+    [plugins.xmlpatch]
+    enabled = false
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lxml import etree
+
+from aggregator.hookspecs import hookimpl
 
 PatchApplier = Callable[[bytes, bytes], bytes]  # same shape as aggregator.harvest.patch.PatchApplier
 
@@ -86,6 +94,11 @@ class XmlPatchError(ValueError):
 def patch_formats() -> dict[str, PatchApplier]:
     """This plugin's appliers by media type (see the module docstring for the second name)."""
     return {MEDIA_TYPE: apply_xml_patch, SPEC_MEDIA_TYPE: apply_xml_patch}
+
+
+@hookimpl
+def rsagg_patch_formats():
+    return patch_formats()
 
 
 def apply_xml_patch(current: bytes, patch: bytes) -> bytes:

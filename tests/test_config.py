@@ -187,3 +187,72 @@ def test_publish_config_errors(tmp_path, text, key, problem):
     assert err.value.key == key
     assert problem in err.value.problem
     assert str(path) in str(err.value)
+
+
+def test_notifications_defaults_and_settings(tmp_path):
+    cfg = load_config(write(tmp_path, GOOD))
+    n = cfg.notifications
+    assert (n.enabled, n.hub, n.hub_path, n.lease_seconds) == (True, "", "/hub", 86_400)
+    assert (n.accept_sha1, n.max_entries, n.notified_interval) == (False, 1000, 3600.0)
+    museum = cfg.source("museum")
+    assert cfg.notifications_on(museum) and cfg.notified_interval(museum) == 3600.0
+    text = (
+        PUBLISH
+        + """
+[notifications]
+hub = "https://hub.example.org/websub"
+hub_path = "/websub/hub"
+lease_seconds = 600
+accept_sha1 = true
+max_entries = 50
+notified_interval = 7200
+"""
+    )
+    text = text.replace(
+        'url = "http://127.0.0.1:8001/"', 'url = "http://127.0.0.1:8001/"\nnotifications = false'
+    ).replace('url = "http://127.0.0.1:8002/"', 'url = "http://127.0.0.1:8002/"\nnotified_interval = 60')
+    cfg = load_config(write(tmp_path, text))
+    n = cfg.notifications
+    assert (n.hub, n.hub_path, n.lease_seconds, n.accept_sha1, n.max_entries) == (
+        "https://hub.example.org/websub", "/websub/hub", 600, True, 50
+    )  # fmt: skip
+    assert cfg.notifications_on(cfg.source("museum")) and not cfg.notifications_on(cfg.source("gallery"))
+    assert cfg.notified_interval(cfg.source("museum")) == 7200.0
+    assert cfg.notified_interval(cfg.source("library")) == 60.0
+    off = load_config(write(tmp_path, PUBLISH + "[notifications]\nenabled = false\n"))
+    assert not any(off.notifications_on(s) for s in off.sources)  # the master switch wins
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"),
+    [
+        ("[notifications]\ncolour = 1\n", "notifications.colour", "unknown key"),
+        ('[notifications]\nenabled = "yes"\n', "notifications.enabled", "must be bool"),
+        ('[notifications]\nhub = "ftp://hub/"\n', "notifications.hub", "not an http(s) URL"),
+        ('[notifications]\nhub_path = "hub"\n', "notifications.hub_path", "plain absolute path"),
+        ('[notifications]\nhub_path = "/a b"\n', "notifications.hub_path", "plain absolute path"),
+        ('[notifications]\nhub_path = "/.well-known/hub"\n', "notifications.hub_path", "plain absolute path"),
+        ("[notifications]\nlease_seconds = 0\n", "notifications.lease_seconds", "at least 1"),
+        ("[notifications]\nlease_seconds = 1.5\n", "notifications.lease_seconds", "must be int"),
+        ("[notifications]\nmax_entries = 0\n", "notifications.max_entries", "at least 1"),
+        ("[notifications]\nnotified_interval = 0\n", "notifications.notified_interval", "more than 0"),
+        ('[notifications]\naccept_sha1 = "no"\n', "notifications.accept_sha1", "must be bool"),
+        (
+            '[[sources]]\nname = "x"\nurl = "http://x/"\nnotifications = 1\n',
+            "sources[3].notifications",
+            "bool",
+        ),
+        (
+            '[[sources]]\nname = "x"\nurl = "http://x/"\nnotified_interval = 0\n',
+            "sources[3].notified_interval",
+            "more than 0",
+        ),
+    ],
+)
+def test_notifications_config_errors(tmp_path, text, key, problem):
+    path = write(tmp_path, PUBLISH + text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.key == key
+    assert problem in err.value.problem
+    assert str(path) in str(err.value)

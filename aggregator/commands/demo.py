@@ -13,6 +13,7 @@ import trio
 
 from ..config import Config, parse_config
 from ..daemon import run_daemon
+from ..demo.notify import UpstreamNotifier
 from ..demo.upstream import Upstream
 from ..harvest.context import HarvestContext
 from ..logs import setup_logging
@@ -67,11 +68,13 @@ async def _keep_changing(up: Upstream, every: float, rng: random.Random) -> None
 
 async def run_demo(args: argparse.Namespace, data: Path) -> None:
     up = Upstream(metadata=True, changes_per_list=50, resourcelist_page_size=50_000)
+    notifier = UpstreamNotifier(up)
     up.bulk_create(args.resources)
     rng = random.Random(1)
     port = args.port or _free_port()
     async with trio.open_nursery() as nursery:
         upstream = await nursery.start(up.serve, "127.0.0.1", args.upstream_port)
+        await nursery.start(notifier.run)  # change + framework notifications through its own hub
         config = demo_config(data, port, f"{upstream}/.well-known/resourcesync", args.interval)
 
         async def ready(ctx: HarvestContext, bound: str) -> None:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import sys
 
+from ..config import ConfigError
+from ..harvest.context import open_blob_store
+from ..plugins import Plugins
 from ..publish import dumps
-from ..store.blobs import FileBlobStore
+from ..store.blobs import BlobStore
 from ..store.state import State
 from ._common import add_config_arguments, start
 
@@ -16,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="count, delete nothing")
 
 
-def collect_garbage(state: State, blobs: FileBlobStore, *, dry_run: bool = False) -> tuple[int, int]:
+def collect_garbage(state: State, blobs: BlobStore, *, dry_run: bool = False) -> tuple[int, int]:
     """Delete blobs that no resource, changelog record or published dump names; returns (blobs removed,
     bytes freed).
 
@@ -43,9 +47,14 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     root = config.store_path
+    try:
+        blobs = open_blob_store(config, Plugins.from_config(config))
+    except ConfigError as exc:
+        print(f"rsagg: config error: {exc}", file=sys.stderr)
+        return 2
     state = State(root / "state.db")
     try:
-        removed, freed = collect_garbage(state, FileBlobStore(root / "blobs"), dry_run=args.dry_run)
+        removed, freed = collect_garbage(state, blobs, dry_run=args.dry_run)
     finally:
         state.close()
     verb = "would remove" if args.dry_run else "removed"

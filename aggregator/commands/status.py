@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime
 
 from ..rs.w3cdt import format_w3c
 from ..store.state import State
@@ -14,6 +15,11 @@ from ._common import add_config_arguments, start
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--json", action="store_true")
+
+
+def _time(value: datetime | str | None) -> str | None:
+    """State returns source times as datetimes; JSON and the table want W3C text."""
+    return format_w3c(value) if isinstance(value, datetime) else value
 
 
 def collect(state: State, names: list[str]) -> list[dict]:
@@ -40,8 +46,8 @@ def collect(state: State, names: list[str]) -> list[dict]:
                 "configured": name in names,
                 "state": s.get("state") or "new",
                 "resources": state.count_resources(source=name) if s else 0,
-                "last_success": s.get("last_success"),
-                "last_attempt": s.get("last_attempt"),
+                "last_success": _time(s.get("last_success")),
+                "last_attempt": _time(s.get("last_attempt")),
                 "last_error": s.get("last_error"),
                 "progress": [s.get("progress_done"), s.get("progress_total")],
                 "sets": positions,

@@ -56,7 +56,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aggregator.rs import model
@@ -195,6 +195,8 @@ class Upstream:
       serves corrupted bytes), "missing" (the mirror answers 404), or None (no duplicate links).
     - ``json_patches``: updates of JSON resources (``patch_json``/``update``) carry a patch link.
     - ``metadata``: every resource has a metadata record ``<path>.meta.xml`` in the same set (§14.5).
+    - ``dc_elements``: {path: {element: value or [values]}}: more Dublin Core elements in that
+      resource's record (e.g. ``{"a.txt": {"type": "Text"}}``); set before the create/update writing it.
     - ``latency``: seconds slept before answering each request.
     - ``wrong_hash``: resource paths whose announced hash is wrong everywhere (lists and manifests).
     - ``serve_503``: {request path: n} answers the first n requests 503 with ``Retry-After: 0``.
@@ -242,6 +244,7 @@ class Upstream:
         self.mirror = mirror
         self.json_patches = json_patches
         self.metadata = metadata
+        self.dc_elements: dict[str, dict[str, str | list[str]]] = {}
         self.latency = latency
         self.wrong_hash: set[str] = set(wrong_hash)
         self.drop_oldest_changelists = drop_oldest_changelists
@@ -257,6 +260,9 @@ class Upstream:
         self.extra_capabilities: dict[str, list[Entry]] = {}
         #: Called with (set name, record) after every change (room for notifications).
         self.listeners: list[Callable[[str, ChangeRecord], None]] = []
+        #: Routes matched before the built-in ones (notification topics and hub: ``demo/notify.py``);
+        #: add them before the app is first built (``serve``).
+        self.extra_routes: list[BaseRoute] = []
         self._clock = clock
         self._last: datetime | None = None
         self._serve_503: dict[str, int] = {}
@@ -485,7 +491,7 @@ class Upstream:
             return
         version = s.resources[path]
         dt = self._tick()
-        data = _dc_record(path, version.type, version.lastmod)
+        data = _dc_record(path, version.type, version.lastmod, self.dc_elements.get(path))
         record_change = model.UPDATED if meta in s.resources else model.CREATED
         self._record(s, meta, record_change, dt, Version.of(data, XML_TYPE, dt))
 
@@ -826,8 +832,9 @@ class Upstream:
             self._app = Starlette(routes=self._routes(), middleware=[Middleware(_Instrument, upstream=self)])
         return self._app
 
-    def _routes(self) -> list[Route]:
+    def _routes(self) -> list[BaseRoute]:
         return [
+            *self.extra_routes,
             Route("/.well-known/resourcesync", self._h_description),
             Route("/about", self._h_about),
             Route("/mirror/{set}/res/{path:path}", self._h_mirror),
@@ -1109,12 +1116,19 @@ def _zeros_hashes(n: int) -> dict[str, str]:
     return {"md5": md5.hexdigest(), "sha-256": sha.hexdigest()}
 
 
-def _dc_record(path: str, media_type: str, lastmod: datetime) -> bytes:
+def _dc_record(
+    path: str, media_type: str, lastmod: datetime, extra: dict[str, str | list[str]] | None = None
+) -> bytes:
     """A small Dublin Core record for §14.5 (independent of the base URL so its hash is stable)."""
+    more = "".join(
+        f"<dc:{name}>{escape(v)}</dc:{name}>"
+        for name, values in (extra or {}).items()
+        for v in ([values] if isinstance(values, str) else values)
+    )
     return (
         '<?xml version="1.0" encoding="UTF-8"?>\n'
         '<oai_dc:dc xmlns:oai_dc="http://www.openarchives.org/OAI/2.0/oai_dc/" '
         f'xmlns:dc="{DC_PROFILE}">'
         f"<dc:identifier>{escape(path)}</dc:identifier><dc:format>{escape(media_type)}</dc:format>"
-        f"<dc:date>{format_w3c(lastmod)}</dc:date></oai_dc:dc>\n"
+        f"<dc:date>{format_w3c(lastmod)}</dc:date>{more}</oai_dc:dc>\n"
     ).encode()

@@ -131,6 +131,7 @@ async def _baseline_from(
         list_until=None,
     )
     swept = await ctx.write(ctx.writer.finish_baseline, set_id, generation, cursor)
+    pipeline.announce(swept)
     for doc_url, (etag, last_modified) in (validators.pending if validators else {}).items():
         await ctx.write(ctx.writer.put_document, doc_url, source, RESOURCELIST, etag=etag,
                         last_modified=last_modified, sha256=None)  # fmt: skip

@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..config import Config
-from ..store.blobs import BlobStore, BlobWriter, FileBlobStore
+from ..config import Config, ConfigError
+from ..plugins import Plugins
+from ..store.blobs import BlobStore, BlobWriter
 from ..store.state import State
 from .fetch import Fetcher
 from .patch import PatchApplier, builtin_patch_formats
@@ -34,6 +35,7 @@ class HarvestContext:
     reader: State
     writer: State
     patch_formats: dict[str, PatchApplier] = field(default_factory=builtin_patch_formats)
+    plugins: Plugins = field(default_factory=lambda: Plugins(entry_point_plugins=False))
     progress: dict[str, tuple[int, int]] = field(default_factory=dict)
     _write_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     #: Called on the trio thread after each state transaction that logged changes (rsagg's notifier
@@ -74,13 +76,24 @@ class HarvestContext:
             await trio.to_thread.run_sync(self.blobs.commit, writers, abandon_on_cancel=False)
 
 
+def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:
+    """The blob store ``[store] backend`` names, built by the plugin that registered it."""
+    factories = plugins.merged("rsagg_blob_stores")
+    name = config.store.backend
+    if name not in factories:
+        known = ", ".join(sorted(factories))
+        raise ConfigError(config.file, "store.backend", f"no storage backend {name!r} (registered: {known})")
+    return factories[name](dict(config.store.settings), config.store_path)
+
+
 @asynccontextmanager
 async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
     """Open the store, the state database (reader + writer) and the one HTTP client for a run."""
     hc = config.harvest
     root = config.store_path
     root.mkdir(parents=True, exist_ok=True)
-    blobs = FileBlobStore(root / "blobs")
+    plugins = Plugins.from_config(config)
+    blobs = open_blob_store(config, plugins)
     writer = State(root / "state.db", synchronous=config.store.synchronous)
     reader = State(root / "state.db", synchronous=config.store.synchronous)
     fetcher = Fetcher(
@@ -93,9 +106,14 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
         max_document_bytes=hc.max_document_bytes,
         max_resource_bytes=hc.max_resource_bytes,
     )
+    plugins.call("rsagg_startup", config=config)
     try:
-        yield HarvestContext(config, fetcher, blobs, reader, writer)
+        yield HarvestContext(
+            config, fetcher, blobs, reader, writer,
+            patch_formats=plugins.merged("rsagg_patch_formats"), plugins=plugins,
+        )  # fmt: skip
     finally:
+        plugins.call("rsagg_shutdown")
         with trio.CancelScope(shield=True):
             await fetcher.aclose()
         reader.close()

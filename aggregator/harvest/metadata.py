@@ -3,7 +3,9 @@
 A filter may ask for an entry's record; rsagg fetches it once and keeps it: records are blobs like any
 content, indexed by URL in the ``documents`` table. A record that is itself a resource of the set (the
 usual case: a Source lists its metadata records too) is read from the store without any request. A cached
-record is refetched only when the link announces a hash that differs from the one held.
+record is refetched once per sync run (records change: a Source need not announce their hash) and when
+the link announces a hash that differs from the one held. A record that cannot be fetched raises, so a
+filter has no say on that entry this time rather than dropping it over a network error.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class MetadataRecords:
     def __init__(self, ctx: HarvestContext, set_id: int, source: str) -> None:
         self.ctx, self.set_id, self.source = ctx, set_id, source
         self._inflight: dict[str, trio.Event] = {}
+        self._fresh: set[str] = set()  # cached records fetched again in this run
 
     async def __call__(self, entry: Entry) -> bytes | None:
         links = entry.links_by_rel("describedby")
@@ -46,8 +49,6 @@ class MetadataRecords:
             finally:
                 del self._inflight[url]
                 done.set()
-        if sha is None:
-            return None
         return await trio.to_thread.run_sync(self._read, sha)
 
     def _held(self, url: str, announced: dict[str, str]) -> str | None:
@@ -57,22 +58,23 @@ class MetadataRecords:
             if all(row.hashes.get(a, d) == d for a, d in announced.items()):
                 return row.sha256
         doc = self.ctx.reader.document(url)
-        if doc and doc.get("sha256") and self.ctx.blobs.exists(doc["sha256"]):
+        if url in self._fresh and doc and doc.get("sha256") and self.ctx.blobs.exists(doc["sha256"]):
             return doc["sha256"]
         return None
 
-    async def _fetch(self, url: str) -> str | None:
+    async def _fetch(self, url: str) -> str:
         try:
             got = await self.ctx.fetcher.get_bytes(url, max_bytes=MAX_RECORD_BYTES)
         except FetchError as exc:
             log.warning("source=%s url=%s metadata record unavailable: %s", self.source, url, exc)
-            return None
+            raise
         info = await trio.to_thread.run_sync(self.ctx.blobs.put_bytes, got.content)
         etag = got.headers.get("etag") if got.headers else None
         await self.ctx.write(
             self.ctx.writer.put_document, url, self.source, "metadata", etag=etag, last_modified=None,
             sha256=info.sha256,
         )  # fmt: skip
+        self._fresh.add(url)
         return info.sha256
 
     def _read(self, sha: str) -> bytes:

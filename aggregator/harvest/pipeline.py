@@ -23,12 +23,15 @@ from ..store.blobs import BlobInfo, BlobWriter
 from ..store.state import Change, Cursor, Resource
 from .context import HarvestContext
 from .fetch import Expected, FetchedResource, FetchError
+from .metadata import MetadataRecords
 from .patch import fetch_by_patch
 
 log = logging.getLogger("rsagg.harvest")
 
 #: Patched content is read whole into memory; bigger stored versions are fetched from ``loc`` instead.
 MAX_PATCH_BASE_BYTES = 64 * 1024 * 1024
+#: Most changes whose stored rows are looked up together, in one worker-thread hop.
+LOOKUP_BATCH = 64
 
 
 @dataclass
@@ -153,14 +156,36 @@ class Pipeline:
         self._batch_size = hc.batch_size
         # Bounds everything issued but not yet committed (ARCHITECTURE invariant 4: bounded queues).
         self._inflight = trio.Semaphore(hc.workers * 4 + hc.batch_size)
+        plugins = ctx.plugins
+        self._filtering = bool(plugins.pm.hook.rsagg_filter_harvest.get_hookimpls())
+        self._events = any(
+            getattr(plugins.pm.hook, h).get_hookimpls()
+            for h in ("rsagg_resource_stored", "rsagg_resource_deleted", "rsagg_change_published")
+        )
+        self._metadata = MetadataRecords(ctx, set_id, source)
+        self._set_name = next((s["name"] for s in ctx.reader.sets() if s["id"] == set_id), str(set_id))
+        # Records appended after this point are announced (rsagg_change_published).
+        self._last_seq = ctx.reader.last_seq() if self._events else 0
 
     async def run(self, items: AsyncGenerator[Work, None]) -> PipelineStats:
-        work_send, work_recv = trio.open_memory_channel[tuple[int, Work]](self._workers * 2)
+        new_send, new_recv = trio.open_memory_channel[tuple[int, Work]](LOOKUP_BATCH)
+        work_send, work_recv = trio.open_memory_channel[tuple[int, Work, Resource | None]](self._workers * 2)
         result_send, result_recv = trio.open_memory_channel[tuple[int, _Result]](math.inf)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._produce, items, work_send)
                 async with result_send:
+                    if self._filtering:  # plugins decide per entry, concurrently (metadata fetches)
+                        filter_send, filter_recv = trio.open_memory_channel[tuple[int, Work]](self._workers)
+                        nursery.start_soon(self._produce, items, filter_send)
+                        async with new_send:
+                            for _ in range(self._workers):
+                                nursery.start_soon(
+                                    self._filter, filter_recv.clone(), new_send.clone(), result_send.clone()
+                                )
+                        await filter_recv.aclose()
+                    else:
+                        nursery.start_soon(self._produce, items, new_send)
+                    nursery.start_soon(self._look_up, new_recv, work_send, result_send.clone())
                     for _ in range(self._workers):
                         nursery.start_soon(self._work, work_recv.clone(), result_send.clone())
                 await work_recv.aclose()
@@ -180,24 +205,83 @@ class Pipeline:
                 seq += 1
                 self.stats.seen += 1
 
+    async def _filter(
+        self, recv: trio.MemoryReceiveChannel, send: trio.MemorySendChannel, done: trio.MemorySendChannel
+    ) -> None:
+        """``rsagg_filter_harvest``: an entry any plugin refuses is not harvested. In a baseline it is not
+        marked seen, so a copy we hold is tombstoned when the baseline finishes; in incremental sync a
+        refused created/updated becomes a deletion of what we hold. Runs before the lookup, so narrowing a
+        filter also drops copies that are unchanged upstream."""
+        async with recv, send, done:
+            async for seq, work in recv:
+                if work.change != DELETED:
+                    answers = await self.ctx.plugins.acall(
+                        "rsagg_filter_harvest", source=self.source, entry=work.entry, metadata=self._metadata
+                    )
+                    if any(answer is False for _, answer in answers):
+                        if work.blob is not None:
+                            work.blob.abort()
+                        if work.generation is not None:
+                            await done.send((seq, _Result(work, None)))
+                            continue
+                        work = Work(work.entry, DELETED, work.cursor_after)
+                await send.send((seq, work))
+
+    async def _look_up(
+        self, recv: trio.MemoryReceiveChannel, work: trio.MemorySendChannel, done: trio.MemorySendChannel
+    ) -> None:
+        """Find the stored row of each change, in batches off the event loop; unchanged ones are done.
+
+        Why: one indexed query per change on the trio thread cost ~35 us each of the loop's time (and a
+        re-baseline of unchanged resources is nothing but such lookups). Changes that arrive together
+        (a Resource List parses much faster than resources download) share one thread hop; a change
+        arriving alone is looked up alone, so nothing waits for a batch to fill.
+        """
+        async with recv, work, done:
+            async for first in recv:
+                batch = [first]
+                while len(batch) < LOOKUP_BATCH:
+                    try:
+                        batch.append(recv.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                works = [w for _, w in batch]
+                if any(w.change != DELETED and w.blob is None for w in works):
+                    found = await trio.to_thread.run_sync(self._stored, works)
+                else:  # deletions and content from dumps: nothing to look up
+                    found = [(None, False)] * len(works)
+                for (seq, w), (existing, same) in zip(batch, found, strict=True):
+                    if same:
+                        self.stats.unchanged += 1
+                        assert existing is not None and existing.sha256 is not None
+                        info = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
+                        await done.send((seq, _Result(w, change_from(w, info, existing.type))))
+                    else:
+                        await work.send((seq, w, existing))
+
+    def _stored(self, batch: list[Work]) -> list[tuple[Resource | None, bool]]:
+        """(stored row, True when it already is what the entry announces) per change; in a thread."""
+        out: list[tuple[Resource | None, bool]] = []
+        for w in batch:
+            if w.change == DELETED or w.blob is not None:
+                out.append((None, False))
+                continue
+            existing = self.ctx.reader.resource(self.set_id, w.entry.loc)
+            out.append((existing, unchanged(existing, w.entry, self.ctx.blobs.exists)))
+        return out
+
     async def _work(self, recv: trio.MemoryReceiveChannel, send: trio.MemorySendChannel) -> None:
         async with recv, send:
-            async for seq, work in recv:
-                await send.send((seq, await self._prepare(work)))
+            async for seq, work, existing in recv:
+                await send.send((seq, await self._prepare(work, existing)))
 
-    async def _prepare(self, work: Work) -> _Result:
-        """Fetch and verify what a change needs; never touches the state."""
+    async def _prepare(self, work: Work, existing: Resource | None) -> _Result:
+        """Fetch and verify what a change needs (``existing``: its stored row); never touches the state."""
         entry = work.entry
         if work.change == DELETED:
             return _Result(work, change_from(work, None))
         if work.blob is not None:
             return _Result(work, change_from(work, work.info), work.blob)
-        existing = self.ctx.reader.resource(self.set_id, entry.loc)
-        if unchanged(existing, entry, self.ctx.blobs.exists):
-            self.stats.unchanged += 1
-            assert existing is not None
-            info = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
-            return _Result(work, change_from(work, info, existing.type))
         try:
             fetched = await self._fetch(entry, existing)
         except FetchError as exc:
@@ -234,6 +318,29 @@ class Pipeline:
                         return got
         return await self.ctx.fetcher.resource(candidate_urls(entry), expected, self.ctx.blobs)
 
+    def announce(self, applied: list[Change]) -> None:
+        """Event hooks, after the transaction committed: what was stored or deleted, and each record
+        that entered rsagg's change log (and so its Change Lists)."""
+        if not self._events or not applied:
+            return
+        plugins = self.ctx.plugins
+        for ch in applied:
+            if ch.change == DELETED:
+                plugins.call(
+                    "rsagg_resource_deleted", source=self.source, set_name=self._set_name, uri=ch.uri
+                )
+            else:
+                plugins.call(
+                    "rsagg_resource_stored", source=self.source, set_name=self._set_name, uri=ch.uri,
+                    change=ch.change, sha256=ch.sha256,
+                )  # fmt: skip
+        for rec in self.ctx.reader.iter_changelog(self._last_seq, set_id=self.set_id):
+            plugins.call(
+                "rsagg_change_published", set_name=self._set_name, seq=rec.seq, uri=rec.uri,
+                change=rec.change, datetime=rec.datetime,
+            )  # fmt: skip
+            self._last_seq = rec.seq
+
     async def _commit(self, recv: trio.MemoryReceiveChannel) -> None:
         """Release results in input order, in batches: blobs durable first, then one state transaction."""
         pending: dict[int, _Result] = {}
@@ -258,6 +365,9 @@ class Pipeline:
         changes = [r.change for r in batch if r.change is not None]
         cursor = next((r.work.cursor_after for r in reversed(batch) if r.work.cursor_after), None)
         applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor)
+        self.announce(applied)
+        if applied:
+            self.ctx.committed()  # e.g. rsagg's own change notifications go out now
         for ch in applied:
             self.stats.applied[ch.change] = self.stats.applied.get(ch.change, 0) + 1
         for r in batch:

@@ -14,7 +14,7 @@ from ..rs.model import CHANGELIST
 from ..rs.w3cdt import format_w3c, utcnow
 from .baseline import run_baseline
 from .context import HarvestContext
-from .discovery import discover
+from .discovery import SetInfo, discover
 from .incremental import run_incremental
 from .lists import GapError, Validators
 from .pipeline import Failure, PipelineStats
@@ -31,6 +31,8 @@ class SourceResult:
     baselines: int = 0
     gaps: int = 0
     stats: list[PipelineStats] = field(default_factory=list)
+    #: The sets as discovered in this sync (their notification channels included).
+    discovered: list[SetInfo] = field(default_factory=list)
 
     @property
     def failures(self) -> list[Failure]:
@@ -68,6 +70,7 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     try:
         sets = await discover(ctx.fetcher, src.url)
         result.sets = len(sets)
+        result.discovered = sets
         for info in sets:
             set_id = await ctx.write(ctx.writer.ensure_set, src.name, info.capabilitylist_url)
             cursor = ctx.reader.cursor(set_id)
@@ -116,7 +119,15 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
 
 
 async def poll_source(ctx: HarvestContext, src: SourceConfig) -> None:
-    """The daemon's per-source task: sync, sleep the interval with jitter, forever (until cancelled)."""
+    """The daemon's per-source task: sync, sleep the interval with jitter, forever (until cancelled).
+
+    A source whose notification channels rsagg follows is run by the subscriber instead: the same
+    syncs, plus notifications in between (``harvest/subscriber.py``).
+    """
+    subscriber = ctx.notifications.subscriber if ctx.notifications is not None else None
+    if subscriber is not None and subscriber.follows(src):
+        await subscriber.run_source(src)
+        return
     interval = ctx.config.interval(src)
     jitter = ctx.config.harvest.jitter
     while True:

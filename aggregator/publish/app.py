@@ -23,6 +23,8 @@ routes above, and ``request.app.state.publisher`` (a ``Publisher``) gives their 
 the blob store, the reader pool (``await publisher.run(fn, ...)``) and the published sets.
 ``dumps_available(set_name) -> {capability: url}`` decides the ``resourcedump``/``changedump`` entries
 of a Capability List; it is called in a worker thread, so it may block briefly but must be thread-safe.
+``extra_capabilities(set_name) -> [Entry]`` adds Capability List entries the same way (the notification
+channels of ``publish/notify.py``: topic + ``rel="hub"``).
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ from starlette.types import Receive, Scope, Send
 
 from ..config import Config
 from ..plugins import Plugins
+from ..rs.model import Entry
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.state import Resource, State
 from . import documents
-from .documents import Doc, Site, no_dumps
+from .documents import Doc, Site, no_dumps, no_extra_capabilities
 from .links import LinkPolicy, PluginLinks
 from .resources import gone, resource_response
 from .sets import PublishedSet, published_sets
@@ -65,6 +68,7 @@ DOCUMENT_DEADLINE = 3600.0
 POOL_IDLE = 8
 
 DumpsAvailable = Callable[[str], dict[str, str]]
+ExtraCapabilities = Callable[[str], list[Entry]]
 Build = Callable[[Site, State, PublishedSet, datetime], "Doc | None"]
 
 
@@ -116,6 +120,7 @@ class Publisher:
         state_path: Path,
         dumps_available: DumpsAvailable | None = None,
         plugins: Plugins | None = None,
+        extra_capabilities: ExtraCapabilities | None = None,
     ) -> None:
         self.config = config
         self.blobs = blobs
@@ -123,6 +128,7 @@ class Publisher:
         self.plugins = plugins or Plugins.from_config(config)
         self.policy = PluginLinks(self.plugins, LinkPolicy.from_config(config.publish))
         self.dumps_available: DumpsAvailable = dumps_available or no_dumps
+        self.extra_capabilities: ExtraCapabilities = extra_capabilities or no_extra_capabilities
 
     @property
     def base_url(self) -> str:
@@ -137,6 +143,7 @@ class Publisher:
             changelist_size=self.config.publish.changelist_size,
             dumps_available=self.dumps_available,
             visible=self.visible,
+            extra_capabilities=self.extra_capabilities,
         )
 
     def visible(self, set_name: str, resource: Resource) -> bool:
@@ -347,12 +354,13 @@ def create_app(
     extra_routes: Sequence[BaseRoute] = (),
     dumps_available: DumpsAvailable | None = None,
     plugins: Plugins | None = None,
+    extra_capabilities: ExtraCapabilities | None = None,
 ) -> Starlette:
     """The publishing app over the store the harvester fills (see the module docstring)."""
     state_path = Path(state_path)
     state_path.parent.mkdir(parents=True, exist_ok=True)
     State(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
-    publisher = Publisher(config, blobs, state_path, dumps_available, plugins)
+    publisher = Publisher(config, blobs, state_path, dumps_available, plugins, extra_capabilities)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -63,6 +63,11 @@ def no_dumps(set_name: str) -> dict[str, str]:
     return {}
 
 
+def no_extra_capabilities(set_name: str) -> list[Entry]:
+    """The default ``extra_capabilities``: nothing beyond the core capabilities."""
+    return []
+
+
 @dataclass(frozen=True)
 class Site:
     """What the documents of one request need: the base URL, the published sets, the policies."""
@@ -74,6 +79,9 @@ class Site:
     dumps_available: Callable[[str], dict[str, str]] = no_dumps
     #: ``visible(set name, resource)``: False hides a resource (plugins' ``rsagg_filter_publish``).
     visible: Callable[[str, Resource], bool] = lambda set_name, resource: True
+    #: ``extra_capabilities(set name)``: more Capability List entries, e.g. the notification channels
+    #: (Change/Framework Notification: topic ``loc`` + ``rs:ln rel="hub"``; ``publish/notify.py``).
+    extra_capabilities: Callable[[str], list[Entry]] = no_extra_capabilities
 
     # -- URL layout (one place) -----------------------------------------------------------------
     @property
@@ -130,6 +138,7 @@ def capability_list(site: Site, ps: PublishedSet) -> Doc:
     entries.append(Entry(site.changelist(ps.name), md=Md(capability=CHANGELIST)))
     if CHANGEDUMP in dumps:
         entries.append(Entry(dumps[CHANGEDUMP], md=Md(capability=CHANGEDUMP)))
+    entries += site.extra_capabilities(ps.name)
     return Head(md=Md(capability=CAPABILITYLIST), links=links), iter(entries)
 
 

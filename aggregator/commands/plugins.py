@@ -1,0 +1,80 @@
+"""List the plugins rsagg loads: name, version, where from, enabled, hooks implemented."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from importlib.metadata import entry_points
+from typing import Any
+
+from ..config import ConfigError, load_config
+from ..logs import setup_logging
+from ..plugins import DEFAULT_PLUGINS, GROUP, Plugins
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="configuration file (TOML): applies its [plugins.NAME] tables")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _declared_hooks(obj: Any) -> list[str]:
+    """Hooks a plugin object implements, read from pluggy's markers (for plugins not registered)."""
+    return sorted(
+        name
+        for name in dir(obj)
+        if name.startswith("rsagg_") and hasattr(getattr(obj, name, None), f"{GROUP}_impl")
+    )
+
+
+def collect(plugins: Plugins) -> list[dict[str, Any]]:
+    """One row per plugin known to the manager, in loading order (defaults first, then entry points)."""
+    eps = {ep.name: ep for ep in entry_points(group=GROUP)}
+    names = list(dict.fromkeys([*plugins.versions, *plugins.disabled, *plugins.failures]))
+    rows = []
+    for name in names:
+        ep = eps.get(name) if name not in DEFAULT_PLUGINS else None
+        row: dict[str, Any] = {
+            "name": name,
+            "version": plugins.versions.get(name, "unknown"),
+            "origin": "builtin" if name in DEFAULT_PLUGINS else "entry point",
+            "module": DEFAULT_PLUGINS.get(name) or (ep.value if ep else None),
+            "distribution": ep.dist.name if ep and ep.dist else None,
+            "enabled": name not in plugins.disabled and plugins.pm.get_plugin(name) is not None,
+            "loaded": plugins.pm.get_plugin(name) is not None or name in plugins.disabled,
+            "hooks": [],
+        }
+        if plugins.pm.get_plugin(name) is not None:
+            row["hooks"] = plugins.hooks_of(name)
+        elif name in plugins.disabled:
+            try:
+                module = (
+                    importlib.import_module(DEFAULT_PLUGINS[name]) if name in DEFAULT_PLUGINS else ep.load()
+                )
+                row["hooks"] = _declared_hooks(module)
+            except Exception:  # it loaded once; if it does not now, there is nothing more to show
+                pass
+        rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, "text")
+    try:
+        plugins = Plugins.from_config(load_config(args.config)) if args.config else Plugins()
+    except ConfigError as exc:
+        print(f"rsagg: config error: {exc}", file=sys.stderr)
+        return 2
+    rows = collect(plugins)
+    if args.json:
+        json.dump({"plugins": rows}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"{'PLUGIN':<16} {'VERSION':<10} {'ORIGIN':<36} {'ENABLED':<8} HOOKS")
+    for r in rows:
+        origin = r["origin"] if r["origin"] == "builtin" else f"entry point: {r['distribution'] or '?'}"
+        enabled = "yes" if r["enabled"] else ("no" if r["loaded"] else "FAILED")
+        print(f"{r['name']:<16} {r['version']:<10} {origin:<36} {enabled:<8} {', '.join(r['hooks']) or '-'}")
+    return 0

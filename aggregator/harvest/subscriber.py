@@ -1,0 +1,816 @@
+"""rsagg as a WebSub subscriber of its upstreams' notification channels (Change/Framework Notification).
+
+Why: polling a Change List every few minutes costs latency; a notification says "this changed" within
+milliseconds. Polling stays — the Change List is the truth — but only as a safety net.
+
+Channels are found by discovery: a Capability List entry with ``capability="change-notification"`` or
+``"framework-notification"`` whose ``loc`` is the topic and whose ``rs:ln rel="hub"`` names the hub
+(Framework Notification §5; spec/NOTES.md). For each, rsagg subscribes (WebSub §5.1) with:
+
+- a callback on its own server, ``BASE/_websub/<token>``: ``token`` is random (256 bits) per
+  subscription, so a callback cannot be guessed, and set names (``[a-z0-9]...``) never collide;
+- its own ``hub.secret`` (WebSub §7.1), and the lease of ``[notifications] lease_seconds``.
+
+Verification of intent (WebSub §5.3) is strict: the challenge is echoed only when the token names a
+subscription with a pending request of ours in exactly that ``hub.mode`` for exactly that
+``hub.topic``; anything else gets 404. The request is marked pending *before* it is sent, since a hub
+may verify before it answers the request (flask-websub does). ``hub.mode=denied`` (§5.2) ends a pending
+request. Leases are renewed at ``renew_fraction`` of their length; a channel that disappears from the
+Capability List, a source that is removed, disabled or has notifications turned off is unsubscribed
+(and forgotten if the hub never verifies that; deliveries to a forgotten callback get 410, which makes
+the hub drop it, WebSub §7).
+
+Delivery (WebSub §7): answered 202 at once — never after applying anything. Before that the handler
+checks, cheaply: a known callback (else 410), size (``max_payload_bytes``), ``X-Hub-Signature`` with
+``sha256``, ``sha384`` or ``sha512`` (``sha1`` only with ``accept_sha1``; WebSub §8 recommends
+SHA-256 or better): unsigned or forged deliveries are dropped (still 202, §7.1 lets the subscriber
+acknowledge; nothing tells a forger what failed); then the payload goes through the hardened parser
+(``rs.parse``: no DTD, no entities, byte cap) and must be a ``<urlset>`` of the channel's capability,
+with ``from`` and ``until`` for change notifications. A parse problem asks for a poll. The parsed
+notice goes into the source's bounded inbox (a full inbox drops it and asks for a poll).
+
+The source's task (``run_source``, started by ``poll_source`` for followed sources) owns everything
+that changes the store: it syncs (discovery + Change List, exactly as without notifications) at start,
+on demand and every ``notified_interval`` while every set's change channel is live (else the normal
+``interval``), and between syncs takes notices from its inbox:
+
+- change notification: continuity first (NOTES "Payload"): its ``from`` must be the ``until`` of the
+  previous one taken on that channel. A first notice, a gap or a notice that cannot be placed on the
+  cursor makes it poll the Change List instead (which holds the same changes); an old or repeated one
+  (``until`` not after the last) is dropped. Otherwise its entries go through the one ``Pipeline``
+  (ARCHITECTURE invariant 1) with the set's cursor, exactly like Change List entries: entries at or
+  before the cursor (datetime + ties, ``lists.Position``) were applied already — by the Change List or
+  an earlier notice — and are skipped, so notifications and polling never apply a change twice. The
+  cursor keeps its Change List position (URL, index), so the next poll reads on from where it was.
+  A notice whose entries tie with the cursor's datetime at its ``from`` (a group of same-time changes
+  cut between two notices) cannot say which of them are applied: poll.
+- framework notification: a capability document changed: sync at once (the sync re-reads the
+  Capability List, then the Change List, or the Resource List of a set without one).
+
+State: table ``notify_subscriptions`` (``CREATE TABLE IF NOT EXISTS``, own connection), mirrored in
+memory (one process owns it). Counters for the metrics issue: ``Subscriber.counters`` (keys listed at
+``COUNTERS``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import random
+import secrets
+import sqlite3
+import threading
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+from urllib.parse import urljoin
+
+import httpx
+import trio
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from ..config import SourceConfig
+from ..rs.model import CHANGE_NOTIFICATION, CHANGES, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
+from ..rs.parse import DocumentError, parse_bytes
+from ..rs.w3cdt import utcnow
+from ..store.state import format_dt, parse_dt
+from .context import HarvestContext
+from .discovery import SetInfo
+from .lists import ListRef, Position, when
+from .pipeline import Pipeline, Work
+from .source import sync_source
+
+log = logging.getLogger("rsagg.subscriber")
+T = TypeVar("T")
+
+KINDS = (CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION)
+CALLBACK_PREFIX = "/_websub/"
+FORM = "application/x-www-form-urlencoded"
+#: X-Hub-Signature methods (WebSub §7.1) -> hashlib name; sha1 only when configured.
+STRONG_SIGNATURES = {"sha256": hashlib.sha256, "sha384": hashlib.sha384, "sha512": hashlib.sha512}
+
+#: Every counter key, for the metrics issue (``Subscriber.counters[key]``).
+COUNTERS = (
+    "subscribe.requested",  # subscription requests (first ones and renewals) accepted by a hub
+    "subscribe.failed",  # requests a hub refused or did not verify in time
+    "renewals",  # of those, renewals of a live lease
+    "unsubscribe.requested",
+    "verify.subscribed",  # verifications answered with the challenge
+    "verify.unsubscribed",
+    "verify.denied",  # hub.mode=denied for a pending request
+    "verify.refused",  # 404: unknown callback, no pending request in that mode, other topic
+    "delivery.accepted",  # queued for the source's task
+    "delivery.unknown_callback",  # 410
+    "delivery.unsigned",  # dropped
+    "delivery.bad_signature",  # dropped (wrong, unknown or weak method)
+    "delivery.too_large",  # 413
+    "delivery.parse_error",  # dropped, poll asked for
+    "delivery.overflow",  # inbox full: dropped, poll asked for
+    "notice.applied",  # change notifications taken through the pipeline
+    "notice.duplicate",  # until not after the last one taken
+    "notice.known",  # every entry was applied already (by a poll): nothing to do
+    "notice.gap",  # first notice or from != previous until: polled instead
+    "notice.unplaceable",  # entries without time, out of order, or tied at from: polled instead
+    "notice.framework",  # framework notifications (each makes a sync)
+    "changes.applied",  # changes logged from notifications
+    "poll",  # syncs run by subscriber tasks (start, fallback, safety net)
+)
+
+
+@dataclass(frozen=True)
+class SubscriberSettings:
+    """Timing and size knobs (defaults for production; tests shrink the times)."""
+
+    tick: float = 5.0  # the maintenance task looks at subscriptions at least this often
+    verify_timeout: float = 120.0  # a request not verified by then has failed
+    retry_base: float = 10.0  # first retry of a failed request after ~this; doubles each failure
+    retry_max: float = 3600.0
+    renew_fraction: float = 0.75  # renew a lease when this fraction of it is over
+    unsubscribe_attempts: int = 3  # then the subscription is forgotten (deliveries get 410)
+    inbox_size: int = 64  # notices waiting per source (bounded: ARCHITECTURE invariant 4)
+    max_payload_bytes: int = 8 * 1024 * 1024
+    request_timeout: float = 10.0
+    #: A channel that goes live gets a catch-up poll this much later: a hub records a subscription
+    #: only after our answer to its verification, and what it published meanwhile never reaches us.
+    settle: float = 1.0
+
+
+@dataclass
+class Subscription:
+    """One channel of one set of one source (a row of ``notify_subscriptions``)."""
+
+    id: int
+    token: str
+    secret: str
+    source: str
+    capabilitylist_url: str
+    kind: str
+    topic: str
+    hub: str
+    wanted: bool = True  # False: being unsubscribed (then forgotten)
+    pending: str | None = None  # "subscribe" | "unsubscribe": a request of ours awaiting verification
+    requested: datetime | None = None
+    lease_seconds: int | None = None
+    lease_expires: datetime | None = None
+    verified: datetime | None = None
+    last_until: datetime | None = None  # until of the last change notification taken
+    failures: int = 0
+    next_attempt: datetime | None = None
+
+    def live(self, now: datetime) -> bool:
+        return self.wanted and self.lease_expires is not None and self.lease_expires > now
+
+
+@dataclass
+class Notice:
+    """A verified, parsed delivery on its way to the source's task."""
+
+    sub: Subscription
+    head: Head
+    entries: list[Entry]
+
+
+class _Nudge:
+    """Wakes a source's task to recompute its poll deadline (a subscription became live or lapsed)."""
+
+
+@dataclass
+class _Inbox:
+    send: trio.MemorySendChannel
+    recv: trio.MemoryReceiveChannel
+    poll_wanted: bool = False
+    poll_at: float | None = None  # trio time of a catch-up poll
+    busy: bool = False  # a sync or a notice is being worked on
+
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS notify_subscriptions (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        token TEXT NOT NULL UNIQUE,        -- callback path segment: BASE/_websub/<token>
+        secret TEXT NOT NULL,              -- hub.secret (needed to check signatures)
+        source TEXT NOT NULL,
+        capabilitylist_url TEXT NOT NULL,
+        kind TEXT NOT NULL,                -- change-notification | framework-notification
+        topic TEXT NOT NULL,
+        hub TEXT NOT NULL,
+        wanted INTEGER NOT NULL DEFAULT 1, -- 0: being unsubscribed
+        pending TEXT,                      -- subscribe | unsubscribe, awaiting verification
+        requested TEXT,
+        lease_seconds INTEGER,
+        lease_expires TEXT,
+        verified TEXT,
+        last_until TEXT,                   -- continuity of change notifications
+        failures INTEGER NOT NULL DEFAULT 0,
+        next_attempt TEXT
+    )""",
+)
+_COLS = (
+    "id", "token", "secret", "source", "capabilitylist_url", "kind", "topic", "hub", "wanted", "pending",
+    "requested", "lease_seconds", "lease_expires", "verified", "last_until", "failures", "next_attempt",
+)  # fmt: skip
+_UPDATE = f"UPDATE notify_subscriptions SET {', '.join(f'{k} = ?' for k in _COLS[1:])} WHERE id = ?"
+_TIMES = ("requested", "lease_expires", "verified", "last_until", "next_attempt")
+
+
+class Subscriber:
+    """Subscriptions, callback routes (``routes()``), maintenance (``run()``) and source tasks."""
+
+    def __init__(
+        self,
+        ctx: HarvestContext,
+        *,
+        client: httpx.AsyncClient,
+        settings: SubscriberSettings | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.ctx = ctx
+        self.client = client
+        self.settings = settings or SubscriberSettings()
+        self.counters: Counter[str] = Counter()
+        self._clock = clock
+        self._subs: dict[str, Subscription] = {}  # token -> subscription
+        self._inboxes: dict[str, _Inbox] = {}
+        self._discovered: dict[str, list[str]] = {}  # source -> capability list URLs of its last sync
+        self._wake = trio.Event()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._db_limiter = trio.CapacityLimiter(1)
+        path = ctx.config.store_path / "state.db"
+        self.conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False, isolation_level=None)
+        self.conn.execute("PRAGMA busy_timeout = 30000")
+        self.conn.execute("PRAGMA journal_mode = WAL")
+        self.conn.execute("PRAGMA synchronous = NORMAL")
+        with self._write() as c:
+            for statement in SCHEMA:
+                c.execute(statement)
+        with self._lock:
+            for row in self.conn.execute(f"SELECT {', '.join(_COLS)} FROM notify_subscriptions"):
+                d = dict(zip(_COLS, row, strict=True))
+                for k in _TIMES:
+                    d[k] = parse_dt(d[k])
+                d["wanted"] = bool(d["wanted"])
+                sub = Subscription(**d)
+                self._subs[sub.token] = sub
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            if self._closed:  # the process is stopping: the table keeps what was saved before
+                raise _Closed
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.conn
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+            else:
+                self.conn.execute("COMMIT")
+
+    async def _db(self, fn: Callable[..., T], *args: Any) -> T | None:
+        try:
+            return await trio.to_thread.run_sync(
+                lambda: fn(*args), limiter=self._db_limiter, abandon_on_cancel=False
+            )
+        except _Closed:
+            return None
+
+    def _save_rows(self, subs: Sequence[Subscription]) -> None:
+        with self._write() as c:
+            for sub in subs:
+                values = [getattr(sub, k) for k in _COLS[1:]]
+                values = [format_dt(v) if isinstance(v, datetime) else v for v in values]
+                c.execute(_UPDATE, (*values, sub.id))
+
+    async def _save(self, *subs: Subscription) -> None:
+        await self._db(self._save_rows, subs)
+
+    def _insert_row(self, sub: Subscription) -> int:
+        cols = _COLS[1:]
+        values = [getattr(sub, k) for k in cols]
+        values = [format_dt(v) if isinstance(v, datetime) else v for v in values]
+        with self._write() as c:
+            cur = c.execute(
+                f"INSERT INTO notify_subscriptions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                values,
+            )
+            return int(cur.lastrowid or 0)
+
+    def _delete_row(self, sub_id: int) -> None:
+        with self._write() as c:
+            c.execute("DELETE FROM notify_subscriptions WHERE id = ?", (sub_id,))
+
+    async def aclose(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.conn.close()
+
+    def _now(self) -> datetime:
+        return self._clock()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- reads (status, tests) -------------------------------------------------------------------
+
+    def subscriptions(self, source: str | None = None) -> list[Subscription]:
+        """Copies of the subscriptions (of one source), oldest first."""
+        subs = sorted(self._subs.values(), key=lambda s: s.id)
+        return [replace(s) for s in subs if source is None or s.source == source]
+
+    def idle(self, source: str) -> bool:
+        """Nothing to do for this source right now: no sync or notice in progress, no catch-up poll
+        due, no notice waiting (for status displays and tests)."""
+        box = self._box(source)
+        stats = box.recv.statistics()
+        return not box.busy and box.poll_at is None and not box.poll_wanted and stats.current_buffer_used == 0
+
+    def follows(self, src: SourceConfig) -> bool:
+        """Whether this source's channels are followed (``[notifications]`` and the source's switch)."""
+        return self.ctx.config.notifications_on(src)
+
+    def callback_url(self, sub: Subscription) -> str:
+        return f"{self.ctx.config.server.base_url}{CALLBACK_PREFIX}{sub.token}"
+
+    # -- subscribing -----------------------------------------------------------------------------
+
+    async def ensure(self, src: SourceConfig, sets: Sequence[SetInfo]) -> None:
+        """Subscribe to the channels these sets advertise; retire subscriptions they no longer do."""
+        self._discovered[src.name] = [s.capabilitylist_url for s in sets]
+        wanted: dict[tuple[str, str], tuple[str, str]] = {}  # (capability list, kind) -> (topic, hub)
+        for info in sets:
+            for kind in KINDS:
+                cap = info.capabilities.get(kind)
+                hubs = cap.entry.links_by_rel("hub") if cap is not None else []
+                if cap is not None and hubs:
+                    wanted[(info.capabilitylist_url, kind)] = (cap.url, urljoin(cap.url, hubs[0].href))
+                elif cap is not None:
+                    log.warning(
+                        "source=%s %s %s advertises no rel=hub: not followed", src.name, kind, cap.url
+                    )
+        have = {
+            (s.capabilitylist_url, s.kind): s
+            for s in self._subs.values()
+            if s.source == src.name and s.wanted
+        }
+        for key, sub in have.items():
+            if wanted.get(key) != (sub.topic, sub.hub):
+                await self._retire(
+                    sub, "no longer advertised" if key not in wanted else "topic or hub changed"
+                )
+        for key, (topic, hub) in wanted.items():
+            sub = have.get(key)
+            if sub is not None and (sub.topic, sub.hub) == (topic, hub):
+                continue
+            sub = Subscription(
+                0, secrets.token_urlsafe(32), secrets.token_hex(32), src.name, key[0], key[1], topic, hub
+            )
+            sub.id = await self._db(self._insert_row, sub) or 0
+            self._subs[sub.token] = sub
+            log.info("source=%s subscribing to %s %s at hub %s", src.name, key[1], topic, hub)
+            await self._request(sub, "subscribe")
+        self.wake()
+
+    async def _retire(self, sub: Subscription, why: str) -> None:
+        log.info("source=%s %s %s: unsubscribing (%s)", sub.source, sub.kind, sub.topic, why)
+        sub.wanted = False
+        sub.failures = 0
+        await self._request(sub, "unsubscribe")
+
+    async def _request(self, sub: Subscription, mode: str) -> None:
+        """WebSub §5.1: POST the (un)subscription request. Pending is set first: the verification may
+        come before the hub answers the POST."""
+        now = self._now()
+        renewal = mode == "subscribe" and sub.live(now)
+        sub.pending, sub.requested, sub.next_attempt = mode, now, None
+        await self._save(sub)
+        form = {"hub.mode": mode, "hub.topic": sub.topic, "hub.callback": self.callback_url(sub)}
+        if mode == "subscribe":
+            form["hub.secret"] = sub.secret
+            form["hub.lease_seconds"] = str(self.ctx.config.notifications.lease_seconds)
+        error = ""
+        try:
+            with trio.fail_after(self.settings.request_timeout):
+                r = await self.client.post(sub.hub, data=form)
+            if 200 <= r.status_code < 300:
+                self.counters[f"{mode}.requested"] += 1
+                self.counters["renewals"] += renewal
+                return
+            error = f"hub answered {r.status_code}: {r.text[:200]!r}"
+        except trio.TooSlowError:
+            error = "hub did not answer in time"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if sub.pending == mode:  # not verified meanwhile
+            await self._failed(sub, error)
+
+    async def _failed(self, sub: Subscription, why: str) -> None:
+        s = self.settings
+        sub.pending = None
+        sub.failures += 1
+        if not sub.wanted and sub.failures >= s.unsubscribe_attempts:
+            log.warning(
+                "%s %s: unsubscribe failed %d times (%s); forgotten", sub.kind, sub.topic, sub.failures, why
+            )
+            await self._forget(sub)
+            return
+        delay = min(s.retry_max, s.retry_base * 2 ** min(sub.failures - 1, 30))
+        delay = delay / 2 + random.uniform(0, delay / 2)
+        sub.next_attempt = self._now() + timedelta(seconds=delay)
+        self.counters["subscribe.failed"] += sub.wanted
+        what = "subscription to" if sub.wanted else "unsubscription from"
+        log.warning(
+            "source=%s %s %s at %s failed (%s); again in %.0f s",
+            sub.source,
+            what,
+            sub.topic,
+            sub.hub,
+            why,
+            delay,
+        )
+        await self._save(sub)
+
+    async def _forget(self, sub: Subscription) -> None:
+        self._subs.pop(sub.token, None)
+        await self._db(self._delete_row, sub.id)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Maintenance until cancelled: renewals, retries, time-outs, sources that went away."""
+        task_status.started()
+        while True:
+            self._wake = trio.Event()
+            try:
+                delay = await self.maintain()
+            except Exception:
+                log.exception("subscriber maintenance failed; trying again")
+                delay = self.settings.tick
+            with trio.move_on_after(delay):
+                await self._wake.wait()
+
+    async def maintain(self) -> float:
+        """One look at every subscription; returns the seconds until the next thing is due."""
+        s = self.settings
+        now = self._now()
+        config = self.ctx.config
+        followed = {src.name for src in config.sources if src.enabled and config.notifications_on(src)}
+        due = now + timedelta(seconds=s.tick)
+        for sub in list(self._subs.values()):
+            if sub.wanted and sub.source not in followed:
+                await self._retire(sub, "source removed, disabled or not followed")
+                continue
+            if sub.pending is not None:
+                assert sub.requested is not None
+                timeout = sub.requested + timedelta(seconds=s.verify_timeout)
+                if now >= timeout:
+                    await self._failed(sub, "the hub did not verify the request in time")
+                else:
+                    due = min(due, timeout)
+                continue
+            if not sub.wanted:
+                if sub.next_attempt is None or now >= sub.next_attempt:
+                    await self._request(sub, "unsubscribe")
+                else:
+                    due = min(due, sub.next_attempt)
+                continue
+            if sub.lease_expires is not None and sub.verified is not None and sub.lease_seconds:
+                renew_at = sub.verified + timedelta(seconds=sub.lease_seconds * s.renew_fraction)
+                if sub.next_attempt is not None:  # a renewal failed: retry on its schedule
+                    renew_at = max(renew_at, sub.next_attempt)
+                if now >= renew_at:
+                    if now >= sub.lease_expires:
+                        self._nudge(sub.source)  # lapsed: the source polls at its normal pace again
+                    await self._request(sub, "subscribe")
+                else:
+                    due = min(due, renew_at)
+                continue
+            if sub.next_attempt is None or now >= sub.next_attempt:
+                await self._request(sub, "subscribe")
+            else:
+                due = min(due, sub.next_attempt)
+        return max(0.0, (due - self._now()).total_seconds())
+
+    # -- the callback ----------------------------------------------------------------------------
+
+    def routes(self) -> list[Route]:
+        return [
+            Route(CALLBACK_PREFIX + "{token}", self.verify, methods=["GET"]),
+            Route(CALLBACK_PREFIX + "{token}", self.deliver, methods=["POST"]),
+        ]
+
+    async def verify(self, request: Request) -> Response:
+        """WebSub §5.3 verification of intent, §5.2 denial: only for a pending request of ours."""
+        sub = self._subs.get(request.path_params["token"])
+        q = request.query_params
+        mode, topic = q.get("hub.mode"), q.get("hub.topic")
+        if sub is None or topic != sub.topic or mode is None:
+            return self._refuse(sub, mode, topic, "no such subscription")
+        if mode == "denied":
+            if sub.pending != "subscribe" and not sub.live(self._now()):
+                return self._refuse(sub, mode, topic, "nothing to deny")
+            self.counters["verify.denied"] += 1
+            sub.lease_expires = None
+            await self._failed(sub, f"denied by the hub: {q.get('hub.reason', '')[:200]!r}")
+            self._nudge(sub.source)
+            return PlainTextResponse("ok")
+        challenge = q.get("hub.challenge")
+        if mode != sub.pending or not challenge:
+            return self._refuse(sub, mode, topic, f"no pending {mode} request")
+        now = self._now()
+        was_live = sub.live(now)
+        if mode == "unsubscribe":
+            self.counters["verify.unsubscribed"] += 1
+            await self._forget(sub)
+            log.info("source=%s unsubscribed from %s %s", sub.source, sub.kind, sub.topic)
+            return PlainTextResponse(challenge)
+        raw = q.get("hub.lease_seconds", "")
+        lease = int(raw) if raw.isascii() and raw.isdigit() and 0 < int(raw) < 10**9 else None
+        lease = lease or self.ctx.config.notifications.lease_seconds
+        sub.pending, sub.failures, sub.next_attempt = None, 0, None
+        sub.lease_seconds, sub.verified = lease, now
+        sub.lease_expires = now + timedelta(seconds=lease)
+        await self._save(sub)
+        self.counters["verify.subscribed"] += 1
+        log.info("source=%s subscribed to %s %s (lease %d s)", sub.source, sub.kind, sub.topic, lease)
+        if not was_live and sub.kind == CHANGE_NOTIFICATION:
+            box = self._box(sub.source)
+            box.poll_at = trio.current_time() + self.settings.settle
+        self._nudge(sub.source)
+        self.wake()
+        return PlainTextResponse(challenge)
+
+    def _refuse(self, sub: Subscription | None, mode: str | None, topic: str | None, why: str) -> Response:
+        self.counters["verify.refused"] += 1
+        log.warning("verification refused (%s): mode=%r topic=%r", why, mode, topic)
+        return PlainTextResponse("not found\n", status_code=404)
+
+    async def deliver(self, request: Request) -> Response:
+        """WebSub §7 content distribution: checks, then the source's inbox; 202 at once."""
+        sub = self._subs.get(request.path_params["token"])
+        if sub is None or not sub.wanted:
+            self.counters["delivery.unknown_callback"] += 1
+            return PlainTextResponse("gone\n", status_code=410)  # §7: the hub drops the subscription
+        body = await _read_capped(request, self.settings.max_payload_bytes)
+        if body is None:
+            self.counters["delivery.too_large"] += 1
+            return PlainTextResponse("payload too large\n", status_code=413)
+        problem = self._signature_problem(sub, request.headers.get("x-hub-signature"), body)
+        if problem is not None:
+            self.counters[problem] += 1
+            log.warning("source=%s delivery on %s dropped: %s", sub.source, sub.topic, problem)
+            return PlainTextResponse("accepted\n", status_code=202)  # §7.1: acknowledge, ignore locally
+        try:
+            notice = self._parse(sub, body)
+        except DocumentError as exc:
+            self.counters["delivery.parse_error"] += 1
+            log.warning(
+                "source=%s notification on %s unusable (%s): polling instead", sub.source, sub.topic, exc
+            )
+            self._poll_wanted(sub.source)
+            return PlainTextResponse("accepted\n", status_code=202)
+        box = self._box(sub.source)
+        try:
+            box.send.send_nowait(notice)
+            self.counters["delivery.accepted"] += 1
+        except trio.WouldBlock:
+            self.counters["delivery.overflow"] += 1
+            self._poll_wanted(sub.source)
+        return PlainTextResponse("accepted\n", status_code=202)
+
+    def _signature_problem(self, sub: Subscription, header: str | None, body: bytes) -> str | None:
+        if not header:
+            return "delivery.unsigned"
+        method, _, digest = header.strip().partition("=")
+        method = method.strip().lower()
+        algos: dict[str, Any] = dict(STRONG_SIGNATURES)
+        if self.ctx.config.notifications.accept_sha1:
+            algos["sha1"] = hashlib.sha1
+        if method not in algos:
+            return "delivery.bad_signature"
+        expected = hmac.new(sub.secret.encode("utf-8"), body, algos[method]).hexdigest()
+        if not hmac.compare_digest(expected, digest.strip().lower()):
+            return "delivery.bad_signature"
+        return None
+
+    def _parse(self, sub: Subscription, body: bytes) -> Notice:
+        """The hardened parser, on this (the event loop's) thread: lxml parsers must not hop threads."""
+
+        def problem(line: int | None, message: str) -> None:
+            log.warning("notification %s line %s: %s (value ignored)", sub.topic, line, message)
+
+        head, entries = parse_bytes(
+            body, sub.topic, max_bytes=self.settings.max_payload_bytes, on_problem=problem
+        )
+        md = head.md
+        if head.root != URLSET or head.capability != sub.kind:
+            raise DocumentError(sub.topic, head.line, f"not a <urlset> with capability {sub.kind!r}")
+        if sub.kind == CHANGE_NOTIFICATION and (md is None or md.from_ is None or md.until is None):
+            raise DocumentError(sub.topic, head.line, "a change notification needs from and until")
+        return Notice(sub, head, entries)
+
+    # -- the source's task -----------------------------------------------------------------------
+
+    def _box(self, source: str) -> _Inbox:
+        box = self._inboxes.get(source)
+        if box is None:
+            send, recv = trio.open_memory_channel[Notice | _Nudge](self.settings.inbox_size)
+            box = self._inboxes[source] = _Inbox(send, recv)
+        return box
+
+    def _poll_wanted(self, source: str) -> None:
+        box = self._box(source)
+        box.poll_wanted = True
+        self._nudge(source)
+
+    def _nudge(self, source: str) -> None:
+        try:
+            self._box(source).send.send_nowait(_Nudge())
+        except trio.WouldBlock:
+            pass  # the task has plenty to wake it
+
+    def interval(self, src: SourceConfig) -> float:
+        """``notified_interval`` while every set of the source has a live change channel, else
+        the normal ``interval``."""
+        now = self._now()
+        config = self.ctx.config
+        sets = self._discovered.get(src.name) or []
+        live = {
+            s.capabilitylist_url
+            for s in self._subs.values()
+            if s.source == src.name and s.kind == CHANGE_NOTIFICATION and s.live(now)
+        }
+        if sets and all(url in live for url in sets):
+            return config.notified_interval(src)
+        return config.interval(src)
+
+    async def run_source(self, src: SourceConfig) -> None:
+        """A followed source's task: syncs and notices, one at a time, until cancelled."""
+        box = self._box(src.name)
+        jitter = self.ctx.config.harvest.jitter
+        why: str | None = "start"
+        last = trio.current_time()
+        factor = 1.0
+        while True:
+            if why is not None or box.poll_wanted:
+                started = trio.current_time()
+                box.poll_wanted, box.busy = False, True
+                await self._sync(src, why or "unusable notification")
+                last, factor, why = trio.current_time(), 1 + random.uniform(-jitter, jitter), None
+                if box.poll_at is not None and started >= box.poll_at:
+                    box.poll_at = None  # that sync was the catch-up
+            box.busy = False
+            deadline = last + self.interval(src) * factor
+            if box.poll_at is not None:
+                deadline = min(deadline, box.poll_at)
+            with trio.move_on_at(deadline) as waiting:
+                item = await box.recv.receive()
+            box.busy = True
+            if waiting.cancelled_caught:
+                why = "catch-up" if box.poll_at is not None and box.poll_at <= deadline else "interval"
+                box.poll_at = None
+                continue
+            if isinstance(item, Notice):
+                try:
+                    if await self._take(src, item):
+                        why = "notification"
+                except trio.Cancelled:
+                    raise
+                except Exception:  # never take the daemon down: the Change List has the same changes
+                    log.exception(
+                        "source=%s notification on %s failed; polling instead", src.name, item.sub.topic
+                    )
+                    why = "failed notification"
+
+    async def _sync(self, src: SourceConfig, why: str) -> None:
+        self.counters["poll"] += 1
+        log.info("source=%s syncing (%s)", src.name, why)
+        result = await sync_source(self.ctx, src)
+        if result.discovered:
+            try:
+                await self.ensure(src, result.discovered)
+            except Exception:
+                log.exception("source=%s could not update its subscriptions", src.name)
+
+    async def _take(self, src: SourceConfig, notice: Notice) -> bool:
+        """Apply one notice; True when the source must be polled instead (see the module docstring)."""
+        sub = notice.sub
+        if not sub.wanted or sub.token not in self._subs:
+            return False
+        if sub.kind == FRAMEWORK_NOTIFICATION:
+            self.counters["notice.framework"] += 1
+            log.info("source=%s framework notification on %s: syncing now", src.name, sub.topic)
+            return True
+        md = notice.head.md
+        assert md is not None and md.from_ is not None and md.until is not None
+        if sub.last_until is not None and md.until <= sub.last_until:
+            self.counters["notice.duplicate"] += 1
+            return False
+        continuous = sub.last_until is not None and md.from_ == sub.last_until
+        if not continuous:
+            self.counters["notice.gap"] += 1
+            log.info(
+                "source=%s %s: notification from %s does not continue %s: polling the Change List",
+                src.name, sub.topic, format_dt(md.from_), format_dt(sub.last_until),
+            )  # fmt: skip
+            await self._until(sub, md.until)
+            return True
+        placed = await self._apply(src, sub, notice)
+        await self._until(sub, md.until)
+        if not placed:
+            self.counters["notice.unplaceable"] += 1
+        return not placed
+
+    async def _until(self, sub: Subscription, until: datetime) -> None:
+        sub.last_until = until
+        await self._save(sub)
+
+    def _set_id(self, source: str, capabilitylist_url: str) -> int | None:
+        for s in self.ctx.reader.sets(source):
+            if s["capabilitylist_url"] == capabilitylist_url:
+                return int(s["id"])
+        return None
+
+    async def _apply(self, src: SourceConfig, sub: Subscription, notice: Notice) -> bool:
+        """The notice's entries through the pipeline on the set's cursor; False when they cannot be
+        placed on it (then the caller polls)."""
+        set_id = self._set_id(src.name, sub.capabilitylist_url)
+        cursor = self.ctx.reader.cursor(set_id) if set_id is not None else None
+        if set_id is None or cursor is None:
+            return False  # no baseline yet: the sync does it
+        md = notice.head.md
+        assert md is not None and md.from_ is not None
+        pos = Position(cursor)
+        keep = ListRef(cursor.changelist_url or "", None, cursor.list_until)
+        work: list[Work] = []
+        previous: datetime | None = None
+        for entry in notice.entries:
+            t = when(entry)
+            if t is None or (previous is not None and t < previous):
+                return False  # no time, or not in forward chronological order: not placeable
+            previous = t
+            if entry.change not in CHANGES:
+                log.warning("source=%s %s: change %r skipped", src.name, sub.topic, entry.change)
+                continue
+            if cursor.last_datetime is not None and t == cursor.last_datetime and t <= md.from_:
+                return False  # a same-time group cut between two notices: which of it is applied?
+            if cursor.last_datetime is None and cursor.baseline_at is not None and t < cursor.baseline_at:
+                continue  # before the snapshot the baseline came from
+            if pos.is_applied(t, keep.url, 0):
+                continue
+            after = replace(pos.advance(t, keep, cursor.list_index), changelist_url=cursor.changelist_url)
+            work.append(Work(entry, entry.change or "", after))
+        if not work:
+            self.counters["notice.known"] += 1
+            log.info(
+                "source=%s %s: nothing new in the notification (%d entries)",
+                src.name,
+                sub.topic,
+                len(notice.entries),
+            )
+            return True
+
+        async def items() -> AsyncGenerator[Work, None]:
+            for w in work:
+                yield w
+
+        try:
+            stats = await Pipeline(self.ctx, set_id, src.name).run(items())
+        except trio.Cancelled:
+            raise
+        except Exception as exc:
+            log.error("source=%s applying a notification failed: %s: %s", src.name, type(exc).__name__, exc)
+            return False
+        self.counters["notice.applied"] += 1
+        self.counters["changes.applied"] += sum(stats.applied.values())
+        for f in stats.failures:
+            log.warning(
+                "source=%s url=%s from a notification failed (%s): %s", src.name, f.uri, f.kind, f.message
+            )
+        return True
+
+
+async def _read_capped(request: Request, limit: int) -> bytes | None:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+__all__ = ["CALLBACK_PREFIX", "COUNTERS", "Notice", "Subscriber", "SubscriberSettings", "Subscription"]
+
+
+class _Closed(Exception):
+    """A write after ``aclose`` (a task still finishing while the process stops)."""

@@ -1,0 +1,208 @@
+"""Notifications in a running rsagg: the hub, the notifier and the subscriber, started with one call.
+
+Why one module: the daemon should not know the parts. It calls ``prepare_notifications(ctx)`` once the
+harvest context is open (sets ``ctx.notifications``), builds the publisher app with
+``create_app(..., **app_options(ctx))``, then ``run_notifications(nursery, ctx, stop_when=...)``;
+that is all (``start_notifications`` does both steps for tests). Parts (see their modules):
+
+- ``publish/hub.py`` — the embedded WebSub hub at ``[notifications] hub_path`` (unless ``hub`` names
+  an external hub); topics limited to rsagg's own URLs, payload POSTs off (rsagg publishes in-process).
+- ``publish/notify.py`` — rsagg's own channels: topic documents, Capability List entries, the
+  change and framework notifications (woken by every harvest commit, ``HarvestContext.committed``).
+- ``harvest/subscriber.py`` — subscriptions to upstream channels, the callback routes, and the task of
+  every followed source (``poll_source`` hands them over through ``ctx.notifications``).
+
+Off entirely with ``[notifications] enabled = false``. Changing ``[notifications]`` or
+``server.base_url`` takes effect at the next start (a reload keeps the running hub and topics).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import trio
+
+from . import __version__
+from .harvest.context import HarvestContext
+
+if TYPE_CHECKING:  # imported when used: the daemon imports this module, harvest-only runs need no more
+    from starlette.routing import BaseRoute
+
+    from .harvest.subscriber import Subscriber, SubscriberSettings
+    from .publish.hub import Hub, HubLimits
+    from .publish.notify import Notifier
+
+log = logging.getLogger("rsagg.notify")
+
+
+@dataclass
+class Notifications:
+    hub_url: str
+    notifier: Notifier
+    client: httpx.AsyncClient
+    hub: Hub | None = None
+    subscriber: Subscriber | None = None
+    hub_counters: Counter[str] = field(default_factory=Counter)
+    _scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def routes(self) -> list[BaseRoute]:
+        """Hub (POST), callbacks (GET/POST ``/_websub/TOKEN``), topics (GET/HEAD): matched first."""
+        routes: list[BaseRoute] = []
+        if self.hub is not None:
+            routes += self.hub.routes()
+        if self.subscriber is not None:
+            routes += self.subscriber.routes()
+        return routes + self.notifier.routes()
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Everything counted, prefixed ``hub.``, ``notifier.``, ``subscriber.`` (for the metrics issue)."""
+        out = {f"hub.{k}": v for k, v in self.hub_counters.items()}
+        out.update({f"notifier.{k}": v for k, v in self.notifier.counters.items()})
+        if self.subscriber is not None:
+            out.update({f"subscriber.{k}": v for k, v in self.subscriber.counters.items()})
+        return out
+
+    def stop(self) -> None:
+        """Stop the workers (the daemon is shutting down); their connections close when they have."""
+        self._scope.cancel()
+
+    async def aclose(self) -> None:
+        if self.hub is not None:
+            await self.hub.aclose()
+        await self.notifier.aclose()
+        if self.subscriber is not None:
+            await self.subscriber.aclose()
+        await self.client.aclose()
+
+
+def app_options(ctx: HarvestContext) -> dict[str, Any]:
+    """Keyword arguments for ``publish.app.create_app``: the routes and the Capability List entries."""
+    notes: Notifications | None = ctx.notifications
+    if notes is None:
+        return {}
+    return {"extra_routes": notes.routes(), "extra_capabilities": notes.notifier.capabilities}
+
+
+def prepare_notifications(
+    ctx: HarvestContext,
+    *,
+    harvest: bool = True,
+    hub_limits: HubLimits | None = None,
+    settings: SubscriberSettings | None = None,
+    poll_interval: float = 1.0,
+    framework_interval: float = 5.0,
+) -> Notifications | None:
+    """Build hub, notifier and (with ``harvest``) subscriber; sets ``ctx.notifications``. None when
+    ``[notifications] enabled = false``. Nothing runs yet (``run_notifications``)."""
+    config = ctx.config
+    nc = config.notifications
+    if not nc.enabled:
+        return None
+    from .harvest.subscriber import Subscriber
+    from .publish.hub import Hub, topics_under
+    from .publish.notify import Notifier
+
+    base = config.server.base_url
+    client = httpx.AsyncClient(
+        timeout=10.0, follow_redirects=False, headers={"User-Agent": f"rsagg/{__version__} (WebSub)"}
+    )
+    state_path = config.store_path / "state.db"
+    hub: Hub | None = None
+    counts: Counter[str] = Counter()
+    if nc.hub:
+        hub_url = nc.hub
+    else:
+        hub_url = base + nc.hub_path
+
+        def count(event: str, outcome: str) -> None:
+            counts[f"{event}.{outcome}"] += 1
+
+        hub = Hub(
+            state_path,
+            hub_url=hub_url,
+            path=nc.hub_path,
+            allowed_topic=topics_under(base),
+            limits=hub_limits,
+            metrics=count,
+        )
+    notifier = Notifier(
+        lambda: ctx.config,
+        state_path,
+        ctx.blobs,
+        hub_url=hub_url,
+        hub=hub,
+        client=client,
+        poll_interval=poll_interval,
+        framework_interval=framework_interval,
+    )
+    subscriber = Subscriber(ctx, client=client, settings=settings) if harvest else None
+    notes = Notifications(hub_url, notifier, client, hub, subscriber, counts)
+    ctx.notifications = notes
+    ctx.commit_listeners.append(notifier.wake)
+    where = f"external hub {hub_url}" if nc.hub else f"embedded hub {hub_url}"
+    log.info("notifications on: %s%s", where, ", following upstream channels" if harvest else "")
+    return notes
+
+
+async def run_notifications(
+    nursery: trio.Nursery, ctx: HarvestContext, *, stop_when: Callable[[], Awaitable[Any]] | None = None
+) -> None:
+    """Start the workers of ``ctx.notifications`` (if any) in ``nursery``. They stop when the nursery
+    is cancelled, on ``Notifications.stop()``, or when ``stop_when()`` returns (the daemon's shutdown),
+    and then close their database connections and HTTP client."""
+    if ctx.notifications is not None:
+        await nursery.start(_run, ctx.notifications, stop_when)
+
+
+async def start_notifications(
+    nursery: trio.Nursery,
+    ctx: HarvestContext,
+    *,
+    stop_when: Callable[[], Awaitable[Any]] | None = None,
+    **kw: Any,
+) -> Notifications | None:
+    """``prepare_notifications`` + ``run_notifications`` (when no app needs building in between)."""
+    notes = prepare_notifications(ctx, **kw)
+    await run_notifications(nursery, ctx, stop_when=stop_when)
+    return notes
+
+
+async def _run(
+    notes: Notifications,
+    stop_when: Callable[[], Awaitable[Any]] | None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        with notes._scope:
+            async with trio.open_nursery() as inner:
+                if notes.hub is not None:
+                    await inner.start(notes.hub.run)
+                await inner.start(notes.notifier.run)
+                if notes.subscriber is not None:
+                    await inner.start(notes.subscriber.run)
+                if stop_when is not None:
+
+                    async def stopper() -> None:
+                        await stop_when()
+                        notes.stop()
+
+                    inner.start_soon(stopper)
+                task_status.started()
+    finally:
+        with trio.CancelScope(shield=True):
+            await notes.aclose()
+
+
+__all__ = [
+    "Notifications",
+    "app_options",
+    "prepare_notifications",
+    "run_notifications",
+    "start_notifications",
+]
