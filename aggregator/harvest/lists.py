@@ -82,9 +82,11 @@ async def resource_list_entries(
     async with fetcher.document(url, **(validators.of(url) if validators else {})) as doc:
         if doc.not_modified:
             raise NotModified(url)
-        if validators:
-            validators.read(url, doc.etag, doc.last_modified)
         head = _expect(url, doc.head, RESOURCELIST)
+        if validators and not head.is_index:
+            # Only a plain list: §10.2 does not promise that an index changes when one of its parts
+            # does, so an index is always read again (its parts come unconditionally too).
+            validators.read(url, doc.etag, doc.last_modified)
         snap.at = head.md.at if head.md else None
         if not head.is_index:
             async for entry in doc.entries:
