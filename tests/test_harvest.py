@@ -236,3 +236,24 @@ async def test_change_dumps_used_to_catch_up(tmp_path: Path):
         # Nothing applied twice: each URI's last logged sha is the upstream's, and a rerun adds nothing.
         before = changelog(cfg)
         assert (await harvest(cfg))["up"].ok and changelog(cfg) == before
+
+
+async def test_failed_changes_are_retried_at_the_next_sync(tmp_path: Path):
+    """The cursor moves past a change whose fetch failed; the change itself waits and is retried."""
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.bulk_create(5)
+    async with up.serving() as base:
+        cfg = make_config(tmp_path / "data", {"up": base})  # 2 retries per request
+        assert (await harvest(cfg))["up"].ok
+        up.update("r000001.txt", b"version two")
+        up.serve_503 = {"/default/res/r000001.txt": 3}  # outlasts the retries of this run
+        r = (await harvest(cfg))["up"]
+        assert not r.ok and [(f.uri, f.kind) for f in r.failures] == [(up.url("r000001.txt"), "http")]
+        assert held(cfg)[up.url("r000001.txt")] != up.resources()["r000001.txt"].sha256
+        # No new change upstream: the failed one is retried from the list of failures, and applies.
+        r = (await harvest(cfg))["up"]
+        assert r.ok, r.error
+        assert held(cfg) == expected_store(up)
+        assert await audit(cfg) == []
+        r = (await harvest(cfg))["up"]  # nothing left to retry
+        assert r.ok and sum(s.seen for s in r.stats) == 0

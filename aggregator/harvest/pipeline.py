@@ -19,6 +19,7 @@ from datetime import datetime
 import trio
 
 from ..rs.model import CREATED, DELETED, PATCH_REL, UPDATED, Entry
+from ..store import retries
 from ..store.blobs import BlobInfo, BlobWriter
 from ..store.state import Change, Cursor, Resource
 from .context import HarvestContext
@@ -164,6 +165,8 @@ class Pipeline:
         )
         self._metadata = MetadataRecords(ctx, set_id, source)
         self._set_name = next((s["name"] for s in ctx.reader.sets() if s["id"] == set_id), str(set_id))
+        # URIs with a failed change waiting to be retried (store/retries.py): cleared once one applies.
+        self._retrying = {e.loc for e, _, _ in retries.pending(ctx.reader, set_id)}
         # Records appended after this point are announced (rsagg_change_published).
         self._last_seq = ctx.reader.last_seq() if self._events else 0
 
@@ -318,6 +321,23 @@ class Pipeline:
                         return got
         return await self.ctx.fetcher.resource(candidate_urls(entry), expected, self.ctx.blobs)
 
+    async def _remember_failures(self, batch: list[_Result]) -> None:
+        """Failed changes wait in store/retries.py for the next sync; an applied one clears its URI.
+        Within a batch the last change of a URI decides (a stale entry followed by a good one)."""
+        last: dict[str, _Result] = {r.work.entry.loc: r for r in batch}
+        failed = [
+            (r.work.entry, r.work.change, r.failure.kind, r.failure.message)
+            for r in last.values()
+            if r.failure
+        ]
+        done = [u for u, r in last.items() if r.failure is None and u in self._retrying]
+        if failed:
+            await self.ctx.write(retries.record, self.ctx.writer, self.set_id, failed)
+            self._retrying.update(e.loc for e, _, _, _ in failed)
+        if done:
+            await self.ctx.write(retries.clear, self.ctx.writer, self.set_id, done)
+            self._retrying.difference_update(done)
+
     def announce(self, applied: list[Change]) -> None:
         """Event hooks, after the transaction committed: what was stored or deleted, and each record
         that entered rsagg's change log (and so its Change Lists)."""
@@ -366,6 +386,7 @@ class Pipeline:
         cursor = next((r.work.cursor_after for r in reversed(batch) if r.work.cursor_after), None)
         applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor)
         self.announce(applied)
+        await self._remember_failures(batch)
         if applied:
             self.ctx.committed()  # e.g. rsagg's own change notifications go out now
         for ch in applied:

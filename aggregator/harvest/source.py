@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import trio
@@ -12,12 +13,13 @@ import trio
 from ..config import SourceConfig
 from ..rs.model import CHANGELIST
 from ..rs.w3cdt import format_w3c, utcnow
+from ..store import retries
 from .baseline import run_baseline
 from .context import HarvestContext
 from .discovery import SetInfo, discover
 from .incremental import run_incremental
 from .lists import GapError, Validators
-from .pipeline import Failure, PipelineStats
+from .pipeline import Failure, Pipeline, PipelineStats, Work
 
 log = logging.getLogger("rsagg.harvest")
 
@@ -59,6 +61,24 @@ class _Progress:
         self.total = n
 
 
+async def retry_failed(ctx: HarvestContext, set_id: int, source: str) -> PipelineStats | None:
+    """Try again the changes of a set whose fetch failed before (store/retries.py), through the one
+    pipeline; they move no cursor. A change that applies now leaves the list."""
+    waiting = retries.pending(ctx.reader, set_id)
+    if not waiting:
+        return None
+
+    async def items() -> AsyncGenerator[Work, None]:
+        for entry, change, _ in waiting:
+            yield Work(entry, change)
+
+    stats = await Pipeline(ctx, set_id, source).run(items())
+    log.info(
+        "source=%s retried %d failed change(s): %d still failing", source, len(waiting), len(stats.failures)
+    )
+    return stats
+
+
 async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     """Bring one source up to date; never raises for upstream problems (they are the result)."""
     result = SourceResult(src.name)
@@ -73,6 +93,9 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
         result.discovered = sets
         for info in sets:
             set_id = await ctx.write(ctx.writer.ensure_set, src.name, info.capabilitylist_url)
+            retried = await retry_failed(ctx, set_id, src.name)
+            if retried is not None:
+                result.stats.append(retried)
             cursor = ctx.reader.cursor(set_id)
             baseline = cursor is None or CHANGELIST not in info.capabilities
             if not baseline:
