@@ -43,7 +43,6 @@ class HarvestConfig:
 
     interval: float = 300.0  # seconds between polls (per source)
     jitter: float = 0.1  # +- fraction of the interval, so sources do not poll in lockstep
-    rediscover_interval: float = 3600.0  # seconds between discovery runs (new capability documents)
     per_host: int = 8  # concurrent requests per upstream host
     max_connections: int = 64
     workers: int = 16  # concurrent resource fetches per set

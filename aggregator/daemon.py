@@ -35,6 +35,7 @@ from .harvest.context import HarvestContext, open_context
 from .harvest.source import poll_source
 from .hotswap import HotSwapApp
 from .notifications import prepare_notifications, run_notifications
+from .publish.schedule import run_dumps
 from .serving import serve
 
 log = logging.getLogger("rsagg.daemon")
@@ -71,7 +72,10 @@ def publisher_app(config: Config, ctx: HarvestContext) -> ASGIApp:
     from .publish.app import create_app
 
     # app_options: the notification routes (hub, callbacks, topics) and Capability List entries
-    return create_app(config, blobs=ctx.blobs, state_path=config.store_path / "state.db", **app_options(ctx))
+    from .publish.schedule import dump_app_options
+
+    options = dump_app_options(ctx, app_options(ctx))  # + the dump documents, packages, manifests
+    return create_app(config, blobs=ctx.blobs, state_path=config.store_path / "state.db", **options)
 
 
 def source_settings(config: Config, src: SourceConfig) -> tuple[Any, ...]:
@@ -287,6 +291,7 @@ async def _serve_and_harvest(
         prepare_notifications(ctx, harvest=harvest)  # notifications.py: before the app needs its routes
         daemon = _Daemon(ctx, nursery, harvest=harvest, config_path=config_path, app_factory=app_factory)
         await run_notifications(nursery, ctx, stop_when=daemon.shutdown.wait)
+        nursery.start_soon(run_dumps, ctx, daemon.shutdown.wait)  # publish/schedule.py
         host, port = _listen(config)
         try:
             daemon.bound = await nursery.start(

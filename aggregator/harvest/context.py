@@ -44,6 +44,8 @@ class HarvestContext:
     #: ``notifications.Notifications`` when they are on (set by ``start_notifications``): its
     #: ``subscriber`` runs the sources whose channels rsagg follows (``poll_source``).
     notifications: Any = None
+    #: ``publish.dumps.DumpBuilder`` of the daemon when dumps are on (``publish/schedule.py``).
+    dumps: Any = None
 
     def committed(self) -> None:
         for listener in self.commit_listeners:
