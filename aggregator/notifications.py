@@ -138,6 +138,8 @@ def prepare_notifications(
         hub_url=hub_url,
         hub=hub,
         client=client,
+        dumps_available=lambda name: ctx.dumps.available(name) if ctx.dumps is not None else {},
+        dump_versions=lambda name: _dump_versions(ctx, name),
         poll_interval=poll_interval,
         framework_interval=framework_interval,
     )
@@ -148,6 +150,18 @@ def prepare_notifications(
     where = f"external hub {hub_url}" if nc.hub else f"embedded hub {hub_url}"
     log.info("notifications on: %s%s", where, ", following upstream channels" if harvest else "")
     return notes
+
+
+def _dump_versions(ctx: HarvestContext, set_name: str) -> dict[str, str]:
+    """A rebuilt dump keeps its URL: the newest Resource Dump run and the Change Dump packages tell."""
+    builder = ctx.dumps
+    if builder is None:
+        return {}
+    run = builder.latest_run(set_name)
+    return {
+        "resourcedump": str(run["id"]) if run else "",
+        "changedump": str(len(builder.change_dump_packages(set_name))),
+    }
 
 
 async def run_notifications(

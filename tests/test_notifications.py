@@ -613,3 +613,64 @@ async def test_notifications_off_means_no_channels(tmp_path: Path) -> None:
             assert (await client.get(f"{url}/up/change-notification.xml")).status_code == 404
             assert (await client.post(f"{url}/hub", data={"hub.mode": "subscribe"})).status_code in (404, 405)
         nursery.cancel_scope.cancel()
+
+
+def test_framework_differences_name_created_updated_deleted_documents() -> None:
+    from aggregator.publish.notify import _differences
+
+    now = utcnow()
+    index = "http://r.example/s/changelist.xml"
+    old = {
+        "http://r.example/s/capabilitylist.xml": ["capabilitylist", "a", None],
+        "http://r.example/s/changelist/1.xml": ["changelist", "open", index],
+        "http://r.example/s/resourcedump.xml": ["resourcedump", "run-1", None],
+        "http://r.example/gone/capabilitylist.xml": ["capabilitylist", "x", None],
+    }
+    new = {
+        "http://r.example/s/capabilitylist.xml": ["capabilitylist", "a", None],  # unchanged: not sent
+        "http://r.example/s/changelist/1.xml": ["changelist", "closed", index],
+        "http://r.example/s/changelist/2.xml": ["changelist", "open", index],
+        "http://r.example/s/resourcedump.xml": ["resourcedump", "run-2", None],  # rebuilt, same URL
+    }
+    got = {
+        (e.loc.rsplit("/", 2)[-2] + "/" + e.loc.rsplit("/", 1)[-1], e.change, e.capability): e
+        for e in _differences(old, new, now)
+    }
+    assert set(got) == {
+        ("changelist/1.xml", "updated", "changelist"),
+        ("changelist/2.xml", "created", "changelist"),
+        ("s/resourcedump.xml", "updated", "resourcedump"),
+        ("gone/capabilitylist.xml", "deleted", "capabilitylist"),
+    }
+    assert [(ln.rel, ln.href) for ln in got[("changelist/2.xml", "created", "changelist")].links] == [
+        ("index", index)
+    ]
+    assert all(e.md is not None and e.md.datetime == now for e in got.values())
+
+
+def test_signature_methods_sha256_or_stronger_and_sha1_only_when_configured() -> None:
+    from types import SimpleNamespace
+
+    from aggregator.harvest.subscriber import Subscription
+
+    body = b"<urlset/>"
+    sub = Subscription(1, "t", "the-secret", "up", "cl", CHANGE_NOTIFICATION, "topic", "hub")
+
+    def problem(header: str | None, accept_sha1: bool = False) -> str | None:
+        fake = SimpleNamespace(
+            ctx=SimpleNamespace(
+                config=SimpleNamespace(notifications=SimpleNamespace(accept_sha1=accept_sha1))
+            )
+        )
+        return Subscriber._signature_problem(fake, sub, header, body)  # type: ignore[arg-type]
+
+    for algo in ("sha256", "sha384", "sha512"):
+        assert problem(_sign("the-secret", body, algo)) is None
+        assert (
+            problem(_sign("the-secret", body, algo).upper().replace(algo.upper(), algo)) is None
+        )  # hex case
+        assert problem(_sign("wrong", body, algo)) == "delivery.bad_signature"
+    assert problem(_sign("the-secret", body, "sha1")) == "delivery.bad_signature"
+    assert problem(_sign("the-secret", body, "sha1"), accept_sha1=True) is None
+    assert problem("md5=" + hashlib.md5(body).hexdigest()) == "delivery.bad_signature"
+    assert problem(None) == problem("") == "delivery.unsigned"

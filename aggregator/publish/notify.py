@@ -34,9 +34,9 @@ and at once when the changelog opens a new Change List window, each set's capabi
 compared with what was last announced: the Capability List (its entries), the Source Description
 (the sets; announced on every channel, §2), each Change List window (open/closed; a window under the
 index carries ``rs:ln rel="index"``, indexes themselves are never announced), and the dumps
-(``dumps_available``). Differences are sent as ``created``/``updated``/``deleted`` entries with the
-document's ``capability``. A set that is no longer published gets ``capabilitylist deleted`` and its
-channels are dropped.
+(``dumps_available``, versioned by ``dump_versions``: a rebuilt Resource Dump keeps its URL).
+Differences are sent as ``created``/``updated``/``deleted`` entries with the document's ``capability``.
+A set that is no longer published gets ``capabilitylist deleted`` and its channels are dropped.
 
 Publishing: through the embedded hub in-process (``Hub.publish``; a topic nobody subscribed to gets no
 payload built at all), or to an external hub with a generic WebSub ping (``hub.mode=publish`` +
@@ -179,6 +179,7 @@ class Notifier:
         hub: Hub | None = None,
         client: httpx.AsyncClient | None = None,
         dumps_available: Callable[[str], dict[str, str]] | None = None,
+        dump_versions: Callable[[str], dict[str, str]] | None = None,
         poll_interval: float = 1.0,
         framework_interval: float = 5.0,
         clock: Callable[[], datetime] = utcnow,
@@ -193,6 +194,8 @@ class Notifier:
         self.hub = hub
         self.client = client
         self.dumps_available = dumps_available
+        #: capability -> version of a set's dumps (their URLs stay when they are rebuilt)
+        self.dump_versions = dump_versions or (lambda set_name: {})
         self.poll_interval = poll_interval
         self.framework_interval = framework_interval
         self.counters: Counter[str] = Counter()
@@ -523,8 +526,9 @@ class Notifier:
             for k in ws.listed:
                 version = "open" if k == ws.open_k else "closed"
                 snap[site.changelist_window(ps.name, k)] = [CHANGELIST, version, site.changelist(ps.name)]
+        versions = self.dump_versions(ps.name) if site.dumps_available(ps.name) else {}
         for capability, url in (site.dumps_available(ps.name) or {}).items():
-            snap[url] = [capability, url, None]
+            snap[url] = [capability, versions.get(capability, url), None]
         return snap
 
     def _plan_framework(self, state: State, site: Site, ps: PublishedSet, now: datetime, plan: _Plan) -> None:
