@@ -46,6 +46,9 @@ STOP_GRACE = 8.0
 #: Keys a reload cannot apply to a running process (the socket, the store, the one HTTP client).
 RESTART_KEYS = (
     "server.listen",
+    "server.base_url",
+    "notifications.hub",
+    "notifications.hub_path",
     "store.path",
     "store.synchronous",
     "harvest.per_host",
@@ -75,6 +78,7 @@ def publisher_app(config: Config, ctx: HarvestContext) -> ASGIApp:
     from .publish.schedule import dump_app_options
 
     options = dump_app_options(ctx, app_options(ctx))  # + the dump documents, packages, manifests
+    options["metrics"] = ctx.metrics  # /metrics shows this process's harvest too (metrics.py)
     return create_app(config, blobs=ctx.blobs, state_path=config.store_path / "state.db", **options)
 
 
