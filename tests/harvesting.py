@@ -12,13 +12,17 @@ from aggregator.harvest.context import open_context
 from aggregator.harvest.source import SourceResult
 from aggregator.store.state import State
 
+#: Extra ``[store]`` keys for every config the tests make: the S3 tests set a backend here to run the
+#: harvester and publisher scenarios unchanged on another blob store (tests/test_s3store.py).
+STORE: dict[str, Any] = {}
+
 
 def make_config(store: Path, sources: dict[str, str], **harvest: Any) -> Config:
     """A config with fast retries (tests must not sleep through real backoff)."""
     settings = {"retries": 2, "backoff_base": 0.01, "backoff_max": 0.05, "timeout": 10, **harvest}
     return parse_config(
         {
-            "store": {"path": str(store)},
+            "store": {"path": str(store), **STORE},
             "harvest": settings,
             "sources": [{"name": n, "url": u} for n, u in sources.items()],
         },

@@ -23,6 +23,8 @@ from starlette.routing import Route
 
 from aggregator.config import Config, PublishConfig, ServerConfig, parse_config
 from aggregator.demo.upstream import Upstream
+from aggregator.harvest.context import open_blob_store
+from aggregator.plugins import Plugins
 from aggregator.publish import documents
 from aggregator.publish.app import Publisher, create_app
 from aggregator.publish.uris import rsagg_uri
@@ -58,7 +60,7 @@ async def publishing(
                     return
         await holder["app"](scope, receive, send)
 
-    with FileBlobStore(cfg.store_path / "blobs") as store:
+    with open_blob_store(cfg, Plugins.from_config(cfg)) as store:  # the configured backend
         async with serve_app(asgi) as base:
             config = dataclasses.replace(cfg, server=ServerConfig(base_url=base))
             app = create_app(config, blobs=blobs or store, state_path=cfg.store_path / "state.db", **kw)
