@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
 import sys
+from functools import partial
+from typing import TextIO
 
 import trio
 
 from ..harvest.context import open_context
+from ..harvest.progress import ProgressLine
 from ..harvest.source import SourceResult, poll_source, sync_source
 from ._common import add_config_arguments, start
 
@@ -20,17 +25,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-async def harvest_once(config, names: list[str]) -> list[SourceResult]:
+async def harvest_once(config, names: list[str], *, progress_to: TextIO | None = None) -> list[SourceResult]:
+    """Sync the sources once; ``progress_to``: a terminal to draw the baselines' progress line on."""
     results: list[SourceResult] = []
     async with open_context(config) as ctx:
-        async with trio.open_nursery() as nursery:
-            for src in config.sources:
-                if src.enabled and (not names or src.name in names):
+        line = ProgressLine(progress_to or sys.stderr, ctx.progress, width=shutil.get_terminal_size().columns)
+        with line.while_shown() if progress_to else contextlib.nullcontext():
+            async with trio.open_nursery() as nursery:
+                if progress_to:
+                    nursery.start_soon(line.run)
+                async with trio.open_nursery() as syncs:
+                    for src in config.sources:
+                        if src.enabled and (not names or src.name in names):
 
-                    async def one(src=src) -> None:
-                        results.append(await sync_source(ctx, src))
+                            async def one(src=src) -> None:
+                                results.append(await sync_source(ctx, src))
 
-                    nursery.start_soon(one)
+                            syncs.start_soon(one)
+                nursery.cancel_scope.cancel()  # the syncs are done: stop drawing
     return results
 
 
@@ -52,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.once:
         trio.run(_poll_forever, config, args.source)
         return 0
-    results = trio.run(harvest_once, config, args.source)
+    tty = sys.stderr if sys.stderr.isatty() else None  # a progress line only where someone watches
+    results = trio.run(partial(harvest_once, config, args.source, progress_to=tty))
     failed = [r for r in results if not r.ok]
     for r in sorted(results, key=lambda r: r.name):
         applied: dict[str, int] = {}

@@ -37,7 +37,11 @@ async def _resource_list_items(
     total: Callable[[int], None],
     validators: Validators | None,
 ) -> AsyncGenerator[Work, None]:
-    entries = resource_list_entries(ctx.fetcher, url, snap, lambda parts: total(parts * 50_000), validators)
+    # Progress: an index of P parts first counts as P full parts (§10.2: 50,000 entries per list), then
+    # as the average part read so far times P; a plain list is counted when it has been read.
+    entries = resource_list_entries(
+        ctx.fetcher, url, snap, lambda parts: total(parts * 50_000), validators, on_count=total
+    )
     async with aclosing(entries):
         async for entry in entries:
             yield Work(entry, CREATED, None, generation)
@@ -132,6 +136,7 @@ async def _baseline_from(
     )
     swept = await ctx.write(ctx.writer.finish_baseline, set_id, generation, cursor)
     pipeline.announce(swept)
+    ctx.metrics.committed(source, swept, ())
     for doc_url, (etag, last_modified) in (validators.pending if validators else {}).items():
         await ctx.write(ctx.writer.put_document, doc_url, source, RESOURCELIST, etag=etag,
                         last_modified=last_modified, sha256=None)  # fmt: skip

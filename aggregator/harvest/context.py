@@ -8,6 +8,7 @@ call at a time, so that a long transaction never blocks the event loop.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 import trio
 
 from ..config import Config, ConfigError
+from ..metrics import Metrics
 from ..plugins import Plugins
 from ..store.blobs import BlobStore, BlobWriter
 from ..store.state import State
@@ -25,6 +27,10 @@ from .patch import PatchApplier, builtin_patch_formats
 
 T = TypeVar("T")
 log = logging.getLogger("rsagg.harvest")
+
+#: Seconds between two saves of a running baseline's progress in the sources table (``rsagg status``,
+#: the status page): the save rides along with the next state write (``HarvestContext.write``).
+PROGRESS_SAVE_EVERY = 3.0
 
 
 @dataclass
@@ -36,7 +42,8 @@ class HarvestContext:
     writer: State
     patch_formats: dict[str, PatchApplier] = field(default_factory=builtin_patch_formats)
     plugins: Plugins = field(default_factory=lambda: Plugins(entry_point_plugins=False))
-    progress: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: source -> (done, expected or None): live progress of the running baseline (``harvest/progress.py``).
+    progress: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     _write_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     #: Called on the trio thread after each state transaction that logged changes (rsagg's notifier
     #: publishes them at once instead of at its next look; ``publish/notify.py``).
@@ -44,6 +51,10 @@ class HarvestContext:
     #: ``notifications.Notifications`` when they are on (set by ``start_notifications``): its
     #: ``subscriber`` runs the sources whose channels rsagg follows (``poll_source``).
     notifications: Any = None
+    #: This process's metrics (``metrics.py``); the pipeline and ``sync_source`` report to it.
+    metrics: Metrics = field(default_factory=Metrics)
+    _progress_unsaved: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    _progress_saved_at: float = 0.0
     #: ``publish.dumps.DumpBuilder`` of the daemon when dumps are on (``publish/schedule.py``).
     dumps: Any = None
 
@@ -53,13 +64,38 @@ class HarvestContext:
 
     async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-writing call in a worker thread; one at a time (SQLite has one writer)."""
-        return await trio.to_thread.run_sync(
-            lambda: fn(*args, **kwargs), limiter=self._write_limiter, abandon_on_cancel=False
-        )
+        progress = self._progress_due()
 
-    def progress_update(self, source: str, done: int, total: int) -> None:
-        """Live progress stays in memory (state is written once per sync, not per batch)."""
+        def call() -> T:
+            if progress:
+                self._save_progress(progress)
+            return fn(*args, **kwargs)
+
+        return await trio.to_thread.run_sync(call, limiter=self._write_limiter, abandon_on_cancel=False)
+
+    def progress_update(self, source: str, done: int, total: int | None) -> None:
+        """Live progress in memory; saved in the sources table with the next state write once
+        PROGRESS_SAVE_EVERY seconds have passed (no timer task, no extra thread hop per batch)."""
         self.progress[source] = (done, total)
+        self._progress_unsaved[source] = (done, total)
+
+    def progress_finished(self, source: str) -> None:
+        """The sync writes its final figures itself: nothing left to ride along."""
+        self._progress_unsaved.pop(source, None)
+
+    def _progress_due(self) -> dict[str, tuple[int, int | None]]:
+        if not self._progress_unsaved or time.monotonic() - self._progress_saved_at < PROGRESS_SAVE_EVERY:
+            return {}
+        self._progress_saved_at = time.monotonic()
+        due, self._progress_unsaved = self._progress_unsaved, {}
+        return due
+
+    def _save_progress(self, progress: dict[str, tuple[int, int | None]]) -> None:
+        for name, (done, total) in progress.items():
+            try:
+                self.writer.set_source_status(name, progress_done=done, progress_total=total)
+            except Exception as exc:  # progress is a display: never fail the write it rides along with
+                log.warning("source=%s progress not saved: %s", name, exc)
 
     def scratch_dir(self) -> Path:
         """A folder for big temporary files (dump packages) that a killed process cannot leak.
@@ -96,9 +132,13 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
     root.mkdir(parents=True, exist_ok=True)
     plugins = Plugins.from_config(config)
     blobs = open_blob_store(config, plugins)
-    writer = State(root / "state.db", synchronous=config.store.synchronous)
-    reader = State(root / "state.db", synchronous=config.store.synchronous)
+    writer = State(root / "state.db", synchronous=config.store.synchronous, cache_mib=config.store.cache_mib)
+    # The reader only walks the (set_id, uri) index for lookups: a small cache holds its hot pages.
+    reader = State(root / "state.db", synchronous=config.store.synchronous, cache_mib=8)
+    metrics = Metrics()
+    metrics.attach(plugins=plugins, store=blobs)
     fetcher = Fetcher(
+        metrics_hook=metrics.fetch_hook,
         per_host=hc.per_host,
         max_connections=hc.max_connections,
         timeout=hc.timeout,
@@ -110,10 +150,12 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
     )
     plugins.call("rsagg_startup", config=config)
     try:
-        yield HarvestContext(
+        ctx = HarvestContext(
             config, fetcher, blobs, reader, writer,
-            patch_formats=plugins.merged("rsagg_patch_formats"), plugins=plugins,
+            patch_formats=plugins.merged("rsagg_patch_formats"), plugins=plugins, metrics=metrics,
         )  # fmt: skip
+        metrics.attach(notifications=lambda: ctx.notifications)
+        yield ctx
     finally:
         plugins.call("rsagg_shutdown")
         with trio.CancelScope(shield=True):

@@ -27,6 +27,7 @@ would both starve the per-host limit and let real servers time the connection ou
 from __future__ import annotations
 
 import collections
+import contextvars
 import email.utils
 import inspect
 import logging
@@ -552,12 +553,8 @@ class _ShardedTransport(httpx.AsyncBaseTransport):
             done()
             raise
         assert isinstance(response.stream, httpx.AsyncByteStream)
-        return httpx.Response(
-            response.status_code,
-            headers=response.headers,
-            stream=_CountedStream(response.stream, done),
-            extensions=response.extensions,
-        )
+        response.stream = _CountedStream(response.stream, done)
+        return response
 
     async def aclose(self) -> None:
         for pool in self._pools:
@@ -759,8 +756,9 @@ class Fetcher:
         # and a nursery's cancel scope must never stay open across a generator's ``yield``. The task
         # never raises; it is stopped through ``spool.scope`` and ends with the run at the latest.
         trio.lowlevel.spawn_system_task(
-            self._download_document, url, headers, cap, spool, started, name=f"rsagg.fetch {url}"
-        )
+            self._download_document, url, headers, cap, spool, started, name=f"rsagg.fetch {url}",
+            context=contextvars.copy_context(),  # the caller's: metrics label requests by source
+        )  # fmt: skip
         try:
             await started.event.wait()
         finally:

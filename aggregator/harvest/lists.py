@@ -74,11 +74,15 @@ async def resource_list_entries(
     snap: Snapshot,
     on_parts: Callable[[int], None] | None = None,
     validators: Validators | None = None,
+    on_count: Callable[[int], None] | None = None,
 ) -> AsyncGenerator[Entry, None]:
     """Every entry of a Resource List, or of all parts of a Resource List Index (§10.2).
 
     With ``validators``, an unchanged list (304) raises NotModified before any entry is yielded.
+    ``on_count`` (progress displays): the number of entries expected, estimated after each part of an
+    index (the average part so far times the parts), exact once everything has been read.
     """
+    count = 0
     async with fetcher.document(url, **(validators.of(url) if validators else {})) as doc:
         if doc.not_modified:
             raise NotModified(url)
@@ -90,17 +94,23 @@ async def resource_list_entries(
         snap.at = head.md.at if head.md else None
         if not head.is_index:
             async for entry in doc.entries:
+                count += 1
                 yield entry
+            if on_count:
+                on_count(count)
             return
         # §10.2: an index lists at most 50,000 parts; holding their URLs is bounded.
         parts = [e.loc async for e in doc.entries]
     if on_parts:
         on_parts(len(parts))
-    for part in parts:
+    for i, part in enumerate(parts, 1):
         async with fetcher.document(part) as doc:
             _expect(part, doc.head, RESOURCELIST, index_ok=False)
             async for entry in doc.entries:
+                count += 1
                 yield entry
+        if on_count:
+            on_count(count * len(parts) // i)
 
 
 @dataclass

@@ -15,9 +15,11 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import trio
 
+from ..metrics import current_source
 from ..rs.model import CREATED, DELETED, PATCH_REL, UPDATED, Entry
 from ..store import retries
 from ..store.blobs import BlobInfo, BlobWriter
@@ -171,6 +173,7 @@ class Pipeline:
         self._last_seq = ctx.reader.last_seq() if self._events else 0
 
     async def run(self, items: AsyncGenerator[Work, None]) -> PipelineStats:
+        current_source.set(self.source)  # metrics: the tasks started below label their requests with it
         new_send, new_recv = trio.open_memory_channel[tuple[int, Work]](LOOKUP_BATCH)
         work_send, work_recv = trio.open_memory_channel[tuple[int, Work, Resource | None]](self._workers * 2)
         result_send, result_recv = trio.open_memory_channel[tuple[int, _Result]](math.inf)
@@ -321,8 +324,8 @@ class Pipeline:
                         return got
         return await self.ctx.fetcher.resource(candidate_urls(entry), expected, self.ctx.blobs)
 
-    async def _remember_failures(self, batch: list[_Result]) -> None:
-        """Failed changes wait in store/retries.py for the next sync; an applied one clears its URI.
+    def _retry_bookkeeping(self, batch: list[_Result]) -> Callable[[Any, str], None] | None:
+        """What store/retries.py must record and clear for this batch, to run inside its transaction.
         Within a batch the last change of a URI decides (a stale entry followed by a good one)."""
         last: dict[str, _Result] = {r.work.entry.loc: r for r in batch}
         failed = [
@@ -330,13 +333,12 @@ class Pipeline:
             for r in last.values()
             if r.failure
         ]
-        done = [u for u, r in last.items() if r.failure is None and u in self._retrying]
-        if failed:
-            await self.ctx.write(retries.record, self.ctx.writer, self.set_id, failed)
-            self._retrying.update(e.loc for e, _, _, _ in failed)
-        if done:
-            await self.ctx.write(retries.clear, self.ctx.writer, self.set_id, done)
-            self._retrying.difference_update(done)
+        cleared = [u for u, r in last.items() if r.failure is None and u in self._retrying]
+        if not failed and not cleared:
+            return None
+        self._retrying.update(e.loc for e, _, _, _ in failed)
+        self._retrying.difference_update(cleared)
+        return lambda conn, now: retries.update(conn, now, self.set_id, failed, cleared)
 
     def announce(self, applied: list[Change]) -> None:
         """Event hooks, after the transaction committed: what was stored or deleted, and each record
@@ -384,13 +386,14 @@ class Pipeline:
         await self.ctx.commit_blobs(writers)
         changes = [r.change for r in batch if r.change is not None]
         cursor = next((r.work.cursor_after for r in reversed(batch) if r.work.cursor_after), None)
-        applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor)
+        also = self._retry_bookkeeping(batch)
+        applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor, also)
         self.announce(applied)
-        await self._remember_failures(batch)
         if applied:
             self.ctx.committed()  # e.g. rsagg's own change notifications go out now
         for ch in applied:
             self.stats.applied[ch.change] = self.stats.applied.get(ch.change, 0) + 1
+        self.ctx.metrics.committed(self.source, applied, [r.failure for r in batch if r.failure])
         for r in batch:
             uri = r.work.entry.loc
             if r.failure is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..config import SourceConfig
+from ..metrics import current_source
 from ..rs.model import CHANGELIST
 from ..rs.w3cdt import format_w3c, utcnow
 from ..store import retries
@@ -20,6 +21,7 @@ from .discovery import SetInfo, discover
 from .incremental import run_incremental
 from .lists import GapError, Validators
 from .pipeline import Failure, Pipeline, PipelineStats, Work
+from .progress import Progress
 
 log = logging.getLogger("rsagg.harvest")
 
@@ -39,26 +41,6 @@ class SourceResult:
     @property
     def failures(self) -> list[Failure]:
         return [f for s in self.stats for f in s.failures]
-
-
-class _Progress:
-    """Counts resources done for status displays; persisted at most once a second."""
-
-    def __init__(self, ctx: HarvestContext, name: str) -> None:
-        self.ctx, self.name = ctx, name
-        self.done = 0
-        self.total = 0
-        self._saved = 0.0
-
-    def add(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self._saved >= 1.0:
-            self._saved = now
-            self.ctx.progress_update(self.name, self.done, self.total)
-
-    def set_total(self, n: int) -> None:
-        self.total = n
 
 
 async def retry_failed(ctx: HarvestContext, set_id: int, source: str) -> PipelineStats | None:
@@ -81,12 +63,24 @@ async def retry_failed(ctx: HarvestContext, set_id: int, source: str) -> Pipelin
 
 async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     """Bring one source up to date; never raises for upstream problems (they are the result)."""
+    token = current_source.set(src.name)  # labels this sync's upstream requests (metrics.py)
+    try:
+        return await _sync_source(ctx, src)
+    finally:
+        current_source.reset(token)
+
+
+async def _sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     result = SourceResult(src.name)
+    started = time.monotonic()
+    stopped_by: Exception | None = None
     await ctx.write(ctx.writer.upsert_source, src.name, src.url)
     await ctx.write(
-        ctx.writer.set_source_status, src.name, state="syncing", last_attempt=format_w3c(utcnow())
-    )
-    progress = _Progress(ctx, src.name)
+        ctx.writer.set_source_status, src.name, state="syncing", last_attempt=format_w3c(utcnow()),
+        progress_done=0, progress_total=None,
+    )  # fmt: skip
+    ctx.progress.pop(src.name, None)
+    progress = Progress(src.name, ctx.progress_update)
     try:
         sets = await discover(ctx.fetcher, src.url)
         result.sets = len(sets)
@@ -115,6 +109,7 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
             if baseline:
                 # A set without Change List is re-read on every poll: fetch its list conditionally.
                 polled = cursor is not None and CHANGELIST not in info.capabilities
+                progress.next_set()
                 stats = await run_baseline(
                     ctx, info, set_id, src.name, use_dumps=ctx.config.use_dumps(src) and not polled,
                     progress=progress.add, total=progress.set_total,
@@ -126,6 +121,7 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     except trio.Cancelled:
         raise
     except Exception as exc:  # an upstream problem must never take the daemon down
+        stopped_by = exc
         result.ok = False
         result.error = f"{type(exc).__name__}: {exc}"
         log.error("source=%s url=%s sync failed: %s", src.name, src.url, result.error)
@@ -137,7 +133,9 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
                "progress_done": progress.done, "progress_total": progress.total}  # fmt: skip
     if result.ok:
         fields_["last_success"] = format_w3c(utcnow())
+    ctx.progress_finished(src.name)
     await ctx.write(ctx.writer.set_source_status, src.name, **fields_)
+    ctx.metrics.sync_finished(src.name, result.ok, time.monotonic() - started, stopped_by)
     return result
 
 

@@ -3,7 +3,9 @@
 URL layout (SET = published set name, see ``publish/sets.py``; ``publish/documents.py`` builds the
 documents, ``publish/resources.py`` serves the resources, ``publish/uris.py`` maps the URIs)::
 
-    /                                   HTML home page: the sets and their documents
+    /                                   HTML home page: live status of sources and sets (``status_page.py``)
+    /status.json                        that status as JSON (``aggregator/status.py``, as ``rsagg status``)
+    /metrics                            Prometheus metrics, text format 0.0.4 (``aggregator/metrics.py``)
     /robots.txt                         a Sitemap: line per set's Resource List (§6.3.4)
     /.well-known/resourcesync           Source Description (§6.3.2, §8)
     /SET/capabilitylist.xml             Capability List (§9)
@@ -30,7 +32,6 @@ channels of ``publish/notify.py``: topic + ``rel="hub"``).
 from __future__ import annotations
 
 import contextlib
-import html
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime
@@ -39,19 +40,21 @@ from typing import Any, TypeVar
 
 import trio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from ..config import Config
+from ..metrics import Metrics, ServedMetrics, default_metrics
 from ..plugins import Plugins
 from ..rs.model import Entry
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.state import Resource, State
-from . import documents
+from . import documents, status_page
 from .documents import Doc, Site, no_dumps, no_extra_capabilities
 from .links import LinkPolicy, PluginLinks
 from .resources import gone, resource_response
@@ -121,14 +124,17 @@ class Publisher:
         dumps_available: DumpsAvailable | None = None,
         plugins: Plugins | None = None,
         extra_capabilities: ExtraCapabilities | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics or default_metrics()
         self.blobs = blobs
         self.pool = ReaderPool(state_path)
         self.plugins = plugins or Plugins.from_config(config)
         self.policy = PluginLinks(self.plugins, LinkPolicy.from_config(config.publish))
         self.dumps_available: DumpsAvailable = dumps_available or no_dumps
         self.extra_capabilities: ExtraCapabilities = extra_capabilities or no_extra_capabilities
+        self.metrics.attach(plugins=self.plugins, store=blobs)
 
     @property
     def base_url(self) -> str:
@@ -299,50 +305,6 @@ async def robots(request: Request) -> Response:
     return PlainTextResponse("\n".join(lines) + "\n")
 
 
-def _home_rows(state: State, site: Site) -> list[tuple[PublishedSet, int, dict[str, str]]]:
-    return [
-        (ps, state.count_live(ps.set_ids), site.dumps_available(ps.name) or {}) for ps in site.sets.values()
-    ]
-
-
-async def home(request: Request) -> Response:
-    pub: Publisher = request.app.state.publisher
-
-    def build(state: State) -> tuple[Site, list]:
-        site = pub.site(state)
-        return site, _home_rows(state, site)
-
-    site, rows = await pub.run(build)
-    e = html.escape
-    items = []
-    for ps, count, dumps in rows:
-        docs = [
-            ("Capability List", site.capabilitylist(ps.name)),
-            ("Resource List", site.resourcelist(ps.name)),
-            ("Change List", site.changelist(ps.name)),
-            *sorted(dumps.items()),
-        ]
-        links = " · ".join(f'<a href="{e(url)}">{e(label)}</a>' for label, url in docs)
-        about = f' — <a href="{e(ps.describedby)}">about</a>' if ps.describedby else ""
-        items.append(f"<li><strong>{e(ps.name)}</strong>: {count} resources — {links}{about}</li>")
-    body = "\n".join(items) or "<li>nothing harvested yet</li>"
-    page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>rsagg — ResourceSync aggregator</title></head>
-<body>
-<h1>rsagg — ResourceSync aggregator</h1>
-<p>This server republishes resources harvested from other ResourceSync Sources
-(<a href="https://www.openarchives.org/rs/1.1/resourcesync">ResourceSync 1.1</a>), each with a
-<code>rel="via"</code> link to its origin. Start at the
-<a href="{e(site.well_known)}">Source Description</a>.</p>
-<h2>Sets</h2>
-<ul>
-{body}
-</ul>
-</body></html>
-"""
-    return HTMLResponse(page)
-
-
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -355,12 +317,17 @@ def create_app(
     dumps_available: DumpsAvailable | None = None,
     plugins: Plugins | None = None,
     extra_capabilities: ExtraCapabilities | None = None,
+    metrics: Metrics | None = None,
 ) -> Starlette:
-    """The publishing app over the store the harvester fills (see the module docstring)."""
+    """The publishing app over the store the harvester fills (see the module docstring).
+
+    ``metrics``: where served requests are counted and what ``/metrics`` shows (the daemon passes its
+    harvest context's; default: the process-wide ``default_metrics()``).
+    """
     state_path = Path(state_path)
     state_path.parent.mkdir(parents=True, exist_ok=True)
     State(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
-    publisher = Publisher(config, blobs, state_path, dumps_available, plugins, extra_capabilities)
+    publisher = Publisher(config, blobs, state_path, dumps_available, plugins, extra_capabilities, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -372,7 +339,9 @@ def create_app(
     get = ["GET", "HEAD"]
     routes: list[BaseRoute] = [
         *extra_routes,
-        Route("/", home, methods=get),
+        Route("/", status_page.home, methods=get),
+        Route("/status.json", status_page.status_json, methods=get),
+        Route("/metrics", status_page.metrics, methods=get),
         Route("/robots.txt", robots, methods=get),
         Route("/.well-known/resourcesync", well_known, methods=get),
         Route("/{set}/capabilitylist.xml", capabilitylist, methods=get),
@@ -382,7 +351,8 @@ def create_app(
         Route("/{set}/changelist/{k:int}.xml", changelist_window, methods=get),
         Route("/{set}/r/{rest:path}", resource, methods=get),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    served = Middleware(ServedMetrics, metrics=publisher.metrics)  # by route template (metrics.py)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[served])
     app.state.publisher = publisher
     return app
 

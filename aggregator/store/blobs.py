@@ -263,6 +263,9 @@ class FileBlobStore:
     the exclusive lock, so a second process (``rsagg gc`` next to the daemon) never deletes live temps.
     """
 
+    #: ``on_commit(written, deduplicated)``: BlobInfos of each commit, for metrics (``metrics.py``).
+    on_commit: Callable[[list[BlobInfo], list[BlobInfo]], None] | None = None
+
     def __init__(
         self, root: Path | str, *, fsync_threads: int = FSYNC_THREADS, syncfs: bool | None = None
     ) -> None:
@@ -419,6 +422,9 @@ class FileBlobStore:
             self._syncfs()
         else:
             self._fsync_dirs(sorted(dirs))
+        if self.on_commit is not None:  # durable now: count what was written vs already there (dedup)
+            new = [i for w, i in todo if id(w) in syncing]
+            self.on_commit(new, [i for w, i in todo if id(w) not in syncing])
 
     def _syncfs(self) -> None:
         """Flush the store's filesystem (data and metadata) and wait; raises on a writeback error.

@@ -260,6 +260,20 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "CREATE INDEX changelog_set_seq ON changelog(set_id, seq)",
         "CREATE INDEX changelog_datetime ON changelog(datetime)",
     ),
+    (  # 2: changes whose fetch failed, retried at the next sync (store/retries.py)
+        """CREATE TABLE IF NOT EXISTS retries (
+            set_id INTEGER NOT NULL REFERENCES sets(id),
+            uri TEXT NOT NULL,
+            change TEXT NOT NULL,
+            entry BLOB NOT NULL,                     -- the upstream entry as a one-entry document
+            kind TEXT NOT NULL,
+            message TEXT NOT NULL,
+            attempts INTEGER NOT NULL DEFAULT 1,
+            first_at TEXT NOT NULL,
+            last_at TEXT NOT NULL,
+            PRIMARY KEY (set_id, uri)
+        )""",
+    ),
 ]
 
 SOURCE_STATUS_FIELDS = frozenset(
@@ -545,7 +559,13 @@ class State:
 
     # -- the change pipeline ---------------------------------------------------------------------
 
-    def apply(self, set_id: int, changes: Sequence[Change], cursor: Cursor | None = None) -> list[Change]:
+    def apply(
+        self,
+        set_id: int,
+        changes: Sequence[Change],
+        cursor: Cursor | None = None,
+        also: Callable[[sqlite3.Connection, str], None] | None = None,
+    ) -> list[Change]:
         """Apply a batch of changes and move the cursor, in ONE transaction (invariants 1 and 2).
 
         Per change, against the row as it stands (including earlier changes of the same batch):
@@ -555,6 +575,8 @@ class State:
         row keeps its last content columns) + "deleted"; deleted on a missing or deleted row -> no-op.
         A no-op is a true no-op: lastmod/links of the stored row are not refreshed, since the changelog
         must account for every change of what we republish.
+
+        ``also(connection, now)`` runs inside the same transaction, after the changes and the cursor.
 
         Returns the changes that changed state, each with ``change`` set to the logged kind.
         """
@@ -573,6 +595,8 @@ class State:
             applied = self._apply(c, set_id, changes, open_generation, now)
             if cursor is not None:
                 self._put_cursor(c, set_id, cursor, now)
+            if also is not None:  # bookkeeping that must commit with the changes (store/retries.py)
+                also(c, now)
         if applied:
             self._last_log_time = log_time
         return applied

@@ -1,0 +1,718 @@
+"""Prometheus metrics of one rsagg process (``/metrics`` on the publisher, ``config/grafana-dashboard.json``).
+
+Why one ``Metrics`` object with its own ``CollectorRegistry`` instead of prometheus-client's global one:
+tests run several harvesters and publishers in one process, and each must count only its own work. The
+daemon makes one per process (``open_context``) and hands it to the publisher app; ``default_metrics()``
+is the process-wide fallback for an app built without one.
+
+Where the numbers come from (what is wired where):
+
+- harvest counters: the pipeline reports each committed batch (``committed``: resources created/updated
+  and deleted, failures by ``Failure.kind``); ``sync_source`` reports each sync (``sync_finished``).
+- upstream HTTP: the Fetcher's ``metrics_hook(host, status, seconds, bytes)`` (``fetch_hook``). The
+  source label comes from a context variable set by ``sync_source`` and ``Pipeline.run`` (trio tasks
+  inherit it from the task that starts them; the Fetcher starts its document downloads with the
+  caller's context), never from the host or URL.
+- blob store: ``FileBlobStore.on_commit(written, deduplicated)`` counts writes and dedup savings; the
+  store's size is a walk of its folders in a background thread (at most every STORE_SCAN_EVERY seconds)
+  plus what was written since.
+- state (sources, cursors, changelog position, progress): read at scrape time (``refresh_from_state``),
+  so lag is "now" minus the last applied change whenever Prometheus asks.
+- plugins (``Plugins.failures``), hub and notifications (``Notifications.counters``: ``hub.``,
+  ``notifier.``, ``subscriber.`` keys): read at scrape time from the objects that count them.
+- served requests: ``ServedMetrics``, an ASGI middleware labelling by the matched route's path template.
+
+Naming follows the Prometheus conventions: ``rsagg_`` prefix, counters end in ``_total``, base units
+(``_seconds``, ``_bytes``), timestamps as ``_timestamp_seconds``, labels of low cardinality only
+(``source``, ``set``, ``kind``, ``route``...; never a host or URL).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from . import __version__
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+    from .store.state import State
+
+log = logging.getLogger("rsagg.metrics")
+
+#: Text exposition format 0.0.4 (what ``generate_latest`` writes).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Seconds between two walks of a FileBlobStore's folders (its size in between: walk + writes since).
+STORE_SCAN_EVERY = 600.0
+#: Seconds a scrape waits for a store walk it started (a big store finishes in the background).
+STORE_SCAN_WAIT = 1.0
+#: Seconds between two counts of the resources held per source (a count reads an index).
+COUNT_EVERY = 30.0
+
+STATUS_CLASSES = ("2xx", "3xx", "4xx", "5xx", "error")
+#: Error kinds always exposed (0 until they happen): the Fetcher's FetchError kinds, plugin failures,
+#: and "sync" for a sync that failed for another reason (discovery, a malformed Capability List...).
+ERROR_KINDS = ("fixity", "parse", "http", "timeout", "network", "size", "patch", "dump", "plugin", "sync")
+FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+#: Every rsagg family (as prometheus-client names them: counters without ``_total``) and its type; the
+#: tests hold the exposition to this list and ``config/grafana-dashboard.json`` to what it exposes.
+FAMILIES: dict[str, str] = {
+    "rsagg_build_info": "gauge",
+    # harvest
+    "rsagg_resources_harvested": "counter",
+    "rsagg_resources_deleted": "counter",
+    "rsagg_syncs": "counter",
+    "rsagg_sync_duration_seconds": "histogram",
+    "rsagg_fetched_bytes": "counter",
+    "rsagg_upstream_requests": "counter",
+    "rsagg_fetch_duration_seconds": "histogram",
+    "rsagg_errors": "counter",
+    "rsagg_plugin_failures": "counter",
+    # sources and change stream (read from the state when scraped)
+    "rsagg_source_last_success_timestamp_seconds": "gauge",
+    "rsagg_source_last_attempt_timestamp_seconds": "gauge",
+    "rsagg_source_state": "gauge",
+    "rsagg_source_resources": "gauge",
+    "rsagg_sync_lag_seconds": "gauge",
+    "rsagg_sync_progress_done": "gauge",
+    "rsagg_sync_progress_expected": "gauge",
+    "rsagg_set_cursor_timestamp_seconds": "gauge",
+    "rsagg_changelog_last_seq": "gauge",
+    # blob store
+    "rsagg_store_objects": "gauge",
+    "rsagg_store_bytes": "gauge",
+    "rsagg_store_written_objects": "counter",
+    "rsagg_store_written_bytes": "counter",
+    "rsagg_store_dedup_objects": "counter",
+    "rsagg_store_dedup_saved_bytes": "counter",
+    # served
+    "rsagg_http_requests": "counter",
+    "rsagg_http_request_duration_seconds": "histogram",
+    # notifications
+    "rsagg_hub_deliveries": "counter",
+    "rsagg_hub_verifications": "counter",
+    "rsagg_hub_publishes": "counter",
+    "rsagg_notifications_published": "counter",
+    "rsagg_notifications_received": "counter",
+    "rsagg_notifications_verified": "counter",
+    "rsagg_notifications_rejected": "counter",
+    "rsagg_notifications_processed": "counter",
+    "rsagg_upstream_subscriptions": "counter",
+}
+
+
+def sample_names() -> set[str]:
+    """The series names PromQL sees for FAMILIES (``_total`` counters, histogram ``_bucket``...)."""
+    out: set[str] = set()
+    for name, kind in FAMILIES.items():
+        if kind == "counter":
+            out.add(name + "_total")
+        elif kind == "histogram":
+            out.update(name + suffix for suffix in ("_bucket", "_sum", "_count"))
+        else:
+            out.add(name)
+    return out
+
+
+# ``x_created`` series next to every counter and histogram: Prometheus does not use them in text
+# format 0.0.4 and they double the series; process-wide setting of prometheus-client.
+disable_created_metrics()
+
+#: The source whose work the current trio task does ("" outside a sync): labels upstream requests.
+current_source: ContextVar[str] = ContextVar("rsagg_metrics_source", default="")
+
+# Hub (``publish/hub.py`` metrics(event, outcome)) and subscriber (``harvest/subscriber.py`` COUNTERS)
+# outcomes exposed with 0 before they first happen, so dashboards and alerts see the series.
+HUB_DELIVERY = ("ok", "retry", "failed", "gone", "dropped")
+HUB_VERIFICATION = ("subscribed", "unsubscribed", "failed", "denied")
+NOTIFICATION_ACCEPTED = ("accepted", "overflow", "parse_error")  # signature verified (or none needed)
+NOTIFICATION_REJECTED = ("unsigned", "bad_signature", "too_large", "unknown_callback")
+NOTICE_OUTCOMES = ("applied", "duplicate", "known", "gap", "unplaceable", "framework")
+SUBSCRIPTION_OUTCOMES = {
+    "subscribe.requested": "requested",
+    "subscribe.failed": "failed",
+    "renewals": "renewed",
+    "unsubscribe.requested": "unsubscribed",
+}
+
+_HEX2 = re.compile(r"[0-9a-f]{2}\Z")
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def status_class(status: int | None) -> str:
+    """ "2xx".."5xx" for an HTTP status, "error" when no response came (network error, timeout)."""
+    if status is None or not 100 <= status < 600:
+        return "error"
+    return f"{status // 100}xx" if status >= 200 else "2xx"  # 1xx never ends a request: count as 2xx
+
+
+def _timestamp(dt: datetime | None) -> float | None:
+    return dt.timestamp() if dt is not None else None
+
+
+class _Callback(Collector):
+    """Families computed when scraped (counts kept by other objects, values read from the state)."""
+
+    def __init__(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        self._fn = fn
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            return list(self._fn())
+        except Exception:  # a scrape must not fail for one broken source of numbers
+            log.exception("metrics collector failed")
+            return []
+
+
+class StoreSize:
+    """Objects and bytes in a FileBlobStore: a walk of its folders now and then, plus writes since.
+
+    Why not walk at every scrape: a store of millions of blobs takes seconds to walk. Blobs another
+    process deletes (``rsagg gc``) are noticed at the next walk.
+    """
+
+    def __init__(self, every: float = STORE_SCAN_EVERY) -> None:
+        self.every = every
+        self.root: str | None = None
+        self._lock = threading.Lock()
+        self._base: tuple[int, int] | None = None
+        self._since = [0, 0]  # objects, bytes written since the last walk began
+        self._scanned_at = -float("inf")
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+
+    def attach(self, store: Any) -> None:
+        from .store.blobs import FileBlobStore
+
+        if isinstance(store, FileBlobStore):
+            self.root = str(store.root)
+
+    def added(self, objects: int, nbytes: int) -> None:
+        with self._lock:
+            self._since[0] += objects
+            self._since[1] += nbytes
+
+    def values(self) -> tuple[int, int] | None:
+        with self._lock:
+            if self._base is None:
+                return None
+            return self._base[0] + self._since[0], self._base[1] + self._since[1]
+
+    def refresh(self, wait: float = STORE_SCAN_WAIT) -> None:
+        """Start a walk when one is due; wait up to ``wait`` seconds for it (blocking: call in a thread)."""
+        if self.root is None:
+            return
+        with self._lock:
+            due = time.monotonic() - self._scanned_at >= self.every
+            if due and self._thread is None:
+                self._scanned_at = time.monotonic()
+                self._done.clear()
+                self._thread = threading.Thread(target=self._walk, name="rsagg-store-size", daemon=True)
+                self._thread.start()
+            running = self._thread is not None
+        if running and wait > 0:
+            self._done.wait(wait)
+
+    def _walk(self) -> None:
+        root = self.root
+        assert root is not None
+        with self._lock:
+            before = list(self._since)
+        objects = nbytes = 0
+        try:
+            for top in _dirs(root):
+                for mid in _dirs(top.path):
+                    with os.scandir(mid.path) as it:
+                        for f in it:
+                            if _SHA256.match(f.name):
+                                try:
+                                    nbytes += f.stat(follow_symlinks=False).st_size
+                                except FileNotFoundError:
+                                    continue
+                                objects += 1
+        except OSError as exc:
+            log.warning("store size: cannot walk %s: %s", root, exc)
+        else:
+            with self._lock:
+                # Writes counted while walking may be in the walk too: a small overcount until the next.
+                self._since = [self._since[0] - before[0], self._since[1] - before[1]]
+                self._base = (objects, nbytes)
+        finally:
+            with self._lock:
+                self._thread = None
+            self._done.set()
+
+
+def _dirs(path: str) -> list[os.DirEntry[str]]:
+    with os.scandir(path) as it:
+        return [e for e in it if _HEX2.match(e.name) and e.is_dir(follow_symlinks=False)]
+
+
+class Metrics:
+    """Every metric family of one rsagg process, in its own registry (see the module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        if process:  # process_* (CPU, memory, fds), python_gc_*, python_info
+            ProcessCollector(registry=r)
+            r.register(PLATFORM_COLLECTOR)
+            r.register(GC_COLLECTOR)
+        Gauge("rsagg_build_info", "rsagg version (always 1)", ["version"], registry=r).labels(
+            __version__
+        ).set(1)
+
+        # -- harvest
+        self.resources_harvested = Counter(
+            "rsagg_resources_harvested",
+            "Resources stored (created or updated) by harvesting",
+            ["source"],
+            registry=r,
+        )
+        self.resources_deleted = Counter(
+            "rsagg_resources_deleted", "Resources tombstoned by harvesting", ["source"], registry=r
+        )
+        self.syncs = Counter(
+            "rsagg_syncs", "Syncs of a source finished, by result", ["source", "result"], registry=r
+        )
+        self.sync_duration = Histogram(
+            "rsagg_sync_duration_seconds",
+            "Duration of a sync of a source",
+            ["source"],
+            registry=r,
+            buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 48 * 3600),
+        )
+        self.fetched_bytes = Counter(
+            "rsagg_fetched_bytes",
+            "Bytes of upstream response bodies (documents and resources)",
+            ["source"],
+            registry=r,
+        )
+        self.upstream_requests = Counter(
+            "rsagg_upstream_requests",
+            "HTTP requests to upstreams by status class (error: no response)",
+            ["source", "status_class"],
+            registry=r,
+        )
+        self.fetch_duration = Histogram(
+            "rsagg_fetch_duration_seconds",
+            "Upstream HTTP request duration, body included",
+            ["source"],
+            buckets=FETCH_BUCKETS,
+            registry=r,
+        )
+        self._errors: dict[tuple[str, str], int] = {}
+        self._errors_lock = threading.Lock()
+        self._fetch_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+
+        # -- blob store
+        self.store_written_objects = Counter(
+            "rsagg_store_written_objects", "Blobs written to the store (new content)", registry=r
+        )
+        self.store_written_bytes = Counter(
+            "rsagg_store_written_bytes", "Bytes of blobs written to the store", registry=r
+        )
+        self.store_dedup_objects = Counter(
+            "rsagg_store_dedup_objects", "Blobs not written because the store had them already", registry=r
+        )
+        self.store_dedup_bytes = Counter(
+            "rsagg_store_dedup_saved_bytes", "Bytes not written because the store had the blob", registry=r
+        )
+        self.store_size = StoreSize()
+
+        # -- served requests
+        self.http_requests = Counter(
+            "rsagg_http_requests",
+            "Requests served by rsagg, by route (path template), method and code",
+            ["route", "method", "code"],
+            registry=r,
+        )
+        self.http_duration = Histogram(
+            "rsagg_http_request_duration_seconds",
+            "Time to serve a request (whole body sent)",
+            ["route"],
+            registry=r,
+        )
+
+        # -- read when scraped
+        self._plugins: list[Any] = []  # every Plugins of the process (harvest's, each publisher app's)
+        self._notifications: Callable[[], Any] = lambda: None
+        self._state_snapshot: dict[str, Any] = {}
+        self._counts: tuple[float, dict[str, int]] = (-float("inf"), {})
+        r.register(_Callback(self._collect_errors))
+        r.register(_Callback(self._collect_plugins))
+        r.register(_Callback(self._collect_notifications))
+        r.register(_Callback(self._collect_state))
+        r.register(_Callback(self._collect_store))
+
+    # ------------------------------------------------------------------ wiring
+
+    def attach(
+        self, *, plugins: Any = None, store: Any = None, notifications: Callable[[], Any] | None = None
+    ) -> None:
+        """Where scrape-time numbers come from: ``Plugins`` (failures; every one attached counts), the
+        blob store (size; dedup via its ``on_commit``), a getter of ``Notifications`` (hub and subscriber
+        counters). A store attached already stays (the harvest context attaches before its app)."""
+        if plugins is not None and not any(p is plugins for p in self._plugins):
+            self._plugins.append(plugins)
+        if notifications is not None:
+            self._notifications = notifications
+        if store is not None:
+            if self.store_size.root is None:
+                self.store_size.attach(store)
+            if getattr(store, "on_commit", False) is None:  # FileBlobStore, not yet counted elsewhere
+                store.on_commit = self.blobs_committed
+
+    # ------------------------------------------------------------------ hooks (called by rsagg)
+
+    def fetch_hook(self, host: str, status: int | None, seconds: float, nbytes: int) -> None:
+        """``Fetcher(metrics_hook=...)``: one upstream HTTP request finished (host is not a label)."""
+        key = (current_source.get(), status_class(status))
+        children = self._fetch_children.get(key)
+        if children is None:
+            children = self._fetch_children[key] = (
+                self.upstream_requests.labels(*key),
+                self.fetch_duration.labels(key[0]),
+                self.fetched_bytes.labels(key[0]),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
+        if nbytes:
+            children[2].inc(nbytes)
+
+    def committed(self, source: str, applied: Sequence[Any], failures: Iterable[Any]) -> None:
+        """A pipeline batch is in the state: ``applied`` Changes (created/updated/deleted) and the
+        ``Failure``s of the batch (counted by their kind)."""
+        stored = sum(1 for ch in applied if ch.change != "deleted")
+        if stored:
+            self.resources_harvested.labels(source).inc(stored)
+        if len(applied) > stored:
+            self.resources_deleted.labels(source).inc(len(applied) - stored)
+        for f in failures:
+            self.error(source, f.kind)
+
+    def error(self, source: str, kind: str) -> None:
+        with self._errors_lock:
+            self._errors[(source, kind)] = self._errors.get((source, kind), 0) + 1
+
+    def sync_finished(self, source: str, ok: bool, seconds: float, exc: BaseException | None = None) -> None:
+        """``sync_source`` ended; ``exc`` is what stopped it (counted as an error of its kind)."""
+        with self._errors_lock:  # every kind of a synced source is exposed, 0 until it happens
+            for kind in ERROR_KINDS:
+                if kind != "plugin":
+                    self._errors.setdefault((source, kind), 0)
+        self.syncs.labels(source, "ok" if ok else "error").inc()
+        self.sync_duration.labels(source).observe(seconds)
+        if exc is not None:
+            self.error(source, error_kind(exc))
+
+    def blobs_committed(self, written: Sequence[Any], deduplicated: Sequence[Any]) -> None:
+        """``FileBlobStore.on_commit``: BlobInfos written now, and those the store already had."""
+        if written:
+            n = sum(i.length for i in written)
+            self.store_written_objects.inc(len(written))
+            self.store_written_bytes.inc(n)
+            self.store_size.added(len(written), n)
+        if deduplicated:
+            self.store_dedup_objects.inc(len(deduplicated))
+            self.store_dedup_bytes.inc(sum(i.length for i in deduplicated))
+
+    def served(self, route: str, method: str, code: int, seconds: float) -> None:
+        self.http_requests.labels(route, method, str(code)).inc()
+        self.http_duration.labels(route).observe(seconds)
+
+    # ------------------------------------------------------------------ scrape
+
+    def refresh_from_state(self, state: State, *, now: float | None = None) -> None:
+        """Read sources, cursors and the changelog position (blocking: in a worker thread), and start a
+        walk of the store when one is due. Called by ``/metrics`` before ``exposition``."""
+        sources = state.sources()
+        sets = state.sets()
+        cursors = {s["id"]: state.cursor(s["id"]) for s in sets}
+        mono = time.monotonic()
+        if mono - self._counts[0] >= COUNT_EVERY:
+            self._counts = (mono, {s["name"]: state.count_resources(source=s["name"]) for s in sources})
+        self._state_snapshot = {
+            "sources": sources,
+            "sets": sets,
+            "cursors": cursors,
+            "last_seq": state.last_seq(),
+            "counts": self._counts[1],
+        }
+        self.store_size.refresh()
+
+    def exposition(self) -> bytes:
+        """The registry in the text format 0.0.4."""
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------------ scrape-time families
+
+    def _collect_errors(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(
+            "rsagg_errors",
+            "Errors by kind: resource failures, failed syncs, plugin exceptions",
+            labels=["source", "kind"],
+        )
+        with self._errors_lock:
+            errors = dict(self._errors)
+        sources = {s for s, _ in errors} or {""}
+        for source in sorted(sources):
+            for kind in ERROR_KINDS:
+                if kind != "plugin":
+                    errors.setdefault((source, kind), 0)
+        plugin_failures = sum(self._plugin_failures().values())
+        errors[("", "plugin")] = errors.get(("", "plugin"), 0) + plugin_failures
+        for (source, kind), n in sorted(errors.items()):
+            fam.add_metric([source, kind], n)
+        yield fam
+
+    def _plugin_failures(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for plugins in self._plugins:
+            for name in plugins.names():
+                out.setdefault(name, 0)
+            for name, n in plugins.failures.items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+    def _collect_plugins(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily("rsagg_plugin_failures", "Exceptions raised by plugins", labels=["plugin"])
+        for name, n in sorted(self._plugin_failures().items()):
+            fam.add_metric([name], n)
+        yield fam
+
+    def _collect_notifications(self) -> Iterator[Metric]:
+        notes = self._notifications()
+        c: Mapping[str, int] = notes.counters if notes is not None else {}
+
+        def family(name: str, doc: str, label: str, prefix: str, known: Iterable[str]) -> Metric:
+            fam = CounterMetricFamily(name, doc, labels=[label])
+            values = {k[len(prefix) :]: v for k, v in c.items() if k.startswith(prefix)}
+            for key in known:
+                values.setdefault(key, 0)
+            for key, v in sorted(values.items()):
+                fam.add_metric([key], v)
+            return fam
+
+        yield family(
+            "rsagg_hub_deliveries",
+            "Hub deliveries to subscribers, by outcome (retry: will retry)",
+            "outcome",
+            "hub.delivery.",
+            HUB_DELIVERY,
+        )
+        yield family(
+            "rsagg_hub_verifications",
+            "Hub intent verifications, by outcome",
+            "outcome",
+            "hub.verification.",
+            HUB_VERIFICATION,
+        )
+        publishes = CounterMetricFamily("rsagg_hub_publishes", "Payloads the hub queued for subscribers")
+        publishes.add_metric([], c.get("hub.publish.accepted", 0))
+        yield publishes
+        yield family(
+            "rsagg_notifications_published",
+            "rsagg's own notifications handed to the hub, by kind",
+            "kind",
+            "notifier.published.",
+            ("change", "framework"),
+        )
+        yield family(
+            "rsagg_notifications_received",
+            "Upstream notification deliveries, by outcome",
+            "outcome",
+            "subscriber.delivery.",
+            NOTIFICATION_ACCEPTED + NOTIFICATION_REJECTED,
+        )
+        verified = CounterMetricFamily(
+            "rsagg_notifications_verified", "Upstream deliveries whose signature checked out"
+        )
+        verified.add_metric([], sum(c.get(f"subscriber.delivery.{k}", 0) for k in NOTIFICATION_ACCEPTED))
+        yield verified
+        rejected = CounterMetricFamily(
+            "rsagg_notifications_rejected", "Upstream deliveries refused", labels=["reason"]
+        )
+        for k in NOTIFICATION_REJECTED:
+            rejected.add_metric([k], c.get(f"subscriber.delivery.{k}", 0))
+        yield rejected
+        yield family(
+            "rsagg_notifications_processed",
+            "Upstream notifications taken up, by outcome",
+            "outcome",
+            "subscriber.notice.",
+            NOTICE_OUTCOMES,
+        )
+        subs = CounterMetricFamily(
+            "rsagg_upstream_subscriptions", "WebSub requests rsagg made to hubs", labels=["outcome"]
+        )
+        for key, outcome in SUBSCRIPTION_OUTCOMES.items():
+            subs.add_metric([outcome], c.get(f"subscriber.{key}", 0))
+        yield subs
+
+    def _collect_state(self) -> Iterator[Metric]:
+        snap = self._state_snapshot
+        if not snap:
+            return
+        now = time.time()
+        last_success = GaugeMetricFamily(
+            "rsagg_source_last_success_timestamp_seconds",
+            "End of the last successful sync",
+            labels=["source"],
+        )
+        last_attempt = GaugeMetricFamily(
+            "rsagg_source_last_attempt_timestamp_seconds", "Start of the last sync", labels=["source"]
+        )
+        state = GaugeMetricFamily(
+            "rsagg_source_state", "1 for the state a source is in", labels=["source", "state"]
+        )
+        resources = GaugeMetricFamily("rsagg_source_resources", "Live resources held", labels=["source"])
+        lag = GaugeMetricFamily(
+            "rsagg_sync_lag_seconds",
+            "Now minus the datetime of the last applied upstream change (the "
+            "newest position of the source's sets in their change streams)",
+            labels=["source"],
+        )
+        done = GaugeMetricFamily(
+            "rsagg_sync_progress_done", "Resources done in the running baseline", labels=["source"]
+        )
+        expected = GaugeMetricFamily(
+            "rsagg_sync_progress_expected",
+            "Resources expected in the running baseline (estimate)",
+            labels=["source"],
+        )
+        cursor = GaugeMetricFamily(
+            "rsagg_set_cursor_timestamp_seconds",
+            "Datetime of the last applied change of a set (its change-stream cursor)",
+            labels=["source", "set"],
+        )
+        positions: dict[str, float] = {}
+        for s in snap["sets"]:
+            cur = snap["cursors"].get(s["id"])
+            ts = _timestamp(cur.last_datetime or cur.baseline_at) if cur is not None else None
+            if ts is not None:
+                cursor.add_metric([s["source"], s["name"]], ts)
+                positions[s["source"]] = max(positions.get(s["source"], ts), ts)
+        for s in snap["sources"]:
+            name = s["name"]
+            for fam, value in ((last_success, s.get("last_success")), (last_attempt, s.get("last_attempt"))):
+                if isinstance(value, datetime):
+                    fam.add_metric([name], value.timestamp())
+            state.add_metric([name, s.get("state") or "new"], 1)
+            if name in snap["counts"]:
+                resources.add_metric([name], snap["counts"][name])
+            if name in positions:
+                lag.add_metric([name], max(0.0, now - positions[name]))
+            if s.get("state") == "syncing" and s.get("progress_done") is not None:
+                done.add_metric([name], s["progress_done"])
+                if s.get("progress_total"):
+                    expected.add_metric([name], s["progress_total"])
+        seq = GaugeMetricFamily("rsagg_changelog_last_seq", "Highest seq of rsagg's own change log")
+        seq.add_metric([], snap["last_seq"])
+        yield from (last_success, last_attempt, state, resources, lag, done, expected, cursor, seq)
+
+    def _collect_store(self) -> Iterator[Metric]:
+        values = self.store_size.values()
+        if values is None:
+            return
+        objects = GaugeMetricFamily("rsagg_store_objects", "Blobs in the store")
+        objects.add_metric([], values[0])
+        size = GaugeMetricFamily("rsagg_store_bytes", "Bytes of the blobs in the store")
+        size.add_metric([], values[1])
+        yield objects
+        yield size
+
+
+def error_kind(exc: BaseException) -> str:
+    """The ``rsagg_errors_total`` kind of an exception that stopped a sync."""
+    from .harvest.dumps import DumpError
+    from .harvest.fetch import FetchError
+    from .rs.parse import DocumentError
+
+    if isinstance(exc, FetchError):
+        return exc.kind
+    if isinstance(exc, DocumentError):
+        return "parse"
+    if isinstance(exc, DumpError):
+        return "dump"
+    return "sync"
+
+
+class ServedMetrics:
+    """ASGI middleware: requests served, labelled by the route's path template (``/{set}/r/{rest:path}``,
+    not the raw path: one series per route, whatever the URLs). Starlette's router leaves the matched
+    route in ``scope["route"]``; requests no route matched count as ``unmatched``."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        code = 500  # an exception before the response started becomes a 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal code
+            if message["type"] == "http.response.start":
+                code = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            method = scope.get("method", "GET")
+            method = method if method in ("GET", "HEAD", "POST") else "other"
+            self.metrics.served(route, method, code, time.perf_counter() - start)
+
+
+_default: Metrics | None = None
+_default_lock = threading.Lock()
+
+
+def default_metrics() -> Metrics:
+    """The process-wide Metrics (for an app or context built without one)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Metrics()
+        return _default
+
+
+__all__ = [
+    "CONTENT_TYPE",
+    "FAMILIES",
+    "Metrics",
+    "ServedMetrics",
+    "StoreSize",
+    "current_source",
+    "default_metrics",
+    "error_kind",
+    "sample_names",
+    "status_class",
+]

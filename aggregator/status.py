@@ -1,0 +1,166 @@
+"""What rsagg is doing, computed in one place for ``rsagg status`` (table, ``--json``), the home page
+and ``/status.json``: each source (state, resources, lag, last sync, last error, progress) and each
+published set.
+
+Everything comes from the state database, so any process can show it: the harvester saves a running
+baseline's progress every few seconds (``HarvestContext.progress_update``); rate and ETA follow from
+the progress and the time the sync began (``last_attempt``) and last saved it (``updated_at``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from .config import Config
+from .harvest.progress import describe, figures, format_duration
+from .publish.sets import published_sets
+from .rs.w3cdt import format_w3c, utcnow
+from .store.state import State
+
+
+def _time(value: datetime | str | None) -> str | None:
+    """State gives source times as datetimes; JSON and the table want W3C text."""
+    return format_w3c(value) if isinstance(value, datetime) else value
+
+
+def _progress(s: dict) -> dict | None:
+    """done/total/percent/rate/eta of the running sync; None when none runs or it counted nothing."""
+    if s.get("state") != "syncing" or not s.get("progress_done"):
+        return None
+    start, saved = s.get("last_attempt"), s.get("updated_at")
+    elapsed = (
+        (saved - start).total_seconds()
+        if isinstance(start, datetime) and isinstance(saved, datetime)
+        else None
+    )
+    p = figures(s["progress_done"], s.get("progress_total"), elapsed)
+    p["text"] = describe(p)
+    return p
+
+
+def source_rows(state: State, names: Sequence[str], *, now: datetime | None = None) -> list[dict]:
+    """One row per source, configured ones first (a source never harvested shows as 'new'), then
+    sources the state still holds but the configuration no longer names."""
+    now = now or utcnow()
+    known = {s["name"]: s for s in state.sources()}
+    rows = []
+    for name in [*names, *sorted(set(known) - set(names))]:
+        s = known.get(name, {})
+        sets, newest = [], None
+        for st in state.sets(name) if s else []:
+            cur = state.cursor(st["id"])
+            pos = (cur.last_datetime or cur.baseline_at) if cur else None
+            newest = pos if pos is not None and (newest is None or pos > newest) else newest
+            sets.append(
+                {
+                    "set": st["name"],
+                    "capabilitylist": st["capabilitylist_url"],
+                    "resources": state.count_resources(st["id"]),
+                    "position": format_w3c(pos) if pos else None,
+                    "baseline_at": format_w3c(cur.baseline_at) if cur and cur.baseline_at else None,
+                }
+            )
+        rows.append(
+            {
+                "name": name,
+                "configured": name in names,
+                "url": s.get("url"),
+                "state": s.get("state") or "new",
+                "resources": sum(x["resources"] for x in sets),
+                "position": format_w3c(newest) if newest else None,
+                "lag_seconds": round(max(0.0, (now - newest).total_seconds()), 1) if newest else None,
+                "lag": format_duration(max(0.0, (now - newest).total_seconds())) if newest else None,
+                "last_success": _time(s.get("last_success")),
+                "last_attempt": _time(s.get("last_attempt")),
+                "last_error": s.get("last_error"),
+                "progress": _progress(s),
+                "sets": sets,
+            }
+        )
+    return rows
+
+
+def set_rows(state: State, config: Config) -> list[dict]:
+    """The published sets (``publish/sets.py``) with their resources, sources and Capability List."""
+    state_sets = state.sets()
+    source_of = {s["id"]: s["source"] for s in state_sets}
+    base = config.server.base_url
+    return [
+        {
+            "name": ps.name,
+            "resources": state.count_live(ps.set_ids),
+            "sources": sorted({source_of[i] for i in ps.set_ids if i in source_of}),
+            "capabilitylist": f"{base}/{ps.name}/capabilitylist.xml",
+        }
+        for ps in published_sets(config, state_sets).values()
+    ]
+
+
+def collect(state: State, config: Config, *, now: datetime | None = None) -> dict[str, Any]:
+    """Everything the status displays show (``rsagg status --json`` prints exactly this)."""
+    now = now or utcnow()
+    return {
+        "time": format_w3c(now),
+        "sources": source_rows(state, [s.name for s in config.sources], now=now),
+        "sets": set_rows(state, config),
+        "changelog_last_seq": state.last_seq(),
+    }
+
+
+def unharvested(config: Config) -> dict[str, Any]:
+    """The status before the state database exists."""
+    return {
+        "time": format_w3c(utcnow()),
+        "sources": [
+            {"name": s.name, "configured": True, "url": s.url, "state": "new", "resources": 0, "sets": []}
+            for s in config.sources
+        ],
+        "sets": [],
+        "changelog_last_seq": 0,
+    }
+
+
+def short_time(value: str | None) -> str:
+    """W3C time to the second for displays (``2024-05-01T10:00:00.123456Z`` -> ``2024-05-01T10:00:00Z``)."""
+    return re.sub(r"\.\d+Z$", "Z", value) if value else "-"
+
+
+def progress_text(row: dict) -> str:
+    return row["progress"]["text"] if row.get("progress") else ""
+
+
+def lag_text(row: dict) -> str:
+    return row.get("lag") or "-"
+
+
+def table(status: dict[str, Any]) -> str:
+    """The text ``rsagg status`` prints."""
+    head = ("SOURCE", "STATE", "RESOURCES", "LAG", "LAST SUCCESS", "PROGRESS", "LAST ERROR")
+    row = "{:<20} {:<8} {:>10} {:>7} {:<22} {:<34} {}"
+    lines = [row.format(*head)]
+    for r in status["sources"]:
+        name = r["name"] + ("" if r["configured"] else " (removed)")
+        cells = (name, r["state"], r["resources"], lag_text(r), short_time(r.get("last_success")),
+                 progress_text(r) or "-", r.get("last_error") or "")  # fmt: skip
+        lines.append(row.format(*cells).rstrip())
+    if status["sets"]:
+        lines += ["", "{:<20} {:>10} {:<30} {}".format("SET", "RESOURCES", "SOURCES", "CAPABILITY LIST")]
+        for s in status["sets"]:
+            sources = ", ".join(s["sources"]) or "-"
+            lines.append(f"{s['name']:<20} {s['resources']:>10} {sources:<30} {s['capabilitylist']}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "collect",
+    "lag_text",
+    "progress_text",
+    "set_rows",
+    "short_time",
+    "source_rows",
+    "table",
+    "unharvested",
+]

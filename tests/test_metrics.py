@@ -1,0 +1,459 @@
+"""Operations: Prometheus metrics, the status page / ``status.json`` / ``rsagg status``, progress of a
+long baseline, the Grafana dashboard, and ``rsagg demo`` as a user starts it.
+
+The daemon runs in-process (``run_daemon``) against two demo Upstreams: "good" (with two resources of
+identical content: one blob is deduplicated) and "bad" (one resource announces a wrong hash).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from aggregator import status
+from aggregator.cli import main
+from aggregator.commands.harvest import harvest_once
+from aggregator.config import load_config
+from aggregator.daemon import run_daemon
+from aggregator.demo.upstream import Upstream
+from aggregator.harvest import context as harvest_context
+from aggregator.harvest import progress as harvest_progress
+from aggregator.harvest.context import open_context
+from aggregator.harvest.progress import ProgressLine
+from aggregator.harvest.source import sync_source
+from aggregator.metrics import FAMILIES, Metrics, sample_names, status_class
+from aggregator.publish.uris import rsagg_uri
+from aggregator.rs.validate import ERROR, validate_source
+from aggregator.store.state import State
+
+REPO = Path(__file__).resolve().parent.parent
+GUARD = 30  # seconds: a hung step fails the test instead of hanging the suite
+DUP = b"the same bytes twice\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_config(folder: Path, sources: dict[str, str], port: int) -> Path:
+    path = folder / "rsagg.toml"
+    text = (
+        f'[server]\nlisten = "127.0.0.1:{port}"\nbase_url = "http://127.0.0.1:{port}"\n'
+        '[store]\npath = "data"\n'
+        "[harvest]\ninterval = 3600\njitter = 0\nretries = 1\nbackoff_base = 0.01\nbackoff_max = 0.05\n"
+        "timeout = 10\nuse_dumps = false\n"
+    )
+    for name, url in sources.items():
+        text += f'[[sources]]\nname = "{name}"\nurl = "{url}"\n'
+    path.write_text(text)
+    return path
+
+
+def _samples(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """sample name -> {sorted label pairs: value}."""
+    out: dict[str, dict] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def _value(samples: dict, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for key, v in samples.get(name, {}).items() if want <= set(key))
+
+
+def _check_conventions(text: str) -> None:
+    """What promtool's linter checks, by the Prometheus naming conventions (also without promtool)."""
+    families = {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("rsagg_")}
+    assert families.keys() == FAMILIES.keys(), families.keys() ^ FAMILIES.keys()
+    for name, fam in families.items():
+        assert fam.type == FAMILIES[name], (name, fam.type)
+        assert re.fullmatch(r"rsagg_[a-z0-9_]+", name) and fam.documentation, name
+        assert not name.endswith("_total") and "_total_" not in name, name  # counters get _total added
+        if fam.type == "counter":
+            assert all(s.name.endswith("_total") for s in fam.samples), name
+        for unit in ("milliseconds", "microseconds", "kilobytes", "megabytes", "minutes", "hours"):
+            assert unit not in name, name  # base units only
+        for s in fam.samples:
+            assert not {"host", "url", "uri", "path"} & s.labels.keys(), (name, s.labels)  # low cardinality
+
+
+def _promtool(text: str) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        return  # _check_conventions covers the naming rules
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30
+    )
+    rsagg_problems = [ln for ln in done.stdout.decode().splitlines() if ln.startswith("rsagg_")]
+    assert done.returncode == 0 and not rsagg_problems, done.stdout.decode() + done.stderr.decode()
+
+
+async def _wait_synced(client: httpx.AsyncClient, base: str, names: set[str]) -> dict:
+    """status.json once every source named has finished a sync."""
+    with trio.fail_after(GUARD):
+        while True:
+            st = (await client.get(f"{base}/status.json")).json()
+            rows = {r["name"]: r for r in st["sources"]}
+            if all(rows[n]["state"] in ("ok", "error") and rows[n]["last_attempt"] for n in names):
+                return st
+            await trio.sleep(0.05)
+
+
+async def test_metrics_status_and_page_of_a_running_daemon(tmp_path: Path, capsys: pytest.CaptureFixture):
+    good = Upstream(resource_dump=False, change_dump=False)
+    good.bulk_create(10)
+    good.create("dup-a.txt", DUP, "text/plain")
+    good.create("dup-b.txt", DUP, "text/plain")
+    bad = Upstream(resource_dump=False, change_dump=False, wrong_hash=["b000002.txt"])
+    bad.bulk_create(4, prefix="b")
+    port = _free_port()
+    async with good.serving() as gbase, bad.serving() as bbase:
+        path = _write_config(
+            tmp_path,
+            {"good": f"{gbase}/.well-known/resourcesync", "bad": f"{bbase}/.well-known/resourcesync"},
+            port,
+        )
+        config = load_config(path)
+        async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=10) as client:
+            base = await nursery.start(lambda task_status: run_daemon(config, task_status=task_status))
+            st = await _wait_synced(client, base, {"good", "bad"})
+            good_set = {r["name"]: r for r in st["sources"]}["good"]["sets"][0]["set"]
+            resource_url = rsagg_uri(config.server.base_url, good_set, f"{gbase}/default/res/r000001.txt")
+            got = await client.get(resource_url)
+            with trio.fail_after(GUARD):  # a request is counted when its handler returns, after the client
+                while True:  # has the response: scrape until the resource request shows
+                    r = await client.get(f"{base}/metrics")
+                    if r.status_code != 200 or 'route="/{set}/r/{rest:path}"' in r.text:
+                        break
+                    await trio.sleep(0.02)
+            text = r.text
+            page = await client.get(f"{base}/")
+            nursery.cancel_scope.cancel()
+
+    assert got.status_code == 200 and got.content == b"resource r000001.txt\n"
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    m = _samples(text)
+    # harvest: every good resource stored; the bad one with the wrong hash is a fixity error
+    assert _value(m, "rsagg_resources_harvested_total", source="good") == 12
+    assert _value(m, "rsagg_resources_harvested_total", source="bad") == 3
+    assert _value(m, "rsagg_resources_deleted_total") == 0
+    assert _value(m, "rsagg_errors_total", source="bad", kind="fixity") == 1
+    assert _value(m, "rsagg_errors_total", source="good") == 0
+    assert ("kind", "plugin") in {kv for key in m["rsagg_errors_total"] for kv in key}
+    assert _value(m, "rsagg_syncs_total", source="good", result="ok") == 1
+    assert _value(m, "rsagg_syncs_total", source="bad", result="error") == 1
+    # upstream HTTP: bodies counted, by status class, labelled by source (never by host)
+    assert _value(m, "rsagg_fetched_bytes_total", source="good") >= 10 * len(b"resource r000000.txt\n")
+    ok_requests = _value(m, "rsagg_upstream_requests_total", source="good", status_class="2xx")
+    assert ok_requests >= 12 + 3  # resources + well-known, Capability List, Resource List
+    assert _value(m, "rsagg_fetch_duration_seconds_count", source="good") == _value(
+        m, "rsagg_upstream_requests_total", source="good"
+    )
+    # the wrong hash was fetched again (fixity retry) before giving up
+    assert _value(m, "rsagg_upstream_requests_total", source="bad", status_class="2xx") >= 4 + 3 + 1
+    # sources, change stream
+    assert _value(m, "rsagg_source_state", source="good", state="ok") == 1
+    assert _value(m, "rsagg_source_state", source="bad", state="error") == 1
+    assert _value(m, "rsagg_source_last_success_timestamp_seconds", source="good") > 1e9
+    assert "bad" not in {dict(k).get("source") for k in m["rsagg_source_last_success_timestamp_seconds"]}
+    assert _value(m, "rsagg_source_resources", source="good") == 12
+    assert _value(m, "rsagg_sync_lag_seconds", source="good") >= 0
+    assert set(m["rsagg_sync_lag_seconds"]) >= {(("source", "good"),)}
+    assert _value(m, "rsagg_set_cursor_timestamp_seconds", source="good") > 1e9
+    assert _value(m, "rsagg_changelog_last_seq") == 15
+    # store: two resources with the same bytes are one blob (deduplicated in the commit)
+    assert _value(m, "rsagg_store_dedup_objects_total") >= 1
+    assert _value(m, "rsagg_store_dedup_saved_bytes_total") >= len(DUP)
+    assert _value(m, "rsagg_store_written_objects_total") == 14  # 15 resources, one shared blob
+    assert _value(m, "rsagg_store_objects") == 14
+    assert _value(m, "rsagg_store_bytes") == _value(m, "rsagg_store_written_bytes_total")
+    # served requests, by route template (never the raw path)
+    served = m["rsagg_http_requests_total"]
+    routes = {dict(k)["route"] for k in served}
+    assert "/{set}/r/{rest:path}" in routes and "/status.json" in routes
+    assert not any("r000001" in route for route in routes)
+    assert _value(m, "rsagg_http_requests_total", route="/{set}/r/{rest:path}", method="GET", code="200") == 1
+    assert _value(m, "rsagg_http_request_duration_seconds_count", route="/status.json") >= 1
+    # notifications and hub: exposed (zero: the demo upstreams advertise no channels)
+    assert _value(m, "rsagg_hub_deliveries_total", outcome="retry") == 0
+    assert "rsagg_notifications_verified_total" in m and "rsagg_notifications_rejected_total" in m
+    _check_conventions(text)
+    _promtool(text)
+
+    # status.json: each source and each published set
+    rows = {r["name"]: r for r in st["sources"]}
+    assert rows["good"]["state"] == "ok" and rows["good"]["resources"] == 12
+    assert rows["good"]["last_success"] and rows["good"]["lag_seconds"] is not None
+    assert rows["good"]["progress"] is None  # nothing running
+    assert rows["bad"]["state"] == "error" and "b000002.txt" in rows["bad"]["last_error"]
+    assert rows["bad"]["resources"] == 3
+    sets = {s["name"]: s for s in st["sets"]}
+    assert {s["resources"] for s in sets.values()} == {12, 3}
+    assert {tuple(s["sources"]) for s in sets.values()} == {("good",), ("bad",)}
+    # the page: same rows, and the script that polls status.json
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "<td>good</td><td>ok</td><td>12</td>" in page.text
+    assert "<td>bad</td><td>error</td><td>3</td>" in page.text
+    assert 'fetch("status.json"' in page.text and "setInterval(refresh" in page.text
+    for name, s in sets.items():
+        assert f'<li data-set="{name}"><strong>{name}</strong>: {s["resources"]} resources' in page.text
+
+    # rsagg status: the same rows (one function computes them), as JSON and as a table
+    capsys.readouterr()
+    assert main(["status", "-c", str(path), "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+
+    def stable(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in ("lag_seconds", "lag")} for r in rows]
+
+    assert stable(cli["sources"]) == stable(st["sources"]) and cli["sets"] == st["sets"]
+    assert main(["status", "-c", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"^good\s+ok\s+12\s", table, re.M) and re.search(r"^bad\s+error\s+3\s", table, re.M)
+    assert "CAPABILITY LIST" in table
+
+
+async def test_progress_of_a_long_baseline(tmp_path: Path, monkeypatch, caplog):
+    """A Resource List Index of 6 parts, slow upstream: done/total shows in the state (rsagg status,
+    the status page), in /metrics, in the log, and on the terminal line, while the baseline runs."""
+    monkeypatch.setattr(harvest_context, "PROGRESS_SAVE_EVERY", 0.05)
+    monkeypatch.setattr(harvest_progress, "LOG_EVERY", 0.2)
+    caplog.set_level(logging.INFO, logger="rsagg.harvest")
+    n = 120
+    up = Upstream(resource_dump=False, change_dump=False, resourcelist_page_size=20, latency=0.02)
+    up.bulk_create(n)
+    async with up.serving() as ubase:
+        path = _write_config(tmp_path, {"up": f"{ubase}/.well-known/resourcesync"}, _free_port())
+        text = path.read_text().replace(
+            "use_dumps = false\n", "use_dumps = false\nworkers = 2\nbatch_size = 5\n"
+        )
+        path.write_text(text)
+        config = load_config(path)
+        seen: list[tuple[int, int | None]] = []
+        async with open_context(config) as ctx, trio.open_nursery() as nursery:
+            nursery.start_soon(sync_source, ctx, config.sources[0])
+            line = ProgressLine(io.StringIO(), ctx.progress)
+            watcher = State(config.store_path / "state.db", readonly=True)  # takes no write lock
+            try:
+                with trio.fail_after(GUARD):
+                    while True:
+                        row = watcher.source("up")
+                        if row and row["state"] == "syncing" and row["progress_done"]:
+                            seen.append((row["progress_done"], row["progress_total"]))
+                            if row["progress_total"] == n and row["progress_done"] < n:
+                                break
+                        await trio.sleep(0.01)
+                running = status.collect(watcher, config)["sources"][0]
+                ctx.metrics.refresh_from_state(watcher)
+                scraped = _samples(ctx.metrics.exposition().decode())
+                line_text = line.text()
+            finally:
+                watcher.close()
+        done = State(config.store_path / "state.db")
+        try:
+            final = done.source("up")
+        finally:
+            done.close()
+    # while running: done/total, rate, ETA from the state; the same in /metrics and on the terminal
+    prog = running["progress"]
+    assert running["state"] == "syncing" and 0 < prog["done"] < n and prog["total"] == n
+    assert prog["text"].startswith(f"{prog['done']}/{n} (")
+    assert prog["rate"] is not None and prog["rate"] > 0 and prog["eta_seconds"] is not None
+    assert 0 < _value(scraped, "rsagg_sync_progress_done", source="up") < n
+    assert _value(scraped, "rsagg_sync_progress_expected", source="up") == n
+    assert re.fullmatch(rf"up: \d+/{n} \(\d+\.\d%\).*", line_text), line_text
+    # the index of 6 parts first counts as 6 full lists (§10.2), then by the parts read
+    assert seen[0][1] in (6 * 50_000, n) and seen[-1][1] == n
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    # in the log, every LOG_EVERY seconds
+    assert any("baseline progress: " in r.getMessage() and f"/{n}" in r.getMessage() for r in caplog.records)
+    # finished: the final figures
+    assert final["state"] == "ok" and (final["progress_done"], final["progress_total"]) == (n, n)
+
+
+def test_progress_line_and_helpers():
+    out = io.StringIO()
+    line = ProgressLine(out, {"a": (5, 10), "b": (3, None)}, width=200)
+    line.draw()
+    assert out.getvalue().startswith("\r\x1b[K") and "a: 5/10 (50.0%)" in out.getvalue()
+    assert "b: 3/?" in out.getvalue()
+    line.clear()
+    assert out.getvalue().endswith("\r\x1b[K")
+    assert (
+        harvest_progress.format_duration(3725) == "1h02m" and harvest_progress.format_duration(65) == "1m05s"
+    )
+    p = harvest_progress.figures(25, 100, 5.0)
+    assert (p["percent"], p["rate"], p["eta_seconds"]) == (25.0, 5.0, 15.0)
+    assert [status_class(s) for s in (200, 304, 404, 503, None)] == ["2xx", "3xx", "4xx", "5xx", "error"]
+
+
+def test_metrics_objects_do_not_collide():
+    """Each Metrics has its own registry: two in one process (tests, several apps) count apart."""
+    a, b = Metrics(), Metrics()
+    a.resources_harvested.labels("x").inc(3)
+    assert 'rsagg_resources_harvested_total{source="x"} 3.0' in a.exposition().decode()
+    assert 'source="x"' not in b.exposition().decode()
+
+
+def test_notification_and_plugin_counters_are_exposed():
+    """Counts kept by the notification parts (``Notifications.counters``) and ``Plugins.failures`` are
+    read when scraped, under rsagg's names."""
+
+    notes = SimpleNamespace(
+        counters={"hub.delivery.ok": 5, "hub.delivery.retry": 2, "hub.verification.subscribed": 1,
+                  "hub.publish.accepted": 4, "notifier.published.change": 3,
+                  "subscriber.delivery.accepted": 6, "subscriber.delivery.parse_error": 1,
+                  "subscriber.delivery.bad_signature": 2, "subscriber.delivery.unsigned": 1,
+                  "subscriber.notice.applied": 5, "subscriber.notice.gap": 1,
+                  "subscriber.subscribe.requested": 2, "subscriber.renewals": 1}
+    )  # fmt: skip
+    plugins = SimpleNamespace(failures={"broken": 3}, names=lambda: ["broken", "fine"])
+    m = Metrics(process=False)
+    m.attach(notifications=lambda: notes, plugins=plugins)
+    got = _samples(m.exposition().decode())
+    assert _value(got, "rsagg_hub_deliveries_total", outcome="ok") == 5
+    assert _value(got, "rsagg_hub_deliveries_total", outcome="retry") == 2
+    assert _value(got, "rsagg_hub_deliveries_total", outcome="gone") == 0
+    assert _value(got, "rsagg_hub_verifications_total", outcome="subscribed") == 1
+    assert _value(got, "rsagg_hub_publishes_total") == 4
+    assert _value(got, "rsagg_notifications_published_total", kind="change") == 3
+    assert _value(got, "rsagg_notifications_received_total") == 6 + 1 + 2 + 1
+    assert _value(got, "rsagg_notifications_verified_total") == 6 + 1
+    assert _value(got, "rsagg_notifications_rejected_total") == 3
+    assert _value(got, "rsagg_notifications_rejected_total", reason="bad_signature") == 2
+    assert _value(got, "rsagg_notifications_processed_total", outcome="applied") == 5
+    assert _value(got, "rsagg_upstream_subscriptions_total", outcome="renewed") == 1
+    assert _value(got, "rsagg_plugin_failures_total", plugin="broken") == 3
+    assert _value(got, "rsagg_plugin_failures_total", plugin="fine") == 0
+    assert _value(got, "rsagg_errors_total", kind="plugin") == 3
+
+
+async def test_harvest_once_draws_a_progress_line(tmp_path: Path):
+    """``harvest --once`` on a terminal: a line redrawn in place while a baseline runs, gone at the end."""
+    up = Upstream(resource_dump=False, change_dump=False, latency=0.02)
+    up.bulk_create(60)
+    err = io.StringIO()
+    async with up.serving() as ubase:
+        path = _write_config(tmp_path, {"up": f"{ubase}/.well-known/resourcesync"}, _free_port())
+        path.write_text(path.read_text().replace("use_dumps = false\n", "use_dumps = false\nworkers = 2\n"))
+        (result,) = await harvest_once(load_config(path), [], progress_to=err)
+    assert result.ok
+    drawn = err.getvalue()
+    assert re.search(r"\r\x1b\[Kup: \d+/", drawn), drawn
+    assert drawn.endswith("\r\x1b[K")  # cleared before the results are printed
+
+
+# --------------------------------------------------------------------------- Grafana
+
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
+                "bool", "offset", "inf", "nan"}  # fmt: skip
+
+
+def _metric_names(expr: str) -> set[str]:
+    """Identifiers of a PromQL expression that name series (not functions, keywords, labels)."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # strings
+    e = re.sub(r"\{[^}]*\}", "", e)  # label matchers
+    e = re.sub(r"\[[^\]]*\]", "", e)  # ranges
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", e)  # label lists
+    names = set()
+    for m in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", e):
+        word, rest = m.group(0), e[m.end() :].lstrip()
+        if rest.startswith("(") or word.lower() in PROMQL_WORDS:
+            continue  # a function call or a keyword
+        if m.start() > 0 and (e[m.start() - 1].isdigit() or e[m.start() - 1] in ".$"):
+            continue  # 1e3, $var
+        names.add(word)
+    return names
+
+
+def _exprs(node: object) -> list[str]:
+    if isinstance(node, dict):
+        return [v for k, v in node.items() if k == "expr" and isinstance(v, str)] + [
+            e for v in node.values() for e in _exprs(v)
+        ]
+    if isinstance(node, list):
+        return [e for v in node for e in _exprs(v)]
+    return []
+
+
+def test_grafana_dashboard_uses_only_exposed_metrics():
+    dashboard = json.loads((REPO / "config" / "grafana-dashboard.json").read_text())
+    exprs = _exprs(dashboard)
+    assert len(exprs) >= 15
+    exposed = sample_names()
+    used = set()
+    for expr in exprs:
+        names = _metric_names(expr)
+        assert names, expr
+        assert names <= exposed, (expr, names - exposed)
+        used |= names
+    titles = " ".join(p.get("title", "") for p in dashboard["panels"]).lower()
+    for topic in ("harvest", "bytes", "errors", "lag", "last success", "status class", "latency",
+                  "notifications", "hub", "store", "dedup", "served"):  # fmt: skip
+        assert topic in titles, topic
+    # every family shows somewhere, except a few that are for alerts and ad-hoc queries
+    unused = {n for n in FAMILIES if not any(u == n or u.startswith(n + "_") for u in used)}
+    assert unused <= {"rsagg_build_info", "rsagg_source_last_attempt_timestamp_seconds"}, unused
+    assert _metric_names('histogram_quantile(0.99, sum by (le) (rate(x_bucket{a="b"}[5m])))') == {"x_bucket"}
+
+
+# --------------------------------------------------------------------------- rsagg demo
+
+
+async def test_demo_serves_a_valid_source(tmp_path: Path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [sys.executable, "-m", "aggregator", "demo", "--port", "0", "--duration", "40", "--resources", "20",
+           "--data", str(tmp_path / "demo"), "--log-level", "warning"]  # fmt: skip
+    proc = await trio.lowlevel.open_process(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    output = b""
+    try:
+        with trio.fail_after(GUARD):
+            while b"rsagg Source Description" not in output or not output.endswith(b"\n"):
+                chunk = await proc.stdout.receive_some(4096)
+                assert chunk, output.decode()
+                output += chunk
+            url = re.search(rb"rsagg Source Description\s+(\S+)", output).group(1).decode()
+            async with httpx.AsyncClient(timeout=10) as client:
+                while True:  # served at once; lists the set once the first sync has created it
+                    r = await client.get(url)
+                    assert r.status_code == 200, r.text
+                    if b"capabilitylist.xml" in r.content:
+                        break
+                    await trio.sleep(0.1)
+                cap_url = re.search(rb"<loc>([^<]+capabilitylist\.xml)</loc>", r.content).group(1).decode()
+                cap = await client.get(cap_url)
+        issues = [i for i in validate_source(r.content, url) if i.severity == ERROR]
+        assert issues == [], issues
+        assert [i for i in validate_source(cap.content, cap_url) if i.severity == ERROR] == []
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/.well-known/resourcesync")
+    finally:
+        proc.send_signal(2)  # SIGINT: the demo stops its daemon and upstream
+        with trio.move_on_after(15) as cs:
+            await proc.wait()
+        if cs.cancelled_caught:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
