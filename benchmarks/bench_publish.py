@@ -1,0 +1,473 @@
+"""Republishing at scale: streaming the Resource List Index and its parts, and resource GETs.
+
+Fills a fresh store (temporary folder) with N resources (default 1,000,000) of one source/set, starts
+the rsagg publisher in its own process and, from this process:
+
+* streams ``/SET/resourcelist.xml`` (the index) and every part with httpx: time to first byte of the index
+  and of each part, total time, bytes, bytes/s, entries counted; then stops the server (SIGTERM) and
+  reads its peak RSS from ``os.wait4`` (target: under 150 MB);
+* runs a bounded GET load on 2,000 resource URLs taken from the lists against a fresh rsagg server and
+  against static file servers holding the same bytes as files ``r/<i>.txt`` (``python -m http.server``,
+  and nginx when installed): requests/s and the ratio rsagg/static. Load generator: ``wrk`` when
+  installed (``-d 10s -c 32 -t 2``), else an httpx client in its own process (bounded request count).
+
+Every server listens on 127.0.0.1 and is stopped at the end, also on errors.
+
+    python benchmarks/bench_publish.py                      # full size (1,000,000 resources)
+    python benchmarks/bench_publish.py --resources 100000   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "bench"
+TARGET_RSS_MB = 150
+BLOBS = 300
+BATCH = 10_000
+PICK = 2_000
+LOC = re.compile(rb"<loc>([^<]+)</loc>")
+RESOURCE_NO = re.compile(r"/r/(\d+)\.txt$")
+
+
+def blob_bytes(k: int) -> bytes:
+    return (f"resource body {k}\n" * (1 + k % 40)).encode()
+
+
+def upstream_uri(i: int) -> str:
+    return f"http://upstream.example/r/{i}.txt"
+
+
+def bench_config(store: Path, port: int):
+    from aggregator.config import parse_config
+
+    return parse_config(
+        {
+            "server": {"listen": f"127.0.0.1:{port}", "base_url": f"http://127.0.0.1:{port}"},
+            "store": {"path": str(store)},
+            "sources": [{"name": SOURCE, "url": "http://upstream.example/.well-known/resourcesync"}],
+            "notifications": {"enabled": False},
+        }
+    )
+
+
+# -- child modes -----------------------------------------------------------------------------------------
+
+
+def fill(store: Path, n: int) -> dict:
+    """N resources over BLOBS distinct small blobs, applied in batches of BATCH changes."""
+    from aggregator.store.blobs import FileBlobStore
+    from aggregator.store.state import Change, State
+
+    start = time.perf_counter()
+    blobs = FileBlobStore(store / "blobs")
+    infos = []
+    try:
+        for k in range(BLOBS):
+            data = blob_bytes(k)
+            blobs.put_bytes(data)
+            infos.append((hashlib.sha256(data).hexdigest(), len(data)))
+    finally:
+        blobs.close()
+    state = State(store / "state.db")
+    try:
+        state.upsert_source(SOURCE, "http://upstream.example/.well-known/resourcesync")
+        set_id = state.ensure_set(SOURCE, "http://upstream.example/capabilitylist.xml")
+        for lo in range(0, n, BATCH):
+            changes = []
+            for i in range(lo, min(n, lo + BATCH)):
+                sha, length = infos[i % BLOBS]
+                changes.append(Change(upstream_uri(i), "created", sha, length, "text/plain"))
+            state.apply(set_id, changes)
+        name = state.sets(SOURCE)[0]["name"]
+    finally:
+        state.close()
+    return {"seconds": time.perf_counter() - start, "set": name}
+
+
+def serve_rsagg(store: Path, port: int) -> None:
+    import trio
+
+    from aggregator.publish.app import create_app
+    from aggregator.serving import serve
+    from aggregator.store.blobs import FileBlobStore
+
+    blobs = FileBlobStore(store / "blobs")
+    app = create_app(bench_config(store, port), blobs=blobs, state_path=store / "state.db")
+    trio.run(serve, app, "127.0.0.1", port)
+
+
+def load(urls_file: Path, requests: int, concurrency: int, timeout: float) -> dict:
+    """Bounded GET load: ``requests`` GETs over the URLs, ``concurrency`` workers, ``timeout`` overall."""
+    import httpx
+    import trio
+
+    urls = urls_file.read_text().split()
+    result = {"ok": 0, "errors": 0, "bytes": 0}
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(limits=limits, timeout=10) as client:
+            counter = iter(range(requests))
+
+            async def worker() -> None:
+                for n in counter:
+                    try:
+                        r = await client.get(urls[n % len(urls)])
+                        if r.status_code == 200:
+                            result["ok"] += 1
+                            result["bytes"] += len(r.content)
+                        else:
+                            result["errors"] += 1
+                    except httpx.HTTPError:
+                        result["errors"] += 1
+
+            with trio.move_on_after(timeout):
+                async with trio.open_nursery() as nursery:
+                    for _ in range(concurrency):
+                        nursery.start_soon(worker)
+
+    start = time.perf_counter()
+    trio.run(main)
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+# -- parent helpers --------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, limit: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server for {url} exited with code {proc.returncode}")
+        try:
+            httpx.get(url, timeout=2)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise SystemExit(f"{url} did not answer within {limit:.0f} s")
+
+
+class Servers:
+    """Every server process we start, stopped (SIGTERM, then SIGKILL) and reaped with its peak RSS."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], **kw) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, env=child_env(), **kw)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen) -> tuple[float, float]:
+        """Stop one server; its peak RSS in MB: VmHWM read just before SIGTERM (the server's own address
+        space) and ru_maxrss from ``os.wait4`` (which, on Linux, also counts the forked copy of this
+        parent process before exec: a floor of this process's peak, so VmHWM is the figure to judge)."""
+        self.procs.remove(proc)
+        if proc.returncode is not None:
+            return 0.0, 0.0
+        hwm = 0.0
+        try:
+            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if not pid and time.monotonic() > deadline:
+                proc.kill()
+                pid, status, usage = os.wait4(proc.pid, 0)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                return hwm, usage.ru_maxrss / 1024  # Linux: kilobytes
+            time.sleep(0.05)
+
+    def stop_all(self) -> None:
+        for proc in list(self.procs):
+            self.stop(proc)
+
+
+def start_rsagg(servers: Servers, store: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = servers.start([sys.executable, __file__, "--serve", str(store), "--port", str(port)])
+    base = f"http://127.0.0.1:{port}"
+    wait_until_up(base + "/robots.txt", proc)
+    return proc, base
+
+
+def stream(client, url: str, picks: list[bytes], want: int) -> dict:
+    """GET one document, streamed: TTFB, seconds, bytes, <url> count, up to ``want`` first locs."""
+    start = time.perf_counter()
+    ttfb = None
+    size = count = 0
+    tail = b""
+    head = b""
+    with client.stream("GET", url) as r:
+        r.raise_for_status()
+        for chunk in r.iter_raw():
+            if ttfb is None:
+                ttfb = time.perf_counter() - start
+            size += len(chunk)
+            data = tail + chunk
+            count += data.count(b"<url>")
+            tail = data[-4:]
+            if len(head) < 200_000:
+                head += chunk
+    picks.extend(LOC.findall(head)[:want])
+    return {
+        "index": b"<sitemapindex" in head[:2000],
+        "ttfb": ttfb or 0.0,
+        "seconds": time.perf_counter() - start,
+        "bytes": size,
+        "entries": count,
+    }
+
+
+def stream_lists(base: str, set_name: str, n: int) -> tuple[dict, list[str]]:
+    import httpx
+
+    index_url = f"{base}/{set_name}/resourcelist.xml"
+    locs: list[bytes] = []
+    with httpx.Client(timeout=300) as client:
+        start = time.perf_counter()
+        index = stream(client, index_url, locs, 10**9)
+        parts = [loc.decode() for loc in locs] if index["index"] else []
+        # The index streamed above lists the parts; a lone <urlset> (small N) holds the entries itself.
+        resources: list[bytes] = [] if parts else locs
+        per_part = max(1, PICK // max(1, len(parts)) + 1)
+        stats = [stream(client, url, resources, per_part) for url in parts]
+        total = time.perf_counter() - start
+    size = index["bytes"] + sum(s["bytes"] for s in stats)
+    entries = sum(s["entries"] for s in stats) if parts else index["entries"]
+    ttfbs = [s["ttfb"] for s in stats] or [index["ttfb"]]
+    result = {
+        "index_ttfb": index["ttfb"],
+        "part_ttfb_max": max(ttfbs),
+        "part_ttfb_mean": sum(ttfbs) / len(ttfbs),
+        "parts": len(parts),
+        "seconds": total,
+        "bytes": size,
+        "entries": entries,
+    }
+    return result, [u.decode() for u in resources[:PICK]]
+
+
+def write_static(folder: Path, urls: list[str]) -> list[str]:
+    """The picked resources' bytes as files ``folder/r/<i>.txt``; their paths."""
+    (folder / "r").mkdir(parents=True, exist_ok=True)
+    paths = []
+    for url in urls:
+        m = RESOURCE_NO.search(url)
+        if m is None:
+            raise SystemExit(f"unexpected resource URL {url}")
+        i = int(m.group(1))
+        (folder / "r" / f"{i}.txt").write_bytes(blob_bytes(i % BLOBS))
+        paths.append(f"/r/{i}.txt")
+    for p in [folder, folder / "r", *folder.glob("r/*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)  # nginx workers may run as another user
+    return paths
+
+
+def start_nginx(servers: Servers, folder: Path, work: Path) -> tuple[subprocess.Popen, str] | None:
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if nginx is None:
+        return None
+    port = free_port()
+    work.mkdir(parents=True, exist_ok=True)
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    conf = work / "nginx.conf"
+    conf.write_text(
+        f"{user}daemon off;\nworker_processes 2;\npid {work}/nginx.pid;\nerror_log {work}/error.log;\n"
+        "events { worker_connections 1024; }\n"
+        f"http {{ access_log off; client_body_temp_path {work}; proxy_temp_path {work};"
+        f" fastcgi_temp_path {work}; uwsgi_temp_path {work}; scgi_temp_path {work};"
+        f" default_type text/plain; sendfile on; keepalive_requests 100000;"
+        f" server {{ listen 127.0.0.1:{port}; root {folder}; }} }}\n"
+    )
+    proc = servers.start([nginx, "-p", str(work), "-c", str(conf)], stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(base + "/", proc, 10)
+    except SystemExit as e:
+        print(f"  nginx skipped: {e}", flush=True)
+        servers.stop(proc)
+        return None
+    return proc, base
+
+
+def run_load(name: str, base: str, paths: list[str], work: Path, args: argparse.Namespace) -> dict:
+    urls = [base + p for p in paths]
+    wrk = shutil.which("wrk")
+    if wrk and not args.no_wrk:
+        script = work / f"{name}.lua"
+        quoted = ",".join(json.dumps(u.split("/", 3)[3]) for u in urls)
+        script.write_text(
+            f"local paths = {{{quoted}}}\nlocal i = 0\n"
+            "request = function()\n  i = i + 1\n"
+            '  return wrk.format("GET", "/" .. paths[(i % #paths) + 1])\nend\n'
+        )
+        cmd = [wrk, "-d", f"{args.duration}s", "-c", str(args.concurrency), "-t", "2", "--timeout", "10s",
+               "-s", str(script), base + "/"]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration + 60).stdout
+        rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
+        done = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
+        bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+        errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+        errors = (int(bad.group(1)) if bad else 0) + (sum(map(int, errs.groups())) if errs else 0)
+        return {
+            "rps": float(rate.group(1)) if rate else 0.0,
+            "requests": int(done.group(1)) if done else 0,
+            "errors": errors,
+            "tool": "wrk",
+        }
+    urls_file = work / f"{name}.urls"
+    urls_file.write_text("\n".join(urls))
+    cmd = [sys.executable, __file__, "--load", str(urls_file), "--requests", str(args.requests),
+           "--concurrency", str(args.concurrency), "--timeout", "60"]  # fmt: skip
+    r = json.loads(subprocess.run(cmd, capture_output=True, env=child_env(), timeout=120, check=True).stdout)
+    return {"rps": r["ok"] / r["seconds"], "requests": r["ok"], "errors": r["errors"], "tool": "httpx"}
+
+
+def row(metric: str, value: str, target: str = "", ok: bool | None = None) -> str:
+    verdict = "" if ok is None else ("OK" if ok else "MISSED")
+    return f"{metric:<44} {value:>18}  {target:<12} {verdict}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--resources", type=int, default=1_000_000, help="resources in the state (1,000,000)")
+    p.add_argument("--concurrency", type=int, default=32, help="concurrent connections of the GET load (32)")
+    p.add_argument("--duration", type=int, default=10, help="seconds of wrk load per server (10)")
+    p.add_argument("--requests", type=int, default=10_000, help="GETs per server without wrk (10,000)")
+    p.add_argument("--no-wrk", action="store_true", help="use the httpx load generator even if wrk is here")
+    p.add_argument("--no-nginx", action="store_true", help="do not compare with nginx")
+    p.add_argument("--fill", metavar="STORE", help=argparse.SUPPRESS)  # child: fill the store
+    p.add_argument("--serve", metavar="STORE", help=argparse.SUPPRESS)  # child: rsagg publisher
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--load", metavar="URLS", help=argparse.SUPPRESS)  # child: httpx load generator
+    p.add_argument("--timeout", type=float, default=60.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.fill:
+        print(json.dumps(fill(Path(args.fill), args.resources)))
+        return 0
+    if args.serve:
+        serve_rsagg(Path(args.serve), args.port)
+        return 0
+    if args.load:
+        print(json.dumps(load(Path(args.load), args.requests, args.concurrency, args.timeout)))
+        return 0
+
+    servers = Servers()
+    with tempfile.TemporaryDirectory(prefix="rsagg-bench-publish-") as tmp:
+        store, static, work = Path(tmp) / "store", Path(tmp) / "static", Path(tmp) / "work"
+        work.mkdir()
+        try:
+            print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
+            cmd = [sys.executable, __file__, "--fill", str(store), "--resources", str(args.resources)]
+            # In a child, so that this process (forked for every server) stays small.
+            filled = json.loads(subprocess.run(cmd, capture_output=True, env=child_env(), check=True).stdout)
+            set_name = filled["set"]
+            print(f"filled {args.resources:,} resources in {filled['seconds']:.1f} s", flush=True)
+
+            proc, base = start_rsagg(servers, store)
+            lists, picked = stream_lists(base, set_name, args.resources)
+            rss, rss_wait4 = servers.stop(proc)
+            print(
+                f"streamed index + {lists['parts']} parts: {lists['entries']:,} entries, "
+                f"{lists['bytes'] / 1e6:.1f} MB in {lists['seconds']:.2f} s",
+                flush=True,
+            )
+
+            paths = write_static(static, picked)
+            loads: dict[str, dict] = {}
+            proc, base = start_rsagg(servers, store)
+            rsagg_paths = ["/" + u.split("/", 3)[3] for u in picked]
+            loads["rsagg"] = run_load("rsagg", base, rsagg_paths, work, args)
+            load_rss, load_rss_wait4 = servers.stop(proc)
+            port = free_port()
+            proc = servers.start(
+                [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory",
+                 str(static)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            wait_until_up(f"http://127.0.0.1:{port}/", proc)
+            loads["http.server"] = run_load("httpserver", f"http://127.0.0.1:{port}", paths, work, args)
+            servers.stop(proc)
+            if not args.no_nginx:
+                started = start_nginx(servers, static, work / "nginx")
+                if started:
+                    loads["nginx"] = run_load("nginx", started[1], paths, work, args)
+                    servers.stop(started[0])
+            for name, r in loads.items():
+                print(
+                    f"  GET load {name} ({r['tool']}): {r['rps']:,.0f} req/s, {r['errors']} errors",
+                    flush=True,
+                )
+        finally:
+            servers.stop_all()
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+    mb = lists["bytes"] / 1e6
+    lines = [
+        row("metric", "value", "target", None).rstrip(),
+        "-" * 84,
+        row("resources in the state", f"{args.resources:,}"),
+        row("entries streamed (index parts)", f"{lists['entries']:,}", f"= {args.resources:,}",
+            lists["entries"] == args.resources),
+        row("parts under the index", f"{lists['parts']}"),
+        row("index time to first byte", f"{lists['index_ttfb'] * 1000:.1f} ms"),
+        row("part time to first byte, mean", f"{lists['part_ttfb_mean'] * 1000:.1f} ms"),
+        row("part time to first byte, max", f"{lists['part_ttfb_max'] * 1000:.1f} ms"),
+        row("total time, index + all parts", f"{lists['seconds']:.2f} s"),
+        row("bytes streamed", f"{mb:.1f} MB"),
+        row("throughput", f"{mb / lists['seconds']:.2f} MB/s"),
+        row("entries/s", f"{lists['entries'] / lists['seconds']:,.0f}"),
+        row("rsagg peak RSS (streaming, VmHWM)", f"{rss:.1f} MB", f"< {TARGET_RSS_MB} MB",
+            rss < TARGET_RSS_MB),
+        row("rsagg peak RSS (streaming, wait4)", f"{rss_wait4:.1f} MB"),
+        row("rsagg peak RSS (GET load, VmHWM)", f"{load_rss:.1f} MB", f"< {TARGET_RSS_MB} MB",
+            load_rss < TARGET_RSS_MB),
+        row("rsagg peak RSS (GET load, wait4)", f"{load_rss_wait4:.1f} MB"),
+    ]  # fmt: skip
+    for name, r in loads.items():
+        lines.append(row(f"GET {name} ({r['tool']}, c={args.concurrency})", f"{r['rps']:,.0f} req/s"))
+        lines.append(row(f"  GET {name} errors / requests", f"{r['errors']} / {r['requests']:,}"))
+    for name in ("http.server", "nginx"):
+        if name in loads and loads[name]["rps"]:
+            lines.append(row(f"ratio rsagg / {name}", f"{loads['rsagg']['rps'] / loads[name]['rps']:.3f}x"))
+    print()
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
