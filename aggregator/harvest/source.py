@@ -43,10 +43,11 @@ class SourceResult:
         return [f for s in self.stats for f in s.failures]
 
 
-async def retry_failed(ctx: HarvestContext, set_id: int, source: str) -> PipelineStats | None:
-    """Try again the changes of a set whose fetch failed before (store/retries.py), through the one
-    pipeline; they move no cursor. A change that applies now leaves the list."""
-    waiting = retries.pending(ctx.reader, set_id)
+async def retry_failed(ctx: HarvestContext, set_id: int, source: str, uris: set[str]) -> PipelineStats | None:
+    """Try again the changes of a set whose fetch failed in an earlier run (store/retries.py) and that
+    are still waiting (``uris``: those waiting when this sync started), through the one pipeline; they
+    move no cursor. A change that applies now leaves the list."""
+    waiting = [w for w in retries.pending(ctx.reader, set_id) if w[0].loc in uris]
     if not waiting:
         return None
 
@@ -87,9 +88,7 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
         result.discovered = sets
         for info in sets:
             set_id = await ctx.write(ctx.writer.ensure_set, src.name, info.capabilitylist_url)
-            retried = await retry_failed(ctx, set_id, src.name)
-            if retried is not None:
-                result.stats.append(retried)
+            waiting = {e.loc for e, _, _ in retries.pending(ctx.reader, set_id)}  # failed in earlier runs
             cursor = ctx.reader.cursor(set_id)
             baseline = cursor is None or CHANGELIST not in info.capabilities
             if not baseline:
@@ -118,6 +117,11 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
                 if stats is not None:
                     result.baselines += 1
                     result.stats.append(stats)
+            # After the sync, not before: a failed change that a newer one has superseded (a stale entry
+            # whose successor a killed run never reached) is cleared by that newer change first.
+            retried = await retry_failed(ctx, set_id, src.name, waiting) if waiting else None
+            if retried is not None:
+                result.stats.append(retried)
     except trio.Cancelled:
         raise
     except Exception as exc:  # an upstream problem must never take the daemon down
