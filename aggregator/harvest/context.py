@@ -110,8 +110,16 @@ class HarvestContext:
 
     async def commit_blobs(self, writers: list[BlobWriter]) -> None:
         """Make blobs durable before any state row names them (ARCHITECTURE invariant 2)."""
-        if writers:
+        if not writers:
+            return
+        steps = getattr(self.blobs, "commit_steps", None)
+        if steps is None:
             await trio.to_thread.run_sync(self.blobs.commit, writers, abandon_on_cancel=False)
+            return
+        # The quick per-blob steps run here, only the syncs in a thread (FileBlobStore.commit_steps: run
+        # whole in a thread, each of its syscalls handed the GIL back and forth with this busy loop).
+        for slow in steps(writers):
+            await trio.to_thread.run_sync(slow, abandon_on_cancel=False)
 
 
 def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:

@@ -79,7 +79,7 @@ from ..config import SourceConfig
 from ..rs.model import CHANGE_NOTIFICATION, CHANGES, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
 from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
-from ..store.state import format_dt, parse_dt
+from ..store.state import format_dt, immediate_transaction, parse_dt
 from .context import HarvestContext
 from .discovery import SetInfo
 from .lists import ListRef, Position, when
@@ -265,15 +265,8 @@ class Subscriber:
         with self._lock:
             if self._closed:  # the process is stopping: the table keeps what was saved before
                 raise _Closed
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.conn
-            except BaseException:
-                if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
-                raise
-            else:
-                self.conn.execute("COMMIT")
+            with immediate_transaction(self.conn) as conn:
+                yield conn
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T | None:
         try:

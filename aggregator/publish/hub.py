@@ -64,7 +64,7 @@ from .. import __version__
 from ..harvest.discovery import links_with_rel
 from ..harvest.fetch import retry_after_seconds
 from ..rs.w3cdt import utcnow
-from ..store.state import format_dt, parse_dt
+from ..store.state import format_dt, immediate_transaction, parse_dt
 
 log = logging.getLogger("rsagg.hub")
 T = TypeVar("T")
@@ -323,15 +323,8 @@ class Hub:
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.conn
-            except BaseException:
-                if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
-                raise
-            else:
-                self.conn.execute("COMMIT")
+            with immediate_transaction(self.conn) as conn:
+                yield conn
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a database call in a worker thread (a harvester transaction must not stall the loop)."""

@@ -85,7 +85,7 @@ from ..rs.model import (
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
-from ..store.state import LogRecord, Resource, State, format_dt, parse_dt
+from ..store.state import LogRecord, Resource, State, format_dt, immediate_transaction, parse_dt
 from .app import Publisher
 from .documents import Site, UriOf, Windows, capability_list, change_entry
 from .hub import Hub
@@ -228,15 +228,8 @@ class Notifier:
         with self._lock:
             if self._closed:  # the process is stopping: the table keeps what was saved before
                 raise _Closed
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.conn
-            except BaseException:
-                if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
-                raise
-            else:
-                self.conn.execute("COMMIT")
+            with immediate_transaction(self.conn) as conn:
+                yield conn
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
         # Only ``run`` writes, and ``aclose`` comes after it returned: _Closed would be a bug.

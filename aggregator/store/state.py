@@ -306,6 +306,22 @@ _INSERT_LOG = (
 )
 
 
+@contextlib.contextmanager
+def immediate_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One write transaction: BEGIN IMMEDIATE (take the write lock now, not at the first write, so
+    concurrent writers wait in busy_timeout instead of failing on lock upgrade) ... COMMIT, or ROLLBACK
+    on any exception. Shared by every module that writes to the state database."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    else:
+        conn.execute("COMMIT")
+
+
 class State:
     """The SQLite database of one rsagg instance (see the module docstring for the rules)."""
 
@@ -404,15 +420,8 @@ class State:
         """One write transaction: BEGIN IMMEDIATE (take the write lock now, not at the first write,
         so concurrent writers wait in busy_timeout instead of failing on lock upgrade) ... COMMIT."""
         with self._lock:
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.conn
-            except BaseException:
-                if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
-                raise
-            else:
-                self.conn.execute("COMMIT")
+            with immediate_transaction(self.conn) as conn:
+                yield conn
 
     def _now(self) -> datetime:
         return self._clock().astimezone(UTC)
