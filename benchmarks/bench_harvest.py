@@ -147,6 +147,12 @@ class Server:
         self.stop()
         return self.start(latency)
 
+    def cpu(self) -> float:
+        """CPU seconds the server process has used so far (Linux /proc)."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 # -- the site: files + documents written by resync-build ---------------------------------------------
 
@@ -218,6 +224,7 @@ class Run:
     resources: int
     wall: float
     rss_mb: float
+    server_cpu: float = 0.0  # CPU seconds the upstream spent serving this run
     note: str = ""
     extrapolated_from: int = 0
     ok: bool = True
@@ -315,15 +322,16 @@ def run_resync(case: str, base: str, n: int, folder: Path, sample: int = 0, star
 
 def table(runs: list[Run]) -> str:
     head = (f"{'case':<26} {'tool':<7} {'resources':>10} {'wall s':>9} {'resources/s':>12}"
-            f" {'peak RSS MB':>12} {'ratio':>8}  note")  # fmt: skip
+            f" {'peak RSS MB':>12} {'ratio':>8} {'upstream CPU s':>15}  note")  # fmt: skip
     lines = [head, "-" * (len(head) + 30)]
     for r in runs:
         ref = next((x for x in runs if x.case == r.case and x.tool == "resync"), None)
         ratio = f"{r.rate / ref.rate:.1f}x" if ref else "-"
         note = r.note + ("" if r.ok else ("; " if r.note else "") + "FAILED: " + "; ".join(r.problems))
         lines.append(f"{r.case:<26} {r.tool:<7} {r.resources:>10,} {r.wall:>9.1f} {r.rate:>12,.1f}"
-                     f" {r.rss_mb:>12.1f} {ratio:>8}  {note}")  # fmt: skip
-    lines.append("ratio = resources/s of the tool / resources/s of resync in the same case")
+                     f" {r.rss_mb:>12.1f} {ratio:>8} {r.server_cpu:>15.1f}  {note}")  # fmt: skip
+    lines.append("ratio = resources/s of the tool / resources/s of resync in the same case;")
+    lines.append("upstream CPU = CPU time the static server spent on the run (for a sample: on the sample)")
     return "\n".join(lines)
 
 
@@ -404,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             use_sample = sample if latency else 0
             for name in ("resync", "rsagg"):  # resync first: the page cache is as warm for both
                 folder = work / "runs" / f"{slug}-{name}"
+                cpu_before = server.cpu()
                 if name == "resync":
                     what = f" on the first {use_sample:,} (sample)" if use_sample else ""
                     print(f"  resync-sync --baseline{what} ...", end=" ", flush=True)
@@ -411,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     print("  rsagg harvest --once ...", end=" ", flush=True)
                     run = run_rsagg(case, base, n, folder)
+                run.server_cpu = server.cpu() - cpu_before
                 runs.append(run)
                 shown = f"{run.wall:.1f} s" + (f" ({run.note})" if run.note else "")
                 print(shown + ("" if run.ok else "  FAILED: " + "; ".join(run.problems)), flush=True)
@@ -424,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
             servers.append(big_server)
             big_base = make_site(work / "big-site", args.big, big_server)
             print("  rsagg harvest --once ...", end=" ", flush=True)
+            cpu_before = big_server.cpu()
             run = run_rsagg(big_case, big_base, args.big, work / "runs" / "c-rsagg")
+            run.server_cpu = big_server.cpu() - cpu_before
             runs.append(run)
             print(
                 f"{run.wall:.1f} s" + ("" if run.ok else "  FAILED: " + "; ".join(run.problems)), flush=True

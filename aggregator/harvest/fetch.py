@@ -471,7 +471,7 @@ def _begin(store: BlobStore, algorithms: frozenset[str]) -> BlobWriter:
 
     Why: a temp file per resource, created and written on the event loop, cost ~12% of the loop's
     time in a 10,000-resource baseline (file creation also waits for the journal while a commit
-    syncs); the file store writes spooled blobs in ``commit``, in its worker thread.
+    syncs); the file store writes spooled blobs at commit, back to back (``FileBlobStore.commit_steps``).
     """
     kind = type(store)
     spools = _SPOOLS.get(kind)
