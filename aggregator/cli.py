@@ -23,7 +23,10 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rsagg", description="ResourceSync aggregator")
-    parser.add_argument("--version", action="version", version=f"rsagg {__version__}")
+    from .rs.parse import SPEEDUPS
+
+    version = f"rsagg {__version__} (document parser: {'compiled fast path' if SPEEDUPS else 'pure Python'})"
+    parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"aggregator.commands.{module_name}")

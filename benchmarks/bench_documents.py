@@ -1,7 +1,8 @@
 """Throughput and memory of our document writer and parser, next to the resync 2.0.1 client's parser.
 
 Writes a Resource List Index (default 1,000,000 entries in 20 parts) with ``aggregator.rs.write.write_split``,
-then parses the parts with ``aggregator.rs.parse.iter_document`` and with resync's ``Sitemap().parse_xml``
+then parses the parts with ``aggregator.rs.parse.iter_document`` (with and without its compiled fast
+path) and with resync's ``Sitemap().parse_xml``
 into one ``ResourceList`` (what resync does when it reads an index). Every task runs in its own
 subprocess; the parent reads that child's peak RSS from ``os.wait4``, so each figure is per task.
 
@@ -107,11 +108,18 @@ def task_resync(args: argparse.Namespace) -> dict:
     return {"entries": len(resources), "seconds": time.perf_counter() - start, "files": len(files)}
 
 
-TASKS = {"make": task_make, "write": task_write, "parse": task_parse, "resync": task_resync}
+TASKS = {
+    "make": task_make,
+    "write": task_write,
+    "parse": task_parse,
+    "parse-pure": task_parse,
+    "resync": task_resync,
+}
 LABELS = {
     "make": "build Entry objects only (reference)",
     "write": "rsagg write_split (index + parts)",
     "parse": "rsagg parse (iter_document)",
+    "parse-pure": "rsagg parse, pure Python (no speedups)",
     "resync": "resync 2.0.1 parse (Sitemap.parse_xml)",
 }
 
@@ -131,6 +139,8 @@ def run_child(task: str, args: argparse.Namespace, folder: Path) -> dict:
     cmd = [sys.executable, __file__, "--task", task, "--dir", str(folder), "--entries", str(args.entries),
            "--parts", str(args.parts)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if task == "parse-pure":
+        env["RSAGG_PURE_PYTHON"] = "1"  # the reader without its fast path (aggregator/rs/_speedups.pyx)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env)
     out = proc.stdout.read()  # type: ignore[union-attr]
     _, status, usage = os.wait4(proc.pid, 0)
@@ -153,7 +163,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         rate = r["entries"] / r["seconds"] if r["seconds"] else float("inf")
         versus = ""
-        if resync and r["task"] == "parse":
+        if resync and r["task"].startswith("parse"):
             resync_rate = resync["entries"] / resync["seconds"]
             versus = f"{rate / resync_rate:.1f}x faster, {r['rss_mb'] / resync['rss_mb']:.2f}x the RSS"
         elif r["task"] == "resync":
@@ -188,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--entries", type=int, default=1_000_000, help="entries in the Resource List (1,000,000)")
     p.add_argument("--parts", type=int, default=20, help="parts under the index (20)")
     p.add_argument("--dir", help="where to write the documents (default: a temporary folder, removed after)")
-    p.add_argument("--tasks", default="make,write,parse,resync", help="comma-separated subset to run")
+    p.add_argument("--tasks", default="make,write,parse,parse-pure,resync", help="comma-separated subset")
     p.add_argument("--task", choices=sorted(TASKS), help=argparse.SUPPRESS)  # child mode
     args = p.parse_args(argv)
     if args.task:
