@@ -81,7 +81,7 @@ except ImportError:  # pragma: no cover - exercised only where boto3 is not inst
 
 from aggregator.hookspecs import hookimpl
 from aggregator.rs.fixity import Hasher
-from aggregator.store.blobs import BlobInfo, BlobWriter, check_sha256
+from aggregator.store.blobs import BlobInfo, BlobWriter, SpooledBlobWriter, check_sha256, pending_writers
 
 log = logging.getLogger(__name__)
 
@@ -269,10 +269,20 @@ class S3BlobStore:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    def begin(self, algorithms: frozenset[str] = frozenset()) -> BlobWriter:
-        """Start a blob in a private temp file; ``algorithms`` are extra hash tokens ("md5", "sha-1")."""
+    def begin(self, algorithms: frozenset[str] = frozenset(), *, spool: int = 0) -> BlobWriter:
+        """Start a blob; ``algorithms`` are extra hash tokens ("md5", "sha-1").
+
+        ``spool``: keep up to that many bytes in memory and upload them from there (no temp file at
+        all); bigger blobs go to a private temp file. The caller bounds how many are alive at once.
+        """
+        if spool > 0:
+            return SpooledBlobWriter(self._open_tmp, Hasher(algorithms), spool)
+        path, file = self._open_tmp()
+        return BlobWriter(path, file, Hasher(algorithms))
+
+    def _open_tmp(self) -> tuple[Path, BinaryIO]:
         fd, name = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=self.tmp)
-        return BlobWriter(Path(name), os.fdopen(fd, "wb"), Hasher(algorithms))
+        return Path(name), os.fdopen(fd, "wb")
 
     def put_bytes(self, data: bytes) -> BlobInfo:
         with self.begin() as w:
@@ -288,18 +298,9 @@ class S3BlobStore:
         error is raised, and the failed writers stay "finished" (temp file kept: commit again or abort).
         The same content twice in one batch is uploaded once.
         """
-        todo: list[tuple[BlobWriter, BlobInfo]] = []
-        for w in writers:
-            if w.state == "committed":
-                continue
-            if w.state != "finished" or w.info is None:
-                raise ValueError(f"commit of a {w.state} blob writer (call finish first)")
-            todo.append((w, w.info))
+        todo, first = pending_writers(writers)
         if not todo:
             return
-        first: dict[str, BlobWriter] = {}
-        for w, info in todo:
-            first.setdefault(info.sha256, w)
         uploads = list(first.values())
         if len(uploads) == 1 or self._threads == 1:
             results = [_capture(self._upload, w) for w in uploads]
@@ -308,7 +309,8 @@ class S3BlobStore:
         failed = {w.info.sha256: exc for w, exc in zip(uploads, results, strict=True) if exc is not None}
         for w, info in todo:
             if info.sha256 not in failed:
-                w.tmp_path.unlink(missing_ok=True)
+                if w.tmp_path is not None:
+                    w.tmp_path.unlink(missing_ok=True)
                 w._committed()
         if failed:
             raise next(iter(failed.values()))
@@ -323,6 +325,11 @@ class S3BlobStore:
         info = w.info
         assert info is not None
         key = self.key(info.sha256)
+        held = w.held() if isinstance(w, SpooledBlobWriter) else None
+        if held is not None and info.length > self.multipart_threshold:  # a tiny threshold: via a file
+            w._write_temp(os.path.join(self.tmp, f"{_TMP_PREFIX}{os.urandom(12).hex()}"))
+            held = None
+        source: Path | bytes = held if held is not None else w.tmp_path  # type: ignore[assignment]
         if info.length > self.multipart_threshold:
             stored = self._head_length(key)  # skip sending a big blob that is already there
             if stored == info.length:
@@ -330,23 +337,23 @@ class S3BlobStore:
             if stored is not None:
                 log.warning("%s: object %s has %d bytes, expected %d: replacing it",
                             self._where, key, stored, info.length)  # fmt: skip
-            self._multipart(w.tmp_path, key, info, write_once=stored is None)
+            self._multipart(w.tmp_path, key, info, write_once=stored is None)  # type: ignore[arg-type]
             return
         checksum = base64.b64encode(bytes.fromhex(info.sha256)).decode("ascii")
-        if self._put(w.tmp_path, key, checksum, write_once=True):
+        if self._put(source, key, checksum, write_once=True):
             return
         stored = self._head_length(key)  # there already: dedup, unless it is damaged
         if stored == info.length:
             return
         log.warning("%s: object %s has %s bytes, expected %d: replacing it",
                     self._where, key, stored, info.length)  # fmt: skip
-        self._put(w.tmp_path, key, checksum, write_once=False)
+        self._put(source, key, checksum, write_once=False)
 
-    def _put(self, path: Path, key: str, checksum: str, *, write_once: bool) -> bool:
-        """One PUT from the temp file; False when ``write_once`` and the key exists."""
+    def _put(self, source: Path | bytes, key: str, checksum: str, *, write_once: bool) -> bool:
+        """One PUT from the temp file or from memory; False when ``write_once`` and the key exists."""
         extra: dict[str, Any] = {"IfNoneMatch": "*"} if write_once else {}
         try:
-            with open(path, "rb") as body:
+            with io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb") as body:
                 self._client.put_object(
                     Bucket=self.bucket, Key=key, Body=body, ChecksumSHA256=checksum,
                     ContentType="application/octet-stream", **extra,

@@ -417,6 +417,52 @@ def test_small_blobs_stay_single_put(make_store) -> None:
     assert requests.calls["PutObject"] == 1 and requests.calls["CreateMultipartUpload"] == 0
 
 
+def test_spooled_blobs_are_uploaded_from_memory(store: S3BlobStore) -> None:
+    """``begin(spool=N)`` (what the harvester asks for): small bodies never touch the local disk."""
+    small = b"small body\n" * 100
+    writers = []
+    for data in (small, small, b"other"):
+        w = store.begin(frozenset({"md5"}), spool=64 * 1024)
+        w.write(data[:10])
+        w.write(data[10:])
+        w.finish()
+        writers.append(w)
+    assert tmp_files(store) == []
+    requests = Requests(store)
+    store.commit(writers)
+    assert [w.state for w in writers] == ["committed"] * 3
+    assert requests.calls["PutObject"] == 2  # the same content twice in one batch: uploaded once
+    assert tmp_files(store) == []
+    with store.open(sha(small)) as f:
+        assert f.read() == small
+    assert writers[0].info.hashes["md5"] == hashlib.md5(small).hexdigest()
+    # Over the spool limit: on to a temp file while writing, uploaded from it, then removed.
+    big = os.urandom(100_000)
+    w = store.begin(spool=64 * 1024)
+    w.write(big[:60_000])
+    assert tmp_files(store) == []
+    w.write(big[60_000:])
+    assert len(tmp_files(store)) == 1
+    w.finish()
+    store.commit([w])
+    assert tmp_files(store) == []
+    assert store.size(sha(big)) == len(big)
+
+
+def test_spooled_blob_above_the_multipart_threshold(make_store) -> None:
+    store = make_store(multipart_threshold=1 * MiB, multipart_part_size=1 * MiB)
+    data = os.urandom(MIN_PART_SIZE + 1000)
+    w = store.begin(spool=2 * MIN_PART_SIZE)  # held in memory: a multipart upload needs a file
+    w.write(data)
+    w.finish()
+    requests = Requests(store)
+    store.commit([w])
+    assert requests.calls["CreateMultipartUpload"] == 1 and requests.calls["UploadPart"] == 2
+    assert tmp_files(store) == []
+    with store.open(sha(data)) as f:
+        assert f.read() == data
+
+
 # -- configuration and errors --------------------------------------------------------------------
 
 

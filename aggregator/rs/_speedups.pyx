@@ -15,14 +15,17 @@ problems with their lines. Both paths give equal results; tests/test_parse_speed
 
 cimport lxml.includes.etreepublic as cetree
 from cpython cimport datetime as cdt
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.string cimport strcmp, strlen
 from lxml.includes cimport tree
 from lxml.includes.tree cimport const_xmlChar, xmlAttr, xmlNode
 
+import dataclasses
 from datetime import timezone
 
-from .model import Entry, Link, Md
+from .model import DATETIME_ATTRS, INT_ATTRS, LN_ATTRS, MD_ATTRS, Entry, Link, Md
 from .w3cdt import parse_w3c
 
 cetree.import_lxml__etree()
@@ -42,16 +45,11 @@ cdef extern from "Python.h":
         PyMemberDef* d_member
     object PyType_GenericAlloc(type cls, Py_ssize_t nitems)
 
-from cpython.object cimport PyObject
-from cpython.ref cimport Py_INCREF
-
 cdef object UTC = timezone.utc
 cdef const char* SM = b"http://www.sitemaps.org/schemas/sitemap/0.9"
 cdef const char* RS = b"http://www.openarchives.org/rs/terms/"
 
-
-import dataclasses
-
+# Where the fields of the model's slots dataclasses live in their objects, in field order.
 cdef Py_ssize_t[16] MD_AT
 cdef Py_ssize_t[16] ENTRY_AT
 cdef Py_ssize_t[16] LINK_AT
@@ -157,101 +155,75 @@ cdef object _integer(const char* s):
     return v if i else MISS
 
 
-cdef object _md(xmlNode* node):
-    """An rs:md (§7, Table 3) with known attributes only."""
+# The attributes of rs:md and rs:ln (§7, Table 3) in model field order, and how each is read.
+cdef enum Kind:
+    TEXT, INTEGER, DATETIME
+
+cdef const char* MD_NAMES[12]
+cdef Kind MD_KINDS[12]
+cdef const char* LN_NAMES[9]
+cdef Kind LN_KINDS[9]
+
+
+cdef list _NAMES = []  # keeps the bytes the C tables point into
+
+
+cdef void _table(cls, names, const char** c_names, Kind* kinds, int size) except *:
+    cdef bytes encoded
+    fields = [("from_" if name == "from" else name) for name in names] + ["extra"]
+    if len(names) != size or [f.name for f in dataclasses.fields(cls)] != fields:
+        raise ImportError(f"{cls.__name__} is not what the speedups were written for: update _speedups.pyx")
+    for i, name in enumerate(names):
+        encoded = name.encode("ascii")
+        _NAMES.append(encoded)
+        c_names[i] = encoded
+        kinds[i] = DATETIME if name in DATETIME_ATTRS else INTEGER if name in INT_ATTRS else TEXT
+
+
+_table(Md, MD_ATTRS, MD_NAMES, MD_KINDS, 12)
+_table(Link, LN_ATTRS, LN_NAMES, LN_KINDS, 9)
+
+
+cdef object _attributes(xmlNode* node, const char** names, Kind* kinds, int n):
+    """The values of a known-attributes-only element in field order (None when absent), plus ``{}`` for
+    ``extra``; MISS for an unknown, prefixed or malformed attribute."""
     cdef xmlAttr* a = node.properties
-    cdef const char* name
     cdef const char* v
-    capability = change = dt = at = completed = from_ = until = None
-    hash_ = length = type_ = encoding = path = None
+    cdef int i
+    values = [None] * (n + 1)
     while a is not NULL:
         v = _value(a)
         if v is NULL:
             return MISS
-        name = <const char*>a.name
-        if strcmp(name, b"hash") == 0:
-            hash_ = _str(v)
-        elif strcmp(name, b"length") == 0:
-            length = _integer(v)
-            if length is MISS:
-                return MISS
-        elif strcmp(name, b"type") == 0:
-            type_ = _str(v)
-        elif strcmp(name, b"change") == 0:
-            change = _str(v)
-        elif strcmp(name, b"datetime") == 0:
-            dt = _datetime(v)
-            if dt is MISS:
-                return MISS
-        elif strcmp(name, b"capability") == 0:
-            capability = _str(v)
-        elif strcmp(name, b"at") == 0:
-            at = _datetime(v)
-            if at is MISS:
-                return MISS
-        elif strcmp(name, b"completed") == 0:
-            completed = _datetime(v)
-            if completed is MISS:
-                return MISS
-        elif strcmp(name, b"from") == 0:
-            from_ = _datetime(v)
-            if from_ is MISS:
-                return MISS
-        elif strcmp(name, b"until") == 0:
-            until = _datetime(v)
-            if until is MISS:
-                return MISS
-        elif strcmp(name, b"encoding") == 0:
-            encoding = _str(v)
-        elif strcmp(name, b"path") == 0:
-            path = _str(v)
+        for i in range(n):
+            if strcmp(<const char*>a.name, names[i]) == 0:
+                break
         else:
             return MISS
+        if kinds[i] == TEXT:
+            value = _str(v)
+        elif kinds[i] == INTEGER:
+            value = _integer(v)
+        else:
+            value = _datetime(v)
+        if value is MISS:
+            return MISS
+        values[i] = value
         a = a.next
-    return _build(Md, MD_AT, (capability, change, dt, at, completed, from_, until, hash_, length, type_, encoding, path, {}))
+    values[n] = {}
+    return tuple(values)
+
+
+cdef object _md(xmlNode* node):
+    values = _attributes(node, MD_NAMES, MD_KINDS, 12)
+    return MISS if values is MISS else _build(Md, MD_AT, values)
 
 
 cdef object _ln(xmlNode* node):
-    """An rs:ln (§7, Table 3) with known attributes only, rel and href present."""
-    cdef xmlAttr* a = node.properties
-    cdef const char* name
-    cdef const char* v
-    rel = href = pri = modified = hash_ = length = type_ = encoding = path = None
-    while a is not NULL:
-        v = _value(a)
-        if v is NULL:
-            return MISS
-        name = <const char*>a.name
-        if strcmp(name, b"rel") == 0:
-            rel = _str(v)
-        elif strcmp(name, b"href") == 0:
-            href = _str(v)
-        elif strcmp(name, b"modified") == 0:
-            modified = _datetime(v)
-            if modified is MISS:
-                return MISS
-        elif strcmp(name, b"hash") == 0:
-            hash_ = _str(v)
-        elif strcmp(name, b"length") == 0:
-            length = _integer(v)
-            if length is MISS:
-                return MISS
-        elif strcmp(name, b"type") == 0:
-            type_ = _str(v)
-        elif strcmp(name, b"pri") == 0:
-            pri = _integer(v)
-            if pri is MISS:
-                return MISS
-        elif strcmp(name, b"encoding") == 0:
-            encoding = _str(v)
-        elif strcmp(name, b"path") == 0:
-            path = _str(v)
-        else:
-            return MISS
-        a = a.next
-    if rel is None or href is None:
+    values = _attributes(node, LN_NAMES, LN_KINDS, 9)
+    if values is MISS or values[0] is None or values[1] is None:  # rel and href are mandatory
         return MISS
-    return _build(Link, LINK_AT, (rel, href, pri, modified, hash_, length, type_, encoding, path, {}))
+    return _build(Link, LINK_AT, values)
 
 
 cdef long _line(xmlNode* node, int depth) noexcept:
@@ -328,6 +300,7 @@ cdef object _entry(xmlNode* node):
         c = c.next
     if loc is MISS:
         return MISS
+    cdef long line = _line(node, 0)
     return _build(Entry, ENTRY_AT, (
         loc,
         None if lastmod is MISS else lastmod,
@@ -335,7 +308,7 @@ cdef object _entry(xmlNode* node):
         None if md is MISS else md,
         links,
         [],
-        _line(node, 0),
+        line if line > 0 else None,  # as lxml's sourceline
     ))
 
 

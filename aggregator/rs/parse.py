@@ -28,7 +28,20 @@ from typing import BinaryIO
 
 from lxml import etree
 
-from .model import RS_NS, SITEMAP_NS, SITEMAPINDEX, URLSET, Entry, Head, Link, Md
+from .model import (
+    DATETIME_ATTRS,
+    INT_ATTRS,
+    LN_ATTRS,
+    MD_ATTRS,
+    RS_NS,
+    SITEMAP_NS,
+    SITEMAPINDEX,
+    URLSET,
+    Entry,
+    Head,
+    Link,
+    Md,
+)
 from .w3cdt import DatetimeError, parse_w3c
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
@@ -73,6 +86,16 @@ _ENTITY_NAME = re.compile(r"[Ee]ntity '([^']*)'")
 _LIMIT_ERRORS = frozenset({etree.ErrorTypes.ERR_RESOURCE_LIMIT, etree.ErrorTypes.ERR_NAME_TOO_LONG})
 
 _fromisoformat = datetime.fromisoformat
+
+
+def _fields(names: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """XML attribute -> (model field, kind: "datetime", "int" or "text") for rs:md or rs:ln (§7, Table 3)."""
+    kinds = {name: "datetime" for name in DATETIME_ATTRS} | {name: "int" for name in INT_ATTRS}
+    return {name: ("from_" if name == "from" else name, kinds.get(name, "text")) for name in names}
+
+
+_MD_ATTRS = _fields(MD_ATTRS)
+_LN_ATTRS = _fields(LN_ATTRS)
 
 
 def _load_speedups() -> ModuleType | None:
@@ -492,73 +515,36 @@ class DocumentReader:
 
     def _md(self, el: etree._Element) -> Md:
         """The attributes of an rs:md (§7, Table 3); unknown and foreign ones are kept in ``extra``."""
-        capability = change = dt = at = completed = from_ = until = None
-        hash_ = length = type_ = encoding = path = None
-        extra: dict[str, str] = {}
-        for name, value in el.items():
-            if name == "hash":
-                hash_ = value
-            elif name == "length":
-                if value.isdigit() and value.isascii():
-                    length = int(value)
-                else:
-                    length = self._int(el, name, value)
-            elif name == "type":
-                type_ = value
-            elif name == "change":
-                change = value
-            elif name == "datetime":
-                dt = self._dt(el, name, value)
-            elif name == "capability":
-                capability = value
-            elif name == "at":
-                at = self._dt(el, name, value)
-            elif name == "completed":
-                completed = self._dt(el, name, value)
-            elif name == "from":
-                from_ = self._dt(el, name, value)
-            elif name == "until":
-                until = self._dt(el, name, value)
-            elif name == "encoding":
-                encoding = value
-            elif name == "path":
-                path = value
-            else:
-                self._unknown_attribute(el, name, value, extra)
-        return Md(
-            capability, change, dt, at, completed, from_, until, hash_, length, type_, encoding, path, extra
-        )
+        values, extra = self._attributes(el, _MD_ATTRS)
+        return Md(**values, extra=extra)
 
     def _ln(self, el: etree._Element) -> Link:
         """The attributes of an rs:ln (§7, Table 3); rel and href are mandatory."""
-        rel = href = pri = modified = hash_ = length = type_ = encoding = path = None
+        values, extra = self._attributes(el, _LN_ATTRS)
+        for name in ("rel", "href"):
+            if name not in values:
+                self._problem(el.sourceline, f"<rs:ln> without {name} (§7: mandatory)")
+        return Link(values.pop("rel", None), values.pop("href", None), **values, extra=extra)
+
+    def _attributes(
+        self, el: etree._Element, known: dict[str, tuple[str, str]]
+    ) -> tuple[dict[str, object], dict[str, str]]:
+        """Known attributes as model fields (text, integer or W3C Datetime); the others in ``extra``."""
+        values: dict[str, object] = {}
         extra: dict[str, str] = {}
         for name, value in el.items():
-            if name == "rel":
-                rel = value
-            elif name == "href":
-                href = value
-            elif name == "pri":
-                pri = self._int(el, name, value)
-            elif name == "modified":
-                modified = self._dt(el, name, value)
-            elif name == "hash":
-                hash_ = value
-            elif name == "length":
-                length = self._int(el, name, value)
-            elif name == "type":
-                type_ = value
-            elif name == "encoding":
-                encoding = value
-            elif name == "path":
-                path = value
-            else:
+            field_kind = known.get(name)
+            if field_kind is None:
                 self._unknown_attribute(el, name, value, extra)
-        if rel is None:
-            self._problem(el.sourceline, "<rs:ln> without rel (§7: mandatory)")
-        if href is None:
-            self._problem(el.sourceline, "<rs:ln> without href (§7: mandatory)")
-        return Link(rel, href, pri, modified, hash_, length, type_, encoding, path, extra)
+                continue
+            field, kind = field_kind
+            if kind == "int":
+                values[field] = self._int(el, name, value)
+            elif kind == "datetime":
+                values[field] = self._dt(el, name, value)
+            else:
+                values[field] = value
+        return values, extra
 
     def _unknown_attribute(self, el: etree._Element, name: str, value: str, extra: dict[str, str]) -> None:
         """Keep it (nothing an upstream wrote is lost); §7 wants extensions in a namespace of their own."""

@@ -204,6 +204,16 @@ class SpooledBlobWriter(BlobWriter):
         self._parts = None
         super().abort()
 
+    def held(self) -> bytes | None:
+        """The finished blob's bytes while they are only in memory (no temp file yet), else None."""
+        if self._parts is None or self._state != "finished":
+            return None
+        return self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+
+    def _committed(self) -> None:
+        self._parts = None
+        super()._committed()
+
     def _write_temp(self, path: str) -> None:
         """Give a finished in-memory blob its read-only temp file (called by ``commit``, blocking)."""
         if self._parts is None:
@@ -218,6 +228,27 @@ class SpooledBlobWriter(BlobWriter):
         finally:
             os.close(fd)
         self._parts = None
+
+
+def pending_writers(
+    writers: Sequence[BlobWriter],
+) -> tuple[list[tuple[BlobWriter, BlobInfo]], dict[str, BlobWriter]]:
+    """What every store's ``commit`` starts from: the finished writers of a batch not committed yet, and
+    per content the first of them (the one to store: the others of the same content are dropped).
+
+    Raises ``ValueError`` for a writer that is neither finished nor committed.
+    """
+    todo: list[tuple[BlobWriter, BlobInfo]] = []
+    for w in writers:
+        if w.state == "committed":
+            continue
+        if w.state != "finished" or w.info is None:
+            raise ValueError(f"commit of a {w.state} blob writer (call finish first)")
+        todo.append((w, w.info))
+    first: dict[str, BlobWriter] = {}
+    for w, info in todo:
+        first.setdefault(info.sha256, w)
+    return todo, first
 
 
 @runtime_checkable
@@ -383,19 +414,9 @@ class FileBlobStore:
         file, since a name only ever points at fsynced bytes. Big batches do steps 1 and 3 with one
         ``syncfs`` each (see SYNCFS_MIN_BATCH): same order, same guarantee, the whole filesystem at once.
         """
-        todo: list[tuple[BlobWriter, BlobInfo]] = []
-        for w in writers:
-            if w.state == "committed":
-                continue
-            if w.state != "finished" or w.info is None:
-                raise ValueError(f"commit of a {w.state} blob writer (call finish first)")
-            todo.append((w, w.info))
+        todo, first = pending_writers(writers)
         if not todo:
             return
-        # Two writers of the same content in one batch: the first one wins, the others are dropped.
-        first: dict[str, BlobWriter] = {}
-        for w, info in todo:
-            first.setdefault(info.sha256, w)
         to_sync = [w for w, info in todo if first[info.sha256] is w and not self._exists_ok(info)]
         for w in to_sync:
             if isinstance(w, SpooledBlobWriter):
@@ -425,8 +446,6 @@ class FileBlobStore:
             else:
                 # Dedup: the blob is already there. Its directory entry may come from a concurrent
                 # commit that has not fsynced it yet, so its directory is synced here too.
-                if isinstance(w, SpooledBlobWriter):
-                    w._parts = None
                 if w.tmp_path is not None:
                     w.tmp_path.unlink(missing_ok=True)
             dirs.add(f"{root}/{leaf}")
