@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,18 @@ def test_objects_built_in_c_behave_like_python_ones() -> None:
     assert repr(entry).startswith("Entry(loc='http://e.org/e'")
     del items, entry
     gc.collect()  # objects allocated in C are tracked and freed by the GC like the others
+
+
+def test_speedups_refuse_another_lxml() -> None:
+    """Compiled against one lxml, they must not read the structures of another: the Python path is used."""
+    code = (
+        "import lxml.etree; lxml.etree.__version__ = '0.0.1'\n"
+        "from aggregator.rs import parse\n"
+        "print(parse.SPEEDUPS)\n"
+    )
+    env = {**os.environ, "RSAGG_PURE_PYTHON": ""}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+    if parse_mod.SPEEDUPS:  # compiled here: the warning names both versions
+        assert "compiled fast path not used" in run.stderr and "0.0.1" in run.stderr

@@ -28,6 +28,14 @@ from datetime import timezone
 from .model import DATETIME_ATTRS, INT_ATTRS, LN_ATTRS, MD_ATTRS, Entry, Link, Md
 from .w3cdt import parse_w3c
 
+from lxml import etree as _etree
+
+# The C API reads lxml's structures directly: only the lxml these speedups were compiled against will do.
+if (<bytes>cetree.LXML_VERSION_STRING).decode() != _etree.__version__:
+    raise ImportError(
+        f"compiled against lxml {(<bytes>cetree.LXML_VERSION_STRING).decode()}, running with lxml"
+        f" {_etree.__version__}: reinstall rsagg to recompile them"
+    )
 cetree.import_lxml__etree()
 cdt.import_datetime()
 

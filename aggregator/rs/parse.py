@@ -19,6 +19,8 @@ not compiled or ``RSAGG_PURE_PYTHON=1`` -- by ``DocumentReader._read_child``. Bo
 from __future__ import annotations
 
 import copy
+import importlib
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -103,10 +105,12 @@ def _load_speedups() -> ModuleType | None:
     if os.environ.get("RSAGG_PURE_PYTHON"):
         return None
     try:
-        from . import _speedups
-    except ImportError:  # installed without a C compiler: the Python path reads everything (slower)
+        return importlib.import_module(".rs._speedups", "aggregator")
+    except ModuleNotFoundError:  # installed without a C compiler: the Python path reads everything
         return None
-    return _speedups
+    except ImportError as exc:  # compiled, but not for this lxml: say so, the Python path still works
+        logging.getLogger("rsagg").warning("document parser: compiled fast path not used: %s", exc)
+        return None
 
 
 _speedups = _load_speedups()
