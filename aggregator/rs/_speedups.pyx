@@ -16,7 +16,7 @@ problems with their lines. Both paths give equal results; tests/test_parse_speed
 cimport lxml.includes.etreepublic as cetree
 from cpython cimport datetime as cdt
 from cpython.object cimport PyObject
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_INCREF, Py_XDECREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.string cimport strcmp, strlen
 from lxml.includes cimport tree
@@ -192,46 +192,65 @@ _table(Md, MD_ATTRS, MD_NAMES, MD_KINDS, 12)
 _table(Link, LN_ATTRS, LN_NAMES, LN_KINDS, 9)
 
 
-cdef object _attributes(xmlNode* node, const char** names, Kind* kinds, int n):
-    """The values of a known-attributes-only element in field order (None when absent), plus ``{}`` for
-    ``extra``; MISS for an unknown, prefixed or malformed attribute."""
+cdef object _attributes(type cls, Py_ssize_t* at, xmlNode* node, const char** names, Kind* kinds, int n,
+                        bint link):
+    """An Md or Link of an element with known attributes only (and rel + href for a link), ``extra``
+    empty; MISS for an unknown, prefixed or malformed attribute. Values go straight into the slots."""
+    cdef PyObject* held[16]  # new references in field order, NULL when absent
     cdef xmlAttr* a = node.properties
     cdef const char* v
+    cdef char* base
     cdef int i
-    values = [None] * (n + 1)
-    while a is not NULL:
-        v = _value(a)
-        if v is NULL:
+    for i in range(n):
+        held[i] = NULL
+    try:
+        while a is not NULL:
+            v = _value(a)
+            if v is NULL:
+                return MISS
+            for i in range(n):
+                if strcmp(<const char*>a.name, names[i]) == 0:
+                    break
+            else:
+                return MISS
+            if kinds[i] == TEXT:
+                value = _str(v)
+            elif kinds[i] == INTEGER:
+                value = _integer(v)
+            else:
+                value = _datetime(v)
+            if value is MISS:
+                return MISS
+            Py_INCREF(value)
+            Py_XDECREF(held[i])
+            held[i] = <PyObject*>value
+            a = a.next
+        if link and (held[0] is NULL or held[1] is NULL):  # rel and href are mandatory
             return MISS
+        extra = {}
+        obj = PyType_GenericAlloc(cls, 0)  # zeroed and tracked by the GC, as object.__new__ does
+        base = <char*><PyObject*>obj  # no allocation from here on: the GC never sees it half-filled
         for i in range(n):
-            if strcmp(<const char*>a.name, names[i]) == 0:
-                break
-        else:
-            return MISS
-        if kinds[i] == TEXT:
-            value = _str(v)
-        elif kinds[i] == INTEGER:
-            value = _integer(v)
-        else:
-            value = _datetime(v)
-        if value is MISS:
-            return MISS
-        values[i] = value
-        a = a.next
-    values[n] = {}
-    return tuple(values)
+            if held[i] is NULL:
+                Py_INCREF(None)
+                (<PyObject**>(base + at[i]))[0] = <PyObject*>None
+            else:  # the reference moves into the slot
+                (<PyObject**>(base + at[i]))[0] = held[i]
+                held[i] = NULL
+        Py_INCREF(extra)
+        (<PyObject**>(base + at[n]))[0] = <PyObject*>extra
+        return obj
+    finally:
+        for i in range(n):
+            Py_XDECREF(held[i])
 
 
-cdef object _md(xmlNode* node):
-    values = _attributes(node, MD_NAMES, MD_KINDS, 12)
-    return MISS if values is MISS else _build(Md, MD_AT, values)
+cdef inline object _md(xmlNode* node):
+    return _attributes(Md, MD_AT, node, MD_NAMES, MD_KINDS, 12, False)
 
 
-cdef object _ln(xmlNode* node):
-    values = _attributes(node, LN_NAMES, LN_KINDS, 9)
-    if values is MISS or values[0] is None or values[1] is None:  # rel and href are mandatory
-        return MISS
-    return _build(Link, LINK_AT, values)
+cdef inline object _ln(xmlNode* node):
+    return _attributes(Link, LINK_AT, node, LN_NAMES, LN_KINDS, 9, True)
 
 
 cdef long _line(xmlNode* node, int depth) noexcept:
