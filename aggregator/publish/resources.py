@@ -11,8 +11,12 @@
 - every answer about a set carries ``Link: <BASE/SET/capabilitylist.xml>; rel="resourcesync"``
   (§6.3.3: the Capability List covering the resource).
 
-Local blobs (``BlobStore.local_path``) go out through starlette's FileResponse (Range, HEAD, If-Range,
-multipart); other backends are streamed from ``BlobStore.open`` in a worker thread.
+Local blobs (``BlobStore.local_path``) get starlette's FileResponse answers (Range, HEAD, If-Range,
+multipart). Small ones (``SMALL_BLOB``) are read in the worker-thread call that looked the row up and
+answered from memory (HEADs of any size too, without reading): one thread hop per request instead of
+five, which cost far more than the work. Big ones go out through FileResponse itself, as do the Range
+headers only it decides (several ranges, malformed -> 400, unsatisfiable -> 416). Other backends are
+streamed from ``BlobStore.open`` in a worker thread.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from email.utils import format_datetime, parsedate_to_datetime
+from pathlib import Path
 from typing import BinaryIO
 
 import trio
@@ -32,9 +37,13 @@ from ..store.blobs import BlobStore
 from ..store.state import Resource
 
 CHUNK = 64 * 1024
+#: Local blobs up to this size are read whole (or the span asked for) and answered from memory.
+SMALL_BLOB = 256 * 1024
 DEFAULT_TYPE = "application/octet-stream"
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)\Z")
 _HEADER_SAFE = re.compile(r"[\x20-\x7e]+\Z")
+#: The Range headers answered without FileResponse: one plain span (FileResponse decides all others).
+_FILE_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)\Z")
 
 
 def http_date(dt: datetime) -> str:
@@ -99,8 +108,11 @@ def gone(link: str | None, status: int) -> Response:
     )
 
 
-async def resource_response(request: Request, r: Resource, blobs: BlobStore, link: str) -> Response:
-    """The response for a held resource (live or tombstone)."""
+def resource_answer(request: Request, r: Resource, blobs: BlobStore, link: str) -> Response | None:
+    """The response for a held resource (live or tombstone), blocking (stat, read of a local blob): for
+    the worker thread that looked the row up. None when the blob is in a non-local store: then
+    ``remote_response`` gives it, without tying the caller's database connection to the store's calls.
+    """
     if r.deleted or not r.sha256:
         return gone(link, 410)
     headers = _headers(r, link)
@@ -109,17 +121,71 @@ async def resource_response(request: Request, r: Resource, blobs: BlobStore, lin
             headers.pop(k, None)
         return Response(status_code=304, headers=headers)
     path = blobs.local_path(r.sha256)
-    if path is not None:
-        try:
-            st = await trio.to_thread.run_sync(os.stat, path)
-        except FileNotFoundError:
-            return _missing(r)
-        return FileResponse(path, headers=headers, stat_result=st)
+    if path is None:
+        return None
+    return _local(request, r, path, headers)
+
+
+async def remote_response(request: Request, r: Resource, blobs: BlobStore, link: str) -> Response:
+    """The response for a live resource whose blob is in a non-local store (``resource_answer`` gave
+    None): streamed from ``BlobStore.open``."""
+    assert r.sha256 is not None
     try:
         size = await trio.to_thread.run_sync(blobs.size, r.sha256)
     except (FileNotFoundError, KeyError):
         return _missing(r)
-    return await _stream_blob(request, r, blobs, size, headers)
+    return _stream_blob(request, r, blobs, size, _headers(r, link))
+
+
+def _local(request: Request, r: Resource, path: Path, headers: dict[str, str]) -> Response:
+    """What FileResponse answers, built here when it needs no more than one span of a small blob (or no
+    bytes: HEAD), since FileResponse reads through several worker-thread hops; FileResponse otherwise."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return _missing(r)
+    head = request.method == "HEAD"
+    span = _file_span(request, headers, st.st_size) if head or st.st_size <= SMALL_BLOB else None
+    if span is None:
+        return FileResponse(path, headers=headers, stat_result=st)
+    status, start, end = span
+    headers["content-length"] = str(end - start)  # header order as FileResponse's
+    if status == 206:
+        headers["content-range"] = f"bytes {start}-{end - 1}/{st.st_size}"
+    if head:
+        return Response(status_code=status, headers=headers)
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+    except FileNotFoundError:  # removed since the stat
+        return _missing(r)
+    return Response(data, status_code=status, headers=headers)
+
+
+def _file_span(request: Request, headers: dict[str, str], size: int) -> tuple[int, int, int] | None:
+    """(status, start, end exclusive) as FileResponse decides them for one span of the blob (whole: no
+    Range, or an If-Range that does not match; a single satisfiable ``bytes=a-b``); None for every other
+    Range header, which FileResponse answers itself (multipart, 400, 416)."""
+    rng = request.headers.get("range")
+    if rng is None:
+        return 200, 0, size
+    if_range = request.headers.get("if-range")
+    if if_range is not None and if_range not in (headers["etag"], headers["last-modified"]):
+        return 200, 0, size
+    m = _FILE_RANGE.match(rng)
+    if m is None:
+        return None
+    a, b = m.groups()
+    if a:
+        start, end = int(a), (int(b) + 1 if b and int(b) < size else size)
+    elif b:
+        start, end = max(size - int(b), 0), size
+    else:
+        return None
+    if start >= size or start >= end:  # 416, 400
+        return None
+    return 206, start, end
 
 
 def _missing(r: Resource) -> Response:
@@ -154,7 +220,7 @@ def single_range(header: str | None, size: int) -> tuple[int, int] | str | None:
     return start, end
 
 
-async def _stream_blob(
+def _stream_blob(
     request: Request, r: Resource, blobs: BlobStore, size: int, headers: dict[str, str]
 ) -> Response:
     rng = single_range(request.headers.get("range"), size)
@@ -191,4 +257,13 @@ async def _read(blobs: BlobStore, sha256: str, start: int, end: int) -> AsyncIte
         f.close()
 
 
-__all__ = ["etag_of", "gone", "http_date", "not_modified", "resource_response", "single_range"]
+__all__ = [
+    "SMALL_BLOB",
+    "etag_of",
+    "gone",
+    "http_date",
+    "not_modified",
+    "remote_response",
+    "resource_answer",
+    "single_range",
+]
