@@ -36,6 +36,7 @@ from .harvest.source import poll_source
 from .hotswap import HotSwapApp
 from .notifications import prepare_notifications, run_notifications
 from .publish.schedule import run_dumps
+from .rs import parse
 from .serving import serve
 
 log = logging.getLogger("rsagg.daemon")
@@ -308,6 +309,7 @@ async def _serve_and_harvest(
                 f"{config.file}: server.listen: cannot listen on {host}:{port}: {reason}"
             ) from None
         log.info("serving %s on %s", config.server.base_url, daemon.bound)
+        log.info("document parser: %s", "compiled fast path" if parse.SPEEDUPS else "pure Python (slower)")
         daemon.start_sources()
         if on_ready is not None:
             await on_ready(ctx, daemon.bound)
