@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,6 +24,9 @@ class ConfigError(Exception):
 class ServerConfig:
     listen: str = "127.0.0.1:8080"
     base_url: str = "http://127.0.0.1:8080"
+    #: Database connections serving requests at once (each document stream holds one while it streams);
+    #: more requests wait a little, then get 503 + Retry-After. Bounds the server's memory under a crawl.
+    max_readers: int = 32
 
 
 @dataclass(frozen=True)
@@ -213,8 +216,10 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
     host, sep, port = server.listen.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(file, "server.listen", f"must be HOST:PORT, not {server.listen!r}")
+    if server.max_readers < 1:
+        raise ConfigError(file, "server.max_readers", "must be at least 1")
     if server.base_url.endswith("/"):
-        server = ServerConfig(server.listen, server.base_url.rstrip("/"))
+        server = replace(server, base_url=server.base_url.rstrip("/"))
     store = _section(file, "store", StoreConfig, data.get("store", {}))
     if store.synchronous.upper() not in ("NORMAL", "FULL"):
         raise ConfigError(file, "store.synchronous", f"must be NORMAL or FULL, not {store.synchronous!r}")

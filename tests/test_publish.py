@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from aggregator.config import Config, PublishConfig, ServerConfig, parse_config
+from aggregator.config import Config, PublishConfig, parse_config
 from aggregator.demo.upstream import Upstream
 from aggregator.harvest.context import open_blob_store
 from aggregator.plugins import Plugins
@@ -62,7 +62,7 @@ async def publishing(
 
     with open_blob_store(cfg, Plugins.from_config(cfg)) as store:  # the configured backend
         async with serve_app(asgi) as base:
-            config = dataclasses.replace(cfg, server=ServerConfig(base_url=base))
+            config = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, base_url=base))
             app = create_app(config, blobs=blobs or store, state_path=cfg.store_path / "state.db", **kw)
             holder["app"] = app
             try:

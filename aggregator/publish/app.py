@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -69,31 +70,69 @@ XML = "application/xml"
 DOCUMENT_DEADLINE = 3600.0
 #: Idle read connections kept for reuse.
 POOL_IDLE = 8
+#: Seconds a request waits for a database connection when all ``server.max_readers`` are in use.
+READER_WAIT = 10.0
 
 DumpsAvailable = Callable[[str], dict[str, str]]
 ExtraCapabilities = Callable[[str], list[Entry]]
 Build = Callable[[Site, State, PublishedSet, datetime], "Doc | None"]
 
 
+class ServerBusy(Exception):
+    """Every database connection for serving is in use and none came free in time: answered with 503."""
+
+
 class ReaderPool:
-    """Read-only ``State`` connections (``State(readonly=True)``), reused across requests.
+    """Read-only ``State`` connections (``State(readonly=True)``), reused across requests, at most
+    ``max_open`` at once.
 
     A connection is used by one request at a time (sqlite3 connections must not be shared
-    concurrently); there is no cap on connections in use, only on the idle ones kept.
+    concurrently). Each may hold a 16 MiB page cache and a document stream keeps its connection while it
+    streams, so without a bound a crawler fetching many documents at once grows the server without limit;
+    past the bound a request waits up to ``wait`` seconds, then ``ServerBusy``. Lent connections are held
+    weakly: one whose borrower vanished without giving it back (a response never sent) frees its slot
+    when it is collected, so a slot can never leak for good.
     """
 
-    def __init__(self, path: Path, *, max_idle: int = POOL_IDLE) -> None:
+    def __init__(
+        self, path: Path, *, max_idle: int = POOL_IDLE, max_open: int = 32, wait: float | None = None
+    ) -> None:
         self.path = path
         self.max_idle = max_idle
+        self.max_open = max_open
+        self.wait = READER_WAIT if wait is None else wait
         self._idle: list[State] = []
+        self._lent: weakref.WeakSet[State] = weakref.WeakSet()
         self._closed = False
 
+    @property
+    def in_use(self) -> int:
+        return len(self._lent)
+
     async def acquire(self) -> State:
-        if self._idle:
-            return self._idle.pop()
-        return await trio.to_thread.run_sync(lambda: State(self.path, readonly=True, cache_mib=16))
+        if len(self._lent) >= self.max_open:
+            # Saturated (rare): look again every 20 ms; a release never has to wake anyone up, which
+            # also lets a collected, never-released connection free its slot.
+            with trio.move_on_after(self.wait):
+                while len(self._lent) >= self.max_open:
+                    await trio.sleep(0.02)
+            if len(self._lent) >= self.max_open:
+                raise ServerBusy(f"all {self.max_open} database connections busy for {self.wait:.0f} s")
+        state = self._idle.pop() if self._idle else None
+        if state is None:
+            placeholder = _Opening()  # holds the slot while the connection opens in a thread
+            self._lent.add(placeholder)  # type: ignore[arg-type]
+            try:
+                state = await trio.to_thread.run_sync(lambda: State(self.path, readonly=True, cache_mib=16))
+            finally:
+                self._lent.discard(placeholder)  # type: ignore[arg-type]
+        self._lent.add(state)
+        return state
 
     def release(self, state: State) -> None:
+        if state not in self._lent:
+            return  # given back already
+        self._lent.discard(state)
         if self._closed or len(self._idle) >= self.max_idle:
             state.close()
         else:
@@ -113,6 +152,16 @@ class ReaderPool:
             self._idle.pop().close()
 
 
+class _Opening:
+    """A slot taken for a connection being opened."""
+
+
+async def busy(request: Request, exc: Exception) -> Response:
+    """503 for ``ServerBusy``: a crawler should come back a little later (RFC 9110 §15.6.4)."""
+    log.warning("%s %s: %s", request.method, request.url.path, exc)
+    return PlainTextResponse("busy: try again shortly\n", status_code=503, headers={"retry-after": "5"})
+
+
 class Publisher:
     """What every handler shares (``request.app.state.publisher``)."""
 
@@ -129,7 +178,7 @@ class Publisher:
         self.config = config
         self.metrics = metrics or default_metrics()
         self.blobs = blobs
-        self.pool = ReaderPool(state_path)
+        self.pool = ReaderPool(state_path, max_open=config.server.max_readers)
         #: Resource lookups in flight: each holds a pooled connection, and more in use than the pool
         #: keeps idle meant a connection opened and closed per request under load (~0.3 ms each).
         self.resource_lookups = trio.CapacityLimiter(POOL_IDLE)
@@ -363,9 +412,11 @@ def create_app(
         Route("/{set}/r/{rest:path}", resource, methods=get),
     ]
     served = Middleware(ServedMetrics, metrics=publisher.metrics)  # by route template (metrics.py)
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[served])
+    app = Starlette(
+        routes=routes, lifespan=lifespan, middleware=[served], exception_handlers={ServerBusy: busy}
+    )
     app.state.publisher = publisher
     return app
 
 
-__all__ = ["DocumentResponse", "Publisher", "ReaderPool", "create_app"]
+__all__ = ["DocumentResponse", "Publisher", "ReaderPool", "ServerBusy", "create_app"]
