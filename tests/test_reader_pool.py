@@ -101,6 +101,13 @@ async def test_busy_server_answers_503_and_serves_again(tmp_path: Path, monkeypa
         assert (await client.get(base + "/up/resourcelist.xml")).status_code == 200
         r = await client.get(resource)
         assert r.status_code == 200 and r.content == BLOBS["small.txt"][0]
+        metrics = (await client.get(base + "/metrics")).text
+        busy = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("rsagg_http_requests_total{") and 'code="503"' in line
+        ]
+        assert any('route="/{set}/r/{rest:path}"' in line for line in busy), busy
 
 
 def test_max_readers_is_checked() -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime
@@ -156,9 +157,15 @@ class _Opening:
     """A slot taken for a connection being opened."""
 
 
+_busy_logged = [0.0]  # monotonic time of the last "busy" log line: one a minute, not one per request
+
+
 async def busy(request: Request, exc: Exception) -> Response:
     """503 for ``ServerBusy``: a crawler should come back a little later (RFC 9110 §15.6.4)."""
-    log.warning("%s %s: %s", request.method, request.url.path, exc)
+    if time.monotonic() - _busy_logged[0] >= 60:
+        _busy_logged[0] = time.monotonic()
+        log.warning("%s %s: %s (503; said once a minute, see rsagg_http_requests_total)", request.method,
+                    request.url.path, exc)  # fmt: skip
     return PlainTextResponse("busy: try again shortly\n", status_code=503, headers={"retry-after": "5"})
 
 
