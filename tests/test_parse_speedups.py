@@ -9,8 +9,10 @@ from __future__ import annotations
 import gc
 import os
 import random
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -59,11 +61,14 @@ def urlset(*entries: str, head: str = HEAD) -> bytes:
 
 
 def test_speedups_are_compiled() -> None:
-    """CI installs with a C compiler: the fast path must be there (or be switched off on purpose)."""
+    """Wherever a C compiler is at hand, the install compiles the fast path and the reader uses it."""
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if os.environ.get("RSAGG_PURE_PYTHON"):
         assert parse_mod._speedups is None
-    else:
-        assert parse_mod.SPEEDUPS, "aggregator/rs/_speedups.pyx was not compiled (pip install -e . with gcc)"
+    elif shutil.which(compiler):
+        assert parse_mod.SPEEDUPS, "aggregator/rs/_speedups.pyx was not compiled: see pip install -e . -v"
+    else:  # no compiler: the install still worked, and the Python path reads everything
+        assert parse_mod._speedups is None
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
