@@ -6,9 +6,9 @@ gives capacity and durability elsewhere, while state (SQLite) stays local. Same 
 
 Semantics mirrored from ``FileBlobStore``:
 
-- ``begin`` returns an ordinary ``BlobWriter`` writing into a local temp file (``root/tmp``) while hashing,
-  so a blob is never held in memory; temp files of a crashed process are removed at start-up unless
-  another live store shares the folder (same ``flock`` protocol as ``FileBlobStore``).
+- ``begin`` returns an ordinary ``BlobWriter`` writing into a local temp file (``root/tmp``) while hashing
+  (or a ``SpooledBlobWriter`` holding a small body in memory, when asked for ``spool``); the temp folder
+  is the same ``TempArea`` as ``FileBlobStore``'s: stale files of a crashed process removed at start-up.
 - ``commit`` uploads the batch concurrently (``upload_threads``) and returns only once S3 has
   acknowledged every object: S3's acknowledgement is the durability point, so ARCHITECTURE invariant 2
   ("blob before state") holds. Objects are written once: ``If-None-Match: *``, and ``PreconditionFailed``
@@ -52,13 +52,10 @@ from __future__ import annotations
 
 import base64
 import errno
-import fcntl
 import io
 import logging
 import os
 import re
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -80,8 +77,15 @@ except ImportError:  # pragma: no cover - exercised only where boto3 is not inst
 
 
 from aggregator.hookspecs import hookimpl
-from aggregator.rs.fixity import Hasher
-from aggregator.store.blobs import BlobInfo, BlobWriter, SpooledBlobWriter, check_sha256, pending_writers
+from aggregator.store.blobs import (
+    BlobInfo,
+    BlobWriter,
+    SpooledBlobWriter,
+    TempArea,
+    check_sha256,
+    pending_writers,
+    put_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +96,6 @@ MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last (SeaweedFS e
 MAX_PARTS = 10_000  # S3's maximum part count: the part size grows for huge blobs
 DEFAULT_UPLOAD_THREADS = 8
 READ_BUFFER = 256 * 1024
-_TMP_PREFIX = "blob-"
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 
 #: Settings understood by ``create_store`` (anything else is refused, like the rest of the config).
@@ -174,11 +177,10 @@ class S3BlobStore:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.tmp = Path(tmp_dir)
-        self.tmp.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = None
+        self._temp: TempArea | None = None
         try:
             self._check_bucket(create_bucket)
-            self._lock_tmp()
+            self._temp = TempArea(self.tmp)
         except BaseException:
             self.close()
             raise
@@ -202,37 +204,14 @@ class S3BlobStore:
             if _code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise self._error(exc, "creating the bucket") from exc
 
-    def _lock_tmp(self) -> None:
-        """Same protocol as FileBlobStore: shared flock while alive, stale temps cleaned when alone."""
-        self._lock_fd = os.open(self.tmp / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("temp folder %s is in use by another process: stale temp files left alone", self.tmp)
-        else:
-            removed = 0
-            with os.scandir(self.tmp) as it:
-                for e in it:
-                    if e.name == ".lock":
-                        continue
-                    if e.is_dir(follow_symlinks=False):
-                        shutil.rmtree(e.path, ignore_errors=True)
-                    else:
-                        Path(e.path).unlink(missing_ok=True)
-                    removed += 1
-            if removed:
-                log.info("removed %d stale temp file(s) from %s", removed, self.tmp)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
-
     def close(self) -> None:
         """Stop the upload threads, close the HTTP connections, release the temp folder lock."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._client.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._temp is not None:
+            self._temp.close()
 
     def __enter__(self) -> S3BlobStore:
         return self
@@ -275,21 +254,11 @@ class S3BlobStore:
         ``spool``: keep up to that many bytes in memory and upload them from there (no temp file at
         all); bigger blobs go to a private temp file. The caller bounds how many are alive at once.
         """
-        if spool > 0:
-            return SpooledBlobWriter(self._open_tmp, Hasher(algorithms), spool)
-        path, file = self._open_tmp()
-        return BlobWriter(path, file, Hasher(algorithms))
-
-    def _open_tmp(self) -> tuple[Path, BinaryIO]:
-        fd, name = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=self.tmp)
-        return Path(name), os.fdopen(fd, "wb")
+        assert self._temp is not None
+        return self._temp.begin(algorithms, spool)
 
     def put_bytes(self, data: bytes) -> BlobInfo:
-        with self.begin() as w:
-            w.write(data)
-            info = w.finish()
-            self.commit([w])
-        return info
+        return put_bytes(self, data)
 
     def commit(self, writers: Sequence[BlobWriter]) -> None:
         """Upload every finished writer's blob; return once S3 acknowledged all of them.
@@ -327,7 +296,8 @@ class S3BlobStore:
         key = self.key(info.sha256)
         held = w.held() if isinstance(w, SpooledBlobWriter) else None
         if held is not None and info.length > self.multipart_threshold:  # a tiny threshold: via a file
-            w._write_temp(os.path.join(self.tmp, f"{_TMP_PREFIX}{os.urandom(12).hex()}"))
+            assert self._temp is not None
+            w._write_temp(self._temp.next_name())
             held = None
         source: Path | bytes = held if held is not None else w.tmp_path  # type: ignore[assignment]
         if info.length > self.multipart_threshold:

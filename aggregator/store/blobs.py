@@ -286,13 +286,80 @@ def _fsync_path(path: Path | str, flags: int = os.O_RDONLY) -> None:
         os.close(fd)
 
 
+class TempArea:
+    """The temp folder of a blob store, shared by every process that opens the store.
+
+    Each open store holds a shared ``flock`` on ``folder/.lock``; stale temp files of a crashed process
+    are removed at start-up, but only under the exclusive lock (no other live store uses the folder),
+    so a second process (``rsagg gc`` next to the daemon) never deletes live temps.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        # Names of spooled blobs' temp files: unique in this process, O_EXCL against any other.
+        self._names = (f"{folder}/{_TMP_PREFIX}{secrets.token_hex(6)}-{n}" for n in itertools.count())
+        #: Open while the store is: its flock, and the fd ``syncfs`` flushes the filesystem through.
+        self.lock_fd: int | None = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("temp folder %s is in use by another process: stale temp files left alone", folder)
+        else:
+            self._clean()
+        fcntl.flock(self.lock_fd, fcntl.LOCK_SH)
+
+    def begin(self, algorithms: frozenset[str], spool: int) -> BlobWriter:
+        """A writer into a private temp file, or held in memory up to ``spool`` bytes (SpooledBlobWriter)."""
+        hasher = Hasher(algorithms)
+        if spool > 0:
+            return SpooledBlobWriter(self.open, hasher, spool)
+        path, file = self.open()
+        return BlobWriter(path, file, hasher)
+
+    def open(self) -> tuple[Path, BinaryIO]:
+        # mkstemp: O_CREAT|O_EXCL with a random name, mode 0o600.
+        fd, name = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=self.folder)
+        return Path(name), os.fdopen(fd, "wb")
+
+    def next_name(self) -> str:
+        """A fresh temp file name (for ``SpooledBlobWriter._write_temp``)."""
+        return next(self._names)
+
+    def close(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # releases the flock
+            self.lock_fd = None
+
+    def _clean(self) -> None:
+        removed = 0
+        with os.scandir(self.folder) as it:
+            for e in it:
+                if e.name == ".lock":
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    shutil.rmtree(e.path, ignore_errors=True)
+                else:
+                    Path(e.path).unlink(missing_ok=True)
+                removed += 1
+        if removed:
+            log.info("removed %d stale temp file(s) from %s", removed, self.folder)
+
+
+def put_bytes(store: BlobStore, data: bytes) -> BlobInfo:
+    """One blob from bytes in memory, committed: ``BlobStore.put_bytes`` of every store."""
+    with store.begin() as w:
+        w.write(data)
+        info = w.finish()
+        store.commit([w])
+    return info
+
+
 class FileBlobStore:
     """Blobs as read-only files ``root/ab/cd/<sha256>`` (two fan-out levels keep directories small).
 
-    Temp files live in ``root/tmp/`` (same filesystem, so the final ``rename`` is atomic). Stale temp
-    files of a crashed process are removed at start-up, but only when no other live ``FileBlobStore``
-    uses the same root: every instance holds a shared ``flock`` on ``root/tmp/.lock``, and cleaning needs
-    the exclusive lock, so a second process (``rsagg gc`` next to the daemon) never deletes live temps.
+    Temp files live in ``root/tmp/`` (same filesystem, so the final ``rename`` is atomic), a TempArea:
+    stale ones of a crashed process are removed at start-up when no other process uses the store.
     """
 
     #: ``on_commit(written, deduplicated)``: BlobInfos of each commit, for metrics (``metrics.py``).
@@ -304,10 +371,7 @@ class FileBlobStore:
         """``syncfs``: None = use it for big batches where the OS supports it; False = never."""
         self.root = Path(root)
         self.tmp = self.root / "tmp"
-        self.tmp.mkdir(parents=True, exist_ok=True)
         self._fsync_threads = max(1, fsync_threads)
-        # Names of spooled blobs' temp files: unique in this process, O_EXCL against any other.
-        self._tmp_names = (f"{self.tmp}/{_TMP_PREFIX}{secrets.token_hex(6)}-{n}" for n in itertools.count())
         #: Fan-out directories known to exist ("ab", "ab/cd"): no mkdir per blob once seen (never removed;
         #: should one vanish anyway, the rename fails and commit creates it again).
         self._dirs_known: set[str] = set()
@@ -316,14 +380,7 @@ class FileBlobStore:
         self._use_syncfs = _SYNCFS is not None and syncfs is not False
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        self._lock_fd: int | None = os.open(self.tmp / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("blob store %s is in use by another process: stale temp files left alone", self.root)
-        else:
-            self._clean_tmp()
-        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+        self._temp = TempArea(self.tmp)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -332,29 +389,13 @@ class FileBlobStore:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        self._temp.close()
 
     def __enter__(self) -> FileBlobStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _clean_tmp(self) -> None:
-        removed = 0
-        with os.scandir(self.tmp) as it:
-            for e in it:
-                if e.name == ".lock":
-                    continue
-                if e.is_dir(follow_symlinks=False):
-                    shutil.rmtree(e.path, ignore_errors=True)
-                else:
-                    Path(e.path).unlink(missing_ok=True)
-                removed += 1
-        if removed:
-            log.info("removed %d stale temp file(s) from %s", removed, self.tmp)
 
     # -- paths -----------------------------------------------------------------------------------
 
@@ -374,23 +415,10 @@ class FileBlobStore:
         ``spool``: keep up to that many bytes in memory (no file until ``commit``, see
         SpooledBlobWriter); the caller bounds how many such writers are alive at once.
         """
-        hasher = Hasher(algorithms)
-        if spool > 0:
-            return SpooledBlobWriter(self._open_tmp, hasher, spool)
-        path, file = self._open_tmp()
-        return BlobWriter(path, file, hasher)
-
-    def _open_tmp(self) -> tuple[Path, BinaryIO]:
-        # mkstemp: O_CREAT|O_EXCL with a random name, mode 0o600.
-        fd, name = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=self.tmp)
-        return Path(name), os.fdopen(fd, "wb")
+        return self._temp.begin(algorithms, spool)
 
     def put_bytes(self, data: bytes) -> BlobInfo:
-        with self.begin() as w:
-            w.write(data)
-            info = w.finish()
-            self.commit([w])
-        return info
+        return put_bytes(self, data)
 
     def commit(self, writers: Sequence[BlobWriter]) -> None:
         """Make every finished writer's blob durable and visible (see ``commit_steps``); blocking."""
@@ -420,8 +448,8 @@ class FileBlobStore:
         to_sync = [w for w, info in todo if first[info.sha256] is w and not self._exists_ok(info)]
         for w in to_sync:
             if isinstance(w, SpooledBlobWriter):
-                w._write_temp(next(self._tmp_names))
-        whole_fs = self._use_syncfs and self._lock_fd is not None and len(todo) >= SYNCFS_MIN_BATCH
+                w._write_temp(self._temp.next_name())
+        whole_fs = self._use_syncfs and self._temp.lock_fd is not None and len(todo) >= SYNCFS_MIN_BATCH
         if whole_fs:
             if to_sync:
                 yield self._syncfs
@@ -461,8 +489,8 @@ class FileBlobStore:
         Through the store's long-lived lock fd: since Linux 5.8 ``syncfs`` reports writeback errors
         that happened on the filesystem since that file was opened (or since the last report).
         """
-        assert _SYNCFS is not None and self._lock_fd is not None
-        if _SYNCFS(self._lock_fd) != 0:
+        assert _SYNCFS is not None and self._temp.lock_fd is not None
+        if _SYNCFS(self._temp.lock_fd) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"syncfs of {self.root}: {os.strerror(err)}")
 
