@@ -464,7 +464,7 @@ async def test_delivery_is_not_retried_past_the_lease(tmp_path: Path) -> None:
 async def test_unreachable_callback_is_retried(tmp_path: Path) -> None:
     async with harness(tmp_path) as h:
         await subscribed(h, "a")
-        with h.hub._lock:  # point the subscription at a port nobody listens on
+        with h.hub._tables.lock:  # point the subscription at a port nobody listens on
             h.hub.conn.execute("UPDATE hub_subscriptions SET callback = 'http://127.0.0.1:9/cb'")
         assert await h.hub.publish(h.topic, PAYLOAD) == 1
         await wait_until(lambda: h.count("delivery", "retry") >= 2, "retried")
@@ -485,7 +485,7 @@ async def test_pending_deliveries_are_capped_per_subscription(tmp_path: Path) ->
         await wait_until(lambda: len(h.sub.received("a")) == 2, "delivered")
         assert [p.body for p in h.sub.received("a")] == bodies[1:]  # the oldest was dropped
         await wait_until(lambda: h.count("delivery", "ok") == 2, "metrics")
-        with h.hub._lock:  # payloads delivered to everyone are not kept
+        with h.hub._tables.lock:  # payloads delivered to everyone are not kept
             assert h.hub.conn.execute("SELECT COUNT(*) FROM hub_payloads").fetchone()[0] == 0
 
 

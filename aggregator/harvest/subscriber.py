@@ -59,11 +59,8 @@ import hmac
 import logging
 import random
 import secrets
-import sqlite3
-import threading
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -79,7 +76,8 @@ from ..config import SourceConfig
 from ..rs.model import CHANGE_NOTIFICATION, CHANGES, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
 from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
-from ..store.state import format_dt, immediate_transaction, parse_dt
+from ..store.state import format_dt, parse_dt
+from ..store.tables import Closed, OwnTables
 from .context import HarvestContext
 from .discovery import SetInfo
 from .lists import ListRef, Position, when
@@ -238,18 +236,9 @@ class Subscriber:
         self._inboxes: dict[str, _Inbox] = {}
         self._discovered: dict[str, list[str]] = {}  # source -> capability list URLs of its last sync
         self._wake = trio.Event()
-        self._lock = threading.RLock()
-        self._closed = False
-        self._db_limiter = trio.CapacityLimiter(1)
-        path = ctx.config.store_path / "state.db"
-        self.conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False, isolation_level=None)
-        self.conn.execute("PRAGMA busy_timeout = 30000")
-        self.conn.execute("PRAGMA journal_mode = WAL")
-        self.conn.execute("PRAGMA synchronous = NORMAL")
-        with self._write() as c:
-            for statement in SCHEMA:
-                c.execute(statement)
-        with self._lock:
+        self._tables = OwnTables(ctx.config.store_path / "state.db", SCHEMA)
+        self.conn = self._tables.conn
+        with self._tables.lock:
             for row in self.conn.execute(f"SELECT {', '.join(_COLS)} FROM notify_subscriptions"):
                 d = dict(zip(_COLS, row, strict=True))
                 for k in _TIMES:
@@ -260,24 +249,14 @@ class Subscriber:
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            if self._closed:  # the process is stopping: the table keeps what was saved before
-                raise _Closed
-            with immediate_transaction(self.conn) as conn:
-                yield conn
-
     async def _db(self, fn: Callable[..., T], *args: Any) -> T | None:
         try:
-            return await trio.to_thread.run_sync(
-                lambda: fn(*args), limiter=self._db_limiter, abandon_on_cancel=False
-            )
-        except _Closed:
+            return await self._tables.run(fn, *args)
+        except Closed:  # a task still finishing while the process stops
             return None
 
     def _save_rows(self, subs: Sequence[Subscription]) -> None:
-        with self._write() as c:
+        with self._tables.write() as c:
             for sub in subs:
                 values = [getattr(sub, k) for k in _COLS[1:]]
                 values = [format_dt(v) if isinstance(v, datetime) else v for v in values]
@@ -290,7 +269,7 @@ class Subscriber:
         cols = _COLS[1:]
         values = [getattr(sub, k) for k in cols]
         values = [format_dt(v) if isinstance(v, datetime) else v for v in values]
-        with self._write() as c:
+        with self._tables.write() as c:
             cur = c.execute(
                 f"INSERT INTO notify_subscriptions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
                 values,
@@ -298,13 +277,11 @@ class Subscriber:
             return int(cur.lastrowid or 0)
 
     def _delete_row(self, sub_id: int) -> None:
-        with self._write() as c:
+        with self._tables.write() as c:
             c.execute("DELETE FROM notify_subscriptions WHERE id = ?", (sub_id,))
 
     async def aclose(self) -> None:
-        with self._lock:
-            self._closed = True
-            self.conn.close()
+        self._tables.close()
 
     def _now(self) -> datetime:
         return self._clock()
@@ -803,7 +780,3 @@ async def _read_capped(request: Request, limit: int) -> bytes | None:
 
 
 __all__ = ["CALLBACK_PREFIX", "COUNTERS", "Notice", "Subscriber", "SubscriberSettings", "Subscription"]
-
-
-class _Closed(Exception):
-    """A write after ``aclose`` (a task still finishing while the process stops)."""

@@ -44,14 +44,11 @@ import logging
 import random
 import re
 import secrets
-import sqlite3
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import httpx
@@ -64,10 +61,10 @@ from .. import __version__
 from ..harvest.discovery import links_with_rel
 from ..harvest.fetch import retry_after_seconds
 from ..rs.w3cdt import utcnow
-from ..store.state import format_dt, immediate_transaction, parse_dt
+from ..store.state import format_dt, parse_dt
+from ..store.tables import OwnTables
 
 log = logging.getLogger("rsagg.hub")
-T = TypeVar("T")
 
 #: ``metrics(event, outcome)``; the pairs sent:
 #: ("verification", "subscribed" | "unsubscribed" | "failed" | "denied"),
@@ -267,18 +264,8 @@ class Hub:
         self._busy_verifications: set[int] = set()
         self._busy_subscriptions: set[int] = set()
         self._fetch_limiter = trio.CapacityLimiter(self.limits.max_topic_fetches)
-        self._db_limiter = trio.CapacityLimiter(1)
-        self._lock = threading.RLock()
-        self.conn = sqlite3.connect(
-            str(db_path), timeout=busy_timeout, check_same_thread=False, isolation_level=None
-        )
-        self.conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-        self.conn.execute("PRAGMA journal_mode = WAL")
-        self.conn.execute("PRAGMA synchronous = NORMAL")
-        self.conn.execute("PRAGMA foreign_keys = ON")
-        with self._write() as c:
-            for statement in SCHEMA:
-                c.execute(statement)
+        self._tables = OwnTables(db_path, SCHEMA, busy_timeout=busy_timeout, foreign_keys=True)
+        self.conn = self._tables.conn
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -302,8 +289,7 @@ class Hub:
         if self._owned is not None:
             await self._owned.aclose()
             self._owned = self._client = None
-        with self._lock:
-            self.conn.close()
+        self._tables.close()
 
     async def __aenter__(self) -> Hub:
         return self
@@ -319,18 +305,6 @@ class Hub:
 
     def _now(self) -> datetime:
         return self._clock()
-
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            with immediate_transaction(self.conn) as conn:
-                yield conn
-
-    async def _db(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a database call in a worker thread (a harvester transaction must not stall the loop)."""
-        return await trio.to_thread.run_sync(
-            lambda: fn(*args), limiter=self._db_limiter, abandon_on_cancel=False
-        )
 
     def _metric(self, event: str, outcome: str, n: int = 1) -> None:
         if self.metrics is None:
@@ -352,7 +326,7 @@ class Hub:
             "SELECT topic, callback, secret IS NOT NULL, lease_seconds, lease_expires, created, verified "
             "FROM hub_subscriptions" + (" WHERE topic = ?" if topic is not None else "") + " ORDER BY id"
         )
-        with self._lock:
+        with self._tables.lock:
             rows = self.conn.execute(sql, () if topic is None else (topic,)).fetchall()
         keys = ("topic", "callback", "has_secret", "lease_seconds", "lease_expires", "created", "verified")
         out = []
@@ -366,7 +340,7 @@ class Hub:
 
     def pending(self) -> dict[str, int]:
         """How much work waits: verifications and deliveries."""
-        with self._lock:
+        with self._tables.lock:
             v = self.conn.execute("SELECT COUNT(*) FROM hub_verifications").fetchone()[0]
             d = self.conn.execute("SELECT COUNT(*) FROM hub_deliveries").fetchone()[0]
         return {"verifications": v, "deliveries": d}
@@ -418,7 +392,7 @@ class Hub:
                 mode, secret = "denied", None
                 reason = "this hub only serves topics of the aggregator that runs it"
         now = format_dt(self._now())
-        await self._db(self._queue_verification, mode, topic, callback, secret, lease, reason, now)
+        await self._tables.run(self._queue_verification, mode, topic, callback, secret, lease, reason, now)
         self.wake()
         return PlainTextResponse("Accepted: the hub will verify this request with the callback.\n", 202)
 
@@ -443,7 +417,7 @@ class Hub:
         reason: str | None,
         now: str,
     ) -> None:
-        with self._write() as c:
+        with self._tables.write() as c:
             waiting = c.execute("SELECT COUNT(*) FROM hub_verifications").fetchone()[0]
             known = c.execute(
                 "SELECT 1 FROM hub_verifications WHERE topic = ? AND callback = ?", (topic, callback)
@@ -553,7 +527,7 @@ class Hub:
         _url(topic, "topic")
         links = [f'<{self.hub_url}>; rel="hub"', f'<{topic}>; rel="self"']
         links += [f'<{u}>; rel="resourcesync"' for u in resourcesync if _valid_url(u)]
-        queued, dropped = await self._db(
+        queued, dropped = await self._tables.run(
             self._queue_payload, topic, bytes(body), content_type, ", ".join(links), format_dt(self._now())
         )
         if queued:
@@ -565,7 +539,7 @@ class Hub:
     def _queue_payload(
         self, topic: str, body: bytes, content_type: str, link: str, now: str
     ) -> tuple[int, int]:
-        with self._write() as c:
+        with self._tables.write() as c:
             subs = [
                 r[0]
                 for r in c.execute(
@@ -612,7 +586,7 @@ class Hub:
                 self._wake = trio.Event()  # before reading: a wake-up during the read is not lost
                 now = self._now()
                 free = self.limits.concurrency - len(self._busy_verifications) - len(self._busy_subscriptions)
-                plan = await self._db(
+                plan = await self._tables.run(
                     self._plan, now, free, sorted(self._busy_verifications), sorted(self._busy_subscriptions)
                 )
                 self._metric("subscription", "expired", plan.expired)
@@ -631,12 +605,12 @@ class Hub:
     def _plan(self, now_dt: datetime, free: int, busy_v: list[int], busy_s: list[int]) -> _Plan:
         now = format_dt(now_dt)
         expired = 0
-        with self._lock:
+        with self._tables.lock:
             c = self.conn
             if c.execute(
                 "SELECT 1 FROM hub_subscriptions WHERE lease_expires <= ? LIMIT 1", (now,)
             ).fetchone():
-                with self._write():  # WebSub §5.3.1: hubs MUST enforce lease expirations
+                with self._tables.write():  # WebSub §5.3.1: hubs MUST enforce lease expirations
                     expired = c.execute(
                         "DELETE FROM hub_subscriptions WHERE lease_expires <= ?", (now,)
                     ).rowcount
@@ -721,7 +695,7 @@ class Hub:
             detail = "timed out"
         except httpx.HTTPError as exc:
             detail = f"{type(exc).__name__}: {exc}"
-        outcome = await self._db(
+        outcome = await self._tables.run(
             self._verified, v, ok, format_dt(started + timedelta(seconds=v.lease_seconds or 0))
         )
         if outcome is None:
@@ -731,7 +705,7 @@ class Hub:
 
     def _verified(self, v: _Verification, ok: bool, lease_expires: str) -> str | None:
         now = format_dt(self._now())
-        with self._write() as c:
+        with self._tables.write() as c:
             if c.execute("DELETE FROM hub_verifications WHERE id = ?", (v.id,)).rowcount == 0:
                 return None
             if v.mode == "denied":  # §5.2: denied at any point ends the subscription too
@@ -788,7 +762,7 @@ class Hub:
         else:
             outcome = "retry"
         delay = self._backoff(d.attempts + 1, retry_after)
-        outcome = await self._db(self._delivered, d, outcome, error, delay)
+        outcome = await self._tables.run(self._delivered, d, outcome, error, delay)
         if outcome != "ok":
             log.info("hub: delivery to %s (attempt %d): %s -> %s", d.callback, d.attempts + 1, error, outcome)
         self._metric("delivery", outcome)
@@ -804,7 +778,7 @@ class Hub:
 
     def _delivered(self, d: _Delivery, outcome: str, error: str, delay: float) -> str:
         now_dt = self._now()
-        with self._write() as c:
+        with self._tables.write() as c:
             if outcome == "gone":
                 c.execute("DELETE FROM hub_subscriptions WHERE id = ?", (d.subscription_id,))
             elif outcome == "ok":

@@ -51,15 +51,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sqlite3
-import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import trio
@@ -85,14 +82,14 @@ from ..rs.model import (
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
-from ..store.state import LogRecord, Resource, State, format_dt, immediate_transaction, parse_dt
+from ..store.state import LogRecord, Resource, State, format_dt, parse_dt
+from ..store.tables import OwnTables
 from .app import Publisher
 from .documents import Site, UriOf, Windows, capability_list, change_entry
 from .hub import Hub
 from .sets import PublishedSet
 
 log = logging.getLogger("rsagg.notify")
-T = TypeVar("T")
 
 XML = "application/xml"
 #: Topic path names under /SET/ (kind -> file name).
@@ -203,40 +200,18 @@ class Notifier:
         self._channels: dict[str, Channel] = {}
         self._set_names: set[str] = set()
         self._wake = trio.Event()
-        self._lock = threading.RLock()
-        self._closed = False
-        self._db_limiter = trio.CapacityLimiter(1)
         self._reader: State | None = None
         self._publisher: tuple[Config, Any] | None = None
         self._last_framework = float("-inf")
         self._last_open_k: int | None = None
-        self.conn = sqlite3.connect(
-            str(self.state_path), timeout=30.0, check_same_thread=False, isolation_level=None
-        )
-        self.conn.execute("PRAGMA busy_timeout = 30000")
-        self.conn.execute("PRAGMA journal_mode = WAL")
-        self.conn.execute("PRAGMA synchronous = NORMAL")
-        with self._write() as c:
-            for statement in SCHEMA:
-                c.execute(statement)
+        self._tables = OwnTables(self.state_path, SCHEMA)
+        self.conn = self._tables.conn
         self._load()
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            if self._closed:  # the process is stopping: the table keeps what was saved before
-                raise _Closed
-            with immediate_transaction(self.conn) as conn:
-                yield conn
-
-    async def _db(self, fn: Callable[..., T], *args: Any) -> T:
-        # Only ``run`` writes, and ``aclose`` comes after it returned: _Closed would be a bug.
-        return await trio.to_thread.run_sync(lambda: fn(*args), limiter=self._db_limiter)
-
     def _load(self) -> None:
-        with self._lock:
+        with self._tables.lock:
             rows = self.conn.execute(
                 "SELECT topic, set_name, kind, last_seq, last_until, body, snapshot FROM notify_channels"
             ).fetchall()
@@ -253,7 +228,7 @@ class Notifier:
 
     def _save(self, channels: Sequence[Channel], drop: Sequence[Channel] = ()) -> None:
         now = format_dt(self._clock())
-        with self._write() as c:
+        with self._tables.write() as c:
             for ch in channels:
                 c.execute(
                     "INSERT OR REPLACE INTO notify_channels (topic, set_name, kind, last_seq, last_until, "
@@ -283,12 +258,11 @@ class Notifier:
         return self._publisher[1].site(state)
 
     async def aclose(self) -> None:
-        with self._lock:
-            self._closed = True
+        with self._tables.lock:
             if self._reader is not None:
                 self._reader.close()
                 self._reader = None
-            self.conn.close()
+        self._tables.close()
 
     def wake(self) -> None:
         """Look at the changelog now (called after each harvest commit)."""
@@ -356,20 +330,20 @@ class Notifier:
         config = self.get_config()
         now_m = trio.current_time()
         framework_due = now_m - self._last_framework >= self.framework_interval
-        plan = await self._db(self._plan, config, framework_due)
+        plan = await self._tables.run(self._plan, config, framework_due)
         if plan.framework_checked:
             self._last_framework = now_m
         self._set_names = plan.set_names
         for ch in plan.advanced:
             self._channels[ch.topic] = ch
         if plan.silent:
-            await self._db(self._save, plan.silent)
+            await self._tables.run(self._save, plan.silent)
             for ch in plan.silent:
                 self._channels[ch.topic] = ch
         for p in plan.payloads:
             await self._send(config, p)
         if plan.dropped:
-            await self._db(self._save, [], plan.dropped)
+            await self._tables.run(self._save, [], plan.dropped)
             for ch in plan.dropped:
                 self._channels.pop(ch.topic, None)
         return plan.more
@@ -377,7 +351,7 @@ class Notifier:
     async def _send(self, config: Config, p: _Payload) -> None:
         ch = p.channel
         new = Channel(ch.topic, ch.set_name, ch.kind, p.last_seq, p.until, p.body, p.snapshot or ch.snapshot)
-        await self._db(self._save, [new])  # first the topic document (a pinged hub fetches it)
+        await self._tables.run(self._save, [new])  # first the topic document (a pinged hub fetches it)
         self._channels[ch.topic] = new
         capabilitylist = f"{config.server.base_url}/{ch.set_name}/capabilitylist.xml"
         ok = await self._publish(ch.topic, p.body, capabilitylist)
@@ -580,7 +554,3 @@ def _differences(old: Snapshot, new: Snapshot, now: datetime) -> list[Entry]:
 
 
 __all__ = ["TOPICS", "Channel", "Notifier", "topic_url"]
-
-
-class _Closed(Exception):
-    """A write after ``aclose`` (a task still finishing while the process stops)."""
