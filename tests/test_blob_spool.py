@@ -6,23 +6,12 @@ import ctypes
 import errno
 import hashlib
 import os
-from pathlib import Path
 
 import pytest
 
 from aggregator.store import blobs
 from aggregator.store.blobs import SYNCFS_MIN_BATCH, FileBlobStore, SpooledBlobWriter
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FileBlobStore:
-    s = FileBlobStore(tmp_path / "blobs")
-    yield s
-    s.close()
-
-
-def temp_files(store: FileBlobStore) -> list[str]:
-    return sorted(p.name for p in store.tmp.iterdir() if p.name != ".lock")
+from tests.blobtesting import temp_files
 
 
 def spooled(store: FileBlobStore, data: bytes, limit: int = 1024) -> SpooledBlobWriter:

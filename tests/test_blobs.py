@@ -14,21 +14,11 @@ import pytest
 
 from aggregator.store import blobs
 from aggregator.store.blobs import BlobInfo, BlobStore, FileBlobStore
-
-
-@pytest.fixture
-def store(tmp_path: Path):
-    s = FileBlobStore(tmp_path / "blobs")
-    yield s
-    s.close()
+from tests.blobtesting import temp_files
 
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def tmp_files(store: FileBlobStore) -> list[str]:
-    return sorted(p.name for p in store.tmp.iterdir() if p.name != ".lock")
 
 
 def test_round_trip(store: FileBlobStore) -> None:
@@ -45,7 +35,7 @@ def test_round_trip(store: FileBlobStore) -> None:
     assert path == store.root / info.sha256[:2] / info.sha256[2:4] / info.sha256
     assert path.read_bytes() == data
     assert list(store.iter_hashes()) == [info.sha256]
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
 
 
 def test_streamed_write_with_extra_algorithms(store: FileBlobStore) -> None:
@@ -79,10 +69,10 @@ def test_blob_visible_only_after_commit(store: FileBlobStore) -> None:
     with pytest.raises(FileNotFoundError):
         store.open(info.sha256)
     assert list(store.iter_hashes()) == []
-    assert tmp_files(store) == [w.tmp_path.name]  # the bytes are only in tmp/
+    assert temp_files(store) == [w.tmp_path.name]  # the bytes are only in tmp/
     store.commit([w])
     assert store.exists(info.sha256)
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
     assert w.state == "committed"
 
 
@@ -110,7 +100,7 @@ def test_dedup_within_one_batch(store: FileBlobStore) -> None:
     store.commit(ws)
     assert sorted(store.iter_hashes()) == sorted({sha(b"a"), sha(b"b")})
     assert all(w.state == "committed" for w in ws)
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
     store.commit(ws)  # committing again is harmless
 
 
@@ -173,7 +163,7 @@ def test_fsync_error_reaches_caller_and_blob_stays_invisible(
         store.commit([w])
     assert not store.exists(info.sha256)
     w.abort()
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
 
 
 def test_committed_blob_is_read_only(store: FileBlobStore) -> None:
@@ -216,7 +206,7 @@ def test_writer_context_manager_aborts_on_error(store: FileBlobStore) -> None:
         w.write(b"partial")
         raise RuntimeError("download failed")
     assert w.state == "aborted"
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
 
 
 @pytest.mark.parametrize(

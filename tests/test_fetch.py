@@ -13,7 +13,6 @@ from contextlib import aclosing
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from functools import partial
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +24,7 @@ from starlette.routing import Route
 
 from aggregator.harvest.fetch import Expected, Fetcher, FetchError, retry_after_seconds
 from aggregator.store.blobs import FileBlobStore
+from tests.blobtesting import temp_files
 from tests.httpserver import serve_app
 
 HEAD = (
@@ -79,17 +79,6 @@ async def no_sleep_recorder(fetcher: Fetcher) -> list[float]:
 
     fetcher._sleep = sleep  # type: ignore[method-assign]
     return delays
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FileBlobStore:
-    s = FileBlobStore(tmp_path / "blobs")
-    yield s
-    s.close()
-
-
-def temp_files(store: FileBlobStore) -> list[str]:
-    return sorted(p.name for p in store.tmp.iterdir() if p.name != ".lock")
 
 
 # -- documents -----------------------------------------------------------------------------------

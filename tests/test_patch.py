@@ -5,10 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from pathlib import Path
 
 import jsonpatch
-import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -18,6 +16,7 @@ from aggregator.harvest.fetch import Expected, Fetcher
 from aggregator.harvest.patch import apply_json_patch, builtin_patch_formats, fetch_by_patch
 from aggregator.rs.model import PATCH_REL, Link
 from aggregator.store.blobs import FileBlobStore
+from tests.blobtesting import temp_files
 from tests.httpserver import serve_app
 
 OLD = {"title": "Résumé", "tags": ["a", "b"], "n": 1}
@@ -27,17 +26,6 @@ PATCH = jsonpatch.make_patch(OLD, NEW).to_string().encode()
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> FileBlobStore:
-    s = FileBlobStore(tmp_path / "blobs")
-    yield s
-    s.close()
-
-
-def temp_files(store: FileBlobStore) -> list[str]:
-    return sorted(p.name for p in store.tmp.iterdir() if p.name != ".lock")
 
 
 def patch_app(hits: Counter[str]) -> Starlette:

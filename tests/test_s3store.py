@@ -23,6 +23,7 @@ from botocore.exceptions import ClientError
 from aggregator.store.blobs import BlobInfo, BlobStore
 from plugins.s3store import MIN_PART_SIZE, S3BlobStore, S3StoreError, create_store
 from tests import harvesting, test_harvest, test_publish
+from tests.blobtesting import temp_files
 from tests.seaweedfs import SeaweedFS, run_seaweedfs
 
 MiB = 1024 * 1024
@@ -96,10 +97,6 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def tmp_files(store: S3BlobStore) -> list[str]:
-    return sorted(p.name for p in store.tmp.iterdir() if p.name != ".lock")
-
-
 def keys(s3, bucket: str) -> list[str]:
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
     return [o["Key"] for page in pages for o in page.get("Contents", ())]
@@ -129,7 +126,7 @@ def test_round_trip(store: S3BlobStore) -> None:
         assert f.mode == "rb"
     assert store.local_path(info.sha256) is None
     assert list(store.iter_hashes()) == [info.sha256]
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
 
 
 def test_blobs_are_in_the_bucket_under_their_sha256_key(store: S3BlobStore, s3) -> None:
@@ -176,10 +173,10 @@ def test_blob_visible_only_after_commit(store: S3BlobStore) -> None:
     with pytest.raises(FileNotFoundError):
         store.size(w.info.sha256)
     assert list(store.iter_hashes()) == []
-    assert tmp_files(store) == [w.tmp_path.name]  # the bytes are only in the local temp file
+    assert temp_files(store) == [w.tmp_path.name]  # the bytes are only in the local temp file
     store.commit([w])
     assert store.exists(w.info.sha256)
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
     assert w.state == "committed"
 
 
@@ -223,7 +220,7 @@ def test_dedup_within_one_batch(store: S3BlobStore) -> None:
     assert requests.calls["PutObject"] == 2
     assert sorted(store.iter_hashes()) == sorted({sha(b"a"), sha(b"b")})
     assert all(w.state == "committed" for w in ws)
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
     store.commit(ws)  # committing again is harmless
     assert requests.calls["PutObject"] == 2
 
@@ -234,7 +231,7 @@ def test_batch_is_uploaded_before_commit_returns(make_store) -> None:
     ws = [finished(store, d) for d in blobs]
     store.commit(ws)
     assert list(store.iter_hashes()) == sorted(sha(d) for d in blobs)
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
     for d in blobs[:5]:
         with store.open(sha(d)) as f:
             assert f.read() == d
@@ -257,7 +254,7 @@ def test_failed_upload_leaves_the_writer_finished_and_raises(store: S3BlobStore,
     assert bad.state == "finished" and bad.tmp_path.exists() and not store.exists(bad.info.sha256)
     monkeypatch.undo()
     store.commit([bad])  # a retry of the same batch succeeds
-    assert store.exists(bad.info.sha256) and tmp_files(store) == []
+    assert store.exists(bad.info.sha256) and temp_files(store) == []
 
 
 def test_checksum_mismatch_is_refused_by_the_store(store: S3BlobStore) -> None:
@@ -290,7 +287,7 @@ def test_writer_context_manager_aborts_on_error(store: S3BlobStore) -> None:
         w.write(b"partial")
         raise RuntimeError("download failed")
     assert w.state == "aborted"
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
 
 
 @pytest.mark.parametrize(
@@ -427,12 +424,12 @@ def test_spooled_blobs_are_uploaded_from_memory(store: S3BlobStore) -> None:
         w.write(data[10:])
         w.finish()
         writers.append(w)
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
     requests = Requests(store)
     store.commit(writers)
     assert [w.state for w in writers] == ["committed"] * 3
     assert requests.calls["PutObject"] == 2  # the same content twice in one batch: uploaded once
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
     with store.open(sha(small)) as f:
         assert f.read() == small
     assert writers[0].info.hashes["md5"] == hashlib.md5(small).hexdigest()
@@ -440,12 +437,12 @@ def test_spooled_blobs_are_uploaded_from_memory(store: S3BlobStore) -> None:
     big = os.urandom(100_000)
     w = store.begin(spool=64 * 1024)
     w.write(big[:60_000])
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
     w.write(big[60_000:])
-    assert len(tmp_files(store)) == 1
+    assert len(temp_files(store)) == 1
     w.finish()
     store.commit([w])
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
     assert store.size(sha(big)) == len(big)
 
 
@@ -458,7 +455,7 @@ def test_spooled_blob_above_the_multipart_threshold(make_store) -> None:
     requests = Requests(store)
     store.commit([w])
     assert requests.calls["CreateMultipartUpload"] == 1 and requests.calls["UploadPart"] == 2
-    assert tmp_files(store) == []
+    assert temp_files(store) == []
     with store.open(sha(data)) as f:
         assert f.read() == data
 
