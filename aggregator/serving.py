@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from functools import partial
 
 import hypercorn.trio
@@ -35,3 +36,29 @@ async def serve(
             partial(hypercorn.trio.serve, app, config, shutdown_trigger=shutdown_trigger)
         )
         task_status.started(binds[0].rstrip("/"))
+
+
+@asynccontextmanager
+async def serving(
+    app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, graceful_timeout: float = 0.5
+) -> AsyncIterator[str]:
+    """``async with serving(app) as base_url:`` serves for the duration of the block.
+
+    Close HTTP clients before the block ends (idle keep-alive connections delay the graceful shutdown).
+    An exception of the block leaves as itself, not wrapped in an ExceptionGroup, so ``pytest.raises``
+    around the block works.
+    """
+    shutdown = trio.Event()
+    error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        base_url = await nursery.start(
+            partial(serve, app, host, port, shutdown_trigger=shutdown.wait, graceful_timeout=graceful_timeout)
+        )
+        try:
+            yield base_url
+        except BaseException as exc:
+            error = exc
+        finally:
+            shutdown.set()
+    if error is not None:
+        raise error

@@ -12,32 +12,14 @@ clients before leaving the block, or idle keep-alive connections make the shutdo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from functools import partial
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-import trio
-
-from aggregator.serving import serve
+from aggregator.serving import serving
 
 
-@asynccontextmanager
-async def serve_app(
+def serve_app(
     app: Any, *, host: str = "127.0.0.1", graceful_timeout: float = 0.5
-) -> AsyncIterator[str]:
+) -> AbstractAsyncContextManager[str]:
     """Serve the ASGI ``app`` on ``host`` at a free port; yields the base URL (no trailing slash)."""
-    shutdown = trio.Event()
-    error: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        base = await nursery.start(
-            partial(serve, app, host, 0, shutdown_trigger=shutdown.wait, graceful_timeout=graceful_timeout)
-        )
-        try:
-            yield base
-        except BaseException as exc:
-            error = exc
-        finally:
-            shutdown.set()
-    if error is not None:
-        raise error
+    return serving(app, host, 0, graceful_timeout=graceful_timeout)

@@ -64,7 +64,7 @@ from aggregator.rs.fixity import format_hash
 from aggregator.rs.model import Entry, Head, Link, Md
 from aggregator.rs.w3cdt import format_w3c, utcnow
 from aggregator.rs.write import iter_document_bytes
-from aggregator.serving import serve
+from aggregator.serving import serve, serving
 
 __all__ = [
     "META_SUFFIX",
@@ -966,24 +966,11 @@ class Upstream:
 
     @asynccontextmanager
     async def serving(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
-        """``async with up.serving() as base_url:`` serves for the duration of the block.
-
-        Close HTTP clients before the block ends (idle keep-alive connections delay the graceful
-        shutdown). An exception of the block leaves as itself, not wrapped in an ExceptionGroup, so
-        ``pytest.raises`` around the block works.
-        """
-        shutdown = trio.Event()
-        error: BaseException | None = None
-        async with trio.open_nursery() as nursery:
-            base_url = await nursery.start(partial(self.serve, host, port, shutdown_trigger=shutdown.wait))
-            try:
-                yield base_url
-            except BaseException as exc:
-                error = exc
-            finally:
-                shutdown.set()
-        if error is not None:
-            raise error
+        """``async with up.serving() as base_url:`` serves for the duration of the block
+        (``aggregator.serving.serving``); the base URL is also kept in ``base_url`` for the documents."""
+        async with serving(self.app(), host, port) as base_url:
+            self.base_url = base_url
+            yield base_url
 
 
 # ---------------------------------------------------------------------- module helpers
