@@ -104,29 +104,29 @@ class ReaderPool:
         self.wait = READER_WAIT if wait is None else wait
         self._idle: list[State] = []
         self._lent: weakref.WeakSet[State] = weakref.WeakSet()
+        self._opening = 0  # connections being opened in a worker thread: their slots are taken
         self._closed = False
 
     @property
     def in_use(self) -> int:
-        return len(self._lent)
+        return len(self._lent) + self._opening
 
     async def acquire(self) -> State:
-        if len(self._lent) >= self.max_open:
+        if self.in_use >= self.max_open:
             # Saturated (rare): look again every 20 ms; a release never has to wake anyone up, which
             # also lets a collected, never-released connection free its slot.
             with trio.move_on_after(self.wait):
-                while len(self._lent) >= self.max_open:
+                while self.in_use >= self.max_open:
                     await trio.sleep(0.02)
-            if len(self._lent) >= self.max_open:
+            if self.in_use >= self.max_open:
                 raise ServerBusy(f"all {self.max_open} database connections busy for {self.wait:.0f} s")
         state = self._idle.pop() if self._idle else None
         if state is None:
-            placeholder = _Opening()  # holds the slot while the connection opens in a thread
-            self._lent.add(placeholder)  # type: ignore[arg-type]
+            self._opening += 1
             try:
                 state = await trio.to_thread.run_sync(lambda: State(self.path, readonly=True, cache_mib=16))
             finally:
-                self._lent.discard(placeholder)  # type: ignore[arg-type]
+                self._opening -= 1
         self._lent.add(state)
         return state
 
@@ -151,10 +151,6 @@ class ReaderPool:
         self._closed = True
         while self._idle:
             self._idle.pop().close()
-
-
-class _Opening:
-    """A slot taken for a connection being opened."""
 
 
 _busy_logged = [0.0]  # monotonic time of the last "busy" log line: one a minute, not one per request
