@@ -486,3 +486,33 @@ async def test_hook_rsagg_shutdown(tmp_path_factory: pytest.TempPathFactory):
     for kind, _, events in await _startup_and_shutdown(tmp_path_factory):
         assert [e["event"] for e in events].count("shutdown") == 1, (kind, events)
         assert events[-1]["event"] == "shutdown", f"{kind}: shutdown is the last event"
+
+
+async def test_hook_rsagg_filter_publish_reaches_dumps(tmp_path: Path, monkeypatch):
+    """A hidden resource must not ship inside the Resource Dump or the Change Dump packages either."""
+    import zipfile
+
+    from aggregator.harvest.context import open_context
+    from aggregator.publish.schedule import build_due, dump_builder
+
+    add_plugin(monkeypatch, "hide", HideSecrets())
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.create("open.txt", b"open")
+    up.create("secret.txt", b"top secret bytes")
+    up.create("open2.txt", b"open two")
+    async with up.serving() as base:
+        cfg = make_config(tmp_path / "data", base, publish={"dump_interval": 3600, "changelist_size": 2})
+        await ok(cfg)
+    assert len(held(cfg)) == 3
+    async with open_context(cfg) as ctx:
+        builder = dump_builder(ctx)
+        assert builder is not None
+        assert await trio.to_thread.run_sync(lambda: build_due(builder, ctx, resource_dumps=True)) >= 2
+        rows = builder._query("SELECT kind, sha256 FROM publish_dumps", ())
+        assert {kind for kind, _ in rows} == {"resourcedump", "changedump"}
+        for kind, sha in rows:
+            with ctx.blobs.open(sha) as f, zipfile.ZipFile(f) as zf:
+                manifest = zf.read("manifest.xml")
+                assert b"secret" not in manifest, kind
+                assert all(zf.read(n) != b"top secret bytes" for n in zf.namelist()), kind
+                assert b"open.txt" in manifest or b"open2.txt" in manifest, kind

@@ -51,16 +51,15 @@ from starlette.types import Receive, Scope, Send
 from ..config import Config
 from ..metrics import Metrics, ServedMetrics, default_metrics
 from ..plugins import Plugins
-from ..rs.model import Entry
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.state import Resource, State
 from . import documents, status_page
-from .documents import Doc, Site, no_dumps, no_extra_capabilities
-from .links import LinkPolicy, PluginLinks
+from .documents import Doc, DumpsAvailable, ExtraCapabilities, Site, no_dumps, no_extra_capabilities
 from .resources import gone, remote_response, resource_answer
-from .sets import PublishedSet, published_sets
+from .sets import PublishedSet
+from .site import build_site, link_policy, publish_filter
 from .uris import split_resource_path
 
 log = logging.getLogger("rsagg.publish")
@@ -74,8 +73,6 @@ POOL_IDLE = 8
 #: Seconds a request waits for a database connection when all ``server.max_readers`` are in use.
 READER_WAIT = 10.0
 
-DumpsAvailable = Callable[[str], dict[str, str]]
-ExtraCapabilities = Callable[[str], list[Entry]]
 Build = Callable[[Site, State, PublishedSet, datetime], "Doc | None"]
 
 
@@ -186,7 +183,9 @@ class Publisher:
         #: opened and closed per call under load (~0.3 ms each); document streams are not counted here.
         self._short_calls = trio.CapacityLimiter(POOL_IDLE)
         self.plugins = plugins or Plugins.from_config(config)
-        self.policy = PluginLinks(self.plugins, LinkPolicy.from_config(config.publish))
+        self.policy = link_policy(config, self.plugins)
+        #: ``visible(set name, resource)``: the plugins' publish filter, for every view.
+        self.visible = publish_filter(self.plugins)
         self.dumps_available: DumpsAvailable = dumps_available or no_dumps
         self.extra_capabilities: ExtraCapabilities = extra_capabilities or no_extra_capabilities
         self.metrics.attach(plugins=self.plugins, store=blobs)
@@ -197,20 +196,14 @@ class Publisher:
 
     def site(self, state: State) -> Site:
         """The published sets as the state has them now, and how to write their URLs (blocking)."""
-        return Site(
-            base_url=self.base_url,
-            sets=published_sets(self.config, state.sets()),
+        return build_site(
+            self.config,
+            state,
             policy=self.policy,
-            changelist_size=self.config.publish.changelist_size,
-            dumps_available=self.dumps_available,
             visible=self.visible,
+            dumps_available=self.dumps_available,
             extra_capabilities=self.extra_capabilities,
         )
-
-    def visible(self, set_name: str, resource: Resource) -> bool:
-        """Hidden when any plugin's ``rsagg_filter_publish`` answers False."""
-        results = self.plugins.call("rsagg_filter_publish", set_name=set_name, resource=resource)
-        return all(answer is not False for _, answer in results)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(reader_state, *args)`` in a worker thread with a pooled read connection."""

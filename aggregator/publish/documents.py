@@ -56,6 +56,10 @@ DUMP_CAPABILITIES = (RESOURCEDUMP, CHANGEDUMP)
 _URI_CACHE = 4096
 
 Doc = tuple[Head, Iterator[Entry]]
+#: ``dumps_available(set name)``: the dump capabilities a Capability List lists, capability -> URL.
+DumpsAvailable = Callable[[str], dict[str, str]]
+#: ``extra_capabilities(set name)``: more Capability List entries (e.g. notification channels).
+ExtraCapabilities = Callable[[str], list[Entry]]
 
 
 def no_dumps(set_name: str) -> dict[str, str]:
@@ -76,12 +80,17 @@ class Site:
     sets: dict[str, PublishedSet]
     policy: LinkPolicy | PluginLinks
     changelist_size: int
-    dumps_available: Callable[[str], dict[str, str]] = no_dumps
+    dumps_available: DumpsAvailable = no_dumps
     #: ``visible(set name, resource)``: False hides a resource (plugins' ``rsagg_filter_publish``).
     visible: Callable[[str, Resource], bool] = lambda set_name, resource: True
     #: ``extra_capabilities(set name)``: more Capability List entries, e.g. the notification channels
     #: (Change/Framework Notification: topic ``loc`` + ``rs:ln rel="hub"``; ``publish/notify.py``).
-    extra_capabilities: Callable[[str], list[Entry]] = no_extra_capabilities
+    extra_capabilities: ExtraCapabilities = no_extra_capabilities
+
+    def shows(self, set_name: str, row: Resource | None) -> bool:
+        """Whether a changelog record is published: unless the publish filter hides its resource (a
+        record without a resource row is shown). Change Lists, Change Dumps and notifications agree."""
+        return row is None or self.visible(set_name, row)
 
     # -- URL layout (one place) -----------------------------------------------------------------
     @property
@@ -351,7 +360,7 @@ def change_list_window(
 def _changes(site: Site, state: State, ps: PublishedSet, lo: int, hi: int) -> Iterator[Entry]:
     uri_of = UriOf(site, state, ps)
     for rec, row in state.iter_log_range(ps.set_ids, lo, hi):
-        if row is None or site.visible(ps.name, row):
+        if site.shows(ps.name, row):
             yield change_entry(site, ps, rec, row, uri_of)
 
 
@@ -359,6 +368,8 @@ __all__ = [
     "DUMP_CAPABILITIES",
     "MAX_ENTRIES",
     "Doc",
+    "DumpsAvailable",
+    "ExtraCapabilities",
     "Site",
     "UriOf",
     "Window",

@@ -441,6 +441,8 @@ class DumpBuilder:
         batch: list[_Member] = []
         size = 0
         for r in self.state.iter_live(ids):
+            if not self.site.visible(set_name, r):
+                continue  # hidden by a publish filter: the Resource List leaves it out too
             if r.sha256 is None:
                 log.warning("set=%s %s: live resource without content hash, left out", set_name, r.uri)
                 continue
@@ -581,6 +583,8 @@ class DumpBuilder:
         uri_of = UriOf(site, self.state, ps)
         members = []
         for rec, row in self.state.iter_log_range(ps.set_ids, (k - 1) * n, k * n):
+            if not site.shows(ps.name, row):
+                continue  # hidden by a publish filter: the Change List leaves it out too
             member = self._change_member(site, ps, rec, row, uri_of)
             if member is not None:
                 members.append(member)

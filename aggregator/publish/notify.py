@@ -444,7 +444,7 @@ class Notifier:
                 if built >= MAX_PAYLOADS_PER_ROUND:
                     finished, plan.more = False, True
                     break
-            if row is None or site.visible(ps.name, row):
+            if site.shows(ps.name, row):
                 chunk.append((rec, row))
         if chunk:
             seq = top if finished else chunk[-1][0].seq

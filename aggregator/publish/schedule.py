@@ -19,8 +19,7 @@ from ..harvest.context import HarvestContext
 from ..store.state import State
 from .documents import Site
 from .dumps import DumpBuilder, dump_routes
-from .links import LinkPolicy, PluginLinks
-from .sets import published_sets
+from .site import build_site, link_policy, publish_filter
 
 log = logging.getLogger("rsagg.publish")
 
@@ -54,12 +53,10 @@ def dump_app_options(ctx: HarvestContext, options: dict[str, Any]) -> dict[str, 
 
 
 def _site(ctx: HarvestContext, state: State) -> Site:
-    config = ctx.config
-    return Site(
-        base_url=config.server.base_url,
-        sets=published_sets(config, state.sets()),
-        policy=PluginLinks(ctx.plugins, LinkPolicy.from_config(config.publish)),
-        changelist_size=config.publish.changelist_size,
+    """The Site the app serves (sets, link policy, publish filter): a package holds what the lists show."""
+    plugins = ctx.plugins
+    return build_site(
+        ctx.config, state, policy=link_policy(ctx.config, plugins), visible=publish_filter(plugins)
     )
 
 

@@ -1,0 +1,56 @@
+"""The one place a publishing ``Site`` is put together.
+
+Documents, resource GETs, dumps and notifications are all views of the same published sets; built in
+one function they cannot drift apart (a publish filter that reached the lists but not the dump packages
+would ship hidden resources inside the ZIPs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..config import Config
+from ..plugins import Plugins
+from ..store.state import Resource, State
+from .documents import DumpsAvailable, ExtraCapabilities, Site, no_dumps, no_extra_capabilities
+from .links import LinkPolicy, PluginLinks
+from .sets import published_sets
+
+
+def publish_filter(plugins: Plugins) -> Callable[[str, Resource], bool]:
+    """``visible(set name, resource)``: hidden when any plugin's ``rsagg_filter_publish`` answers False."""
+
+    def visible(set_name: str, resource: Resource) -> bool:
+        results = plugins.call("rsagg_filter_publish", set_name=set_name, resource=resource)
+        return all(answer is not False for _, answer in results)
+
+    return visible
+
+
+def link_policy(config: Config, plugins: Plugins) -> PluginLinks:
+    """The configured link policy (§14.8) behind the plugins' ``rsagg_republish_links``."""
+    return PluginLinks(plugins, LinkPolicy.from_config(config.publish))
+
+
+def build_site(
+    config: Config,
+    state: State,
+    *,
+    policy: PluginLinks,
+    visible: Callable[[str, Resource], bool],
+    dumps_available: DumpsAvailable = no_dumps,
+    extra_capabilities: ExtraCapabilities = no_extra_capabilities,
+) -> Site:
+    """The published sets as ``state`` has them now, with the policies every view applies (blocking)."""
+    return Site(
+        base_url=config.server.base_url,
+        sets=published_sets(config, state.sets()),
+        policy=policy,
+        changelist_size=config.publish.changelist_size,
+        dumps_available=dumps_available,
+        visible=visible,
+        extra_capabilities=extra_capabilities,
+    )
+
+
+__all__ = ["build_site", "link_policy", "publish_filter"]
