@@ -12,7 +12,7 @@ Signals (systemd's ``ExecReload=/bin/kill -HUP $MAINPID`` and stop):
   harvest tasks are cancelled. Blob commits and state transactions run in worker threads started with
   ``abandon_on_cancel=False`` (``HarvestContext.write``/``commit_blobs``, and trio's default for the
   other ``to_thread`` calls), so a cancelled task still waits for the one in flight to finish: the store
-  is consistent when the process exits (ARCHITECTURE invariant 2).
+  is consistent when the process exits (docs/architecture.md invariant 2).
 """
 
 from __future__ import annotations

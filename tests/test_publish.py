@@ -579,7 +579,7 @@ def test_state_reads_for_publishing(tmp_path: Path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# interop: resync, the reference client (PEERS.md), syncs from rsagg
+# interop: resync 2.0.1, the reference client, syncs from rsagg
 
 
 RESYNC = str(Path(sys.executable).parent / "resync-sync")

@@ -1,7 +1,7 @@
 """Acceptance: rsagg harvests a Source that nobody here wrote, at full Resource List Index size.
 
 The upstream is 60,000 small files described by ``resync-build`` (resync 2.0.1, the reference
-implementation; see /work/shared/PEERS.md) and served by Python's stock ``http.server``. Above 50,000
+implementation, from PyPI) and served by Python's stock ``http.server``. Above 50,000
 entries resync-build writes a Resource List Index with two parts (§10.2); its Capability List links ``up``
 to a Source Description at the well-known URI (§6.3.2, §8, §9), which http.server serves as
 ``application/octet-stream`` (no file extension). rsagg is given only the bare site root, so discovery
@@ -131,7 +131,7 @@ def resync_build(*args: str, cwd: Path) -> None:
         [str(RESYNC_BUILD), *args], cwd=cwd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT
     )
     out = done.stdout + done.stderr
-    # resync exits 0 even after a FatalError (PEERS.md): read its output too.
+    # resync 2.0.1 exits 0 even after a FatalError: read its output too.
     assert done.returncode == 0 and "Error" not in out, out
 
 

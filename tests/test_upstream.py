@@ -588,7 +588,7 @@ async def test_the_reference_client_syncs_from_it(tmp_path: Path) -> None:
     out = tmp_path / "copy"
 
     async def resync(*args: str) -> str:
-        # exits 0 even after FatalError: judge by its output (PEERS.md); state file goes to cwd
+        # resync 2.0.1 exits 0 even after FatalError: judge by its output; its state file goes to cwd
         r = await trio.run_process(
             [exe, *args], cwd=tmp_path, capture_stdout=True, capture_stderr=True, check=False
         )

@@ -109,7 +109,7 @@ class HarvestContext:
         return folder
 
     async def commit_blobs(self, writers: list[BlobWriter]) -> None:
-        """Make blobs durable before any state row names them (ARCHITECTURE invariant 2)."""
+        """Make blobs durable before any state row names them (docs/architecture.md invariant 2)."""
         if not writers:
             return
         steps = getattr(self.blobs, "commit_steps", None)

@@ -1,7 +1,7 @@
 """Incremental synchronization from Change Lists (§12.1/§12.2) and Change Dumps (§13).
 
 Each change after the stored cursor enters the one pipeline together with the cursor that marks it
-applied, so the position moves in the same transaction as the change (ARCHITECTURE invariant 2).
+applied, so the position moves in the same transaction as the change (docs/architecture.md invariant 2).
 
 Change Dumps are used to catch up when they are cheaper: one ZIP per closed interval instead of one GET
 per change. The rule: when the first closed package still needed covers at least half of its interval

@@ -1,4 +1,4 @@
-"""The one change pipeline (ARCHITECTURE invariant 1).
+"""The one change pipeline (docs/architecture.md invariant 1).
 
 Every change — from a Resource List during a baseline, a Change List, a dump or a notification — goes
 through ``Pipeline.run``: fetch and verify into an uncommitted blob, then, in the order the changes were
@@ -157,7 +157,7 @@ class Pipeline:
         hc = ctx.config.harvest
         self._workers = hc.workers
         self._batch_size = hc.batch_size
-        # Bounds everything issued but not yet committed (ARCHITECTURE invariant 4: bounded queues).
+        # Bounds everything issued but not yet committed (docs/architecture.md invariant 4: bounded queues).
         self._inflight = trio.Semaphore(hc.workers * 4 + hc.batch_size)
         plugins = ctx.plugins
         self._filtering = bool(plugins.pm.hook.rsagg_filter_harvest.get_hookimpls())

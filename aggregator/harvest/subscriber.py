@@ -38,7 +38,7 @@ on demand and every ``notified_interval`` while every set's change channel is li
   previous one taken on that channel. A first notice, a gap or a notice that cannot be placed on the
   cursor makes it poll the Change List instead (which holds the same changes); an old or repeated one
   (``until`` not after the last) is dropped. Otherwise its entries go through the one ``Pipeline``
-  (ARCHITECTURE invariant 1) with the set's cursor, exactly like Change List entries: entries at or
+  (docs/architecture.md invariant 1) with the set's cursor, exactly like Change List entries: entries at or
   before the cursor (datetime + ties, ``lists.Position``) were applied already — by the Change List or
   an earlier notice — and are skipped, so notifications and polling never apply a change twice. The
   cursor keeps its Change List position (URL, index), so the next poll reads on from where it was.
@@ -131,7 +131,7 @@ class SubscriberSettings:
     retry_max: float = 3600.0
     renew_fraction: float = 0.75  # renew a lease when this fraction of it is over
     unsubscribe_attempts: int = 3  # then the subscription is forgotten (deliveries get 410)
-    inbox_size: int = 64  # notices waiting per source (bounded: ARCHITECTURE invariant 4)
+    inbox_size: int = 64  # notices waiting per source (bounded: docs/architecture.md invariant 4)
     max_payload_bytes: int = 8 * 1024 * 1024
     request_timeout: float = 10.0
     #: A channel that goes live gets a catch-up poll this much later: a hub records a subscription

@@ -2,11 +2,11 @@
 
 Every function here is blocking (SQLite reads): the app calls them in a worker thread with a reader
 ``State`` of its own, and streams the entries with ``rs.write.iter_document_bytes`` while they are read
-page by page (ARCHITECTURE invariant 4: no list is held whole). A function returns ``(head, entries)``
+page by page (docs/architecture.md invariant 4: no list is held whole). A function returns ``(head, entries)``
 where ``entries`` is a lazy iterator that reads the state as it is consumed, or None for "no such
 document" (404).
 
-Views (ARCHITECTURE invariant 3): Resource Lists show the ``resources`` table now; Change Lists show
+Views (docs/architecture.md invariant 3): Resource Lists show the ``resources`` table now; Change Lists show
 the ``changelog``, cut into windows of the GLOBAL changelog seq so every set's windows line up and a
 window never changes once closed:
 

@@ -16,7 +16,7 @@ Every ZIP is streamed straight into a ``BlobWriter`` (never held in memory) and 
 under its SHA-256; the manifest is also stored as a blob of its own, served at the ``rel="contents"`` URL
 (§11.1, §13.1: "the Source needs to ensure that the referred Manifest corresponds with the Manifest
 included in the bitstream package": both are the same bytes). Blobs are committed before the rows that
-name them (ARCHITECTURE invariant 2).
+name them (docs/architecture.md invariant 2).
 
 Bookkeeping lives in two tables of the state database that this module creates itself (``SCHEMA``, with
 ``CREATE TABLE IF NOT EXISTS``), through its own SQLite connection: they are nobody else's business, and

@@ -1,7 +1,7 @@
 """The link policy: which ``rs:ln`` of an upstream entry rsagg republishes, and how (spec §14, §14.8).
 
 One place decides, for every republished entry (Resource List, Change List, dumps), so the rules are
-the same everywhere (ARCHITECTURE: "link policy inside links.py"; a plugin hook later):
+the same everywhere (docs/architecture.md: plugins at the seams):
 
 - exactly one ``rel="via"`` (§14.8): an upstream via link is kept unchanged (chained aggregation: "each
   aggregator should maintain only the existing via link"), else a new one to the upstream ``loc`` with

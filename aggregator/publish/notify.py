@@ -14,7 +14,7 @@ answers GET and HEAD with 200, ``Content-Type: application/xml`` and ``Link: <TO
 <HUB>; rel="hub", <CAPABILITY LIST>; rel="resourcesync"``; the body is the latest payload (empty before
 the first) — which is also what a generic WebSub hub fetches when pinged (NOTES "Source -> hub").
 
-Change notifications are a view of the changelog (ARCHITECTURE invariant 3), like our Change Lists:
+Change notifications are a view of the changelog (docs/architecture.md invariant 3), like our Change Lists:
 after each harvest commit (``HarvestContext.committed`` wakes ``Notifier.wake``) and at least every
 ``poll_interval`` seconds, the records after the channel's ``last_seq`` become payloads:
 

@@ -6,7 +6,7 @@ poll ``status.json`` every REFRESH_SECONDS and refill the tables. The rows come 
 ``aggregator/status.py``, the same function as ``rsagg status``.
 
 ``/metrics``: a plain route returning the Prometheus text format 0.0.4 (prometheus-client's ASGI app,
-mounted, would answer ``/metrics`` with a redirect to ``/metrics/``; see PEERS.md "Serving on trio").
+mounted, would answer ``/metrics`` with a redirect to ``/metrics/``).
 """
 
 from __future__ import annotations

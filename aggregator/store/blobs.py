@@ -5,7 +5,7 @@ baselines) are stored once, and a state row only has to name a hash. ``BlobStore
 rest of rsagg uses (a plugin may provide another backend later); ``FileBlobStore`` keeps blobs on the
 local filesystem under ``root/ab/cd/<sha256>``.
 
-ARCHITECTURE invariant 2 ("blob before state"): ``commit`` returns only once every blob it names is
+docs/architecture.md invariant 2 ("blob before state"): ``commit`` returns only once every blob it names is
 durable (data fsynced, renamed into place, directory fsynced); callers commit blobs first and then the
 state transaction that names them. Everything here blocks: async callers use ``trio.to_thread``.
 """

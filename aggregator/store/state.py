@@ -1,6 +1,6 @@
 """What rsagg knows: Sources, their documents and sets, the resources held, the changelog and cursors.
 
-SQLite in WAL mode through sqlite-utils, one connection. ARCHITECTURE invariants 1 and 2 live in
+SQLite in WAL mode through sqlite-utils, one connection. docs/architecture.md invariants 1 and 2 live in
 ``State.apply``: resource rows, changelog records and the cursor move in ONE transaction, so a crash
 never half-applies a batch and never applies one twice. Invariant 3: the ``changelog`` table is the
 truth of what rsagg republishes (its Change Lists are views of it; Resource Lists are views of
