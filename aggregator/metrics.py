@@ -85,6 +85,7 @@ FAMILIES: dict[str, str] = {
     "rsagg_resources_harvested": "counter",
     "rsagg_resources_deleted": "counter",
     "rsagg_syncs": "counter",
+    "rsagg_upstream_deviations": "counter",
     "rsagg_sync_duration_seconds": "histogram",
     "rsagg_fetched_bytes": "counter",
     "rsagg_upstream_requests": "counter",
@@ -297,6 +298,13 @@ class Metrics:
         self.syncs = Counter(
             "rsagg_syncs", "Syncs of a source finished, by result", ["source", "result"], registry=r
         )
+        self.upstream_deviations = Counter(
+            "rsagg_upstream_deviations",
+            "Deviations from the specification tolerated in upstream documents, by rule "
+            "(aggregator/harvest/deviations.py)",
+            ["source", "rule"],
+            registry=r,
+        )
         self.sync_duration = Histogram(
             "rsagg_sync_duration_seconds",
             "Duration of a sync of a source",
@@ -412,6 +420,10 @@ class Metrics:
             self.resources_deleted.labels(source).inc(len(applied) - stored)
         for f in failures:
             self.error(source, f.kind)
+
+    def deviation(self, source: str, rule: str) -> None:
+        """An upstream deviation rsagg read past (``harvest/deviations.py``)."""
+        self.upstream_deviations.labels(source, rule).inc()
 
     def error(self, source: str, kind: str) -> None:
         with self._errors_lock:

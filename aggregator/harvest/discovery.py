@@ -386,7 +386,7 @@ def _synthetic(d: _Doc, capabilitylist_url: str) -> SetInfo:
     """A set made of one bare capability document (§6.3.4 when no Capability List can be had)."""
     cap = d.capability or model.RESOURCELIST
     entry = Entry(d.url, md=Md(capability=cap))
-    links = [ln for ln in d.head.links if ln.rel == "describedby"]
+    links = [ln for ln in d.head.links if model.has_rel(ln, "describedby")]
     head = Head(md=Md(capability=model.CAPABILITYLIST), links=links)
     return SetInfo(capabilitylist_url, head, {cap: Capability(d.url, cap, entry)}, synthetic=True)
 
