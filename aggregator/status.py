@@ -120,8 +120,16 @@ def unharvested(config: Config) -> dict[str, Any]:
     return {
         "time": format_w3c(utcnow()),
         "sources": [
-            {"name": s.name, "configured": True, "url": s.url, "state": "new", "resources": 0, "sets": [],
-             "deviations": [], "skipped": []}
+            {
+                "name": s.name,
+                "configured": True,
+                "url": s.url,
+                "state": "new",
+                "resources": 0,
+                "sets": [],
+                "deviations": [],
+                "skipped": [],
+            }
             for s in config.sources
         ],
         "sets": [],
@@ -136,6 +144,12 @@ def short_time(value: str | None) -> str:
 
 def progress_text(row: dict) -> str:
     return row["progress"]["text"] if row.get("progress") else ""
+
+
+def notes_text(row: dict) -> str:
+    """The last error, then the deviations the last sync tolerated (``tolerated: rel-case x3``)."""
+    tolerated = ", ".join(f"{d['rule']} x{d['count']}" for d in row.get("deviations") or [])
+    return " — ".join(filter(None, [row.get("last_error"), f"tolerated: {tolerated}" if tolerated else ""]))
 
 
 def lag_text(row: dict) -> str:
@@ -173,6 +187,7 @@ def table(status: dict[str, Any]) -> str:
 __all__ = [
     "collect",
     "lag_text",
+    "notes_text",
     "progress_text",
     "set_rows",
     "short_time",

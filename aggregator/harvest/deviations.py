@@ -110,8 +110,17 @@ def deviation(rule: str, url: str | None, line: int | None, message: str) -> Non
         log.warning("url=%s line %s: %s [tolerated: %s]", url, line, message, rule)
 
 
+def skip(url: str, reason: str) -> None:
+    """Name a list the running sync could not read (the source is then degraded)."""
+    d = _current.get()
+    if d is not None:
+        d.skip(url, reason)
+    else:
+        log.error("url=%s list skipped: %s", url, reason)
+
+
 def current() -> Deviations | None:
     return _current.get()
 
 
-__all__ = ["RULES", "Deviations", "Note", "collecting", "current", "deviation"]
+__all__ = ["RULES", "Deviations", "Note", "collecting", "current", "deviation", "skip"]

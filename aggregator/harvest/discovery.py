@@ -25,6 +25,7 @@ from lxml import etree
 from ..rs import model
 from ..rs.model import Entry, Head, Md
 from ..rs.parse import DocumentError
+from .deviations import deviation
 from .fetch import Fetcher, FetchError
 
 log = logging.getLogger("rsagg.harvest")
@@ -64,6 +65,18 @@ class SetInfo:
     head: Head
     capabilities: dict[str, Capability]
     synthetic: bool = False
+    #: Every entry per capability, in document order (``capabilities`` holds the first). §9 allows one
+    #: per capability, but WEKO3 lists one Resource List and one Change List per repository index:
+    #: all of them are harvested into this one set.
+    lists: dict[str, list[Capability]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for cap, first in self.capabilities.items():
+            self.lists.setdefault(cap, [first])
+
+    def urls(self, capability: str) -> list[str]:
+        """Every advertised document of one capability."""
+        return [c.url for c in self.lists.get(capability, [])]
 
 
 class DiscoveryError(Exception):
@@ -272,16 +285,26 @@ class _Discovery:
 
     def from_capabilitylist(self, d: _Doc) -> SetInfo:
         caps: dict[str, Capability] = {}
+        lists: dict[str, list[Capability]] = {}
         for e in d.entries or []:
             cap = e.capability
             if not cap:
                 log.warning("capability list %s: entry %s has no capability, ignored", d.url, e.loc)
                 continue
-            if cap in caps:  # §9: "must only contain one entry per capability"
-                log.warning("capability list %s: second %s entry %s ignored", d.url, cap, e.loc)
+            if cap not in model.CAPABILITIES:  # §9: capabilities of other specifications may be listed
+                deviation("unknown-capability", d.url, e.line, f"capability {cap!r} of {e.loc} not read")
+            entry = Capability(urljoin(d.final_url, e.loc), cap, e)
+            if cap in caps:  # §9: "must only contain one entry per capability"; WEKO3 lists several
+                deviation(
+                    "capability-repeated", d.url, e.line,
+                    f"another {cap} entry ({e.loc}); every one is harvested into this set",
+                )  # fmt: skip
+                if entry.url not in {c.url for c in lists[cap]}:
+                    lists[cap].append(entry)
                 continue
-            caps[cap] = Capability(urljoin(d.final_url, e.loc), cap, e)
-        return SetInfo(d.url, d.head, caps)
+            caps[cap] = entry
+            lists[cap] = [entry]
+        return SetInfo(d.url, d.head, caps, lists=lists)
 
     async def from_description(self, d: _Doc) -> list[SetInfo]:
         urls = [urljoin(d.final_url, e.loc) for e in d.entries or []]

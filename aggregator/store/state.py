@@ -496,9 +496,7 @@ class State:
             if cur.rowcount == 0:
                 raise KeyError(f"unknown source {name!r}")
 
-    def put_upstream_notes(
-        self, source: str, deviations: Sequence[dict], skipped: Mapping[str, str]
-    ) -> None:
+    def put_upstream_notes(self, source: str, deviations: Sequence[dict], skipped: Mapping[str, str]) -> None:
         """Replace what the last sync of ``source`` tolerated (``deviations``: rule, count, url, line,
         message) and skipped (list URL -> reason)."""
         now = format_dt(self._now())
