@@ -280,7 +280,7 @@ def _entry_member(pkg: _Package, entry: Entry, *, note: bool = False) -> tuple[s
     md = entry.md
     if md is not None and md.change == model.DELETED:
         return None  # §13.2: no bitstream for a deletion (a stray path is ignored)
-    path = md.path if md is not None else None
+    path = given = md.path if md is not None else None
     if path and not path.startswith("/"):
         if note:
             deviation(
@@ -292,10 +292,10 @@ def _entry_member(pkg: _Package, entry: Entry, *, note: bool = False) -> tuple[s
         name = member_name(path)
     except ValueError as exc:
         where = f"entry {entry.loc!r} (manifest line {entry.line})"
-        raise pkg.error(f"unsafe or invalid manifest path for {where}: {exc}", path or None) from None
+        raise pkg.error(f"unsafe or invalid manifest path for {where}: {exc}", given or None) from None
     info = pkg.members.get(name)
     if info is None:
-        raise pkg.error(f"manifest path names a file that is not in the ZIP (entry {entry.loc!r})", path)
+        raise pkg.error(f"manifest path names a file that is not in the ZIP (entry {entry.loc!r})", given)
     return "/" + name, info
 
 

@@ -64,8 +64,9 @@ const ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"};
 const esc = (v) => String(v ?? "").replace(/[&<>"]/g, (c) => ENTITIES[c]);
 const row = (r) => "<tr>" + [r.name + (r.configured === false ? " (removed)" : ""), r.state, r.resources,
   r.lag || "-", (r.last_success || "-").replace(/\.\d+Z$/, "Z"), r.progress ? r.progress.text : "",
-  [r.last_error, (r.deviations || []).length ? "tolerated: " + r.deviations.map((d) => d.rule + " x" + d.count)
-    .join(", ") : ""].filter(Boolean).join(" — ")]
+  [r.last_error, (r.deviations || []).length
+    ? "tolerated: " + r.deviations.map((d) => d.rule + " x" + d.count).join(", ") : ""]
+    .filter(Boolean).join(" — ")]
   .map((c) => "<td>" + esc(c) + "</td>").join("") + "</tr>";
 async function refresh() {
   try {
