@@ -141,7 +141,7 @@ async def test_resource_dump_package(env):
 
 
 async def test_paths_without_leading_slash_are_read_and_noted(env):
-    """resync-build and CORE write ``path="resources/x"``: read from the package root, noted once per entry."""
+    """resync-build and CORE write ``path="res/x"``: read from the package root, noted once per entry."""
     store, pkgs = env
     data = b"no slash"
     path = make_zip(pkgs / "p.zip", [("recid_1/a.txt", data)],
