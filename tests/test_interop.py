@@ -145,24 +145,31 @@ def weko_site(site: Site, records: dict[int, dict[int, bytes]], changes: dict[in
                     site.url(f"/records/{n}"),
                     f'hash="sha-256:{sha256(data)}" length="{len(data)}" path="recid_{n}/record.json"',
                     lastmod=WEKO_T0,
-                ),  # fmt: skip
+                ),
                 links=ln("up", f"BASE{path}/resourcedump.xml"),
             ).replace("BASE", site.base)
             site.pages[f"{path}/{n}/file_content.zip"] = package(manifest, {f"recid_{n}/record.json": data})
             site.pages[f"{path}/{n}/resourcedump_manifest.xml"] = manifest
-            dumps += url(f"BASE{path}/{n}/file_content.zip", lastmod=WEKO_T0,
-                         links=f'<rs:ln rel="contents" href="BASE{path}/{n}/resourcedump_manifest.xml" '
-                               'type="application/xml"/>')  # fmt: skip
+            dumps += url(
+                f"BASE{path}/{n}/file_content.zip",
+                lastmod=WEKO_T0,
+                links=f'<rs:ln rel="contents" href="BASE{path}/{n}/resourcedump_manifest.xml" '
+                'type="application/xml"/>',
+            )
         site.pages[f"{path}/resourcedump.xml"] = doc('capability="resourcedump"', dumps, links=up)
         # The Change List "index": a <urlset>, entries are change lists by period (from/until).
         site.pages[f"{path}/changelist.xml"] = doc(
             'capability="changelist"',
-            url(f"BASE{path}/20240101/changelist.xml",
-                'capability="changelist" from="2024-01-01T00:00:00+00:00" until="2024-02-01T00:00:00+00:00"')
-            + url(f"BASE{path}/20240201/changelist.xml",
-                  'capability="changelist" from="2024-02-01T00:00:00+00:00" until="2099-01-01T00:00:00+00:00"'),
+            url(
+                f"BASE{path}/20240101/changelist.xml",
+                'capability="changelist" from="2024-01-01T00:00:00+00:00" until="2024-02-01T00:00:00+00:00"',
+            )
+            + url(
+                f"BASE{path}/20240201/changelist.xml",
+                'capability="changelist" from="2024-02-01T00:00:00+00:00" until="2099-01-01T00:00:00+00:00"',
+            ),
             links=up,
-        )  # fmt: skip
+        )
         site.pages[f"{path}/20240101/changelist.xml"] = doc('capability="changelist"', "", links=up)
         site.pages[f"{path}/20240201/changelist.xml"] = doc(
             'capability="changelist"', changes.get(index, ""), links=up
@@ -191,10 +198,12 @@ async def test_weko3_shaped_source(tmp_path: Path) -> None:
         # from), record 5 created with a lastmod before the list's from (§12.1, Example 19). No datetime.
         records[1001] = {1: weko_record(1, 2), 5: weko_record(5)}
         changes = {
-            1001: url("BASE/records/1", 'change="updated" at="2024-02-03T10:00:00.000001+00:00"', lastmod=WEKO_T1)
+            1001: url(
+                "BASE/records/1", 'change="updated" at="2024-02-03T10:00:00.000001+00:00"', lastmod=WEKO_T1
+            )
             + url("BASE/records/2", 'change="deleted" at="2024-02-03T10:00:01+00:00"', lastmod=WEKO_T0)
             + url("BASE/records/5", 'change="created" at="2024-02-03T10:00:02+00:00"', lastmod=WEKO_T0)
-        }  # fmt: skip
+        }
         weko_site(site, records, changes)
         site.hits.clear()
         row = await assert_ok_and_in_sync(cfg, "weko")
@@ -232,10 +241,13 @@ def core_site(site: Site, pdfs: dict[str, bytes]) -> None:
     halves = [names[: len(names) // 2], names[len(names) // 2 :]]
     site.pages[f"{root}/resourcelist-index.xml"] = doc(
         'at="2017-05-16T13:55:36Z" capability="resourcelist" completed="2017-05-16T13:56:17Z"',
-        "".join(url(f"\n\tBASE{root}/resourcelist_000{i}.xml\n\t", 'at="2017-05-16T13:55:38Z"', tag="sitemap")
-                for i in range(2)),
-        links=ln("up", f"BASE{root}/capabilitylist.xml"), root="sitemapindex",
-    )  # fmt: skip
+        "".join(
+            url(f"\n\tBASE{root}/resourcelist_000{i}.xml\n\t", 'at="2017-05-16T13:55:38Z"', tag="sitemap")
+            for i in range(2)
+        ),
+        links=ln("up", f"BASE{root}/capabilitylist.xml"),
+        root="sitemapindex",
+    )
     manifest_entries = ""
     for i, half in enumerate(halves):
         entries = ""
@@ -253,9 +265,11 @@ def core_site(site: Site, pdfs: dict[str, bytes]) -> None:
                 b'{"title": "%s"}' % name.encode()
             )
         site.pages[f"{root}/resourcelist_000{i}.xml"] = doc(
-            'at="2017-05-16T13:56:11Z" capability="resourcelist" completed="2017-05-16T13:56:16Z"', entries,
-            links=ln("up", f"BASE{root}/capabilitylist.xml") + ln("index", f"BASE{root}/resourcelist-index.xml"),
-        )  # fmt: skip
+            'at="2017-05-16T13:56:11Z" capability="resourcelist" completed="2017-05-16T13:56:16Z"',
+            entries,
+            links=ln("up", f"BASE{root}/capabilitylist.xml")
+            + ln("index", f"BASE{root}/resourcelist-index.xml"),
+        )
     manifest = doc('capability="resourcedump-manifest" at="2017-05-16T13:55:36Z"', manifest_entries)
     members = {f"pdf/000/{n}.pdf": pdfs[n] for n in names}
     zipped = package(manifest.replace("BASE", site.base), members)
@@ -299,10 +313,17 @@ def dspace_site(site: Site, items: dict[str, bytes], changes: str) -> None:
     entries = ""
     for handle, data in items.items():
         meta = f"BASE/rs/{handle}?format=oai_dc"
-        entries += url(f"BASE/bitstream/{handle}/1/file.pdf", f'type="application/pdf" length="{len(data)}"',
-                       links=ln("describedby", meta) + ln("collection", "BASE/123456789/1"))  # fmt: skip
-        entries += url(meta, 'type="application/xml"', lastmod="2015-03-01T10:00:00Z",
-                       links=ln("describedby", "oai_dc") + ln("describes", f"BASE/bitstream/{handle}/1/file.pdf"))  # fmt: skip
+        entries += url(
+            f"BASE/bitstream/{handle}/1/file.pdf",
+            f'type="application/pdf" length="{len(data)}"',
+            links=ln("describedby", meta) + ln("collection", "BASE/123456789/1"),
+        )
+        entries += url(
+            meta,
+            'type="application/xml"',
+            lastmod="2015-03-01T10:00:00Z",
+            links=ln("describedby", "oai_dc") + ln("describes", f"BASE/bitstream/{handle}/1/file.pdf"),
+        )
         site.pages[f"/bitstream/{handle}/1/file.pdf"] = data
         site.pages[f"/rs/{handle}?format=oai_dc"] = b"<oai_dc:dc>%s</oai_dc:dc>" % handle.encode()
     up = ln("up", "BASE/rs/capabilitylist.xml")
@@ -312,8 +333,9 @@ def dspace_site(site: Site, items: dict[str, bytes], changes: str) -> None:
     site.pages["/rs/changelist-archive.xml"] = doc(
         'capability="changelist-archive" from="2015-03-01T00:00:00Z" until="2015-03-01T12:00:00Z"',
         url("BASE/rs/changelist/2015-03-01.xml", lastmod="2015-03-01T12:00:00Z", tag="sitemap"),
-        links=up, root="sitemapindex",
-    )  # fmt: skip
+        links=up,
+        root="sitemapindex",
+    )
     site.pages["/rs/changelist/2015-03-01.xml"] = doc('capability="changelist"', "", links=up)
     site.pages["/rs/changelist/latest.xml"] = doc('capability="changelist"', changes, links=up)
     site.pages["/rs/capabilitylist.xml"] = doc(
@@ -339,8 +361,10 @@ async def test_dspace_shaped_source(tmp_path: Path) -> None:
         items = {"123456789/10": b"%PDF paper ten, revised" * 20, "123456789/12": b"%PDF paper twelve" * 20}
         changes = ""
         for handle in ("123456789/10", "123456789/12"):
-            changes += url(f"BASE/bitstream/{handle}/1/file.pdf",
-                           f'change="updated" type="application/pdf" length="{len(items[handle])}"')  # fmt: skip
+            changes += url(
+                f"BASE/bitstream/{handle}/1/file.pdf",
+                f'change="updated" type="application/pdf" length="{len(items[handle])}"',
+            )
             changes += url(
                 f"BASE/rs/{handle}?format=oai_dc", 'change="updated"', lastmod="2015-03-02T10:00:00Z"
             )
@@ -372,8 +396,9 @@ async def test_a_list_rsagg_cannot_read_never_reports_ok_or_in_sync(tmp_path: Pa
         site.pages["/r2"] = b"two"
         site.pages["/capabilitylist.xml"] = doc(
             'capability="capabilitylist"',
-            url("BASE/rl-good.xml", 'capability="resourcelist"') + url("BASE/rl-bad.xml", 'capability="resourcelist"'),
-        )  # fmt: skip
+            url("BASE/rl-good.xml", 'capability="resourcelist"')
+            + url("BASE/rl-bad.xml", 'capability="resourcelist"'),
+        )
         site.pages["/rl-good.xml"] = doc(
             'capability="resourcelist" at="2024-01-01T00:00:00Z"', url("BASE/r1")
         )
