@@ -15,6 +15,7 @@ import io
 import zipfile
 from pathlib import Path
 
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -489,3 +490,110 @@ def test_relation_types_compare_case_insensitively() -> None:
     head = Head(links=[Link("UP", "http://x/cl.xml")])
     assert head.link("up") is not None and head.link("up").href == "http://x/cl.xml"
     assert head.link("index") is None
+
+
+# -- indexes of dumps and ResourceSync Archives ------------------------------------------------------
+
+
+def dump_package(site: Site, names: list[str], at: str) -> bytes:
+    entries = "".join(
+        url(site.url(f"/{n}"), f'length="{len(site.pages[f"/{n}"])}" path="/{n}"') for n in names
+    )
+    return package(
+        doc(f'capability="resourcedump-manifest" at="{at}"', entries), {n: site.pages[f"/{n}"] for n in names}
+    )
+
+
+async def test_resource_dump_index_is_read_part_by_part(tmp_path: Path) -> None:
+    site = Site()
+    async with serve_app(site.app) as base:
+        site.base = base
+        at = "2024-01-01T00:00:00Z"
+        for n in ("a", "b", "c"):
+            site.pages[f"/{n}"] = f"content of {n}".encode()
+        site.pages["/p1.zip"] = dump_package(site, ["a", "b"], at)
+        site.pages["/p2.zip"] = dump_package(site, ["c"], at)
+        for i in (1, 2):
+            site.pages[f"/rd-{i}.xml"] = doc(f'capability="resourcedump" at="{at}"', url(f"BASE/p{i}.zip"))
+        site.pages["/rd-index.xml"] = doc(
+            f'capability="resourcedump" at="{at}"',
+            url("BASE/rd-1.xml", tag="sitemap") + url("BASE/rd-2.xml", tag="sitemap"),
+            root="sitemapindex",
+        )
+        site.pages["/rl.xml"] = doc(
+            f'capability="resourcelist" at="{at}"', "".join(url(f"BASE/{n}") for n in "abc")
+        )
+        site.pages["/capabilitylist.xml"] = doc(
+            'capability="capabilitylist"',
+            url("BASE/rl.xml", 'capability="resourcelist"')
+            + url("BASE/rd-index.xml", 'capability="resourcedump"'),
+        )
+        cfg = make_config(tmp_path / "data", {"rdi": site.url("/capabilitylist.xml")})
+        await assert_ok_and_in_sync(cfg, "rdi")
+        assert len(held(cfg)) == 3
+        assert "/p1.zip" in site.hits and "/p2.zip" in site.hits
+        assert not {"/a", "/b", "/c"} & set(site.hits)
+
+
+@pytest.mark.parametrize("advertised", ["in the capability list", "by rel=archives"])
+async def test_a_change_list_archive_bridges_what_the_open_change_list_no_longer_covers(
+    tmp_path: Path, advertised: str
+) -> None:
+    """Archives draft: closed Change Lists move to a changelist-archive. rsagg reads them from its
+    position instead of calling the interval lost (a gap) and re-baselining from a stale list."""
+    site = Site()
+    async with serve_app(site.app) as base:
+        site.base = base
+        t1, t2 = "2024-01-10T00:00:00Z", "2024-01-20T00:00:00Z"
+        site.pages["/a"] = b"a, first"
+        site.pages["/rl.xml"] = doc(f'capability="resourcelist" at="{t1}"', url("BASE/a"))
+        caps = url("BASE/rl.xml", 'capability="resourcelist"') + url("BASE/cl.xml", 'capability="changelist"')
+        archives = ""
+        if advertised == "in the capability list":
+            caps += url("BASE/cl-archive.xml", 'capability="changelist-archive"')
+        else:
+            archives = ln("archives", "BASE/cl-archive.xml")
+        site.pages["/capabilitylist.xml"] = doc('capability="capabilitylist"', caps)
+        site.pages["/cl.xml"] = doc(f'capability="changelist" from="{t1}"', links=archives)
+        site.pages["/cl-archive.xml"] = doc('capability="changelist-archive"')
+        cfg = make_config(tmp_path / "data", {"arc": site.url("/capabilitylist.xml")})
+        await assert_ok_and_in_sync(cfg, "arc")
+
+        # The list from t1 to t2 is closed and archived; the open list starts at t2.
+        site.pages["/a"] = b"a, second"
+        site.pages["/b"] = b"b"
+        site.pages["/cl-1.xml"] = doc(
+            f'capability="changelist" from="{t1}" until="{t2}"',
+            url("BASE/a", 'change="updated" datetime="2024-01-11T00:00:00Z"'),
+        )
+        site.pages["/cl-archive.xml"] = doc(
+            'capability="changelist-archive"', url("BASE/cl-1.xml", f'from="{t1}" until="{t2}"')
+        )
+        site.pages["/cl.xml"] = doc(
+            f'capability="changelist" from="{t2}"',
+            url("BASE/b", 'change="created" datetime="2024-01-21T00:00:00Z"'),
+            links=archives,
+        )
+        result = (await harvest(cfg))["arc"]
+        assert result.ok and result.gaps == 0 and result.baselines == 0, result
+        assert held(cfg) == {site.url("/a"): sha256(b"a, second"), site.url("/b"): sha256(b"b")}
+        await assert_ok_and_in_sync(cfg, "arc")
+
+
+def test_spec_archive_examples_are_read() -> None:
+    """The Archives draft's examples parse as the capability each names (tests/data/spec-examples)."""
+    from aggregator.rs.parse import parse_bytes
+
+    folder = Path(__file__).parent / "data" / "spec-examples"
+    seen = set()
+    for path in sorted(folder.glob("archives_ex_*.xml")):
+        head, entries = parse_bytes(path.read_bytes(), str(path))
+        seen.add(head.capability)
+        if head.capability and head.capability.endswith("-archive"):
+            assert entries and all(e.loc.startswith("http://example.com/") for e in entries)
+    assert {
+        "resourcelist-archive",
+        "changelist-archive",
+        "resourcedump-archive",
+        "changedump-archive",
+    } <= seen

@@ -15,7 +15,7 @@ from urllib.parse import urljoin
 from ..rs.model import CHANGELIST, CHANGELIST_ARCHIVE, CHANGES, RESOURCELIST, Entry, Head
 from ..store.state import Cursor
 from .deviations import deviation
-from .fetch import DocumentStream, Fetcher
+from .fetch import DocumentStream, Fetcher, FetchError
 
 #: An absolute URI has a scheme (RFC 3986 §3.1); anything else is resolved against the document.
 _ABSOLUTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
@@ -261,8 +261,9 @@ async def archived_refs(fetcher: Fetcher, url: str, capability: str) -> list[Lis
     at 50,000 entries."""
     async with fetcher.document(url) as doc:
         _expect(url, doc.head, capability)
+        # DSpace (ResourceSyncJava) gives archived lists only a <lastmod>: the time the list was closed.
         return [
-            ListRef(e.loc, e.md.from_ if e.md else None, e.md.until if e.md else None)
+            ListRef(e.loc, e.md.from_ if e.md else None, (e.md.until if e.md else None) or e.lastmod)
             async for e in resolved(doc.entries, doc.url or url)
         ]
 
@@ -292,6 +293,15 @@ async def change_entries(
         else:
             is_index, entries = await open_list(url, doc, CHANGELIST)
             md = doc.head.md if doc.head else None
+            link = doc.head.link("archives") if doc.head else None
+            if not archives and link is not None and link.href:
+                # Archives draft: a core document may name its archive with a top-level rel="archives".
+                # Only a pointer: unreadable, it costs nothing unless it was needed (then a gap is found).
+                href = urljoin(doc.url or url, link.href)
+                try:
+                    archived = await archived_refs(fetcher, href, CHANGELIST_ARCHIVE)
+                except (FetchError, SyncError) as exc:
+                    log.warning("source=%s url=%s archive of %s not read: %s", source, href, url, exc)
             if not is_index:
                 ref = ListRef(doc.url, md.from_ if md else None, md.until if md else None)
                 older = _closed_before(archived, ref, pos)
