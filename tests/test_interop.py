@@ -597,3 +597,51 @@ def test_spec_archive_examples_are_read() -> None:
         "resourcedump-archive",
         "changedump-archive",
     } <= seen
+
+
+async def test_change_dump_index_packages_are_read_part_by_part(tmp_path: Path) -> None:
+    site = Site()
+    async with serve_app(site.app) as base:
+        site.base = base
+        t0, t1, t2 = "2024-01-01T00:00:00Z", "2024-01-02T00:00:00Z", "2024-01-03T00:00:00Z"
+        site.pages["/a"] = b"a0"
+        site.pages["/b"] = b"b0"
+        site.pages["/rl.xml"] = doc(f'capability="resourcelist" at="{t0}"', url("BASE/a") + url("BASE/b"))
+        site.pages["/cl.xml"] = doc(f'capability="changelist" from="{t0}"')
+        site.pages["/cd-index.xml"] = doc(f'capability="changedump" from="{t0}"', root="sitemapindex")
+        site.pages["/capabilitylist.xml"] = doc(
+            'capability="capabilitylist"',
+            url("BASE/rl.xml", 'capability="resourcelist"')
+            + url("BASE/cl.xml", 'capability="changelist"')
+            + url("BASE/cd-index.xml", 'capability="changedump"'),
+        )
+        cfg = make_config(tmp_path / "data", {"cdi": site.url("/capabilitylist.xml")})
+        await assert_ok_and_in_sync(cfg, "cdi")
+
+        # Two closed intervals, each packaged (§13), each package in its own Change Dump under an index.
+        changes = [("a", b"a1", "2024-01-01T12:00:00Z", t0, t1), ("b", b"b1", "2024-01-02T12:00:00Z", t1, t2)]
+        entries = ""
+        for i, (name, data, when, start, end) in enumerate(changes, 1):
+            site.pages[f"/{name}"] = data
+            change = url(
+                site.url(f"/{name}"),
+                f'change="updated" datetime="{when}" length="{len(data)}" path="/{name}"',
+            )
+            manifest = doc(f'capability="changedump-manifest" from="{start}" until="{end}"', change)
+            site.pages[f"/cd-{i}.zip"] = package(manifest, {name: data})
+            site.pages[f"/cd-{i}.xml"] = doc(
+                f'capability="changedump" from="{start}" until="{end}"',
+                url(f"BASE/cd-{i}.zip", f'from="{start}" until="{end}" type="application/zip"'),
+            )
+            entries += url(f"BASE/cd-{i}.xml", f'from="{start}" until="{end}"', tag="sitemap")
+            site.pages["/cl.xml"] = site.pages["/cl.xml"].replace(
+                "</urlset>", url("BASE/" + name, f'change="updated" datetime="{when}"') + "</urlset>"
+            )
+        site.pages["/cd-index.xml"] = doc(
+            f'capability="changedump" from="{t0}"', entries, root="sitemapindex"
+        )
+        site.hits.clear()
+        await assert_ok_and_in_sync(cfg, "cdi")
+        assert held(cfg) == {site.url("/a"): sha256(b"a1"), site.url("/b"): sha256(b"b1")}
+        assert {"/cd-1.zip", "/cd-2.zip"} <= set(site.hits)
+        assert not {"/a", "/b"} & set(site.hits)  # the changes came in the packages
