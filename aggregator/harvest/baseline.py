@@ -151,7 +151,7 @@ async def _baseline_from(
                     async for work in one:
                         yield work
             except (DumpError, FetchError, SyncError) as exc:
-                if len(urls) == 1:
+                if len(urls) == 1 or how == "dump":  # a dump that fails falls back to the lists whole
                     raise
                 skipped.append(url)
                 skip(url, str(exc))

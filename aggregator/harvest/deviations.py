@@ -98,7 +98,10 @@ def collecting(deviations: Deviations) -> Iterator[Deviations]:
     try:
         yield deviations
     finally:
-        _current.reset(token)
+        try:
+            _current.reset(token)
+        except ValueError:  # an async generator closed from another context (an audit stopped early)
+            _current.set(None)
 
 
 def deviation(rule: str, url: str | None, line: int | None, message: str) -> None:
