@@ -645,3 +645,51 @@ async def test_change_dump_index_packages_are_read_part_by_part(tmp_path: Path) 
         assert held(cfg) == {site.url("/a"): sha256(b"a1"), site.url("/b"): sha256(b"b1")}
         assert {"/cd-1.zip", "/cd-2.zip"} <= set(site.hits)
         assert not {"/a", "/b"} & set(site.hits)  # the changes came in the packages
+
+
+def test_the_time_of_a_change_is_its_datetime_never_its_lastmod() -> None:
+    """§7/§12.1: lastmod is the resource's modification time. Without a datetime a change is never
+    taken as applied by position: it goes to the pipeline, which applies it by content."""
+    from datetime import UTC, datetime
+
+    from aggregator.harvest.lists import ListRef, Position, when
+    from aggregator.rs.model import Md
+    from aggregator.store.state import Cursor
+
+    at = datetime(2024, 1, 10, tzinfo=UTC)
+    old = datetime(2020, 1, 1, tzinfo=UTC)
+    deletion = Entry("http://x/a", lastmod=old, md=Md(change="deleted"))
+    assert when(deletion) is None
+    pos = Position(Cursor(at, None, at, 0, 0, None))
+    ref = ListRef("http://x/cl.xml", None, None)
+    assert not pos.is_applied(when(deletion), ref.url, 1)
+    # Read again at the same place of the same list: still not skipped (resync-build rewrites in place).
+    after = pos.advance(None, ref, 1)
+    assert not Position(after).is_applied(None, ref.url, 1)
+    assert after.last_datetime == at  # the cursor does not move for it
+    # With a datetime, the cursor rules: before it, applied; after it, not; ties counted.
+    assert pos.is_applied(datetime(2024, 1, 9, tzinfo=UTC), ref.url, 2)
+    assert not pos.is_applied(datetime(2024, 1, 11, tzinfo=UTC), ref.url, 3)
+    tie = Position(Cursor(at, None, at, 1, 0, None))
+    assert tie.is_applied(at, ref.url, 1) and not tie.is_applied(at, ref.url, 2)
+
+
+def test_deviations_are_logged_once_per_document_and_counted_each_time(caplog) -> None:
+    from aggregator.metrics import Metrics
+
+    metrics = Metrics(process=False)
+    noted = Deviations("s", metrics.deviation)
+    with collecting(noted), caplog.at_level("WARNING", logger="rsagg.harvest"):
+        from aggregator.harvest.deviations import deviation
+
+        for line in (3, 4, 5):
+            deviation("relative-loc", "http://x/rl.xml", line, f"relative <loc> on line {line}")
+        deviation("relative-loc", "http://x/other.xml", 7, "relative <loc>")
+    assert [r.getMessage().count("relative-loc") for r in caplog.records] == [1, 1]  # once per document
+    assert "line 3" in caplog.records[0].getMessage()
+    assert noted.notes["relative-loc"].as_dict() == {
+        "rule": "relative-loc", "count": 4, "url": "http://x/rl.xml", "line": 3,
+        "message": "relative <loc> on line 3",
+    }  # fmt: skip
+    text = metrics.exposition().decode()
+    assert 'rsagg_upstream_deviations_total{rule="relative-loc",source="s"} 4.0' in text
