@@ -29,7 +29,7 @@ RULES: dict[str, str] = {
     "package root",
     "index-as-urlset": "an index written as <urlset> whose entries are capability documents (§10.2, "
     "§12.2); read as an index",
-    "list-as-sitemapindex": "a list written as <sitemapindex> whose entries are resources; read as a list",
+    "list-as-sitemapindex": "a Change List written as <sitemapindex> of changes; read as a list",
     "capability-repeated": "several entries for one capability in a Capability List (§9: one); all read",
     "change-without-datetime": "a change without rs:md datetime (§12.1: mandatory); applied by content",
     "unknown-capability": "a capability rsagg does not know (another specification's, §9); not read",

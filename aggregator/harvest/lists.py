@@ -90,14 +90,15 @@ def _looks_like_index(first: Entry | None, capability: str, is_index: bool) -> b
     """What the entries say the document is (§10.2, §12.2), whatever its root element says.
 
     WEKO3 writes a Change List Index as ``<urlset>`` whose entries carry ``capability="changelist"``;
-    the reverse (a ``<sitemapindex>`` whose entries are changes or resources with hashes) was seen too.
+    the reverse (a ``<sitemapindex>`` whose entries are changes) was seen too. Only ``change`` tells a
+    change from a part: an index's parts may carry ``hash``/``length`` of their own (resync-build's do).
     """
     if first is None or first.md is None:
         return is_index
     md = first.md
     if not is_index and md.capability == capability and md.change is None:
         return True
-    if is_index and md.capability is None and (md.change is not None or md.hash is not None):
+    if is_index and md.capability is None and md.change is not None:
         return False
     return is_index
 
