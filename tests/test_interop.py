@@ -693,3 +693,56 @@ def test_deviations_are_logged_once_per_document_and_counted_each_time(caplog) -
     }  # fmt: skip
     text = metrics.exposition().decode()
     assert 'rsagg_upstream_deviations_total{rule="relative-loc",source="s"} 4.0' in text
+
+
+async def test_a_source_with_only_a_resource_list_archive_is_baselined_from_its_newest_list(
+    tmp_path: Path,
+) -> None:
+    site = Site()
+    async with serve_app(site.app) as base:
+        site.base = base
+        site.pages["/a"] = b"a"
+        site.pages["/b"] = b"b"
+        site.pages["/rl-old.xml"] = doc('capability="resourcelist" at="2012-11-03T09:00:00Z"', url("BASE/a"))
+        site.pages["/rl-new.xml"] = doc(
+            'capability="resourcelist" at="2013-01-03T09:00:00Z"', url("BASE/a") + url("BASE/b")
+        )
+        site.pages["/rl-archive.xml"] = doc(
+            'capability="resourcelist-archive"',
+            url("BASE/rl-new.xml", 'at="2013-01-03T09:00:00Z"')
+            + url("BASE/rl-old.xml", 'at="2012-11-03T09:00:00Z"'),
+        )
+        site.pages["/capabilitylist.xml"] = doc(
+            'capability="capabilitylist"', url("BASE/rl-archive.xml", 'capability="resourcelist-archive"')
+        )
+        cfg = make_config(tmp_path / "data", {"old": site.url("/capabilitylist.xml")})
+        await assert_ok_and_in_sync(cfg, "old")
+        assert set(held(cfg)) == {site.url("/a"), site.url("/b")}
+        assert "/rl-old.xml" not in site.hits
+
+
+@pytest.mark.parametrize("contents_link", [True, False])
+async def test_a_dump_only_set_is_audited_against_its_manifests(tmp_path: Path, contents_link: bool) -> None:
+    """A set offering only a Resource Dump is compared with its packages' manifests (§11.1 rel=contents);
+    without a manifest link it cannot be audited, and the audit says so instead of "in sync"."""
+    site = Site()
+    async with serve_app(site.app) as base:
+        site.base = base
+        at = "2024-01-01T00:00:00Z"
+        site.pages["/a"] = b"a"
+        site.pages["/p.zip"] = dump_package(site, ["a"], at)
+        with zipfile.ZipFile(io.BytesIO(site.pages["/p.zip"])) as z:
+            site.pages["/p-manifest.xml"] = z.read("manifest.xml").decode()
+        links = ln("contents", "BASE/p-manifest.xml") if contents_link else ""
+        site.pages["/rd.xml"] = doc(f'capability="resourcedump" at="{at}"', url("BASE/p.zip", links=links))
+        site.pages["/capabilitylist.xml"] = doc(
+            'capability="capabilitylist"', url("BASE/rd.xml", 'capability="resourcedump"')
+        )
+        cfg = make_config(tmp_path / "data", {"dump": site.url("/capabilitylist.xml")})
+        assert (await harvest(cfg))["dump"].ok
+        assert set(held(cfg)) == {site.url("/a")}
+        if contents_link:
+            assert await audit(cfg) == []
+        else:
+            with pytest.raises(Exception, match="contents"):
+                await audit(cfg)

@@ -25,7 +25,7 @@ from ..rs.model import (
     Entry,
 )
 from ..store.state import Cursor, Resource
-from .baseline import dump_packages
+from .baseline import dump_packages, with_archived_snapshots
 from .context import HarvestContext
 from .deviations import Deviations, collecting, current, skip
 from .discovery import SetInfo, discover
@@ -106,6 +106,7 @@ async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator
 async def _audit_set(
     ctx: HarvestContext, src: SourceConfig, info: SetInfo
 ) -> AsyncGenerator[Difference, None]:
+    info = await with_archived_snapshots(ctx, info)
     set_url = info.capabilitylist_url
     set_id = next((s["id"] for s in ctx.reader.sets(src.name) if s["capabilitylist_url"] == set_url), None)
     snapshot_urls = info.urls(RESOURCELIST)

@@ -9,22 +9,40 @@ next attempt starts a new generation, and what was already stored is skipped by 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from datetime import datetime
 from pathlib import Path
 
 import trio
 
-from ..rs.model import CREATED, RESOURCEDUMP, RESOURCELIST, Entry
+from ..rs.model import (
+    CREATED,
+    RESOURCEDUMP,
+    RESOURCEDUMP_ARCHIVE,
+    RESOURCELIST,
+    RESOURCELIST_ARCHIVE,
+    Entry,
+)
 from ..store.state import Cursor
 from .context import HarvestContext
 from .deviations import skip
-from .discovery import SetInfo
+from .discovery import Capability, SetInfo
 from .dumps import DumpError, DumpLimits, fetch_package
 from .fetch import FetchError
-from .lists import NotModified, Snapshot, SyncError, Validators, open_list, resolved, resource_list_entries
+from .lists import (
+    NotModified,
+    Snapshot,
+    SyncError,
+    Validators,
+    open_list,
+    resolve,
+    resolved,
+    resource_list_entries,
+)
 from .pipeline import Pipeline, PipelineStats, Work
 
 log = logging.getLogger("rsagg.harvest")
@@ -46,6 +64,35 @@ async def _resource_list_items(
     async with aclosing(entries):
         async for entry in entries:
             yield Work(entry, CREATED, None, generation)
+
+
+async def with_archived_snapshots(ctx: HarvestContext, info: SetInfo) -> SetInfo:
+    """A set that offers no current Resource List (or Resource Dump) but an archive of them (Archives
+    draft: ``resourcelist-archive``, ``resourcedump-archive``) is read from the newest archived one:
+    a snapshot at its ``at``, which the Change Lists then bring up to date."""
+    lists = dict(info.lists)
+    for current, archive in ((RESOURCELIST, RESOURCELIST_ARCHIVE), (RESOURCEDUMP, RESOURCEDUMP_ARCHIVE)):
+        if current in lists or archive not in lists:
+            continue
+        newest: tuple[datetime, Entry] | None = None
+        for url in info.urls(archive):
+            async with ctx.fetcher.document(url) as doc:
+                if doc.head is None or doc.head.capability != archive:
+                    raise SyncError(
+                        f"{url}: expected a {archive}, got {doc.head.capability if doc.head else None!r}"
+                    )
+                async for e in resolved(doc.entries, doc.url or url):
+                    when = (e.md.at if e.md else None) or e.lastmod
+                    if when is not None and (newest is None or when > newest[0]):
+                        newest = (when, e)
+        if newest is not None:
+            log.info("set=%s no current %s: reading the newest archived one, %s", info.capabilitylist_url,
+                     current, newest[1].loc)  # fmt: skip
+            lists[current] = [Capability(newest[1].loc, current, newest[1])]
+    if lists == info.lists:
+        return info
+    caps = {**info.capabilities, **{c: v[0] for c, v in lists.items() if c not in info.capabilities}}
+    return dataclasses.replace(info, capabilities=caps, lists=lists)
 
 
 async def dump_packages(ctx: HarvestContext, url: str, snap: Snapshot) -> list[Entry]:
@@ -81,7 +128,8 @@ async def _dump_items(
         items = fetch_package(ctx.fetcher, pkg, ctx.blobs, tmpdir, limits=limits)
         async with aclosing(items):
             async for item in items:
-                yield Work(item.entry, CREATED, None, generation, blob=item.blob, info=item.info)
+                entry = resolve(item.entry, pkg.loc)  # a manifest's relative <loc>: against its package
+                yield Work(entry, CREATED, None, generation, blob=item.blob, info=item.info)
 
 
 async def run_baseline(
@@ -100,6 +148,7 @@ async def run_baseline(
     With ``validators`` (a set already baselined and without Change List, re-read on every poll) an
     unchanged Resource List returns None without touching the store.
     """
+    info = await with_archived_snapshots(ctx, info)
     caps = info.capabilities
     if RESOURCELIST not in caps and RESOURCEDUMP not in caps:
         raise SyncError(f"{info.capabilitylist_url}: advertises neither a Resource List nor a Resource Dump")

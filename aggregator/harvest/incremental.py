@@ -33,6 +33,7 @@ from .lists import (
     Validators,
     change_entries,
     open_list,
+    resolve,
     resolved,
     when,
 )
@@ -162,6 +163,7 @@ async def _from_change_dump(
         async with aclosing(items):
             async for item in items:
                 index += 1
+                resolve(item.entry, pkg.loc)  # a manifest's relative <loc>: against its package
                 t = when(item.entry)
                 if pos.is_applied(t, ref.url, index) or item.entry.change not in CHANGES:
                     if item.blob is not None:
