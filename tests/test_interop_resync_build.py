@@ -139,3 +139,42 @@ def test_resync_build_source_baseline_from_its_dump_then_its_change_list(tmp_pat
     assert resource_gets(site.new_requests()) == {}
     assert changelog_since(db, last)[1] == {}
     assert_in_sync_and_ok(config)
+
+
+def test_harvest_once_exits_1_and_status_says_degraded_for_a_list_it_cannot_read(
+    tmp_path: Path,
+    site: StaticSite,  # noqa: F811
+    capsys,
+):
+    """The operator's view of a skipped list: the commands, not only the library."""
+    from aggregator.cli import main
+
+    base, root = site.base, site.root
+    (root / "r1").write_bytes(b"one")
+    ns = (
+        'xmlns="http://www.sitemaps.org/schemas/sitemap/0.9" xmlns:rs="http://www.openarchives.org/rs/terms/"'
+    )
+    (root / "capabilitylist.xml").write_text(
+        f'<urlset {ns}><rs:md capability="capabilitylist"/>'
+        f'<url><loc>{base}/rl-1.xml</loc><rs:md capability="resourcelist"/></url>'
+        f'<url><loc>{base}/rl-2.xml</loc><rs:md capability="resourcelist"/></url></urlset>'
+    )
+    (root / "rl-1.xml").write_text(
+        f'<urlset {ns}><rs:md capability="resourcelist" at="2024-01-01T00:00:00Z"/>'
+        f"<url><loc>{base}/r1</loc></url></urlset>"
+    )
+    (root / "rl-2.xml").write_text(f'<urlset {ns}><rs:md capability="resourcelist"/><url><loc>')  # truncated
+    config = tmp_path / "rsagg.toml"
+    config.write_text(
+        f'[store]\npath = "{tmp_path / "store"}"\n\n'
+        f'[[sources]]\nname = "{SOURCE}"\nurl = "{base}/capabilitylist.xml"\n'
+    )
+    assert main(["harvest", "--once", "-c", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert f"{SOURCE}: DEGRADED:" in out and f"{base}/rl-2.xml" in out, out
+    assert main(["status", "-c", str(config), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["sources"]
+    assert row["state"] == "degraded" and row["skipped"][0]["url"] == f"{base}/rl-2.xml", row
+    assert main(["audit", "-c", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "in sync" not in out.replace("NOT IN SYNC", "") and f"{base}/rl-2.xml" in out, out
