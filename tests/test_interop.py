@@ -746,3 +746,32 @@ async def test_a_dump_only_set_is_audited_against_its_manifests(tmp_path: Path, 
         else:
             with pytest.raises(Exception, match="contents"):
                 await audit(cfg)
+
+
+async def test_a_stale_change_without_datetime_is_superseded_not_a_failure(tmp_path: Path) -> None:
+    """resync-build writes its change list once; the files keep changing. A replayed entry announcing
+    an old hash, for a resource that serves what rsagg holds, is superseded: no failure, no change.
+    Content that matches neither is still a fixity failure."""
+    site = Site()
+    async with serve_app(site.app) as base:
+        site.base = base
+        site.pages["/a"] = b"version 2"
+        site.pages["/rl.xml"] = doc('capability="resourcelist" at="2024-01-01T00:00:00Z"', url("BASE/a"))
+        site.pages["/cl.xml"] = doc('capability="changelist"')
+        site.pages["/capabilitylist.xml"] = doc(
+            'capability="capabilitylist"',
+            url("BASE/rl.xml", 'capability="resourcelist"') + url("BASE/cl.xml", 'capability="changelist"'),
+        )
+        cfg = make_config(tmp_path / "data", {"stale": site.url("/capabilitylist.xml")})
+        await harvest(cfg)
+        site.pages["/cl.xml"] = doc(
+            'capability="changelist"', url("BASE/a", f'change="updated" hash="md5:{md5(b"version 1")}"')
+        )
+        before = changelog(cfg)
+        result = (await harvest(cfg))["stale"]
+        assert result.ok and not result.failures, result.error
+        assert changelog(cfg) == before and held(cfg) == {site.url("/a"): sha256(b"version 2")}
+        site.pages["/a"] = b"version 3"  # matches neither the announcement nor what is held
+        result = (await harvest(cfg))["stale"]
+        assert not result.ok and [f.kind for f in result.failures] == ["fixity"]
+        assert held(cfg) == {site.url("/a"): sha256(b"version 2")}
