@@ -775,3 +775,24 @@ async def test_a_stale_change_without_datetime_is_superseded_not_a_failure(tmp_p
         result = (await harvest(cfg))["stale"]
         assert not result.ok and [f.kind for f in result.failures] == ["fixity"]
         assert held(cfg) == {site.url("/a"): sha256(b"version 2")}
+
+
+async def test_other_specifications_capabilities_and_bad_values_are_noted_not_fatal(tmp_path: Path) -> None:
+    """§9 lets a Capability List name capabilities of other specifications; a value §7 does not allow
+    (here a lastmod that is no W3C Datetime) costs that value, not the entry. Both are listed."""
+    site = Site()
+    async with serve_app(site.app) as base:
+        site.base = base
+        site.pages["/a"] = b"a"
+        site.pages["/capabilitylist.xml"] = doc(
+            'capability="capabilitylist"',
+            url("BASE/rl.xml", 'capability="resourcelist"')
+            + url("BASE/other.json", 'capability="x-oai-pmh"'),
+        )
+        site.pages["/rl.xml"] = doc(
+            'capability="resourcelist" at="2024-01-01T00:00:00Z"', url("BASE/a", lastmod="yesterday")
+        )
+        cfg = make_config(tmp_path / "data", {"other": site.url("/capabilitylist.xml")})
+        row = await assert_ok_and_in_sync(cfg, "other")
+        assert rules(row) == {"unknown-capability", "value"}
+        assert "/other.json" not in site.hits

@@ -203,9 +203,10 @@ class Position:
     The cursor stores the datetime of the last applied change and how many changes with exactly that
     datetime were applied. A change without a datetime is never taken as applied: it goes through the
     pipeline every time it is read, and the pipeline compares it with what is held (the announced hash
-    and length, else the fetched content), so applying it again changes nothing (README, "Change Lists
-    without datetimes"). A list position (URL + index) is not used for them: resync-build rewrites its
-    change list in place, so the n-th entry of one reading is not the n-th of the next.
+    and length, else the fetched content), so applying it again changes nothing (README, "Change Lists:
+    the cursor, ties, and changes without datetimes"). A list position (URL + index) is not used for
+    them: resync-build rewrites its change list in place, so the n-th entry of one reading is not the
+    n-th of the next.
     """
 
     def __init__(self, cursor: Cursor) -> None:
