@@ -796,3 +796,29 @@ async def test_other_specifications_capabilities_and_bad_values_are_noted_not_fa
         row = await assert_ok_and_in_sync(cfg, "other")
         assert rules(row) == {"unknown-capability", "value"}
         assert "/other.json" not in site.hits
+
+
+async def test_a_capability_list_of_the_source_description_that_cannot_be_read_degrades_the_source(
+    tmp_path: Path,
+) -> None:
+    site = Site()
+    async with serve_app(site.app) as base:
+        site.base = base
+        site.pages["/a"] = b"a"
+        site.pages["/.well-known/resourcesync"] = doc(
+            'capability="description"',
+            url("BASE/set1/capabilitylist.xml", 'capability="capabilitylist"')
+            + url("BASE/set2/capabilitylist.xml", 'capability="capabilitylist"'),
+        )
+        site.pages["/set1/capabilitylist.xml"] = doc(
+            'capability="capabilitylist"', url("BASE/set1/rl.xml", 'capability="resourcelist"')
+        )
+        site.pages["/set1/rl.xml"] = doc('capability="resourcelist" at="2024-01-01T00:00:00Z"', url("BASE/a"))
+        cfg = make_config(tmp_path / "data", {"two": site.url("/.well-known/resourcesync")})
+        result = (await harvest(cfg))["two"]
+        missing = site.url("/set2/capabilitylist.xml")
+        assert result.degraded and not result.ok and missing in result.skipped, result
+        assert set(held(cfg)) == {site.url("/a")}
+        assert status_of(cfg, "two")["state"] == "degraded"
+        with pytest.raises(Exception, match="set2"):
+            await audit(cfg)

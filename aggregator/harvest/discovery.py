@@ -25,7 +25,7 @@ from lxml import etree
 from ..rs import model
 from ..rs.model import Entry, Head, Md
 from ..rs.parse import DocumentError
-from .deviations import deviation
+from .deviations import deviation, skip
 from .fetch import Fetcher, FetchError
 
 log = logging.getLogger("rsagg.harvest")
@@ -321,10 +321,13 @@ class _Discovery:
                 continue
             cl = await self.doc(url)
             if cl is None:
-                log.warning("source description %s: capability list %s unusable, skipped", d.url, url)
+                # The other sets are still harvested, but the source is degraded, never "ok".
+                why = next((w for u, w in reversed(self.attempts) if u == url), "unreadable")
+                skip(url, f"Capability List listed in {d.url} unusable: {why}")
                 continue
             if cl.capability != model.CAPABILITYLIST or cl.head.is_index:
                 self.note(url, f"listed in {d.url} but is a {model.kind_name(cl.head)}")
+                skip(url, f"listed in {d.url} as a Capability List but is a {model.kind_name(cl.head)}")
                 continue
             sets.append(self.from_capabilitylist(cl))
         if not sets and not entries:
