@@ -315,6 +315,8 @@ class _Discovery:
                 sub = await self.doc(part_url)
                 if sub is not None and sub.capability == model.DESCRIPTION and not sub.head.is_index:
                     entries += [(urljoin(sub.final_url, e.loc), e) for e in sub.entries or []]
+                else:  # the Capability Lists it names are unknown: the source cannot be in sync
+                    skip(part_url, f"part of Source Description Index {d.url} unusable")
         sets = []
         for url, e in entries:
             if e.capability not in (None, model.CAPABILITYLIST):  # §8: the md is optional
