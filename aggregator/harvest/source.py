@@ -157,7 +157,9 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
         fields_["last_success"] = format_w3c(utcnow())
     ctx.progress_finished(src.name)
     await ctx.write(ctx.writer.set_source_status, src.name, **fields_)
-    ctx.metrics.sync_finished(src.name, result.ok, time.monotonic() - started, stopped_by)
+    ctx.metrics.sync_finished(
+        src.name, result.ok, time.monotonic() - started, stopped_by, degraded=state == "degraded"
+    )
     return result
 
 
