@@ -153,7 +153,10 @@ async def run_baseline(
     if RESOURCELIST not in caps and RESOURCEDUMP not in caps:
         raise SyncError(f"{info.capabilitylist_url}: advertises neither a Resource List nor a Resource Dump")
     set_total = total or (lambda n: None)
-    if use_dumps and RESOURCEDUMP in caps:
+    # With several lists per capability, the dumps must be as many as the lists: fewer may cover only
+    # some of them, and a baseline sweeps what it did not see.
+    dumps_cover = RESOURCELIST not in caps or len(info.urls(RESOURCEDUMP)) >= len(info.urls(RESOURCELIST))
+    if use_dumps and RESOURCEDUMP in caps and dumps_cover:
         try:
             return await _baseline_from(ctx, info, set_id, source, "dump", progress, set_total, None)
         except (DumpError, FetchError, SyncError) as exc:
