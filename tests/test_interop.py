@@ -822,3 +822,26 @@ async def test_a_capability_list_of_the_source_description_that_cannot_be_read_d
         assert status_of(cfg, "two")["state"] == "degraded"
         with pytest.raises(Exception, match="set2"):
             await audit(cfg)
+
+
+async def test_fewer_resource_dumps_than_resource_lists_baseline_from_the_lists(tmp_path: Path) -> None:
+    site = Site()
+    async with serve_app(site.app) as base:
+        site.base = base
+        at = "2024-01-01T00:00:00Z"
+        for n in ("a", "b"):
+            site.pages[f"/{n}"] = f"content of {n}".encode()
+        site.pages["/p.zip"] = dump_package(site, ["a"], at)
+        site.pages["/rd.xml"] = doc(f'capability="resourcedump" at="{at}"', url("BASE/p.zip"))
+        for n in ("a", "b"):
+            site.pages[f"/rl-{n}.xml"] = doc(f'capability="resourcelist" at="{at}"', url(f"BASE/{n}"))
+        site.pages["/capabilitylist.xml"] = doc(
+            'capability="capabilitylist"',
+            url("BASE/rl-a.xml", 'capability="resourcelist"')
+            + url("BASE/rl-b.xml", 'capability="resourcelist"')
+            + url("BASE/rd.xml", 'capability="resourcedump"'),
+        )
+        cfg = make_config(tmp_path / "data", {"few": site.url("/capabilitylist.xml")})
+        await assert_ok_and_in_sync(cfg, "few")
+        assert set(held(cfg)) == {site.url("/a"), site.url("/b")}
+        assert "/p.zip" not in site.hits
