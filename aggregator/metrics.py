@@ -85,6 +85,7 @@ FAMILIES: dict[str, str] = {
     "rsagg_resources_harvested": "counter",
     "rsagg_resources_deleted": "counter",
     "rsagg_syncs": "counter",
+    "rsagg_upstream_deviations": "counter",
     "rsagg_sync_duration_seconds": "histogram",
     "rsagg_fetched_bytes": "counter",
     "rsagg_upstream_requests": "counter",
@@ -295,7 +296,17 @@ class Metrics:
             "rsagg_resources_deleted", "Resources tombstoned by harvesting", ["source"], registry=r
         )
         self.syncs = Counter(
-            "rsagg_syncs", "Syncs of a source finished, by result", ["source", "result"], registry=r
+            "rsagg_syncs",
+            "Syncs of a source finished, by result: ok, degraded, error",
+            ["source", "result"],
+            registry=r,
+        )
+        self.upstream_deviations = Counter(
+            "rsagg_upstream_deviations",
+            "Deviations from the specification tolerated in upstream documents, by rule "
+            "(aggregator/harvest/deviations.py)",
+            ["source", "rule"],
+            registry=r,
         )
         self.sync_duration = Histogram(
             "rsagg_sync_duration_seconds",
@@ -413,17 +424,30 @@ class Metrics:
         for f in failures:
             self.error(source, f.kind)
 
+    def deviation(self, source: str, rule: str) -> None:
+        """An upstream deviation rsagg read past (``harvest/deviations.py``)."""
+        self.upstream_deviations.labels(source, rule).inc()
+
     def error(self, source: str, kind: str) -> None:
         with self._errors_lock:
             self._errors[(source, kind)] = self._errors.get((source, kind), 0) + 1
 
-    def sync_finished(self, source: str, ok: bool, seconds: float, exc: BaseException | None = None) -> None:
-        """``sync_source`` ended; ``exc`` is what stopped it (counted as an error of its kind)."""
+    def sync_finished(
+        self,
+        source: str,
+        ok: bool,
+        seconds: float,
+        exc: BaseException | None = None,
+        *,
+        degraded: bool = False,
+    ) -> None:
+        """``sync_source`` ended; ``exc`` is what stopped it (counted as an error of its kind);
+        ``degraded``: it went through but skipped a list (result "degraded", never "ok")."""
         with self._errors_lock:  # every kind of a synced source is exposed, 0 until it happens
             for kind in ERROR_KINDS:
                 if kind != "plugin":
                     self._errors.setdefault((source, kind), 0)
-        self.syncs.labels(source, "ok" if ok else "error").inc()
+        self.syncs.labels(source, "ok" if ok else "degraded" if degraded else "error").inc()
         self.sync_duration.labels(source).observe(seconds)
         if exc is not None:
             self.error(source, error_kind(exc))

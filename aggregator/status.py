@@ -63,6 +63,7 @@ def source_rows(state: State, names: Sequence[str], *, now: datetime | None = No
                     "baseline_at": format_w3c(cur.baseline_at) if cur and cur.baseline_at else None,
                 }
             )
+        notes = state.upstream_notes(name) if s else {"deviations": [], "skipped": []}
         rows.append(
             {
                 "name": name,
@@ -78,6 +79,10 @@ def source_rows(state: State, names: Sequence[str], *, now: datetime | None = No
                 "last_error": s.get("last_error"),
                 "progress": _progress(s),
                 "sets": sets,
+                # Lenient in, truthful out (harvest/deviations.py): what the last sync read past, and
+                # the lists it could not read (then the state is "degraded", never "ok").
+                "deviations": notes["deviations"],
+                "skipped": notes["skipped"],
             }
         )
     return rows
@@ -115,7 +120,16 @@ def unharvested(config: Config) -> dict[str, Any]:
     return {
         "time": format_w3c(utcnow()),
         "sources": [
-            {"name": s.name, "configured": True, "url": s.url, "state": "new", "resources": 0, "sets": []}
+            {
+                "name": s.name,
+                "configured": True,
+                "url": s.url,
+                "state": "new",
+                "resources": 0,
+                "sets": [],
+                "deviations": [],
+                "skipped": [],
+            }
             for s in config.sources
         ],
         "sets": [],
@@ -132,6 +146,12 @@ def progress_text(row: dict) -> str:
     return row["progress"]["text"] if row.get("progress") else ""
 
 
+def notes_text(row: dict) -> str:
+    """The last error, then the deviations the last sync tolerated (``tolerated: rel-case x3``)."""
+    tolerated = ", ".join(f"{d['rule']} x{d['count']}" for d in row.get("deviations") or [])
+    return " — ".join(filter(None, [row.get("last_error"), f"tolerated: {tolerated}" if tolerated else ""]))
+
+
 def lag_text(row: dict) -> str:
     return row.get("lag") or "-"
 
@@ -146,6 +166,16 @@ def table(status: dict[str, Any]) -> str:
         cells = (name, r["state"], r["resources"], lag_text(r), short_time(r.get("last_success")),
                  progress_text(r) or "-", r.get("last_error") or "")  # fmt: skip
         lines.append(row.format(*cells).rstrip())
+    notes = [(r["name"], d) for r in status["sources"] for d in r.get("deviations") or []]
+    skipped = [(r["name"], k) for r in status["sources"] for k in r.get("skipped") or []]
+    if skipped:
+        lines += ["", "SKIPPED LISTS (the source cannot be in sync)"]
+        lines += [f"{name:<20} {k['url']}: {k['reason']}" for name, k in skipped]
+    if notes:
+        lines += ["", "{:<20} {:<24} {:>7} {}".format("SOURCE", "TOLERATED DEVIATION", "COUNT", "FIRST SEEN")]
+        for name, d in notes:
+            where = f"{d['url']}:{d['line']}" if d.get("line") else d.get("url") or "-"
+            lines.append(f"{name:<20} {d['rule']:<24} {d['count']:>7} {where}: {d['message']}")
     if status["sets"]:
         lines += ["", "{:<20} {:>10} {:<30} {}".format("SET", "RESOURCES", "SOURCES", "CAPABILITY LIST")]
         for s in status["sets"]:
@@ -157,6 +187,7 @@ def table(status: dict[str, Any]) -> str:
 __all__ = [
     "collect",
     "lag_text",
+    "notes_text",
     "progress_text",
     "set_rows",
     "short_time",

@@ -74,12 +74,15 @@ def run(args: argparse.Namespace) -> int:
                 applied[k] = applied.get(k, 0) + v
         seen = sum(s.seen for s in r.stats)
         fetched = sum(s.fetched for s in r.stats)
-        line = f"{r.name}: {'ok' if r.ok else 'FAILED'}: {r.sets} set(s), {seen} entries, {fetched} fetched"
+        verdict = "ok" if r.ok else "DEGRADED" if r.degraded else "FAILED"
+        line = f"{r.name}: {verdict}: {r.sets} set(s), {seen} entries, {fetched} fetched"
         line += ", " + (", ".join(f"{v} {k}" for k, v in sorted(applied.items())) or "no changes")
         if r.baselines:
             line += f", {r.baselines} baseline(s)"
         if r.gaps:
             line += f", {r.gaps} gap(s) recovered by baseline"
+        if r.deviations:
+            line += ", tolerated " + ", ".join(f"{d['rule']} x{d['count']}" for d in r.deviations)
         if r.error:
             line += f" — {r.error}"
         print(line)

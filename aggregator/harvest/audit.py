@@ -15,11 +15,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import SourceConfig
-from ..rs.model import CHANGELIST, DELETED, RESOURCELIST, Entry
+from ..rs.model import (
+    CHANGELIST,
+    CHANGELIST_ARCHIVE,
+    DELETED,
+    RESOURCEDUMP,
+    RESOURCEDUMP_MANIFEST,
+    RESOURCELIST,
+    Entry,
+)
 from ..store.state import Cursor, Resource
+from .baseline import dump_packages, with_archived_snapshots
 from .context import HarvestContext
-from .discovery import discover
-from .lists import Snapshot, change_entries, resource_list_entries
+from .deviations import Deviations, collecting, current, skip
+from .discovery import SetInfo, discover
+from .fetch import FetchError
+from .lists import Snapshot, SyncError, change_entries, resolved, resource_list_entries
 
 
 @dataclass
@@ -70,52 +81,110 @@ class _SeenSet:
         self._db.close()
 
 
+class AuditError(Exception):
+    """Some list the Source advertises could not be compared: the source is not known to be in sync."""
+
+
 async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator[Difference, None]:
-    """Yield every difference between the store and the upstream, set by set."""
-    for info in await discover(ctx.fetcher, src.url):
-        set_url = info.capabilitylist_url
-        set_id = next(
-            (s["id"] for s in ctx.reader.sets(src.name) if s["capabilitylist_url"] == set_url), None
-        )
-        if RESOURCELIST not in info.capabilities:
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            seen = _SeenSet(Path(tmp))
-            try:
-                rl_url = info.capabilities[RESOURCELIST].url
-                async with ctx.fetcher.document(rl_url) as doc:  # the head only: the snapshot's `at`
-                    at = doc.head.md.at if doc.head and doc.head.md else None
-                # Changes since the list's snapshot win over the list's own entries (bounded: one
-                # entry per URI changed since `at`).
-                overlay: dict[str, Entry] = {}
-                if CHANGELIST in info.capabilities:
-                    since = Cursor(at, None, at, 0, 0, None)
-                    changes = change_entries(ctx.fetcher, info.capabilities[CHANGELIST].url, since, src.name)
+    """Yield every difference between the store and the upstream, set by set.
+
+    Every list the Source advertises is read: all Resource Lists of a set (several when its Capability
+    List names several), overlaid with the changes of all its Change Lists; a set offering only a
+    Resource Dump is compared with its packages' manifests. A list that cannot be read raises
+    AuditError naming it once the readable ones are compared: never "in sync" with a list unread.
+    """
+    deviations = Deviations(src.name)
+    with collecting(deviations):
+        for info in await discover(ctx.fetcher, src.url):
+            async with aclosing(_audit_set(ctx, src, info)) as diffs:
+                async for d in diffs:
+                    yield d
+    if deviations.skipped:
+        raise AuditError(deviations.skipped_text())
+
+
+async def _audit_set(
+    ctx: HarvestContext, src: SourceConfig, info: SetInfo
+) -> AsyncGenerator[Difference, None]:
+    info = await with_archived_snapshots(ctx, info)
+    set_url = info.capabilitylist_url
+    set_id = next((s["id"] for s in ctx.reader.sets(src.name) if s["capabilitylist_url"] == set_url), None)
+    snapshot_urls = info.urls(RESOURCELIST)
+    from_dumps = not snapshot_urls
+    if from_dumps:
+        snapshot_urls = info.urls(RESOURCEDUMP)
+    if not snapshot_urls:
+        skip(set_url, "no Resource List or Resource Dump to compare the store with")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        seen = _SeenSet(Path(tmp))
+        try:
+            # The heads first: the oldest snapshot's `at` (changes after it overlay the lists).
+            ats = []
+            for url in snapshot_urls:
+                try:
+                    async with ctx.fetcher.document(url) as doc:
+                        ats.append(doc.head.md.at if doc.head and doc.head.md else None)
+                except FetchError as exc:
+                    skip(url, str(exc))
+            at = None if not ats or any(a is None for a in ats) else min(ats)  # type: ignore[type-var]
+            # Changes since the snapshot win over the lists' own entries (bounded: one entry per URI
+            # changed since `at`; changes without datetime are all taken, in list order).
+            overlay: dict[str, Entry] = {}
+            for url in info.urls(CHANGELIST):
+                since = Cursor(at, None, at, 0, 0, None)
+                changes = change_entries(
+                    ctx.fetcher, url, since, src.name, None, info.urls(CHANGELIST_ARCHIVE)
+                )
+                try:
                     async with aclosing(changes):
                         async for entry, _ in changes:
                             overlay[entry.loc] = entry
-                batch: list[Entry] = list(overlay.values())
-                entries = resource_list_entries(ctx.fetcher, rl_url, Snapshot())
-                async with aclosing(entries):
-                    async for entry in entries:
-                        seen.add(entry.loc)
-                        if entry.loc not in overlay:
-                            batch.append(entry)
-                        if len(batch) >= 1000:
-                            for d in _check(ctx, src.name, set_url, set_id, batch):
-                                yield d
-                for uri in overlay:
-                    seen.add(uri)
-                for d in _check(ctx, src.name, set_url, set_id, batch):
-                    yield d
-                if set_id is not None:
-                    for held in ctx.reader.iter_resources(set_id):
-                        if held.uri not in seen:
-                            yield Difference(
-                                src.name, set_url, held.uri, "extra", "held but not listed upstream"
-                            )
-            finally:
-                seen.close()
+                except (FetchError, SyncError) as exc:
+                    skip(url, str(exc))
+            batch: list[Entry] = list(overlay.values())
+            for url in snapshot_urls:
+                entries = (
+                    _dump_entries(ctx, url)
+                    if from_dumps
+                    else resource_list_entries(ctx.fetcher, url, Snapshot())
+                )
+                try:
+                    async with aclosing(entries):
+                        async for entry in entries:
+                            seen.add(entry.loc)
+                            if entry.loc not in overlay:
+                                batch.append(entry)
+                            if len(batch) >= 1000:
+                                for d in _check(ctx, src.name, set_url, set_id, batch):
+                                    yield d
+                except (FetchError, SyncError) as exc:
+                    skip(url, str(exc))
+            for uri in overlay:
+                seen.add(uri)
+            for d in _check(ctx, src.name, set_url, set_id, batch):
+                yield d
+            if set_id is not None and not (current() and current().skipped):
+                # "extra" only when every list was read: an unread list may hold what we hold.
+                for held in ctx.reader.iter_resources(set_id):
+                    if held.uri not in seen:
+                        yield Difference(src.name, set_url, held.uri, "extra", "held but not listed upstream")
+        finally:
+            seen.close()
+
+
+async def _dump_entries(ctx: HarvestContext, url: str) -> AsyncGenerator[Entry, None]:
+    """The resources of a Resource Dump (or its index) as its packages' manifests list them (§11.2),
+    read through each package's ``rel="contents"`` link; a package without one cannot be audited."""
+    for pkg in await dump_packages(ctx, url, Snapshot()):
+        links = pkg.links_by_rel("contents")
+        if not links:
+            raise SyncError(f'{pkg.loc}: package has no rel="contents" manifest link (§11.1): cannot audit')
+        async with ctx.fetcher.document(links[0].href) as doc:
+            if doc.head is None or doc.head.capability != RESOURCEDUMP_MANIFEST:
+                raise SyncError(f"{links[0].href}: not a Resource Dump Manifest")
+            async for entry in resolved(doc.entries, doc.url or links[0].href):
+                yield entry
 
 
 def _check(ctx: HarvestContext, source: str, set_url: str, set_id: int | None, batch: list[Entry]):

@@ -9,21 +9,40 @@ next attempt starts a new generation, and what was already stored is skipped by 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from datetime import datetime
 from pathlib import Path
 
 import trio
 
-from ..rs.model import CREATED, RESOURCEDUMP, RESOURCELIST
+from ..rs.model import (
+    CREATED,
+    RESOURCEDUMP,
+    RESOURCEDUMP_ARCHIVE,
+    RESOURCELIST,
+    RESOURCELIST_ARCHIVE,
+    Entry,
+)
 from ..store.state import Cursor
 from .context import HarvestContext
-from .discovery import SetInfo
+from .deviations import skip
+from .discovery import Capability, SetInfo
 from .dumps import DumpError, DumpLimits, fetch_package
 from .fetch import FetchError
-from .lists import NotModified, Snapshot, SyncError, Validators, resource_list_entries
+from .lists import (
+    NotModified,
+    Snapshot,
+    SyncError,
+    Validators,
+    open_list,
+    resolve,
+    resolved,
+    resource_list_entries,
+)
 from .pipeline import Pipeline, PipelineStats, Work
 
 log = logging.getLogger("rsagg.harvest")
@@ -47,26 +66,70 @@ async def _resource_list_items(
             yield Work(entry, CREATED, None, generation)
 
 
-async def _dump_items(
-    ctx: HarvestContext, url: str, generation: int, snap: Snapshot, tmpdir: Path
-) -> AsyncGenerator[Work, None]:
-    """Packages of a Resource Dump (§11.1), each verified against its manifest (§11.2) by dumps.py."""
-    packages = []
+async def with_archived_snapshots(ctx: HarvestContext, info: SetInfo) -> SetInfo:
+    """A set that offers no current Resource List (or Resource Dump) but an archive of them (Archives
+    draft: ``resourcelist-archive``, ``resourcedump-archive``) is read from the newest archived one:
+    a snapshot at its ``at``, which the Change Lists then bring up to date."""
+    lists = dict(info.lists)
+    for current, archive in ((RESOURCELIST, RESOURCELIST_ARCHIVE), (RESOURCEDUMP, RESOURCEDUMP_ARCHIVE)):
+        if current in lists or archive not in lists:
+            continue
+        newest: tuple[datetime, Entry] | None = None
+        for url in info.urls(archive):
+            async with ctx.fetcher.document(url) as doc:
+                if doc.head is None or doc.head.capability != archive:
+                    raise SyncError(
+                        f"{url}: expected a {archive}, got {doc.head.capability if doc.head else None!r}"
+                    )
+                async for e in resolved(doc.entries, doc.url or url):
+                    when = (e.md.at if e.md else None) or e.lastmod
+                    if when is not None and (newest is None or when > newest[0]):
+                        newest = (when, e)
+        if newest is not None:
+            log.info("set=%s no current %s: reading the newest archived one, %s", info.capabilitylist_url,
+                     current, newest[1].loc)  # fmt: skip
+            lists[current] = [Capability(newest[1].loc, current, newest[1])]
+    if lists == info.lists:
+        return info
+    caps = {**info.capabilities, **{c: v[0] for c, v in lists.items() if c not in info.capabilities}}
+    return dataclasses.replace(info, capabilities=caps, lists=lists)
+
+
+async def dump_packages(ctx: HarvestContext, url: str, snap: Snapshot) -> list[Entry]:
+    """The packages of a Resource Dump, or of every part of a Resource Dump Index (§11.1), resolved
+    against their documents' URLs. Bounded: §7 caps a document at 50,000 entries, an index at 50,000
+    parts; only the package entries are held, never their contents."""
     async with ctx.fetcher.document(url) as doc:
         head = doc.head
         assert head is not None
         if head.capability != RESOURCEDUMP:
             raise SyncError(f"{url}: expected a Resource Dump, got capability {head.capability!r}")
         snap.at = head.md.at if head.md else None
-        if head.is_index:
-            raise SyncError(f"{url}: Resource Dump Index not supported yet; use the Resource List")
-        packages = [e async for e in doc.entries]
+        is_index, entries = await open_list(url, doc, RESOURCEDUMP)
+        found = [e async for e in entries]
+    if not is_index:
+        return found
+    packages: list[Entry] = []
+    for part in found:
+        async with ctx.fetcher.document(part.loc) as doc:
+            if doc.head is None or doc.head.capability != RESOURCEDUMP or doc.head.is_index:
+                raise SyncError(f"{part.loc}: part of Resource Dump Index {url} is not a Resource Dump")
+            packages += [e async for e in resolved(doc.entries, doc.url or part.loc)]
+    return packages
+
+
+async def _dump_items(
+    ctx: HarvestContext, url: str, generation: int, snap: Snapshot, tmpdir: Path
+) -> AsyncGenerator[Work, None]:
+    """Packages of a Resource Dump (§11.1), each verified against its manifest (§11.2) by dumps.py."""
+    packages = await dump_packages(ctx, url, snap)
     limits = DumpLimits(max_package_bytes=ctx.config.harvest.max_resource_bytes)
     for pkg in packages:
         items = fetch_package(ctx.fetcher, pkg, ctx.blobs, tmpdir, limits=limits)
         async with aclosing(items):
             async for item in items:
-                yield Work(item.entry, CREATED, None, generation, blob=item.blob, info=item.info)
+                entry = resolve(item.entry, pkg.loc)  # a manifest's relative <loc>: against its package
+                yield Work(entry, CREATED, None, generation, blob=item.blob, info=item.info)
 
 
 async def run_baseline(
@@ -85,11 +148,15 @@ async def run_baseline(
     With ``validators`` (a set already baselined and without Change List, re-read on every poll) an
     unchanged Resource List returns None without touching the store.
     """
+    info = await with_archived_snapshots(ctx, info)
     caps = info.capabilities
     if RESOURCELIST not in caps and RESOURCEDUMP not in caps:
         raise SyncError(f"{info.capabilitylist_url}: advertises neither a Resource List nor a Resource Dump")
     set_total = total or (lambda n: None)
-    if use_dumps and RESOURCEDUMP in caps:
+    # With several lists per capability, the dumps must be as many as the lists: fewer may cover only
+    # some of them, and a baseline sweeps what it did not see.
+    dumps_cover = RESOURCELIST not in caps or len(info.urls(RESOURCEDUMP)) >= len(info.urls(RESOURCELIST))
+    if use_dumps and RESOURCEDUMP in caps and dumps_cover:
         try:
             return await _baseline_from(ctx, info, set_id, source, "dump", progress, set_total, None)
         except (DumpError, FetchError, SyncError) as exc:
@@ -115,21 +182,46 @@ async def _baseline_from(
     validators: Validators | None,
 ) -> PipelineStats:
     generation = await ctx.write(ctx.writer.begin_baseline, set_id)
-    snap = Snapshot()
     pipeline = Pipeline(ctx, set_id, source, progress=progress)
-    if how == "dump":
-        with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) as d:
-            url = info.capabilities[RESOURCEDUMP].url
-            async with aclosing(_dump_items(ctx, url, generation, snap, Path(d))) as items:
-                stats = await pipeline.run(items)
-    else:
-        url = info.capabilities[RESOURCELIST].url
-        async with aclosing(_resource_list_items(ctx, url, generation, snap, total, validators)) as items:
-            stats = await pipeline.run(items)
+    urls = info.urls(RESOURCEDUMP if how == "dump" else RESOURCELIST)
+    snaps = [Snapshot() for _ in urls]
+    skipped: list[str] = []
+    if len(urls) > 1:
+        validators = None  # the lists are one snapshot: all are read whenever one is
+
+    async def items(tmp: Path) -> AsyncGenerator[Work, None]:
+        # Several lists of one capability (WEKO3: one per repository index) are one snapshot of the
+        # set. One that cannot be read is skipped and named (the source is then degraded); the others
+        # are harvested, but the baseline is not finished, so nothing the skipped list holds is swept.
+        for url, snap in zip(urls, snaps, strict=True):
+            if how == "dump":
+                one = _dump_items(ctx, url, generation, snap, tmp)
+            else:
+                one = _resource_list_items(ctx, url, generation, snap, total, validators)
+            try:
+                async with aclosing(one):
+                    async for work in one:
+                        yield work
+            except (DumpError, FetchError, SyncError) as exc:
+                if len(urls) == 1 or how == "dump":  # a dump that fails falls back to the lists whole
+                    raise
+                skipped.append(url)
+                skip(url, str(exc))
+
+    with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) as d:
+        async with aclosing(items(Path(d))) as stream:
+            stats = await pipeline.run(stream)
+    if skipped:
+        log.warning("source=%s set=%s baseline from %s not finished: %d of %d lists unreadable",
+                    source, info.capabilitylist_url, how, len(skipped), len(urls))  # fmt: skip
+        return stats
+    ats = [s.at for s in snaps]
+    # The oldest snapshot of the set: changes after it are read again and applied by content.
+    at = None if any(a is None for a in ats) else min(ats)  # type: ignore[type-var]
     cursor = Cursor(
-        baseline_at=snap.at,
+        baseline_at=at,
         changelist_url=None,
-        last_datetime=snap.at,
+        last_datetime=at,
         same_datetime_count=0,
         list_index=0,
         list_until=None,

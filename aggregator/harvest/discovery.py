@@ -25,6 +25,7 @@ from lxml import etree
 from ..rs import model
 from ..rs.model import Entry, Head, Md
 from ..rs.parse import DocumentError
+from .deviations import deviation, skip
 from .fetch import Fetcher, FetchError
 
 log = logging.getLogger("rsagg.harvest")
@@ -64,6 +65,18 @@ class SetInfo:
     head: Head
     capabilities: dict[str, Capability]
     synthetic: bool = False
+    #: Every entry per capability, in document order (``capabilities`` holds the first). §9 allows one
+    #: per capability, but WEKO3 lists one Resource List and one Change List per repository index:
+    #: all of them are harvested into this one set.
+    lists: dict[str, list[Capability]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for cap, first in self.capabilities.items():
+            self.lists.setdefault(cap, [first])
+
+    def urls(self, capability: str) -> list[str]:
+        """Every advertised document of one capability."""
+        return [c.url for c in self.lists.get(capability, [])]
 
 
 class DiscoveryError(Exception):
@@ -272,16 +285,26 @@ class _Discovery:
 
     def from_capabilitylist(self, d: _Doc) -> SetInfo:
         caps: dict[str, Capability] = {}
+        lists: dict[str, list[Capability]] = {}
         for e in d.entries or []:
             cap = e.capability
             if not cap:
                 log.warning("capability list %s: entry %s has no capability, ignored", d.url, e.loc)
                 continue
-            if cap in caps:  # §9: "must only contain one entry per capability"
-                log.warning("capability list %s: second %s entry %s ignored", d.url, cap, e.loc)
+            if cap not in model.CAPABILITIES:  # §9: capabilities of other specifications may be listed
+                deviation("unknown-capability", d.url, e.line, f"capability {cap!r} of {e.loc} not read")
+            entry = Capability(urljoin(d.final_url, e.loc), cap, e)
+            if cap in caps:  # §9: "must only contain one entry per capability"; WEKO3 lists several
+                deviation(
+                    "capability-repeated", d.url, e.line,
+                    f"another {cap} entry ({e.loc}); every one is harvested into this set",
+                )  # fmt: skip
+                if entry.url not in {c.url for c in lists[cap]}:
+                    lists[cap].append(entry)
                 continue
-            caps[cap] = Capability(urljoin(d.final_url, e.loc), cap, e)
-        return SetInfo(d.url, d.head, caps)
+            caps[cap] = entry
+            lists[cap] = [entry]
+        return SetInfo(d.url, d.head, caps, lists=lists)
 
     async def from_description(self, d: _Doc) -> list[SetInfo]:
         urls = [urljoin(d.final_url, e.loc) for e in d.entries or []]
@@ -292,16 +315,21 @@ class _Discovery:
                 sub = await self.doc(part_url)
                 if sub is not None and sub.capability == model.DESCRIPTION and not sub.head.is_index:
                     entries += [(urljoin(sub.final_url, e.loc), e) for e in sub.entries or []]
+                else:  # the Capability Lists it names are unknown: the source cannot be in sync
+                    skip(part_url, f"part of Source Description Index {d.url} unusable")
         sets = []
         for url, e in entries:
             if e.capability not in (None, model.CAPABILITYLIST):  # §8: the md is optional
                 continue
             cl = await self.doc(url)
             if cl is None:
-                log.warning("source description %s: capability list %s unusable, skipped", d.url, url)
+                # The other sets are still harvested, but the source is degraded, never "ok".
+                why = next((w for u, w in reversed(self.attempts) if u == url), "unreadable")
+                skip(url, f"Capability List listed in {d.url} unusable: {why}")
                 continue
             if cl.capability != model.CAPABILITYLIST or cl.head.is_index:
                 self.note(url, f"listed in {d.url} but is a {model.kind_name(cl.head)}")
+                skip(url, f"listed in {d.url} as a Capability List but is a {model.kind_name(cl.head)}")
                 continue
             sets.append(self.from_capabilitylist(cl))
         if not sets and not entries:
@@ -386,7 +414,7 @@ def _synthetic(d: _Doc, capabilitylist_url: str) -> SetInfo:
     """A set made of one bare capability document (§6.3.4 when no Capability List can be had)."""
     cap = d.capability or model.RESOURCELIST
     entry = Entry(d.url, md=Md(capability=cap))
-    links = [ln for ln in d.head.links if ln.rel == "describedby"]
+    links = [ln for ln in d.head.links if model.has_rel(ln, "describedby")]
     head = Head(md=Md(capability=model.CAPABILITYLIST), links=links)
     return SetInfo(capabilitylist_url, head, {cap: Capability(d.url, cap, entry)}, synthetic=True)
 

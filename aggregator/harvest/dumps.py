@@ -31,6 +31,7 @@ from ..rs.fixity import mismatches
 from ..rs.model import Entry, Head
 from ..rs.parse import DocumentError, DocumentReader
 from ..store.blobs import BlobInfo, BlobStore, BlobWriter
+from .deviations import deviation
 
 #: Bytes read out of the ZIP per thread hop (and per manifest parse step).
 CHUNK = 1 << 20
@@ -270,20 +271,31 @@ def _check_head(pkg: _Package, head: Head) -> None:
         )
 
 
-def _entry_member(pkg: _Package, entry: Entry) -> tuple[str, zipfile.ZipInfo] | None:
-    """The (path, ZipInfo) an entry refers to, None for a deletion; raises DumpError for a bad reference."""
+def _entry_member(pkg: _Package, entry: Entry, *, note: bool = False) -> tuple[str, zipfile.ZipInfo] | None:
+    """The (path, ZipInfo) an entry refers to, None for a deletion; raises DumpError for a bad reference.
+
+    A path without its leading ``/`` (resync-build's and CORE's packages) is read from the package root
+    (a tolerated deviation, noted when ``note``: in the first pass only, so once per entry).
+    """
     md = entry.md
     if md is not None and md.change == model.DELETED:
         return None  # §13.2: no bitstream for a deletion (a stray path is ignored)
-    path = md.path if md is not None else None
+    path = given = md.path if md is not None else None
+    if path and not path.startswith("/"):
+        if note:
+            deviation(
+                "dump-path-no-slash", _manifest_url(pkg.url), entry.line,
+                f"manifest path {path!r} lacks the leading '/' (§11.2, §13.2); read from the package root",
+            )  # fmt: skip
+        path = "/" + path
     try:
         name = member_name(path)
     except ValueError as exc:
         where = f"entry {entry.loc!r} (manifest line {entry.line})"
-        raise pkg.error(f"unsafe or invalid manifest path for {where}: {exc}", path or None) from None
+        raise pkg.error(f"unsafe or invalid manifest path for {where}: {exc}", given or None) from None
     info = pkg.members.get(name)
     if info is None:
-        raise pkg.error(f"manifest path names a file that is not in the ZIP (entry {entry.loc!r})", path)
+        raise pkg.error(f"manifest path names a file that is not in the ZIP (entry {entry.loc!r})", given)
     return "/" + name, info
 
 
@@ -303,7 +315,7 @@ async def _pass_one(pkg: _Package) -> None:
                 raise pkg.error(
                     f"manifest has more than max_members={lim.max_members} entries", MANIFEST_NAME
                 )
-            ref = _entry_member(pkg, item)
+            ref = _entry_member(pkg, item, note=True)
             if ref is None:
                 continue
             path, info = ref

@@ -50,6 +50,7 @@ from ..rs import parse
 from ..rs.fixity import Hasher, mismatches
 from ..rs.model import Entry, Head
 from ..store.blobs import BlobInfo, BlobStore, BlobWriter
+from .deviations import deviation
 
 log = logging.getLogger("rsagg.fetch")
 
@@ -566,7 +567,7 @@ class _ShardedTransport(httpx.AsyncBaseTransport):
 
 def _problem_logger(url: str) -> Callable[[int | None, str], None]:
     def problem(line: int | None, message: str) -> None:
-        log.warning("url=%s line %s: %s (value ignored)", url, line, message)
+        deviation("value", url, line, f"{message} (value ignored)")  # logged once, counted, shown
 
     return problem
 

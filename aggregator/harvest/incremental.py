@@ -18,13 +18,25 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from pathlib import Path
 
-from ..rs.model import CHANGEDUMP, CHANGELIST, CHANGES
+from ..rs.model import CHANGEDUMP, CHANGELIST, CHANGELIST_ARCHIVE, CHANGES
 from ..store.state import Cursor
 from .context import HarvestContext
+from .deviations import skip
 from .discovery import SetInfo
 from .dumps import DumpError, DumpLimits, fetch_package
 from .fetch import FetchError
-from .lists import ListRef, Position, SyncError, Validators, change_entries, when
+from .lists import (
+    GapError,
+    ListRef,
+    Position,
+    SyncError,
+    Validators,
+    change_entries,
+    open_list,
+    resolve,
+    resolved,
+    when,
+)
 from .pipeline import Pipeline, PipelineStats, Work
 
 log = logging.getLogger("rsagg.harvest")
@@ -34,7 +46,11 @@ async def run_incremental(
     ctx: HarvestContext, info: SetInfo, set_id: int, source: str, cursor: Cursor, *, use_dumps: bool = True
 ) -> PipelineStats:
     """Apply every change after ``cursor``; raises lists.GapError when the stream cannot continue."""
-    url = info.capabilities[CHANGELIST].url
+    urls = info.urls(CHANGELIST)
+    if len(urls) > 1:
+        return await _several_lists(ctx, info, set_id, source, cursor, urls)
+    url = urls[0]
+    archives = info.urls(CHANGELIST_ARCHIVE)
     validators = Validators(ctx.reader.document)
 
     async def items() -> AsyncGenerator[Work, None]:
@@ -50,7 +66,7 @@ async def run_incremental(
                 except (DumpError, FetchError, SyncError) as exc:
                     log.warning("source=%s change dump unusable, continuing from the Change Lists: %s",
                                 source, exc)  # fmt: skip
-        changes = change_entries(ctx.fetcher, url, last, source, validators)
+        changes = change_entries(ctx.fetcher, url, last, source, validators, archives)
         async with aclosing(changes):
             async for entry, after in changes:
                 yield Work(entry, entry.change or "", after)
@@ -68,15 +84,58 @@ async def run_incremental(
     return stats
 
 
+async def _several_lists(
+    ctx: HarvestContext, info: SetInfo, set_id: int, source: str, cursor: Cursor, urls: list[str]
+) -> PipelineStats:
+    """A set whose Capability List names several Change Lists (WEKO3: one per repository index).
+
+    Each list is read from the set's one cursor; no change moves it. Once every list was read and
+    applied, the cursor moves to the newest datetime seen in any of them, with no tie count: changes at
+    exactly that time are read again next time and, being applied by content, change nothing. A list
+    that cannot be read is skipped and named (the source is degraded) and the cursor stays where it was,
+    so nothing it holds is passed over.
+    """
+    newest: list = []
+    skipped: list[str] = []
+
+    async def items() -> AsyncGenerator[Work, None]:
+        for url in urls:
+            changes = change_entries(ctx.fetcher, url, cursor, source)
+            try:
+                async with aclosing(changes):
+                    async for entry, after in changes:
+                        if after.last_datetime is not None:
+                            newest.append(after.last_datetime)
+                        yield Work(entry, entry.change or "")
+            except GapError:
+                raise
+            except (FetchError, SyncError) as exc:
+                skipped.append(url)
+                skip(url, str(exc))
+
+    stats = await Pipeline(ctx, set_id, source).run(items())
+    if not skipped and newest and (cursor.last_datetime is None or max(newest) > cursor.last_datetime):
+        moved = Cursor(cursor.baseline_at, None, max(newest), 0, 0, None)
+        await ctx.write(ctx.writer.apply, set_id, [], moved)
+    return stats
+
+
 async def _from_change_dump(
     ctx: HarvestContext, url: str, cursor: Cursor, source: str, folder: Path
 ) -> AsyncGenerator[Work, None]:
     """Changes after ``cursor`` from the closed packages of a Change Dump, when that is cheaper."""
     async with ctx.fetcher.document(url) as doc:
         head = doc.head
-        if head is None or head.capability != CHANGEDUMP or head.is_index:
-            return  # a Change Dump Index is not read (yet): the Change Lists carry the same changes
-        packages = [e async for e in doc.entries]
+        if head is None or head.capability != CHANGEDUMP:
+            return  # not a Change Dump: the Change Lists carry the same changes
+        is_index, entries = await open_list(url, doc, CHANGEDUMP)
+        found = [e async for e in entries]  # bounded: 50,000 entries per document (§7)
+    packages = found if not is_index else []
+    for part in found if is_index else []:  # a Change Dump Index (§13.1): its parts are Change Dumps
+        async with ctx.fetcher.document(part.loc) as doc:
+            if doc.head is None or doc.head.capability != CHANGEDUMP or doc.head.is_index:
+                raise SyncError(f"{part.loc}: part of Change Dump Index {url} is not a Change Dump")
+            packages += [e async for e in resolved(doc.entries, doc.url or part.loc)]
     pos = Position(cursor)
     start = pos.datetime
     closed = [
@@ -104,6 +163,7 @@ async def _from_change_dump(
         async with aclosing(items):
             async for item in items:
                 index += 1
+                resolve(item.entry, pkg.loc)  # a manifest's relative <loc>: against its package
                 t = when(item.entry)
                 if pos.is_applied(t, ref.url, index) or item.entry.change not in CHANGES:
                     if item.blob is not None:

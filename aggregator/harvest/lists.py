@@ -6,13 +6,19 @@ Shared by baseline, incremental sync and audit, so the three read the Source the
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Callable
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from urllib.parse import urljoin
 
-from ..rs.model import CHANGELIST, CHANGES, RESOURCELIST, Entry, Head
+from ..rs.model import CHANGELIST, CHANGELIST_ARCHIVE, CHANGES, RESOURCELIST, Entry, Head
 from ..store.state import Cursor
-from .fetch import Fetcher
+from .deviations import deviation
+from .fetch import DocumentStream, Fetcher, FetchError
+
+#: An absolute URI has a scheme (RFC 3986 §3.1); anything else is resolved against the document.
+_ABSOLUTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 log = logging.getLogger("rsagg.harvest")
 
@@ -59,6 +65,64 @@ class Snapshot:
     at: datetime | None = None
 
 
+def resolve(entry: Entry, base: str) -> Entry:
+    """Make ``loc`` and link hrefs absolute against the document's URL (§7 wants them absolute; legacy
+    Sources write them relative), noting each such deviation; note relation types not in lower case."""
+    loc = entry.loc
+    if loc and not _ABSOLUTE.match(loc):
+        entry.loc = urljoin(base, loc)
+        deviation("relative-loc", base, entry.line, f"relative <loc> {loc!r} resolved to {entry.loc!r}")
+    for ln in entry.links:
+        if ln.href and not _ABSOLUTE.match(ln.href):
+            href, ln.href = ln.href, urljoin(base, ln.href)
+            deviation("relative-loc", base, entry.line, f"relative href {href!r} resolved to {ln.href!r}")
+        if ln.rel and ":" not in ln.rel and ln.rel != ln.rel.lower():
+            deviation("rel-case", base, entry.line, f"relation type {ln.rel!r} read as {ln.rel.lower()!r}")
+    return entry
+
+
+async def resolved(entries: AsyncIterator[Entry], base: str) -> AsyncGenerator[Entry, None]:
+    async for entry in entries:
+        yield resolve(entry, base)
+
+
+def _looks_like_index(first: Entry | None, capability: str, is_index: bool) -> bool:
+    """What the entries say the document is (§10.2, §12.2), whatever its root element says.
+
+    WEKO3 writes a Change List Index as ``<urlset>`` whose entries carry ``capability="changelist"``;
+    the reverse (a ``<sitemapindex>`` whose entries are changes) was seen too. Only ``change`` tells a
+    change from a part: an index's parts may carry ``hash``/``length`` of their own (resync-build's do).
+    """
+    if first is None or first.md is None:
+        return is_index
+    md = first.md
+    if not is_index and md.capability == capability and md.change is None:
+        return True
+    if is_index and md.capability is None and md.change is not None:
+        return False
+    return is_index
+
+
+async def open_list(url: str, doc: DocumentStream, capability: str) -> tuple[bool, AsyncIterator[Entry]]:
+    """(is it an index, its entries resolved against its URL) of a fetched list document."""
+    head = _expect(url, doc.head, capability)
+    entries = resolved(doc.entries, doc.url or url)
+    first = await anext(entries, None)
+    is_index = _looks_like_index(first, capability, head.is_index)
+    if is_index != head.is_index:
+        rule, what = ("index-as-urlset", "an index") if is_index else ("list-as-sitemapindex", "a list")
+        deviation(rule, doc.url or url, first.line if first else None,
+                  f"<{head.root}> whose entries make it {what}; read as {what}")  # fmt: skip
+
+    async def chain() -> AsyncGenerator[Entry, None]:
+        if first is not None:
+            yield first
+        async for e in entries:
+            yield e
+
+    return is_index, chain()
+
+
 def _expect(url: str, head: Head | None, capability: str, index_ok: bool = True) -> Head:
     if head is None or head.capability != capability:
         got = head.capability if head else None
@@ -87,26 +151,27 @@ async def resource_list_entries(
         if doc.not_modified:
             raise NotModified(url)
         head = _expect(url, doc.head, RESOURCELIST)
-        if validators and not head.is_index:
+        is_index, entries = await open_list(url, doc, RESOURCELIST)
+        if validators and not is_index:
             # Only a plain list: §10.2 does not promise that an index changes when one of its parts
             # does, so an index is always read again (its parts come unconditionally too).
             validators.read(url, doc.etag, doc.last_modified)
         snap.at = head.md.at if head.md else None
-        if not head.is_index:
-            async for entry in doc.entries:
+        if not is_index:
+            async for entry in entries:
                 count += 1
                 yield entry
             if on_count:
                 on_count(count)
             return
         # §10.2: an index lists at most 50,000 parts; holding their URLs is bounded.
-        parts = [e.loc async for e in doc.entries]
+        parts = [e.loc async for e in entries]
     if on_parts:
         on_parts(len(parts))
     for i, part in enumerate(parts, 1):
         async with fetcher.document(part) as doc:
             _expect(part, doc.head, RESOURCELIST, index_ok=False)
-            async for entry in doc.entries:
+            async for entry in resolved(doc.entries, doc.url or part):
                 count += 1
                 yield entry
         if on_count:
@@ -121,16 +186,27 @@ class ListRef:
 
 
 def when(entry: Entry) -> datetime | None:
-    """The time of a change: ``rs:md datetime`` (§12.1), else ``lastmod``."""
+    """The time of a change: ``rs:md datetime`` (§12.1), or None.
+
+    Never ``lastmod``: it is the resource's last modification (§7), not the time of the change. A
+    deletion carries the old lastmod, and a created resource may be older than the list's ``from``
+    (§12.1, Example 19); filtering them by lastmod would drop them. Changes without a datetime are
+    applied by content instead (``Position.is_applied``).
+    """
     md = entry.md
-    return (md.datetime if md else None) or entry.lastmod
+    return md.datetime if md else None
 
 
 class Position:
     """The cursor as it moves through the lists (ties counted across list boundaries).
 
     The cursor stores the datetime of the last applied change and how many changes with exactly that
-    datetime were applied; lists whose entries carry no time at all fall back to list URL + count.
+    datetime were applied. A change without a datetime is never taken as applied: it goes through the
+    pipeline every time it is read, and the pipeline compares it with what is held (the announced hash
+    and length, else the fetched content), so applying it again changes nothing (README, "Change Lists:
+    the cursor, ties, and changes without datetimes"). A list position (URL + index) is not used for
+    them: resync-build rewrites its change list in place, so the n-th entry of one reading is not the
+    n-th of the next.
     """
 
     def __init__(self, cursor: Cursor) -> None:
@@ -153,7 +229,7 @@ class Position:
                 self.to_skip -= 1
                 return True
             return False
-        return t is None and list_url == start.changelist_url and index <= start.list_index
+        return False
 
     def advance(self, t: datetime | None, ref: ListRef, index: int) -> Cursor:
         if t is not None:
@@ -181,48 +257,111 @@ def check_gap(url: str, refs: list[ListRef], position: datetime | None) -> None:
         )
 
 
+async def archived_refs(fetcher: Fetcher, url: str, capability: str) -> list[ListRef]:
+    """The documents a ResourceSync Archive lists (``changelist-archive``...: a ``<urlset>`` of past
+    documents with ``from``/``until`` or ``at``), resolved against its URL. Bounded: §7 caps a document
+    at 50,000 entries."""
+    async with fetcher.document(url) as doc:
+        _expect(url, doc.head, capability)
+        # DSpace (ResourceSyncJava) gives archived lists only a <lastmod>: the time the list was closed.
+        return [
+            ListRef(e.loc, e.md.from_ if e.md else None, (e.md.until if e.md else None) or e.lastmod)
+            async for e in resolved(doc.entries, doc.url or url)
+        ]
+
+
 async def change_entries(
-    fetcher: Fetcher, url: str, cursor: Cursor, source: str, validators: Validators | None = None
+    fetcher: Fetcher,
+    url: str,
+    cursor: Cursor,
+    source: str,
+    validators: Validators | None = None,
+    archives: Sequence[str] = (),
 ) -> AsyncGenerator[tuple[Entry, Cursor], None]:
     """Every change after ``cursor``, in order, each with the cursor that records it as applied.
 
     Closed lists (with ``until``) are walked in ``from`` order, then the open one (§12.2); lists that
-    closed before the position are not fetched. Raises GapError when the stream cannot continue.
+    closed before the position are not fetched. ``archives``: Change List Archives whose closed lists
+    come before the ones the Change List (Index) names. Raises GapError when the stream cannot continue.
     """
     pos = Position(cursor)
+    archived: list[ListRef] = []
+    for a in archives:
+        archived += await archived_refs(fetcher, a, CHANGELIST_ARCHIVE)
     conditional = validators.of(url) if validators else {}
     async with fetcher.document(url, **conditional) as doc:
         if doc.not_modified:
-            return  # the open list is as we last read it: nothing new
-        head = _expect(url, doc.head, CHANGELIST)
-        md = head.md
-        if not head.is_index:
-            ref = ListRef(doc.url, md.from_ if md else None, md.until if md else None)
-            check_gap(url, [ref], pos.datetime)
-            async for item in _list_changes(ref, doc.entries, pos, source):
-                yield item
-            if validators and ref.until is None:
-                validators.read(url, doc.etag, doc.last_modified)
-            return
-        refs = [
-            ListRef(e.loc, e.md.from_ if e.md else None, e.md.until if e.md else None)
-            async for e in doc.entries
-        ]
+            refs: list[ListRef] = []  # the open list is as we last read it: nothing new there
+        else:
+            is_index, entries = await open_list(url, doc, CHANGELIST)
+            md = doc.head.md if doc.head else None
+            link = doc.head.link("archives") if doc.head else None
+            if not archives and link is not None and link.href:
+                # Archives draft: a core document may name its archive with a top-level rel="archives".
+                # Only a pointer: unreadable, it costs nothing unless it was needed (then a gap is found).
+                href = urljoin(doc.url or url, link.href)
+                try:
+                    archived = await archived_refs(fetcher, href, CHANGELIST_ARCHIVE)
+                except (FetchError, SyncError) as exc:
+                    log.warning("source=%s url=%s archive of %s not read: %s", source, href, url, exc)
+            if not is_index:
+                ref = ListRef(doc.url, md.from_ if md else None, md.until if md else None)
+                older = _closed_before(archived, ref, pos)
+                check_gap(url, [*older, ref], pos.datetime)
+                for old in older:
+                    async for item in _closed_list_changes(fetcher, old, pos, source):
+                        yield item
+                async for item in _list_changes(ref, entries, pos, source):
+                    yield item
+                if validators and ref.until is None:
+                    validators.read(url, doc.etag, doc.last_modified)
+                return
+            refs = [
+                ListRef(e.loc, e.md.from_ if e.md else None, e.md.until if e.md else None)
+                async for e in entries
+            ]
+    known = {r.url for r in refs}
+    refs += [r for r in archived if r.url not in known]
+    if not refs:
+        return
     refs.sort(key=lambda r: (r.from_ is None, r.from_ or datetime.max, r.until is None))
     check_gap(url, refs, pos.datetime)
     for ref in refs:
         if ref.until is not None and pos.datetime is not None and ref.until < pos.datetime:
             continue
-        # Only the open list is fetched conditionally: a closed one is read once and then skipped.
-        conditional = validators.of(ref.url) if validators and ref.until is None else {}
+        if ref.until is not None:  # a closed list is read once and then skipped
+            async for item in _closed_list_changes(fetcher, ref, pos, source):
+                yield item
+            continue
+        conditional = validators.of(ref.url) if validators else {}
         async with fetcher.document(ref.url, **conditional) as doc:
             if doc.not_modified:
                 continue
             _expect(ref.url, doc.head, CHANGELIST, index_ok=False)
-            async for item in _list_changes(ref, doc.entries, pos, source):
+            async for item in _list_changes(ref, resolved(doc.entries, doc.url or ref.url), pos, source):
                 yield item
-            if validators and ref.until is None:
+            if validators:
                 validators.read(ref.url, doc.etag, doc.last_modified)
+
+
+def _closed_before(archived: list[ListRef], ref: ListRef, pos: Position) -> list[ListRef]:
+    """Archived lists still needed before the list ``ref`` (they end where it begins or earlier)."""
+    out = [
+        r for r in archived
+        if r.url != ref.url and r.until is not None
+        and (ref.from_ is None or r.until <= ref.from_)
+        and (pos.datetime is None or r.until >= pos.datetime)
+    ]  # fmt: skip
+    return sorted(out, key=lambda r: r.from_ or datetime.min)
+
+
+async def _closed_list_changes(
+    fetcher: Fetcher, ref: ListRef, pos: Position, source: str
+) -> AsyncGenerator[tuple[Entry, Cursor]]:
+    async with fetcher.document(ref.url) as doc:
+        _expect(ref.url, doc.head, CHANGELIST, index_ok=False)
+        async for item in _list_changes(ref, resolved(doc.entries, doc.url or ref.url), pos, source):
+            yield item
 
 
 async def _list_changes(
@@ -232,6 +371,11 @@ async def _list_changes(
     async for entry in entries:
         index += 1
         t = when(entry)
+        if t is None:
+            deviation(
+                "change-without-datetime", ref.url, entry.line,
+                "change without rs:md datetime (§12.1); applied by content, whatever its lastmod",
+            )  # fmt: skip
         if pos.is_applied(t, ref.url, index):
             continue
         if entry.change not in CHANGES:

@@ -291,6 +291,9 @@ class Pipeline:
         try:
             fetched = await self._fetch(entry, existing)
         except FetchError as exc:
+            held = await self._superseded(work, existing, exc)
+            if held is not None:
+                return _Result(work, change_from(work, held, existing.type if existing else None))
             log.warning("source=%s url=%s fetch failed (%s): %s", self.source, entry.loc, exc.kind, exc)
             failure = Failure(entry.loc, exc.kind, str(exc))
             if (
@@ -308,6 +311,36 @@ class Pipeline:
         self.stats.fetched += 1
         self.stats.bytes += fetched.info.length
         return _Result(work, change_from(work, fetched.info, fetched.content_type), fetched.blob)
+
+    async def _superseded(self, work: Work, existing: Resource | None, exc: FetchError) -> BlobInfo | None:
+        """A change without datetime whose announced hash the resource no longer has, while it serves
+        exactly what we hold: a stale entry replayed (applied by content, README "Change Lists"), not a
+        failure. One more fetch decides; nothing unverified is stored (that blob is dropped). Returns the
+        held version then, else None."""
+        md = work.entry.md
+        if (
+            exc.kind != "fixity"
+            or (md is not None and md.datetime is not None)
+            or work.generation is not None
+            or existing is None
+            or existing.deleted
+            or not existing.sha256
+        ):
+            return None
+        urls = candidate_urls(work.entry)
+        try:
+            fetched = await self.ctx.fetcher.resource(urls, Expected({}), self.ctx.blobs)
+        except FetchError:
+            return None
+        fetched.blob.abort()
+        if fetched.info.sha256 != existing.sha256:
+            return None
+        self.stats.unchanged += 1
+        log.info(
+            "source=%s url=%s a change without datetime announces another version than the one served, "
+            "which is the one held: superseded, nothing to do", self.source, work.entry.loc,
+        )  # fmt: skip
+        return BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
 
     async def _fetch(self, entry: Entry, existing: Resource | None) -> FetchedResource:
         expected = expected_of(entry)

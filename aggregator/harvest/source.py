@@ -17,6 +17,7 @@ from ..rs.w3cdt import format_w3c, utcnow
 from ..store import retries
 from .baseline import run_baseline
 from .context import HarvestContext
+from .deviations import Deviations, collecting
 from .discovery import SetInfo, discover
 from .incremental import run_incremental
 from .lists import GapError, Validators
@@ -37,6 +38,14 @@ class SourceResult:
     stats: list[PipelineStats] = field(default_factory=list)
     #: The sets as discovered in this sync (their notification channels included).
     discovered: list[SetInfo] = field(default_factory=list)
+    #: Tolerated deviations (``Note.as_dict``) and lists that could not be read (URL -> reason).
+    deviations: list[dict] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def degraded(self) -> bool:
+        """Some advertised list could not be read: the source is not in sync, whatever else went well."""
+        return bool(self.skipped)
 
     @property
     def failures(self) -> list[Failure]:
@@ -66,12 +75,13 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     """Bring one source up to date; never raises for upstream problems (they are the result)."""
     token = current_source.set(src.name)  # labels this sync's upstream requests (metrics.py)
     try:
-        return await _sync_source(ctx, src)
+        with collecting(Deviations(src.name, ctx.metrics.deviation)) as deviations:
+            return await _sync_source(ctx, src, deviations)
     finally:
         current_source.reset(token)
 
 
-async def _sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
+async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Deviations) -> SourceResult:
     result = SourceResult(src.name)
     started = time.monotonic()
     stopped_by: Exception | None = None
@@ -133,13 +143,23 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
         result.ok = False
         first = result.failures[0]
         result.error = f"{len(result.failures)} resource(s) failed, e.g. {first.uri}: {first.message}"
-    fields_ = {"state": "ok" if result.ok else "error", "last_error": result.error,
+    result.deviations = [n.as_dict() for n in deviations.notes.values()]
+    result.skipped = dict(deviations.skipped)
+    state = "ok" if result.ok else "error"
+    if deviations.skipped:  # lenient in, truthful out: never "ok" with a list unread
+        state = "degraded" if result.ok else state
+        result.ok = False
+        result.error = "; ".join(filter(None, [result.error, deviations.skipped_text()]))
+    await ctx.write(ctx.writer.put_upstream_notes, src.name, result.deviations, result.skipped)
+    fields_ = {"state": state, "last_error": result.error,
                "progress_done": progress.done, "progress_total": progress.total}  # fmt: skip
     if result.ok:
         fields_["last_success"] = format_w3c(utcnow())
     ctx.progress_finished(src.name)
     await ctx.write(ctx.writer.set_source_status, src.name, **fields_)
-    ctx.metrics.sync_finished(src.name, result.ok, time.monotonic() - started, stopped_by)
+    ctx.metrics.sync_finished(
+        src.name, result.ok, time.monotonic() - started, stopped_by, degraded=state == "degraded"
+    )
     return result
 
 

@@ -80,7 +80,7 @@ from ..store.state import format_dt, parse_dt
 from ..store.tables import Closed, OwnTables
 from .context import HarvestContext
 from .discovery import SetInfo
-from .lists import ListRef, Position, when
+from .lists import ListRef, Position, resolve, when
 from .pipeline import Pipeline, Work
 from .source import sync_source
 
@@ -583,7 +583,7 @@ class Subscriber:
             raise DocumentError(sub.topic, head.line, f"not a <urlset> with capability {sub.kind!r}")
         if sub.kind == CHANGE_NOTIFICATION and (md is None or md.from_ is None or md.until is None):
             raise DocumentError(sub.topic, head.line, "a change notification needs from and until")
-        return Notice(sub, head, entries)
+        return Notice(sub, head, [resolve(e, sub.topic) for e in entries])  # relative <loc>: vs the topic
 
     # -- the source's task -----------------------------------------------------------------------
 

@@ -54,7 +54,7 @@ def _source_row(r: dict) -> str:
     progress = r["progress"]["text"] if r.get("progress") else ""
     name = r["name"] + ("" if r.get("configured", True) else " (removed)")
     when = status.short_time(r.get("last_success"))
-    cells = (name, r["state"], r["resources"], r.get("lag") or "-", when, progress, r.get("last_error") or "")
+    cells = (name, r["state"], r["resources"], r.get("lag") or "-", when, progress, status.notes_text(r))
     return "<tr>" + "".join(f"<td>{_e(str(c))}</td>" for c in cells) + "</tr>"
 
 
@@ -64,7 +64,9 @@ const ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"};
 const esc = (v) => String(v ?? "").replace(/[&<>"]/g, (c) => ENTITIES[c]);
 const row = (r) => "<tr>" + [r.name + (r.configured === false ? " (removed)" : ""), r.state, r.resources,
   r.lag || "-", (r.last_success || "-").replace(/\.\d+Z$/, "Z"), r.progress ? r.progress.text : "",
-  r.last_error || ""]
+  [r.last_error, (r.deviations || []).length
+    ? "tolerated: " + r.deviations.map((d) => d.rule + " x" + d.count).join(", ") : ""]
+    .filter(Boolean).join(" — ")]
   .map((c) => "<td>" + esc(c) + "</td>").join("") + "</tr>";
 async function refresh() {
   try {

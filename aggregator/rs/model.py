@@ -112,6 +112,18 @@ class Link:
         return self.pri if self.pri is not None else 999_999
 
 
+def has_rel(link: Link, rel: str) -> bool:
+    """True when ``link`` is of relation type ``rel``: registered types compare case-insensitively
+    (RFC 8288 §2.1.1: ``describedBy``, ``UP``), and ``rel`` may hold several space-separated types."""
+    value = link.rel
+    if not value:
+        return False
+    if value == rel:
+        return True
+    wanted = rel.lower()
+    return any(t.lower() == wanted for t in value.split())
+
+
 @dataclass(slots=True)
 class Entry:
     """One ``<url>`` (or ``<sitemap>`` in an index).
@@ -142,7 +154,7 @@ class Entry:
 
     def links_by_rel(self, rel: str) -> list[Link]:
         """Links of one relation, best ``pri`` first (§7: lower integer, higher priority)."""
-        return sorted((ln for ln in self.links if ln.rel == rel), key=lambda ln: ln.priority)
+        return sorted((ln for ln in self.links if has_rel(ln, rel)), key=lambda ln: ln.priority)
 
 
 @dataclass(slots=True)
@@ -165,7 +177,7 @@ class Head:
 
     def link(self, rel: str) -> Link | None:
         for ln in self.links:
-            if ln.rel == rel:
+            if has_rel(ln, rel):
                 return ln
         return None
 

@@ -27,7 +27,7 @@ import re
 import secrets
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -274,6 +274,19 @@ MIGRATIONS: list[tuple[str, ...]] = [
             PRIMARY KEY (set_id, uri)
         )""",
     ),
+    (  # 3: what the last sync of a source tolerated and skipped (harvest/deviations.py)
+        """CREATE TABLE IF NOT EXISTS upstream_notes (
+            source TEXT NOT NULL REFERENCES sources(name) ON DELETE CASCADE,
+            kind TEXT NOT NULL CHECK (kind IN ('deviation', 'skipped')),
+            rule TEXT NOT NULL,          -- deviation rule, or the URL of the skipped list
+            count INTEGER NOT NULL DEFAULT 1,
+            url TEXT,                    -- where it was first seen
+            line INTEGER,
+            message TEXT,
+            updated_at TEXT NOT NULL,
+            PRIMARY KEY (source, kind, rule)
+        )""",
+    ),
 ]
 
 SOURCE_STATUS_FIELDS = frozenset(
@@ -482,6 +495,39 @@ class State:
             cur = c.execute(f"UPDATE sources SET {sets} WHERE name = ?", [*values.values(), name])
             if cur.rowcount == 0:
                 raise KeyError(f"unknown source {name!r}")
+
+    def put_upstream_notes(self, source: str, deviations: Sequence[dict], skipped: Mapping[str, str]) -> None:
+        """Replace what the last sync of ``source`` tolerated (``deviations``: rule, count, url, line,
+        message) and skipped (list URL -> reason)."""
+        now = format_dt(self._now())
+        rows = [("deviation", d["rule"], d["count"], d.get("url"), d.get("line"), d.get("message"), now)
+                for d in deviations]  # fmt: skip
+        rows += [("skipped", url, 1, url, None, why, now) for url, why in skipped.items()]
+        with self._write() as c:
+            c.execute("DELETE FROM upstream_notes WHERE source = ?", (source,))
+            c.executemany(
+                "INSERT INTO upstream_notes (source, kind, rule, count, url, line, message, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(source, *r) for r in rows],
+            )
+
+    def upstream_notes(self, source: str) -> dict[str, list[dict]]:
+        """{"deviations": [{rule, count, url, line, message}], "skipped": [{url, reason}]} of a source."""
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT kind, rule, count, url, line, message FROM upstream_notes WHERE source = ? "
+                "ORDER BY kind, rule",
+                (source,),
+            ).fetchall()
+        out: dict[str, list[dict]] = {"deviations": [], "skipped": []}
+        for kind, rule, count, url, line, message in rows:
+            if kind == "deviation":
+                out["deviations"].append(
+                    {"rule": rule, "count": count, "url": url, "line": line, "message": message}
+                )
+            else:
+                out["skipped"].append({"url": url, "reason": message})
+        return out
 
     # -- documents -------------------------------------------------------------------------------
 
