@@ -29,7 +29,7 @@ from typing import Any
 import trio
 from starlette.types import ASGIApp
 
-from . import sdnotify
+from . import outbound, sdnotify
 from .config import Config, ConfigError, SourceConfig, load_config
 from .harvest.context import HarvestContext, open_context
 from .harvest.source import poll_source
@@ -191,6 +191,9 @@ class _Daemon:
             log.error("reload refused, the publisher rejects %s: %s: %s", new.file, type(exc).__name__, exc)
             return
         self.ctx.config = new
+        outbound.update_policy(self.ctx.fetcher.policy, new)  # new sources' origins, a changed allow-list
+        if self.ctx.notifications is not None and self.ctx.notifications.hub is not None:
+            outbound.update_policy(self.ctx.notifications.hub.policy, new, trust_sources=False)
         if self.harvest:
             self._apply_sources(new)
         log.info("reloaded %s: %d source(s) harvested", new.file, len(self.tasks))

@@ -74,7 +74,12 @@ COUNT_EVERY = 30.0
 STATUS_CLASSES = ("2xx", "3xx", "4xx", "5xx", "error")
 #: Error kinds always exposed (0 until they happen): the Fetcher's FetchError kinds, plugin failures,
 #: and "sync" for a sync that failed for another reason (discovery, a malformed Capability List...).
-ERROR_KINDS = ("fixity", "parse", "http", "timeout", "network", "size", "patch", "dump", "plugin", "sync")
+#: "refused": the outbound address policy refused the connection (outbound.py).
+ERROR_KINDS = (
+    "fixity", "parse", "http", "timeout", "network", "size", "patch", "dump", "plugin", "sync", "refused",
+)  # fmt: skip
+#: The rules of ``outbound.REASONS`` (not imported: metrics imports no network code).
+OUTBOUND_REASONS = ("loopback", "private", "link-local", "unspecified", "multicast", "reserved")
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 #: Every rsagg family (as prometheus-client names them: counters without ``_total``) and its type; the
@@ -326,6 +331,15 @@ class Metrics:
         self._errors: dict[tuple[str, str], int] = {}
         self._errors_lock = threading.Lock()
         self._fetch_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+
+        self.outbound_refused = Counter(
+            "rsagg_outbound_refused",
+            "Outbound connections refused by the address policy, by rule (outbound.py)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in OUTBOUND_REASONS:
+            self.outbound_refused.labels(reason)
 
         # -- blob store
         self.store_written_objects = Counter(

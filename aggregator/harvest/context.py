@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from .. import outbound
 from ..config import Config, ConfigError
 from ..metrics import Metrics
 from ..plugins import Plugins
@@ -155,6 +156,9 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
         backoff_max=hc.backoff_max,
         max_document_bytes=hc.max_document_bytes,
         max_resource_bytes=hc.max_resource_bytes,
+        policy=outbound.policy_for(
+            config, on_refused=lambda rule: metrics.outbound_refused.labels(rule).inc()
+        ),
     )
     plugins.call("rsagg_startup", config=config)
     try:

@@ -1,0 +1,361 @@
+"""The outbound address policy: which addresses rsagg may connect to, checked where it connects.
+
+Why here, at the connection: rsagg makes requests to URLs that others choose (callbacks of hub
+subscribers, resources, mirrors, redirects and ``describedby`` records named by upstream documents). Left
+alone, that makes every rsagg a relay into its own network (server-side request forgery): the hub would GET
+``http://169.254.169.254/latest/meta-data/`` for anyone who asks, and the harvester would fetch and then
+*republish* whatever a hostile upstream points at on ``127.0.0.1``. Checking the URL's host is not enough:
+a name may resolve (or re-resolve, between a check and the connection) to an internal address. So every
+client rsagg builds for such requests uses ``PolicedTransport``, whose network backend resolves the name
+itself, drops the refused addresses and connects to a checked address only; a redirect is a new request
+and so a new check. See docs/security.md for the threat model and the defaults.
+
+Refused by default (rule names are the ``reason`` label of ``rsagg_outbound_refused_total``): loopback,
+private (RFC 1918, fc00::/7, RFC 6598 shared space), link-local (169.254/16 with the cloud metadata
+services, fe80::/10), unspecified (0.0.0.0/8, ::), multicast, and every other range that is not globally
+reachable (documentation, benchmarking, reserved: ``reserved``). IPv4 addresses embedded in IPv6
+(``::ffff:a.b.c.d``, NAT64 ``64:ff9b::/96``, 6to4 ``2002::/16``) are judged as the IPv4 address.
+``allow`` opens exact networks; origins in ``trusted`` (host, port) connect without a check (the
+origins an operator configured: a Source's own URL, an external hub).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import httpcore
+import httpx
+import trio
+
+if TYPE_CHECKING:
+    from .config import Config
+
+log = logging.getLogger("rsagg.outbound")
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+#: ``await resolver(host, port)`` -> the addresses of ``host`` as strings (a seam for tests).
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+_N = ipaddress.ip_network
+#: (rule, network), the first match names the rule; anything else not ``is_global`` is "reserved".
+RULES: tuple[tuple[str, IPNetwork], ...] = (
+    ("loopback", _N("127.0.0.0/8")),
+    ("loopback", _N("::1/128")),
+    ("private", _N("10.0.0.0/8")),
+    ("private", _N("172.16.0.0/12")),
+    ("private", _N("192.168.0.0/16")),
+    ("private", _N("100.64.0.0/10")),  # RFC 6598 carrier-grade NAT: an operator's internal network
+    ("private", _N("fc00::/7")),
+    ("link-local", _N("169.254.0.0/16")),  # includes 169.254.169.254, the cloud metadata services
+    ("link-local", _N("fe80::/10")),
+    ("unspecified", _N("0.0.0.0/8")),  # "this network": 0.0.0.0 reaches the local host on Linux
+    ("unspecified", _N("::/128")),
+    ("multicast", _N("224.0.0.0/4")),
+    ("multicast", _N("ff00::/8")),
+)
+REASONS = ("loopback", "private", "link-local", "unspecified", "multicast", "reserved")
+LOOPBACK: tuple[IPNetwork, ...] = (_N("127.0.0.0/8"), _N("::1/128"))
+_NAT64 = _N("64:ff9b::/96")
+DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+
+
+def refusal_rule(address: IPAddress) -> str | None:
+    """The rule that refuses ``address`` by default, or None for a globally reachable address."""
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = address.ipv4_mapped or address.sixtofour
+        if embedded is None and address in _NAT64:
+            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        if embedded is not None:
+            return refusal_rule(embedded)
+    for rule, network in RULES:
+        if address.version == network.version and address in network:
+            return rule
+    return None if address.is_global else "reserved"
+
+
+def parse_networks(values: Iterable[str]) -> tuple[IPNetwork, ...]:
+    """``["10.1.0.0/16", "fd00::1"]`` -> networks (a bare address is a /32 or /128); ValueError names
+    the bad value (host bits set, e.g. 10.1.2.3/16, are an error: the allow-list opens exactly what it
+    names)."""
+    out = []
+    for value in values:
+        try:
+            out.append(ipaddress.ip_network(value.strip(), strict=True))
+        except ValueError as exc:
+            raise ValueError(f"{value!r} is not a network: {exc}") from None
+    return tuple(out)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or a literal address) is this machine's loopback only."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def origin(url: str) -> tuple[str, int] | None:
+    """(host, port) of an http(s) URL, the key of ``AddressPolicy.trusted``; None when it has none."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except ValueError:
+        return None
+    if not parts.hostname or port is None:
+        return None
+    return parts.hostname.lower(), port
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """The addresses of ``host`` from the system resolver (getaddrinfo, in a thread via trio)."""
+    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+class OutboundRefused(httpx.ConnectError):
+    """A connection the policy refused; ``str()`` names the host, the address and the rule."""
+
+    def __init__(self, host: str, port: int, address: str, rule: str) -> None:
+        super().__init__(
+            f"outbound policy refused {host}:{port} (address {address} is {rule}; "
+            f"open it with [outbound] allow if it is meant to be reached)"
+        )
+        self.host, self.port, self.address, self.rule = host, port, address, rule
+
+
+def refusal_of(exc: BaseException | None) -> OutboundRefused | None:
+    """The OutboundRefused behind ``exc`` (itself, or a cause or context), if any."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OutboundRefused):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+@dataclass
+class AddressPolicy:
+    """What may be connected to: everything but the refused ranges, plus ``allow``, plus ``trusted``."""
+
+    allow: tuple[IPNetwork, ...] = ()
+    trusted: frozenset[tuple[str, int]] = frozenset()
+    resolver: Resolver = system_resolver
+    #: Called with the rule of every refused connection (the metrics counter).
+    on_refused: Callable[[str], None] | None = field(default=None, repr=False)
+
+    def rule_for(self, address: str | IPAddress) -> str | None:
+        """The rule refusing a connection to ``address``, or None when it may be connected to."""
+        ip = ipaddress.ip_address(address) if isinstance(address, str) else address
+        if any(ip.version == n.version and ip in n for n in self.allow):
+            return None
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            if any(n.version == 4 and ip.ipv4_mapped in n for n in self.allow):
+                return None
+        return refusal_rule(ip)
+
+    def literal_rule(self, url: str) -> str | None:
+        """For a URL whose host is a literal address: the rule refusing it (checked before any
+        connection, e.g. to answer a hub subscription at once). Names are judged when connecting."""
+        try:
+            host = urlsplit(url).hostname or ""
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return None
+        if origin(url) in self.trusted:
+            return None
+        return self.rule_for(ip)
+
+    def with_trusted(self, urls: Iterable[str]) -> AddressPolicy:
+        """A copy that also trusts the origins of ``urls`` (configured, so trusted as configured)."""
+        more = {o for o in map(origin, urls) if o is not None}
+        return AddressPolicy(self.allow, self.trusted | more, self.resolver, self.on_refused)
+
+    def refused(self, host: str, port: int, address: str, rule: str) -> OutboundRefused:
+        log.warning("outbound: refused %s:%s (address %s, rule %s)", host, port, address, rule)
+        if self.on_refused is not None:
+            try:
+                self.on_refused(rule)
+            except Exception:
+                log.exception("outbound: refusal hook failed")
+        return OutboundRefused(host, port, address, rule)
+
+
+class PolicedBackend(httpcore.AsyncNetworkBackend):
+    """An httpcore network backend that resolves, checks and connects to the checked address only."""
+
+    def __init__(self, policy: AddressPolicy, inner: httpcore.AsyncNetworkBackend | None = None) -> None:
+        self.policy = policy
+        self._inner = inner or httpcore.TrioBackend()  # rsagg runs on trio
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        policy = self.policy
+        name = host.strip("[]")
+        if (name.lower(), port) in policy.trusted:
+            return await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
+        try:
+            addresses = [str(ipaddress.ip_address(name))]
+        except ValueError:
+            try:
+                with trio.fail_after(timeout if timeout is not None else float("inf")):
+                    addresses = await policy.resolver(name, port)
+            except trio.TooSlowError:
+                raise httpcore.ConnectTimeout(f"resolving {name} timed out") from None
+            except OSError as exc:
+                raise httpcore.ConnectError(f"cannot resolve {name}: {exc}") from exc
+        if not addresses:
+            raise httpcore.ConnectError(f"cannot resolve {name}: no addresses")
+        allowed: list[str] = []
+        first_refusal: tuple[str, str] | None = None
+        for address in addresses:
+            rule = policy.rule_for(address)
+            if rule is None:
+                allowed.append(address)
+            elif first_refusal is None:
+                first_refusal = (address, rule)
+        if not allowed:
+            assert first_refusal is not None
+            raise policy.refused(name, port, *first_refusal)
+        error: Exception | None = None
+        for address in allowed:  # in the resolver's order; each one checked above
+            try:
+                return await self._inner.connect_tcp(address, port, timeout, local_address, socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                error = exc
+        assert error is not None
+        raise error
+
+    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("unix sockets are not used for outbound requests")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class PolicedTransport(httpx.AsyncHTTPTransport):
+    """``httpx.AsyncHTTPTransport`` whose connections go through ``PolicedBackend``.
+
+    httpx does not take a network backend, so the pool it built is replaced by an equal one that uses
+    ours (httpcore's documented ``network_backend`` argument). No proxy: with a proxy, the proxy
+    connects (and must enforce its own egress rules, docs/security.md).
+    """
+
+    def __init__(
+        self,
+        policy: AddressPolicy,
+        *,
+        verify: Any = True,
+        limits: httpx.Limits = DEFAULT_LIMITS,
+    ) -> None:
+        super().__init__(verify=verify, limits=limits, trust_env=False)
+        ssl_context = verify if not isinstance(verify, bool) else httpx.create_ssl_context(verify=verify)
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=ssl_context,
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            network_backend=PolicedBackend(policy),
+        )
+        self.policy = policy
+
+
+def local_instance(config: Config) -> bool:
+    """Whether the daemon is reachable from this machine only: ``server.listen`` and ``server.base_url``
+    both loopback (a public deployment behind a proxy listens on loopback too, but its base URL is public).
+    """
+    listen_host = config.server.listen.rpartition(":")[0]
+    return is_loopback_host(listen_host) and is_loopback_host(urlsplit(config.server.base_url).hostname or "")
+
+
+def allowed_networks(config: Config) -> tuple[IPNetwork, ...]:
+    """``[outbound] allow`` as networks; unset: loopback on a local instance, else nothing."""
+    if config.outbound.allow is not None:
+        return parse_networks(config.outbound.allow)
+    return LOOPBACK if local_instance(config) else ()
+
+
+def configured_origins(config: Config) -> frozenset[tuple[str, int]]:
+    """Origins the operator named (sources, an external hub, rsagg's own base URL): trusted as configured."""
+    urls = [src.url for src in config.sources] + [config.server.base_url]
+    if config.notifications.hub:
+        urls.append(config.notifications.hub)
+    return frozenset(o for o in map(origin, urls) if o is not None)
+
+
+def policy_for(config: Config, *, trust_sources: bool = True, **kw: Any) -> AddressPolicy:
+    """The policy of a daemon with ``config``. ``trust_sources=False`` (the hub: anyone names its
+    callbacks) trusts rsagg's own base URL only."""
+    trusted = (
+        configured_origins(config)
+        if trust_sources
+        else frozenset(filter(None, [origin(config.server.base_url)]))
+    )
+    return AddressPolicy(allowed_networks(config), trusted, **kw)
+
+
+def update_policy(policy: AddressPolicy | None, config: Config, *, trust_sources: bool = True) -> None:
+    """A reloaded configuration (new sources, a changed allow-list) applies to connections made from now."""
+    if policy is not None:
+        fresh = policy_for(config, trust_sources=trust_sources)
+        policy.allow, policy.trusted = fresh.allow, fresh.trusted
+
+
+def transport(
+    policy: AddressPolicy | None, *, verify: Any = True, limits: httpx.Limits | None = None
+) -> httpx.AsyncHTTPTransport:
+    """A policed transport, or httpx's own when ``policy`` is None (a library user's unchecked client)."""
+    limits = limits or DEFAULT_LIMITS
+    if policy is None:
+        return httpx.AsyncHTTPTransport(verify=verify, limits=limits)
+    return PolicedTransport(policy, verify=verify, limits=limits)
+
+
+def client(
+    policy: AddressPolicy | None, *, limits: httpx.Limits | None = None, **kw: Any
+) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` whose every connection obeys ``policy`` (no proxies from the environment:
+    a proxy would connect in our place, unchecked)."""
+    limits = limits or DEFAULT_LIMITS
+    return httpx.AsyncClient(
+        transport=transport(policy, limits=limits), limits=limits, trust_env=policy is None, **kw
+    )
+
+
+__all__ = [
+    "LOOPBACK",
+    "REASONS",
+    "AddressPolicy",
+    "OutboundRefused",
+    "PolicedBackend",
+    "PolicedTransport",
+    "allowed_networks",
+    "client",
+    "configured_origins",
+    "is_loopback_host",
+    "local_instance",
+    "origin",
+    "parse_networks",
+    "policy_for",
+    "refusal_of",
+    "refusal_rule",
+    "system_resolver",
+    "transport",
+    "update_policy",
+]
