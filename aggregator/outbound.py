@@ -150,7 +150,8 @@ class AddressPolicy:
 
     allow: tuple[IPNetwork, ...] = ()
     trusted: frozenset[tuple[str, int]] = frozenset()
-    resolver: Resolver = system_resolver
+    #: None: ``system_resolver`` (looked up when used, so a test may replace it module-wide).
+    resolver: Resolver | None = None
     #: Called with the rule of every refused connection (the metrics counter).
     on_refused: Callable[[str], None] | None = field(default=None, repr=False)
 
@@ -215,7 +216,7 @@ class PolicedBackend(httpcore.AsyncNetworkBackend):
         except ValueError:
             try:
                 with trio.fail_after(timeout if timeout is not None else float("inf")):
-                    addresses = await policy.resolver(name, port)
+                    addresses = await (policy.resolver or system_resolver)(name, port)
             except trio.TooSlowError:
                 raise httpcore.ConnectTimeout(f"resolving {name} timed out") from None
             except OSError as exc:
