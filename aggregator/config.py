@@ -28,6 +28,9 @@ class ServerConfig:
     #: Database connections serving requests at once (each document stream holds one while it streams);
     #: more requests wait a little, then get 503 + Retry-After. Bounds the server's memory under a crawl.
     max_readers: int = 32
+    #: Connections one client address may hold open at once (serverguard.py); 0 = no cap. Behind a reverse
+    #: proxy every client is the proxy: raise it or set 0, and let the proxy limit per client.
+    max_connections_per_client: int = 256
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from .hotswap import HotSwapApp
 from .notifications import prepare_notifications, run_notifications
 from .publish.schedule import run_dumps
 from .rs import parse
+from .serverguard import ServerLimits
 from .serving import serve
 
 log = logging.getLogger("rsagg.daemon")
@@ -48,6 +49,7 @@ STOP_GRACE = 8.0
 RESTART_KEYS = (
     "server.listen",
     "server.base_url",
+    "server.max_connections_per_client",
     "notifications.hub",
     "notifications.hub_path",
     "store.path",
@@ -301,9 +303,10 @@ async def _serve_and_harvest(
         await run_notifications(nursery, ctx, stop_when=daemon.shutdown.wait)
         nursery.start_soon(run_dumps, ctx, daemon.shutdown.wait)  # publish/schedule.py
         host, port = _listen(config)
+        limits = ServerLimits(max_connections_per_client=config.server.max_connections_per_client)
         try:
             daemon.bound = await nursery.start(
-                partial(serve, daemon.app, host, port, shutdown_trigger=daemon.shutdown.wait)
+                partial(serve, daemon.app, host, port, shutdown_trigger=daemon.shutdown.wait, limits=limits)
             )
         except* OSError as group:
             exc = _sole(group, OSError)
