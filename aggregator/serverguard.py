@@ -8,7 +8,7 @@ must cost bounded memory and file descriptors, and must not keep others from bei
 What bounds what (docs/security.md has the table):
 
 - request head (request line + headers): at most ``max_header_bytes`` (hypercorn's
-  ``h11_max_incomplete_size``; more is answered 431/400 by hypercorn), complete within ``header_timeout``
+  ``h11_max_incomplete_size`` while it arrives, 431 once complete), complete within ``header_timeout``
   of the connection's start or of the end of the previous response (hypercorn's idle timer,
   ``keep_alive_timeout``, runs until a request head is complete: a slowloris client is closed);
 - request body: a Content-Length over ``max_body_bytes`` is answered 413 before the app runs (the
@@ -139,9 +139,10 @@ class _Connections:
         await trio.aclose_forcefully(stream)
 
 
-class BodyGuard:
-    """ASGI middleware: a request body over ``max_body_bytes`` (by Content-Length) gets 413 before the
-    app runs; a body not complete within ``body_timeout`` gets 408 (the app then sees a disconnect)."""
+class RequestGuard:
+    """ASGI middleware: a request head over ``max_header_bytes`` gets 431; a body over ``max_body_bytes``
+    (by Content-Length) gets 413 before the app runs; a body not complete within ``body_timeout`` gets
+    408 (the app then sees a disconnect)."""
 
     def __init__(self, app: Any, limits: ServerLimits) -> None:
         self.app = app
@@ -152,6 +153,11 @@ class BodyGuard:
             await self.app(scope, receive, send)
             return
         lim = self.limits
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        head += sum(len(n) + len(v) + 4 for n, v in scope.get("headers", ()))
+        if head > lim.max_header_bytes:  # hypercorn bounds a head arriving in pieces; this, one in one read
+            await _plain(send, 431, f"request head over {lim.max_header_bytes} bytes\n")
+            return
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 if not value.isdigit() or int(value) > lim.max_body_bytes:
@@ -207,7 +213,7 @@ async def serve_guarded(
 ) -> None:
     """Like ``hypercorn.trio.serve`` (plain HTTP, one process), with the bounds of ``limits``."""
     limits.apply(config)
-    wrapped = wrap_app(BodyGuard(app, limits), config.wsgi_max_body_size, "asgi")
+    wrapped = wrap_app(RequestGuard(app, limits), config.wsgi_max_body_size, "asgi")
     lifespan_state: LifespanState = {}
     lifespan = Lifespan(wrapped, config, lifespan_state)
     context = WorkerContext(None)
@@ -249,4 +255,4 @@ async def serve_guarded(
         lifespan_nursery.cancel_scope.cancel()
 
 
-__all__ = ["BodyGuard", "ServerLimits", "serve_guarded"]
+__all__ = ["RequestGuard", "ServerLimits", "serve_guarded"]
