@@ -96,6 +96,7 @@ FAMILIES: dict[str, str] = {
     "rsagg_fetch_duration_seconds": "histogram",
     "rsagg_errors": "counter",
     "rsagg_plugin_failures": "counter",
+    "rsagg_outbound_refused": "counter",
     # sources and change stream (read from the state when scraped)
     "rsagg_source_last_success_timestamp_seconds": "gauge",
     "rsagg_source_last_attempt_timestamp_seconds": "gauge",
