@@ -9,6 +9,9 @@ the policy under test refuses loopback (as in production), so the count must sta
 from __future__ import annotations
 
 import ipaddress
+import os
+import socket
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -46,16 +49,20 @@ class Internal:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            msg = await receive()
-            while msg["type"] != "lifespan.shutdown":
-                await send({"type": msg["type"] + ".complete"})
-                msg = await receive()
-            await send({"type": "lifespan.shutdown.complete"})
+            await _lifespan(receive, send)
             return
         request = Request(scope, receive)
         self.hits.append(str(request.url))
         body = request.query_params.get("hub.challenge", "secret internal data").encode()
         await Response(body)(scope, receive, send)
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    msg = await receive()
+    while msg["type"] != "lifespan.shutdown":
+        await send({"type": msg["type"] + ".complete"})
+        msg = await receive()
+    await send({"type": "lifespan.shutdown.complete"})
 
 
 @asynccontextmanager
@@ -316,11 +323,7 @@ async def hub_server(tmp_path: Path, policy: AddressPolicy, **limits: Any) -> As
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            msg = await receive()
-            while msg["type"] != "lifespan.shutdown":
-                await send({"type": msg["type"] + ".complete"})
-                msg = await receive()
-            await send({"type": "lifespan.shutdown.complete"})
+            await _lifespan(receive, send)
             return
         await holder["app"](scope, receive, send)  # type: ignore[operator]
 
@@ -390,3 +393,84 @@ async def test_hub_allow_list_opens_a_callback_network(tmp_path: Path) -> None:
                 while not hub.subscriptions():
                     await trio.sleep(0.02)
     assert len(svc.hits) == 1 and "hub.challenge=" in svc.hits[0]
+
+
+# -- the real daemon: production composition, public base URL ------------------------------------
+
+
+async def test_daemon_hub_refuses_internal_callbacks_and_survives_a_flood(tmp_path: Path) -> None:
+    """``rsagg run`` as deployed behind a proxy (listens on loopback, public base URL): its hub refuses
+    callbacks into the loopback network, literal or by name (``localhost``), nothing reaches the internal
+    listener, refusals are counted in /metrics, and a flood of subscription requests gets 429 while a
+    well-behaved client keeps being served."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = "https://agg.example.org"
+    (tmp_path / "rsagg.toml").write_text(
+        f'[server]\nlisten = "127.0.0.1:{port}"\nbase_url = "{base}"\n[store]\npath = "data"\n'
+    )
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "daemon.log").open("wb")
+    paths = [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    cmd = [sys.executable, "-m", "aggregator", "run", "-c", str(tmp_path / "rsagg.toml")]
+    proc = await trio.lowlevel.open_process(cmd, env=env, stdout=log, stderr=log)
+    try:
+        async with internal() as (svc, ibase), httpx.AsyncClient(timeout=20) as client:
+            with trio.fail_after(60):
+                while True:
+                    try:
+                        if (await client.get(f"{url}/status.json")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await trio.sleep(0.1)
+            topic = f"{base}/"
+            iport = _port(ibase)
+
+            async def subscribe(callback: str, c: httpx.AsyncClient = client) -> httpx.Response:
+                form = {"hub.mode": "subscribe", "hub.topic": topic, "hub.callback": callback}
+                return await c.post(f"{url}/hub", data=form)
+
+            r = await subscribe(f"{ibase}/internal-admin?delete=all")
+            assert r.status_code == 403 and "loopback" in r.text
+            assert (await subscribe("http://169.254.169.254/latest/meta-data/")).status_code == 403
+            assert (await subscribe(f"http://localhost:{iport}/by-name")).status_code == 202
+            with trio.fail_after(60):
+                while True:
+                    text = (await client.get(f"{url}/metrics")).text
+                    line = 'rsagg_outbound_refused_total{reason="loopback"}'
+                    value = next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+                    if value >= 2:  # the literal one, then the verification GET to "localhost"
+                        break
+                    await trio.sleep(0.1)
+            # A flood from another loopback address: bounded, answered 429, others still served.
+            flood = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+            statuses: list[int] = []
+            async with httpx.AsyncClient(timeout=20, transport=flood) as attacker:
+
+                async def attack(k: int) -> None:
+                    for i in range(50):
+                        statuses.append(
+                            (await subscribe(f"http://cb{k}.flood.invalid/{i}", attacker)).status_code
+                        )
+
+                with trio.fail_after(120):
+                    async with trio.open_nursery() as nursery:
+                        for k in range(4):
+                            nursery.start_soon(attack, k)
+                        for _ in range(10):
+                            assert (await client.get(f"{url}/status.json")).status_code == 200
+            assert len(statuses) == 200 and 429 in statuses
+            assert set(statuses) <= {202, 429}
+        assert svc.hits == []
+    finally:
+        proc.terminate()
+        with trio.move_on_after(20):
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        log.close()
+        print((tmp_path / "daemon.log").read_text(errors="replace")[-3000:])
