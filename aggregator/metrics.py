@@ -417,6 +417,10 @@ class Metrics:
         if nbytes:
             children[2].inc(nbytes)
 
+    def outbound_refused_hook(self, rule: str) -> None:
+        """``AddressPolicy(on_refused=...)``: one connection refused by the outbound policy."""
+        self.outbound_refused.labels(rule).inc()
+
     def committed(self, source: str, applied: Sequence[Any], failures: Iterable[Any]) -> None:
         """A pipeline batch is in the state: ``applied`` Changes (created/updated/deleted) and the
         ``Failure``s of the batch (counted by their kind)."""

@@ -16,7 +16,8 @@ services, fe80::/10), unspecified (0.0.0.0/8, ::), multicast, and every other ra
 reachable (documentation, benchmarking, reserved: ``reserved``). IPv4 addresses embedded in IPv6
 (``::ffff:a.b.c.d``, NAT64 ``64:ff9b::/96``, 6to4 ``2002::/16``) are judged as the IPv4 address.
 ``allow`` opens exact networks; origins in ``trusted`` (host, port) connect without a check (the
-origins an operator configured: a Source's own URL, an external hub).
+origins an operator configured: a Source's own URL, an external hub). A Source's origin is trusted for
+that Source's requests only (``owners``, ``check_request``).
 """
 
 from __future__ import annotations
@@ -125,9 +126,9 @@ async def system_resolver(host: str, port: int) -> list[str]:
 class OutboundRefused(httpx.ConnectError):
     """A connection the policy refused; ``str()`` names the host, the address and the rule."""
 
-    def __init__(self, host: str, port: int, address: str, rule: str) -> None:
+    def __init__(self, host: str, port: int, address: str, rule: str, note: str = "") -> None:
         super().__init__(
-            f"outbound policy refused {host}:{port} (address {address} is {rule}; "
+            f"outbound policy refused {host}:{port} (address {address} is {rule}{note}; "
             f"open it with [outbound] allow if it is meant to be reached)"
         )
         self.host, self.port, self.address, self.rule = host, port, address, rule
@@ -154,6 +155,11 @@ class AddressPolicy:
     resolver: Resolver | None = None
     #: Called with the rule of every refused connection (the metrics counter).
     on_refused: Callable[[str], None] | None = field(default=None, repr=False)
+    #: Trusted origins that belong to sources: origin -> the names of the sources configured on it.
+    #: A request to such an origin made for another source (``current_source()``) is checked like any.
+    owners: dict[tuple[str, int], frozenset[str]] = field(default_factory=dict)
+    #: The source a request is made for ("" outside a source's sync: the WebSub client).
+    current_source: Callable[[], str] | None = field(default=None, repr=False)
 
     def rule_for(self, address: str | IPAddress) -> str | None:
         """The rule refusing a connection to ``address``, or None when it may be connected to."""
@@ -177,19 +183,51 @@ class AddressPolicy:
             return None
         return self.rule_for(ip)
 
-    def with_trusted(self, urls: Iterable[str]) -> AddressPolicy:
-        """A copy that also trusts the origins of ``urls`` (configured, so trusted as configured)."""
-        more = {o for o in map(origin, urls) if o is not None}
-        return AddressPolicy(self.allow, self.trusted | more, self.resolver, self.on_refused)
+    async def check_request(self, host: str, port: int) -> None:
+        """Before a request: the origin of another source is not trusted for this one (a Source's own
+        origin is trusted as configured, §"origins" in docs/security.md): its addresses are checked now.
 
-    def refused(self, host: str, port: int, address: str, rule: str) -> OutboundRefused:
-        log.warning("outbound: refused %s:%s (address %s, rule %s)", host, port, address, rule)
+        Why here and not only where connections are made: a connection opened for its own source is
+        pooled, and would otherwise serve another source's request unchecked.
+        """
+        key = (host.strip("[]").lower(), port)
+        owners = self.owners.get(key)
+        if owners is None or self.current_source is None:
+            return  # not a source's origin (policed where connecting), or trusted for everyone
+        source = self.current_source()
+        if not source or source in owners:
+            return
+        for address in await _addresses(self, key[0], port, None):
+            rule = self.rule_for(address)
+            if rule is not None:
+                raise self.refused(key[0], port, address, rule, ", and the origin of another source")
+
+    def refused(self, host: str, port: int, address: str, rule: str, note: str = "") -> OutboundRefused:
+        log.warning("outbound: refused %s:%s (address %s, rule %s%s)", host, port, address, rule, note)
         if self.on_refused is not None:
             try:
                 self.on_refused(rule)
             except Exception:
                 log.exception("outbound: refusal hook failed")
-        return OutboundRefused(host, port, address, rule)
+        return OutboundRefused(host, port, address, rule, note)
+
+
+async def _addresses(policy: AddressPolicy, name: str, port: int, timeout: float | None) -> list[str]:
+    """A literal address, or the addresses ``name`` resolves to (httpcore's errors when it does not)."""
+    try:
+        return [str(ipaddress.ip_address(name))]
+    except ValueError:
+        pass
+    try:
+        with trio.fail_after(timeout if timeout is not None else float("inf")):
+            addresses = await (policy.resolver or system_resolver)(name, port)
+    except trio.TooSlowError:
+        raise httpcore.ConnectTimeout(f"resolving {name} timed out") from None
+    except OSError as exc:
+        raise httpcore.ConnectError(f"cannot resolve {name}: {exc}") from exc
+    if not addresses:
+        raise httpcore.ConnectError(f"cannot resolve {name}: no addresses")
+    return addresses
 
 
 class PolicedBackend(httpcore.AsyncNetworkBackend):
@@ -211,18 +249,7 @@ class PolicedBackend(httpcore.AsyncNetworkBackend):
         name = host.strip("[]")
         if (name.lower(), port) in policy.trusted:
             return await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
-        try:
-            addresses = [str(ipaddress.ip_address(name))]
-        except ValueError:
-            try:
-                with trio.fail_after(timeout if timeout is not None else float("inf")):
-                    addresses = await (policy.resolver or system_resolver)(name, port)
-            except trio.TooSlowError:
-                raise httpcore.ConnectTimeout(f"resolving {name} timed out") from None
-            except OSError as exc:
-                raise httpcore.ConnectError(f"cannot resolve {name}: {exc}") from exc
-        if not addresses:
-            raise httpcore.ConnectError(f"cannot resolve {name}: no addresses")
+        addresses = await _addresses(policy, name, port, timeout)
         allowed: list[str] = []
         first_refusal: tuple[str, str] | None = None
         for address in addresses:
@@ -276,6 +303,15 @@ class PolicedTransport(httpx.AsyncHTTPTransport):
         )
         self.policy = policy
 
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            await self.policy.check_request(url.host, port)
+        except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        return await super().handle_async_request(request)
+
 
 def local_instance(config: Config) -> bool:
     """Whether the daemon is reachable from this machine only: ``server.listen`` and ``server.base_url``
@@ -292,30 +328,43 @@ def allowed_networks(config: Config) -> tuple[IPNetwork, ...]:
     return LOOPBACK if local_instance(config) else ()
 
 
-def configured_origins(config: Config) -> frozenset[tuple[str, int]]:
-    """Origins the operator named (sources, an external hub, rsagg's own base URL): trusted as configured."""
-    urls = [src.url for src in config.sources] + [config.server.base_url]
-    if config.notifications.hub:
-        urls.append(config.notifications.hub)
-    return frozenset(o for o in map(origin, urls) if o is not None)
+def configured_origins(config: Config) -> dict[tuple[str, int], frozenset[str]]:
+    """Origins the operator named, trusted as configured: each source's (owned by the sources on it),
+    an external hub's and rsagg's own base URL's (owned by nobody: trusted for every request)."""
+    owners: dict[tuple[str, int], set[str]] = {}
+    for src in config.sources:
+        o = origin(src.url)
+        if o is not None:
+            owners.setdefault(o, set()).add(src.name)
+    for url in (config.server.base_url, config.notifications.hub):
+        o = origin(url) if url else None
+        if o is not None:
+            owners[o] = set()
+    return {o: frozenset(names) for o, names in owners.items()}
 
 
-def policy_for(config: Config, *, trust_sources: bool = True, **kw: Any) -> AddressPolicy:
+def policy_for(
+    config: Config, *, trust_sources: bool = True, current_source: Callable[[], str] | None = None, **kw: Any
+) -> AddressPolicy:
     """The policy of a daemon with ``config``. ``trust_sources=False`` (the hub: anyone names its
-    callbacks) trusts rsagg's own base URL only."""
-    trusted = (
-        configured_origins(config)
-        if trust_sources
-        else frozenset(filter(None, [origin(config.server.base_url)]))
-    )
-    return AddressPolicy(allowed_networks(config), trusted, **kw)
+    callbacks) trusts rsagg's own base URL only. ``current_source``: which source a request is for
+    (harvest: a source's origin is trusted for its own requests only)."""
+    policy = AddressPolicy(allowed_networks(config), current_source=current_source, **kw)
+    update_policy(policy, config, trust_sources=trust_sources)
+    return policy
 
 
 def update_policy(policy: AddressPolicy | None, config: Config, *, trust_sources: bool = True) -> None:
     """A reloaded configuration (new sources, a changed allow-list) applies to connections made from now."""
-    if policy is not None:
-        fresh = policy_for(config, trust_sources=trust_sources)
-        policy.allow, policy.trusted = fresh.allow, fresh.trusted
+    if policy is None:
+        return
+    owners = configured_origins(config)
+    if not trust_sources:
+        own = origin(config.server.base_url)
+        owners = {own: frozenset()} if own is not None else {}
+    policy.allow = allowed_networks(config)
+    policy.trusted = frozenset(owners)
+    policy.owners = {o: names for o, names in owners.items() if names}
 
 
 def transport(

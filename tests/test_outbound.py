@@ -474,3 +474,50 @@ async def test_daemon_hub_refuses_internal_callbacks_and_survives_a_flood(tmp_pa
             await proc.wait()
         log.close()
         print((tmp_path / "daemon.log").read_text(errors="replace")[-3000:])
+
+
+async def test_a_source_origin_is_trusted_for_that_source_only(tmp_path: Path) -> None:
+    """Two intranet sources (loopback here, refused by the policy): each harvests its own origin; a URL on
+    the *other* source's origin, named in a document, is checked like any other and refused."""
+    hits: list[str] = []
+
+    def app(items: list[str]) -> Starlette:
+        async def resourcelist(request: Request) -> Response:
+            urls = "".join(f"<url><loc>{u}</loc></url>" for u in items)
+            return Response(
+                '<urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9" '
+                'xmlns:rs="http://www.openarchives.org/rs/terms/">'
+                f'<rs:md capability="resourcelist" at="2026-01-01T00:00:00Z"/>{urls}</urlset>',
+                media_type="application/xml",
+            )
+
+        async def content(request: Request) -> Response:
+            hits.append(str(request.url))
+            return PlainTextResponse(f"content of {request.url.path}")
+
+        return Starlette(routes=[Route("/resourcelist.xml", resourcelist), Route("/{name}", content)])
+
+    good_items: list[str] = []
+    bad_items: list[str] = []
+    async with serving(app(good_items)) as good, serving(app(bad_items)) as bad:
+        good_items.append(f"{good}/a")
+        bad_items += [f"{bad}/b", f"{good}/private"]
+        config = parse_config(
+            {
+                "server": {"base_url": "https://agg.example.org"},
+                "store": {"path": str(tmp_path / "store")},
+                "harvest": {"retries": 0, "timeout": 10},
+                "sources": [
+                    {"name": "good", "url": f"{good}/resourcelist.xml"},
+                    {"name": "bad", "url": f"{bad}/resourcelist.xml"},
+                ],
+            },
+            str(tmp_path / "test.toml"),
+        )
+        results = await harvest(config)
+    assert sorted(held(config)) == [f"{good}/a", f"{bad}/b"]
+    assert results["good"].failures == []
+    [failure] = results["bad"].failures
+    assert failure.uri == f"{good}/private" and failure.kind == "refused"
+    assert "the origin of another source" in failure.message
+    assert f"{good}/private" not in hits
