@@ -292,8 +292,8 @@ class PolicedTransport(httpx.AsyncHTTPTransport):
         verify: Any = True,
         limits: httpx.Limits = DEFAULT_LIMITS,
     ) -> None:
-        super().__init__(verify=verify, limits=limits, trust_env=False)
         ssl_context = verify if not isinstance(verify, bool) else httpx.create_ssl_context(verify=verify)
+        super().__init__(verify=ssl_context, limits=limits, trust_env=False)
         self._pool = httpcore.AsyncConnectionPool(
             ssl_context=ssl_context,
             max_connections=limits.max_connections,

@@ -235,3 +235,16 @@ async def test_subscription_flood_gets_429_and_the_server_stays_responsive(tmp_p
         assert len(hub._host_rate._buckets) <= hub._host_rate.max_keys  # memory bounded
         await hub.aclose()
         await _well_behaved(base, 1)
+
+
+def test_rate_limit_table_stays_bounded() -> None:
+    """A flood of distinct callback hosts cannot grow the hub's per-host table past its bound."""
+    from aggregator.publish.hub import _Buckets
+
+    buckets = _Buckets(rate=1.0, burst=2, max_keys=100)
+    waits = [buckets.take(f"h{i}.example", now=0.0) for i in range(1000)]
+    assert len(buckets._buckets) == 100
+    assert waits[:100] == [0.0] * 100 and all(w > 0 for w in waits[100:])
+    assert buckets.take("h0.example", now=0.0) == 0.0  # a known key keeps its bucket
+    assert buckets.take("late.example", now=10.0) == 0.0  # idle buckets are forgotten once refilled
+    assert len(buckets._buckets) == 1

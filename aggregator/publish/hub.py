@@ -140,24 +140,32 @@ def signature(secret: str, body: bytes) -> str:
 class _Buckets:
     """Token buckets by key (``rate`` per second, up to ``burst``), for the hub's request rate limits.
 
-    Bounded: at most ``max_keys`` keys; when full, the buckets that have refilled (idle keys) are forgotten.
+    Bounded: at most ``max_keys`` keys. When full, the buckets that have refilled (idle keys) are
+    forgotten (at most once a second: a scan); a new key that still finds no room waits like an empty
+    bucket (a flood of distinct callback hosts cannot grow the table).
     """
 
     def __init__(self, rate: float, burst: int, max_keys: int = 10_000) -> None:
         self.rate, self.burst, self.max_keys = rate, max(1, burst), max_keys
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+        self._swept = -float("inf")
 
     def take(self, key: str, now: float) -> float:
         """Take a token: 0 when there was one, else the seconds until there will be one."""
+        refill = 1.0 / self.rate if self.rate > 0 else 3600.0
+        if key not in self._buckets and len(self._buckets) >= self.max_keys:
+            if now - self._swept >= 1.0:
+                self._swept = now
+                full = [k for k, (t, a) in self._buckets.items() if t + (now - a) * self.rate >= self.burst]
+                for k in full:
+                    del self._buckets[k]
+            if len(self._buckets) >= self.max_keys:
+                return refill
         tokens, at = self._buckets.get(key, (float(self.burst), now))
         tokens = min(float(self.burst), tokens + (now - at) * self.rate)
         if tokens < 1.0:
             self._buckets[key] = (tokens, now)
-            return (1.0 - tokens) / self.rate if self.rate > 0 else 3600.0
-        if key not in self._buckets and len(self._buckets) >= self.max_keys:
-            full = [k for k, (t, a) in self._buckets.items() if t + (now - a) * self.rate >= self.burst]
-            for k in full:
-                del self._buckets[k]
+            return (1.0 - tokens) * refill
         self._buckets[key] = (tokens - 1.0, now)
         return 0.0
 
