@@ -248,3 +248,33 @@ def test_rate_limit_table_stays_bounded() -> None:
     assert buckets.take("h0.example", now=0.0) == 0.0  # a known key keeps its bucket
     assert buckets.take("late.example", now=10.0) == 0.0  # idle buckets are forgotten once refilled
     assert len(buckets._buckets) == 1
+
+
+async def test_hub_count_and_length_limits(tmp_path: Path) -> None:
+    limits = HubLimits(max_subscriptions=2, max_callback_chars=100)
+    holder: dict[str, Any] = {}
+
+    async def hub_endpoint(request: Request) -> Response:
+        return await holder["hub"].endpoint(request)
+
+    async with serving(Starlette(routes=[Route("/hub", hub_endpoint, methods=["POST"])])) as base:
+        hub = holder["hub"] = Hub(
+            tmp_path / "hub.db", hub_url=f"{base}/hub", allowed_topic=topics_under(base),
+            policy=AddressPolicy(), limits=limits,
+        )  # fmt: skip
+        async with httpx.AsyncClient(timeout=20) as client:
+
+            async def subscribe(callback: str) -> httpx.Response:
+                form = {"hub.mode": "subscribe", "hub.topic": f"{base}/t", "hub.callback": callback}
+                return await client.post(f"{base}/hub", data=form)
+
+            assert (await subscribe("http://a.example/1")).status_code == 202
+            assert (await subscribe("http://b.example/2")).status_code == 202
+            r = await subscribe("http://c.example/3")
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert "maximum of 2 subscriptions" in r.text
+            assert (await subscribe("http://a.example/1")).status_code == 202  # the same request again
+            r = await subscribe("http://a.example/" + "x" * 100)
+            assert r.status_code == 400 and "longer than 100 characters" in r.text
+        assert (await trio.to_thread.run_sync(hub.pending))["verifications"] == 2
+        await hub.aclose()

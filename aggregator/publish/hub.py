@@ -42,6 +42,7 @@ the database as given: the hub needs them to sign.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
@@ -49,6 +50,7 @@ import math
 import random
 import re
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -83,6 +85,7 @@ MAX_FORM_BYTES = 64 * 1024
 MAX_URL_CHARS = 4096
 MAX_SECRET_BYTES = 200  # WebSub §5.1: hub.secret MUST be less than 200 bytes
 MAX_TOPICS_PER_PING = 16
+COUNTS_TTL = 10.0  # seconds between scans counting subscriptions per callback host
 # Characters that would break a Link header or a request line; the rest is httpx's to check.
 _BAD_URL_CHARS = re.compile(r'[\x00-\x20\x7f<>"\\]')
 
@@ -175,7 +178,7 @@ def _too_many(message: str, wait: float) -> _Refusal:
 
 
 def _callback_host(url: str | None) -> str | None:
-    """The host of a callback URL (SQL function ``rsagg_url_host``: the per-host subscription limit)."""
+    """The host of a callback URL (the per-host limits)."""
     try:
         return (urlsplit(url or "").hostname or "").lower() or None
     except ValueError:
@@ -326,7 +329,9 @@ class Hub:
         self._fetch_limiter = trio.CapacityLimiter(self.limits.max_topic_fetches)
         self._tables = OwnTables(db_path, SCHEMA, busy_timeout=busy_timeout, foreign_keys=True)
         self.conn = self._tables.conn
-        self.conn.create_function("rsagg_url_host", 1, _callback_host, deterministic=True)
+        self._counts: collections.Counter[str] = collections.Counter()  # see _check_counts
+        self._counts_total = 0
+        self._counts_at = -float("inf")
         lim = self.limits
         self._rate = _Buckets(lim.requests_per_second, lim.requests_burst, max_keys=1)
         self._host_rate = _Buckets(lim.host_requests_per_second, lim.host_requests_burst)
@@ -511,8 +516,7 @@ class Hub:
             ).fetchone()
             if waiting >= self.limits.max_pending_verifications and not known:
                 raise _too_many("too many subscription requests waiting; try later", 60)
-            if mode == "subscribe" and not known:
-                self._check_counts(c, topic, callback)
+            counted = self._check_counts(c, topic, callback) if mode == "subscribe" and not known else None
             # A newer request for the same (topic, callback) replaces the waiting one: the latest intent
             # is the one to verify (§5.1: each request overrides the previous state once verified).
             c.execute(
@@ -520,29 +524,40 @@ class Hub:
                 "reason, requested) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (mode, topic, callback, secret, lease, reason, now),
             )
+            if counted is not None:
+                self._counts[counted] += 1
+                self._counts_total += 1
 
-    def _check_counts(self, c: Any, topic: str, callback: str) -> None:
-        """A new subscription (neither active nor waiting) must fit the total and per-host limits."""
+    def _check_counts(self, c: Any, topic: str, callback: str) -> str | None:
+        """A new subscription (neither active nor waiting) must fit the total and per-host limits;
+        returns the callback host to count once it is queued (None for a renewal).
+
+        The counts per host come from a scan of both tables at most every ``COUNTS_TTL`` seconds (a scan
+        of 10,000 rows per request would cost a flood's worth of CPU), plus every request queued since;
+        what was deleted meanwhile is still counted until the next scan: never fewer than there are.
+        """
         if c.execute(
             "SELECT 1 FROM hub_subscriptions WHERE topic = ? AND callback = ?", (topic, callback)
         ).fetchone():
-            return  # a renewal
+            return None  # a renewal
+        now = time.monotonic()  # a worker thread: no trio clock here
+        if now - self._counts_at > COUNTS_TTL:
+            rows = c.execute(
+                "SELECT topic, callback FROM hub_subscriptions UNION "
+                "SELECT topic, callback FROM hub_verifications WHERE mode = 'subscribe'"
+            ).fetchall()
+            self._counts = collections.Counter(_callback_host(cb) or "" for _, cb in rows)
+            self._counts_total, self._counts_at = len(rows), now
         lim = self.limits
-        pairs = (
-            "SELECT COUNT(*) FROM (SELECT topic, callback FROM hub_subscriptions {w} UNION "
-            "SELECT topic, callback FROM hub_verifications WHERE mode = 'subscribe' {a})"
-        )
-        total = c.execute(pairs.format(w="", a="")).fetchone()[0]
-        if total >= lim.max_subscriptions:
+        if self._counts_total >= lim.max_subscriptions:
             raise _too_many(f"this hub holds its maximum of {lim.max_subscriptions} subscriptions", 3600)
-        host = _callback_host(callback)
-        where = "rsagg_url_host(callback) = ?"
-        n = c.execute(pairs.format(w=f"WHERE {where}", a=f"AND {where}"), (host, host)).fetchone()[0]
-        if n >= lim.max_subscriptions_per_host:
+        host = _callback_host(callback) or ""
+        if self._counts[host] >= lim.max_subscriptions_per_host:
             raise _too_many(
                 f"callbacks at {host} hold the maximum of {lim.max_subscriptions_per_host} subscriptions",
                 3600,
             )
+        return host
 
     async def _ping(self, form: dict[str, list[str]]) -> Response:
         """Generic WebSub publishing (§6): fetch each named topic, fan its body out."""
