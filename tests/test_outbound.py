@@ -521,3 +521,26 @@ async def test_a_source_origin_is_trusted_for_that_source_only(tmp_path: Path) -
     assert failure.uri == f"{good}/private" and failure.kind == "refused"
     assert "the origin of another source" in failure.message
     assert f"{good}/private" not in hits
+
+
+async def test_a_name_that_re_resolves_inside_is_refused() -> None:
+    """DNS rebinding: the name first resolves to an allowed address, then to an internal one; every
+    connection is checked on the address it is made to, so the second never reaches the internal one."""
+    answers = [["127.0.0.2"], ["127.0.0.1"]]
+
+    async def rebinding(host: str, port: int) -> list[str]:
+        await trio.lowlevel.checkpoint()
+        return answers.pop(0) if len(answers) > 1 else answers[0]
+
+    outside = Internal()
+    async with internal() as (svc, ibase), serving(outside, host="127.0.0.2", port=_port(ibase)) as obase:
+        assert _port(obase) == _port(ibase)  # one port, two addresses: only the address differs
+        policy = AddressPolicy(allow=parse_networks(["127.0.0.2/32"]), resolver=rebinding)
+        url = f"http://rebind.test:{_port(ibase)}/x"
+        async with Fetcher(policy=policy, retries=0) as f:
+            assert (await f.get_bytes(url, max_bytes=100)).content == b"secret internal data"
+        async with Fetcher(policy=policy, retries=0) as f:  # a new connection: resolved again
+            with pytest.raises(FetchError, match="rule loopback"):
+                await f.get_bytes(url, max_bytes=100)
+    assert len(outside.hits) == 1
+    assert svc.hits == []
