@@ -25,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -351,6 +352,13 @@ def policy_for(
     (harvest: a source's origin is trusted for its own requests only)."""
     policy = AddressPolicy(allowed_networks(config), current_source=current_source, **kw)
     update_policy(policy, config, trust_sources=trust_sources)
+    proxies = urllib.request.getproxies()
+    if trust_sources and proxies:  # the harvester honours them (fetch.py); the WebSub clients do not
+        log.warning(
+            "outbound: proxies in the environment (%s): the harvester's requests through them are not "
+            "checked by the address policy; the proxy must refuse internal addresses (docs/security.md)",
+            ", ".join(sorted(proxies)),
+        )
     return policy
 
 
