@@ -303,7 +303,10 @@ async def _serve_and_harvest(
         await run_notifications(nursery, ctx, stop_when=daemon.shutdown.wait)
         nursery.start_soon(run_dumps, ctx, daemon.shutdown.wait)  # publish/schedule.py
         host, port = _listen(config)
-        limits = ServerLimits(max_connections_per_client=config.server.max_connections_per_client)
+        limits = ServerLimits(
+            max_connections_per_client=config.server.max_connections_per_client,
+            on_refused=ctx.metrics.server_refused_hook,
+        )
         try:
             daemon.bound = await nursery.start(
                 partial(serve, daemon.app, host, port, shutdown_trigger=daemon.shutdown.wait, limits=limits)

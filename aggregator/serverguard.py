@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -43,6 +43,9 @@ from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wra
 
 log = logging.getLogger("rsagg.server")
 
+#: Why a client was cut off (the ``reason`` label of ``rsagg_server_refused_total``).
+REASONS = ("connections", "head_size", "head_time", "body_size", "body_time", "slow_reader")
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -55,6 +58,15 @@ class ServerLimits:
     send_timeout: float = 60.0
     max_connections_per_client: int = 256  # 0: no cap (behind a proxy every client is the proxy)
     retry_after: int = 5  # seconds, in the 429 of a connection over the cap
+    #: Called with the reason of every refusal (``REASONS``; the metrics counter).
+    on_refused: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+
+    def refused(self, reason: str) -> None:
+        if self.on_refused is not None:
+            try:
+                self.on_refused(reason)
+            except Exception:
+                log.exception("server: refusal hook failed")
 
     def apply(self, config: Config) -> None:
         """The bounds hypercorn enforces itself."""
@@ -72,16 +84,20 @@ _OVER_CAP = (
 class _SendBounded(trio.abc.HalfCloseableStream):
     """A socket stream whose writes give up after ``timeout`` (a client that never reads its response)."""
 
-    def __init__(self, stream: trio.SocketStream, timeout: float) -> None:
+    def __init__(self, stream: trio.SocketStream, limits: ServerLimits) -> None:
         self._stream = stream
-        self._timeout = timeout
+        self._limits = limits
+        self._timeout = limits.send_timeout
+        self.sent = False  # anything sent to the client (else it never completed a request head)
         self.socket = stream.socket  # hypercorn reads peer and local addresses from it
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.sent = True
         with trio.move_on_after(self._timeout) as scope:
             await self._stream.send_all(data)
         if scope.cancelled_caught:
             log.info("closing a connection whose client did not read for %.0f s", self._timeout)
+            self._limits.refused("slow_reader")
             await trio.aclose_forcefully(self._stream)
             raise trio.BrokenResourceError(f"client did not read for {self._timeout} s")
 
@@ -119,11 +135,16 @@ class _Connections:
             if self.refused == 1 or self.refused % 1000 == 0:
                 log.warning("client %s holds %d connections (the cap): refusing more (%d so far)",
                             peer, cap, self.refused)  # fmt: skip
+            self.limits.refused("connections")
             await self._refuse(stream)
             return
         self.open[peer] += 1
+        bounded = _SendBounded(stream, self.limits)
+        start = trio.current_time()
         try:
-            await self.server(_SendBounded(stream, self.limits.send_timeout))
+            await self.server(bounded)
+            if not bounded.sent and trio.current_time() - start >= self.limits.header_timeout:
+                self.limits.refused("head_time")  # closed by hypercorn's timer before a request head
         finally:
             self.open[peer] -= 1
             if not self.open[peer]:
@@ -156,11 +177,13 @@ class RequestGuard:
         head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
         head += sum(len(n) + len(v) + 4 for n, v in scope.get("headers", ()))
         if head > lim.max_header_bytes:  # hypercorn bounds a head arriving in pieces; this, one in one read
+            lim.refused("head_size")
             await _plain(send, 431, f"request head over {lim.max_header_bytes} bytes\n")
             return
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 if not value.isdigit() or int(value) > lim.max_body_bytes:
+                    lim.refused("body_size")
                     await _plain(send, 413, f"request body over {lim.max_body_bytes} bytes\n")
                     return
         deadline = trio.current_time() + lim.body_timeout
@@ -175,6 +198,7 @@ class RequestGuard:
                     state["body_done"] = True
                 return message
             state["body_done"] = True
+            lim.refused("body_time")
             if not state["started"]:
                 state["answered"] = True
                 await _plain(send, 408, f"request body not received within {lim.body_timeout:.0f} s\n")

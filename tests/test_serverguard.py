@@ -7,7 +7,9 @@ Every loop is bounded in count and time; the waits are hang guards far above any
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,12 @@ LIMITS = ServerLimits(
     max_connections_per_client=5,
 )
 BIG = 32 * 1024 * 1024  # far more than loopback socket buffers hold
+
+
+def counting() -> tuple[ServerLimits, Counter[str]]:
+    """LIMITS, counting every refusal by reason (what the daemon's metrics get)."""
+    refused: Counter[str] = Counter()
+    return replace(LIMITS, on_refused=lambda reason: refused.update([reason])), refused
 
 
 class App:
@@ -93,7 +101,8 @@ async def _read_all(stream: trio.SocketStream, limit: float = 30.0) -> bytes:
 
 async def test_slow_headers_are_cut_off_while_others_are_served() -> None:
     app = App()
-    async with serving(app.starlette(), limits=LIMITS) as base:
+    limits, refused = counting()
+    async with serving(app.starlette(), limits=limits) as base:
         slow = await _raw(base)
         await slow.send_all(b"GET /ok HTTP/1.1\r\nHost: x\r\n")
         closed = trio.Event()
@@ -118,21 +127,28 @@ async def test_slow_headers_are_cut_off_while_others_are_served() -> None:
                 await closed.wait()
             nursery.cancel_scope.cancel()
         await slow.aclose()
+        with trio.fail_after(30):
+            while not refused["head_time"]:
+                await trio.sleep(0.02)
+    assert refused == {"head_time": 1}
 
 
 async def test_headers_over_the_limit_are_refused() -> None:
-    async with serving(App().starlette(), limits=LIMITS) as base:
+    limits, refused = counting()
+    async with serving(App().starlette(), limits=limits) as base:
         s = await _raw(base)
         await s.send_all(b"GET /ok HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 16 * 1024 + b"\r\n\r\n")
         answer = await _read_all(s)
         await s.aclose()
         assert answer.split(b" ", 2)[1] in (b"431", b"400"), answer[:100]
         await _well_behaved(base, 1)
+    assert refused == {"head_size": 1}
 
 
 async def test_body_size_and_time_limits() -> None:
     app = App()
-    async with serving(app.starlette(), limits=LIMITS) as base:
+    limits, refused = counting()
+    async with serving(app.starlette(), limits=limits) as base:
         async with httpx.AsyncClient(timeout=20) as client:
             r = await client.post(f"{base}/post", content=b"x" * 2000)
             assert r.status_code == 413
@@ -144,21 +160,25 @@ async def test_body_size_and_time_limits() -> None:
         assert answer.startswith(b"HTTP/1.1 408 "), answer[:100]
         assert app.posted == [500]  # the stalled body never reached the app as a request
         await _well_behaved(base, 1)
+    assert refused == {"body_size": 1, "body_time": 1}
 
 
 async def test_a_client_that_never_reads_is_closed() -> None:
     app = App()
-    async with serving(app.starlette(), limits=LIMITS) as base:
+    limits, refused = counting()
+    async with serving(app.starlette(), limits=limits) as base:
         s = await _raw(base)
         await s.send_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
         await _well_behaved(base, 2)
         with trio.fail_after(30):
             await app.big_ended.wait()  # the server gave up on it (32 MB were never sent)
         await s.aclose()
+    assert refused == {"slow_reader": 1}
 
 
 async def test_connection_cap_per_client_address() -> None:
-    async with serving(App().starlette(), limits=LIMITS) as base:
+    limits, refused = counting()
+    async with serving(App().starlette(), limits=limits) as base:
         held = [await _raw(base, "127.0.0.2") for _ in range(LIMITS.max_connections_per_client)]
         for s in held:  # each one is busy sending a request head slowly
             await s.send_all(b"GET /ok HTTP/1.1\r\n")
@@ -166,6 +186,7 @@ async def test_connection_cap_per_client_address() -> None:
         answer = await _read_all(extra)
         await extra.aclose()
         assert answer.startswith(b"HTTP/1.1 429 ") and b"Retry-After: " in answer
+        assert refused["connections"] == 1
         await _well_behaved(base, 3)  # another address is not affected
         for s in held:
             await s.aclose()
