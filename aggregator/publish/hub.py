@@ -455,9 +455,9 @@ class Hub:
         if self.allowed_callback is not None and not self.allowed_callback(callback):
             raise _Refusal(403, f"hub.callback {callback} is refused by this hub's policy")
         rule = self.policy.literal_rule(callback) if self.policy is not None else None
-        if rule is not None:
-            host = urlsplit(callback).hostname or ""
-            self.policy.refused(host, urlsplit(callback).port or 0, host, rule)  # type: ignore[union-attr]
+        if self.policy is not None and rule is not None:
+            host, port = outbound.origin(callback) or ("", 0)
+            self.policy.refused(host, port, host, rule)  # logged and counted like a refused connection
             raise _Refusal(
                 403, f"hub.callback {callback} is refused: its address is {rule} (outbound policy)"
             )
