@@ -34,7 +34,7 @@ from functools import partial
 from typing import Any
 
 import trio
-from hypercorn.config import Config
+from hypercorn.config import Config, Sockets
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
@@ -233,9 +233,13 @@ async def serve_guarded(
     limits: ServerLimits,
     *,
     shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
+    sockets: Sockets | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Like ``hypercorn.trio.serve`` (plain HTTP, one process), with the bounds of ``limits``."""
+    """Like ``hypercorn.trio.run.worker_serve`` (plain HTTP), with the bounds of ``limits``.
+
+    ``sockets``: already bound (e.g. shared by several worker processes); by default ``config.bind``.
+    """
     limits.apply(config)
     wrapped = wrap_app(RequestGuard(app, limits), config.wsgi_max_body_size, "asgi")
     lifespan_state: LifespanState = {}
@@ -245,7 +249,8 @@ async def serve_guarded(
         await lifespan_nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as server_nursery:
-            sockets = config.create_sockets()
+            if sockets is None:
+                sockets = config.create_sockets()
             listeners, binds = [], []
             for sock in sockets.insecure_sockets:
                 sock.listen(config.backlog)
