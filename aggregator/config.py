@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -27,6 +28,9 @@ class ServerConfig:
     #: Database connections serving requests at once (each document stream holds one while it streams);
     #: more requests wait a little, then get 503 + Retry-After. Bounds the server's memory under a crawl.
     max_readers: int = 32
+    #: Connections one client address may hold open at once (serverguard.py); 0 = no cap. Behind a reverse
+    #: proxy every client is the proxy: raise it or set 0, and let the proxy limit per client.
+    max_connections_per_client: int = 256
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,16 @@ class NotificationsConfig:
 
 
 @dataclass(frozen=True)
+class OutboundConfig:
+    """Where rsagg's own requests may connect (``outbound.py``, docs/security.md)."""
+
+    #: Networks opened although the policy refuses them (loopback, private, link-local, ...), exactly as
+    #: named, e.g. ["10.1.0.0/16", "fd00:1::/64"]. Unset: none, except loopback on a local instance
+    #: (``server.listen`` and ``server.base_url`` both loopback: the demo, development, tests).
+    allow: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class SetConfig:
     """A published set grouping the state sets of several sources under one Capability List (§9)."""
 
@@ -124,6 +138,7 @@ class Config:
     #: ``[plugins.NAME]`` tables: ``enabled = false`` turns a plugin off, the rest are its settings.
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
     notifications: NotificationsConfig = field(default_factory=NotificationsConfig)
+    outbound: OutboundConfig = field(default_factory=OutboundConfig)
 
     @property
     def store_path(self) -> Path:
@@ -208,6 +223,7 @@ def _check_plugin_tables(file: str, key: str, tables: Any) -> None:
 def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
     """Check and build a Config from parsed TOML."""
     allowed = {"server", "store", "harvest", "sources", "publish", "sets", "plugins", "notifications"}
+    allowed.add("outbound")  # the outbound address policy (outbound.py)
     for key in data:
         if key not in allowed:
             raise ConfigError(file, key, f"unknown section (known: {', '.join(sorted(allowed))})")
@@ -266,6 +282,7 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
         sets=sets,
         plugins=plugins,
         notifications=notifications,
+        outbound=_parse_outbound(file, data.get("outbound", {})),
     )
 
 
@@ -287,6 +304,20 @@ def _parse_notifications(file: str, table: Any) -> NotificationsConfig:
     if n.notified_interval <= 0:
         raise ConfigError(file, "notifications.notified_interval", "must be more than 0")
     return n
+
+
+def _parse_outbound(file: str, table: Any) -> OutboundConfig:
+    if isinstance(table, dict) and "allow" in table:
+        allow = table["allow"]
+        if not isinstance(allow, list) or not all(isinstance(a, str) for a in allow):
+            raise ConfigError(file, "outbound.allow", f"must be an array of networks (CIDR), not {allow!r}")
+        for value in allow:
+            try:
+                ipaddress.ip_network(value.strip(), strict=True)
+            except ValueError as exc:
+                raise ConfigError(file, "outbound.allow", f"{value!r} is not a network: {exc}") from None
+        table = {**table, "allow": tuple(a.strip() for a in allow)}
+    return _section(file, "outbound", OutboundConfig, table)
 
 
 def _parse_sets(file: str, raw: Any, sources: list[SourceConfig]) -> tuple[SetConfig, ...]:

@@ -29,7 +29,7 @@ from typing import Any
 import trio
 from starlette.types import ASGIApp
 
-from . import sdnotify
+from . import outbound, sdnotify
 from .config import Config, ConfigError, SourceConfig, load_config
 from .harvest.context import HarvestContext, open_context
 from .harvest.source import poll_source
@@ -37,6 +37,7 @@ from .hotswap import HotSwapApp
 from .notifications import prepare_notifications, run_notifications
 from .publish.schedule import run_dumps
 from .rs import parse
+from .serverguard import ServerLimits
 from .serving import serve
 
 log = logging.getLogger("rsagg.daemon")
@@ -48,6 +49,7 @@ STOP_GRACE = 8.0
 RESTART_KEYS = (
     "server.listen",
     "server.base_url",
+    "server.max_connections_per_client",
     "notifications.hub",
     "notifications.hub_path",
     "store.path",
@@ -191,6 +193,9 @@ class _Daemon:
             log.error("reload refused, the publisher rejects %s: %s: %s", new.file, type(exc).__name__, exc)
             return
         self.ctx.config = new
+        outbound.update_policy(self.ctx.fetcher.policy, new)  # new sources' origins, a changed allow-list
+        if self.ctx.notifications is not None and self.ctx.notifications.hub is not None:
+            outbound.update_policy(self.ctx.notifications.hub.policy, new, trust_sources=False)
         if self.harvest:
             self._apply_sources(new)
         log.info("reloaded %s: %d source(s) harvested", new.file, len(self.tasks))
@@ -298,9 +303,13 @@ async def _serve_and_harvest(
         await run_notifications(nursery, ctx, stop_when=daemon.shutdown.wait)
         nursery.start_soon(run_dumps, ctx, daemon.shutdown.wait)  # publish/schedule.py
         host, port = _listen(config)
+        limits = ServerLimits(
+            max_connections_per_client=config.server.max_connections_per_client,
+            on_refused=ctx.metrics.server_refused_hook,
+        )
         try:
             daemon.bound = await nursery.start(
-                partial(serve, daemon.app, host, port, shutdown_trigger=daemon.shutdown.wait)
+                partial(serve, daemon.app, host, port, shutdown_trigger=daemon.shutdown.wait, limits=limits)
             )
         except* OSError as group:
             exc = _sole(group, OSError)

@@ -74,7 +74,14 @@ COUNT_EVERY = 30.0
 STATUS_CLASSES = ("2xx", "3xx", "4xx", "5xx", "error")
 #: Error kinds always exposed (0 until they happen): the Fetcher's FetchError kinds, plugin failures,
 #: and "sync" for a sync that failed for another reason (discovery, a malformed Capability List...).
-ERROR_KINDS = ("fixity", "parse", "http", "timeout", "network", "size", "patch", "dump", "plugin", "sync")
+#: "refused": the outbound address policy refused the connection (outbound.py).
+ERROR_KINDS = (
+    "fixity", "parse", "http", "timeout", "network", "size", "patch", "dump", "plugin", "sync", "refused",
+)  # fmt: skip
+#: The rules of ``outbound.REASONS`` (not imported: metrics imports no network code).
+OUTBOUND_REASONS = ("loopback", "private", "link-local", "unspecified", "multicast", "reserved")
+#: ``serverguard.REASONS``: why the server cut a client off.
+SERVER_REASONS = ("connections", "head_size", "head_time", "body_size", "body_time", "slow_reader")
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 #: Every rsagg family (as prometheus-client names them: counters without ``_total``) and its type; the
@@ -92,6 +99,8 @@ FAMILIES: dict[str, str] = {
     "rsagg_fetch_duration_seconds": "histogram",
     "rsagg_errors": "counter",
     "rsagg_plugin_failures": "counter",
+    "rsagg_outbound_refused": "counter",
+    "rsagg_server_refused": "counter",
     # sources and change stream (read from the state when scraped)
     "rsagg_source_last_success_timestamp_seconds": "gauge",
     "rsagg_source_last_attempt_timestamp_seconds": "gauge",
@@ -338,6 +347,23 @@ class Metrics:
         self._errors_lock = threading.Lock()
         self._fetch_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
+        self.outbound_refused = Counter(
+            "rsagg_outbound_refused",
+            "Outbound connections refused by the address policy, by rule (outbound.py)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in OUTBOUND_REASONS:
+            self.outbound_refused.labels(reason)
+        self.server_refused = Counter(
+            "rsagg_server_refused",
+            "Clients the server cut off or refused, by bound (serverguard.py)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in SERVER_REASONS:
+            self.server_refused.labels(reason)
+
         # -- blob store
         self.store_written_objects = Counter(
             "rsagg_store_written_objects", "Blobs written to the store (new content)", registry=r
@@ -412,6 +438,14 @@ class Metrics:
         children[1].observe(seconds)
         if nbytes:
             children[2].inc(nbytes)
+
+    def server_refused_hook(self, reason: str) -> None:
+        """``ServerLimits(on_refused=...)``: one client cut off by a server bound."""
+        self.server_refused.labels(reason).inc()
+
+    def outbound_refused_hook(self, rule: str) -> None:
+        """``AddressPolicy(on_refused=...)``: one connection refused by the outbound policy."""
+        self.outbound_refused.labels(rule).inc()
 
     def committed(self, source: str, applied: Sequence[Any], failures: Iterable[Any]) -> None:
         """A pipeline batch is in the state: ``applied`` Changes (created/updated/deleted) and the

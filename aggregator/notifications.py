@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
-from . import __version__
+from . import __version__, outbound
 from .harvest.context import HarvestContext
 
 if TYPE_CHECKING:  # imported when used: the daemon imports this module, harvest-only runs need no more
@@ -109,8 +109,12 @@ def prepare_notifications(
     from .publish.notify import Notifier
 
     base = config.server.base_url
-    client = httpx.AsyncClient(
-        timeout=10.0, follow_redirects=False, headers={"User-Agent": f"rsagg/{__version__} (WebSub)"}
+    # The harvester's policy (outbound.py): subscription requests go to hubs that upstream documents name.
+    client = outbound.client(
+        ctx.fetcher.policy,
+        timeout=10.0,
+        follow_redirects=False,
+        headers={"User-Agent": f"rsagg/{__version__} (WebSub)"},
     )
     state_path = config.store_path / "state.db"
     hub: Hub | None = None
@@ -123,8 +127,11 @@ def prepare_notifications(
         def count(event: str, outcome: str) -> None:
             counts[f"{event}.{outcome}"] += 1
 
+        refused = ctx.fetcher.policy.on_refused if ctx.fetcher.policy is not None else None
         hub = Hub(
             state_path,
+            # Anyone names the callbacks: source origins are not trusted here (outbound.py).
+            policy=outbound.policy_for(config, trust_sources=False, on_refused=refused),
             hub_url=hub_url,
             path=nc.hub_path,
             allowed_topic=topics_under(base),

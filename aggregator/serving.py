@@ -1,4 +1,8 @@
-"""Serving an ASGI app with hypercorn's trio worker (the daemon, the demo upstream and tests use this)."""
+"""Serving an ASGI app with hypercorn's trio worker (the daemon, the demo upstream and tests use this).
+
+Every server is bounded per client (header and body size and time, slow readers, connections per
+address): ``serverguard.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
-import hypercorn.trio
 import trio
 from hypercorn.config import Config
 from starlette.types import ASGIApp
+
+from .serverguard import ServerLimits, serve_guarded
 
 
 async def serve(
@@ -19,6 +24,7 @@ async def serve(
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     graceful_timeout: float = 0.5,
+    limits: ServerLimits | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve an ASGI app with hypercorn's trio worker until cancelled (or ``shutdown_trigger`` returns).
@@ -33,14 +39,19 @@ async def serve(
     config.graceful_timeout = graceful_timeout
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(
-            partial(hypercorn.trio.serve, app, config, shutdown_trigger=shutdown_trigger)
+            partial(serve_guarded, app, config, limits or ServerLimits(), shutdown_trigger=shutdown_trigger)
         )
         task_status.started(binds[0].rstrip("/"))
 
 
 @asynccontextmanager
 async def serving(
-    app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, graceful_timeout: float = 0.5
+    app: ASGIApp,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    graceful_timeout: float = 0.5,
+    limits: ServerLimits | None = None,
 ) -> AsyncIterator[str]:
     """``async with serving(app) as base_url:`` serves for the duration of the block.
 
@@ -52,7 +63,15 @@ async def serving(
     error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         base_url = await nursery.start(
-            partial(serve, app, host, port, shutdown_trigger=shutdown.wait, graceful_timeout=graceful_timeout)
+            partial(
+                serve,
+                app,
+                host,
+                port,
+                shutdown_trigger=shutdown.wait,
+                graceful_timeout=graceful_timeout,
+                limits=limits,
+            )
         )
         try:
             yield base_url

@@ -660,7 +660,7 @@ async def test_waiting_verifications_are_bounded(tmp_path: Path) -> None:
     async with harness(tmp_path, worker=False, limits=HubLimits(max_pending_verifications=1)) as h:
         assert (await h.subscribe("a")).status_code == 202
         r = await h.subscribe("b")
-        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.status_code == 429 and r.headers["retry-after"]
         assert (await h.subscribe("a", lease_seconds="100")).status_code == 202  # replaces its own request
         assert h.hub.pending()["verifications"] == 1
         await h.start_worker()

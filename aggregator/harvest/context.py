@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 import trio
 
+from .. import outbound
 from ..config import Config, ConfigError
-from ..metrics import Metrics
+from ..metrics import Metrics, current_source
 from ..plugins import Plugins
 from ..store.blobs import BlobStore, BlobWriter
 from ..store.state import State
@@ -155,6 +156,9 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
         backoff_max=hc.backoff_max,
         max_document_bytes=hc.max_document_bytes,
         max_resource_bytes=hc.max_resource_bytes,
+        policy=outbound.policy_for(
+            config, current_source=current_source.get, on_refused=metrics.outbound_refused_hook
+        ),
     )
     plugins.call("rsagg_startup", config=config)
     try:

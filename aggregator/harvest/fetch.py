@@ -45,7 +45,7 @@ from typing import Any, BinaryIO, TypeVar
 import httpx
 import trio
 
-from .. import __version__
+from .. import __version__, outbound
 from ..rs import parse
 from ..rs.fixity import Hasher, mismatches
 from ..rs.model import Entry, Head
@@ -74,7 +74,8 @@ MetricsHook = Callable[[str, int | None, float, int], None]
 class FetchError(Exception):
     """A fetch that failed for good (after retries); ``str()`` names the URL and the problem.
 
-    ``kind`` is one of "http", "timeout", "network", "fixity", "size", "parse", "patch".
+    ``kind`` is one of "http", "timeout", "network", "fixity", "size", "parse", "patch", "refused"
+    (the outbound address policy refused the connection, ``outbound.py``).
     ``transient`` says another try may succeed (used by the retry loop); ``retry_after`` is the
     server's ``Retry-After`` in seconds, if it sent one.
     """
@@ -184,6 +185,9 @@ def retry_after_seconds(value: str | None, now: datetime | None = None) -> float
 def _transport_error(url: str, exc: Exception) -> FetchError:
     """Map an httpx failure to a FetchError; only what may heal by itself is transient."""
     detail = str(exc) or type(exc).__name__
+    refusal = outbound.refusal_of(exc)
+    if refusal is not None:  # never transient: the same address is refused on every try
+        return FetchError(url, "refused", f"{refusal} (rule {refusal.rule})")
     if isinstance(exc, httpx.TimeoutException):
         return FetchError(url, "timeout", f"timed out ({type(exc).__name__}): {detail}", transient=True)
     if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL | httpx.LocalProtocolError):
@@ -525,15 +529,22 @@ class _ShardedTransport(httpx.AsyncBaseTransport):
     equals, so a light load keeps reusing the first pools' connections.
     """
 
-    def __init__(self, max_connections: int, per_pool: int = CONNECTIONS_PER_POOL) -> None:
+    def __init__(
+        self,
+        max_connections: int,
+        per_pool: int = CONNECTIONS_PER_POOL,
+        policy: outbound.AddressPolicy | None = None,
+    ) -> None:
         per_pool = max(1, min(per_pool, max_connections))
         sizes = [per_pool] * (max_connections // per_pool)
         if max_connections % per_pool:
             sizes.append(max_connections % per_pool)
         ssl_context = httpx.create_ssl_context()  # one for all: each loads the CA bundle (~0.7 MB)
         self._pools = [
-            httpx.AsyncHTTPTransport(
-                verify=ssl_context, limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)
+            outbound.transport(
+                policy,
+                verify=ssl_context,
+                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
             )
             for n in sizes
         ]
@@ -590,8 +601,12 @@ class Fetcher:
         transport: httpx.AsyncBaseTransport | None = None,
         metrics_hook: MetricsHook | None = None,
         document_deadline: float = 900.0,
+        policy: outbound.AddressPolicy | None = None,
     ) -> None:
+        """``policy``: the outbound address policy every connection obeys (``outbound.py``; the daemon
+        always passes one); None connects anywhere (a library user's own choice)."""
         self.per_host = per_host
+        self.policy = policy
         self.retries = retries
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
@@ -604,7 +619,7 @@ class Fetcher:
         self._limiters: dict[str, trio.CapacityLimiter] = {}
         # pool=None: waiting for a free connection is not a failure; our own limiters bound the waits.
         timeouts = httpx.Timeout(timeout, pool=None)
-        transport = transport or _ShardedTransport(max_connections)
+        transport = transport or _ShardedTransport(max_connections, policy=policy)
         self._client = httpx.AsyncClient(
             timeout=timeouts,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),

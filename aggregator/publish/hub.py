@@ -27,23 +27,30 @@ to grow. A delivery interrupted by a crash is sent again (at-least-once). Bounds
 per-request deadlines, payload size, pending deliveries per subscription (the oldest are dropped, §7
 "self-imposed limits"), pending verifications (503 when full).
 
-Security: a payload POST makes the hub sign and send whatever it is given to every subscriber, so it
-needs ``Authorization: Bearer <publish_token>`` (refused when no token is configured); the generic ping
-is harmless (the hub fetches the topic itself). Topics are limited by ``allowed_topic`` (by default,
-with ``topics_under``, rsagg's own URLs: a hub relaying anything is an open relay). Callbacks may be any
-http(s) URL unless ``allowed_callback`` says otherwise (verification GETs go wherever a subscriber
-points: a deployment that must not reach its internal network should restrict them). Secrets are kept
-in the database as given: the hub needs them to sign.
+Security (docs/security.md): a payload POST makes the hub sign and send whatever it is given to every
+subscriber, so it needs ``Authorization: Bearer <publish_token>`` (refused when no token is configured);
+the generic ping is harmless (the hub fetches the topic itself). Topics are limited by ``allowed_topic``
+(by default, with ``topics_under``, rsagg's own URLs: a hub relaying anything is an open relay).
+Verification GETs and deliveries go wherever a subscriber points, so every request obeys the outbound
+address policy (``policy``, outbound.py: no loopback, private, link-local... addresses, checked on the
+address connected to), and a callback naming such an address literally is refused at once (403).
+Abuse bounds (``HubLimits``): callback URL length; subscriptions in total and per callback host (active
+plus waiting for verification); subscription requests per second, per callback host and in total (a
+token bucket each); over a count or rate limit the answer is 429 with Retry-After. Secrets are kept in
+the database as given: the hub needs them to sign.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
+import math
 import random
 import re
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -57,7 +64,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from .. import __version__
+from .. import __version__, outbound
 from ..harvest.discovery import links_with_rel
 from ..harvest.fetch import retry_after_seconds
 from ..rs.w3cdt import utcnow
@@ -78,6 +85,7 @@ MAX_FORM_BYTES = 64 * 1024
 MAX_URL_CHARS = 4096
 MAX_SECRET_BYTES = 200  # WebSub §5.1: hub.secret MUST be less than 200 bytes
 MAX_TOPICS_PER_PING = 16
+COUNTS_TTL = 10.0  # seconds between scans counting subscriptions per callback host
 # Characters that would break a Link header or a request line; the rest is httpx's to check.
 _BAD_URL_CHARS = re.compile(r'[\x00-\x20\x7f<>"\\]')
 
@@ -96,6 +104,13 @@ class HubLimits:
     max_payload_bytes: int = 4 * 1024 * 1024  # notifications are small: bursts are split (NOTES)
     max_pending_per_subscription: int = 1000  # older undelivered payloads are dropped beyond this
     max_pending_verifications: int = 10_000
+    max_callback_chars: int = 2048  # a longer hub.callback is refused (400)
+    max_subscriptions: int = 10_000  # active + waiting for verification; more: 429
+    max_subscriptions_per_host: int = 100  # the same, per callback host
+    requests_per_second: float = 20.0  # subscription requests (each costs a verification GET), in total
+    requests_burst: int = 200
+    host_requests_per_second: float = 1.0  # ... and per callback host
+    host_requests_burst: int = 30
     max_topic_fetches: int = 4  # concurrent topic GETs for hub.mode=publish
     poll_interval: float = 60.0  # worker wakes at least this often (clock changes, other writers)
 
@@ -123,6 +138,51 @@ def topics_under(base_url: str) -> TopicPolicy:
 def signature(secret: str, body: bytes) -> str:
     """The ``X-Hub-Signature`` value for ``body`` (WebSub §7.1, sha256)."""
     return "sha256=" + hmac.new(secret.encode("utf-8"), body, hashlib.sha256).hexdigest()
+
+
+class _Buckets:
+    """Token buckets by key (``rate`` per second, up to ``burst``), for the hub's request rate limits.
+
+    Bounded: at most ``max_keys`` keys. When full, the buckets that have refilled (idle keys) are
+    forgotten (at most once a second: a scan); a new key that still finds no room waits like an empty
+    bucket (a flood of distinct callback hosts cannot grow the table).
+    """
+
+    def __init__(self, rate: float, burst: int, max_keys: int = 10_000) -> None:
+        self.rate, self.burst, self.max_keys = rate, max(1, burst), max_keys
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+        self._swept = -float("inf")
+
+    def take(self, key: str, now: float) -> float:
+        """Take a token: 0 when there was one, else the seconds until there will be one."""
+        refill = 1.0 / self.rate if self.rate > 0 else 3600.0
+        if key not in self._buckets and len(self._buckets) >= self.max_keys:
+            if now - self._swept >= 1.0:
+                self._swept = now
+                full = [k for k, (t, a) in self._buckets.items() if t + (now - a) * self.rate >= self.burst]
+                for k in full:
+                    del self._buckets[k]
+            if len(self._buckets) >= self.max_keys:
+                return refill
+        tokens, at = self._buckets.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) * self.rate)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            return (1.0 - tokens) * refill
+        self._buckets[key] = (tokens - 1.0, now)
+        return 0.0
+
+
+def _too_many(message: str, wait: float) -> _Refusal:
+    return _Refusal(429, message, {"Retry-After": str(max(1, math.ceil(wait)))})
+
+
+def _callback_host(url: str | None) -> str | None:
+    """The host of a callback URL (the per-host limits)."""
+    try:
+        return (urlsplit(url or "").hostname or "").lower() or None
+    except ValueError:
+        return None
 
 
 class _Refusal(ValueError):
@@ -236,6 +296,7 @@ class Hub:
         allowed_topic: TopicPolicy,
         allowed_callback: TopicPolicy | None = None,
         publish_token: str | None = None,
+        policy: outbound.AddressPolicy | None = None,
         path: str | None = None,
         limits: HubLimits | None = None,
         metrics: MetricsHook | None = None,
@@ -243,8 +304,10 @@ class Hub:
         busy_timeout: float = 30.0,
     ) -> None:
         """``client``: an httpx client to share (not closed here), a factory (called on first use,
-        closed by ``aclose``) or None (an own client). ``path``: the route path, by default the path of
-        ``hub_url`` (differs when a proxy adds a prefix)."""
+        closed by ``aclose``) or None (an own client, obeying ``policy``). ``policy``: the outbound address
+        policy (outbound.py); a callback naming a refused address literally is refused at once. ``path``:
+        the route path, by default the path of ``hub_url`` (differs when a proxy adds a prefix)."""
+        self.policy = policy
         self.hub_url = hub_url
         self.path = path or urlsplit(hub_url).path or "/"
         self.allowed_topic = allowed_topic
@@ -266,12 +329,19 @@ class Hub:
         self._fetch_limiter = trio.CapacityLimiter(self.limits.max_topic_fetches)
         self._tables = OwnTables(db_path, SCHEMA, busy_timeout=busy_timeout, foreign_keys=True)
         self.conn = self._tables.conn
+        self._counts: collections.Counter[str] = collections.Counter()  # see _check_counts
+        self._counts_total = 0
+        self._counts_at = -float("inf")
+        lim = self.limits
+        self._rate = _Buckets(lim.requests_per_second, lim.requests_burst, max_keys=1)
+        self._host_rate = _Buckets(lim.host_requests_per_second, lim.host_requests_burst)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def _default_client(self) -> httpx.AsyncClient:
         n = self.limits.concurrency + self.limits.max_topic_fetches
-        return httpx.AsyncClient(
+        return outbound.client(
+            self.policy,
             timeout=self.limits.request_timeout,
             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
             headers={"User-Agent": f"rsagg/{__version__} (WebSub hub)"},
@@ -377,10 +447,21 @@ class Hub:
 
     async def _subscription_request(self, mode: str, form: dict[str, list[str]]) -> Response:
         """WebSub §5.1: check the request, queue its verification, answer 202 (§5.1.2)."""
-        callback = _url(_one(form, "hub.callback"), "hub.callback")
+        raw_callback = _one(form, "hub.callback")
+        if raw_callback is not None and len(raw_callback) > self.limits.max_callback_chars:
+            raise _Refusal(400, f"hub.callback is longer than {self.limits.max_callback_chars} characters")
+        callback = _url(raw_callback, "hub.callback")
         topic = _url(_one(form, "hub.topic"), "hub.topic")
         if self.allowed_callback is not None and not self.allowed_callback(callback):
             raise _Refusal(403, f"hub.callback {callback} is refused by this hub's policy")
+        rule = self.policy.literal_rule(callback) if self.policy is not None else None
+        if self.policy is not None and rule is not None:
+            host, port = outbound.origin(callback) or ("", 0)
+            self.policy.refused(host, port, host, rule)  # logged and counted like a refused connection
+            raise _Refusal(
+                403, f"hub.callback {callback} is refused: its address is {rule} (outbound policy)"
+            )
+        self._check_rate(callback)
         secret = _one(form, "hub.secret") or None  # an empty secret signs nothing: treated as none
         if secret is not None and len(secret.encode("utf-8")) >= MAX_SECRET_BYTES:
             raise _Refusal(400, f"hub.secret must be less than {MAX_SECRET_BYTES} bytes (WebSub §5.1)")
@@ -395,6 +476,17 @@ class Hub:
         await self._tables.run(self._queue_verification, mode, topic, callback, secret, lease, reason, now)
         self.wake()
         return PlainTextResponse("Accepted: the hub will verify this request with the callback.\n", 202)
+
+    def _check_rate(self, callback: str) -> None:
+        """Each subscription request costs a verification GET: bounded per callback host and in total."""
+        now = trio.current_time()
+        host = _callback_host(callback) or ""
+        wait = self._host_rate.take(host, now)
+        if wait:
+            raise _too_many(f"too many subscription requests for callbacks at {host}; try later", wait)
+        wait = self._rate.take("", now)
+        if wait:
+            raise _too_many("too many subscription requests; try later", wait)
 
     def _grant_lease(self, raw: str | None) -> int:
         """WebSub §5.1/§5.3.1: the hub decides; we clamp to [lease_min, lease_max], never perpetual."""
@@ -423,9 +515,8 @@ class Hub:
                 "SELECT 1 FROM hub_verifications WHERE topic = ? AND callback = ?", (topic, callback)
             ).fetchone()
             if waiting >= self.limits.max_pending_verifications and not known:
-                raise _Refusal(
-                    503, "too many subscription requests waiting; try later", {"Retry-After": "60"}
-                )
+                raise _too_many("too many subscription requests waiting; try later", 60)
+            counted = self._check_counts(c, topic, callback) if mode == "subscribe" and not known else None
             # A newer request for the same (topic, callback) replaces the waiting one: the latest intent
             # is the one to verify (§5.1: each request overrides the previous state once verified).
             c.execute(
@@ -433,6 +524,40 @@ class Hub:
                 "reason, requested) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (mode, topic, callback, secret, lease, reason, now),
             )
+            if counted is not None:
+                self._counts[counted] += 1
+                self._counts_total += 1
+
+    def _check_counts(self, c: Any, topic: str, callback: str) -> str | None:
+        """A new subscription (neither active nor waiting) must fit the total and per-host limits;
+        returns the callback host to count once it is queued (None for a renewal).
+
+        The counts per host come from a scan of both tables at most every ``COUNTS_TTL`` seconds (a scan
+        of 10,000 rows per request would cost a flood's worth of CPU), plus every request queued since;
+        what was deleted meanwhile is still counted until the next scan: never fewer than there are.
+        """
+        if c.execute(
+            "SELECT 1 FROM hub_subscriptions WHERE topic = ? AND callback = ?", (topic, callback)
+        ).fetchone():
+            return None  # a renewal
+        now = time.monotonic()  # a worker thread: no trio clock here
+        if now - self._counts_at > COUNTS_TTL:
+            rows = c.execute(
+                "SELECT topic, callback FROM hub_subscriptions UNION "
+                "SELECT topic, callback FROM hub_verifications WHERE mode = 'subscribe'"
+            ).fetchall()
+            self._counts = collections.Counter(_callback_host(cb) or "" for _, cb in rows)
+            self._counts_total, self._counts_at = len(rows), now
+        lim = self.limits
+        if self._counts_total >= lim.max_subscriptions:
+            raise _too_many(f"this hub holds its maximum of {lim.max_subscriptions} subscriptions", 3600)
+        host = _callback_host(callback) or ""
+        if self._counts[host] >= lim.max_subscriptions_per_host:
+            raise _too_many(
+                f"callbacks at {host} hold the maximum of {lim.max_subscriptions_per_host} subscriptions",
+                3600,
+            )
+        return host
 
     async def _ping(self, form: dict[str, list[str]]) -> Response:
         """Generic WebSub publishing (§6): fetch each named topic, fan its body out."""

@@ -1,0 +1,287 @@
+"""Bounds on what one HTTP client can cost the server: header size and time, body size and time, how long
+a response may wait for a client that does not read, and connections per client address.
+
+Why: rsagg serves anyone who can reach it (the republished Source, the hub, WebSub callbacks). One client
+that opens many connections, drips its headers or body a byte at a time, or never reads its response
+must cost bounded memory and file descriptors, and must not keep others from being served.
+
+What bounds what (docs/security.md has the table):
+
+- request head (request line + headers): at most ``max_header_bytes`` (hypercorn's
+  ``h11_max_incomplete_size`` while it arrives, 431 once complete), complete within ``header_timeout``
+  of the connection's start or of the end of the previous response (hypercorn's idle timer,
+  ``keep_alive_timeout``, runs until a request head is complete: a slowloris client is closed);
+- request body: a Content-Length over ``max_body_bytes`` is answered 413 before the app runs (the
+  endpoints that read bodies cap them again while reading: the hub, the WebSub callbacks); the whole
+  body must arrive within ``body_timeout`` (408);
+- response: each write may wait ``send_timeout`` for the client to read, then the connection is closed
+  (hypercorn shields its writes from cancellation, so the bound sits on the stream itself);
+- connections: at most ``max_connections_per_client`` open at once per client address; one more is
+  answered 429 with Retry-After and closed, without being read.
+
+hypercorn's trio worker has no hook for accepted connections, so ``serve_guarded`` runs hypercorn's own
+``TCPServer`` per connection (as ``hypercorn.trio.run.worker_serve`` does), behind the per-address cap and
+the send deadline. No TLS here: TLS ends at the reverse proxy (docs/deployment).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config, Sockets
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState, LifespanState
+from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
+
+log = logging.getLogger("rsagg.server")
+
+#: Why a client was cut off (the ``reason`` label of ``rsagg_server_refused_total``).
+REASONS = ("connections", "head_size", "head_time", "body_size", "body_time", "slow_reader")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may cost (see the module docstring); production values by default."""
+
+    max_header_bytes: int = 16 * 1024
+    header_timeout: float = 10.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    body_timeout: float = 60.0
+    send_timeout: float = 60.0
+    max_connections_per_client: int = 256  # 0: no cap (behind a proxy every client is the proxy)
+    retry_after: int = 5  # seconds, in the 429 of a connection over the cap
+    #: Called with the reason of every refusal (``REASONS``; the metrics counter).
+    on_refused: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+
+    def refused(self, reason: str) -> None:
+        if self.on_refused is not None:
+            try:
+                self.on_refused(reason)
+            except Exception:
+                log.exception("server: refusal hook failed")
+
+    def apply(self, config: Config) -> None:
+        """The bounds hypercorn enforces itself."""
+        config.h11_max_incomplete_size = self.max_header_bytes
+        config.h2_max_header_list_size = self.max_header_bytes
+        config.keep_alive_timeout = self.header_timeout
+
+
+_OVER_CAP = (
+    b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: %d\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+)
+
+
+class _SendBounded(trio.abc.HalfCloseableStream):
+    """A socket stream whose writes give up after ``timeout`` (a client that never reads its response)."""
+
+    def __init__(self, stream: trio.SocketStream, limits: ServerLimits) -> None:
+        self._stream = stream
+        self._limits = limits
+        self._timeout = limits.send_timeout
+        self.sent = False  # anything sent to the client (else it never completed a request head)
+        self.socket = stream.socket  # hypercorn reads peer and local addresses from it
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.sent = True
+        with trio.move_on_after(self._timeout) as scope:
+            await self._stream.send_all(data)
+        if scope.cancelled_caught:
+            log.info("closing a connection whose client did not read for %.0f s", self._timeout)
+            self._limits.refused("slow_reader")
+            await trio.aclose_forcefully(self._stream)
+            raise trio.BrokenResourceError(f"client did not read for {self._timeout} s")
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self._stream.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self._stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+class _Connections:
+    """Open connections per client address, and the handler that enforces the cap."""
+
+    def __init__(self, limits: ServerLimits, server: Callable[[trio.abc.Stream], Awaitable[None]]) -> None:
+        self.limits = limits
+        self.server = server
+        self.open: Counter[str] = Counter()
+        self.refused = 0
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = str(stream.socket.getpeername()[0])
+        except OSError:  # gone already
+            await trio.aclose_forcefully(stream)
+            return
+        cap = self.limits.max_connections_per_client
+        if cap and self.open[peer] >= cap:
+            self.refused += 1
+            if self.refused == 1 or self.refused % 1000 == 0:
+                log.warning("client %s holds %d connections (the cap): refusing more (%d so far)",
+                            peer, cap, self.refused)  # fmt: skip
+            self.limits.refused("connections")
+            await self._refuse(stream)
+            return
+        self.open[peer] += 1
+        bounded = _SendBounded(stream, self.limits)
+        start = trio.current_time()
+        try:
+            await self.server(bounded)
+            if not bounded.sent and trio.current_time() - start >= self.limits.header_timeout:
+                self.limits.refused("head_time")  # closed by hypercorn's timer before a request head
+        finally:
+            self.open[peer] -= 1
+            if not self.open[peer]:
+                del self.open[peer]
+
+    async def _refuse(self, stream: trio.SocketStream) -> None:
+        text = b"too many connections from your address; try again later\n"
+        with trio.move_on_after(1.0):
+            try:
+                await stream.send_all(_OVER_CAP % (self.limits.retry_after, len(text), text))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        await trio.aclose_forcefully(stream)
+
+
+class RequestGuard:
+    """ASGI middleware: a request head over ``max_header_bytes`` gets 431; a body over ``max_body_bytes``
+    (by Content-Length) gets 413 before the app runs; a body not complete within ``body_timeout`` gets
+    408 (the app then sees a disconnect)."""
+
+    def __init__(self, app: Any, limits: ServerLimits) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        lim = self.limits
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        head += sum(len(n) + len(v) + 4 for n, v in scope.get("headers", ()))
+        if head > lim.max_header_bytes:  # hypercorn bounds a head arriving in pieces; this, one in one read
+            lim.refused("head_size")
+            await _plain(send, 431, f"request head over {lim.max_header_bytes} bytes\n")
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                if not value.isdigit() or int(value) > lim.max_body_bytes:
+                    lim.refused("body_size")
+                    await _plain(send, 413, f"request body over {lim.max_body_bytes} bytes\n")
+                    return
+        deadline = trio.current_time() + lim.body_timeout
+        state = {"body_done": False, "started": False, "answered": False}
+
+        async def guarded_receive() -> dict[str, Any]:
+            if state["body_done"]:
+                return await receive()
+            with trio.move_on_at(deadline):
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    state["body_done"] = True
+                return message
+            state["body_done"] = True
+            lim.refused("body_time")
+            if not state["started"]:
+                state["answered"] = True
+                await _plain(send, 408, f"request body not received within {lim.body_timeout:.0f} s\n")
+            return {"type": "http.disconnect"}
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if state["answered"]:
+                return  # we answered 408 already
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, guarded_receive, guarded_send)
+        except Exception:
+            if not state["answered"]:
+                raise
+            # the app failed on the disconnect we gave it: answered already
+
+
+async def _plain(send: Any, status: int, text: str) -> None:
+    body = text.encode()
+    headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
+    headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def serve_guarded(
+    app: Any,
+    config: Config,
+    limits: ServerLimits,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
+    sockets: Sockets | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Like ``hypercorn.trio.run.worker_serve`` (plain HTTP), with the bounds of ``limits``.
+
+    ``sockets``: already bound (e.g. shared by several worker processes); by default ``config.bind``.
+    """
+    limits.apply(config)
+    wrapped = wrap_app(RequestGuard(app, limits), config.wsgi_max_body_size, "asgi")
+    lifespan_state: LifespanState = {}
+    lifespan = Lifespan(wrapped, config, lifespan_state)
+    context = WorkerContext(None)
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as server_nursery:
+            if sockets is None:
+                sockets = config.create_sockets()
+            listeners, binds = [], []
+            for sock in sockets.insecure_sockets:
+                sock.listen(config.backlog)
+                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+                binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+            server = partial(TCPServer, wrapped, config, context, ConnectionState(lifespan_state.copy()))
+            connections = _Connections(limits, server)  # type: ignore[arg-type]
+            task_status.started(binds)
+            try:
+                async with trio.open_nursery(strict_exception_groups=True) as nursery:
+                    if shutdown_trigger is not None:
+                        nursery.start_soon(raise_shutdown, shutdown_trigger)
+                    nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    nursery.start_soon(
+                        partial(
+                            trio.serve_listeners,
+                            connections.handle,
+                            listeners,
+                            handler_nursery=server_nursery,
+                        )
+                    )
+                    await trio.sleep_forever()
+            except BaseExceptionGroup as error:
+                _, other = error.split((ShutdownError, KeyboardInterrupt))
+                if other is not None:
+                    raise other from None
+            finally:
+                await context.terminated.set()
+                server_nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
+
+
+__all__ = ["RequestGuard", "ServerLimits", "serve_guarded"]
