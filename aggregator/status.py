@@ -18,6 +18,7 @@ from .config import Config
 from .harvest.progress import describe, figures, format_duration
 from .publish.sets import published_sets
 from .rs.w3cdt import format_w3c, utcnow
+from .store import retries
 from .store.state import State
 
 
@@ -41,19 +42,39 @@ def _progress(s: dict) -> dict | None:
     return p
 
 
+def _lag_from(cur: Any, last_success: datetime | None) -> tuple[datetime | None, str | None]:
+    """(time the lag counts from, basis) of one set.
+
+    Followed through a Change List: the datetime of the last change applied (or the snapshot's ``at``).
+    Read from its Resource List alone (no Change List: the cursor never names one): the upstream cannot
+    say when it changed, so rsagg is as fresh as its last successful read of that list, which each poll
+    does (a conditional GET that finds it unchanged counts too). The list's own ``at`` would make the
+    lag grow forever while the store and the upstream agree."""
+    if cur is None:
+        return None, None
+    pos = cur.last_datetime or cur.baseline_at
+    if cur.changelist_url is None and isinstance(last_success, datetime):
+        return (max(pos, last_success) if pos else last_success), "resource list"
+    return pos, "change list" if pos else None
+
+
 def source_rows(state: State, names: Sequence[str], *, now: datetime | None = None) -> list[dict]:
     """One row per source, configured ones first (a source never harvested shows as 'new'), then
     sources the state still holds but the configuration no longer names."""
     now = now or utcnow()
     known = {s["name"]: s for s in state.sources()}
+    waiting = retries.by_source(state)
     rows = []
     for name in [*names, *sorted(set(known) - set(names))]:
         s = known.get(name, {})
-        sets, newest = [], None
+        sets, newest, bases = [], None, set()
         for st in state.sets(name) if s else []:
             cur = state.cursor(st["id"])
             pos = (cur.last_datetime or cur.baseline_at) if cur else None
-            newest = pos if pos is not None and (newest is None or pos > newest) else newest
+            since, basis = _lag_from(cur, s.get("last_success"))
+            if since is not None:
+                bases.add(basis)
+                newest = since if newest is None or since > newest else newest
             sets.append(
                 {
                     "set": st["name"],
@@ -61,18 +82,24 @@ def source_rows(state: State, names: Sequence[str], *, now: datetime | None = No
                     "resources": state.count_resources(st["id"]),
                     "position": format_w3c(pos) if pos else None,
                     "baseline_at": format_w3c(cur.baseline_at) if cur and cur.baseline_at else None,
+                    "lag_basis": basis,
                 }
             )
+        used = [x["capabilitylist"] for x in sets]
         rows.append(
             {
                 "name": name,
                 "configured": name in names,
                 "url": s.get("url"),
+                # What is harvested: the Capability List(s) discovery led to from ``url``.
+                "using": used if used and used != [s.get("url")] else [],
                 "state": s.get("state") or "new",
                 "resources": sum(x["resources"] for x in sets),
                 "position": format_w3c(newest) if newest else None,
+                "lag_basis": " + ".join(sorted(bases)) or None,
                 "lag_seconds": round(max(0.0, (now - newest).total_seconds()), 1) if newest else None,
                 "lag": format_duration(max(0.0, (now - newest).total_seconds())) if newest else None,
+                "retries": waiting.get(name, {"waiting": 0, "ended": 0}),
                 "last_success": _time(s.get("last_success")),
                 "last_attempt": _time(s.get("last_attempt")),
                 "last_error": s.get("last_error"),
@@ -136,16 +163,42 @@ def lag_text(row: dict) -> str:
     return row.get("lag") or "-"
 
 
+#: Characters of an error shown in a table cell (the whole text is in ``--json`` / on demand on the page).
+ERROR_CELL = 100
+
+
+def notes(row: dict) -> list[str]:
+    """What a source row needs said besides its cells: the URL harvested when discovery led elsewhere,
+    retries waiting or ended."""
+    out = []
+    if row.get("using"):
+        out.append(f"using {', '.join(row['using'])} (configured: {row.get('url')})")
+    r = row.get("retries") or {}
+    if r.get("waiting") or r.get("ended"):
+        ended = f", {r['ended']} ended (URI no longer listed upstream)" if r.get("ended") else ""
+        out.append(f"retries: {r.get('waiting', 0)} waiting{ended}; see rsagg retries")
+    return out
+
+
 def table(status: dict[str, Any]) -> str:
     """The text ``rsagg status`` prints."""
     head = ("SOURCE", "STATE", "RESOURCES", "LAG", "LAST SUCCESS", "PROGRESS", "LAST ERROR")
     row = "{:<20} {:<8} {:>10} {:>7} {:<22} {:<34} {}"
     lines = [row.format(*head)]
+    cut = False
     for r in status["sources"]:
         name = r["name"] + ("" if r["configured"] else " (removed)")
+        error = one_line(r.get("last_error"), ERROR_CELL)
+        cut |= len(error) < len(one_line(r.get("last_error")))
         cells = (name, r["state"], r["resources"], lag_text(r), short_time(r.get("last_success")),
-                 progress_text(r) or "-", r.get("last_error") or "")  # fmt: skip
+                 progress_text(r) or "-", error)  # fmt: skip
         lines.append(row.format(*cells).rstrip())
+        for note in notes(r):
+            lines.append(f"  {note}")
+    if not status["sources"]:
+        lines.append("(no sources configured)")
+    if cut:
+        lines.append("(errors cut to one line: rsagg status --json has the whole text)")
     if status["sets"]:
         lines += ["", "{:<20} {:>10} {:<30} {}".format("SET", "RESOURCES", "SOURCES", "CAPABILITY LIST")]
         for s in status["sets"]:
@@ -155,7 +208,10 @@ def table(status: dict[str, Any]) -> str:
 
 
 __all__ = [
+    "ERROR_CELL",
     "collect",
+    "notes",
+    "one_line",
     "lag_text",
     "progress_text",
     "set_rows",
@@ -164,3 +220,11 @@ __all__ = [
     "table",
     "unharvested",
 ]
+
+
+def one_line(text: str | None, limit: int | None = None) -> str:
+    """An error message for a table cell or a line: whitespace collapsed, cut to ``limit`` with "…"."""
+    flat = " ".join((text or "").split())
+    if limit is not None and len(flat) > limit:
+        return flat[: limit - 1].rstrip() + "…"
+    return flat

@@ -18,7 +18,7 @@ from ..config import SourceConfig
 from ..rs.model import CHANGELIST, DELETED, RESOURCELIST, Entry
 from ..store.state import Cursor, Resource
 from .context import HarvestContext
-from .discovery import discover
+from .discovery import SetInfo, discover
 from .lists import Snapshot, change_entries, resource_list_entries
 
 
@@ -70,6 +70,45 @@ class _SeenSet:
         self._db.close()
 
 
+async def expected_entries(ctx: HarvestContext, info: SetInfo, source: str) -> AsyncGenerator[Entry, None]:
+    """What a set holds upstream now: its Resource List overlaid with the changes its Change Lists report
+    since the list's ``at``; each URI once (a deleted one as a ``deleted`` change). Needs a Resource List.
+    """
+    rl_url = info.capabilities[RESOURCELIST].url
+    async with ctx.fetcher.document(rl_url) as doc:  # the head only: the snapshot's `at`
+        at = doc.head.md.at if doc.head and doc.head.md else None
+    # Changes since the list's snapshot win over the list's own entries (bounded: one entry per URI
+    # changed since `at`).
+    overlay: dict[str, Entry] = {}
+    if CHANGELIST in info.capabilities:
+        since = Cursor(at, None, at, 0, 0, None)
+        changes = change_entries(ctx.fetcher, info.capabilities[CHANGELIST].url, since, source)
+        async with aclosing(changes):
+            async for entry, _ in changes:
+                overlay[entry.loc] = entry
+    for entry in overlay.values():
+        yield entry
+    entries = resource_list_entries(ctx.fetcher, rl_url, Snapshot())
+    async with aclosing(entries):
+        async for entry in entries:
+            if entry.loc not in overlay:
+                yield entry
+
+
+async def still_listed(ctx: HarvestContext, info: SetInfo, source: str, uris: set[str]) -> set[str] | None:
+    """Which of ``uris`` the set still lists upstream (not as deleted); None when that cannot be told
+    (no Resource List). Streams the lists; holds only ``uris``."""
+    if RESOURCELIST not in info.capabilities:
+        return None
+    listed: set[str] = set()
+    entries = expected_entries(ctx, info, source)
+    async with aclosing(entries):
+        async for entry in entries:
+            if entry.loc in uris and entry.change != DELETED:
+                listed.add(entry.loc)
+    return listed
+
+
 async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator[Difference, None]:
     """Yield every difference between the store and the upstream, set by set."""
     for info in await discover(ctx.fetcher, src.url):
@@ -82,30 +121,15 @@ async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator
         with tempfile.TemporaryDirectory() as tmp:
             seen = _SeenSet(Path(tmp))
             try:
-                rl_url = info.capabilities[RESOURCELIST].url
-                async with ctx.fetcher.document(rl_url) as doc:  # the head only: the snapshot's `at`
-                    at = doc.head.md.at if doc.head and doc.head.md else None
-                # Changes since the list's snapshot win over the list's own entries (bounded: one
-                # entry per URI changed since `at`).
-                overlay: dict[str, Entry] = {}
-                if CHANGELIST in info.capabilities:
-                    since = Cursor(at, None, at, 0, 0, None)
-                    changes = change_entries(ctx.fetcher, info.capabilities[CHANGELIST].url, since, src.name)
-                    async with aclosing(changes):
-                        async for entry, _ in changes:
-                            overlay[entry.loc] = entry
-                batch: list[Entry] = list(overlay.values())
-                entries = resource_list_entries(ctx.fetcher, rl_url, Snapshot())
+                batch: list[Entry] = []
+                entries = expected_entries(ctx, info, src.name)
                 async with aclosing(entries):
                     async for entry in entries:
                         seen.add(entry.loc)
-                        if entry.loc not in overlay:
-                            batch.append(entry)
+                        batch.append(entry)
                         if len(batch) >= 1000:
                             for d in _check(ctx, src.name, set_url, set_id, batch):
                                 yield d
-                for uri in overlay:
-                    seen.add(uri)
                 for d in _check(ctx, src.name, set_url, set_id, batch):
                     yield d
                 if set_id is not None:

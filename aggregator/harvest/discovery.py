@@ -73,8 +73,13 @@ class DiscoveryError(Exception):
         self.url = url
         self.attempts = attempts
         self.transient = transient  # some attempt failed in a way that may pass (timeout, 503...)
-        tried = "; ".join(f"{u} ({why})" for u, why in attempts) or "nothing"
-        super().__init__(f"{url}: no ResourceSync Capability List or Source Description found; tried {tried}")
+        # One clause per reason, naming the URLs that failed for it: a host that is down fails every
+        # approach the same way, and the message should say so once.
+        reasons: dict[str, list[str]] = {}
+        for u, why in attempts:
+            reasons.setdefault(why, []).append(u)
+        tried = "; ".join(f"{', '.join(dict.fromkeys(us))}: {why}" for why, us in reasons.items()) or "nothing"
+        super().__init__(f"{url}: no ResourceSync Capability List or Source Description found (tried {tried})")
 
 
 # -- small parsers ---------------------------------------------------------------------------------
@@ -339,6 +344,7 @@ class _Discovery:
 
     async def run(self, url: str) -> list[SetInfo]:
         d = await self.doc(url)
+        failed = d is None and not self.not_a_document  # the URL itself failed (not a web page)
         if d is not None:
             sets = await self.sets_from(d)
             if not sets:
@@ -353,6 +359,12 @@ class _Discovery:
             sets = await self.from_urls([urljoin(url, WELL_KNOWN_PATH)])
         if not sets:
             sets = await self.from_robots(urljoin(url, "/robots.txt"))
+        if sets and failed:
+            # The configured URL itself failed (e.g. HTTP 404) and guessing found something else: say
+            # so, or an operator never learns that the URL they configured is wrong.
+            why = next((w for u, w in self.attempts if u == url), "unusable")
+            used = ", ".join(sorted({s.capabilitylist_url for s in sets}))
+            log.warning("%s answered %s: using %s (found by discovery) instead; configure that URL", url, why, used)
         return _dedup(sets)
 
     async def from_urls(self, urls: list[str]) -> list[SetInfo]:

@@ -168,7 +168,7 @@ class Pipeline:
         self._metadata = MetadataRecords(ctx, set_id, source)
         self._set_name = next((s["name"] for s in ctx.reader.sets() if s["id"] == set_id), str(set_id))
         # URIs with a failed change waiting to be retried (store/retries.py): cleared once one applies.
-        self._retrying = {e.loc for e, _, _ in retries.pending(ctx.reader, set_id)}
+        self._retrying = retries.uris(ctx.reader, set_id)
         # Records appended after this point are announced (rsagg_change_published).
         self._last_seq = ctx.reader.last_seq() if self._events else 0
 
