@@ -210,9 +210,9 @@ def table(status: dict[str, Any]) -> str:
 __all__ = [
     "ERROR_CELL",
     "collect",
+    "lag_text",
     "notes",
     "one_line",
-    "lag_text",
     "progress_text",
     "set_rows",
     "short_time",

@@ -63,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"rsagg harvest: {config.file}: sources: no source named {', '.join(unknown)}", file=sys.stderr)
         return 2
     if not any(s.enabled and (not args.source or s.name in args.source) for s in config.sources):
-        print(f"rsagg harvest: {config.file}: sources: every source is disabled (enabled = false)", file=sys.stderr)
+        print(
+            f"rsagg harvest: {config.file}: sources: every source is disabled (enabled = false)",
+            file=sys.stderr,
+        )
         return 2
     with store_lock(prepare_store(config), "rsagg harvest"):
         if not args.once:

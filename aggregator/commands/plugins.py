@@ -14,7 +14,6 @@ from ..logs import setup_logging
 from ..plugins import DEFAULT_PLUGINS, GROUP, Plugins
 from ._common import add_global_arguments
 
-
 #: Loading plugins logs at info; this listing shows only warnings unless asked.
 DEFAULT_LOG_LEVEL = "warning"
 

@@ -50,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
         print()
         return 0
     for r in rows:
+        why = r["message"] if r["state"] == "ended" else f"{r['kind']}: {r['message']}"
         print(
             f"{r['source']}: {r['state']}: {r['change']} {r['uri']}: {r['attempts']} attempt(s) since "
-            f"{r['first_at']}: {one_line(r['kind'] + ': ' + r['message'] if r['state'] != 'ended' else r['message'])}"
+            f"{r['first_at']}: {one_line(why)}"
         )
     waiting = sum(r["state"] == "waiting" for r in rows)
     print(f"{waiting} waiting, {len(rows) - waiting} ended" + (f"; {cleared} cleared" if args.clear else ""))

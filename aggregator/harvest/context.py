@@ -174,7 +174,11 @@ def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:
     try:
         return factories[name](dict(config.store.settings), config.store_path)
     except (ValueError, TypeError, ImportError) as exc:  # a missing library, a missing or wrong setting
-        key = "store.backend" if isinstance(exc, ImportError) or "not installed" in str(exc) else "store.settings"
+        key = (
+            "store.backend"
+            if isinstance(exc, ImportError) or "not installed" in str(exc)
+            else "store.settings"
+        )
         raise ConfigError(config.file, key, f"backend {name!r} cannot start: {exc}") from None
     except OSError as exc:
         raise ConfigError(

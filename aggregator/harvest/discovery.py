@@ -78,8 +78,12 @@ class DiscoveryError(Exception):
         reasons: dict[str, list[str]] = {}
         for u, why in attempts:
             reasons.setdefault(why, []).append(u)
-        tried = "; ".join(f"{', '.join(dict.fromkeys(us))}: {why}" for why, us in reasons.items()) or "nothing"
-        super().__init__(f"{url}: no ResourceSync Capability List or Source Description found (tried {tried})")
+        tried = (
+            "; ".join(f"{', '.join(dict.fromkeys(us))}: {why}" for why, us in reasons.items()) or "nothing"
+        )
+        super().__init__(
+            f"{url}: no ResourceSync Capability List or Source Description found (tried {tried})"
+        )
 
 
 # -- small parsers ---------------------------------------------------------------------------------
@@ -364,7 +368,9 @@ class _Discovery:
             # so, or an operator never learns that the URL they configured is wrong.
             why = next((w for u, w in self.attempts if u == url), "unusable")
             used = ", ".join(sorted({s.capabilitylist_url for s in sets}))
-            log.warning("%s answered %s: using %s (found by discovery) instead; configure that URL", url, why, used)
+            log.warning(
+                "%s answered %s: using %s (found by discovery) instead; configure that URL", url, why, used
+            )
         return _dedup(sets)
 
     async def from_urls(self, urls: list[str]) -> list[SetInfo]:

@@ -64,7 +64,12 @@ async def retry_failed(ctx: HarvestContext, set_id: int, source: str, uris: set[
 
 
 async def end_unlisted_retries(
-    ctx: HarvestContext, info: SetInfo, set_id: int, source: str, stats: PipelineStats, attempts: dict[str, int]
+    ctx: HarvestContext,
+    info: SetInfo,
+    set_id: int,
+    source: str,
+    stats: PipelineStats,
+    attempts: dict[str, int],
 ) -> int:
     """End the retries that failed again for URIs the upstream no longer lists: retrying those can never
     succeed, and would keep the source in error while audit says in sync. They leave ``stats`` (the sync
