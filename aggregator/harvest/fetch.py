@@ -781,7 +781,9 @@ class Fetcher:
             return DocumentStream(not_modified=True, etag=etag, head=None, entries=_NoEntries(), **common)
         # Lenient on values (an unknown attribute or one bad date must not cost the whole document):
         # each problem is logged with its line; structural problems still raise DocumentError.
-        reader = parse.DocumentReader(meta.url, max_bytes=cap, on_problem=_problem_logger(meta.url))
+        reader = parse.DocumentReader(
+            meta.url, max_bytes=cap, on_problem=_problem_logger(meta.url), require=True
+        )
         entries = _Entries(spool, reader, meta.url)
         try:
             head = await entries.head()

@@ -576,7 +576,7 @@ class Subscriber:
             log.warning("notification %s line %s: %s (value ignored)", sub.topic, line, message)
 
         head, entries = parse_bytes(
-            body, sub.topic, max_bytes=self.settings.max_payload_bytes, on_problem=problem
+            body, sub.topic, max_bytes=self.settings.max_payload_bytes, on_problem=problem, require=True
         )
         md = head.md
         if head.root != URLSET or head.capability != sub.kind:
