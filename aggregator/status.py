@@ -85,14 +85,14 @@ def source_rows(state: State, names: Sequence[str], *, now: datetime | None = No
                     "lag_basis": basis,
                 }
             )
-        used = [x["capabilitylist"] for x in sets]
         rows.append(
             {
                 "name": name,
                 "configured": name in names,
                 "url": s.get("url"),
-                # What is harvested: the Capability List(s) discovery led to from ``url``.
-                "using": used if used and used != [s.get("url")] else [],
+                # When ``url`` failed and discovery found the Source elsewhere: what it answered and
+                # what is harvested instead (the operator should configure that).
+                "using": s.get("using_url"),
                 "state": s.get("state") or "new",
                 "resources": sum(x["resources"] for x in sets),
                 "position": format_w3c(newest) if newest else None,
@@ -172,7 +172,7 @@ def notes(row: dict) -> list[str]:
     retries waiting or ended."""
     out = []
     if row.get("using"):
-        out.append(f"using {', '.join(row['using'])} (configured: {row.get('url')})")
+        out.append(f"configured URL not used: {row['using']}")
     r = row.get("retries") or {}
     if r.get("waiting") or r.get("ended"):
         ended = f", {r['ended']} ended (URI no longer listed upstream)" if r.get("ended") else ""

@@ -211,9 +211,12 @@ async def test_metrics_status_and_page_of_a_running_daemon(tmp_path: Path, capsy
     assert {tuple(s["sources"]) for s in sets.values()} == {("good",), ("bad",)}
     # the page: same rows, and the script that polls status.json
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert "<td>good</td><td>ok</td><td>12</td>" in page.text
-    assert "<td>bad</td><td>error</td><td>3</td>" in page.text
-    assert 'fetch("status.json"' in page.text and "setInterval(refresh" in page.text
+    for name, state, n in (("good", "ok", 12), ("bad", "error", 3)):
+        row = re.search(rf'<tr data-source="{name}">(.*?)</tr>', page.text).group(1)
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+        assert cells[0].split("<")[0] == name and f">{state}</span>" in cells[1] and cells[2] == str(n)
+    assert "retries: 1 waiting" in page.text  # the bad source's failed change waits to be retried
+    assert "fetch(location.pathname" in page.text and "setInterval(refresh" in page.text
     for name, s in sets.items():
         assert f'<li data-set="{name}"><strong>{name}</strong>: {s["resources"]} resources' in page.text
 

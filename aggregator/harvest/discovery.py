@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
@@ -197,6 +198,7 @@ class _Discovery:
     cache: dict[str, _Doc | None] = field(default_factory=dict)
     fetches: int = 0
     not_a_document: bool = False  # the last failed fetch was a body that is no capability document
+    fallback: str | None = None  # the configured URL failed: what was used instead (see run)
 
     def note(self, url: str, why: str) -> None:
         self.attempts.append((url, why))
@@ -368,6 +370,7 @@ class _Discovery:
             # so, or an operator never learns that the URL they configured is wrong.
             why = next((w for u, w in self.attempts if u == url), "unusable")
             used = ", ".join(sorted({s.capabilitylist_url for s in sets}))
+            self.fallback = f"{url} answered {why}; using {used}"
             log.warning(
                 "%s answered %s: using %s (found by discovery) instead; configure that URL", url, why, used
             )
@@ -416,10 +419,17 @@ def _dedup(sets: list[SetInfo]) -> list[SetInfo]:
     return list(seen.values())
 
 
-async def discover(fetcher: Fetcher, url: str) -> list[SetInfo]:
-    """The sets of the Source at ``url`` (§6.3); raises DiscoveryError naming everything tried."""
+async def discover(
+    fetcher: Fetcher, url: str, *, on_fallback: Callable[[str | None], None] | None = None
+) -> list[SetInfo]:
+    """The sets of the Source at ``url`` (§6.3); raises DiscoveryError naming everything tried.
+
+    ``on_fallback`` hears, once the sets are found, what was used instead of ``url`` when ``url`` itself
+    failed (e.g. "URL answered HTTP 404; using CAPABILITYLIST"), or None when ``url`` led to the sets."""
     d = _Discovery(fetcher)
     sets = await d.run(url)
     if not sets:
         raise DiscoveryError(url, d.attempts, transient=d.transient)
+    if on_fallback is not None:
+        on_fallback(d.fallback)
     return sets

@@ -950,9 +950,10 @@ class Fetcher:
                     break
         fixity = [f for f in failures if f.kind == "fixity"]
         last = fixity[-1] if fixity else failures[-1]
-        if len(urls) == 1 and len(failures) == 1:
+        reasons = list(dict.fromkeys(str(f) for f in failures))  # a second try may fail the same way
+        if len(urls) == 1 and len(reasons) == 1:
             raise last
-        summary = "; ".join(str(f) for f in failures)
+        summary = "; ".join(reasons)
         raise FetchError(
             last.url, last.kind, f"no location served a good copy: {summary}", status=last.status
         ) from last

@@ -116,7 +116,9 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     ctx.progress.pop(src.name, None)
     progress = Progress(src.name, ctx.progress_update)
     try:
-        sets = await discover(ctx.fetcher, src.url)
+        using: list[str | None] = [None]
+        sets = await discover(ctx.fetcher, src.url, on_fallback=lambda note: using.__setitem__(0, note))
+        await ctx.write(ctx.writer.set_source_status, src.name, using_url=using[0])  # rsagg status shows it
         result.sets = len(sets)
         result.discovered = sets
         for info in sets:
