@@ -298,7 +298,7 @@ def test_progress_line_and_helpers():
     line = ProgressLine(out, {"a": (5, 10), "b": (3, None)}, width=200)
     line.draw()
     assert out.getvalue().startswith("\r\x1b[K") and "a: 5/10 (50.0%)" in out.getvalue()
-    assert "b: 3/?" in out.getvalue()
+    assert "b: 3 so far (total not known yet)" in out.getvalue()
     line.clear()
     assert out.getvalue().endswith("\r\x1b[K")
     assert (

@@ -18,9 +18,11 @@ from ..demo.upstream import Upstream
 from ..harvest.context import HarvestContext
 from ..logs import setup_logging
 from ..store.lock import store_lock
+from ._common import add_global_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_global_arguments(p)  # --log-level, --log-format (the demo writes its own configuration)
     p.add_argument("--port", type=int, default=8080, help="rsagg's port (0: any free port)")
     p.add_argument("--upstream-port", type=int, default=0, help="the sample upstream's port (0: any)")
     p.add_argument("--resources", type=int, default=300, help="resources in the sample upstream")
