@@ -38,13 +38,15 @@ def _config(tmp_path: Path, case: str, port: int) -> tuple[Path, str]:
     listen = f'[server]\nlisten = "127.0.0.1:{port}"\n'
     store = f'[store]\npath = "{tmp_path / "data"}"\n'
     (tmp_path / "afile").write_text("a file where a folder is expected\n")
+    afile = tmp_path / "afile"
+    s3 = f'{listen}{store}backend = "s3"\n'
     text, key = {
         "store under /proc": (f'{listen}[store]\npath = "/proc/rsagg-test-data"\n{SOURCE}', "store.path"),
-        "store below a file": (f'{listen}[store]\npath = "{tmp_path / "afile" / "data"}"\n{SOURCE}', "store.path"),
-        "store is a file": (f'{listen}[store]\npath = "{tmp_path / "afile"}"\n{SOURCE}', "store.path"),
+        "store below a file": (f'{listen}[store]\npath = "{afile / "data"}"\n{SOURCE}', "store.path"),
+        "store is a file": (f'{listen}[store]\npath = "{afile}"\n{SOURCE}', "store.path"),
         "unknown plugin": (f"{listen}{store}[plugins.nosuch]\nx = 1\n{SOURCE}", "plugins.nosuch"),
-        "s3 without boto3": (f'{listen}{store}backend = "s3"\n[store.settings]\nbucket = "b"\n{SOURCE}', "store.backend"),
-        "s3 without bucket": (f'{listen}{store}backend = "s3"\n{SOURCE}', "store.settings"),
+        "s3 without boto3": (f'{s3}[store.settings]\nbucket = "b"\n{SOURCE}', "store.backend"),
+        "s3 without bucket": (f"{s3}{SOURCE}", "store.settings"),
         "empty file": ("", "sources"),
         "no sources": (f"{listen}{store}", "sources"),
         "port in use": (f"{listen}{store}{SOURCE}", "server.listen"),
@@ -139,8 +141,11 @@ def test_harvest_refused_while_another_process_harvests_the_store(
 
 def test_lock_released_when_its_holder_dies(tmp_path: Path) -> None:
     """A killed holder leaves nothing stuck: the kernel drops a flock with the process."""
-    code = f"from aggregator.store.lock import store_lock\nfrom pathlib import Path\nimport os\nwith store_lock(Path({str(tmp_path)!r}), 'x'):\n    os._exit(0)\n"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    code = (
+        "import os, sys\nfrom pathlib import Path\nfrom aggregator.store.lock import store_lock\n"
+        "with store_lock(Path(sys.argv[1]), 'x'):\n    os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
     with store_lock(tmp_path, "next"):
         assert "next (pid" in (tmp_path / "rsagg.lock").read_text()
 
