@@ -350,7 +350,8 @@ class _Discovery:
 
     async def run(self, url: str) -> list[SetInfo]:
         d = await self.doc(url)
-        failed = d is None and not self.not_a_document  # the URL itself failed (not a web page)
+        # The URL itself failed (not a web page; not a site root, whose well-known URI is the way in).
+        failed = d is None and not self.not_a_document and urlsplit(url).path not in ("", "/")
         if d is not None:
             sets = await self.sets_from(d)
             if not sets:

@@ -44,9 +44,11 @@ th, td { text-align: left; padding: 0.2em 0.8em; border-bottom: 1px solid #ddd; 
 details.error { max-width: 40em; }
 details.error summary { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; cursor: pointer;
   color: #cf222e; }
-details.error pre { white-space: pre-wrap; word-break: break-all; background: #f6f8fa; padding: 0.5em;
+details.error pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f6f8fa; padding: 0.5em;
   margin: 0.3em 0; }
 progress { width: 8em; vertical-align: middle; }
+td.c3, td.c4, span.progress { white-space: nowrap; }
+.note { max-width: 30em; overflow-wrap: anywhere; }
 """
 
 
