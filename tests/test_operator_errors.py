@@ -4,6 +4,7 @@ no traceback: each command run against each broken configuration and environment
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -182,3 +183,17 @@ def test_help_lists_every_command_on_whole_lines() -> None:
     assert "each published set." in entries and "and each published " not in entries.replace(
         "and each published set.", ""
     )
+
+
+def test_demo_log_lines_say_what_they_mean(tmp_path: Path) -> None:
+    """The start-up line names where rsagg listens and what it publishes as, each once."""
+    run = subprocess.run(
+        [sys.executable, "-m", "aggregator", "demo", "--port", "0", "--resources", "5", "--duration", "2",
+         "--data", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    line = next(x for x in run.stderr.splitlines() if "listening on" in x)
+    assert re.search(r"listening on http://127\.0\.0\.1:\d+, publishing as http://127\.0\.0\.1:\d+", line)
+    assert "serving http" not in run.stderr and "does not continue None" not in run.stderr
+    assert (tmp_path / "demo" / "rsagg.lock").exists()  # the demo's store was locked while it ran

@@ -33,7 +33,7 @@ log = logging.getLogger("rsagg.harvest")
 
 #: Seconds between two saves of a running baseline's progress in the sources table (``rsagg status``,
 #: the status page): the save rides along with the next state write (``HarvestContext.write``).
-PROGRESS_SAVE_EVERY = 3.0
+PROGRESS_SAVE_EVERY = 1.0
 
 
 @dataclass

@@ -387,6 +387,8 @@ class Pipeline:
         changes = [r.change for r in batch if r.change is not None]
         cursor = next((r.work.cursor_after for r in reversed(batch) if r.work.cursor_after), None)
         also = self._retry_bookkeeping(batch)
+        if self._progress:  # before the write, so that the progress it saves counts this batch too
+            self._progress(len(batch))
         applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor, also)
         self.announce(applied)
         if applied:
@@ -405,8 +407,6 @@ class Pipeline:
                 self.stats.last_datetime = dt
         for _ in batch:
             self._inflight.release()
-        if self._progress:
-            self._progress(len(batch))
 
 
 __all__ = ["CREATED", "DELETED", "UPDATED", "Pipeline", "PipelineStats", "Work"]
