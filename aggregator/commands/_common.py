@@ -49,4 +49,11 @@ def start(args: argparse.Namespace, *, sources_needed: bool = True) -> Config | 
             file=sys.stderr,
         )
         return None
+    unknown = [n for n in getattr(args, "source", None) or [] if n not in {s.name for s in config.sources}]
+    if unknown:  # --source NAME of harvest, audit, retries
+        print(
+            f"rsagg {args.command}: {config.file}: sources: no source named {', '.join(unknown)}",
+            file=sys.stderr,
+        )
+        return None
     return config

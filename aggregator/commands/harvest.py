@@ -58,10 +58,6 @@ def run(args: argparse.Namespace) -> int:
     config = start(args)
     if config is None:
         return 2
-    unknown = [n for n in args.source if n not in {s.name for s in config.sources}]
-    if unknown:
-        print(f"rsagg harvest: {config.file}: sources: no source named {', '.join(unknown)}", file=sys.stderr)
-        return 2
     if not any(s.enabled and (not args.source or s.name in args.source) for s in config.sources):
         print(
             f"rsagg harvest: {config.file}: sources: every source is disabled (enabled = false)",

@@ -33,10 +33,6 @@ def run(args: argparse.Namespace) -> int:
     config = start(args)
     if config is None:
         return 2
-    unknown = [n for n in args.source if n not in {s.name for s in config.sources}]
-    if unknown:
-        print(f"rsagg retries: {config.file}: sources: no source named {', '.join(unknown)}", file=sys.stderr)
-        return 2
     root = check_store(config)
     if not (root / "state.db").exists():
         rows: list[dict] = []
