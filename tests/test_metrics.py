@@ -205,6 +205,8 @@ async def test_metrics_status_and_page_of_a_running_daemon(tmp_path: Path, capsy
     assert rows["good"]["last_success"] and rows["good"]["lag_seconds"] is not None
     assert rows["good"]["progress"] is None  # nothing running
     assert rows["bad"]["state"] == "error" and "b000002.txt" in rows["bad"]["last_error"]
+    # The fixity mismatch is tried twice and fails the same way: said once, not the same block twice.
+    assert rows["bad"]["last_error"].count("sha-256: expected") == 1, rows["bad"]["last_error"]
     assert rows["bad"]["resources"] == 3
     sets = {s["name"]: s for s in st["sets"]}
     assert {s["resources"] for s in sets.values()} == {12, 3}

@@ -197,3 +197,12 @@ def test_demo_log_lines_say_what_they_mean(tmp_path: Path) -> None:
     assert re.search(r"listening on http://127\.0\.0\.1:\d+, publishing as http://127\.0\.0\.1:\d+", line)
     assert "serving http" not in run.stderr and "does not continue None" not in run.stderr
     assert (tmp_path / "demo" / "rsagg.lock").exists()  # the demo's store was locked while it ran
+
+
+def test_discovery_error_says_each_reason_once() -> None:
+    from aggregator.harvest.discovery import DiscoveryError
+
+    why = "network: ConnectError: all attempts to connect to 127.0.0.1:9 failed"
+    tried = [(f"http://127.0.0.1:9{p}", why) for p in ("/x", "/.well-known/resourcesync", "/robots.txt")]
+    text = str(DiscoveryError("http://127.0.0.1:9/x", tried))
+    assert text.count(why) == 1 and all(u in text for u, _ in tried)
