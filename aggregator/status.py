@@ -126,12 +126,26 @@ def set_rows(state: State, config: Config) -> list[dict]:
     ]
 
 
-def collect(state: State, config: Config, *, now: datetime | None = None) -> dict[str, Any]:
-    """Everything the status displays show (``rsagg status --json`` prints exactly this)."""
+def _interrupted(rows: list[dict], running: bool | None) -> list[dict]:
+    """A source left "syncing" by a process that is gone (killed, crashed: nothing holds the store's
+    lock) is shown as interrupted, not as a sync that goes on; the next harvest resumes it."""
+    if running is not False:
+        return rows
+    for r in rows:
+        if r["state"] == "syncing":
+            r["state"], r["progress"] = "interrupted", None
+    return rows
+
+
+def collect(
+    state: State, config: Config, *, now: datetime | None = None, running: bool | None = None
+) -> dict[str, Any]:
+    """Everything the status displays show (``rsagg status --json`` prints exactly this). ``running``:
+    whether a harvesting process holds the store (``store/lock.py``; None: not known)."""
     now = now or utcnow()
     return {
         "time": format_w3c(now),
-        "sources": source_rows(state, [s.name for s in config.sources], now=now),
+        "sources": _interrupted(source_rows(state, [s.name for s in config.sources], now=now), running),
         "sets": set_rows(state, config),
         "changelog_last_seq": state.last_seq(),
     }
@@ -173,6 +187,8 @@ def notes(row: dict) -> list[str]:
     out = []
     if row.get("using"):
         out.append(f"configured URL not used: {row['using']}")
+    if row.get("state") == "interrupted":
+        out.append("the harvesting process stopped during this sync; the next harvest resumes it")
     r = row.get("retries") or {}
     if r.get("waiting") or r.get("ended"):
         ended = f", {r['ended']} ended (URI no longer listed upstream)" if r.get("ended") else ""

@@ -206,3 +206,40 @@ def test_discovery_error_says_each_reason_once() -> None:
     tried = [(f"http://127.0.0.1:9{p}", why) for p in ("/x", "/.well-known/resourcesync", "/robots.txt")]
     text = str(DiscoveryError("http://127.0.0.1:9/x", tried))
     assert text.count(why) == 1 and all(u in text for u, _ in tried)
+
+
+def test_sync_left_by_a_dead_process_shows_as_interrupted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from aggregator.store.state import State
+
+    path, _ = _config(tmp_path, "port in use", _free_port())
+    data = tmp_path / "data"
+    data.mkdir()
+    with State(data / "state.db") as state:
+        state.upsert_source("a", "http://127.0.0.1:9/rs/capabilitylist.xml")
+        state.set_source_status("a", state="syncing", progress_done=5, progress_total=10)
+
+    def shown() -> dict:
+        assert main(["status", "-c", str(path), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["sources"][0]
+
+    assert shown()["state"] == "syncing"  # no process ever locked this store: nothing known
+    with store_lock(data, "rsagg harvest"):
+        row = shown()
+        assert row["state"] == "syncing" and row["progress"]["done"] == 5  # its harvester runs
+    row = shown()  # the harvester is gone, the row still says syncing: it was interrupted
+    assert row["state"] == "interrupted" and row["progress"] is None
+    assert main(["status", "-c", str(path)]) == 0
+    assert "the next harvest resumes it" in capsys.readouterr().out
+    # A status probe holds the lock shared for an instant: a harvester starting then waits, not refuses.
+    import fcntl
+    import threading
+
+    fd = os.open(data / "rsagg.lock", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    threading.Timer(0.3, os.close, [fd]).start()
+    with store_lock(data, "rsagg harvest"):
+        pass

@@ -13,6 +13,7 @@ import sys
 
 from ..harvest.context import check_store
 from ..status import collect, table, unharvested
+from ..store.lock import harvester_running
 from ..store.state import State
 from ._common import add_config_arguments, start
 
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         status = unharvested(config)
     else:
         with State(db) as state:
-            status = collect(state, config)
+            status = collect(state, config, running=harvester_running(db.parent))
     if args.json:
         json.dump(status, sys.stdout, indent=2)
         print()

@@ -21,6 +21,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from .. import status
 from ..metrics import CONTENT_TYPE
+from ..store.lock import harvester_running
 from ..store.state import State
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ td.c3, td.c4, span.progress { white-space: nowrap; }
 
 
 def _status(pub: Publisher, state: State) -> dict[str, Any]:
-    return status.collect(state, pub.config)
+    return status.collect(state, pub.config, running=harvester_running(pub.config.store_path))
 
 
 async def status_json(request: Request) -> Response:
@@ -75,7 +76,9 @@ async def metrics(request: Request) -> Response:
 
 #: State -> colour class of its badge. ``degraded`` (a sync that skipped or bent something) has its
 #: colour ready for when the harvester reports it.
-STATE_CLASSES = {"ok": "ok", "syncing": "busy", "error": "bad", "degraded": "warn", "new": "idle"}
+STATE_CLASSES = {
+    "ok": "ok", "syncing": "busy", "error": "bad", "degraded": "warn", "interrupted": "warn", "new": "idle",
+}  # fmt: skip
 
 
 def _state_cell(r: dict) -> str:

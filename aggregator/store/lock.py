@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,23 +23,34 @@ class StoreLocked(Exception):
     """Another process holds the store's lock; ``str()`` names the store and that process."""
 
 
+#: Seconds a starting process keeps trying: ``harvester_running`` holds the lock shared for an instant.
+WAIT_SECONDS = 2.0
+
+
 @contextmanager
-def store_lock(root: Path, what: str) -> Iterator[None]:
-    """Hold the store's lock for the block; raise StoreLocked at once when another process holds it.
+def store_lock(root: Path, what: str, *, wait: float = WAIT_SECONDS) -> Iterator[None]:
+    """Hold the store's lock for the block; raise StoreLocked when another process holds it (after
+    ``wait`` seconds of trying, so that a status probe at the same instant does not refuse a start).
 
     ``what`` (e.g. ``"rsagg run"``) is written to the lock file so the refused process can name it.
     """
     path = root / LOCK_NAME
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
-            raise StoreLocked(
-                f"store.path {root} is in use by {holder}: only one harvesting process per store "
-                "(stop it first, or let it do the harvesting)"
-            ) from None
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+                raise StoreLocked(
+                    f"store.path {root} is in use by {holder}: only one harvesting process per store "
+                    "(stop it first, or let it do the harvesting)"
+                ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{what} (pid {os.getpid()})\n".encode(), 0)
         yield
@@ -46,4 +58,22 @@ def store_lock(root: Path, what: str) -> Iterator[None]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-__all__ = ["LOCK_NAME", "StoreLocked", "store_lock"]
+def harvester_running(root: Path) -> bool | None:
+    """Whether a process holds the store's lock (a harvest, ``run``, ``gc``), this one included: a
+    source still marked "syncing" while none does was interrupted (``status.py``). None when no process
+    ever locked this store (harvests run in-process by a program of its own). Takes the lock shared for
+    an instant, never waits."""
+    try:
+        fd = os.open(root / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the shared lock if it was taken
+    return False
+
+
+__all__ = ["LOCK_NAME", "StoreLocked", "harvester_running", "store_lock"]
