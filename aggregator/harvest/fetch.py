@@ -410,6 +410,14 @@ class _Entries:
             raise FetchError(self._url, "parse", "a second document head")
         return item
 
+    def estimate(self, count: int) -> int | None:
+        """Entries in the whole document, from the ``count`` handed out and the share of its bytes parsed;
+        None while it is still arriving (its size is not known yet)."""
+        if not self._spool.done or not self._pos:
+            return None
+        parsed = count + len(self._items)
+        return parsed if self._end else max(parsed, round(parsed * self._spool.written / self._pos))
+
     async def head(self) -> Head:
         item = await self._next()
         if not isinstance(item, Head):
