@@ -207,3 +207,25 @@ async def test_lag_of_a_source_without_change_list_counts_from_its_last_read(tmp
             second = state.source("up")["last_success"]
             row = status.collect(state, cfg, now=second + timedelta(seconds=5))["sources"][0]
         assert second > first and row["lag_seconds"] == 5.0
+
+
+async def test_plain_list_size_estimated_early_for_progress(tmp_path: Path) -> None:
+    """A baseline from one big Resource List shows N/TOTAL with an ETA from the start, not N/?."""
+    from aggregator.harvest.context import open_context
+    from aggregator.harvest.lists import Snapshot, resource_list_entries
+
+    up = Upstream(resourcelist_page_size=50_000)
+    up.bulk_create(3000)
+    async with up.serving() as base:
+        cfg = make_config(tmp_path / "data", {"up": base})
+        async with open_context(cfg) as ctx:
+            counts: list[int] = []
+            seen = 0
+            entries = resource_list_entries(
+                ctx.fetcher, up.doc_url("resourcelist.xml"), Snapshot(), on_count=counts.append
+            )
+            async for _ in entries:
+                seen += 1
+                if seen == 1:
+                    assert counts and abs(counts[0] - 3000) <= 30  # within 1 % at the first entry
+    assert seen == 3000 and counts[-1] == 3000 and all(abs(c - 3000) <= 30 for c in counts)
