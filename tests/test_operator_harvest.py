@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import trio
 from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
@@ -226,6 +227,7 @@ async def test_plain_list_size_estimated_early_for_progress(tmp_path: Path) -> N
             )
             early: int | None = None
             async for _ in entries:
+                await trio.sleep(0)  # a consumer (the pipeline) slower than the download
                 seen += 1
                 if counts and early is None:
                     early = seen
