@@ -42,7 +42,7 @@ def _progress(s: dict) -> dict | None:
     return p
 
 
-def _lag_from(cur: Any, last_success: datetime | None) -> tuple[datetime | None, str | None]:
+def lag_since(cur: Any, last_success: datetime | None) -> tuple[datetime | None, str | None]:
     """(time the lag counts from, basis) of one set.
 
     Followed through a Change List: the datetime of the last change applied (or the snapshot's ``at``).
@@ -71,7 +71,7 @@ def source_rows(state: State, names: Sequence[str], *, now: datetime | None = No
         for st in state.sets(name) if s else []:
             cur = state.cursor(st["id"])
             pos = (cur.last_datetime or cur.baseline_at) if cur else None
-            since, basis = _lag_from(cur, s.get("last_success"))
+            since, basis = lag_since(cur, s.get("last_success"))
             if since is not None:
                 bases.add(basis)
                 newest = since if newest is None or since > newest else newest
@@ -226,6 +226,7 @@ def table(status: dict[str, Any]) -> str:
 __all__ = [
     "ERROR_CELL",
     "collect",
+    "lag_since",
     "lag_text",
     "notes",
     "one_line",

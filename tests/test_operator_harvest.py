@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -208,6 +209,15 @@ async def test_lag_of_a_source_without_change_list_counts_from_its_last_read(tmp
             second = state.source("up")["last_success"]
             row = status.collect(state, cfg, now=second + timedelta(seconds=5))["sources"][0]
         assert second > first and row["lag_seconds"] == 5.0
+        # /metrics says the same (seconds since that read, not years since the upstream clock's `at`).
+        from aggregator.metrics import Metrics
+
+        metrics = Metrics()
+        with State(cfg.store_path / "state.db") as state:
+            metrics.refresh_from_state(state)
+        text = metrics.exposition().decode()
+        lag = float(re.search(r'rsagg_sync_lag_seconds\{source="up"\} (\S+)', text).group(1))
+        assert 0 <= lag < 600
 
 
 async def test_plain_list_size_estimated_early_for_progress(tmp_path: Path) -> None:
