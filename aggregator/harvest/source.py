@@ -79,7 +79,12 @@ async def end_unlisted_retries(
     due = {uri for uri in stats.failed if uri in attempts and (attempts[uri] + 1) & attempts[uri] == 0}
     if not due:
         return 0
-    listed = await still_listed(ctx, info, source, due)
+    try:
+        listed = await still_listed(ctx, info, source, due)
+    except Exception as exc:  # the lists could not be read now: the retries stay, the next run checks
+        log.warning("source=%s set=%s could not check which failed changes are still listed: %s",
+                    source, info.capabilitylist_url, exc)  # fmt: skip
+        return 0
     gone = sorted(due - listed) if listed is not None else []
     if not gone:
         return 0
@@ -116,9 +121,9 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     ctx.progress.pop(src.name, None)
     progress = Progress(src.name, ctx.progress_update)
     try:
-        using: list[str | None] = [None]
-        sets = await discover(ctx.fetcher, src.url, on_fallback=lambda note: using.__setitem__(0, note))
-        await ctx.write(ctx.writer.set_source_status, src.name, using_url=using[0])  # rsagg status shows it
+        fallback: list[str | None] = []  # what discovery used instead of a failing src.url (status shows it)
+        sets = await discover(ctx.fetcher, src.url, on_fallback=fallback.append)
+        await ctx.write(ctx.writer.set_source_status, src.name, using_url=fallback[0] if fallback else None)
         result.sets = len(sets)
         result.discovered = sets
         for info in sets:
