@@ -52,11 +52,11 @@ def _browse(url: str, shots: Path) -> dict:
                 return f'tr[data-source="{name}"]'
 
             out["colours"] = {
-                name: page.eval_on_selector(f"{row(name)} .state", "e => getComputedStyle(e).backgroundColor")
+                name: page.eval_on_selector(f"{row(name)} .badge", "e => getComputedStyle(e).backgroundColor")
                 for name in ("good", "broken", "busy")
             }
             out["states"] = {
-                name: page.inner_text(f"{row(name)} .state") for name in ("good", "broken", "busy")
+                name: page.inner_text(f"{row(name)} .badge") for name in ("good", "broken", "busy")
             }
             summary = f"{row('broken')} details.error summary"
             out["summary"] = page.inner_text(summary)

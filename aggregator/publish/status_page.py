@@ -35,20 +35,20 @@ body { font-family: sans-serif; margin: 2em; }
 table { border-collapse: collapse; table-layout: auto; }
 th, td { text-align: left; padding: 0.2em 0.8em; border-bottom: 1px solid #ddd; vertical-align: top; }
 .muted, .note { color: #666; font-size: smaller; }
-.state { display: inline-block; padding: 0.05em 0.6em; border-radius: 0.8em; font-weight: bold;
+.badge { display: inline-block; padding: 0.05em 0.6em; border-radius: 0.8em; font-weight: bold;
   color: #fff; background: #777; }
-.state.ok { background: #1a7f37; }
-.state.busy { background: #0969da; }
-.state.bad { background: #cf222e; }
-.state.warn { background: #9a6700; }
-.state.idle { background: #6e7781; }
+.badge.ok { background: #1a7f37; }
+.badge.busy { background: #0969da; }
+.badge.bad { background: #cf222e; }
+.badge.warn { background: #9a6700; }
+.badge.idle { background: #6e7781; }
 details.error { max-width: 40em; }
 details.error summary { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; cursor: pointer;
   color: #cf222e; }
 details.error pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f6f8fa; padding: 0.5em;
   margin: 0.3em 0; }
 progress { width: 8em; vertical-align: middle; }
-td.c3, td.c4, span.progress { white-space: nowrap; }
+td.lag, td.success, td.progress { white-space: nowrap; }
 .note { max-width: 30em; overflow-wrap: anywhere; }
 """
 
@@ -83,7 +83,7 @@ STATE_CLASSES = {
 
 def _state_cell(r: dict) -> str:
     state = str(r.get("state") or "new")
-    return f'<span class="state {STATE_CLASSES.get(state, "idle")}">{_e(state)}</span>'
+    return f'<span class="badge {STATE_CLASSES.get(state, "idle")}">{_e(state)}</span>'
 
 
 def _name_cell(r: dict) -> str:
@@ -112,20 +112,20 @@ def _error_cell(r: dict) -> str:
     )
 
 
-#: The Sources table: header and cell of each column, in order (one place to add a column).
-SOURCE_COLUMNS: list[tuple[str, Any]] = [
-    ("Source", _name_cell),
-    ("State", _state_cell),
-    ("Resources", lambda r: _e(str(r["resources"]))),
-    ("Lag", lambda r: _e(status.lag_text(r))),
-    ("Last success", lambda r: _e(status.short_time(r.get("last_success")))),
-    ("Progress", _progress_cell),
-    ("Last error", _error_cell),
+#: The Sources table: header, class and cell of each column, in order (one place to add a column).
+SOURCE_COLUMNS: list[tuple[str, str, Any]] = [
+    ("Source", "source", _name_cell),
+    ("State", "state", _state_cell),
+    ("Resources", "resources", lambda r: _e(str(r["resources"]))),
+    ("Lag", "lag", lambda r: _e(status.lag_text(r))),
+    ("Last success", "success", lambda r: _e(status.short_time(r.get("last_success")))),
+    ("Progress", "progress", _progress_cell),
+    ("Last error", "error", _error_cell),
 ]
 
 
 def _source_row(r: dict) -> str:
-    cells = "".join(f'<td class="c{i}">{cell(r)}</td>' for i, (_, cell) in enumerate(SOURCE_COLUMNS))
+    cells = "".join(f'<td class="{key}">{cell(r)}</td>' for _, key, cell in SOURCE_COLUMNS)
     return f'<tr data-source="{_e(r["name"])}">{cells}</tr>'
 
 
@@ -183,7 +183,7 @@ async def home(request: Request) -> Response:
         )
     sets = "\n".join(items) or "<li>nothing harvested yet</li>"
     script = SCRIPT.replace("REFRESH_MS", json.dumps(REFRESH_SECONDS * 1000))
-    head = "".join(f"<th>{_e(title)}</th>" for title, _ in SOURCE_COLUMNS)
+    head = "".join(f"<th>{_e(title)}</th>" for title, _, _ in SOURCE_COLUMNS)
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>rsagg — ResourceSync aggregator</title>
 <style>{STYLE}</style></head>
