@@ -199,7 +199,7 @@ def notes(row: dict) -> list[str]:
 def table(status: dict[str, Any]) -> str:
     """The text ``rsagg status`` prints."""
     head = ("SOURCE", "STATE", "RESOURCES", "LAG", "LAST SUCCESS", "PROGRESS", "LAST ERROR")
-    row = "{:<20} {:<8} {:>10} {:>7} {:<22} {:<34} {}"
+    row = "{:<20} {:<11} {:>10} {:>7} {:<22} {:<34} {}"
     lines = [row.format(*head)]
     cut = False
     for r in status["sources"]:
