@@ -243,3 +243,24 @@ def test_sync_left_by_a_dead_process_shows_as_interrupted(
     threading.Timer(0.3, os.close, [fd]).start()
     with store_lock(data, "rsagg harvest"):
         pass
+
+
+def test_readme_documents_every_command_and_its_options() -> None:
+    """Each command and each of its options appears in README.md (the operator's reference)."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        assert f"`rsagg {name}" in readme, name
+        for action in p._actions:
+            longest = max(action.option_strings, key=len, default=None)
+            if longest and longest not in (
+                "--help",
+                "--config",
+                "--log-level",
+                "--log-format",
+                "--max-lines",
+            ):
+                assert longest in readme, f"rsagg {name} {longest} is not in README.md"
+    for phrase in ("--port 0", "-c CONFIG` is always needed", "Lag.", "One harvesting process per store"):
+        assert phrase in readme, phrase
