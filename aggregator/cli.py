@@ -1,4 +1,10 @@
-"""The ``rsagg`` command line: one sub-command per module in ``aggregator/commands/``."""
+"""The ``rsagg`` command line: one sub-command per module in ``aggregator/commands/``.
+
+The options every command shares (``-c/--config``, ``--log-level``, ``--log-format``) are accepted both
+before and after the command name (``rsagg --log-level debug status -c rsagg.toml``). A mistake an
+operator can make (configuration, store path, busy port, store lock) ends with one line naming the
+configuration key or URL and exit status 2 (configuration) or 1 (environment), never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,10 @@ import importlib
 import sys
 
 from . import __version__
+from .commands._common import LOG_LEVELS, OperatorError, add_global_arguments
+from .config import ConfigError
+from .daemon import ListenError
+from .store.lock import StoreLocked
 
 #: Sub-command -> module in aggregator.commands with ``add_arguments(parser)`` and ``run(args) -> int``.
 COMMANDS = {
@@ -14,6 +24,7 @@ COMMANDS = {
     "harvest": "harvest",
     "audit": "audit",
     "status": "status",
+    "retries": "retries",
     "gc": "gc",
     "run": "run",
     "demo": "demo",
@@ -21,29 +32,71 @@ COMMANDS = {
 }
 
 
+def summary(doc: str | None) -> str:
+    """The first paragraph of a module docstring as one line (``--help`` lists it whole)."""
+    first = (doc or "").strip().split("\n\n")[0]
+    return " ".join(first.split())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rsagg", description="ResourceSync aggregator")
+    parser = argparse.ArgumentParser(
+        prog="rsagg",
+        description="ResourceSync aggregator. The options below may also follow the command name.",
+        epilog="Commands that read a configuration need -c FILE; see 'rsagg COMMAND --help'.",
+    )
     from .rs.parse import SPEEDUPS
 
     version = f"rsagg {__version__} (document parser: {'compiled fast path' if SPEEDUPS else 'pure Python'})"
     parser.add_argument("--version", action="version", version=version)
+    add_global_arguments(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"aggregator.commands.{module_name}")
-        p = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        p = sub.add_parser(
+            name,
+            help=summary(module.__doc__),
+            description=(module.__doc__ or "").strip(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _default_log_level=getattr(module, "DEFAULT_LOG_LEVEL", "info"))
     return parser
+
+
+def _expected(exc: BaseException) -> BaseException | None:
+    """The operator's mistake an exception (or a group, from trio's nurseries) is about, else None."""
+    if isinstance(exc, ConfigError | OperatorError | StoreLocked | ListenError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _expected(inner)
+            if found is not None:
+                return found
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.log_level is None:
+        args.log_level = args._default_log_level
+    if args.log_format is None:
+        args.log_format = "text"
+    assert args.log_level in LOG_LEVELS
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         return 0
+    except BaseException as exc:
+        found = _expected(exc)
+        if found is None:
+            raise
+        if isinstance(found, ConfigError):
+            print(f"rsagg {args.command}: config error: {found}", file=sys.stderr)
+            return 2
+        print(f"rsagg {args.command}: {found}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

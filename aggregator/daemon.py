@@ -317,7 +317,7 @@ async def _serve_and_harvest(
             raise ListenError(
                 f"{config.file}: server.listen: cannot listen on {host}:{port}: {reason}"
             ) from None
-        log.info("serving %s on %s", config.server.base_url, daemon.bound)
+        log.info("listening on %s, publishing as %s (server.base_url)", daemon.bound, config.server.base_url)
         log.info("document parser: %s", "compiled fast path" if parse.SPEEDUPS else "pure Python (slower)")
         daemon.start_sources()
         if on_ready is not None:

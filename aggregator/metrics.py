@@ -649,8 +649,8 @@ class Metrics:
         resources = GaugeMetricFamily("rsagg_source_resources", "Live resources held", labels=["source"])
         lag = GaugeMetricFamily(
             "rsagg_sync_lag_seconds",
-            "Now minus the datetime of the last applied upstream change (the "
-            "newest position of the source's sets in their change streams)",
+            "Now minus the datetime of the last applied upstream change (the newest position of the "
+            "source's sets in their change streams); for a set without Change List, minus its last read",
             labels=["source"],
         )
         done = GaugeMetricFamily(
@@ -666,13 +666,18 @@ class Metrics:
             "Datetime of the last applied change of a set (its change-stream cursor)",
             labels=["source", "set"],
         )
+        from .status import lag_since  # the one definition of lag (status.py imports what imports this)
+
         positions: dict[str, float] = {}
+        success = {s["name"]: s.get("last_success") for s in snap["sources"]}
         for s in snap["sets"]:
             cur = snap["cursors"].get(s["id"])
             ts = _timestamp(cur.last_datetime or cur.baseline_at) if cur is not None else None
             if ts is not None:
                 cursor.add_metric([s["source"], s["name"]], ts)
-                positions[s["source"]] = max(positions.get(s["source"], ts), ts)
+            since = _timestamp(lag_since(cur, success.get(s["source"]))[0])
+            if since is not None:
+                positions[s["source"]] = max(positions.get(s["source"], since), since)
         for s in snap["sources"]:
             name = s["name"]
             for fam, value in ((last_success, s.get("last_success")), (last_attempt, s.get("last_attempt"))):

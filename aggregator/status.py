@@ -18,6 +18,7 @@ from .config import Config
 from .harvest.progress import describe, figures, format_duration
 from .publish.sets import published_sets
 from .rs.w3cdt import format_w3c, utcnow
+from .store import retries
 from .store.state import State
 
 
@@ -41,19 +42,39 @@ def _progress(s: dict) -> dict | None:
     return p
 
 
+def lag_since(cur: Any, last_success: datetime | None) -> tuple[datetime | None, str | None]:
+    """(time the lag counts from, basis) of one set.
+
+    Followed through a Change List: the datetime of the last change applied (or the snapshot's ``at``).
+    Read from its Resource List alone (no Change List: the cursor never names one): the upstream cannot
+    say when it changed, so rsagg is as fresh as its last successful read of that list, which each poll
+    does (a conditional GET that finds it unchanged counts too). The list's own ``at`` would make the
+    lag grow forever while the store and the upstream agree."""
+    if cur is None:
+        return None, None
+    pos = cur.last_datetime or cur.baseline_at
+    if cur.changelist_url is None and isinstance(last_success, datetime):
+        return (max(pos, last_success) if pos else last_success), "resource list"
+    return pos, "change list" if pos else None
+
+
 def source_rows(state: State, names: Sequence[str], *, now: datetime | None = None) -> list[dict]:
     """One row per source, configured ones first (a source never harvested shows as 'new'), then
     sources the state still holds but the configuration no longer names."""
     now = now or utcnow()
     known = {s["name"]: s for s in state.sources()}
+    waiting = retries.by_source(state)
     rows = []
     for name in [*names, *sorted(set(known) - set(names))]:
         s = known.get(name, {})
-        sets, newest = [], None
+        sets, newest, bases = [], None, set()
         for st in state.sets(name) if s else []:
             cur = state.cursor(st["id"])
             pos = (cur.last_datetime or cur.baseline_at) if cur else None
-            newest = pos if pos is not None and (newest is None or pos > newest) else newest
+            since, basis = lag_since(cur, s.get("last_success"))
+            if since is not None:
+                bases.add(basis)
+                newest = since if newest is None or since > newest else newest
             sets.append(
                 {
                     "set": st["name"],
@@ -61,6 +82,7 @@ def source_rows(state: State, names: Sequence[str], *, now: datetime | None = No
                     "resources": state.count_resources(st["id"]),
                     "position": format_w3c(pos) if pos else None,
                     "baseline_at": format_w3c(cur.baseline_at) if cur and cur.baseline_at else None,
+                    "lag_basis": basis,
                 }
             )
         notes = state.upstream_notes(name) if s else {"deviations": [], "skipped": []}
@@ -69,11 +91,16 @@ def source_rows(state: State, names: Sequence[str], *, now: datetime | None = No
                 "name": name,
                 "configured": name in names,
                 "url": s.get("url"),
+                # When ``url`` failed and discovery found the Source elsewhere: what it answered and
+                # what is harvested instead (the operator should configure that).
+                "using": s.get("using_url"),
                 "state": s.get("state") or "new",
                 "resources": sum(x["resources"] for x in sets),
                 "position": format_w3c(newest) if newest else None,
+                "lag_basis": " + ".join(sorted(bases)) or None,
                 "lag_seconds": round(max(0.0, (now - newest).total_seconds()), 1) if newest else None,
                 "lag": format_duration(max(0.0, (now - newest).total_seconds())) if newest else None,
+                "retries": waiting.get(name, {"waiting": 0, "ended": 0}),
                 "last_success": _time(s.get("last_success")),
                 "last_attempt": _time(s.get("last_attempt")),
                 "last_error": s.get("last_error"),
@@ -104,12 +131,26 @@ def set_rows(state: State, config: Config) -> list[dict]:
     ]
 
 
-def collect(state: State, config: Config, *, now: datetime | None = None) -> dict[str, Any]:
-    """Everything the status displays show (``rsagg status --json`` prints exactly this)."""
+def _interrupted(rows: list[dict], running: bool | None) -> list[dict]:
+    """A source left "syncing" by a process that is gone (killed, crashed: nothing holds the store's
+    lock) is shown as interrupted, not as a sync that goes on; the next harvest resumes it."""
+    if running is not False:
+        return rows
+    for r in rows:
+        if r["state"] == "syncing":
+            r["state"], r["progress"] = "interrupted", None
+    return rows
+
+
+def collect(
+    state: State, config: Config, *, now: datetime | None = None, running: bool | None = None
+) -> dict[str, Any]:
+    """Everything the status displays show (``rsagg status --json`` prints exactly this). ``running``:
+    whether a harvesting process holds the store (``store/lock.py``; None: not known)."""
     now = now or utcnow()
     return {
         "time": format_w3c(now),
-        "sources": source_rows(state, [s.name for s in config.sources], now=now),
+        "sources": _interrupted(source_rows(state, [s.name for s in config.sources], now=now), running),
         "sets": set_rows(state, config),
         "changelog_last_seq": state.last_seq(),
     }
@@ -146,34 +187,55 @@ def progress_text(row: dict) -> str:
     return row["progress"]["text"] if row.get("progress") else ""
 
 
-def notes_text(row: dict) -> str:
-    """The last error, then the deviations the last sync tolerated (``tolerated: rel-case x3``)."""
-    tolerated = ", ".join(f"{d['rule']} x{d['count']}" for d in row.get("deviations") or [])
-    return " — ".join(filter(None, [row.get("last_error"), f"tolerated: {tolerated}" if tolerated else ""]))
-
-
 def lag_text(row: dict) -> str:
     return row.get("lag") or "-"
+
+
+#: Characters of an error shown in a table cell (the whole text is in ``--json`` / on demand on the page).
+ERROR_CELL = 100
+
+
+def notes(row: dict) -> list[str]:
+    """What a source row needs said besides its cells: lists skipped (the source cannot be in sync),
+    deviations tolerated, the URL harvested when discovery led elsewhere, retries waiting or ended."""
+    out = [f"SKIPPED, so not in sync: {k['url']}: {k['reason']}" for k in row.get("skipped") or []]
+    tolerated = ", ".join(f"{d['rule']} x{d['count']}" for d in row.get("deviations") or [])
+    if tolerated:
+        out.append(f"tolerated: {tolerated}")
+    if row.get("using"):
+        out.append(f"configured URL not used: {row['using']}")
+    if row.get("state") == "interrupted":
+        out.append("the harvesting process stopped during this sync; the next harvest resumes it")
+    r = row.get("retries") or {}
+    if r.get("waiting") or r.get("ended"):
+        ended = f", {r['ended']} ended (URI no longer listed upstream)" if r.get("ended") else ""
+        out.append(f"retries: {r.get('waiting', 0)} waiting{ended}; see rsagg retries")
+    return out
 
 
 def table(status: dict[str, Any]) -> str:
     """The text ``rsagg status`` prints."""
     head = ("SOURCE", "STATE", "RESOURCES", "LAG", "LAST SUCCESS", "PROGRESS", "LAST ERROR")
-    row = "{:<20} {:<8} {:>10} {:>7} {:<22} {:<34} {}"
+    row = "{:<20} {:<11} {:>10} {:>7} {:<22} {:<34} {}"
     lines = [row.format(*head)]
+    cut = False
     for r in status["sources"]:
         name = r["name"] + ("" if r["configured"] else " (removed)")
+        error = one_line(r.get("last_error"), ERROR_CELL)
+        cut |= len(error) < len(one_line(r.get("last_error")))
         cells = (name, r["state"], r["resources"], lag_text(r), short_time(r.get("last_success")),
-                 progress_text(r) or "-", r.get("last_error") or "")  # fmt: skip
+                 progress_text(r) or "-", error)  # fmt: skip
         lines.append(row.format(*cells).rstrip())
-    notes = [(r["name"], d) for r in status["sources"] for d in r.get("deviations") or []]
-    skipped = [(r["name"], k) for r in status["sources"] for k in r.get("skipped") or []]
-    if skipped:
-        lines += ["", "SKIPPED LISTS (the source cannot be in sync)"]
-        lines += [f"{name:<20} {k['url']}: {k['reason']}" for name, k in skipped]
-    if notes:
+        for note in notes(r):
+            lines.append(f"  {note}")
+    if not status["sources"]:
+        lines.append("(no sources configured)")
+    if cut:
+        lines.append("(errors cut to one line: rsagg status --json has the whole text)")
+    tolerated = [(r["name"], d) for r in status["sources"] for d in r.get("deviations") or []]
+    if tolerated:
         lines += ["", "{:<20} {:<24} {:>7} {}".format("SOURCE", "TOLERATED DEVIATION", "COUNT", "FIRST SEEN")]
-        for name, d in notes:
+        for name, d in tolerated:
             where = f"{d['url']}:{d['line']}" if d.get("line") else d.get("url") or "-"
             lines.append(f"{name:<20} {d['rule']:<24} {d['count']:>7} {where}: {d['message']}")
     if status["sets"]:
@@ -185,9 +247,12 @@ def table(status: dict[str, Any]) -> str:
 
 
 __all__ = [
+    "ERROR_CELL",
     "collect",
+    "lag_since",
     "lag_text",
-    "notes_text",
+    "notes",
+    "one_line",
     "progress_text",
     "set_rows",
     "short_time",
@@ -195,3 +260,11 @@ __all__ = [
     "table",
     "unharvested",
 ]
+
+
+def one_line(text: str | None, limit: int | None = None) -> str:
+    """An error message for a table cell or a line: whitespace collapsed, cut to ``limit`` with "…"."""
+    flat = " ".join((text or "").split())
+    if limit is not None and len(flat) > limit:
+        return flat[: limit - 1].rstrip() + "…"
+    return flat

@@ -621,6 +621,8 @@ def create_store(settings: Mapping[str, Any], root: Path) -> S3BlobStore:
     unknown = sorted(set(settings) - SETTINGS)
     if unknown:
         raise ValueError(f"S3 blob store: unknown setting(s) {', '.join(unknown)}")
+    if not settings.get("bucket"):
+        raise ValueError('S3 blob store: the setting bucket is required ([store.settings] bucket = "...")')
     kwargs = dict(settings)
     for name in ("multipart_threshold", "multipart_part_size", "upload_threads", "max_attempts"):
         if name in kwargs and (not isinstance(kwargs[name], int) or isinstance(kwargs[name], bool)):

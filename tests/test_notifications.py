@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+import logging
 import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -179,7 +181,9 @@ def topic_links(response: httpx.Response) -> dict[str, str]:
 # -- the chain ---------------------------------------------------------------------------------------
 
 
-async def test_chain_upstream_a_b_c_through_embedded_hubs(tmp_path: Path) -> None:
+async def test_chain_upstream_a_b_c_through_embedded_hubs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """upstream -> A -> B -> C, polling hourly: a change at the upstream reaches C's Change List and
     content store by notification, hop by hop (each rsagg publishes what it applied)."""
     up = Upstream(changes_per_list=None)
@@ -199,9 +203,11 @@ async def test_chain_upstream_a_b_c_through_embedded_hubs(tmp_path: Path) -> Non
                     await settled(a, b, c)
                     # The first notification on each channel has no predecessor to continue: it is
                     # taken by polling once (notice.gap); afterwards notifications carry everything.
+                    caplog.set_level(logging.INFO, logger="rsagg")
                     up.create("warm-up.txt", b"warm up")
                     await wait_until(lambda: len(held(c)) == 4, "warm-up at C")
                     await quiet(a, b, c)
+                    assert "first notification" in caplog.text and "does not continue None" not in caplog.text
                     polls = [subscriber(x).counters["poll"] for x in (a, b, c)]
                     applied = [subscriber(x).counters["notice.applied"] for x in (a, b, c)]
 

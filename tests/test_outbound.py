@@ -409,6 +409,8 @@ async def test_daemon_hub_refuses_internal_callbacks_and_survives_a_flood(tmp_pa
     base = "https://agg.example.org"
     (tmp_path / "rsagg.toml").write_text(
         f'[server]\nlisten = "127.0.0.1:{port}"\nbase_url = "{base}"\n[store]\npath = "data"\n'
+        # a source is required; disabled, it is never polled (no outbound request of the harvester)
+        '[[sources]]\nname = "up"\nurl = "https://up.example.org/"\nenabled = false\n'
     )
     url = f"http://127.0.0.1:{port}"
     log = (tmp_path / "daemon.log").open("wb")

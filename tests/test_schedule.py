@@ -37,8 +37,10 @@ async def test_dumps_built_on_schedule_and_advertised(tmp_path: Path):
             app = create_app(config, blobs=ctx.blobs, state_path=config.store_path / "state.db", **options)
             async with serve_app(app) as ours, httpx.AsyncClient() as client, trio.open_nursery() as nursery:
                 nursery.start_soon(run_dumps, ctx, stop.wait)
-                with trio.fail_after(20):
-                    while not ctx.dumps.available("up"):
+                # One build round commits the Change Dump packages before the Resource Dump: wait for
+                # both (waiting for "any dump" raced the second commit on a loaded machine).
+                with trio.fail_after(60):
+                    while set(ctx.dumps.available("up")) != {"resourcedump", "changedump"}:
                         await trio.sleep(0.05)
                 stop.set()
                 cap = (await client.get(f"{ours}/up/capabilitylist.xml")).content

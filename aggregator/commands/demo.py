@@ -12,14 +12,17 @@ from pathlib import Path
 import trio
 
 from ..config import Config, parse_config
-from ..daemon import run_daemon
+from ..daemon import ListenError, run_daemon
 from ..demo.notify import UpstreamNotifier
 from ..demo.upstream import Upstream
 from ..harvest.context import HarvestContext
 from ..logs import setup_logging
+from ..store.lock import store_lock
+from ._common import add_global_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_global_arguments(p)  # --log-level, --log-format (the demo writes its own configuration)
     p.add_argument("--port", type=int, default=8080, help="rsagg's port (0: any free port)")
     p.add_argument("--upstream-port", type=int, default=0, help="the sample upstream's port (0: any)")
     p.add_argument("--resources", type=int, default=300, help="resources in the sample upstream")
@@ -27,7 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, default=5.0, help="rsagg's poll interval in seconds")
     p.add_argument("--data", type=Path, default=None, help="store folder (default: a temporary one)")
     p.add_argument("--duration", type=float, default=0, help="stop after this many seconds (0: run until ^C)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def _free_port() -> int:
@@ -105,16 +107,43 @@ async def run_demo(args: argparse.Namespace, data: Path) -> None:
             nursery.cancel_scope.cancel()
 
 
+def _listen_error(exc: BaseException) -> ListenError | None:
+    if isinstance(exc, ListenError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        return next((e for e in map(_listen_error, exc.exceptions) if e is not None), None)
+    return None
+
+
+def _run(args: argparse.Namespace, data: Path) -> None:
+    with store_lock(data, "rsagg demo"):
+        trio.run(run_demo, args, data)
+
+
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     try:
         if args.data is not None:
-            args.data.mkdir(parents=True, exist_ok=True)
-            trio.run(run_demo, args, args.data.resolve())
+            try:
+                args.data.mkdir(parents=True, exist_ok=True)
+                probe = tempfile.TemporaryFile(dir=args.data)
+            except OSError as exc:
+                print(f"rsagg demo: --data {args.data}: cannot use it as the store folder: "
+                      f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
+                return 2
+            probe.close()
+            _run(args, args.data.resolve())
         else:
             with tempfile.TemporaryDirectory(prefix="rsagg-demo-") as tmp:
-                trio.run(run_demo, args, Path(tmp))
-    except OSError as exc:
-        print(f"rsagg demo: {exc} (try --port 0)", file=sys.stderr)
+                _run(args, Path(tmp))
+    except BaseException as exc:
+        listen = _listen_error(exc)
+        if listen is None:
+            raise
+        print(
+            f"rsagg demo: cannot listen on 127.0.0.1:{args.port}: {str(listen).rsplit(': ', 1)[-1]}; "
+            "choose another port with --port N (--port 0: any free port)",
+            file=sys.stderr,
+        )
         return 1
     return 0

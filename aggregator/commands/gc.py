@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import sys
 
-from ..config import ConfigError
-from ..harvest.context import open_blob_store
+from ..harvest.context import open_blob_store, prepare_store
 from ..plugins import Plugins
 from ..publish import dumps
 from ..store.blobs import BlobStore
+from ..store.lock import store_lock
 from ..store.state import State
 from ._common import add_config_arguments, start
 
@@ -43,20 +42,17 @@ def collect_garbage(state: State, blobs: BlobStore, *, dry_run: bool = False) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    config = start(args)
+    config = start(args, sources_needed=False)  # a store outlives its sources: gc works without any
     if config is None:
         return 2
-    root = config.store_path
-    try:
+    root = prepare_store(config)
+    with store_lock(root, "rsagg gc"):  # never beside a harvest (see collect_garbage)
         blobs = open_blob_store(config, Plugins.from_config(config))
-    except ConfigError as exc:
-        print(f"rsagg: config error: {exc}", file=sys.stderr)
-        return 2
-    state = State(root / "state.db")
-    try:
-        removed, freed = collect_garbage(state, blobs, dry_run=args.dry_run)
-    finally:
-        state.close()
+        state = State(root / "state.db")
+        try:
+            removed, freed = collect_garbage(state, blobs, dry_run=args.dry_run)
+        finally:
+            state.close()
     verb = "would remove" if args.dry_run else "removed"
     print(f"{verb} {removed} unreferenced blob(s), {freed} bytes")
     return 0

@@ -11,9 +11,10 @@ from typing import TextIO
 
 import trio
 
-from ..harvest.context import open_context
+from ..harvest.context import open_context, prepare_store
 from ..harvest.progress import ProgressLine
 from ..harvest.source import SourceResult, poll_source, sync_source
+from ..store.lock import store_lock
 from ._common import add_config_arguments, start
 
 
@@ -57,15 +58,18 @@ def run(args: argparse.Namespace) -> int:
     config = start(args)
     if config is None:
         return 2
-    unknown = [n for n in args.source if n not in {s.name for s in config.sources}]
-    if unknown:
-        print(f"rsagg: {config.file}: no source named {', '.join(unknown)}", file=sys.stderr)
+    if not any(s.enabled and (not args.source or s.name in args.source) for s in config.sources):
+        print(
+            f"rsagg harvest: {config.file}: sources: every source is disabled (enabled = false)",
+            file=sys.stderr,
+        )
         return 2
-    if not args.once:
-        trio.run(_poll_forever, config, args.source)
-        return 0
-    tty = sys.stderr if sys.stderr.isatty() else None  # a progress line only where someone watches
-    results = trio.run(partial(harvest_once, config, args.source, progress_to=tty))
+    with store_lock(prepare_store(config), "rsagg harvest"):
+        if not args.once:
+            trio.run(_poll_forever, config, args.source)
+            return 0
+        tty = sys.stderr if sys.stderr.isatty() else None  # a progress line only where someone watches
+        results = trio.run(partial(harvest_once, config, args.source, progress_to=tty))
     failed = [r for r in results if not r.ok]
     for r in sorted(results, key=lambda r: r.name):
         applied: dict[str, int] = {}

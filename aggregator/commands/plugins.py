@@ -12,12 +12,15 @@ from typing import Any
 from ..config import ConfigError, load_config
 from ..logs import setup_logging
 from ..plugins import DEFAULT_PLUGINS, GROUP, Plugins
+from ._common import add_global_arguments
+
+#: Loading plugins logs at info; this listing shows only warnings unless asked.
+DEFAULT_LOG_LEVEL = "warning"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--config", help="configuration file (TOML): applies its [plugins.NAME] tables")
+    add_global_arguments(p)  # -c is optional here: with it, its [plugins.NAME] tables apply
     p.add_argument("--json", action="store_true")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
 def _declared_hooks(obj: Any) -> list[str]:
@@ -61,7 +64,7 @@ def collect(plugins: Plugins) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level, "text")
+    setup_logging(args.log_level, args.log_format)
     try:
         plugins = Plugins.from_config(load_config(args.config)) if args.config else Plugins()
     except ConfigError as exc:

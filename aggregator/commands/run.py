@@ -6,11 +6,14 @@ SIGHUP re-reads the configuration file (sources added, removed, changed); SIGTER
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import trio
 
 from ..daemon import ListenError, run_daemon
+from ..harvest.context import prepare_store
+from ..store.lock import store_lock
 from ._common import add_config_arguments, start
 
 
@@ -23,9 +26,13 @@ def run(args: argparse.Namespace) -> int:
     config = start(args)
     if config is None:
         return 2
+    root = prepare_store(config)
+    # Serving alone may run beside a harvesting process (e.g. ``harvest --once`` from a timer).
+    lock = contextlib.nullcontext() if args.no_harvest else store_lock(root, "rsagg run")
     try:
-        trio.run(lambda: run_daemon(config, config_path=args.config, harvest=not args.no_harvest))
+        with lock:
+            trio.run(lambda: run_daemon(config, config_path=args.config, harvest=not args.no_harvest))
     except ListenError as exc:
-        print(f"rsagg: {exc}", file=sys.stderr)
+        print(f"rsagg run: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -1,5 +1,9 @@
-"""Show each source (state, resources held, lag, last success, progress, last error) and each published
-set: the same rows as the home page and ``/status.json`` (``aggregator/status.py``)."""
+"""Show each source (state, resources, lag, last success, progress, last error) and each published set.
+
+The same rows as the home page and ``/status.json`` (``aggregator/status.py``). An error is cut to one
+line; ``--json`` has the whole text. Lag: for a set followed through its Change List, the time since the
+last change applied; for a set read from its Resource List alone, the time since the last successful read.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ import argparse
 import json
 import sys
 
+from ..harvest.context import check_store
 from ..status import collect, table, unharvested
+from ..store.lock import harvester_running
 from ..store.state import State
 from ._common import add_config_arguments, start
 
@@ -21,12 +27,12 @@ def run(args: argparse.Namespace) -> int:
     config = start(args)
     if config is None:
         return 2
-    db = config.store_path / "state.db"
+    db = check_store(config) / "state.db"  # a store path that cannot work is an error
     if not db.exists():
         status = unharvested(config)
     else:
         with State(db) as state:
-            status = collect(state, config)
+            status = collect(state, config, running=harvester_running(db.parent))
     if args.json:
         json.dump(status, sys.stdout, indent=2)
         print()

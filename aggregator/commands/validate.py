@@ -17,12 +17,14 @@ import httpx
 
 from .. import __version__
 from ..rs.validate import Checker, Issue, Report, check_source
+from ._common import add_global_arguments
 
 #: Connect and read timeouts (seconds) for fetching a document.
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_global_arguments(p)  # accepted for uniformity; validate reads no configuration
     p.add_argument("documents", nargs="+", metavar="FILE_OR_URL", help="document path or http(s) URL")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
     p.add_argument(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import tempfile
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,13 +85,80 @@ class AuditError(Exception):
     """Some list the Source advertises could not be compared: the source is not known to be in sync."""
 
 
+def _raise(url: str, reason: str) -> None:
+    raise SyncError(f"{url}: {reason}")
+
+
+async def expected_entries(
+    ctx: HarvestContext, info: SetInfo, source: str, on_unread: Callable[[str, str], None] = _raise
+) -> AsyncGenerator[Entry, None]:
+    """What a set holds upstream now, each URI once (a deleted one as a ``deleted`` change).
+
+    Every list the set advertises is read: all its Resource Lists (several when its Capability List
+    names several), or the manifests of its Resource Dumps when it offers no list, overlaid with the
+    changes of all its Change Lists since the oldest snapshot's ``at``. ``on_unread(url, reason)`` is
+    told of a list that cannot be read (by default that raises SyncError).
+    """
+    snapshot_urls = info.urls(RESOURCELIST)
+    from_dumps = not snapshot_urls
+    if from_dumps:
+        snapshot_urls = info.urls(RESOURCEDUMP)
+    if not snapshot_urls:
+        on_unread(info.capabilitylist_url, "no Resource List or Resource Dump to compare the store with")
+        return
+    # The heads first: the oldest snapshot's `at` (changes after it overlay the lists).
+    ats = []
+    for url in snapshot_urls:
+        try:
+            async with ctx.fetcher.document(url) as doc:
+                ats.append(doc.head.md.at if doc.head and doc.head.md else None)
+        except FetchError as exc:
+            on_unread(url, str(exc))
+    at = None if not ats or any(a is None for a in ats) else min(ats)  # type: ignore[type-var]
+    # Changes since the snapshot win over the lists' own entries (bounded: one entry per URI changed
+    # since `at`; changes without datetime are all taken, in list order).
+    overlay: dict[str, Entry] = {}
+    for url in info.urls(CHANGELIST):
+        since = Cursor(at, None, at, 0, 0, None)
+        changes = change_entries(ctx.fetcher, url, since, source, None, info.urls(CHANGELIST_ARCHIVE))
+        try:
+            async with aclosing(changes):
+                async for entry, _ in changes:
+                    overlay[entry.loc] = entry
+        except (FetchError, SyncError) as exc:
+            on_unread(url, str(exc))
+    for entry in overlay.values():
+        yield entry
+    for url in snapshot_urls:
+        entries = (
+            _dump_entries(ctx, url) if from_dumps else resource_list_entries(ctx.fetcher, url, Snapshot())
+        )
+        try:
+            async with aclosing(entries):
+                async for entry in entries:
+                    if entry.loc not in overlay:
+                        yield entry
+        except (FetchError, SyncError) as exc:
+            on_unread(url, str(exc))
+
+
+async def still_listed(ctx: HarvestContext, info: SetInfo, source: str, uris: set[str]) -> set[str]:
+    """Which of ``uris`` the set still lists upstream (not as deleted). Streams the lists; holds only
+    ``uris``; raises SyncError or FetchError when a list cannot be read (then nothing can be told)."""
+    listed: set[str] = set()
+    entries = expected_entries(ctx, info, source)
+    async with aclosing(entries):
+        async for entry in entries:
+            if entry.loc in uris and entry.change != DELETED:
+                listed.add(entry.loc)
+    return listed
+
+
 async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator[Difference, None]:
     """Yield every difference between the store and the upstream, set by set.
 
-    Every list the Source advertises is read: all Resource Lists of a set (several when its Capability
-    List names several), overlaid with the changes of all its Change Lists; a set offering only a
-    Resource Dump is compared with its packages' manifests. A list that cannot be read raises
-    AuditError naming it once the readable ones are compared: never "in sync" with a list unread.
+    A list that cannot be read raises AuditError naming it once the readable ones are compared: never
+    "in sync" with a list unread.
     """
     deviations = Deviations(src.name)
     with collecting(deviations):
@@ -109,59 +176,18 @@ async def _audit_set(
     info = await with_archived_snapshots(ctx, info)
     set_url = info.capabilitylist_url
     set_id = next((s["id"] for s in ctx.reader.sets(src.name) if s["capabilitylist_url"] == set_url), None)
-    snapshot_urls = info.urls(RESOURCELIST)
-    from_dumps = not snapshot_urls
-    if from_dumps:
-        snapshot_urls = info.urls(RESOURCEDUMP)
-    if not snapshot_urls:
-        skip(set_url, "no Resource List or Resource Dump to compare the store with")
-        return
     with tempfile.TemporaryDirectory() as tmp:
         seen = _SeenSet(Path(tmp))
         try:
-            # The heads first: the oldest snapshot's `at` (changes after it overlay the lists).
-            ats = []
-            for url in snapshot_urls:
-                try:
-                    async with ctx.fetcher.document(url) as doc:
-                        ats.append(doc.head.md.at if doc.head and doc.head.md else None)
-                except FetchError as exc:
-                    skip(url, str(exc))
-            at = None if not ats or any(a is None for a in ats) else min(ats)  # type: ignore[type-var]
-            # Changes since the snapshot win over the lists' own entries (bounded: one entry per URI
-            # changed since `at`; changes without datetime are all taken, in list order).
-            overlay: dict[str, Entry] = {}
-            for url in info.urls(CHANGELIST):
-                since = Cursor(at, None, at, 0, 0, None)
-                changes = change_entries(
-                    ctx.fetcher, url, since, src.name, None, info.urls(CHANGELIST_ARCHIVE)
-                )
-                try:
-                    async with aclosing(changes):
-                        async for entry, _ in changes:
-                            overlay[entry.loc] = entry
-                except (FetchError, SyncError) as exc:
-                    skip(url, str(exc))
-            batch: list[Entry] = list(overlay.values())
-            for url in snapshot_urls:
-                entries = (
-                    _dump_entries(ctx, url)
-                    if from_dumps
-                    else resource_list_entries(ctx.fetcher, url, Snapshot())
-                )
-                try:
-                    async with aclosing(entries):
-                        async for entry in entries:
-                            seen.add(entry.loc)
-                            if entry.loc not in overlay:
-                                batch.append(entry)
-                            if len(batch) >= 1000:
-                                for d in _check(ctx, src.name, set_url, set_id, batch):
-                                    yield d
-                except (FetchError, SyncError) as exc:
-                    skip(url, str(exc))
-            for uri in overlay:
-                seen.add(uri)
+            batch: list[Entry] = []
+            entries = expected_entries(ctx, info, src.name, on_unread=skip)
+            async with aclosing(entries):
+                async for entry in entries:
+                    seen.add(entry.loc)
+                    batch.append(entry)
+                    if len(batch) >= 1000:
+                        for d in _check(ctx, src.name, set_url, set_id, batch):
+                            yield d
             for d in _check(ctx, src.name, set_url, set_id, batch):
                 yield d
             if set_id is not None and not (current() and current().skipped):

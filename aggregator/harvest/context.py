@@ -7,7 +7,10 @@ call at a time, so that a long transaction never blocks the event loop.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -31,7 +34,7 @@ log = logging.getLogger("rsagg.harvest")
 
 #: Seconds between two saves of a running baseline's progress in the sources table (``rsagg status``,
 #: the status page): the save rides along with the next state write (``HarvestContext.write``).
-PROGRESS_SAVE_EVERY = 3.0
+PROGRESS_SAVE_EVERY = 1.0
 
 
 @dataclass
@@ -123,22 +126,72 @@ class HarvestContext:
             await trio.to_thread.run_sync(slow, abandon_on_cancel=False)
 
 
+def prepare_store(config: Config, *, create: bool = True) -> Path:
+    """The store folder, created if needed (``create``) and proven writable; a ConfigError naming
+    ``store.path`` when it cannot be used (a file in the way, a read-only or virtual file system).
+
+    Without ``create`` (``rsagg status``) a missing folder is fine when it could be created."""
+    root = config.store_path
+    try:
+        if create:
+            root.mkdir(parents=True, exist_ok=True)
+        elif not root.exists():
+            parent = next(p for p in root.parents if p.exists())  # "/" exists
+            if not parent.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(parent))
+            os.rmdir(tempfile.mkdtemp(prefix=".rsagg-probe-", dir=parent))
+            return root
+        if not root.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(root))
+        with tempfile.TemporaryFile(dir=root, prefix=".rsagg-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            config.file, "store.path", f"cannot use {str(root)!r} as the store folder: {exc.strerror or exc}"
+        ) from None
+    return root
+
+
+def check_store(config: Config) -> Path:
+    """For the commands that only read (``status``, ``retries``): the store folder is usable, the plugins
+    named exist, and a backend other than the local one starts with its settings (for S3 that is one
+    request to the bucket). Nothing is created. Raises ConfigError naming the key."""
+    root = prepare_store(config, create=False)
+    plugins = Plugins.from_config(config)
+    if config.store.backend != "filesystem":
+        store = open_blob_store(config, plugins)
+        getattr(store, "close", lambda: None)()
+    return root
+
+
 def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:
-    """The blob store ``[store] backend`` names, built by the plugin that registered it."""
+    """The blob store ``[store] backend`` names, built by the plugin that registered it; a ConfigError
+    naming ``store.backend`` or ``store.settings`` when the backend cannot be built with its settings."""
     factories = plugins.merged("rsagg_blob_stores")
     name = config.store.backend
     if name not in factories:
         known = ", ".join(sorted(factories))
         raise ConfigError(config.file, "store.backend", f"no storage backend {name!r} (registered: {known})")
-    return factories[name](dict(config.store.settings), config.store_path)
+    try:
+        return factories[name](dict(config.store.settings), config.store_path)
+    except (ValueError, TypeError, ImportError) as exc:  # a missing library, a missing or wrong setting
+        key = (
+            "store.backend"
+            if isinstance(exc, ImportError) or "not installed" in str(exc)
+            else "store.settings"
+        )
+        raise ConfigError(config.file, key, f"backend {name!r} cannot start: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(
+            config.file, "store.path", f"backend {name!r} cannot use {str(config.store_path)!r}: {exc}"
+        ) from None
 
 
 @asynccontextmanager
 async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
     """Open the store, the state database (reader + writer) and the one HTTP client for a run."""
     hc = config.harvest
-    root = config.store_path
-    root.mkdir(parents=True, exist_ok=True)
+    root = prepare_store(config)
     plugins = Plugins.from_config(config)
     blobs = open_blob_store(config, plugins)
     writer = State(root / "state.db", synchronous=config.store.synchronous, cache_mib=config.store.cache_mib)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
@@ -86,8 +87,17 @@ class DiscoveryError(Exception):
         self.url = url
         self.attempts = attempts
         self.transient = transient  # some attempt failed in a way that may pass (timeout, 503...)
-        tried = "; ".join(f"{u} ({why})" for u, why in attempts) or "nothing"
-        super().__init__(f"{url}: no ResourceSync Capability List or Source Description found; tried {tried}")
+        # One clause per reason, naming the URLs that failed for it: a host that is down fails every
+        # approach the same way, and the message should say so once.
+        reasons: dict[str, list[str]] = {}
+        for u, why in attempts:
+            reasons.setdefault(why, []).append(u)
+        tried = (
+            "; ".join(f"{', '.join(dict.fromkeys(us))}: {why}" for why, us in reasons.items()) or "nothing"
+        )
+        super().__init__(
+            f"{url}: no ResourceSync Capability List or Source Description found (tried {tried})"
+        )
 
 
 # -- small parsers ---------------------------------------------------------------------------------
@@ -201,6 +211,7 @@ class _Discovery:
     cache: dict[str, _Doc | None] = field(default_factory=dict)
     fetches: int = 0
     not_a_document: bool = False  # the last failed fetch was a body that is no capability document
+    fallback: str | None = None  # the configured URL failed: what was used instead (see run)
 
     def note(self, url: str, why: str) -> None:
         self.attempts.append((url, why))
@@ -367,6 +378,8 @@ class _Discovery:
 
     async def run(self, url: str) -> list[SetInfo]:
         d = await self.doc(url)
+        # The URL itself failed (not a web page; not a site root, whose well-known URI is the way in).
+        failed = d is None and not self.not_a_document and urlsplit(url).path not in ("", "/")
         if d is not None:
             sets = await self.sets_from(d)
             if not sets:
@@ -381,6 +394,15 @@ class _Discovery:
             sets = await self.from_urls([urljoin(url, WELL_KNOWN_PATH)])
         if not sets:
             sets = await self.from_robots(urljoin(url, "/robots.txt"))
+        if sets and failed:
+            # The configured URL itself failed (e.g. HTTP 404) and guessing found something else: say
+            # so, or an operator never learns that the URL they configured is wrong.
+            why = next((w for u, w in self.attempts if u == url), "unusable")
+            used = ", ".join(sorted({s.capabilitylist_url for s in sets}))
+            self.fallback = f"{url} answered {why}; using {used}"
+            log.warning(
+                "%s answered %s: using %s (found by discovery) instead; configure that URL", url, why, used
+            )
         return _dedup(sets)
 
     async def from_urls(self, urls: list[str]) -> list[SetInfo]:
@@ -426,10 +448,17 @@ def _dedup(sets: list[SetInfo]) -> list[SetInfo]:
     return list(seen.values())
 
 
-async def discover(fetcher: Fetcher, url: str) -> list[SetInfo]:
-    """The sets of the Source at ``url`` (§6.3); raises DiscoveryError naming everything tried."""
+async def discover(
+    fetcher: Fetcher, url: str, *, on_fallback: Callable[[str | None], None] | None = None
+) -> list[SetInfo]:
+    """The sets of the Source at ``url`` (§6.3); raises DiscoveryError naming everything tried.
+
+    ``on_fallback`` hears, once the sets are found, what was used instead of ``url`` when ``url`` itself
+    failed (e.g. "URL answered HTTP 404; using CAPABILITYLIST"), or None when ``url`` led to the sets."""
     d = _Discovery(fetcher)
     sets = await d.run(url)
     if not sets:
         raise DiscoveryError(url, d.attempts, transient=d.transient)
+    if on_fallback is not None:
+        on_fallback(d.fallback)
     return sets

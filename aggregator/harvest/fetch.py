@@ -415,6 +415,14 @@ class _Entries:
             raise FetchError(self._url, "parse", "a second document head")
         return item
 
+    def estimate(self, count: int) -> int | None:
+        """Entries in the whole document, from the ``count`` handed out and the share of its bytes parsed;
+        None while it is still arriving (its size is not known yet)."""
+        if not self._spool.done or not self._pos:
+            return None
+        parsed = count + len(self._items)
+        return parsed if self._end else max(parsed, round(parsed * self._spool.written / self._pos))
+
     async def head(self) -> Head:
         item = await self._next()
         if not isinstance(item, Head):
@@ -797,7 +805,9 @@ class Fetcher:
             return DocumentStream(not_modified=True, etag=etag, head=None, entries=_NoEntries(), **common)
         # Lenient on values (an unknown attribute or one bad date must not cost the whole document):
         # each problem is logged with its line; structural problems still raise DocumentError.
-        reader = parse.DocumentReader(meta.url, max_bytes=cap, on_problem=_problem_logger(meta.url))
+        reader = parse.DocumentReader(
+            meta.url, max_bytes=cap, on_problem=_problem_logger(meta.url), require=True
+        )
         entries = _Entries(spool, reader, meta.url)
         try:
             head = await entries.head()
@@ -964,9 +974,10 @@ class Fetcher:
                     break
         fixity = [f for f in failures if f.kind == "fixity"]
         last = fixity[-1] if fixity else failures[-1]
-        if len(urls) == 1 and len(failures) == 1:
+        reasons = list(dict.fromkeys(str(f) for f in failures))  # a second try may fail the same way
+        if len(urls) == 1 and len(reasons) == 1:
             raise last
-        summary = "; ".join(str(f) for f in failures)
+        summary = "; ".join(reasons)
         raise FetchError(
             last.url, last.kind, f"no location served a good copy: {summary}", status=last.status
         ) from last

@@ -132,6 +132,10 @@ def _expect(url: str, head: Head | None, capability: str, index_ok: bool = True)
     return head
 
 
+#: Entries between two estimates of a plain list's size (progress displays).
+ESTIMATE_EVERY = 256
+
+
 async def resource_list_entries(
     fetcher: Fetcher,
     url: str,
@@ -144,7 +148,8 @@ async def resource_list_entries(
 
     With ``validators``, an unchanged list (304) raises NotModified before any entry is yielded.
     ``on_count`` (progress displays): the number of entries expected, estimated after each part of an
-    index (the average part so far times the parts), exact once everything has been read.
+    index (the average part so far times the parts), for a plain list from the share of its bytes read
+    once it has arrived, exact once everything has been read.
     """
     count = 0
     async with fetcher.document(url, **(validators.of(url) if validators else {})) as doc:
@@ -158,8 +163,13 @@ async def resource_list_entries(
             validators.read(url, doc.etag, doc.last_modified)
         snap.at = head.md.at if head.md else None
         if not is_index:
+            estimate = getattr(doc.entries, "estimate", None) if on_count else None
             async for entry in entries:
                 count += 1
+                if estimate is not None and count % ESTIMATE_EVERY == 1:
+                    expected = estimate(count)  # known once the list has arrived (from its bytes)
+                    if expected is not None:
+                        on_count(expected)
                 yield entry
             if on_count:
                 on_count(count)

@@ -168,7 +168,7 @@ class Pipeline:
         self._metadata = MetadataRecords(ctx, set_id, source)
         self._set_name = next((s["name"] for s in ctx.reader.sets() if s["id"] == set_id), str(set_id))
         # URIs with a failed change waiting to be retried (store/retries.py): cleared once one applies.
-        self._retrying = {e.loc for e, _, _ in retries.pending(ctx.reader, set_id)}
+        self._retrying = retries.uris(ctx.reader, set_id)
         # Records appended after this point are announced (rsagg_change_published).
         self._last_seq = ctx.reader.last_seq() if self._events else 0
 
@@ -420,6 +420,8 @@ class Pipeline:
         changes = [r.change for r in batch if r.change is not None]
         cursor = next((r.work.cursor_after for r in reversed(batch) if r.work.cursor_after), None)
         also = self._retry_bookkeeping(batch)
+        if self._progress:  # before the write, so that the progress it saves counts this batch too
+            self._progress(len(batch))
         applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor, also)
         self.announce(applied)
         if applied:
@@ -438,8 +440,6 @@ class Pipeline:
                 self.stats.last_datetime = dt
         for _ in batch:
             self._inflight.release()
-        if self._progress:
-            self._progress(len(batch))
 
 
 __all__ = ["CREATED", "DELETED", "UPDATED", "Pipeline", "PipelineStats", "Work"]

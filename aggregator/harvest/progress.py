@@ -48,8 +48,9 @@ def figures(done: int, total: int | None, elapsed: float | None) -> dict:
 
 
 def describe(p: dict) -> str:
-    """``1234/5000 (24.7%), 120.0/s, ETA 31s`` from ``figures``."""
-    text = f"{p['done']}/{p['total'] if p.get('total') else '?'}"
+    """``1234/5000 (24.7%), 120.0/s, ETA 31s`` from ``figures``; ``1234 so far (total not known yet),
+    120.0/s`` while a plain Resource List is still being read (it is counted once read)."""
+    text = f"{p['done']}/{p['total']}" if p.get("total") else f"{p['done']} so far (total not known yet)"
     if p.get("percent") is not None:
         text += f" ({p['percent']:.1f}%)"
     if p.get("rate"):

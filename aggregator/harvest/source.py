@@ -15,6 +15,7 @@ from ..metrics import current_source
 from ..rs.model import CHANGELIST
 from ..rs.w3cdt import format_w3c, utcnow
 from ..store import retries
+from .audit import still_listed
 from .baseline import run_baseline
 from .context import HarvestContext
 from .deviations import Deviations, collecting
@@ -71,6 +72,43 @@ async def retry_failed(ctx: HarvestContext, set_id: int, source: str, uris: set[
     return stats
 
 
+async def end_unlisted_retries(
+    ctx: HarvestContext,
+    info: SetInfo,
+    set_id: int,
+    source: str,
+    stats: PipelineStats,
+    attempts: dict[str, int],
+) -> int:
+    """End the retries that failed again for URIs the upstream no longer lists: retrying those can never
+    succeed, and would keep the source in error while audit says in sync. They leave ``stats`` (the sync
+    is not failed by them) and stay visible as ended (store/retries.py). The lists are read only when a
+    failing retry reaches attempt 2, 4, 8, ... (``attempts``: before this run), so a Source whose
+    resource keeps failing while listed is not re-read on every poll. Returns how many ended."""
+    due = {uri for uri in stats.failed if uri in attempts and (attempts[uri] + 1) & attempts[uri] == 0}
+    if not due:
+        return 0
+    try:
+        listed = await still_listed(ctx, info, source, due)
+    except Exception as exc:  # the lists could not be read now: the retries stay, the next run checks
+        log.warning("source=%s set=%s could not check which failed changes are still listed: %s",
+                    source, info.capabilitylist_url, exc)  # fmt: skip
+        return 0
+    gone = sorted(due - listed) if listed is not None else []
+    if not gone:
+        return 0
+    await ctx.write(retries.end, ctx.writer, set_id, gone, "no longer listed upstream")
+    for uri in gone:
+        stats.failed.pop(uri, None)
+    shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
+    log.warning(
+        "source=%s set=%s retries ended for %d failed change(s) whose URI the upstream no longer lists "
+        "(shown by rsagg retries and status until rsagg retries --clear): %s",
+        source, info.capabilitylist_url, len(gone), shown,
+    )  # fmt: skip
+    return len(gone)
+
+
 async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     """Bring one source up to date; never raises for upstream problems (they are the result)."""
     token = current_source.set(src.name)  # labels this sync's upstream requests (metrics.py)
@@ -93,12 +131,15 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
     ctx.progress.pop(src.name, None)
     progress = Progress(src.name, ctx.progress_update)
     try:
-        sets = await discover(ctx.fetcher, src.url)
+        fallback: list[str | None] = []  # what discovery used instead of a failing src.url (status shows it)
+        sets = await discover(ctx.fetcher, src.url, on_fallback=fallback.append)
+        await ctx.write(ctx.writer.set_source_status, src.name, using_url=fallback[0] if fallback else None)
         result.sets = len(sets)
         result.discovered = sets
         for info in sets:
             set_id = await ctx.write(ctx.writer.ensure_set, src.name, info.capabilitylist_url)
-            waiting = {e.loc for e, _, _ in retries.pending(ctx.reader, set_id)}  # failed in earlier runs
+            # failed in earlier runs: URI -> attempts so far
+            waiting = {e.loc: n for e, _, n in retries.pending(ctx.reader, set_id)}
             cursor = ctx.reader.cursor(set_id)
             baseline = cursor is None or CHANGELIST not in info.capabilities
             if not baseline:
@@ -129,8 +170,9 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
                     result.stats.append(stats)
             # After the sync, not before: a failed change that a newer one has superseded (a stale entry
             # whose successor a killed run never reached) is cleared by that newer change first.
-            retried = await retry_failed(ctx, set_id, src.name, waiting) if waiting else None
+            retried = await retry_failed(ctx, set_id, src.name, set(waiting)) if waiting else None
             if retried is not None:
+                await end_unlisted_retries(ctx, info, set_id, src.name, retried, waiting)
                 result.stats.append(retried)
     except trio.Cancelled:
         raise

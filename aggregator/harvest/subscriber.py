@@ -576,7 +576,7 @@ class Subscriber:
             log.warning("notification %s line %s: %s (value ignored)", sub.topic, line, message)
 
         head, entries = parse_bytes(
-            body, sub.topic, max_bytes=self.settings.max_payload_bytes, on_problem=problem
+            body, sub.topic, max_bytes=self.settings.max_payload_bytes, on_problem=problem, require=True
         )
         md = head.md
         if head.root != URLSET or head.capability != sub.kind:
@@ -685,10 +685,15 @@ class Subscriber:
         continuous = sub.last_until is not None and md.from_ == sub.last_until
         if not continuous:
             self.counters["notice.gap"] += 1
-            log.info(
-                "source=%s %s: notification from %s does not continue %s: polling the Change List",
-                src.name, sub.topic, format_dt(md.from_), format_dt(sub.last_until),
-            )  # fmt: skip
+            if sub.last_until is None:  # the first notification since subscribing: nothing to continue
+                log.info("source=%s %s: first notification (from %s): polling the Change List",
+                         src.name, sub.topic, format_dt(md.from_))  # fmt: skip
+            else:
+                log.info(
+                    "source=%s %s: notification from %s does not continue the last one (until %s): "
+                    "polling the Change List",
+                    src.name, sub.topic, format_dt(md.from_), format_dt(sub.last_until),
+                )  # fmt: skip
             await self._until(sub, md.until)
             return True
         placed = await self._apply(src, sub, notice)

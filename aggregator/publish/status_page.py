@@ -1,9 +1,10 @@
 """The operator's views of the publisher: the home page with live status, ``/status.json``, ``/metrics``.
 
 The home page lists each source (state, resources, lag, last sync, last error, progress) and each
-published set with its documents. It is plain HTML that works without scripts; a dozen lines of script
-poll ``status.json`` every REFRESH_SECONDS and refill the tables. The rows come from
-``aggregator/status.py``, the same function as ``rsagg status``.
+published set with its documents. It is plain HTML that works without scripts (states are coloured
+badges; an error shows one line and opens to its whole text); a dozen lines of script fetch the page
+again every REFRESH_SECONDS and swap its tables in, so the rows are rendered in one place. They come
+from ``aggregator/status.py``, the same function as ``rsagg status`` and ``/status.json``.
 
 ``/metrics``: a plain route returning the Prometheus text format 0.0.4 (prometheus-client's ASGI app,
 mounted, would answer ``/metrics`` with a redirect to ``/metrics/``).
@@ -20,6 +21,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from .. import status
 from ..metrics import CONTENT_TYPE
+from ..store.lock import harvester_running
 from ..store.state import State
 
 if TYPE_CHECKING:
@@ -28,9 +30,31 @@ if TYPE_CHECKING:
 REFRESH_SECONDS = 3
 _e = html.escape
 
+STYLE = """
+body { font-family: sans-serif; margin: 2em; }
+table { border-collapse: collapse; table-layout: auto; }
+th, td { text-align: left; padding: 0.2em 0.8em; border-bottom: 1px solid #ddd; vertical-align: top; }
+.muted, .note { color: #666; font-size: smaller; }
+.badge { display: inline-block; padding: 0.05em 0.6em; border-radius: 0.8em; font-weight: bold;
+  color: #fff; background: #777; }
+.badge.ok { background: #1a7f37; }
+.badge.busy { background: #0969da; }
+.badge.bad { background: #cf222e; }
+.badge.warn { background: #9a6700; }
+.badge.idle { background: #6e7781; }
+details.error { max-width: 40em; }
+details.error summary { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; cursor: pointer;
+  color: #cf222e; }
+details.error pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f6f8fa; padding: 0.5em;
+  margin: 0.3em 0; }
+progress { width: 8em; vertical-align: middle; }
+td.lag, td.success, td.progress { white-space: nowrap; }
+.note { max-width: 30em; overflow-wrap: anywhere; }
+"""
+
 
 def _status(pub: Publisher, state: State) -> dict[str, Any]:
-    return status.collect(state, pub.config)
+    return status.collect(state, pub.config, running=harvester_running(pub.config.store_path))
 
 
 async def status_json(request: Request) -> Response:
@@ -50,36 +74,78 @@ async def metrics(request: Request) -> Response:
     return Response(await pub.run(scrape), media_type=CONTENT_TYPE, headers={"cache-control": "no-store"})
 
 
+#: State -> colour class of its badge. ``degraded`` (a sync that skipped or bent something) has its
+#: colour ready for when the harvester reports it.
+STATE_CLASSES = {
+    "ok": "ok", "syncing": "busy", "error": "bad", "degraded": "warn", "interrupted": "warn", "new": "idle",
+}  # fmt: skip
+
+
+def _state_cell(r: dict) -> str:
+    state = str(r.get("state") or "new")
+    return f'<span class="badge {STATE_CLASSES.get(state, "idle")}">{_e(state)}</span>'
+
+
+def _name_cell(r: dict) -> str:
+    name = _e(r["name"]) + ("" if r.get("configured", True) else ' <span class="muted">(removed)</span>')
+    notes = "".join(f'<div class="note">{_e(n)}</div>' for n in status.notes(r))
+    return name + notes
+
+
+def _progress_cell(r: dict) -> str:
+    p = r.get("progress")
+    if not p:
+        return ""
+    bar = f'<progress max="{p["total"]}" value="{p["done"]}"></progress> ' if p.get("total") else ""
+    return f'{bar}<span class="progress">{_e(p["text"])}</span>'
+
+
+def _error_cell(r: dict) -> str:
+    """One line (cut by the server and by CSS); the whole text on demand, without scripts."""
+    whole = status.one_line(r.get("last_error"))
+    if not whole:
+        return ""
+    short = status.one_line(whole, status.ERROR_CELL)
+    return (
+        f'<details class="error"><summary title="show the whole error">{_e(short)}</summary>'
+        f"<pre>{_e(r.get('last_error') or '')}</pre></details>"
+    )
+
+
+#: The Sources table: header, class and cell of each column, in order (one place to add a column).
+SOURCE_COLUMNS: list[tuple[str, str, Any]] = [
+    ("Source", "source", _name_cell),
+    ("State", "state", _state_cell),
+    ("Resources", "resources", lambda r: _e(str(r["resources"]))),
+    ("Lag", "lag", lambda r: _e(status.lag_text(r))),
+    ("Last success", "success", lambda r: _e(status.short_time(r.get("last_success")))),
+    ("Progress", "progress", _progress_cell),
+    ("Last error", "error", _error_cell),
+]
+
+
 def _source_row(r: dict) -> str:
-    progress = r["progress"]["text"] if r.get("progress") else ""
-    name = r["name"] + ("" if r.get("configured", True) else " (removed)")
-    when = status.short_time(r.get("last_success"))
-    cells = (name, r["state"], r["resources"], r.get("lag") or "-", when, progress, status.notes_text(r))
-    return "<tr>" + "".join(f"<td>{_e(str(c))}</td>" for c in cells) + "</tr>"
+    cells = "".join(f'<td class="{key}">{cell(r)}</td>' for _, key, cell in SOURCE_COLUMNS)
+    return f'<tr data-source="{_e(r["name"])}">{cells}</tr>'
 
 
-#: Refills the tables from status.json (the same cells as _source_row); keeps the page if a poll fails.
+#: Refills the page's tables from the page itself (one rendering, on the server), keeping open the
+#: errors a reader opened; keeps the page as it is if a poll fails (server restarting).
 SCRIPT = r"""
-const ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"};
-const esc = (v) => String(v ?? "").replace(/[&<>"]/g, (c) => ENTITIES[c]);
-const row = (r) => "<tr>" + [r.name + (r.configured === false ? " (removed)" : ""), r.state, r.resources,
-  r.lag || "-", (r.last_success || "-").replace(/\.\d+Z$/, "Z"), r.progress ? r.progress.text : "",
-  [r.last_error, (r.deviations || []).length
-    ? "tolerated: " + r.deviations.map((d) => d.rule + " x" + d.count).join(", ") : ""]
-    .filter(Boolean).join(" — ")]
-  .map((c) => "<td>" + esc(c) + "</td>").join("") + "</tr>";
 async function refresh() {
   try {
-    const s = await (await fetch("status.json", {cache: "no-store"})).json();
-    document.querySelector("#sources tbody").innerHTML = s.sources.map(row).join("");
-    const items = document.querySelectorAll("li[data-set]");
-    if (items.length !== s.sets.length) { location.reload(); return; }  // a set appeared or went
-    for (const li of items) {
-      const set = s.sets.find((x) => x.name === li.dataset.set);
-      const text = li.querySelector("strong").nextSibling;  // ": N resources from ... — "
-      if (set && text) text.textContent = text.textContent.replace(/\d+/, set.resources);
+    const html = await (await fetch(location.pathname, {cache: "no-store"})).text();
+    const fresh = new DOMParser().parseFromString(html, "text/html");
+    const open = new Set([...document.querySelectorAll("#sources details[open]")]
+      .map((d) => d.closest("tr").dataset.source));
+    for (const id of ["sources", "sets", "updated"]) {
+      const now = fresh.getElementById(id);
+      if (now) document.getElementById(id).innerHTML = now.innerHTML;
     }
-    document.getElementById("updated").textContent = s.time;
+    for (const tr of document.querySelectorAll("#sources tr[data-source]")) {
+      const d = tr.querySelector("details");
+      if (d && open.has(tr.dataset.source)) d.open = true;
+    }
   } catch (e) { /* server restarting: try again at the next tick */ }
 }
 setInterval(refresh, REFRESH_MS);
@@ -97,7 +163,7 @@ async def home(request: Request) -> Response:
     site, st, dumps = await pub.run(build)
     sources = "\n".join(_source_row(r) for r in st["sources"])
     if not st["sources"]:
-        sources = '<tr><td colspan="7">no sources configured</td></tr>'
+        sources = f'<tr><td colspan="{len(SOURCE_COLUMNS)}">no sources configured</td></tr>'
     items = []
     for s in st["sets"]:
         name = s["name"]
@@ -117,14 +183,10 @@ async def home(request: Request) -> Response:
         )
     sets = "\n".join(items) or "<li>nothing harvested yet</li>"
     script = SCRIPT.replace("REFRESH_MS", json.dumps(REFRESH_SECONDS * 1000))
+    head = "".join(f"<th>{_e(title)}</th>" for title, _, _ in SOURCE_COLUMNS)
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>rsagg — ResourceSync aggregator</title>
-<style>
-body {{ font-family: sans-serif; margin: 2em; }}
-table {{ border-collapse: collapse; }}
-th, td {{ text-align: left; padding: 0.2em 0.8em; border-bottom: 1px solid #ddd; }}
-.muted {{ color: #666; font-size: smaller; }}
-</style></head>
+<style>{STYLE}</style></head>
 <body>
 <h1>rsagg — ResourceSync aggregator</h1>
 <p>This server republishes resources harvested from other ResourceSync Sources
@@ -133,14 +195,15 @@ th, td {{ text-align: left; padding: 0.2em 0.8em; border-bottom: 1px solid #ddd;
 <a href="{_e(site.well_known)}">Source Description</a>.</p>
 <h2>Sources</h2>
 <table id="sources">
-<thead><tr><th>Source</th><th>State</th><th>Resources</th><th>Lag</th><th>Last success</th><th>Progress</th>
-<th>Last error</th></tr></thead>
+<thead><tr>{head}</tr></thead>
 <tbody>
 {sources}
 </tbody>
 </table>
+<p class="muted">Lag: for a set followed through its Change List, the time since the last change applied;
+for a set read from its Resource List alone, the time since the last successful read of that list.</p>
 <h2>Sets</h2>
-<ul>
+<ul id="sets">
 {sets}
 </ul>
 <p class="muted">Status at <span id="updated">{_e(st["time"])}</span>, refreshed every {REFRESH_SECONDS} s

@@ -202,11 +202,20 @@ class DocumentReader:
     """
 
     def __init__(
-        self, url: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES, on_problem: Problem | None = None
+        self,
+        url: str | None = None,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        on_problem: Problem | None = None,
+        require: bool = False,
     ) -> None:
         self.url = url
         self._max_bytes = max_bytes
         self._on_problem = on_problem
+        #: A missing mandatory part (``<loc>`` of an entry, ``rel``/``href`` of an ``rs:ln``) raises even
+        #: with ``on_problem``: a harvester cannot place an entry without URI, nor follow a link without
+        #: target. Without it (a validator) such an item is reported and kept with None in its place.
+        self._require = require
         # Main parser: one event only, the root's start. Entries are read by walking the root's children.
         self._parser = etree.XMLPullParser(events=("start",), tag=_ROOT_TAGS, **_HARDENED)
         # Sniffer: sees the first start tag whatever its name, so a wrong root or a DOCTYPE with
@@ -453,7 +462,7 @@ class DocumentReader:
             else:
                 self._entry_child(el, child, tag, extra)
         if not loc:
-            self._problem(el.sourceline, f"{_display(el.tag)} without <loc> (§7: mandatory)")
+            self._missing(el.sourceline, f"{_display(el.tag)} without <loc> (§7: mandatory)")
             loc = None
         out.append(Entry(loc, lastmod, changefreq, md, links, extra, el.sourceline))
 
@@ -527,7 +536,7 @@ class DocumentReader:
         values, extra = self._attributes(el, _LN_ATTRS)
         for name in ("rel", "href"):
             if name not in values:
-                self._problem(el.sourceline, f"<rs:ln> without {name} (§7: mandatory)")
+                self._missing(el.sourceline, f"<rs:ln> without {name} (§7: mandatory)")
         return Link(values.pop("rel", None), values.pop("href", None), **values, extra=extra)
 
     def _attributes(
@@ -582,6 +591,11 @@ class DocumentReader:
     def _fail(self, line: int | None, reason: str) -> None:
         raise DocumentError(self.url, line, reason)
 
+    def _missing(self, line: int | None, message: str) -> None:
+        if self._require:
+            self._fail(line, message)
+        self._problem(line, message)
+
     def _problem(self, line: int | None, message: str) -> None:
         if self._on_problem is None:
             raise DocumentError(self.url, line, message)
@@ -607,11 +621,12 @@ def iter_document(
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
     on_problem: Problem | None = None,
+    require: bool = False,
 ) -> Iterator[Head | Entry]:
     """Yield the ``Head`` and then each ``Entry`` of a document (a path, bytes or a binary file)."""
     if url is None and isinstance(source, str | os.PathLike):
         url = os.fspath(source)
-    reader = DocumentReader(url, max_bytes=max_bytes, on_problem=on_problem)
+    reader = DocumentReader(url, max_bytes=max_bytes, on_problem=on_problem, require=require)
     for chunk in _chunks(source):
         yield from reader.feed(chunk)
     yield from reader.close()

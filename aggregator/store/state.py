@@ -287,11 +287,14 @@ MIGRATIONS: list[tuple[str, ...]] = [
             PRIMARY KEY (source, kind, rule)
         )""",
     ),
+    (  # 4: the URL discovery used instead of the configured one when that failed (rsagg status)
+        "ALTER TABLE sources ADD COLUMN using_url TEXT",
+    ),
 ]
 
 SOURCE_STATUS_FIELDS = frozenset(
     {"state", "last_error", "last_error_at", "last_success", "last_attempt", "next_attempt", "failures",
-     "progress_done", "progress_total", "progress_what"}
+     "progress_done", "progress_total", "progress_what", "using_url"}
 )  # fmt: skip
 _SOURCE_TIMES = ("last_error_at", "last_success", "last_attempt", "next_attempt", "created_at", "updated_at")
 

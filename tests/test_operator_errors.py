@@ -1,0 +1,266 @@
+"""Every operator mistake ends in one message naming the configuration key (or option), exit 1 or 2, and
+no traceback: each command run against each broken configuration and environment (a table)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aggregator.cli import build_parser, main
+from aggregator.store.lock import store_lock
+
+SOURCE = '[[sources]]\nname = "a"\nurl = "http://127.0.0.1:9/rs/capabilitylist.xml"\n'
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(tmp_path: Path, case: str, port: int) -> tuple[Path, str]:
+    """(config file, the key or option the message must name) of a broken configuration."""
+    listen = f'[server]\nlisten = "127.0.0.1:{port}"\n'
+    store = f'[store]\npath = "{tmp_path / "data"}"\n'
+    (tmp_path / "afile").write_text("a file where a folder is expected\n")
+    afile = tmp_path / "afile"
+    s3 = f'{listen}{store}backend = "s3"\n'
+    text, key = {
+        "store under /proc": (f'{listen}[store]\npath = "/proc/rsagg-test-data"\n{SOURCE}', "store.path"),
+        "store below a file": (f'{listen}[store]\npath = "{afile / "data"}"\n{SOURCE}', "store.path"),
+        "store is a file": (f'{listen}[store]\npath = "{afile}"\n{SOURCE}', "store.path"),
+        "unknown plugin": (f"{listen}{store}[plugins.nosuch]\nx = 1\n{SOURCE}", "plugins.nosuch"),
+        "s3 without boto3": (f'{s3}[store.settings]\nbucket = "b"\n{SOURCE}', "store.backend"),
+        "s3 without bucket": (f"{s3}{SOURCE}", "store.settings"),
+        "empty file": ("", "sources"),
+        "no sources": (f"{listen}{store}", "sources"),
+        "port in use": (f"{listen}{store}{SOURCE}", "server.listen"),
+    }[case]  # fmt: skip
+    path = tmp_path / "rsagg.toml"
+    path.write_text(text)
+    return path, key
+
+
+CASES = [
+    "store under /proc",
+    "store below a file",
+    "store is a file",
+    "unknown plugin",
+    "s3 without boto3",
+    "s3 without bucket",
+    "empty file",
+    "no sources",
+    "port in use",
+]
+COMMANDS = [["harvest", "--once"], ["run"], ["audit"], ["status"], ["gc"], ["retries"]]
+#: Where a command has nothing wrong to report: gc works on a store whose sources were all removed
+#: (README) and exits 0.
+FINE = {("no sources", "gc"), ("empty file", "gc")}
+#: Only ``run`` listens: the other commands are not run against a busy port.
+NOT_CONCERNED = {("port in use", c[0]) for c in COMMANDS if c != ["run"]}
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except BaseException as exc:  # a traceback would reach the operator
+        pytest.fail(f"rsagg {' '.join(argv)} raised {type(exc).__name__}: {exc}")
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_command_names_the_broken_key(
+    case: str,
+    tmp_path: Path,
+    busy_port: int,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path, key = _config(tmp_path, case, busy_port)
+    if case == "s3 without boto3":
+        import plugins.s3store
+
+        monkeypatch.setattr(plugins.s3store, "boto3", None)
+    for command in COMMANDS:
+        if (case, command[0]) in NOT_CONCERNED:
+            continue
+        code, text = _run([*command, "-c", str(path)], capsys)
+        if (case, command[0]) in FINE:
+            assert code == 0, text
+            continue
+        assert code in (1, 2), f"{command}: exit {code}: {text}"
+        assert "Traceback" not in text
+        assert key in text, f"{command}: {key!r} not named in: {text}"
+        assert len(text.strip().splitlines()[-1]) < 400  # one line, not a dump
+
+
+@pytest.mark.parametrize("case", ["port in use", "data is a file", "data under /proc"])
+def test_demo_names_the_option(
+    case: str, tmp_path: Path, busy_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "afile").write_text("x")
+    argv, named = {
+        "port in use": (["demo", "--port", str(busy_port), "--resources", "5"], "--port"),
+        "data is a file": (["demo", "--port", "0", "--data", str(tmp_path / "afile")], "--data"),
+        "data under /proc": (["demo", "--port", "0", "--data", "/proc/rsagg-test-demo"], "--data"),
+    }[case]
+    code, text = _run(argv, capsys)
+    assert code in (1, 2) and "Traceback" not in text and named in text, text
+
+
+def test_harvest_refused_while_another_process_harvests_the_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = _config(tmp_path, "port in use", _free_port())  # a good configuration
+    data = tmp_path / "data"
+    data.mkdir()
+    with store_lock(data, "rsagg run"):
+        for command in (["harvest", "--once"], ["gc"], ["run"]):
+            code, text = _run([*command, "-c", str(path)], capsys)
+            assert code == 1 and "store.path" in text and "rsagg run (pid" in text, text
+    # Serving alone does not take the lock; the lock is gone with its holder.
+    with store_lock(data, "rsagg harvest --once"):
+        pass
+
+
+def test_lock_released_when_its_holder_dies(tmp_path: Path) -> None:
+    """A killed holder leaves nothing stuck: the kernel drops a flock with the process."""
+    code = (
+        "import os, sys\nfrom pathlib import Path\nfrom aggregator.store.lock import store_lock\n"
+        "with store_lock(Path(sys.argv[1]), 'x'):\n    os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
+    with store_lock(tmp_path, "next"):
+        assert "next (pid" in (tmp_path / "rsagg.lock").read_text()
+
+
+def test_global_options_before_or_after_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = _config(tmp_path, "port in use", _free_port())
+    for argv in (
+        ["--log-level", "debug", "status", "-c", str(path)],
+        ["-c", str(path), "--log-format", "json", "status"],
+        ["status", "-c", str(path), "--log-level", "warning"],
+    ):
+        code, text = _run(argv, capsys)
+        assert code == 0 and text.startswith("SOURCE"), (argv, text)
+    code, text = _run(["status"], capsys)
+    assert code == 2 and "-c/--config FILE is required" in text
+    args = build_parser().parse_args(["--log-level", "error", "status", "-c", "x"])
+    assert args.log_level == "error" and args.config == "x"
+    args = build_parser().parse_args(["-c", "a", "status", "-c", "b"])
+    assert args.config == "b"  # after the command wins
+
+
+def test_help_lists_every_command_on_whole_lines() -> None:
+    env = {**os.environ, "COLUMNS": "100"}
+    out = subprocess.run(
+        [sys.executable, "-m", "aggregator", "--help"], capture_output=True, text=True, env=env, timeout=60
+    ).stdout
+    block = out.split("COMMAND\n", 2)[-1].split("\noptions:")[0]
+    entries = " ".join(block.split())
+    for name in ("validate", "harvest", "audit", "status", "retries", "gc", "run", "demo", "plugins"):
+        assert f" {name} " in f" {entries} "
+    # Every summary is a whole sentence: none stops mid-phrase as the first docstring line used to.
+    assert "each published set." in entries and "and each published " not in entries.replace(
+        "and each published set.", ""
+    )
+
+
+def test_demo_log_lines_say_what_they_mean(tmp_path: Path) -> None:
+    """The start-up line names where rsagg listens and what it publishes as, each once."""
+    run = subprocess.run(
+        [sys.executable, "-m", "aggregator", "demo", "--port", "0", "--resources", "5", "--duration", "2",
+         "--data", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    line = next(x for x in run.stderr.splitlines() if "listening on" in x)
+    assert re.search(r"listening on http://127\.0\.0\.1:\d+, publishing as http://127\.0\.0\.1:\d+", line)
+    assert "serving http" not in run.stderr and "does not continue None" not in run.stderr
+    assert (tmp_path / "demo" / "rsagg.lock").exists()  # the demo's store was locked while it ran
+
+
+def test_discovery_error_says_each_reason_once() -> None:
+    from aggregator.harvest.discovery import DiscoveryError
+
+    why = "network: ConnectError: all attempts to connect to 127.0.0.1:9 failed"
+    tried = [(f"http://127.0.0.1:9{p}", why) for p in ("/x", "/.well-known/resourcesync", "/robots.txt")]
+    text = str(DiscoveryError("http://127.0.0.1:9/x", tried))
+    assert text.count(why) == 1 and all(u in text for u, _ in tried)
+
+
+def test_sync_left_by_a_dead_process_shows_as_interrupted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from aggregator.store.state import State
+
+    path, _ = _config(tmp_path, "port in use", _free_port())
+    data = tmp_path / "data"
+    data.mkdir()
+    with State(data / "state.db") as state:
+        state.upsert_source("a", "http://127.0.0.1:9/rs/capabilitylist.xml")
+        state.set_source_status("a", state="syncing", progress_done=5, progress_total=10)
+
+    def shown() -> dict:
+        assert main(["status", "-c", str(path), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["sources"][0]
+
+    assert shown()["state"] == "syncing"  # no process ever locked this store: nothing known
+    with store_lock(data, "rsagg harvest"):
+        row = shown()
+        assert row["state"] == "syncing" and row["progress"]["done"] == 5  # its harvester runs
+    row = shown()  # the harvester is gone, the row still says syncing: it was interrupted
+    assert row["state"] == "interrupted" and row["progress"] is None
+    assert main(["status", "-c", str(path)]) == 0
+    assert "the next harvest resumes it" in capsys.readouterr().out
+    # A status probe holds the lock shared for an instant: a harvester starting then waits, not refuses.
+    import fcntl
+    import threading
+
+    fd = os.open(data / "rsagg.lock", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    threading.Timer(0.3, os.close, [fd]).start()
+    with store_lock(data, "rsagg harvest"):
+        pass
+
+
+def test_readme_documents_every_command_and_its_options() -> None:
+    """Each command and each of its options appears in README.md (the operator's reference)."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        assert f"`rsagg {name}" in readme, name
+        for action in p._actions:
+            longest = max(action.option_strings, key=len, default=None)
+            if longest and longest not in (
+                "--help",
+                "--config",
+                "--log-level",
+                "--log-format",
+                "--max-lines",
+            ):
+                assert longest in readme, f"rsagg {name} {longest} is not in README.md"
+    for phrase in ("--port 0", "-c CONFIG` is always needed", "Lag.", "One harvesting process per store"):
+        assert phrase in readme, phrase
