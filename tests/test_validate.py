@@ -673,6 +673,32 @@ def test_cli_errors_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert out[-1] == f"{bad}: Resource List, 1 entries: invalid (2 error(s), 0 warning(s))"
 
 
+def test_cli_names_rule_and_line_of_the_new_checks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = f"""<?xml version="1.0" encoding="ISO-8859-1"?>
+<urlset xmlns="{SM}" xmlns:rs="{RS}">
+{CL}{UP}
+<url><loc>res/a</loc><rs:md change="updated" path="/a"/></url>
+<url><loc>http://e.com/b</loc><rs:md change="updated"/><rs:ln rel="Mirror" href="http://m.e.com/b"/></url>
+<url><loc>http://e.com/c</loc><rs:md change="updated"/>
+  <rs:ln rel="http://www.openarchives.org/rs/terms/patch" href="http://e.com/c-diff"/></url>
+</urlset>
+""".encode("latin-1")
+    path = write(tmp_path, "cl.xml", data)
+    assert main(["validate", path]) == 1
+    out = capsys.readouterr().out.splitlines()
+    for expected in (
+        f"{path}:1: error: encoding-not-utf8: ",
+        f"{path}:4: error: loc-relative: ",
+        f"{path}:4: warning: path-not-allowed: ",
+        f"{path}:5: error: rel-unknown: relation type 'mirror'",
+        f"{path}:6: error: patch-type-missing: ",
+    ):
+        assert any(line.startswith(expected) for line in out), (expected, out)
+    assert out[-1] == f"{path}: Change List, 3 entries: invalid (4 error(s), 1 warning(s))"
+
+
 def test_cli_warnings_only_exit_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path, "cl.xml", doc(CL))
     assert main(["validate", path]) == 0
