@@ -16,7 +16,8 @@ The test harvests at the start of each round of changes (so while the Source cha
 with what ``rsagg harvest --once`` runs, to keep the test short), once after a round longer than the
 list's memory (a gap), then runs ``rsagg harvest --once`` after the changes stopped: it must be ok, and
 ``rsagg audit`` must say in sync and ``rsagg status`` ``ok`` with as many resources as the Source's
-Resource List. The simulator runs through ``resync_simulator_peer.py``:
+Resource List; and ``rsagg validate``'s checks must find no error in its documents but a missing
+``from``. The simulator runs through ``resync_simulator_peer.py``:
 loopback only, a port the kernel picks, seeded events (the seed is in every failure message; set
 RSAGG_SIMULATOR_SEED to replay one), and changes let through in rounds by the test, so that what happens
 between two harvests does not depend on the machine's speed.
@@ -41,6 +42,7 @@ from aggregator.commands.harvest import harvest_once
 from aggregator.config import load_config
 from aggregator.harvest.pipeline import Failure
 from aggregator.rs.parse import parse_bytes
+from aggregator.rs.validate import ERROR, check_source
 
 pytest.importorskip("simulator", reason="resync-simulator is a test dependency (pyproject [test])")
 
@@ -248,3 +250,16 @@ async def test_harvest_resync_simulator_while_it_changes(tmp_path: Path, simulat
     (row,) = [r for r in json.loads(done.stdout)["sources"] if r["name"] == SOURCE]
     assert row["state"] == "ok" and row["last_error"] is None, row
     assert row["resources"] == len(entries), (row, len(entries), sim.why())
+
+    # The validator on what the simulator serves: no error, except a Change List whose oldest change
+    # kept is a deletion, which has no from (mandatory, §12.1, Appendix A).
+    for doc in (".well-known/resourcesync", "capabilitylist.xml", "resourcelist.xml", "changelist.xml"):
+        got = get(f"{sim.base}/{doc}")
+        assert got is not None and got.status_code == 200, doc
+        report = check_source(got.content, f"{sim.base}/{doc}")
+        errors = {i.rule for i in report.issues if i.severity == ERROR}
+        if doc == "changelist.xml":
+            head, _ = parse_bytes(got.content)
+            assert errors == ({"from-required"} if head.md.from_ is None else set()), report.issues
+        else:
+            assert errors == set() and report.entries > 0, report.issues
