@@ -332,7 +332,8 @@ def test_sha512_tokens_are_well_formed() -> None:
 
 
 def test_relation_types_compare_case_insensitively() -> None:
-    """RFC 8288 §2.1.1: registered relation types are case-insensitive, so UP is up, HUB is hub."""
+    """RFC 8288 §2.1.1: registered relation types are case-insensitive, so UP is up, HUB is hub; URIs and
+    §6.3.3's resourcesync are relation types too."""
     capl = doc("""
         <rs:md capability="capabilitylist"/>
         <rs:ln rel="UP" href="http://example.com/sd.xml"/>
@@ -345,7 +346,8 @@ def test_relation_types_compare_case_insensitively() -> None:
         {RL}
         {UP}
         <url><loc>http://e.com/a</loc><rs:ln rel="http://example.org/rel/mirror" href="http://m.e.com/a"/>
-          <rs:ln rel="urn:example:rel" href="http://m.e.com/b"/></url>
+          <rs:ln rel="urn:example:rel" href="http://m.e.com/b"/>
+          <rs:ln rel="resourcesync" href="http://e.com/capabilitylist.xml"/></url>
     """)
     assert found(extension) == []
 

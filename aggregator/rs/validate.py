@@ -201,9 +201,11 @@ _ONLY_USED_FOR = {
     "from": "Change List Indexes, Change Dumps and Change Dump Indexes",
 }
 #: Relation types of the IANA Link Relation Type Registry (§7: a relation type is registered there or is a
-#: URI). Compared case-insensitively (RFC 8288 §2.1.1).
+#: URI), and ``resourcesync``, which §6.3.3 defines for discovery links. Compared case-insensitively
+#: (RFC 8288 §2.1.1).
 _REGISTERED_RELS = frozenset(
-    """about acl alternate amphtml api-catalog appendix apple-touch-icon apple-touch-startup-image archives
+    """resourcesync
+    about acl alternate amphtml api-catalog appendix apple-touch-icon apple-touch-startup-image archives
     author blocked-by bookmark c2pa-manifest canonical chapter cite-as collection compression-dictionary
     contents convertedfrom copyright create-form current deprecation describedby describes disclosure
     dns-prefetch duplicate edit edit-form edit-media enclosure external first geofeed glossary help hosts hub
