@@ -257,3 +257,29 @@ async def test_failed_changes_are_retried_at_the_next_sync(tmp_path: Path):
         assert await audit(cfg) == []
         r = (await harvest(cfg))["up"]  # nothing left to retry
         assert r.ok and sum(s.seen for s in r.stats) == 0
+
+
+async def test_a_baseline_ends_the_retries_of_resources_it_no_longer_lists(tmp_path: Path):
+    """A change whose fetch failed waits to be retried. When a gap forces a baseline whose snapshot no
+    longer lists the resource (its deletion was among the changes the gap lost), that retry is over:
+    retrying it would fail (404) at every sync from then on, and the source would never be ok again."""
+    up = Upstream(changes_per_list=3, resource_dump=False, change_dump=False)
+    up.bulk_create(5)
+    async with up.serving() as base:
+        cfg = make_config(tmp_path / "data", {"up": base})
+        assert (await harvest(cfg))["up"].ok
+        up.create("brief.txt", b"here for a moment")
+        up.serve_503 = {"/default/res/brief.txt": 3}  # outlasts the retries of this run
+        r = (await harvest(cfg))["up"]
+        assert not r.ok and [f.uri for f in r.failures] == [up.url("brief.txt")]
+        up.delete("brief.txt")
+        for i in range(5):
+            up.update(f"r{i:06d}.txt", f"v2 {i}".encode())
+        up.drop_oldest_changelists = 3  # up to the list with the deletion: gone
+        r = (await harvest(cfg))["up"]
+        assert r.gaps == 1 and r.baselines == 1
+        assert r.ok, r.error
+        assert held(cfg) == expected_store(up)
+        assert await audit(cfg) == []
+        r = (await harvest(cfg))["up"]  # nothing left to retry
+        assert r.ok and sum(s.seen for s in r.stats) == 0, r.error

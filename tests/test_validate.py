@@ -16,7 +16,15 @@ import pytest
 
 from aggregator.cli import main
 from aggregator.rs.model import Entry, Head, Link, Md
-from aggregator.rs.validate import ERROR, WARNING, Issue, check_source, validate_source, validate_stream
+from aggregator.rs.validate import (
+    ERROR,
+    WARNING,
+    Checker,
+    Issue,
+    check_source,
+    validate_source,
+    validate_stream,
+)
 
 EXAMPLES = Path(__file__).parent / "data" / "spec-examples"
 SM = "http://www.sitemaps.org/schemas/sitemap/0.9"
@@ -59,7 +67,8 @@ CASES = [
     # (rule, severity, line, document)
     ("md-missing", ERROR, 1, doc("<url><loc>http://e.com/a</loc></url>")),
     ("capability-missing", ERROR, 1, doc('<rs:md at="2013-01-03T09:00:00Z"/>')),
-    ("capability-unknown", ERROR, 1, doc('<rs:md capability="resourcelists"/>')),
+    # §6.1, §9: other specifications may define capabilities; one unknown here is only a warning
+    ("capability-unknown", WARNING, 1, doc('<rs:md capability="resourcelists"/>')),
     ("index-not-allowed", ERROR, 1, doc(RDM, root="sitemapindex")),
     ("index-not-allowed", WARNING, 1, doc(CAPL, root="sitemapindex")),
     ("at-required", ERROR, 1, doc(f'<rs:md capability="resourcelist"/>\n{UP}')),
@@ -72,9 +81,22 @@ CASES = [
     ("at-not-allowed", WARNING, 1, doc('<rs:md capability="description" at="2013-01-03T09:00:00Z"/>')),
     ("completed-before-at", ERROR, 1, doc(md("resourcelist", at=T2, completed=T1) + UP)),
     ("until-before-from", ERROR, 1, doc(md("changelist", from_=T2, until=T1))),
-    ("at-not-allowed", ERROR, 3, doc(f"""
+    # §7 says entry at/completed/from/until are "only used for" some documents (no "must"): warnings
+    ("at-not-allowed", WARNING, 3, doc(f"""
         {RL}
         <url><loc>http://e.com/a</loc><rs:md at="2013-01-03T09:00:00Z"/></url>
+    """)),
+    ("completed-not-allowed", WARNING, 3, doc(f"""
+        {RL}
+        <url><loc>http://e.com/a</loc><rs:md completed="2013-01-03T09:00:00Z"/></url>
+    """)),
+    ("from-not-allowed", WARNING, 3, doc(f"""
+        {CL}
+        <url><loc>http://e.com/a</loc><rs:md change="created" from="2013-01-03T09:00:00Z"/></url>
+    """)),
+    ("until-not-allowed", WARNING, 3, doc(f"""
+        {CDM}
+        <url><loc>http://e.com/a</loc><rs:md change="deleted" until="2013-01-03T00:00:00Z"/></url>
     """)),
     ("from-recommended", WARNING, 4, doc(f"""
         <rs:md capability="changelist" from="2013-01-01T00:00:00Z"/>
@@ -118,7 +140,7 @@ CASES = [
         <url><loc>http://e.com/rl.xml</loc><rs:md capability="resourcelist"/></url>
         <url><loc>http://e.com/rl2.xml</loc><rs:md capability="resourcelist"/></url>
     """)),
-    ("capability-unknown", ERROR, 3, doc(f"""
+    ("capability-unknown", WARNING, 3, doc(f"""
         {CAPL}
         <url><loc>http://e.com/x.xml</loc><rs:md capability="everything"/></url>
     """)),
@@ -150,7 +172,7 @@ CASES = [
         {RDM}
         <url><loc>http://e.com/a</loc><rs:md path="/resources/a"/></url>
     """)),
-    ("path-not-allowed", ERROR, 3, doc(f"""
+    ("path-not-allowed", WARNING, 3, doc(f"""
         {RL}
         <url><loc>http://e.com/a</loc><rs:md path="/a"/></url>
     """)),
@@ -238,6 +260,43 @@ CASES = [
     ("index-not-allowed", ERROR, 1, doc(
         '<rs:md capability="change-notification" from="2013-01-03T00:00:00Z" until="2013-01-03T01:00:00Z"/>',
         root="sitemapindex")),
+    ("hash-token", WARNING, 3, doc(f"""
+        {RL}
+        <url><loc>http://e.com/a</loc><rs:md hash="sha-512:{"ab" * 32}"/></url>
+    """)),
+    ("patch-type-missing", ERROR, 3, doc(f"""
+        {CL}
+        <url><loc>http://e.com/a</loc><rs:md change="updated"/>
+          <rs:ln rel="http://www.openarchives.org/rs/terms/patch" href="http://e.com/a-diff"/></url>
+    """)),
+    ("patch-path-missing", ERROR, 3, doc(f"""
+        {CDM}
+        <url><loc>http://e.com/a</loc>
+          <rs:md change="updated" path="/changes/a" type="application/json"/>
+          <rs:ln rel="http://www.openarchives.org/rs/terms/patch" href="http://e.com/a-diff"
+                 type="application/json-patch"/></url>
+    """)),
+    ("rel-unknown", ERROR, 3, doc(f"""
+        {RL}
+        <url><loc>http://e.com/a</loc><rs:ln rel="mirror" href="http://m.e.com/a"/></url>
+    """)),
+    ("rel-unknown", ERROR, 3, doc(f"""
+        {RL}
+        <url><loc>http://e.com/a</loc><rs:ln rel="duplicate mirror" href="http://m.e.com/a"/></url>
+    """)),
+    ("rel-unknown", ERROR, 1, doc(f'{RL}<rs:ln rel="capabilitylist" href="http://example.com/c.xml"/>')),
+    ("loc-relative", ERROR, 3, doc(f"""
+        {RL}
+        <url><loc>/resources/a</loc></url>
+    """)),
+    ("loc-relative", ERROR, 3, doc(f"""
+        {RL}
+        <url><loc>a.html</loc></url>
+    """)),
+    ("loc-relative", ERROR, 3, doc("""
+        <rs:md capability="description"/>
+        <url><loc>//e.com/capabilitylist.xml</loc><rs:md capability="capabilitylist"/></url>
+    """)),
 ]  # fmt: skip
 
 
@@ -258,6 +317,115 @@ def test_clean_minimal_documents_have_no_issues() -> None:
         <url><loc>http://e.com/a</loc><rs:md path="/resources/a" type="text/plain"/></url>
     """)
     assert found(rdm) == []
+
+
+def test_sha512_tokens_are_well_formed() -> None:
+    """sha-512 is a well-formed token (§7 names md5 and sha-256 as examples, not as the only ones)."""
+    digest = "0123456789abcdef" * 8
+    data = doc(f"""
+        {RL}
+        {UP}
+        <url><loc>http://e.com/a</loc><rs:md hash="sha-512:{digest} md5:{"0" * 32}"/>
+          <rs:ln rel="duplicate" href="http://m.e.com/a" hash="SHA-512:{digest.upper()}"/></url>
+    """)
+    assert found(data) == []
+
+
+def test_relation_types_compare_case_insensitively() -> None:
+    """RFC 8288 §2.1.1: registered relation types are case-insensitive, so UP is up, HUB is hub; URIs and
+    §6.3.3's resourcesync are relation types too."""
+    capl = doc("""
+        <rs:md capability="capabilitylist"/>
+        <rs:ln rel="UP" href="http://example.com/sd.xml"/>
+        <rs:ln rel="DescribedBy" href="http://example.com/about"/>
+        <url><loc>http://e.com/topic</loc><rs:md capability="change-notification"/>
+          <rs:ln rel="Hub" href="http://hub.e.com/"/></url>
+    """)
+    assert found(capl) == []
+    extension = doc(f"""
+        {RL}
+        {UP}
+        <url><loc>http://e.com/a</loc><rs:ln rel="http://example.org/rel/mirror" href="http://m.e.com/a"/>
+          <rs:ln rel="urn:example:rel" href="http://m.e.com/b"/>
+          <rs:ln rel="resourcesync" href="http://e.com/capabilitylist.xml"/></url>
+    """)
+    assert found(extension) == []
+
+
+def test_complete_patch_links_are_clean() -> None:
+    """§14.4 as its Example 27 shows it, and inside a Change Dump Manifest with the patch's path."""
+    cl = doc(f"""
+        {CL}
+        {UP}
+        <url><loc>http://e.com/a</loc><rs:md change="updated"/>
+          <rs:ln rel="http://www.openarchives.org/rs/terms/patch" href="http://e.com/a-diff"
+                 type="application/json-patch"/></url>
+    """)
+    assert found(cl) == []
+    cdm = doc(f"""
+        {CDM}
+        {UP}
+        <url><loc>http://e.com/a</loc><rs:md change="updated" path="/changes/a" type="application/json"/>
+          <rs:ln rel="http://www.openarchives.org/rs/terms/patch" href="http://e.com/a-diff"
+                 type="application/json-patch" path="/changes/a-diff"/></url>
+    """)
+    assert found(cdm) == []
+
+
+def test_more_than_50000_entries_is_one_error_at_the_first_entry_too_many() -> None:
+    urls = "\n".join(f"<url><loc>http://e.com/{i}</loc></url>" for i in range(50_002))
+    report = check_source(doc(f"{RL}\n{UP}\n{urls}"))
+    assert report.entries == 50_002
+    # The body starts at line 2; head and up take lines 2 and 3, entry n (from 1) is on line n + 3.
+    assert [(i.rule, i.line, i.severity) for i in report.issues] == [("entries-limit", 50_004, ERROR)]
+    exactly = "\n".join(f"<url><loc>http://e.com/{i}</loc></url>" for i in range(50_000))
+    assert check_source(doc(f"{RL}\n{UP}\n{exactly}")).issues == []
+
+
+ENCODED = f"""<urlset xmlns="{SM}" xmlns:rs="{RS}">
+{RL}{UP}
+<url><loc>http://e.com/caf\u00e9</loc></url>
+</urlset>
+"""
+
+
+@pytest.mark.parametrize(
+    ("data", "name"),
+    [
+        (f'<?xml version="1.0" encoding="ISO-8859-1"?>\n{ENCODED}'.encode("latin-1"), "ISO-8859-1"),
+        (f"<?xml version='1.0' encoding='windows-1252' ?>\n{ENCODED}".encode("cp1252"), "windows-1252"),
+        (f'<?xml version="1.0" encoding="UTF-16"?>\n{ENCODED}'.encode("utf-16"), "UTF-16"),
+        (ENCODED.encode("utf-16"), "UTF-16"),  # byte-order mark, no declaration
+        (ENCODED.encode("utf-16-be"), "UTF-16"),  # neither: the parser refuses it as well
+        (ENCODED.encode("utf-32"), "UTF-32"),
+    ],
+)
+def test_document_not_in_utf8(data: bytes, name: str) -> None:
+    issues = validate_source(data)
+    assert issues[0].rule == "encoding-not-utf8" and issues[0].line == 1 and issues[0].severity == ERROR
+    assert name in issues[0].message
+    assert all(i.rule in ("encoding-not-utf8", "malformed") for i in issues), issues
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        ENCODED.encode(),
+        b"\xef\xbb\xbf" + ENCODED.encode(),  # UTF-8 byte-order mark
+        f'<?xml version="1.0" encoding="utf-8"?>\n{ENCODED}'.encode(),
+        f'<?xml version="1.0" encoding="US-ASCII"?>\n{ENCODED}'.encode("ascii", "xmlcharrefreplace"),
+    ],
+)
+def test_utf8_documents_pass_the_encoding_check(data: bytes) -> None:
+    assert validate_source(data) == []
+
+
+def test_encoding_declaration_split_across_feeds() -> None:
+    """Bytes arrive in any pieces (a URL is validated while it downloads)."""
+    data = f'<?xml version="1.0" encoding="ISO-8859-1"?>\n{ENCODED}'.encode("latin-1")
+    checker = Checker()
+    issues = [i for b in range(len(data)) for i in checker.feed(data[b : b + 1])] + checker.close()
+    assert [(i.rule, i.line) for i in issues] == [("encoding-not-utf8", 1)]
 
 
 def test_entries_without_order_keys_and_equal_datetimes_are_in_order() -> None:
@@ -505,6 +673,32 @@ def test_cli_errors_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert f"{bad}:1: error: up-link-missing: " in "\n".join(out)
     assert any(line.startswith(f"{bad}:3: error: changefreq-unknown: ") for line in out)
     assert out[-1] == f"{bad}: Resource List, 1 entries: invalid (2 error(s), 0 warning(s))"
+
+
+def test_cli_names_rule_and_line_of_the_new_checks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = f"""<?xml version="1.0" encoding="ISO-8859-1"?>
+<urlset xmlns="{SM}" xmlns:rs="{RS}">
+{CL}{UP}
+<url><loc>res/a</loc><rs:md change="updated" path="/a"/></url>
+<url><loc>http://e.com/b</loc><rs:md change="updated"/><rs:ln rel="Mirror" href="http://m.e.com/b"/></url>
+<url><loc>http://e.com/c</loc><rs:md change="updated"/>
+  <rs:ln rel="http://www.openarchives.org/rs/terms/patch" href="http://e.com/c-diff"/></url>
+</urlset>
+""".encode("latin-1")
+    path = write(tmp_path, "cl.xml", data)
+    assert main(["validate", path]) == 1
+    out = capsys.readouterr().out.splitlines()
+    for expected in (
+        f"{path}:1: error: encoding-not-utf8: ",
+        f"{path}:4: error: loc-relative: ",
+        f"{path}:4: warning: path-not-allowed: ",
+        f"{path}:5: error: rel-unknown: relation type 'mirror'",
+        f"{path}:6: error: patch-type-missing: ",
+    ):
+        assert any(line.startswith(expected) for line in out), (expected, out)
+    assert out[-1] == f"{path}: Change List, 3 entries: invalid (4 error(s), 1 warning(s))"
 
 
 def test_cli_warnings_only_exit_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

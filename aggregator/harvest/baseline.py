@@ -226,7 +226,9 @@ async def _baseline_from(
         list_index=0,
         list_until=None,
     )
-    swept = await ctx.write(ctx.writer.finish_baseline, set_id, generation, cursor)
+    swept = await ctx.write(
+        ctx.writer.finish_baseline, set_id, generation, cursor, pipeline.unlisted_retries()
+    )
     pipeline.announce(swept)
     ctx.metrics.committed(source, swept, ())
     for doc_url, (etag, last_modified) in (validators.pending if validators else {}).items():

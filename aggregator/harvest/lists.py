@@ -106,13 +106,18 @@ def _looks_like_index(first: Entry | None, capability: str, is_index: bool) -> b
 async def open_list(url: str, doc: DocumentStream, capability: str) -> tuple[bool, AsyncIterator[Entry]]:
     """(is it an index, its entries resolved against its URL) of a fetched list document."""
     head = _expect(url, doc.head, capability)
-    entries = resolved(doc.entries, doc.url or url)
-    first = await anext(entries, None)
+    first, entries = await _peek(resolved(doc.entries, doc.url or url))
     is_index = _looks_like_index(first, capability, head.is_index)
     if is_index != head.is_index:
         rule, what = ("index-as-urlset", "an index") if is_index else ("list-as-sitemapindex", "a list")
         deviation(rule, doc.url or url, first.line if first else None,
                   f"<{head.root}> whose entries make it {what}; read as {what}")  # fmt: skip
+    return is_index, entries
+
+
+async def _peek(entries: AsyncIterator[Entry]) -> tuple[Entry | None, AsyncIterator[Entry]]:
+    """The first entry, and all the entries (that one included) still to be read."""
+    first = await anext(entries, None)
 
     async def chain() -> AsyncGenerator[Entry, None]:
         if first is not None:
@@ -120,7 +125,7 @@ async def open_list(url: str, doc: DocumentStream, capability: str) -> tuple[boo
         async for e in entries:
             yield e
 
-    return is_index, chain()
+    return first, chain()
 
 
 def _expect(url: str, head: Head | None, capability: str, index_ok: bool = True) -> Head:
@@ -316,6 +321,9 @@ async def change_entries(
                     log.warning("source=%s url=%s archive of %s not read: %s", source, href, url, exc)
             if not is_index:
                 ref = ListRef(doc.url, md.from_ if md else None, md.until if md else None)
+                if ref.from_ is None:
+                    first, entries = await _peek(entries)
+                    ref = _without_from(ref, first)
                 older = _closed_before(archived, ref, pos)
                 check_gap(url, [*older, ref], pos.datetime)
                 for old in older:
@@ -352,6 +360,17 @@ async def change_entries(
                 yield item
             if validators:
                 validators.read(ref.url, doc.etag, doc.last_modified)
+
+
+def _without_from(ref: ListRef, first: Entry | None) -> ListRef:
+    """§12.1 makes ``from`` mandatory: without it, a list vouches for no change before its first one. A
+    position before that change may have missed changes the list no longer holds (a gap, so a new
+    baseline), never assumed otherwise. A list whose changes have no datetime cannot tell: its changes are
+    applied by content (see ``Position``)."""
+    deviation("from-missing", ref.url, None, "Change List without rs:md from (§12.1): it covers changes "
+              "from its first entry's datetime on")  # fmt: skip
+    t = when(first) if first is not None else None
+    return ListRef(ref.url, t, ref.until) if t is not None else ref
 
 
 def _closed_before(archived: list[ListRef], ref: ListRef, pos: Position) -> list[ListRef]:

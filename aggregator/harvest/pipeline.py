@@ -169,6 +169,9 @@ class Pipeline:
         self._set_name = next((s["name"] for s in ctx.reader.sets() if s["id"] == set_id), str(set_id))
         # URIs with a failed change waiting to be retried (store/retries.py): cleared once one applies.
         self._retrying = retries.uris(ctx.reader, set_id)
+        #: Those still to be tried (not ended), which a snapshot may supersede.
+        self._waiting = frozenset(e.loc for e, _, _ in retries.pending(ctx.reader, set_id))
+        self._listed: set[str] = set()  # the waiting URIs this run's items listed
         # Records appended after this point are announced (rsagg_change_published).
         self._last_seq = ctx.reader.last_seq() if self._events else 0
 
@@ -206,6 +209,8 @@ class Pipeline:
         async with send, aclosing(items):
             seq = 0
             async for work in items:
+                if work.entry.loc in self._waiting:
+                    self._listed.add(work.entry.loc)
                 await self._inflight.acquire()
                 await send.send((seq, work))
                 seq += 1
@@ -372,6 +377,16 @@ class Pipeline:
         self._retrying.update(e.loc for e, _, _, _ in failed)
         self._retrying.difference_update(cleared)
         return lambda conn, now: retries.update(conn, now, self.set_id, failed, cleared)
+
+    def unlisted_retries(self) -> Callable[[Any, str], None] | None:
+        """After a complete snapshot (a baseline): forget the failed changes of URIs it did not list.
+        The snapshot says they are gone; retrying them would fail at every sync from then on. (Those it
+        listed were tried again by the run: cleared when they applied, recorded again when not.)"""
+        gone = sorted(self._waiting - self._listed)
+        if not gone:
+            return None
+        self._retrying.difference_update(gone)
+        return lambda conn, now: retries.update(conn, now, self.set_id, [], gone)
 
     def announce(self, applied: list[Change]) -> None:
         """Event hooks, after the transaction committed: what was stored or deleted, and each record

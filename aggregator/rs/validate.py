@@ -4,7 +4,8 @@ Why: rsagg reads documents written by others and writes its own; both sides need
 rules of ResourceSync 1.1 (core §7–§13, Appendix A), Change/Framework Notification 1.0.1 and the Archives
 draft, and can say *where* a document breaks them. Each problem is an ``Issue`` with a line, a short
 kebab-case rule id and a severity: "error" for what the texts say *must* (or mandatory), "warning" for
-*should*/recommended and for things the texts leave undefined.
+*should*/recommended, for "only used for" (§7) and for things the texts leave undefined or leave to other
+specifications (capabilities beyond the core list, §6.1, §9).
 
 Memory does not grow with the number of entries: rules keep only what they strictly need (the last
 datetimes seen for order checks, a Capability List's few capabilities, a bounded window of recent
@@ -14,6 +15,7 @@ datetimes seen for order checks, a Capability List's few capabilities, a bounded
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -38,6 +40,8 @@ MAX_PER_RULE = 1000
 #: How many recent ``<loc>`` values the duplicate check remembers (bounded memory, exact within the window).
 LOC_WINDOW = 65_536
 CHUNK = 65_536
+#: §7 follows the Sitemap protocol's limits: at most 50,000 entries in one document (more need an index).
+MAX_ENTRIES = 50_000
 
 
 @dataclass(slots=True)
@@ -61,6 +65,7 @@ def _key(issue: Issue) -> int:
 # Modes for the at/from attributes (Appendix A, Table 4, and §7's "is used for ... not used for" lists):
 MANDATORY, RECOMMENDED, OPTIONAL = "mandatory", "recommended", "optional"
 NOT_USED = "not-used"  # the text says the attribute is not used here: error when present
+ELSEWHERE = "elsewhere"  # §7 says the entry attribute is "only used for" other documents: warning
 UNDEFINED = "undefined"  # the text does not define the attribute here: warning when present
 
 
@@ -68,8 +73,8 @@ UNDEFINED = "undefined"  # the text does not define the attribute here: warning 
 class _Profile:
     top_at: str = UNDEFINED
     top_from: str = UNDEFINED
-    child_at: str = NOT_USED
-    child_from: str = NOT_USED
+    child_at: str = ELSEWHERE
+    child_from: str = ELSEWHERE
     up: tuple[str, str] | None = None  # (severity, why) when the top rel="up" link is missing
     order: tuple[str, str, str] | None = None  # (key "datetime"|"from"|"at", severity, section)
     change: str | None = None  # section requiring rs:md/@change on every entry
@@ -184,6 +189,69 @@ def _profile(capability: str | None, is_index: bool) -> _Profile:
     return _Profile(child_at=UNDEFINED, child_from=UNDEFINED)
 
 
+#: An attribute where it does not belong: (severity, why) by mode.
+_OUT_OF_PLACE = {
+    NOT_USED: (ERROR, "not used here (§7, Appendix A)"),
+    ELSEWHERE: (WARNING, "§7 says it is only used for {docs}"),
+    UNDEFINED: (WARNING, "not defined for this document"),
+}
+#: §7's "only used for" lists of the entry-level time attributes.
+_ONLY_USED_FOR = {
+    "at": "Resource List Indexes, Resource Dumps and Resource Dump Indexes",
+    "from": "Change List Indexes, Change Dumps and Change Dump Indexes",
+}
+#: Relation types of the IANA Link Relation Type Registry (§7: a relation type is registered there or is a
+#: URI), and ``resourcesync``, which §6.3.3 defines for discovery links. Compared case-insensitively
+#: (RFC 8288 §2.1.1).
+_REGISTERED_RELS = frozenset(
+    """resourcesync
+    about acl alternate amphtml api-catalog appendix apple-touch-icon apple-touch-startup-image archives
+    author blocked-by bookmark c2pa-manifest canonical chapter cite-as collection compression-dictionary
+    contents convertedfrom copyright create-form current deprecation describedby describes disclosure
+    dns-prefetch duplicate edit edit-form edit-media enclosure external first geofeed glossary help hosts hub
+    ice-server icon index intervalafter intervalbefore intervalcontains intervaldisjoint intervalduring
+    intervalequals intervalfinishedby intervalfinishes intervalin intervalmeets intervalmetby
+    intervaloverlappedby intervaloverlaps intervalstartedby intervalstarts item last latest-version license
+    linkset lrdd manifest mask-icon me media-feed memento micropub modulepreload monitor monitor-group next
+    next-archive nofollow noopener noreferrer opener openid2.local_id openid2.provider original p3pv1 payment
+    pingback preconnect predecessor-version prefetch preload prerender prev prev-archive preview previous
+    privacy-policy profile publication related replies restconf ruleinput search section self service
+    service-desc service-doc service-meta sip-trunking-capability sponsored start status stylesheet
+    subsection successor-version sunset tag terms-of-service timegate timemap type ugc up version-history via
+    webmention working-copy working-copy-of""".split()
+)
+#: An absolute URI begins with its scheme (RFC 3986 §3.1); anything else is a relative reference.
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+_PATCH_REL = m.PATCH_REL.lower()
+#: Hash tokens beyond those rsagg verifies (``fixity``) that are still well formed: algorithm -> hex digits.
+_OTHER_HASHES = {"sha-512": 128}
+_HEX = re.compile(r"[0-9a-fA-F]+\Z")
+
+
+def _is_absolute(uri: str) -> bool:
+    return _SCHEME.match(uri.strip()) is not None
+
+
+def _rels(value: str | None) -> list[str]:
+    """The relation types of a rel attribute, lower-cased (RFC 8288 §2.1.1: case-insensitive)."""
+    return value.lower().split() if value else []
+
+
+def _has_rel(links: Iterable[Link], rel: str) -> bool:
+    return any(rel in _rels(ln.rel) and ln.href for ln in links)
+
+
+def _bad_hash_tokens(value: str) -> list[str]:
+    """Tokens neither ``fixity`` reads nor another well-formed algorithm:hex token (e.g. sha-512)."""
+    out = []
+    for token in bad_hash_tokens(value):
+        algo, _, digest = token.partition(":")
+        size = _OTHER_HASHES.get(algo.lower())
+        if size is None or len(digest) != size or not _HEX.match(digest):
+            out.append(token)
+    return out
+
+
 #: What a Capability List may advertise (§9, Change/Framework Notification, Archives).
 _ADVERTISABLE = frozenset(
     {
@@ -218,6 +286,7 @@ class _Rules:
         self.last: dict[str, datetime] = {}  # order key kind -> last value seen
         self.recent: set[int] = set()
         self.recent_order: deque[int] = deque()
+        self.entries = 0
 
     # -- head ------------------------------------------------------------------------------------------
     def check_head(self) -> Iterator[Issue]:
@@ -227,7 +296,7 @@ class _Rules:
         elif not cap:
             yield Issue(line, "capability-missing", "the top-level rs:md has no capability (mandatory, §7)")
         elif cap not in m.CAPABILITIES:
-            yield Issue(line, "capability-unknown", f"capability {cap!r} is not defined by ResourceSync")
+            yield _unknown_capability(line, cap)
         if h.is_index and cap in m.CAPABILITIES and cap not in m.INDEXABLE:
             if cap == m.DESCRIPTION:
                 pass  # §8: multiple Source Descriptions "must" be grouped by a Source Description Index
@@ -251,7 +320,7 @@ class _Rules:
                     line, "until-required", "a change notification's rs:md needs until (Change Notification)"
                 )
             yield from self._up(line)
-            if cap in (m.DESCRIPTION, m.CAPABILITYLIST) and h.link("describedby") is None:
+            if cap in (m.DESCRIPTION, m.CAPABILITYLIST) and not _has_rel(h.links, "describedby"):
                 sec = "§8" if cap == m.DESCRIPTION else "§9"
                 yield Issue(
                     line, "describedby-missing", f'{sec}: a rs:ln rel="describedby" is recommended', WARNING
@@ -260,7 +329,7 @@ class _Rules:
         yield from self._links(h.links, line)
 
     def _up(self, line: int | None) -> Iterator[Issue]:
-        if self.p.up is None or any(ln.rel == "up" and ln.href for ln in self.head.links):
+        if self.p.up is None or _has_rel(self.head.links, "up"):
             return
         severity, why = self.p.up
         yield Issue(line, "up-link-missing", f'no rs:ln rel="up" {why}', severity)
@@ -284,12 +353,9 @@ class _Rules:
                     WARNING,
                 )
             for attr, val in ((name, value), (partner, pvalue)):
-                if val is not None and mode in (NOT_USED, UNDEFINED):
-                    sev, why = (
-                        (ERROR, "not used here (§7, Appendix A)")
-                        if mode == NOT_USED
-                        else (WARNING, "not defined for this document")
-                    )
+                if val is not None and mode in _OUT_OF_PLACE:
+                    sev, why = _OUT_OF_PLACE[mode]
+                    why = why.format(docs=_ONLY_USED_FOR[name])
                     yield Issue(
                         line, f"{attr}-not-allowed", f"{attr} on the {where} rs:md of a {cap}: {why}", sev
                     )
@@ -301,7 +367,7 @@ class _Rules:
     # -- both levels -----------------------------------------------------------------------------------
     def _md_common(self, md: Md, line: int | None) -> Iterator[Issue]:
         if md.hash is not None:
-            bad = bad_hash_tokens(md.hash)
+            bad = _bad_hash_tokens(md.hash)
             if bad:
                 yield _hash_issue(bad, line, "rs:md")
         if md.length is not None and md.length < 0:
@@ -319,10 +385,11 @@ class _Rules:
                 yield Issue(line, "ln-rel-missing", "rs:ln without rel (mandatory, §7)")
             if not ln.href and not (self.parsed and ln.href is None):
                 yield Issue(line, "ln-href-missing", "rs:ln without href (mandatory, §7)")
+            yield from self._rel(ln, line)
             if ln.pri is not None and not 1 <= ln.pri <= 999_999:
                 yield Issue(line, "pri-range", f"pri {ln.pri} is outside 1..999999 (§7)")
             if ln.hash is not None:
-                bad = bad_hash_tokens(ln.hash)
+                bad = _bad_hash_tokens(ln.hash)
                 if bad:
                     yield _hash_issue(bad, line, "rs:ln")
             if ln.length is not None and ln.length < 0:
@@ -330,11 +397,42 @@ class _Rules:
             if not self.parsed:
                 yield from _extra_attrs(ln.extra, _LN_KNOWN, "rs:ln", line)
 
+    def _rel(self, ln: Link, line: int | None) -> Iterator[Issue]:
+        """§7: registered or a URI; §14.4: a patch link has a type, and a path inside a Change Dump."""
+        rels = _rels(ln.rel)
+        for rel in rels:
+            if rel not in _REGISTERED_RELS and not _is_absolute(rel):
+                yield Issue(
+                    line,
+                    "rel-unknown",
+                    f"relation type {rel!r} is neither in the IANA Link Relations registry nor a URI (§7)",
+                )
+        if _PATCH_REL not in rels:
+            return
+        if ln.type is None:
+            yield Issue(line, "patch-type-missing", "a patch link needs type, the patch format (§14.4)")
+        if self.capability == m.CHANGEDUMP_MANIFEST and ln.path is None:
+            yield Issue(
+                line,
+                "patch-path-missing",
+                "a patch link in a Change Dump Manifest needs path, the patch's place in the package (§14.4)",
+            )
+
     # -- entries ---------------------------------------------------------------------------------------
     def check_entry(self, e: Entry) -> Iterator[Issue]:
         line, md, p, cap = e.line, e.md, self.p, self.capability
+        self.entries += 1
+        if self.entries == MAX_ENTRIES + 1:
+            yield Issue(
+                line,
+                "entries-limit",
+                f"more than {MAX_ENTRIES:,} entries in one document: §7 follows the Sitemap limit; "
+                "split the document and group the parts with an index",
+            )
         if not e.loc and not (self.parsed and e.loc is None):
             yield Issue(line, "loc-missing", "entry without <loc> (mandatory, §7)")
+        elif e.loc and not _is_absolute(e.loc):
+            yield Issue(line, "loc-relative", f"<loc> {e.loc.strip()[:80]!r} is not an absolute URI (§7)")
         if e.changefreq is not None and e.changefreq not in m.CHANGEFREQS:
             yield Issue(
                 line, "changefreq-unknown", f"changefreq {e.changefreq!r} is not a defined value (§7)"
@@ -375,7 +473,7 @@ class _Rules:
         if p.path:
             yield from self._path(e)
         elif md is not None and md.path is not None:
-            yield Issue(line, "path-not-allowed", "path is only used in Dump Manifests (§7)")
+            yield Issue(line, "path-not-allowed", "path is only used in Dump Manifests (§7)", WARNING)
         if p.order:
             yield from self._order(e)
         if p.loc_unique and e.loc:
@@ -462,7 +560,7 @@ class _Rules:
             )
             return
         if cap not in m.CAPABILITIES:
-            yield Issue(e.line, "capability-unknown", f"capability {cap!r} is not defined by ResourceSync")
+            yield _unknown_capability(e.line, cap)
         elif cap not in _ADVERTISABLE:
             yield Issue(
                 e.line, "capability-not-allowed", f"a Capability List does not advertise {cap!r} (§9)"
@@ -476,7 +574,7 @@ class _Rules:
             )
         elif len(self.capabilities) < 64:  # bounded even for hostile lists
             self.capabilities[cap] = e.line or 0
-        if cap in (m.CHANGE_NOTIFICATION, m.FRAMEWORK_NOTIFICATION) and not e.links_by_rel("hub"):
+        if cap in (m.CHANGE_NOTIFICATION, m.FRAMEWORK_NOTIFICATION) and not _has_rel(e.links, "hub"):
             yield Issue(
                 e.line, "hub-link-missing", f'{cap} is advertised with a rs:ln rel="hub" (Notification)'
             )
@@ -505,12 +603,21 @@ class _Rules:
             yield Issue(e.line, "capability-not-allowed", f"framework notifications are not about {cap!r}")
 
 
+def _unknown_capability(line: int | None, cap: str) -> Issue:
+    return Issue(
+        line,
+        "capability-unknown",
+        f"capability {cap!r} is not defined by ResourceSync (other specifications may add some, §6.1, §9)",
+        WARNING,
+    )
+
+
 def _hash_issue(bad: list[str], line: int | None, where: str) -> Issue:
     tokens = ", ".join(t[:40] for t in bad[:3])
     return Issue(
         line,
         "hash-token",
-        f"{where} hash token(s) not algorithm:hex (md5, sha-1, sha-256): {tokens}",
+        f"{where} hash token(s) not algorithm:hex (md5, sha-1, sha-256, sha-512): {tokens}",
         WARNING,
     )
 
@@ -649,6 +756,36 @@ def _raw_time(value: str | None, what: str, line: int | None, recommend: bool) -
     return []
 
 
+# --- encoding -------------------------------------------------------------------------------------------
+#: Byte-order marks and the first bytes of ``<?`` in encodings that are not UTF-8 (XML 1.0 Appendix F).
+_NOT_UTF8_STARTS = (
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\xfe\xff", "UTF-16"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\x00\x00\x00<", "UTF-32"),
+    (b"<\x00\x00\x00", "UTF-32"),
+    (b"\x00<", "UTF-16"),
+    (b"<\x00", "UTF-16"),
+)
+_DECLARED = re.compile(rb"<\?xml[^>]*?\sencoding\s*=\s*[\"']([A-Za-z][A-Za-z0-9._-]*)[\"']")
+#: Declared encodings whose documents are UTF-8 byte for byte (ASCII is a subset).
+_UTF8_NAMES = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})
+#: How many leading bytes hold the XML declaration, if there is one.
+_PROLOG = 512
+
+
+def _encoding_issue(prolog: bytes) -> Issue | None:
+    """The Sitemap protocol, on which §7 builds, requires UTF-8; a BOM or the declaration says otherwise."""
+    name = next((n for start, n in _NOT_UTF8_STARTS if prolog.startswith(start)), None)
+    if name is None:
+        found = _DECLARED.match(prolog.removeprefix(b"\xef\xbb\xbf").lstrip())
+        if found is None or found.group(1).decode().lower() in _UTF8_NAMES:
+            return None
+        name = found.group(1).decode()
+    return Issue(1, "encoding-not-utf8", f"the document is in {name}, not UTF-8 (Sitemap protocol, §7)")
+
+
 # --- bytes in, report out --------------------------------------------------------------------------------
 @dataclass
 class Report:
@@ -754,6 +891,7 @@ class Checker:
         self._max = max_per_rule
         self._counts: dict[str, int] = {}
         self._hidden: dict[str, list[int]] = {}  # rule -> [count, errors]
+        self._prolog: bytes | None = b""  # the first bytes, until the encoding is checked (then None)
         self.report = Report(source or url or "<document>")
 
     def _on_problem(self, line: int | None, message: str) -> None:
@@ -794,6 +932,12 @@ class Checker:
 
     def _step(self, data: bytes, *, final: bool) -> list[Issue]:
         found: list[Issue] = []
+        if self._prolog is not None:  # before the parser, which may refuse such a document outright
+            self._prolog += data[:_PROLOG]
+            if final or len(self._prolog) >= _PROLOG or b">" in self._prolog:
+                issue = _encoding_issue(self._prolog)
+                self._pending.extend([issue] if issue else [])
+                self._prolog = None
         try:
             items = self._reader.feed(data) if data else []
             if final:

@@ -773,9 +773,16 @@ class State:
                 raise KeyError(f"unknown set {set_id}")
             return row[0]
 
-    def finish_baseline(self, set_id: int, generation: int, cursor: Cursor) -> list[Change]:
+    def finish_baseline(
+        self,
+        set_id: int,
+        generation: int,
+        cursor: Cursor,
+        also: Callable[[sqlite3.Connection, str], None] | None = None,
+    ) -> list[Change]:
         """Tombstone (and log "deleted") every live row of the set not seen in ``generation``, store
-        the cursor and close the baseline, in one transaction. Returns the deletions."""
+        the cursor and close the baseline, in one transaction (``also(connection, now)`` too, as in
+        ``apply``). Returns the deletions."""
         with self._write() as c:
             row = c.execute("SELECT baseline_generation FROM sets WHERE id = ?", (set_id,)).fetchone()
             if row is None:
@@ -799,6 +806,8 @@ class State:
                 )
             self._put_cursor(c, set_id, cursor, now)
             c.execute("UPDATE sets SET baseline_generation = NULL WHERE id = ?", (set_id,))
+            if also is not None:
+                also(c, now)
         if gone:
             self._last_log_time = log_time
         return [Change(uri, DELETED, generation=generation) for _, uri in gone]
