@@ -6,8 +6,8 @@ import hashlib
 import re
 
 #: Token names used by ResourceSync (note the hyphens) mapped to hashlib names.
-ALGORITHMS: dict[str, str] = {"md5": "md5", "sha-1": "sha1", "sha-256": "sha256"}
-_HEX_LEN = {"md5": 32, "sha-1": 40, "sha-256": 64}
+ALGORITHMS: dict[str, str] = {"md5": "md5", "sha-1": "sha1", "sha-256": "sha256", "sha-512": "sha512"}
+_HEX_LEN = {"md5": 32, "sha-1": 40, "sha-256": 64, "sha-512": 128}
 _HEX = re.compile(r"[0-9a-fA-F]+\Z")
 
 
@@ -36,7 +36,7 @@ def bad_hash_tokens(value: str) -> list[str]:
 
 def format_hash(hashes: dict[str, str]) -> str | None:
     """Write ``{algorithm: hex}`` as an attribute value, strongest first, or None when empty."""
-    order = ("sha-256", "sha-1", "md5")
+    order = ("sha-512", "sha-256", "sha-1", "md5")
     tokens = [f"{a}:{hashes[a]}" for a in order if a in hashes]
     tokens += [f"{a}:{d}" for a, d in sorted(hashes.items()) if a not in order]
     return " ".join(tokens) or None

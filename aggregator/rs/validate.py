@@ -223,9 +223,6 @@ _REGISTERED_RELS = frozenset(
 #: An absolute URI begins with its scheme (RFC 3986 §3.1); anything else is a relative reference.
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 _PATCH_REL = m.PATCH_REL.lower()
-#: Hash tokens beyond those rsagg verifies (``fixity``) that are still well formed: algorithm -> hex digits.
-_OTHER_HASHES = {"sha-512": 128}
-_HEX = re.compile(r"[0-9a-fA-F]+\Z")
 
 
 def _is_absolute(uri: str) -> bool:
@@ -239,17 +236,6 @@ def _rels(value: str | None) -> list[str]:
 
 def _has_rel(links: Iterable[Link], rel: str) -> bool:
     return any(rel in _rels(ln.rel) and ln.href for ln in links)
-
-
-def _bad_hash_tokens(value: str) -> list[str]:
-    """Tokens neither ``fixity`` reads nor another well-formed algorithm:hex token (e.g. sha-512)."""
-    out = []
-    for token in bad_hash_tokens(value):
-        algo, _, digest = token.partition(":")
-        size = _OTHER_HASHES.get(algo.lower())
-        if size is None or len(digest) != size or not _HEX.match(digest):
-            out.append(token)
-    return out
 
 
 #: What a Capability List may advertise (§9, Change/Framework Notification, Archives).
@@ -367,7 +353,7 @@ class _Rules:
     # -- both levels -----------------------------------------------------------------------------------
     def _md_common(self, md: Md, line: int | None) -> Iterator[Issue]:
         if md.hash is not None:
-            bad = _bad_hash_tokens(md.hash)
+            bad = bad_hash_tokens(md.hash)
             if bad:
                 yield _hash_issue(bad, line, "rs:md")
         if md.length is not None and md.length < 0:
@@ -389,7 +375,7 @@ class _Rules:
             if ln.pri is not None and not 1 <= ln.pri <= 999_999:
                 yield Issue(line, "pri-range", f"pri {ln.pri} is outside 1..999999 (§7)")
             if ln.hash is not None:
-                bad = _bad_hash_tokens(ln.hash)
+                bad = bad_hash_tokens(ln.hash)
                 if bad:
                     yield _hash_issue(bad, line, "rs:ln")
             if ln.length is not None and ln.length < 0:
