@@ -22,6 +22,7 @@ from ..metrics import Metrics
 from ..plugins import Plugins
 from ..store.blobs import BlobStore, BlobWriter
 from ..store.state import State
+from .access import Access, user_agent
 from .fetch import Fetcher
 from .patch import PatchApplier, builtin_patch_formats
 
@@ -143,6 +144,7 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
     writer = State(root / "state.db", synchronous=config.store.synchronous, cache_mib=config.store.cache_mib)
     # The reader only walks the (set_id, uri) index for lookups: a small cache holds its hot pages.
     reader = State(root / "state.db", synchronous=config.store.synchronous, cache_mib=8)
+    access = Access.from_config(config)  # reads the sources' secrets: a missing one stops here
     metrics = Metrics()
     metrics.attach(plugins=plugins, store=blobs)
     fetcher = Fetcher(
@@ -155,6 +157,8 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
         backoff_max=hc.backoff_max,
         max_document_bytes=hc.max_document_bytes,
         max_resource_bytes=hc.max_resource_bytes,
+        user_agent=user_agent(config),
+        request_hook=access or None,
     )
     plugins.call("rsagg_startup", config=config)
     try:

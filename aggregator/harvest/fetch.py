@@ -68,6 +68,8 @@ SMALL_BODY = 64 * 1024
 DOCUMENT_ACCEPT = "application/xml, text/xml;q=0.9, */*;q=0.1"
 
 MetricsHook = Callable[[str, int | None, float, int], None]
+#: Called before each hop of a request is sent (``harvest/access.py``: credentials, rate); may wait.
+RequestHook = Callable[[httpx.Request], Awaitable[None]]
 
 
 class FetchError(Exception):
@@ -589,6 +591,7 @@ class Fetcher:
         transport: httpx.AsyncBaseTransport | None = None,
         metrics_hook: MetricsHook | None = None,
         document_deadline: float = 900.0,
+        request_hook: RequestHook | None = None,
     ) -> None:
         self.per_host = per_host
         self.retries = retries
@@ -600,6 +603,7 @@ class Fetcher:
         #: a server dripping a byte just often enough to beat the read timeout cannot hold us forever.
         self.document_deadline = document_deadline
         self.metrics_hook = metrics_hook
+        self.request_hook = request_hook
         self._limiters: dict[str, trio.CapacityLimiter] = {}
         # pool=None: waiting for a free connection is not a failure; our own limiters bound the waits.
         timeouts = httpx.Timeout(timeout, pool=None)
@@ -677,6 +681,8 @@ class Fetcher:
             raise _transport_error(url, exc) from exc
         for _hop in range(MAX_REDIRECTS + 1):
             host = request.url.host
+            if self.request_hook is not None:
+                await self.request_hook(request)
             async with self._limiter(host):
                 start = trio.current_time()
                 try:

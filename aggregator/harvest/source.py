@@ -20,6 +20,7 @@ from .context import HarvestContext
 from .discovery import SetInfo, discover
 from .incremental import run_incremental
 from .lists import GapError, Validators
+from .oaipmh import sync_oaipmh
 from .pipeline import Failure, Pipeline, PipelineStats, Work
 from .progress import Progress
 
@@ -83,7 +84,12 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     ctx.progress.pop(src.name, None)
     progress = Progress(src.name, ctx.progress_update)
     try:
-        sets = await discover(ctx.fetcher, src.url)
+        if src.kind == "oai-pmh":  # one set: the records of (metadata_prefix, set)
+            result.sets = 1
+            result.stats.append(await sync_oaipmh(ctx, src))
+            sets = []
+        else:
+            sets = await discover(ctx.fetcher, src.url)
         result.sets = len(sets)
         result.discovered = sets
         for info in sets:
