@@ -1,0 +1,309 @@
+"""OAI-PMH sources end to end, against PyPI ``oaipmh``'s data provider (tests/oaiserver.py): a full walk
+of 5,000 records over many pages, additions, updates and deletions, a ``kill -9`` in the middle of a
+ListRecords walk (and an expired resumption token) with no gap and no duplicate in the changelog, then
+resync (the reference ResourceSync client) in sync with what rsagg republishes, every document valid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from lxml import etree
+
+from aggregator.config import parse_config
+from aggregator.harvest.oaipmh import parse_page
+from aggregator.publish.uris import rsagg_uri
+from aggregator.store.state import State
+
+from .harvesting import changelog, harvest, held
+from .httpserver import serve_app
+from .oaiserver import OaiApp, Repository
+from .test_publish import local_files, publishing, resync, walk
+
+RSAGG = str(Path(sys.executable).parent / "rsagg")
+OAI_DC = "{http://www.openarchives.org/OAI/2.0/oai_dc/}dc"
+
+
+def oai_config(tmp_path: Path, url: str, **source):
+    return parse_config(
+        {
+            "store": {"path": str(tmp_path / "data")},
+            "harvest": {"retries": 2, "backoff_base": 0.01, "backoff_max": 0.05, "timeout": 10},
+            "sources": [{"name": "oai", "url": url, "kind": "oai-pmh", **source}],
+        },
+        str(tmp_path / "test.toml"),
+    )
+
+
+def write_config(tmp_path: Path, url: str, extra: str = "") -> Path:
+    path = tmp_path / "rsagg.toml"
+    path.write_text(
+        f'[store]\npath = "{tmp_path / "data"}"\n[harvest]\nretries = 2\nbackoff_base = 0.01\n'
+        f'backoff_max = 0.05\ntimeout = 10\n\n[[sources]]\nname = "oai"\nkind = "oai-pmh"\nurl = "{url}"\n'
+        + extra
+    )
+    return path
+
+
+def titles(cfg) -> dict[str, str]:
+    """identifier -> dc:title of every live record rsagg holds (read back from its blob store)."""
+    out = {}
+    blobs = cfg.store_path / "blobs"
+    for uri, sha in held(cfg).items():
+        files = list(blobs.glob(f"{sha[:2]}/{sha[2:4]}/{sha}"))
+        root = etree.fromstring(files[0].read_bytes())
+        assert root.tag == OAI_DC
+        out[uri] = root.findtext("{http://purl.org/dc/elements/1.1/}title")
+    return out
+
+
+async def next_second() -> None:
+    """Wait until the repository clock (whole seconds) has moved on: datestamps after this are later."""
+    start = datetime.now(UTC).replace(microsecond=0)
+    while datetime.now(UTC).replace(microsecond=0) <= start:
+        await trio.sleep(0.05)
+
+
+def kinds(log) -> Counter:
+    return Counter(change for _, change, _ in log)
+
+
+async def test_oai_harvest_changes_and_resync(tmp_path: Path):
+    repo = Repository()
+    repo.bulk_add(0, 5000)
+    app = OaiApp(repo, page_size=200)
+    async with serve_app(app) as base:
+        repo.base_url = f"{base}/oai"
+        cfg = oai_config(tmp_path, f"{base}/oai")
+        result = (await harvest(cfg))["oai"]
+        assert result.ok, result.error
+        assert len(app.list_requests()) == 25  # 5,000 records in pages of 200
+        assert titles(cfg) == repo.live()
+        log = changelog(cfg)
+        assert len(log) == 5000 and kinds(log) == {"created": 5000} and len({u for u, _, _ in log}) == 5000
+        with State(cfg.store_path / "state.db") as st:
+            (s,) = st.sets("oai")
+            row = st.resource(s["id"], repo.ident(7))
+            assert row.type == "application/xml" and row.lastmod == repo.items[
+                repo.ident(7)
+            ].datestamp.replace(tzinfo=UTC)
+            (via,) = row.links
+            assert via.rel == "via" and "verb=GetRecord" in via.href and "metadataPrefix=oai_dc" in via.href
+            cur = st.cursor(s["id"])
+            assert cur.changelist_url is None and cur.last_datetime is not None  # walk complete
+
+        # The via link names the record: GetRecord answers the same metadata, byte for byte once
+        # canonicalised (what rsagg stores).
+        async with httpx.AsyncClient() as client:
+            got = parse_page((await client.get(via.href)).content, via.href)
+        assert got.records[0].identifier == repo.ident(7)
+        blob = cfg.store_path / "blobs" / row.sha256[:2] / row.sha256[2:4] / row.sha256
+        assert got.records[0].content == blob.read_bytes()
+
+        # Additions, updates, deletions: exactly those enter the changelog; an unchanged walk logs nothing
+        # (``from`` is inclusive: the records of the previous walk's last second come again, as no-ops).
+        await next_second()
+        repo.bulk_add(5000, 40)
+        for i in range(100, 130):
+            repo.update(repo.ident(i), f"Updated {i}")
+        for i in range(200, 220):
+            repo.delete(repo.ident(i))
+        result = (await harvest(cfg))["oai"]
+        assert result.ok, result.error
+        assert app.list_requests()[25].args.get("from")  # an incremental walk
+        log2 = changelog(cfg)[5000:]
+        assert kinds(log2) == {"created": 40, "updated": 30, "deleted": 20}, kinds(log2)
+        assert titles(cfg) == repo.live()
+        assert (await harvest(cfg))["oai"].ok
+        assert len(changelog(cfg)) == 5090
+
+        # resync from rsagg's republished set: baseline, incremental, audit; every document valid.
+        async with publishing(cfg) as (rbase, client):
+            docs = await walk(client, rbase)  # every document validated on the way (get_doc)
+            assert f"{rbase}/oai/resourcelist.xml" in docs
+            await rsagg_validate([u for u in docs], tmp_path)
+            dest, cwd = tmp_path / "dest", tmp_path / "cwd"
+            cwd.mkdir()
+            out = await resync("--baseline", "--delete", rbase, str(dest), cwd=cwd)
+            assert "SYNCED" in out or "IN SYNC" in out, out
+            assert local_titles(dest, rbase) == repo.live()
+
+            await next_second()
+            repo.bulk_add(6000, 5)
+            for i in range(300, 305):
+                repo.update(repo.ident(i), f"Again {i}")
+            for i in range(400, 403):
+                repo.delete(repo.ident(i))
+            assert (await harvest(cfg))["oai"].ok
+            assert kinds(changelog(cfg)[5090:]) == {"created": 5, "updated": 5, "deleted": 3}
+            docs = await walk(client, rbase)
+            await rsagg_validate([u for u in docs if "changelist" in u], tmp_path)
+            head, entries = docs[f"{rbase}/oai/changelist.xml"]
+            open_list = f"{rbase}/oai/changelist.xml" if not head.is_index else entries[-1].loc
+            out = await resync(
+                "--incremental", "--delete", "--changelist-uri", open_list, rbase, str(dest), cwd=cwd
+            )
+            assert "CHANGES APPLIED" in out, out
+            assert local_titles(dest, rbase) == repo.live()
+            out = await resync("--audit", "--hash", "md5", rbase, str(dest), cwd=cwd)
+            assert "IN SYNC" in out and "NOT IN SYNC" not in out, out
+
+
+def local_titles(dest: Path, rbase: str) -> dict[str, str]:
+    """identifier -> title of the files resync wrote (it maps our URIs under BASE to files under DEST)."""
+    out = {}
+    prefix = rsagg_uri(rbase, "oai", "oai:x")[: -len("oai:x")]
+    for rel, data in local_files(dest).items():
+        uri = f"{rbase}/{rel}"
+        assert uri.startswith(prefix), uri
+        root = etree.fromstring(data)
+        out[uri[len(prefix) :]] = root.findtext("{http://purl.org/dc/elements/1.1/}title")
+    return out
+
+
+async def rsagg_validate(urls: list[str], tmp_path: Path) -> None:
+    assert urls
+    done = await trio.run_process([RSAGG, "validate", *urls], capture_stdout=True, capture_stderr=True,
+                                  check=False)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr).decode()
+
+
+def cursor_token(db: Path) -> str | None:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+            row = conn.execute("SELECT changelist_url FROM cursors").fetchone()
+    except sqlite3.OperationalError:  # not created yet
+        return None
+    return row[0] if row else None
+
+
+async def kill_mid_walk(config: Path, app: OaiApp, db: Path, tmp_path: Path) -> None:
+    """Start ``rsagg harvest --once``, SIGKILL it once a page is committed and more are coming."""
+    before = len(app.list_requests())
+    log = open(tmp_path / "harvest-killed.log", "ab")
+    proc = subprocess.Popen([RSAGG, "harvest", "-c", str(config), "--once"], stdout=log, stderr=log)
+    try:
+        with trio.fail_after(120):
+            while not (len(app.list_requests()) - before >= 8 and cursor_token(db)):
+                assert proc.poll() is None, "the harvest ended before it could be killed"
+                await trio.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+        log.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert cursor_token(db), "killed with no committed page"
+
+
+async def run_harvest(config: Path) -> None:
+    done = await trio.run_process([RSAGG, "harvest", "-c", str(config), "--once"], capture_stdout=True,
+                                  capture_stderr=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+
+
+async def test_kill_9_mid_walk_then_resume_no_gap_no_duplicate(tmp_path: Path):
+    repo = Repository()
+    repo.bulk_add(0, 5000)
+    app = OaiApp(repo, page_size=100, delay=0.03)
+    async with serve_app(app) as base:
+        config = write_config(tmp_path, f"{base}/oai")
+        db = tmp_path / "data" / "state.db"
+        await kill_mid_walk(config, app, db, tmp_path)
+        killed_at = len(app.list_requests())
+        await run_harvest(config)
+        resumed = app.list_requests()[killed_at:]
+        # The restart went on from the stored token (Identify first), not from a fresh walk.
+        assert "resumptionToken" in resumed[0].args, resumed[0].args
+        assert len(resumed) < 50
+        cfg = oai_config(tmp_path, f"{base}/oai")
+        log = changelog(cfg)
+        assert kinds(log) == {"created": 5000} and len({u for u, _, _ in log}) == 5000
+        assert titles(cfg) == repo.live()
+
+        # Killed in an incremental walk, and the repository forgot its tokens meanwhile: the walk starts
+        # again from its ``from`` (badResumptionToken) and the records already applied are no-ops.
+        await next_second()
+        for i in range(0, 5000, 2):
+            repo.update(repo.ident(i), f"Updated {i}")
+        for i in range(1, 200, 2):
+            repo.delete(repo.ident(i))
+        await kill_mid_walk(config, app, db, tmp_path)
+        app.expire_tokens()
+        killed_at = len(app.list_requests())
+        await run_harvest(config)
+        resumed = app.list_requests()[killed_at:]
+        assert "resumptionToken" in resumed[0].args and "from" in resumed[1].args  # refused, restarted
+        log = changelog(cfg)[5000:]
+        assert kinds(log) == {"updated": 2500, "deleted": 100}, kinds(log)
+        assert len({u for u, _, _ in log}) == 2600  # each change logged once
+        assert titles(cfg) == repo.live()
+
+
+async def test_sets_errors_and_deleted_policies(tmp_path: Path, caplog):
+    repo = Repository(deleted_record="transient")
+    repo.bulk_add(0, 300)
+    app = OaiApp(repo, page_size=50)
+    async with serve_app(app) as base:
+        # A selective harvest: only the records of set "even".
+        await next_second()  # the walk's responseDate (the next ``from``) is after every datestamp
+        cfg = oai_config(tmp_path / "a", f"{base}/oai", set="even")
+        assert (await harvest(cfg))["oai"].ok
+        assert set(held(cfg)) == {repo.ident(i) for i in range(0, 300, 2)}
+        assert all(r.args["set"] == "even" for r in app.list_requests() if "resumptionToken" not in r.args)
+        # noRecordsMatch: nothing changed is not an error, and moves nothing.
+        before = changelog(cfg)
+        await next_second()
+        result = (await harvest(cfg))["oai"]
+        assert result.ok, result.error
+        assert changelog(cfg) == before
+
+        # cannotDisseminateFormat: a clear error naming the config key's value; the source is "error".
+        bad = oai_config(tmp_path / "b", f"{base}/oai", metadata_prefix="marc21")
+        result = (await harvest(bad))["oai"]
+        assert not result.ok
+        assert "cannotDisseminateFormat" in result.error and "'marc21'" in result.error, result.error
+        with State(bad.store_path / "state.db") as st:
+            assert st.source("oai")["state"] == "error"
+
+    # A repository that keeps no deletions ("no"): a deleted record is simply gone from the lists.
+    repo = Repository(deleted_record="no")
+    repo.bulk_add(0, 20)
+    async with serve_app(OaiApp(repo, page_size=7)) as base:
+        cfg = oai_config(tmp_path / "d", f"{base}/oai")
+        assert (await harvest(cfg))["oai"].ok and len(held(cfg)) == 20
+
+
+def test_config_keys(tmp_path: Path):
+    from aggregator.config import ConfigError
+
+    def parse(**src):
+        return parse_config({"sources": [{"name": "o", "url": "http://h/oai", **src}]}, "t.toml")
+
+    assert parse(kind="oai-pmh").sources[0].metadata_prefix == "oai_dc"
+    for bad, key in [
+        ({"kind": "oai"}, "sources[0].kind"),
+        ({"set": "x"}, "sources[0].kind"),
+        ({"kind": "oai-pmh", "auth": {"bearer_token": "s3cret"}}, "sources[0].auth.bearer_token"),
+        ({"auth": {"headers": {"X-Key": "s3cret"}}}, "sources[0].auth.headers.X-Key"),
+        ({"auth": {"basic_username": "u"}}, "sources[0].auth"),
+        (
+            {"auth": {"bearer_token_env": "A", "basic_username": "u", "basic_password_env": "B"}},
+            "sources[0].auth",
+        ),
+        ({"max_rate": -1}, "sources[0].max_rate"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            parse(**bad)
+        assert err.value.key == key, (bad, err.value)
+        assert "s3cret" not in str(err.value)
+    with pytest.raises(ConfigError, match="password"):
+        parse_config({"sources": [{"name": "o", "url": "http://u:pw@h/oai"}]}, "t.toml")
