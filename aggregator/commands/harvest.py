@@ -11,6 +11,7 @@ from typing import TextIO
 
 import trio
 
+from ..config import ConfigError
 from ..harvest.context import open_context
 from ..harvest.progress import ProgressLine
 from ..harvest.source import SourceResult, poll_source, sync_source
@@ -61,11 +62,15 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"rsagg: {config.file}: no source named {', '.join(unknown)}", file=sys.stderr)
         return 2
-    if not args.once:
-        trio.run(_poll_forever, config, args.source)
-        return 0
     tty = sys.stderr if sys.stderr.isatty() else None  # a progress line only where someone watches
-    results = trio.run(partial(harvest_once, config, args.source, progress_to=tty))
+    try:
+        if not args.once:
+            trio.run(_poll_forever, config, args.source)
+            return 0
+        results = trio.run(partial(harvest_once, config, args.source, progress_to=tty))
+    except ConfigError as exc:  # e.g. a source's secret file or variable is missing
+        print(f"rsagg: config error: {exc}", file=sys.stderr)
+        return 2
     failed = [r for r in results if not r.ok]
     for r in sorted(results, key=lambda r: r.name):
         applied: dict[str, int] = {}

@@ -10,6 +10,7 @@ import sys
 
 import trio
 
+from ..config import ConfigError
 from ..daemon import ListenError, run_daemon
 from ._common import add_config_arguments, start
 
@@ -28,4 +29,7 @@ def run(args: argparse.Namespace) -> int:
     except ListenError as exc:
         print(f"rsagg: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # e.g. a source's secret file or variable is missing
+        print(f"rsagg: config error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
@@ -121,26 +121,37 @@ class SourceAccess:
 
 
 class Access:
-    """The Fetcher's ``request_hook``: each hop of a request made for a source gets that source's rules."""
+    """The Fetcher's ``request_hook``: each hop of a request made for a source gets that source's rules.
 
-    def __init__(self, by_source: Mapping[str, SourceAccess]) -> None:
-        self.by_source = dict(by_source)
+    It follows the running configuration (``follow``): a source added or changed by a reload (SIGHUP)
+    gets its credentials and rate at its next request, its secrets read then.
+    """
 
-    @classmethod
-    def from_config(cls, config: Config) -> Access:
-        """Reads every configured secret now: a missing one stops the start with a ConfigError."""
-        by_source = {}
-        for i, src in enumerate(config.sources):
-            headers = resolve_headers(config, i, src)
-            rate = config.max_rate(src)
-            if headers or rate > 0:
-                by_source[src.name] = SourceAccess(src.url, headers, rate)
-        return cls(by_source)
+    def __init__(self, config: Config) -> None:
+        self._config: Callable[[], Config] = lambda: config
+        self._by_source: dict[str, tuple[tuple, SourceAccess]] = {}
+        for src in config.sources:  # read every secret now: a missing one stops the start
+            self._access(config, src)
 
-    def __bool__(self) -> bool:
-        return bool(self.by_source)
+    def follow(self, config: Callable[[], Config]) -> None:
+        self._config = config
+
+    def _access(self, config: Config, src: SourceConfig) -> SourceAccess:
+        key = (src.url, repr(src.auth), config.max_rate(src))
+        known = self._by_source.get(src.name)
+        if known is not None and known[0] == key:
+            return known[1]
+        index = config.sources.index(src)
+        access = SourceAccess(src.url, resolve_headers(config, index, src), config.max_rate(src))
+        self._by_source[src.name] = (key, access)
+        return access
 
     async def __call__(self, request: httpx.Request) -> None:
-        access = self.by_source.get(current_source.get())
-        if access is not None:
-            await access.prepare(request)
+        config = self._config()
+        request.headers["User-Agent"] = user_agent(config)
+        name = current_source.get()
+        if not name:
+            return
+        src = next((s for s in config.sources if s.name == name), None)
+        if src is not None:
+            await self._access(config, src).prepare(request)

@@ -137,6 +137,7 @@ def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:
 async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
     """Open the store, the state database (reader + writer) and the one HTTP client for a run."""
     hc = config.harvest
+    access = Access(config)  # reads the sources' secrets: a missing one stops here (a ConfigError)
     root = config.store_path
     root.mkdir(parents=True, exist_ok=True)
     plugins = Plugins.from_config(config)
@@ -144,7 +145,6 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
     writer = State(root / "state.db", synchronous=config.store.synchronous, cache_mib=config.store.cache_mib)
     # The reader only walks the (set_id, uri) index for lookups: a small cache holds its hot pages.
     reader = State(root / "state.db", synchronous=config.store.synchronous, cache_mib=8)
-    access = Access.from_config(config)  # reads the sources' secrets: a missing one stops here
     metrics = Metrics()
     metrics.attach(plugins=plugins, store=blobs)
     fetcher = Fetcher(
@@ -158,7 +158,7 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
         max_document_bytes=hc.max_document_bytes,
         max_resource_bytes=hc.max_resource_bytes,
         user_agent=user_agent(config),
-        request_hook=access or None,
+        request_hook=access,
     )
     plugins.call("rsagg_startup", config=config)
     try:
@@ -167,6 +167,7 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
             patch_formats=plugins.merged("rsagg_patch_formats"), plugins=plugins, metrics=metrics,
         )  # fmt: skip
         metrics.attach(notifications=lambda: ctx.notifications)
+        access.follow(lambda: ctx.config)  # a reloaded config's credentials and rates apply at once
         yield ctx
     finally:
         plugins.call("rsagg_shutdown")
