@@ -34,7 +34,7 @@ import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import trio
 from lxml import etree
@@ -53,6 +53,9 @@ OAI = "http://www.openarchives.org/OAI/2.0/"
 CONTENT_TYPE = "application/xml"
 DAY = "YYYY-MM-DD"
 SECONDS = "YYYY-MM-DDThh:mm:ssZ"
+#: Pages fetched and parsed ahead of the pipeline: the network and the parser keep going while a batch
+#: commits (memory: this many pages, plus the pipeline's bounded in-flight records).
+PREFETCH = 3
 #: The elements the page parser stops at (Clark notation -> local name).
 _TAGS = {f"{{{OAI}}}{t}": t for t in ("responseDate", "error", "record", "resumptionToken", "Identify")}
 
@@ -181,6 +184,9 @@ class OaiHarvest:
         self.granularity = SECONDS
         self.deleted_policy = "unknown"
         self.skipped = 0
+        # GetRecord URL of a record (its ``via``): this + the quoted identifier.
+        self._get_record = request_url(src.url, verb="GetRecord", metadataPrefix=src.metadata_prefix)
+        self._get_record += "&identifier="
 
     async def _get(self, url: str) -> Page:
         got = await self.ctx.fetcher.get_bytes(url, max_bytes=self.ctx.config.harvest.max_document_bytes)
@@ -269,7 +275,7 @@ class OaiHarvest:
             "full" if full else f"incremental from {format_from(walk_from, self.granularity)}",
             "resumed at its last token" if token else "started", self.granularity, self.deleted_policy,
         )  # fmt: skip
-        send, recv = trio.open_memory_channel[tuple[str, object]](1)
+        send, recv = trio.open_memory_channel[tuple[str, object]](PREFETCH)
         failure: list[BaseException] = []
         state = {"started": started, "committed": committed}
 
@@ -320,14 +326,7 @@ class OaiHarvest:
         return stats
 
     def _work(self, rec: Record, generation: int | None, after: Cursor | None) -> Work:
-        src = self.src
-        via = Link(
-            "via",
-            request_url(
-                src.url, verb="GetRecord", identifier=rec.identifier, metadataPrefix=src.metadata_prefix
-            ),
-            modified=rec.datestamp,
-        )
+        via = Link("via", self._get_record + quote(rec.identifier, safe=""), modified=rec.datestamp)
         md = Md(change=DELETED if rec.deleted else UPDATED, datetime=rec.datestamp,
                 type=None if rec.deleted else CONTENT_TYPE)  # fmt: skip
         entry = Entry(rec.identifier, lastmod=rec.datestamp, md=md, links=[via])

@@ -257,7 +257,9 @@ class Pipeline:
                 else:  # deletions and content from dumps: nothing to look up
                     found = [(None, False)] * len(works)
                 for (seq, w), (existing, same) in zip(batch, found, strict=True):
-                    if same:
+                    if w.blob is not None and w.change != DELETED:  # content already here: nothing to fetch
+                        await done.send((seq, _Result(w, change_from(w, w.info), w.blob)))
+                    elif same:
                         self.stats.unchanged += 1
                         assert existing is not None and existing.sha256 is not None
                         info = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
