@@ -215,3 +215,54 @@ async def test_pace_spaces_request_starts_evenly(autojump_clock):
     before = trio.current_time()
     await pace.wait()
     assert trio.current_time() == before
+
+
+def recording(app, seen: list[dict[str, str]], check=None):
+    """ASGI middleware: record each request's headers; answer 401 when ``check(headers)`` is false."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] == "http":
+            headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+            seen.append(headers)
+            if check is not None and not check(headers):
+                await send({"type": "http.response.start", "status": 401, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+        await app(scope, receive, send)
+
+    return wrapped
+
+
+async def test_resourcesync_source_credentials_stay_on_its_origin(tmp_path: Path, monkeypatch, caplog):
+    """A ResourceSync source behind a bearer token whose documents point at another origin (its
+    resources and their mirrors, §14.2, are there): that origin never sees the token or the header."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("RS_TOKEN", TOKEN)
+    monkeypatch.setenv("RS_KEY", API_KEY)
+    from aggregator.demo.upstream import Upstream
+
+    up = Upstream(mirror="ok", resource_dump=False, change_dump=False)
+    up.bulk_create(6)
+    main_seen: list[dict[str, str]] = []
+    other_seen: list[dict[str, str]] = []
+    async with serve_app(recording(up.app(), other_seen)) as elsewhere:
+        up.public_url = elsewhere  # every link in the documents names the other origin
+        protected = recording(
+            up.app(), main_seen, check=lambda h: h.get("authorization") == f"Bearer {TOKEN}"
+        )
+        async with serve_app(protected) as base:
+            auth = {"bearer_token_env": "RS_TOKEN", "headers": {"X-Api-Key": "env:RS_KEY"}}
+            cfg = parse_config(
+                {"store": {"path": str(tmp_path / "data")},
+                 "harvest": {"retries": 1, "backoff_base": 0.01, "backoff_max": 0.05, "timeout": 10},
+                 "sources": [{"name": "rs", "url": f"{base}/.well-known/resourcesync", "auth": auth}]},
+                str(tmp_path / "t.toml"),
+            )  # fmt: skip
+            ok, error, metrics, status = await sync(cfg)
+    assert ok, error
+    assert len(held(cfg)) == 6
+    assert main_seen and all(h.get("x-api-key") == API_KEY for h in main_seen)
+    assert len(other_seen) >= 8  # capability list, resource list, the resources (or their mirrors)
+    for headers in other_seen:
+        assert "authorization" not in headers and "x-api-key" not in headers, headers
+    assert_no_secret(error, metrics, status, caplog.text, other_seen)
