@@ -10,6 +10,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import zipfile
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,7 +22,10 @@ from lxml import etree
 
 from aggregator.config import parse_config
 from aggregator.harvest.oaipmh import parse_page
+from aggregator.publish.dumps import DumpBuilder
 from aggregator.publish.uris import rsagg_uri
+from aggregator.rs.validate import ERROR, validate_source
+from aggregator.store.blobs import FileBlobStore
 from aggregator.store.state import State
 
 from .harvesting import changelog, harvest, held
@@ -156,6 +160,22 @@ async def test_oai_harvest_changes_and_resync(tmp_path: Path):
             assert local_titles(dest, rbase) == repo.live()
             out = await resync("--audit", "--hash", "md5", rbase, str(dest), cwd=cwd)
             assert "IN SYNC" in out and "NOT IN SYNC" not in out, out
+
+    # A Resource Dump of the set (§11, what the daemon builds on its schedule): every record, valid.
+    with State(cfg.store_path / "state.db") as st, FileBlobStore(cfg.store_path / "blobs") as blobs:
+        builder = DumpBuilder(st, blobs, base_url="http://rsagg.example", max_entries=2000)
+        try:
+            packages = builder.build_resource_dump("oai", [s["id"] for s in st.sets("oai")])
+            names = []
+            for p in packages:
+                with zipfile.ZipFile(blobs.local_path(p.sha256)) as zf:
+                    manifest = zf.read("manifest.xml")
+                    url = "http://rsagg.example/oai/manifest.xml"
+                    assert [i for i in validate_source(manifest, url) if i.severity == ERROR] == []
+                    names += [n for n in zf.namelist() if n != "manifest.xml"]
+        finally:
+            builder.close()
+    assert len(packages) == 3 and len(names) == len(repo.live())
 
 
 def local_titles(dest: Path, rbase: str) -> dict[str, str]:
@@ -307,3 +327,40 @@ def test_config_keys(tmp_path: Path):
         assert "s3cret" not in str(err.value)
     with pytest.raises(ConfigError, match="password"):
         parse_config({"sources": [{"name": "o", "url": "http://u:pw@h/oai"}]}, "t.toml")
+
+
+def test_parse_page_is_lenient_and_hostile_proof(tmp_path: Path):
+    """A record without identifier or metadata is skipped with a reason; an external entity is never read;
+    broken XML is an OaiError naming the URL; the content is canonical (same bytes whatever the prefixes)."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET")
+    doc = f"""<?xml version="1.0"?>
+<!DOCTYPE OAI-PMH [<!ENTITY xxe SYSTEM "file://{secret}">]>
+<OAI-PMH xmlns="http://www.openarchives.org/OAI/2.0/">
+  <responseDate>2026-01-02T03:04:05Z</responseDate>
+  <ListRecords>
+    <record><header><identifier>oai:x:1</identifier><datestamp>2026-01-01</datestamp></header>
+      <metadata><a:dc xmlns:a="http://www.openarchives.org/OAI/2.0/oai_dc/"><t>&xxe;</t></a:dc></metadata></record>
+    <record><header><datestamp>2026-01-01</datestamp></header><metadata><x/></metadata></record>
+    <record><header><identifier>oai:x:3</identifier><datestamp>2026-01-01</datestamp></header></record>
+    <record><header status="deleted"><identifier>oai:x:4</identifier><datestamp>2026-01-01</datestamp>
+      </header></record>
+    <record><header><identifier>oai:x:5</identifier><datestamp>2026-01-01</datestamp></header>
+      <metadata><b:dc xmlns:b="http://www.openarchives.org/OAI/2.0/oai_dc/"><b:t/></b:dc></metadata></record>
+    <resumptionToken completeListSize="9">tok-1</resumptionToken>
+  </ListRecords>
+</OAI-PMH>""".encode()
+    page = parse_page(doc, "http://h/oai")
+    # oai:x:1 names an entity that is never resolved: its record cannot be canonicalised, so skipped
+    assert [r.identifier for r in page.records] == ["oai:x:4", "oai:x:5"]
+    assert page.token == "tok-1" and page.response_date == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert len(page.problems) == 3 and "oai:x:1" in page.problems[0] and "oai:x:3" in page.problems[2]
+    assert all(b"TOP-SECRET" not in (r.content or b"") for r in page.records)
+    assert page.records[0].deleted and page.records[0].content is None
+    # exclusive C14N: the prefix is the document's, the bytes are stable and self-contained XML
+    dc = b'<b:dc xmlns:b="http://www.openarchives.org/OAI/2.0/oai_dc/"><b:t></b:t></b:dc>'
+    assert page.records[1].content == dc
+    from aggregator.harvest.oaipmh import OaiError
+
+    with pytest.raises(OaiError, match="http://h/oai"):
+        parse_page(b"<OAI-PMH><ListRecords><record>", "http://h/oai")

@@ -153,9 +153,12 @@ def _read_record(el: etree._Element, page: Page) -> None:
     if child is None:
         page.problems.append(f"record {identifier}: no metadata element (skipped)")
         return
-    page.records.append(
-        Record(identifier, datestamp, False, etree.tostring(child, method="c14n", exclusive=True))
-    )
+    try:
+        content = etree.tostring(child, method="c14n", exclusive=True)
+    except etree.C14NError:  # e.g. an unresolved entity reference (entities are never resolved)
+        page.problems.append(f"record {identifier}: metadata cannot be canonicalised (skipped)")
+        return
+    page.records.append(Record(identifier, datestamp, False, content))
 
 
 def format_from(dt: datetime, granularity: str) -> str:
@@ -191,8 +194,9 @@ class OaiHarvest:
     async def _get(self, url: str) -> Page:
         got = await self.ctx.fetcher.get_bytes(url, max_bytes=self.ctx.config.harvest.max_document_bytes)
         page = await trio.to_thread.run_sync(parse_page, got.content, url)
-        for problem in page.problems:
+        for problem in page.problems:  # lenient in, truthful out: logged and counted, never silent
             log.warning("source=%s url=%s %s", self.src.name, url, problem)
+            self.ctx.metrics.error(self.src.name, "parse")
         self.skipped += len(page.problems)
         return page
 
