@@ -162,7 +162,7 @@ class Config:
 
     def notifications_on(self, source: SourceConfig) -> bool:
         """Whether rsagg subscribes to this source's notification channels."""
-        return self.notifications.enabled and source.notifications is not False
+        return self.notifications.enabled and source.notifications is not False and source.kind != "oai-pmh"
 
     def notified_interval(self, source: SourceConfig) -> float:
         """The safety-net poll interval of a source while its change notifications are live."""

@@ -28,7 +28,7 @@ from aggregator.rs.validate import ERROR, validate_source
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.state import State
 
-from .harvesting import changelog, harvest, held
+from .harvesting import audit, changelog, harvest, held
 from .httpserver import serve_app
 from .oaiserver import OaiApp, Repository
 from .test_publish import local_files, publishing, resync, walk
@@ -279,7 +279,21 @@ async def test_sets_errors_and_deleted_policies(tmp_path: Path, caplog):
         assert (await harvest(cfg))["oai"].ok
         assert set(held(cfg)) == {repo.ident(i) for i in range(0, 300, 2)}
         assert all(r.args["set"] == "even" for r in app.list_requests() if "resumptionToken" not in r.args)
+        # rsagg audit walks the repository against the store: in sync, then each kind of difference.
+        assert await audit(cfg) == []
+        repo.update(repo.ident(2), "Rekord 2")  # same length: the hash tells
+        repo.delete(repo.ident(4))
+        repo.add(1000, sets=("even",))
+        found = sorted((d.kind, d.uri) for d in await audit(cfg))
+        assert found == [
+            ("hash", repo.ident(2)),
+            ("missing", repo.ident(1000)),
+            ("not-deleted", repo.ident(4)),
+        ]
+        assert (await harvest(cfg))["oai"].ok and await audit(cfg) == []
+
         # noRecordsMatch: nothing changed is not an error, and moves nothing.
+        await next_second()
         before = changelog(cfg)
         await next_second()
         result = (await harvest(cfg))["oai"]

@@ -7,6 +7,7 @@ are kept in a temporary SQLite table, not in memory.
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 import tempfile
 from collections.abc import AsyncGenerator
@@ -15,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import SourceConfig
-from ..rs.model import CHANGELIST, DELETED, RESOURCELIST, Entry
+from ..rs.model import CHANGELIST, DELETED, RESOURCELIST, Entry, Md
 from ..store.state import Cursor, Resource
 from .context import HarvestContext
 from .discovery import discover
 from .lists import Snapshot, change_entries, resource_list_entries
+from .oaipmh import OaiHarvest, set_key
 
 
 @dataclass
@@ -72,6 +74,11 @@ class _SeenSet:
 
 async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator[Difference, None]:
     """Yield every difference between the store and the upstream, set by set."""
+    if src.kind == "oai-pmh":
+        async with aclosing(_audit_oaipmh(ctx, src)) as diffs:
+            async for d in diffs:
+                yield d
+        return
     for info in await discover(ctx.fetcher, src.url):
         set_url = info.capabilitylist_url
         set_id = next(
@@ -125,3 +132,36 @@ def _check(ctx: HarvestContext, source: str, set_url: str, set_id: int | None, b
         if found:
             yield Difference(source, set_url, entry.loc, *found)
     batch.clear()
+
+
+async def _audit_oaipmh(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator[Difference, None]:
+    """An OAI-PMH source: a full ListRecords walk against the store, record by record (the sha-256 of
+    the canonical metadata, as ``harvest/oaipmh.py`` stores it; a deleted record must not be held)."""
+    set_url = set_key(src)
+    set_id = next((s["id"] for s in ctx.reader.sets(src.name) if s["capabilitylist_url"] == set_url), None)
+    with tempfile.TemporaryDirectory() as tmp:
+        seen = _SeenSet(Path(tmp))
+        try:
+            batch: list[Entry] = []
+            records = OaiHarvest(ctx, src, set_id or 0).records()
+            async with aclosing(records):
+                async for rec in records:
+                    seen.add(rec.identifier)
+                    if rec.content is None:
+                        md = Md(change=DELETED)
+                    else:
+                        md = Md(
+                            hash=f"sha-256:{hashlib.sha256(rec.content).hexdigest()}", length=len(rec.content)
+                        )
+                    batch.append(Entry(rec.identifier, md=md))
+                    if len(batch) >= 1000:
+                        for d in _check(ctx, src.name, set_url, set_id, batch):
+                            yield d
+            for d in _check(ctx, src.name, set_url, set_id, batch):
+                yield d
+            if set_id is not None:
+                for held in ctx.reader.iter_resources(set_id):
+                    if held.uri not in seen:
+                        yield Difference(src.name, set_url, held.uri, "extra", "held but not listed upstream")
+        finally:
+            seen.close()

@@ -212,26 +212,39 @@ class OaiHarvest:
         self.granularity = SECONDS if granularity.startswith(SECONDS[:13]) else DAY
         self.deleted_policy = page.identify.get("deletedRecord", "unknown")
 
+    def _list_url(self, token: str | None, walk_from: datetime | None) -> str:
+        if token:
+            return request_url(self.src.url, verb="ListRecords", resumptionToken=token)
+        args = {"verb": "ListRecords", "metadataPrefix": self.src.metadata_prefix}
+        if self.src.set:
+            args["set"] = self.src.set
+        if walk_from is not None:
+            args["from"] = format_from(walk_from, self.granularity)
+        return request_url(self.src.url, **args)
+
+    def _check(self, page: Page, url: str) -> None:
+        """Raise the page's OAI-PMH error (§3.6), but noRecordsMatch: an empty list, not a failure."""
+        errors = [(c, m) for c, m in page.errors if c != "noRecordsMatch"]
+        if not errors:
+            return
+        code, message = errors[0]
+        if code == "cannotDisseminateFormat":
+            message = (f"metadata_prefix {self.src.metadata_prefix!r} is not disseminated by this "
+                       f"repository (see ListMetadataFormats): {message}")  # fmt: skip
+        raise OaiError(url, code, message)
+
     async def _pages(
         self, send: trio.MemorySendChannel, walk_from: datetime | None, token: str | None,
         started: datetime | None, restarted: list[bool],
     ) -> None:  # fmt: skip
-        """Fetch and parse the walk's pages one ahead of their consumer; errors travel in the channel."""
+        """Fetch and parse the walk's pages ahead of their consumer; errors travel in the channel."""
         async with send:
             try:
                 while True:
-                    if token:
-                        url = request_url(self.src.url, verb="ListRecords", resumptionToken=token)
-                    else:
-                        args = {"verb": "ListRecords", "metadataPrefix": self.src.metadata_prefix}
-                        if self.src.set:
-                            args["set"] = self.src.set
-                        if walk_from is not None:
-                            args["from"] = format_from(walk_from, self.granularity)
-                        url = request_url(self.src.url, **args)
+                    url = self._list_url(token, walk_from)
                     page = await self._get(url)
-                    codes = {code for code, _ in page.errors}
-                    if "badResumptionToken" in codes and token and not restarted:
+                    refused = any(code == "badResumptionToken" for code, _ in page.errors)
+                    if refused and token and not restarted:
                         # Expired or unknown (e.g. the repository restarted): the walk again, from its start.
                         log.warning("source=%s resumption token refused (%s); restarting the walk from %s",
                                     self.src.name, page.errors[0][1], walk_from)  # fmt: skip
@@ -239,13 +252,7 @@ class OaiHarvest:
                         token, started = None, None
                         await send.send(("restart", None))
                         continue
-                    if page.errors and codes != {"noRecordsMatch"}:
-                        code, message = next((c, m) for c, m in page.errors if c != "noRecordsMatch")
-                        if code == "cannotDisseminateFormat":
-                            prefix = self.src.metadata_prefix
-                            message = (f"metadata_prefix {prefix!r} is not disseminated by this "
-                                       f"repository (see ListMetadataFormats): {message}")  # fmt: skip
-                        raise OaiError(url, code, message)
+                    self._check(page, url)
                     if started is None:
                         started = page.response_date
                     await send.send(("page", (page, started)))
@@ -254,6 +261,20 @@ class OaiHarvest:
                         return
             except (OaiError, FetchError) as exc:
                 await send.send(("error", exc))
+
+    async def records(self) -> AsyncGenerator[Record, None]:
+        """Every record of a full walk, in list order (``rsagg audit``); nothing is stored."""
+        await self.identify()
+        token: str | None = None
+        while True:
+            url = self._list_url(token, None)
+            page = await self._get(url)
+            self._check(page, url)
+            for record in page.records:
+                yield record
+            token = page.token
+            if not token:
+                return
 
     async def run(self) -> PipelineStats:
         ctx, src = self.ctx, self.src
