@@ -328,7 +328,8 @@ class OaiHarvest:
         restarted: list[bool] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._pages, send, walk_from, token, started, restarted)
-            stats = await Pipeline(ctx, self.set_id, src.name).run(items())
+            pipeline = Pipeline(ctx, self.set_id, src.name, ahead=ctx.config.harvest.batch_size)
+            stats = await pipeline.run(items())
             await recv.aclose()
         if failure:
             raise failure[0]
