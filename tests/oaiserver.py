@@ -158,6 +158,11 @@ class OaiApp:
     redirect: str | None = None  # answer every request with a 302 to this URL + the same query
     seen: list[Seen] = field(default_factory=list)
     epoch: int = 0
+    #: After this many ListRecords requests, later ones wait for ``release`` (``holding`` is then set):
+    #: a harvest stopped mid-walk at a known point, whatever the machine's speed.
+    hold_after: int | None = None
+    holding: trio.Event = field(default_factory=trio.Event)
+    release: trio.Event = field(default_factory=trio.Event)
     server: BatchingServer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -192,6 +197,9 @@ class OaiApp:
         self.seen.append(Seen(scope["method"], scope["path"], args, headers))
         if self.delay:
             await trio.sleep(self.delay)
+        if self.hold_after is not None and len(self.list_requests()) > self.hold_after:
+            self.holding.set()
+            await self.release.wait()
         if self.check is not None and not self.check(headers):
             await self._answer(send, 401, b"unauthorized", [(b"www-authenticate", b'Bearer realm="oai"')])
             return

@@ -77,23 +77,34 @@ async def next_second() -> None:
         await trio.sleep(0.05)
 
 
+async def change(repo: Repository, *, added: range, updated: range, deleted: range) -> None:
+    """Add, update and delete records, all datestamped after the previous walk began."""
+    await next_second()
+    repo.bulk_add(added.start, len(added))
+    for i in updated:
+        repo.update(repo.ident(i), f"Updated {i} at {datetime.now(UTC)}")
+    for i in deleted:
+        repo.delete(repo.ident(i))
+
+
 def kinds(log) -> Counter:
     return Counter(change for _, change, _ in log)
 
 
 async def test_oai_harvest_changes_and_resync(tmp_path: Path):
+    """The whole way at a size resync (one GET per resource) crosses quickly; 5,000 records: below."""
     repo = Repository()
-    repo.bulk_add(0, 5000)
-    app = OaiApp(repo, page_size=200)
+    repo.bulk_add(0, 1000)
+    app = OaiApp(repo, page_size=100)
     async with serve_app(app) as base:
         repo.base_url = f"{base}/oai"
         cfg = oai_config(tmp_path, f"{base}/oai")
         result = (await harvest(cfg))["oai"]
         assert result.ok, result.error
-        assert len(app.list_requests()) == 25  # 5,000 records in pages of 200
+        assert len(app.list_requests()) == 10  # 1,000 records in pages of 100
         assert titles(cfg) == repo.live()
         log = changelog(cfg)
-        assert len(log) == 5000 and kinds(log) == {"created": 5000} and len({u for u, _, _ in log}) == 5000
+        assert len(log) == 1000 and kinds(log) == {"created": 1000} and len({u for u, _, _ in log}) == 1000
         with State(cfg.store_path / "state.db") as st:
             (s,) = st.sets("oai")
             row = st.resource(s["id"], repo.ident(7))
@@ -115,20 +126,15 @@ async def test_oai_harvest_changes_and_resync(tmp_path: Path):
 
         # Additions, updates, deletions: exactly those enter the changelog; an unchanged walk logs nothing
         # (``from`` is inclusive: the records of the previous walk's last second come again, as no-ops).
-        await next_second()
-        repo.bulk_add(5000, 40)
-        for i in range(100, 130):
-            repo.update(repo.ident(i), f"Updated {i}")
-        for i in range(200, 220):
-            repo.delete(repo.ident(i))
+        await change(repo, added=range(5000, 5040), updated=range(100, 130), deleted=range(200, 220))
         result = (await harvest(cfg))["oai"]
         assert result.ok, result.error
-        assert app.list_requests()[25].args.get("from")  # an incremental walk
-        log2 = changelog(cfg)[5000:]
+        assert app.list_requests()[10].args.get("from")  # an incremental walk
+        log2 = changelog(cfg)[1000:]
         assert kinds(log2) == {"created": 40, "updated": 30, "deleted": 20}, kinds(log2)
         assert titles(cfg) == repo.live()
         assert (await harvest(cfg))["oai"].ok
-        assert len(changelog(cfg)) == 5090
+        assert len(changelog(cfg)) == 1090
 
         # resync from rsagg's republished set: baseline, incremental, audit; every document valid.
         async with publishing(cfg) as (rbase, client):
@@ -141,14 +147,9 @@ async def test_oai_harvest_changes_and_resync(tmp_path: Path):
             assert "SYNCED" in out or "IN SYNC" in out, out
             assert local_titles(dest, rbase) == repo.live()
 
-            await next_second()
-            repo.bulk_add(6000, 5)
-            for i in range(300, 305):
-                repo.update(repo.ident(i), f"Again {i}")
-            for i in range(400, 403):
-                repo.delete(repo.ident(i))
+            await change(repo, added=range(6000, 6005), updated=range(300, 305), deleted=range(400, 403))
             assert (await harvest(cfg))["oai"].ok
-            assert kinds(changelog(cfg)[5090:]) == {"created": 5, "updated": 5, "deleted": 3}
+            assert kinds(changelog(cfg)[1090:]) == {"created": 5, "updated": 5, "deleted": 3}
             docs = await walk(client, rbase)
             await rsagg_validate([u for u in docs if "changelist" in u], tmp_path)
             head, entries = docs[f"{rbase}/oai/changelist.xml"]
@@ -163,7 +164,7 @@ async def test_oai_harvest_changes_and_resync(tmp_path: Path):
 
     # A Resource Dump of the set (§11, what the daemon builds on its schedule): every record, valid.
     with State(cfg.store_path / "state.db") as st, FileBlobStore(cfg.store_path / "blobs") as blobs:
-        builder = DumpBuilder(st, blobs, base_url="http://rsagg.example", max_entries=2000)
+        builder = DumpBuilder(st, blobs, base_url="http://rsagg.example", max_entries=400)
         try:
             packages = builder.build_resource_dump("oai", [s["id"] for s in st.sets("oai")])
             names = []
@@ -207,19 +208,23 @@ def cursor_token(db: Path) -> str | None:
 
 
 async def kill_mid_walk(config: Path, app: OaiApp, db: Path, tmp_path: Path) -> None:
-    """Start ``rsagg harvest --once``, SIGKILL it once a page is committed and more are coming."""
-    before = len(app.list_requests())
+    """Start ``rsagg harvest --once``, hold its walk after 10 more pages and SIGKILL it there (a page
+    committed, the next ones fetched or asked for)."""
+    app.hold_after = len(app.list_requests()) + 10
+    app.holding, app.release = trio.Event(), trio.Event()
     log = open(tmp_path / "harvest-killed.log", "ab")
     proc = subprocess.Popen([RSAGG, "harvest", "-c", str(config), "--once"], stdout=log, stderr=log)
     try:
         with trio.fail_after(120):
-            while not (len(app.list_requests()) - before >= 8 and cursor_token(db)):
+            while not (app.holding.is_set() and cursor_token(db)):
                 assert proc.poll() is None, "the harvest ended before it could be killed"
                 await trio.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()
         log.close()
+        app.hold_after = None
+        app.release.set()
     assert proc.returncode == -signal.SIGKILL
     assert cursor_token(db), "killed with no committed page"
 
@@ -233,7 +238,7 @@ async def run_harvest(config: Path) -> None:
 async def test_kill_9_mid_walk_then_resume_no_gap_no_duplicate(tmp_path: Path):
     repo = Repository()
     repo.bulk_add(0, 5000)
-    app = OaiApp(repo, page_size=100, delay=0.03)
+    app = OaiApp(repo, page_size=100)
     async with serve_app(app) as base:
         config = write_config(tmp_path, f"{base}/oai")
         db = tmp_path / "data" / "state.db"
@@ -251,11 +256,7 @@ async def test_kill_9_mid_walk_then_resume_no_gap_no_duplicate(tmp_path: Path):
 
         # Killed in an incremental walk, and the repository forgot its tokens meanwhile: the walk starts
         # again from its ``from`` (badResumptionToken) and the records already applied are no-ops.
-        await next_second()
-        for i in range(0, 5000, 2):
-            repo.update(repo.ident(i), f"Updated {i}")
-        for i in range(1, 200, 2):
-            repo.delete(repo.ident(i))
+        await change(repo, added=range(5000, 5100), updated=range(0, 2500), deleted=range(2500, 2600))
         await kill_mid_walk(config, app, db, tmp_path)
         app.expire_tokens()
         killed_at = len(app.list_requests())
@@ -263,8 +264,8 @@ async def test_kill_9_mid_walk_then_resume_no_gap_no_duplicate(tmp_path: Path):
         resumed = app.list_requests()[killed_at:]
         assert "resumptionToken" in resumed[0].args and "from" in resumed[1].args  # refused, restarted
         log = changelog(cfg)[5000:]
-        assert kinds(log) == {"updated": 2500, "deleted": 100}, kinds(log)
-        assert len({u for u, _, _ in log}) == 2600  # each change logged once
+        assert kinds(log) == {"created": 100, "updated": 2500, "deleted": 100}, kinds(log)
+        assert len({u for u, _, _ in log}) == 2700  # each change logged once
         assert titles(cfg) == repo.live()
 
 
@@ -378,3 +379,22 @@ def test_parse_page_is_lenient_and_hostile_proof(tmp_path: Path):
 
     with pytest.raises(OaiError, match="http://h/oai"):
         parse_page(b"<OAI-PMH><ListRecords><record>", "http://h/oai")
+
+
+async def test_day_granularity_overlap_is_idempotent(tmp_path: Path):
+    """A repository with day granularity: ``from`` is a date, so every later walk lists all of today's
+    records again; only what really changed enters the changelog."""
+    repo = Repository(granularity="YYYY-MM-DD")
+    repo.bulk_add(0, 120)
+    app = OaiApp(repo, page_size=25)
+    async with serve_app(app) as base:
+        cfg = oai_config(tmp_path, f"{base}/oai")
+        assert (await harvest(cfg))["oai"].ok
+        await change(repo, added=range(500, 503), updated=range(10, 12), deleted=range(20, 21))
+        assert (await harvest(cfg))["oai"].ok
+        walk = [r for r in app.list_requests() if "resumptionToken" not in r.args][-1]
+        assert len(walk.args["from"]) == 10  # YYYY-MM-DD
+        assert kinds(changelog(cfg)[120:]) == {"created": 3, "updated": 2, "deleted": 1}
+        assert (await harvest(cfg))["oai"].ok
+        assert len(changelog(cfg)) == 126
+        assert titles(cfg) == repo.live()
