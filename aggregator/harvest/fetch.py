@@ -195,7 +195,7 @@ def _transport_error(url: str, exc: Exception) -> FetchError:
 def _redirect(request: httpx.Request, response: httpx.Response) -> httpx.Request:
     """The GET a redirect asks for: ``Location`` resolved against the request URL (RFC 9110 §10.2.2,
     §15.4; a fragment carries over when Location has none). Headers are kept but Host (it follows the
-    URL) and credentials or cookies (never sent by rsagg anyway)."""
+    URL) and credentials or cookies (``harvest/access.py`` sets a source's own again on its origin only)."""
     try:
         url = httpx.URL(response.headers["location"])
         if url.scheme and not url.host:  # "http:/path": absolute form without a host
@@ -617,8 +617,8 @@ class Fetcher:
         )
         # Requests are built here and handed to the client's transport directly, skipping the client
         # layer (auth flow, cookie jar, event hooks, URL/header merging: ~150 us of the event loop per
-        # request, a quarter of all httpx costs; measured). rsagg uses none of it: no credentials, and no
-        # cookies (like resync). With proxies in the environment, requests go through the client, which
+        # request, a quarter of all httpx costs; measured). rsagg uses none of it: no auth flow (a source's
+        # credentials are headers ``request_hook`` sets per hop), no cookies (like resync). With proxies in the environment, requests go through the client, which
         # routes them (``trust_env``); redirects are followed by ``_redirect`` either way.
         self._direct: httpx.AsyncBaseTransport | None = None if urllib.request.getproxies() else transport
         self._base_headers = {"User-Agent": user_agent, "Accept": "*/*", "Connection": "keep-alive"}
