@@ -618,8 +618,9 @@ class Fetcher:
         # Requests are built here and handed to the client's transport directly, skipping the client
         # layer (auth flow, cookie jar, event hooks, URL/header merging: ~150 us of the event loop per
         # request, a quarter of all httpx costs; measured). rsagg uses none of it: no auth flow (a source's
-        # credentials are headers ``request_hook`` sets per hop), no cookies (like resync). With proxies in the environment, requests go through the client, which
-        # routes them (``trust_env``); redirects are followed by ``_redirect`` either way.
+        # credentials are headers ``request_hook`` sets per hop), no cookies (like resync). With proxies
+        # in the environment, requests go through the client, which routes them (``trust_env``);
+        # redirects are followed by ``_redirect`` either way.
         self._direct: httpx.AsyncBaseTransport | None = None if urllib.request.getproxies() else transport
         self._base_headers = {"User-Agent": user_agent, "Accept": "*/*", "Connection": "keep-alive"}
         self._extensions = {"timeout": timeouts.as_dict()}
