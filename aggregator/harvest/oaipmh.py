@@ -233,6 +233,12 @@ class OaiHarvest:
                        f"repository (see ListMetadataFormats): {message}")  # fmt: skip
         raise OaiError(url, code, message)
 
+    @staticmethod
+    def _check_progress(page: Page, token: str | None, url: str) -> None:
+        """A page that hands back the token that fetched it would loop forever."""
+        if token and page.token == token:
+            raise OaiError(url, "badResumptionToken", "the response repeats its own resumption token")
+
     async def _pages(
         self, send: trio.MemorySendChannel, walk_from: datetime | None, token: str | None,
         started: datetime | None, restarted: list[bool],
@@ -253,6 +259,7 @@ class OaiHarvest:
                         await send.send(("restart", None))
                         continue
                     self._check(page, url)
+                    self._check_progress(page, token, url)
                     if started is None:
                         started = page.response_date
                     await send.send(("page", (page, started)))
@@ -270,6 +277,7 @@ class OaiHarvest:
             url = self._list_url(token, None)
             page = await self._get(url)
             self._check(page, url)
+            self._check_progress(page, token, url)
             for record in page.records:
                 yield record
             token = page.token
