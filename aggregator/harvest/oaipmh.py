@@ -33,7 +33,7 @@ import io
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from urllib.parse import quote, urlencode
 
 import trio
@@ -41,7 +41,7 @@ from lxml import etree
 
 from ..config import SourceConfig
 from ..rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
-from ..rs.w3cdt import parse_w3c
+from ..rs.w3cdt import parse_w3c, utcnow
 from ..store.state import Cursor
 from .context import HarvestContext
 from .fetch import FetchError, _begin
@@ -287,6 +287,7 @@ class OaiHarvest:
     async def run(self) -> PipelineStats:
         ctx, src = self.ctx, self.src
         await self.identify()
+        own_start = utcnow()
         cursor = ctx.reader.cursor(self.set_id)
         walk_from = cursor.last_datetime if cursor else None
         token = cursor.changelist_url if cursor else None
@@ -341,8 +342,13 @@ class OaiHarvest:
             await recv.aclose()
         if failure:
             raise failure[0]
-        # The walk is complete and every record committed: the next walk starts where this one began.
-        new_from = state["started"] or stats.last_datetime or walk_from
+        # The walk is complete and every record committed: the next walk starts where this one began
+        # (the repository's clock). Without a responseDate (§3.2 requires one): our clock at the start,
+        # less a day for skew; an early ``from`` only lists records again, as no-ops.
+        new_from = state["started"] or own_start - timedelta(days=1)
+        if state["started"] is None:
+            log.warning("source=%s no responseDate in the walk's first response; next from %s (our clock)",
+                        src.name, format_from(new_from, self.granularity))  # fmt: skip
         done = Cursor(baseline_at or (new_from if full else None), None, new_from, 0, 0, None)
         if full:
             assert generation is not None
@@ -355,7 +361,7 @@ class OaiHarvest:
         log.info(
             "source=%s OAI-PMH walk done: %d records, applied %s, %d skipped, next from %s",
             src.name, stats.seen, stats.applied, self.skipped,
-            format_from(new_from, self.granularity) if new_from else "(full walk)",
+            format_from(new_from, self.granularity),
         )  # fmt: skip
         return stats
 
