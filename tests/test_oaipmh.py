@@ -309,6 +309,21 @@ async def test_sets_errors_and_deleted_policies(tmp_path: Path, caplog):
         with State(bad.store_path / "state.db") as st:
             assert st.source("oai")["state"] == "error"
 
+    # Not an OAI-PMH repository at all (an HTML page): the source fails with a message naming the URL.
+    async def html(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+        elif scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/html")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": b"<html><body><p>Welcome<br></body></html>"})
+
+    async with serve_app(html) as base:
+        result = (await harvest(oai_config(tmp_path / "e", f"{base}/oai")))["oai"]
+        assert not result.ok and f"{base}/oai?verb=Identify" in result.error, result.error
+
     # A repository that keeps no deletions ("no"): a deleted record is simply gone from the lists.
     repo = Repository(deleted_record="no")
     repo.bulk_add(0, 20)
