@@ -83,7 +83,7 @@ class SourceConfig:
     set: str | None = None  # oai-pmh only: a setSpec to harvest selectively
     max_rate: float | None = None  # requests/s to this source (default harvest.max_rate)
     #: Credentials sent to the source's own origin only, read from files or the environment
-    #: (``harvest/access.py`` AUTH_KEYS); checked for shape here, resolved when a harvest starts.
+    #: (``AUTH_KEYS``): checked for shape here, read by ``harvest/access.py`` when a harvest starts.
     auth: dict[str, Any] = field(default_factory=dict)
 
 

@@ -101,6 +101,7 @@ async def test_oai_harvest_changes_and_resync(tmp_path: Path):
         cfg = oai_config(tmp_path, f"{base}/oai")
         result = (await harvest(cfg))["oai"]
         assert result.ok, result.error
+        assert result.sets == 1 and result.stats[0].applied == {"created": 1000}
         assert len(app.list_requests()) == 10  # 1,000 records in pages of 100
         assert titles(cfg) == repo.live()
         log = changelog(cfg)

@@ -84,13 +84,12 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     ctx.progress.pop(src.name, None)
     progress = Progress(src.name, ctx.progress_update)
     try:
-        if src.kind == "oai-pmh":  # one set: the records of (metadata_prefix, set)
-            result.sets = 1
+        if src.kind == "oai-pmh":  # its one set: the records of (metadata_prefix, set)
             result.stats.append(await sync_oaipmh(ctx, src))
-            sets = []
+            result.sets, sets = 1, []
         else:
             sets = await discover(ctx.fetcher, src.url)
-        result.sets = len(sets)
+            result.sets = len(sets)
         result.discovered = sets
         for info in sets:
             set_id = await ctx.write(ctx.writer.ensure_set, src.name, info.capabilitylist_url)
