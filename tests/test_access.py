@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -266,3 +267,38 @@ async def test_resourcesync_source_credentials_stay_on_its_origin(tmp_path: Path
     for headers in other_seen:
         assert "authorization" not in headers and "x-api-key" not in headers, headers
     assert_no_secret(error, metrics, status, caplog.text, other_seen)
+
+
+async def test_access_hook_origin_and_reload(tmp_path: Path, monkeypatch):
+    """The hook on its own: credentials for the source's origin only (scheme, host and port), none for
+    requests made for no source, and a reload reads a rotated secret."""
+    from aggregator.harvest.access import Access
+    from aggregator.metrics import current_source
+
+    def config():
+        return config_for(tmp_path, "https://repo.example/oai", {"bearer_token_env": "OAI_TOKEN"})
+
+    monkeypatch.setenv("OAI_TOKEN", TOKEN)
+    access = Access(config())
+
+    async def sent(url: str, source: str = "oai") -> str | None:
+        request = httpx.Request("GET", url, headers={"Authorization": "Bearer stale-copied-by-a-redirect"})
+        token = current_source.set(source)
+        try:
+            await access(request)
+        finally:
+            current_source.reset(token)
+        return request.headers.get("authorization")
+
+    assert await sent("https://repo.example/oai?verb=Identify") == f"Bearer {TOKEN}"
+    assert await sent("https://repo.example:443/other") == f"Bearer {TOKEN}"
+    for elsewhere in ("http://repo.example/oai", "https://repo.example:8443/oai", "https://cdn.example/x"):
+        assert await sent(elsewhere) is None, elsewhere
+    assert (
+        await sent("https://repo.example/oai", source="") == "Bearer stale-copied-by-a-redirect"
+    )  # untouched
+    monkeypatch.setenv("OAI_TOKEN", "rotated-token")
+    assert await sent("https://repo.example/oai") == f"Bearer {TOKEN}"  # same configuration: read once
+    reloaded = config()
+    access.follow(lambda: reloaded)
+    assert await sent("https://repo.example/oai") == "Bearer rotated-token"

@@ -104,6 +104,7 @@ class SourceAccess:
 
     def __init__(self, url: str, headers: Mapping[str, str], max_rate: float) -> None:
         self.origin = _origin(httpx.URL(url))
+        self.rate = max_rate
         self.headers = dict(headers)
         self._names = [h.lower() for h in self.headers]
         self._pace = _Pace(max_rate) if max_rate > 0 else None
@@ -123,13 +124,13 @@ class SourceAccess:
 class Access:
     """The Fetcher's ``request_hook``: each hop of a request made for a source gets that source's rules.
 
-    It follows the running configuration (``follow``): a source added or changed by a reload (SIGHUP)
-    gets its credentials and rate at its next request, its secrets read then.
+    It follows the running configuration (``follow``): after a reload (SIGHUP) each source's secrets
+    are read again at its next request, and an added or changed source gets its credentials and rate.
     """
 
     def __init__(self, config: Config) -> None:
         self._config: Callable[[], Config] = lambda: config
-        self._by_source: dict[str, tuple[tuple, SourceAccess]] = {}
+        self._by_source: dict[str, tuple[Config, SourceAccess]] = {}
         for src in config.sources:  # read every secret now: a missing one stops the start
             self._access(config, src)
 
@@ -137,13 +138,16 @@ class Access:
         self._config = config
 
     def _access(self, config: Config, src: SourceConfig) -> SourceAccess:
-        key = (src.url, repr(src.auth), config.max_rate(src))
+        """The source's access under ``config``; its secrets are read again for each new configuration
+        (a reload re-reads a rotated token), its pace kept while its rate stays the same."""
         known = self._by_source.get(src.name)
-        if known is not None and known[0] == key:
+        if known is not None and known[0] is config:
             return known[1]
-        index = config.sources.index(src)
-        access = SourceAccess(src.url, resolve_headers(config, index, src), config.max_rate(src))
-        self._by_source[src.name] = (key, access)
+        rate = config.max_rate(src)
+        access = SourceAccess(src.url, resolve_headers(config, config.sources.index(src), src), rate)
+        if known is not None and known[1].rate == rate:
+            access._pace = known[1]._pace
+        self._by_source[src.name] = (config, access)
         return access
 
     async def __call__(self, request: httpx.Request) -> None:
