@@ -116,6 +116,7 @@ async def test_oai_harvest_changes_and_resync(tmp_path: Path):
             assert via.rel == "via" and "verb=GetRecord" in via.href and "metadataPrefix=oai_dc" in via.href
             cur = st.cursor(s["id"])
             assert cur.changelist_url is None and cur.last_datetime is not None  # walk complete
+            assert st.source("oai")["progress_done"] == 1000  # rsagg status shows the walk's progress
 
         # The via link names the record: GetRecord answers the same metadata, byte for byte once
         # canonicalised (what rsagg stores).
@@ -385,6 +386,7 @@ def test_parse_page_is_lenient_and_hostile_proof(tmp_path: Path):
     # oai:x:1 names an entity that is never resolved: its record cannot be canonicalised, so skipped
     assert [r.identifier for r in page.records] == ["oai:x:4", "oai:x:5"]
     assert page.token == "tok-1" and page.response_date == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert page.complete_size == 9 and page.cursor is None
     assert len(page.problems) == 3 and "oai:x:1" in page.problems[0] and "oai:x:3" in page.problems[2]
     assert all(b"TOP-SECRET" not in (r.content or b"") for r in page.records)
     assert page.records[0].deleted and page.records[0].content is None

@@ -46,6 +46,7 @@ from ..store.state import Cursor
 from .context import HarvestContext
 from .fetch import FetchError, _begin
 from .pipeline import Pipeline, PipelineStats, Work
+from .progress import Progress
 
 log = logging.getLogger("rsagg.harvest")
 
@@ -85,6 +86,8 @@ class Page:
 
     records: list[Record] = field(default_factory=list)
     token: str | None = None  # None or "": the list is complete (§3.5)
+    complete_size: int | None = None  # resumptionToken's completeListSize, when given
+    cursor: int | None = None  # resumptionToken's cursor: the list position of this page's first record
     response_date: datetime | None = None
     errors: list[tuple[str, str]] = field(default_factory=list)  # (code, message)
     identify: dict[str, str] = field(default_factory=dict)  # Identify's simple child elements
@@ -98,6 +101,10 @@ def _datestamp(text: str | None) -> datetime | None:
         return parse_w3c(text.strip())
     except ValueError:
         return None
+
+
+def _count(text: str | None) -> int | None:
+    return int(text) if text is not None and text.strip().isdigit() else None
 
 
 def _text(el: etree._Element | None) -> str | None:
@@ -126,6 +133,7 @@ def parse_page(data: bytes, url: str) -> Page:
                     del parent[0]
             elif tag == "resumptionToken":
                 page.token = (el.text or "").strip() or None
+                page.complete_size, page.cursor = _count(el.get("completeListSize")), _count(el.get("cursor"))
             elif tag == "responseDate":
                 page.response_date = _datestamp(el.text)
             elif tag == "error":
@@ -182,8 +190,10 @@ def set_key(src: SourceConfig) -> str:
 class OaiHarvest:
     """One sync of one OAI-PMH source."""
 
-    def __init__(self, ctx: HarvestContext, src: SourceConfig, set_id: int) -> None:
-        self.ctx, self.src, self.set_id = ctx, src, set_id
+    def __init__(
+        self, ctx: HarvestContext, src: SourceConfig, set_id: int, progress: Progress | None = None
+    ) -> None:
+        self.ctx, self.src, self.set_id, self.progress = ctx, src, set_id, progress
         self.granularity = SECONDS
         self.deleted_policy = "unknown"
         self.skipped = 0
@@ -324,6 +334,10 @@ class OaiHarvest:
                     continue
                 page, page_started = value  # type: ignore[misc]
                 state["started"] = page_started
+                if self.progress is not None and page.complete_size is not None:
+                    # records of this walk still to come: the list's size less where this walk began
+                    state.setdefault("offset", (page.cursor or 0) - self.progress.done)
+                    self.progress.set_total(max(0, page.complete_size - state["offset"]))
                 last = len(page.records) - 1
                 for i, rec in enumerate(page.records):
                     state["committed"] += 1
@@ -337,7 +351,8 @@ class OaiHarvest:
         restarted: list[bool] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._pages, send, walk_from, token, started, restarted)
-            pipeline = Pipeline(ctx, self.set_id, src.name, ahead=ctx.config.harvest.batch_size)
+            add = self.progress.add if self.progress is not None else None
+            pipeline = Pipeline(ctx, self.set_id, src.name, progress=add, ahead=ctx.config.harvest.batch_size)
             stats = await pipeline.run(items())
             await recv.aclose()
         if failure:
@@ -379,10 +394,12 @@ class OaiHarvest:
         return Work(entry, CREATED if generation is not None else UPDATED, after, generation, blob, info)
 
 
-async def sync_oaipmh(ctx: HarvestContext, src: SourceConfig) -> PipelineStats:
+async def sync_oaipmh(
+    ctx: HarvestContext, src: SourceConfig, progress: Progress | None = None
+) -> PipelineStats:
     """Bring an OAI-PMH source's one set up to date (``harvest/source.py`` calls it per sync)."""
     set_id = await ctx.write(ctx.writer.ensure_set, src.name, set_key(src))
-    return await OaiHarvest(ctx, src, set_id).run()
+    return await OaiHarvest(ctx, src, set_id, progress).run()
 
 
 __all__ = ["OaiError", "OaiHarvest", "Page", "Record", "format_from", "parse_page", "sync_oaipmh"]

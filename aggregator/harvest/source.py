@@ -85,7 +85,8 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     progress = Progress(src.name, ctx.progress_update)
     try:
         if src.kind == "oai-pmh":  # its one set: the records of (metadata_prefix, set)
-            result.stats.append(await sync_oaipmh(ctx, src))
+            progress.next_set()
+            result.stats.append(await sync_oaipmh(ctx, src, progress))
             result.sets, sets = 1, []
         else:
             sets = await discover(ctx.fetcher, src.url)
