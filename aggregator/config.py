@@ -81,6 +81,8 @@ class SourceConfig:
     kind: str = "resourcesync"
     metadata_prefix: str = "oai_dc"  # oai-pmh only
     set: str | None = None  # oai-pmh only: a setSpec to harvest selectively
+    #: oai-pmh only: seconds between full walks that sweep what is no longer listed (0 = the first only)
+    full_harvest_interval: float = 0.0
     max_rate: float | None = None  # requests/s to this source (default harvest.max_rate)
     #: Credentials sent to the source's own origin only, read from files or the environment
     #: (``AUTH_KEYS``): checked for shape here, read by ``harvest/access.py`` when a harvest starts.
@@ -304,8 +306,12 @@ def _check_source_access(file: str, prefix: str, src: SourceConfig) -> None:
         raise ConfigError(file, f"{prefix}.metadata_prefix", "must be a non-empty string")
     if src.set is not None and (not isinstance(src.set, str) or not src.set):
         raise ConfigError(file, f"{prefix}.set", "must be a non-empty setSpec string")
-    if src.kind != "oai-pmh" and (src.set is not None or src.metadata_prefix != "oai_dc"):
-        raise ConfigError(file, f"{prefix}.kind", 'metadata_prefix and set need kind = "oai-pmh"')
+    if src.kind != "oai-pmh" and (
+        src.set is not None or src.metadata_prefix != "oai_dc" or src.full_harvest_interval
+    ):
+        raise ConfigError(
+            file, f"{prefix}.kind", 'metadata_prefix, set and full_harvest_interval need kind = "oai-pmh"'
+        )
     if urlsplit(src.url).password is not None:
         raise ConfigError(file, f"{prefix}.url", "holds a password: name it in [sources.auth] instead")
     auth, key = src.auth, f"{prefix}.auth"

@@ -326,12 +326,21 @@ async def test_sets_errors_and_deleted_policies(tmp_path: Path, caplog):
         result = (await harvest(oai_config(tmp_path / "e", f"{base}/oai")))["oai"]
         assert not result.ok and f"{base}/oai?verb=Identify" in result.error, result.error
 
-    # A repository that keeps no deletions ("no"): a deleted record is simply gone from the lists.
+    # A repository that keeps no deletions ("no"): a deleted record is simply gone from the lists, so
+    # an incremental walk cannot see it; a full walk (full_harvest_interval) sweeps it.
     repo = Repository(deleted_record="no")
     repo.bulk_add(0, 20)
     async with serve_app(OaiApp(repo, page_size=7)) as base:
         cfg = oai_config(tmp_path / "d", f"{base}/oai")
         assert (await harvest(cfg))["oai"].ok and len(held(cfg)) == 20
+        repo.delete(repo.ident(3))
+        await change(repo, added=range(50, 51), updated=range(5, 6), deleted=range(0, 0))
+        assert (await harvest(cfg))["oai"].ok
+        assert len(held(cfg)) == 21 and repo.ident(3) in held(cfg)  # incremental: the deletion unseen
+        every = oai_config(tmp_path / "d", f"{base}/oai", full_harvest_interval=0.001)
+        assert (await harvest(every))["oai"].ok
+        assert set(held(cfg)) == set(repo.live()) and repo.ident(3) not in held(cfg)
+        assert kinds(changelog(cfg)[20:]) == {"created": 1, "updated": 1, "deleted": 1}
 
 
 def test_config_keys(tmp_path: Path):

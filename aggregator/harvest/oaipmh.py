@@ -7,7 +7,8 @@ link points at the record's GetRecord URL. A record with ``status="deleted"`` is
 §2.5.1: both the "persistent" and the "transient" policy report them; "no" never does).
 
 Walks. The first harvest is a full ListRecords walk, run as a baseline (a generation, and the sweep of
-rows it did not see, as for a Resource List). Every later one asks ``from=`` the ``responseDate`` of the
+rows it did not see, as for a Resource List); so is one every ``full_harvest_interval`` seconds if set,
+for repositories that do not keep deletions. Every later one asks ``from=`` the ``responseDate`` of the
 previous walk's first response, at the repository's granularity (Identify). ``from`` is inclusive and a
 record changed during a walk may be listed again: both overlaps are idempotent, because the store logs a
 change only when a record's bytes differ from what it holds (``State.apply``).
@@ -17,7 +18,7 @@ invariant 2): ``last_datetime`` is the ``from`` of the walk in progress or the n
 walk finished yet); ``changelist_url`` holds the resumption token that continues the walk in progress
 (set after the last record of a page commits); ``list_until`` the responseDate of the walk's first
 response (the next ``from`` once the walk is complete); ``list_index`` the records committed in it;
-``baseline_at`` when the first full walk began. A killed harvest resumes at the stored token: the page
+``baseline_at`` when the last full walk began. A killed harvest resumes at the stored token: the page
 of a half-committed batch is read again and its committed records are no-ops, so there is no gap and no
 duplicate. Resumption tokens are idempotent (OAI-PMH §3.5) but may expire: ``badResumptionToken``
 restarts the walk from ``last_datetime``, once per sync.
@@ -304,6 +305,12 @@ class OaiHarvest:
         started = cursor.list_until if cursor and token else None
         committed = cursor.list_index if cursor and token else 0
         baseline_at = cursor.baseline_at if cursor else None
+        every = src.full_harvest_interval
+        if every and not token and walk_from is not None:
+            # A repository that forgets deletions ("no", "transient"): a full walk now and then sweeps
+            # the records it no longer lists.
+            if baseline_at is None or own_start - baseline_at >= timedelta(seconds=every):
+                walk_from = None
         full = walk_from is None
         generation = None
         if full:
@@ -364,7 +371,7 @@ class OaiHarvest:
         if state["started"] is None:
             log.warning("source=%s no responseDate in the walk's first response; next from %s (our clock)",
                         src.name, format_from(new_from, self.granularity))  # fmt: skip
-        done = Cursor(baseline_at or (new_from if full else None), None, new_from, 0, 0, None)
+        done = Cursor(new_from if full else baseline_at, None, new_from, 0, 0, None)
         if full:
             assert generation is not None
             swept = await ctx.write(ctx.writer.finish_baseline, self.set_id, generation, done)
