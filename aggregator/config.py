@@ -65,6 +65,9 @@ class HarvestConfig:
     max_resource_bytes: int = 16 * 1024**3
     use_dumps: bool = True  # baseline from a Resource Dump when one is advertised
     batch_size: int = 256  # changes committed per state transaction
+    #: Sent on every request; "" = ``harvest/access.py`` DEFAULT_USER_AGENT (rsagg/VERSION (+project URL)).
+    user_agent: str = ""
+    max_rate: float = 0.0  # requests per second per source (0 = no limit besides per_host)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,16 @@ class SourceConfig:
     notified_interval: float | None = None  # poll interval while notifications are live (safety net)
     #: Per-source plugin settings, ``plugins.NAME = {...}``: overlaid on ``[plugins.NAME]``.
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: "resourcesync" (default) or "oai-pmh" (``harvest/oaipmh.py``: ``url`` is the base URL).
+    kind: str = "resourcesync"
+    metadata_prefix: str = "oai_dc"  # oai-pmh only
+    set: str | None = None  # oai-pmh only: a setSpec to harvest selectively
+    #: oai-pmh only: seconds between full walks that sweep what is no longer listed (0 = the first only)
+    full_harvest_interval: float = 0.0
+    max_rate: float | None = None  # requests/s to this source (default harvest.max_rate)
+    #: Credentials sent to the source's own origin only, read from files or the environment
+    #: (``AUTH_KEYS``): checked for shape here, read by ``harvest/access.py`` when a harvest starts.
+    auth: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -157,12 +170,16 @@ class Config:
     def interval(self, source: SourceConfig) -> float:
         return source.interval if source.interval is not None else self.harvest.interval
 
+    def max_rate(self, source: SourceConfig) -> float:
+        """Requests per second to this source; 0 = unlimited (per_host still bounds concurrency)."""
+        return source.max_rate if source.max_rate is not None else self.harvest.max_rate
+
     def use_dumps(self, source: SourceConfig) -> bool:
         return source.use_dumps if source.use_dumps is not None else self.harvest.use_dumps
 
     def notifications_on(self, source: SourceConfig) -> bool:
         """Whether rsagg subscribes to this source's notification channels."""
-        return self.notifications.enabled and source.notifications is not False
+        return self.notifications.enabled and source.notifications is not False and source.kind != "oai-pmh"
 
     def notified_interval(self, source: SourceConfig) -> float:
         """The safety-net poll interval of a source while its change notifications are live."""
@@ -245,6 +262,8 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
             raise ConfigError(file, f"harvest.{key}", "must be at least 1")
     if not 0 <= harvest.jitter < 1:
         raise ConfigError(file, "harvest.jitter", "must be in [0, 1)")
+    if any(ord(c) < 32 or ord(c) == 127 for c in harvest.user_agent):
+        raise ConfigError(file, "harvest.user_agent", "must not hold control characters")
     raw_sources = data.get("sources", [])
     if not isinstance(raw_sources, list):
         raise ConfigError(file, "sources", "must be an array of tables ([[sources]])")
@@ -264,6 +283,7 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
         _check_plugin_tables(file, f"{prefix}.plugins", src.plugins)
         if src.notified_interval is not None and src.notified_interval <= 0:
             raise ConfigError(file, f"{prefix}.notified_interval", "must be more than 0")
+        _check_source_access(file, prefix, src)
         sources.append(src)
     publish = _section(file, "publish", PublishConfig, data.get("publish", {}))
     if publish.changelist_size < 1:
@@ -284,6 +304,67 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
         notifications=notifications,
         outbound=_parse_outbound(file, data.get("outbound", {})),
     )
+
+
+SOURCE_KINDS = ("resourcesync", "oai-pmh")
+#: ``[sources.auth]`` keys; each secret is named by a ``*_file`` or ``*_env`` key, never given inline.
+AUTH_KEYS = frozenset({"bearer_token_file", "bearer_token_env", "basic_username", "basic_password_file",
+                       "basic_password_env", "headers"})  # fmt: skip
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
+
+
+def _check_source_access(file: str, prefix: str, src: SourceConfig) -> None:
+    """kind, OAI-PMH keys, max_rate and the shape of ``auth`` (secrets are read by harvest/access.py)."""
+    if src.kind not in SOURCE_KINDS:
+        raise ConfigError(
+            file, f"{prefix}.kind", f"must be one of {', '.join(SOURCE_KINDS)}, not {src.kind!r}"
+        )
+    if not src.metadata_prefix or not isinstance(src.metadata_prefix, str):
+        raise ConfigError(file, f"{prefix}.metadata_prefix", "must be a non-empty string")
+    if src.set is not None and (not isinstance(src.set, str) or not src.set):
+        raise ConfigError(file, f"{prefix}.set", "must be a non-empty setSpec string")
+    if src.kind != "oai-pmh" and (
+        src.set is not None or src.metadata_prefix != "oai_dc" or src.full_harvest_interval
+    ):
+        raise ConfigError(
+            file, f"{prefix}.kind", 'metadata_prefix, set and full_harvest_interval need kind = "oai-pmh"'
+        )
+    if urlsplit(src.url).password is not None:
+        raise ConfigError(file, f"{prefix}.url", "holds a password: name it in [sources.auth] instead")
+    auth, key = src.auth, f"{prefix}.auth"
+    if not isinstance(auth, dict):
+        raise ConfigError(file, key, "must be a table")
+    for k, v in auth.items():
+        if k not in AUTH_KEYS:
+            raise ConfigError(file, f"{key}.{k}", f"unknown key (known: {', '.join(sorted(AUTH_KEYS))})")
+        if k != "headers" and (not isinstance(v, str) or not v):
+            raise ConfigError(file, f"{key}.{k}", "must be a non-empty string")
+    if "bearer_token_file" in auth and "bearer_token_env" in auth:
+        raise ConfigError(
+            file, f"{key}.bearer_token_env", "give bearer_token_file or bearer_token_env, not both"
+        )
+    basic = [k for k in auth if k.startswith("basic_")]
+    if basic and any(k.startswith("bearer_") for k in auth):
+        raise ConfigError(file, key, "bearer_token_* and basic_* both set Authorization: choose one")
+    if basic and ("basic_username" not in auth or len(basic) != 2):
+        raise ConfigError(
+            file, key, "basic auth needs basic_username and one of basic_password_file, basic_password_env"
+        )
+    headers = auth.get("headers", {})
+    if not isinstance(headers, dict):
+        raise ConfigError(file, f"{key}.headers", 'must be a table of header = "env:NAME" or "file:PATH"')
+    for name, ref in headers.items():
+        if not _HEADER_NAME.match(name) or name.lower() in ("host", "authorization", "cookie"):
+            raise ConfigError(file, f"{key}.headers.{name}", "not a header name rsagg may set")
+        if (
+            not isinstance(ref, str)
+            or not ref.startswith(("env:", "file:"))
+            or len(ref.split(":", 1)[1]) == 0
+        ):
+            raise ConfigError(
+                file, f"{key}.headers.{name}",
+                "must name its value as \"env:VARIABLE\" or \"file:PATH\" (never the secret itself)",
+            )  # fmt: skip
 
 
 _HUB_PATH = re.compile(r"/[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*\Z")

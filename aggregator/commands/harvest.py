@@ -11,6 +11,7 @@ from typing import TextIO
 
 import trio
 
+from ..config import ConfigError
 from ..harvest.context import open_context, prepare_store
 from ..harvest.progress import ProgressLine
 from ..harvest.source import SourceResult, poll_source, sync_source
@@ -64,12 +65,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    with store_lock(prepare_store(config), "rsagg harvest"):
-        if not args.once:
-            trio.run(_poll_forever, config, args.source)
-            return 0
-        tty = sys.stderr if sys.stderr.isatty() else None  # a progress line only where someone watches
-        results = trio.run(partial(harvest_once, config, args.source, progress_to=tty))
+    tty = sys.stderr if sys.stderr.isatty() else None  # a progress line only where someone watches
+    try:
+        with store_lock(prepare_store(config), "rsagg harvest"):
+            if not args.once:
+                trio.run(_poll_forever, config, args.source)
+                return 0
+            results = trio.run(partial(harvest_once, config, args.source, progress_to=tty))
+    except ConfigError as exc:  # e.g. a source's secret file or variable is missing
+        print(f"rsagg harvest: config error: {exc}", file=sys.stderr)
+        return 2
     failed = [r for r in results if not r.ok]
     for r in sorted(results, key=lambda r: r.name):
         applied: dict[str, int] = {}

@@ -11,6 +11,7 @@ import sys
 
 import trio
 
+from ..config import ConfigError
 from ..daemon import ListenError, run_daemon
 from ..harvest.context import prepare_store
 from ..store.lock import store_lock
@@ -35,4 +36,7 @@ def run(args: argparse.Namespace) -> int:
     except ListenError as exc:
         print(f"rsagg run: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # e.g. a source's secret file or variable is missing
+        print(f"rsagg: config error: {exc}", file=sys.stderr)
+        return 2
     return 0

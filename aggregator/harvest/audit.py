@@ -7,9 +7,10 @@ are kept in a temporary SQLite table, not in memory.
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 import tempfile
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from ..rs.model import (
     RESOURCEDUMP_MANIFEST,
     RESOURCELIST,
     Entry,
+    Md,
 )
 from ..store.state import Cursor, Resource
 from .baseline import dump_packages, with_archived_snapshots
@@ -31,6 +33,7 @@ from .deviations import Deviations, collecting, current, skip
 from .discovery import SetInfo, discover
 from .fetch import FetchError
 from .lists import Snapshot, SyncError, change_entries, resolved, resource_list_entries
+from .oaipmh import OaiHarvest, set_key
 
 
 @dataclass
@@ -160,43 +163,67 @@ async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator
     A list that cannot be read raises AuditError naming it once the readable ones are compared: never
     "in sync" with a list unread.
     """
+    if src.kind == "oai-pmh":
+        set_url = set_key(src)
+        async with aclosing(_compare(ctx, src.name, set_url, _oai_entries(ctx, src, set_url))) as diffs:
+            async for d in diffs:
+                yield d
+        return
     deviations = Deviations(src.name)
     with collecting(deviations):
         for info in await discover(ctx.fetcher, src.url):
-            async with aclosing(_audit_set(ctx, src, info)) as diffs:
+            info = await with_archived_snapshots(ctx, info)
+            entries = expected_entries(ctx, info, src.name, on_unread=skip)
+            async with aclosing(_compare(ctx, src.name, info.capabilitylist_url, entries)) as diffs:
                 async for d in diffs:
                     yield d
     if deviations.skipped:
         raise AuditError(deviations.skipped_text())
 
 
-async def _audit_set(
-    ctx: HarvestContext, src: SourceConfig, info: SetInfo
+def _set_id(ctx: HarvestContext, source: str, set_url: str) -> int | None:
+    return next((s["id"] for s in ctx.reader.sets(source) if s["capabilitylist_url"] == set_url), None)
+
+
+async def _compare(
+    ctx: HarvestContext, source: str, set_url: str, entries: AsyncIterator[Entry]
 ) -> AsyncGenerator[Difference, None]:
-    info = await with_archived_snapshots(ctx, info)
-    set_url = info.capabilitylist_url
-    set_id = next((s["id"] for s in ctx.reader.sets(src.name) if s["capabilitylist_url"] == set_url), None)
+    """The differences between what a set holds upstream (``entries``, each URI once) and the store:
+    entries compared in batches, then what the store holds beyond them ("extra": only when every list
+    was read, since an unread list may hold what we hold)."""
+    set_id = _set_id(ctx, source, set_url)
     with tempfile.TemporaryDirectory() as tmp:
         seen = _SeenSet(Path(tmp))
         try:
             batch: list[Entry] = []
-            entries = expected_entries(ctx, info, src.name, on_unread=skip)
-            async with aclosing(entries):
+            async with aclosing(entries):  # type: ignore[type-var]
                 async for entry in entries:
                     seen.add(entry.loc)
                     batch.append(entry)
                     if len(batch) >= 1000:
-                        for d in _check(ctx, src.name, set_url, set_id, batch):
+                        for d in _check(ctx, source, set_url, set_id, batch):
                             yield d
-            for d in _check(ctx, src.name, set_url, set_id, batch):
+            for d in _check(ctx, source, set_url, set_id, batch):
                 yield d
             if set_id is not None and not (current() and current().skipped):
-                # "extra" only when every list was read: an unread list may hold what we hold.
                 for held in ctx.reader.iter_resources(set_id):
                     if held.uri not in seen:
-                        yield Difference(src.name, set_url, held.uri, "extra", "held but not listed upstream")
+                        yield Difference(source, set_url, held.uri, "extra", "held but not listed upstream")
         finally:
             seen.close()
+
+
+async def _oai_entries(ctx: HarvestContext, src: SourceConfig, set_url: str) -> AsyncGenerator[Entry, None]:
+    """An OAI-PMH source's records from a full ListRecords walk, as entries: the sha-256 of the canonical
+    metadata, as ``harvest/oaipmh.py`` stores it; a deleted record as a deletion (it must not be held)."""
+    records = OaiHarvest(ctx, src, _set_id(ctx, src.name, set_url) or 0).records()
+    async with aclosing(records):
+        async for rec in records:
+            if rec.content is None:
+                md = Md(change=DELETED)
+            else:
+                md = Md(hash=f"sha-256:{hashlib.sha256(rec.content).hexdigest()}", length=len(rec.content))
+            yield Entry(rec.identifier, md=md)
 
 
 async def _dump_entries(ctx: HarvestContext, url: str) -> AsyncGenerator[Entry, None]:

@@ -26,6 +26,7 @@ from ..metrics import Metrics, current_source
 from ..plugins import Plugins
 from ..store.blobs import BlobStore, BlobWriter
 from ..store.state import State
+from .access import Access, user_agent
 from .fetch import Fetcher
 from .patch import PatchApplier, builtin_patch_formats
 
@@ -191,6 +192,7 @@ def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:
 async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
     """Open the store, the state database (reader + writer) and the one HTTP client for a run."""
     hc = config.harvest
+    access = Access(config)  # reads the sources' secrets: a missing one stops here (a ConfigError)
     root = prepare_store(config)
     plugins = Plugins.from_config(config)
     blobs = open_blob_store(config, plugins)
@@ -212,6 +214,8 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
         policy=outbound.policy_for(
             config, current_source=current_source.get, on_refused=metrics.outbound_refused_hook
         ),
+        user_agent=user_agent(config),
+        request_hook=access,
     )
     plugins.call("rsagg_startup", config=config)
     try:
@@ -220,6 +224,7 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
             patch_formats=plugins.merged("rsagg_patch_formats"), plugins=plugins, metrics=metrics,
         )  # fmt: skip
         metrics.attach(notifications=lambda: ctx.notifications)
+        access.follow(lambda: ctx.config)  # a reloaded config's credentials and rates apply at once
         yield ctx
     finally:
         plugins.call("rsagg_shutdown")

@@ -69,6 +69,8 @@ SMALL_BODY = 64 * 1024
 DOCUMENT_ACCEPT = "application/xml, text/xml;q=0.9, */*;q=0.1"
 
 MetricsHook = Callable[[str, int | None, float, int], None]
+#: Called before each hop of a request is sent (``harvest/access.py``: credentials, rate); may wait.
+RequestHook = Callable[[httpx.Request], Awaitable[None]]
 
 
 class FetchError(Exception):
@@ -198,7 +200,7 @@ def _transport_error(url: str, exc: Exception) -> FetchError:
 def _redirect(request: httpx.Request, response: httpx.Response) -> httpx.Request:
     """The GET a redirect asks for: ``Location`` resolved against the request URL (RFC 9110 §10.2.2,
     §15.4; a fragment carries over when Location has none). Headers are kept but Host (it follows the
-    URL) and credentials or cookies (never sent by rsagg anyway)."""
+    URL) and credentials or cookies (``harvest/access.py`` sets a source's own again on its origin only)."""
     try:
         url = httpx.URL(response.headers["location"])
         if url.scheme and not url.host:  # "http:/path": absolute form without a host
@@ -610,6 +612,7 @@ class Fetcher:
         metrics_hook: MetricsHook | None = None,
         document_deadline: float = 900.0,
         policy: outbound.AddressPolicy | None = None,
+        request_hook: RequestHook | None = None,
     ) -> None:
         """``policy``: the outbound address policy every connection obeys (``outbound.py``; the daemon
         always passes one); None connects anywhere (a library user's own choice)."""
@@ -624,6 +627,7 @@ class Fetcher:
         #: a server dripping a byte just often enough to beat the read timeout cannot hold us forever.
         self.document_deadline = document_deadline
         self.metrics_hook = metrics_hook
+        self.request_hook = request_hook
         self._limiters: dict[str, trio.CapacityLimiter] = {}
         # pool=None: waiting for a free connection is not a failure; our own limiters bound the waits.
         timeouts = httpx.Timeout(timeout, pool=None)
@@ -637,9 +641,10 @@ class Fetcher:
         )
         # Requests are built here and handed to the client's transport directly, skipping the client
         # layer (auth flow, cookie jar, event hooks, URL/header merging: ~150 us of the event loop per
-        # request, a quarter of all httpx costs; measured). rsagg uses none of it: no credentials, and no
-        # cookies (like resync). With proxies in the environment, requests go through the client, which
-        # routes them (``trust_env``); redirects are followed by ``_redirect`` either way.
+        # request, a quarter of all httpx costs; measured). rsagg uses none of it: no auth flow (a source's
+        # credentials are headers ``request_hook`` sets per hop), no cookies (like resync). With proxies
+        # in the environment, requests go through the client, which routes them (``trust_env``);
+        # redirects are followed by ``_redirect`` either way.
         self._direct: httpx.AsyncBaseTransport | None = None if urllib.request.getproxies() else transport
         self._base_headers = {"User-Agent": user_agent, "Accept": "*/*", "Connection": "keep-alive"}
         self._extensions = {"timeout": timeouts.as_dict()}
@@ -701,6 +706,8 @@ class Fetcher:
             raise _transport_error(url, exc) from exc
         for _hop in range(MAX_REDIRECTS + 1):
             host = request.url.host
+            if self.request_hook is not None:
+                await self.request_hook(request)
             async with self._limiter(host):
                 start = trio.current_time()
                 try:

@@ -147,8 +147,16 @@ class Pipeline:
     """Bring an ordered stream of ``Work`` into one set of the store."""
 
     def __init__(
-        self, ctx: HarvestContext, set_id: int, source: str, *, progress: Callable[[int], None] | None = None
+        self,
+        ctx: HarvestContext,
+        set_id: int,
+        source: str,
+        *,
+        progress: Callable[[int], None] | None = None,
+        ahead: int = 0,
     ):
+        """``ahead``: changes that may be in flight beyond the default bound, so that a producer whose
+        content is already here (OAI-PMH records) fills the next batch while one commits."""
         self.ctx = ctx
         self.set_id = set_id
         self.source = source
@@ -158,7 +166,7 @@ class Pipeline:
         self._workers = hc.workers
         self._batch_size = hc.batch_size
         # Bounds everything issued but not yet committed (docs/architecture.md invariant 4: bounded queues).
-        self._inflight = trio.Semaphore(hc.workers * 4 + hc.batch_size)
+        self._inflight = trio.Semaphore(hc.workers * 4 + hc.batch_size + ahead)
         plugins = ctx.plugins
         self._filtering = bool(plugins.pm.hook.rsagg_filter_harvest.get_hookimpls())
         self._events = any(
@@ -262,7 +270,9 @@ class Pipeline:
                 else:  # deletions and content from dumps: nothing to look up
                     found = [(None, False)] * len(works)
                 for (seq, w), (existing, same) in zip(batch, found, strict=True):
-                    if same:
+                    if w.blob is not None and w.change != DELETED:  # content already here: nothing to fetch
+                        await done.send((seq, _Result(w, change_from(w, w.info), w.blob)))
+                    elif same:
                         self.stats.unchanged += 1
                         assert existing is not None and existing.sha256 is not None
                         info = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))

@@ -22,6 +22,7 @@ from .deviations import Deviations, collecting
 from .discovery import SetInfo, discover
 from .incremental import run_incremental
 from .lists import GapError, Validators
+from .oaipmh import sync_oaipmh
 from .pipeline import Failure, Pipeline, PipelineStats, Work
 from .progress import Progress
 
@@ -131,10 +132,16 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
     ctx.progress.pop(src.name, None)
     progress = Progress(src.name, ctx.progress_update)
     try:
-        fallback: list[str | None] = []  # what discovery used instead of a failing src.url (status shows it)
-        sets = await discover(ctx.fetcher, src.url, on_fallback=fallback.append)
-        await ctx.write(ctx.writer.set_source_status, src.name, using_url=fallback[0] if fallback else None)
-        result.sets = len(sets)
+        if src.kind == "oai-pmh":  # its one set: the records of (metadata_prefix, set)
+            progress.next_set()
+            result.stats.append(await sync_oaipmh(ctx, src, progress))
+            result.sets, sets = 1, []
+        else:
+            fallback: list[str | None] = []  # what discovery used instead of a failing src.url (status)
+            sets = await discover(ctx.fetcher, src.url, on_fallback=fallback.append)
+            using = fallback[0] if fallback else None
+            await ctx.write(ctx.writer.set_source_status, src.name, using_url=using)
+            result.sets = len(sets)
         result.discovered = sets
         for info in sets:
             set_id = await ctx.write(ctx.writer.ensure_set, src.name, info.capabilitylist_url)

@@ -1,0 +1,161 @@
+"""Per-source access: credentials, the User-Agent and a request rate, applied to every request hop.
+
+Why a hook on the one Fetcher rather than a client per source: the per-host limits, retries and metrics
+stay in one place, and a request learns its source from ``metrics.current_source`` (set by each sync
+and carried into the Fetcher's download tasks).
+
+Rules (secrets never leak):
+- secrets are read from a file or an environment variable that the config names (``[sources.auth]``),
+  never from the config itself, once when a harvest starts; a missing one is a ConfigError naming the
+  key and the file or variable, never the value;
+- credentials go only to the source's own origin (scheme, host, port of its ``url``): on every hop,
+  the Authorization and custom headers are set for that origin and removed for any other (a mirror,
+  a redirect elsewhere);
+- nothing here logs a header value; FetchError messages carry URLs and statuses only.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import httpx
+import trio
+
+from .. import PROJECT_URL, __version__
+from ..config import Config, ConfigError, SourceConfig
+from ..metrics import current_source
+
+DEFAULT_USER_AGENT = f"rsagg/{__version__} (+{PROJECT_URL})"
+
+
+def user_agent(config: Config) -> str:
+    return config.harvest.user_agent or DEFAULT_USER_AGENT
+
+
+def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
+    port = url.port or {"http": 80, "https": 443}.get(url.scheme)
+    return url.scheme, url.host, port
+
+
+def _read_secret(config: Config, key: str, ref: str, how: str) -> str:
+    """The value a ``file``/``env`` reference names; errors name the reference, never a value."""
+    if how == "env":
+        value = os.environ.get(ref)
+        if value is None or not value.strip():
+            raise ConfigError(config.file, key, f"environment variable {ref} is not set or empty")
+        return value.strip()
+    path = Path(ref)
+    if not path.is_absolute() and config.file != "<defaults>":
+        path = Path(config.file).parent / path
+    try:
+        value = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ConfigError(config.file, key, f"cannot read secret file {path}: {reason}") from None
+    if not value:
+        raise ConfigError(config.file, key, f"secret file {path} is empty")
+    return value
+
+
+def resolve_headers(config: Config, index: int, src: SourceConfig) -> dict[str, str]:
+    """The headers ``[sources.auth]`` asks for, secrets read now."""
+    auth, prefix = src.auth, f"sources[{index}].auth"
+    out: dict[str, str] = {}
+    for how in ("file", "env"):
+        ref = auth.get(f"bearer_token_{how}")
+        if ref:
+            out["Authorization"] = "Bearer " + _read_secret(config, f"{prefix}.bearer_token_{how}", ref, how)
+        ref = auth.get(f"basic_password_{how}")
+        if ref:
+            password = _read_secret(config, f"{prefix}.basic_password_{how}", ref, how)
+            pair = f"{auth['basic_username']}:{password}".encode()
+            out["Authorization"] = "Basic " + base64.b64encode(pair).decode("ascii")
+    for name, ref in auth.get("headers", {}).items():
+        how, _, where = ref.partition(":")
+        value = _read_secret(config, f"{prefix}.headers.{name}", where, how)
+        if any(ord(c) < 32 for c in value):
+            raise ConfigError(config.file, f"{prefix}.headers.{name}", "the value holds control characters")
+        out[name] = value
+    return out
+
+
+class _Pace:
+    """At most ``rate`` request starts per second (an even spacing, no bursts); shared by all tasks."""
+
+    def __init__(self, rate: float) -> None:
+        self.interval = 1.0 / rate
+        self.next = 0.0
+        self.lock = trio.Lock()
+
+    async def wait(self) -> None:
+        async with self.lock:
+            now = trio.current_time()
+            if self.next > now:
+                await trio.sleep_until(self.next)
+                now = self.next
+            self.next = now + self.interval
+
+
+class SourceAccess:
+    """What one source's requests carry and how fast they may go."""
+
+    def __init__(self, url: str, headers: Mapping[str, str], max_rate: float) -> None:
+        self.origin = _origin(httpx.URL(url))
+        self.rate = max_rate
+        self.headers = dict(headers)
+        self._names = [h.lower() for h in self.headers]
+        self._pace = _Pace(max_rate) if max_rate > 0 else None
+
+    async def prepare(self, request: httpx.Request) -> None:
+        if self._pace is not None:
+            await self._pace.wait()
+        if not self.headers:
+            return
+        if _origin(request.url) == self.origin:
+            request.headers.update(self.headers)
+        else:  # a redirect or mirror elsewhere: nothing of ours travels there
+            for name in self._names:
+                request.headers.pop(name, None)
+
+
+class Access:
+    """The Fetcher's ``request_hook``: each hop of a request made for a source gets that source's rules.
+
+    It follows the running configuration (``follow``): after a reload (SIGHUP) each source's secrets
+    are read again at its next request, and an added or changed source gets its credentials and rate.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self._config: Callable[[], Config] = lambda: config
+        self._by_source: dict[str, tuple[Config, SourceAccess]] = {}
+        for src in config.sources:  # read every secret now: a missing one stops the start
+            self._access(config, src)
+
+    def follow(self, config: Callable[[], Config]) -> None:
+        self._config = config
+
+    def _access(self, config: Config, src: SourceConfig) -> SourceAccess:
+        """The source's access under ``config``; its secrets are read again for each new configuration
+        (a reload re-reads a rotated token), its pace kept while its rate stays the same."""
+        known = self._by_source.get(src.name)
+        if known is not None and known[0] is config:
+            return known[1]
+        rate = config.max_rate(src)
+        access = SourceAccess(src.url, resolve_headers(config, config.sources.index(src), src), rate)
+        if known is not None and known[1].rate == rate:
+            access._pace = known[1]._pace
+        self._by_source[src.name] = (config, access)
+        return access
+
+    async def __call__(self, request: httpx.Request) -> None:
+        config = self._config()
+        request.headers["User-Agent"] = user_agent(config)
+        name = current_source.get()
+        if not name:
+            return
+        src = next((s for s in config.sources if s.name == name), None)
+        if src is not None:
+            await self._access(config, src).prepare(request)

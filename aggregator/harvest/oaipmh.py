@@ -1,0 +1,412 @@
+"""OAI-PMH 2.0 Sources: every record becomes a resource, through the one change pipeline.
+
+A record's resource is identified by its OAI identifier; its content is the record's metadata element in
+exclusive XML canonical form (``application/xml``; the same record gives the same bytes whatever the
+response around it, so sha-256 decides "unchanged"); its lastmod is the record's datestamp; a ``via``
+link points at the record's GetRecord URL. A record with ``status="deleted"`` is a deletion (OAI-PMH
+§2.5.1: both the "persistent" and the "transient" policy report them; "no" never does).
+
+Walks. The first harvest is a full ListRecords walk, run as a baseline (a generation, and the sweep of
+rows it did not see, as for a Resource List); so is one every ``full_harvest_interval`` seconds if set,
+for repositories that do not keep deletions. Every later one asks ``from=`` the ``responseDate`` of the
+previous walk's first response, at the repository's granularity (Identify). ``from`` is inclusive and a
+record changed during a walk may be listed again: both overlaps are idempotent, because the store logs a
+change only when a record's bytes differ from what it holds (``State.apply``).
+
+Position (the set's ``Cursor``, moved in the transaction of the records it covers, docs/architecture.md
+invariant 2): ``last_datetime`` is the ``from`` of the walk in progress or the next one (None: no full
+walk finished yet); ``changelist_url`` holds the resumption token that continues the walk in progress
+(set after the last record of a page commits); ``list_until`` the responseDate of the walk's first
+response (the next ``from`` once the walk is complete); ``list_index`` the records committed in it;
+``baseline_at`` when the last full walk began. A killed harvest resumes at the stored token: the page
+of a half-committed batch is read again and its committed records are no-ops, so there is no gap and no
+duplicate. Resumption tokens are idempotent (OAI-PMH §3.5) but may expire: ``badResumptionToken``
+restarts the walk from ``last_datetime``, once per sync.
+
+Pages are fetched one ahead of the pipeline (the next token is at the end of a page) and parsed in a
+worker thread with lxml's incremental parser, each record cleared once read: memory is bounded by two
+pages, whatever the size of the repository.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from urllib.parse import quote, urlencode
+
+import trio
+from lxml import etree
+
+from ..config import SourceConfig
+from ..rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
+from ..rs.w3cdt import parse_w3c, utcnow
+from ..store.state import Cursor
+from .context import HarvestContext
+from .fetch import FetchError, _begin
+from .pipeline import Pipeline, PipelineStats, Work
+from .progress import Progress
+
+log = logging.getLogger("rsagg.harvest")
+
+OAI = "http://www.openarchives.org/OAI/2.0/"
+CONTENT_TYPE = "application/xml"
+DAY = "YYYY-MM-DD"
+SECONDS = "YYYY-MM-DDThh:mm:ssZ"
+#: Pages fetched and parsed ahead of the pipeline: the network and the parser keep going while a batch
+#: commits (memory: this many pages, plus the pipeline's bounded in-flight records).
+PREFETCH = 3
+#: The elements the page parser stops at (Clark notation -> local name).
+_TAGS = {f"{{{OAI}}}{t}": t for t in ("responseDate", "error", "record", "resumptionToken", "Identify")}
+
+
+class OaiError(Exception):
+    """An OAI-PMH error response (§3.6) or a response that is not OAI-PMH; names the request."""
+
+    def __init__(self, url: str, code: str, message: str) -> None:
+        super().__init__(url, code, message)
+        self.url, self.code, self.message = url, code, message
+
+    def __str__(self) -> str:
+        return f"{self.url}: OAI-PMH {self.code}: {self.message}"
+
+
+@dataclass(slots=True)
+class Record:
+    identifier: str
+    datestamp: datetime | None
+    deleted: bool
+    content: bytes | None  # the metadata element, exclusive C14N; None when deleted
+
+
+@dataclass
+class Page:
+    """One OAI-PMH response: records in document order, the token after them, errors."""
+
+    records: list[Record] = field(default_factory=list)
+    token: str | None = None  # None or "": the list is complete (§3.5)
+    complete_size: int | None = None  # resumptionToken's completeListSize, when given
+    cursor: int | None = None  # resumptionToken's cursor: the list position of this page's first record
+    response_date: datetime | None = None
+    errors: list[tuple[str, str]] = field(default_factory=list)  # (code, message)
+    identify: dict[str, str] = field(default_factory=dict)  # Identify's simple child elements
+    problems: list[str] = field(default_factory=list)  # records skipped, with why
+
+
+def _datestamp(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        return parse_w3c(text.strip())
+    except ValueError:
+        return None
+
+
+def _count(text: str | None) -> int | None:
+    return int(text) if text is not None and text.strip().isdigit() else None
+
+
+def _text(el: etree._Element | None) -> str | None:
+    return el.text.strip() if el is not None and el.text else None
+
+
+def parse_page(data: bytes, url: str) -> Page:
+    """Parse one response incrementally (blocking: run it in a worker thread).
+
+    Each record is serialised and cleared once read, so the tree never holds more than one record.
+    Entities are not resolved and nothing is fetched from the network (hostile documents).
+    """
+    page = Page()
+    events = etree.iterparse(
+        io.BytesIO(data), events=("end",), tag=list(_TAGS), resolve_entities=False, no_network=True,
+        huge_tree=False, remove_blank_text=False,
+    )  # fmt: skip
+    try:
+        for _, el in events:
+            tag = _TAGS[el.tag]
+            if tag == "record":
+                _read_record(el, page)
+                el.clear(keep_tail=False)
+                parent = el.getparent()
+                while parent is not None and el.getprevious() is not None:
+                    del parent[0]
+            elif tag == "resumptionToken":
+                page.token = (el.text or "").strip() or None
+                page.complete_size, page.cursor = _count(el.get("completeListSize")), _count(el.get("cursor"))
+            elif tag == "responseDate":
+                page.response_date = _datestamp(el.text)
+            elif tag == "error":
+                page.errors.append((el.get("code", "unknown"), (el.text or "").strip()))
+            elif tag == "Identify":
+                page.identify = {etree.QName(c).localname: (c.text or "").strip() for c in el
+                                 if isinstance(c.tag, str) and len(c) == 0}  # fmt: skip
+    except etree.XMLSyntaxError as exc:
+        raise OaiError(url, "parse", f"not well-formed XML: {exc}") from None
+    return page
+
+
+def _read_record(el: etree._Element, page: Page) -> None:
+    header = el.find(f"{{{OAI}}}header")
+    identifier = _text(header.find(f"{{{OAI}}}identifier")) if header is not None else None
+    if header is None or not identifier:
+        page.problems.append(f"line {el.sourceline}: a record without header/identifier (skipped)")
+        return
+    datestamp = _datestamp(_text(header.find(f"{{{OAI}}}datestamp")))
+    if header.get("status") == "deleted":
+        page.records.append(Record(identifier, datestamp, True, None))
+        return
+    metadata = el.find(f"{{{OAI}}}metadata")
+    child = next((c for c in metadata if isinstance(c.tag, str)), None) if metadata is not None else None
+    if child is None:
+        page.problems.append(f"record {identifier}: no metadata element (skipped)")
+        return
+    try:
+        content = etree.tostring(child, method="c14n", exclusive=True)
+    except etree.C14NError:  # e.g. an unresolved entity reference (entities are never resolved)
+        page.problems.append(f"record {identifier}: metadata cannot be canonicalised (skipped)")
+        return
+    page.records.append(Record(identifier, datestamp, False, content))
+
+
+def format_from(dt: datetime, granularity: str) -> str:
+    """``from``/``until`` at the repository's granularity (§3.3.2), in UTC."""
+    dt = dt.astimezone(UTC) if dt.tzinfo else dt.replace(tzinfo=UTC)
+    return dt.strftime("%Y-%m-%d") if granularity == DAY else dt.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def request_url(base: str, **args: str) -> str:
+    return f"{base}{'&' if '?' in base else '?'}{urlencode(args)}"
+
+
+def set_key(src: SourceConfig) -> str:
+    """The state set of an OAI-PMH source: its ListRecords request (another prefix or set is another set)."""
+    args = {"verb": "ListRecords", "metadataPrefix": src.metadata_prefix}
+    if src.set:
+        args["set"] = src.set
+    return request_url(src.url, **args)
+
+
+class OaiHarvest:
+    """One sync of one OAI-PMH source."""
+
+    def __init__(
+        self, ctx: HarvestContext, src: SourceConfig, set_id: int, progress: Progress | None = None
+    ) -> None:
+        self.ctx, self.src, self.set_id, self.progress = ctx, src, set_id, progress
+        self.granularity = SECONDS
+        self.deleted_policy = "unknown"
+        self.skipped = 0
+        # GetRecord URL of a record (its ``via``): this + the quoted identifier.
+        self._get_record = request_url(src.url, verb="GetRecord", metadataPrefix=src.metadata_prefix)
+        self._get_record += "&identifier="
+
+    async def _get(self, url: str) -> Page:
+        got = await self.ctx.fetcher.get_bytes(url, max_bytes=self.ctx.config.harvest.max_document_bytes)
+        page = await trio.to_thread.run_sync(parse_page, got.content, url)
+        for problem in page.problems:  # lenient in, truthful out: logged and counted, never silent
+            log.warning("source=%s url=%s %s", self.src.name, url, problem)
+            self.ctx.metrics.error(self.src.name, "parse")
+        self.skipped += len(page.problems)
+        return page
+
+    async def identify(self) -> None:
+        url = request_url(self.src.url, verb="Identify")
+        page = await self._get(url)
+        if page.errors:
+            code, message = page.errors[0]
+            raise OaiError(url, code, message)
+        if not page.identify:
+            raise OaiError(url, "parse", "not an OAI-PMH Identify response")
+        granularity = page.identify.get("granularity", DAY)
+        self.granularity = SECONDS if granularity.startswith(SECONDS[:13]) else DAY
+        self.deleted_policy = page.identify.get("deletedRecord", "unknown")
+
+    def _list_url(self, token: str | None, walk_from: datetime | None) -> str:
+        if token:
+            return request_url(self.src.url, verb="ListRecords", resumptionToken=token)
+        args = {"verb": "ListRecords", "metadataPrefix": self.src.metadata_prefix}
+        if self.src.set:
+            args["set"] = self.src.set
+        if walk_from is not None:
+            args["from"] = format_from(walk_from, self.granularity)
+        return request_url(self.src.url, **args)
+
+    def _check(self, page: Page, url: str) -> None:
+        """Raise the page's OAI-PMH error (§3.6), but noRecordsMatch: an empty list, not a failure."""
+        errors = [(c, m) for c, m in page.errors if c != "noRecordsMatch"]
+        if not errors:
+            return
+        code, message = errors[0]
+        if code == "cannotDisseminateFormat":
+            message = (f"metadata_prefix {self.src.metadata_prefix!r} is not disseminated by this "
+                       f"repository (see ListMetadataFormats): {message}")  # fmt: skip
+        raise OaiError(url, code, message)
+
+    @staticmethod
+    def _check_progress(page: Page, token: str | None, url: str) -> None:
+        """A page that hands back the token that fetched it would loop forever."""
+        if token and page.token == token:
+            raise OaiError(url, "badResumptionToken", "the response repeats its own resumption token")
+
+    async def _pages(
+        self, send: trio.MemorySendChannel, walk_from: datetime | None, token: str | None,
+        started: datetime | None, restarted: list[bool],
+    ) -> None:  # fmt: skip
+        """Fetch and parse the walk's pages ahead of their consumer; errors travel in the channel."""
+        async with send:
+            try:
+                while True:
+                    url = self._list_url(token, walk_from)
+                    page = await self._get(url)
+                    refused = any(code == "badResumptionToken" for code, _ in page.errors)
+                    if refused and token and not restarted:
+                        # Expired or unknown (e.g. the repository restarted): the walk again, from its start.
+                        log.warning("source=%s resumption token refused (%s); restarting the walk from %s",
+                                    self.src.name, page.errors[0][1], walk_from)  # fmt: skip
+                        restarted.append(True)
+                        token, started = None, None
+                        await send.send(("restart", None))
+                        continue
+                    self._check(page, url)
+                    self._check_progress(page, token, url)
+                    if started is None:
+                        started = page.response_date
+                    await send.send(("page", (page, started)))
+                    token = page.token
+                    if not token:
+                        return
+            except (OaiError, FetchError) as exc:
+                await send.send(("error", exc))
+
+    async def records(self) -> AsyncGenerator[Record, None]:
+        """Every record of a full walk, in list order (``rsagg audit``); nothing is stored."""
+        await self.identify()
+        token: str | None = None
+        while True:
+            url = self._list_url(token, None)
+            page = await self._get(url)
+            self._check(page, url)
+            self._check_progress(page, token, url)
+            for record in page.records:
+                yield record
+            token = page.token
+            if not token:
+                return
+
+    async def run(self) -> PipelineStats:
+        ctx, src = self.ctx, self.src
+        await self.identify()
+        own_start = utcnow()
+        cursor = ctx.reader.cursor(self.set_id)
+        walk_from = cursor.last_datetime if cursor else None
+        token = cursor.changelist_url if cursor else None
+        started = cursor.list_until if cursor and token else None
+        committed = cursor.list_index if cursor and token else 0
+        baseline_at = cursor.baseline_at if cursor else None
+        every = src.full_harvest_interval
+        if every and not token and walk_from is not None:
+            # A repository that forgets deletions ("no", "transient"): a full walk now and then sweeps
+            # the records it no longer lists.
+            if baseline_at is None or own_start - baseline_at >= timedelta(seconds=every):
+                walk_from = None
+        full = walk_from is None
+        generation = None
+        if full:
+            open_gen = next(
+                s["baseline_generation"] for s in ctx.reader.sets(src.name) if s["id"] == self.set_id
+            )
+            # A full walk resumed by its token keeps its generation: rows it already saw must not be swept.
+            generation = (
+                open_gen if token and open_gen else await ctx.write(ctx.writer.begin_baseline, self.set_id)
+            )
+        log.info(
+            "source=%s OAI-PMH %s walk %s (granularity %s, deletedRecord %s)", src.name,
+            "full" if full else f"incremental from {format_from(walk_from, self.granularity)}",
+            "resumed at its last token" if token else "started", self.granularity, self.deleted_policy,
+        )  # fmt: skip
+        send, recv = trio.open_memory_channel[tuple[str, object]](PREFETCH)
+        failure: list[BaseException] = []
+        state = {"started": started, "committed": committed}
+
+        async def items() -> AsyncGenerator[Work, None]:
+            async for what, value in recv:
+                if what == "error":
+                    assert isinstance(value, BaseException)
+                    failure.append(value)
+                    return
+                if what == "restart":
+                    state["started"], state["committed"] = None, 0
+                    continue
+                page, page_started = value  # type: ignore[misc]
+                state["started"] = page_started
+                if self.progress is not None and page.complete_size is not None:
+                    # records of this walk still to come: the list's size less where this walk began
+                    state.setdefault("offset", (page.cursor or 0) - self.progress.done)
+                    self.progress.set_total(max(0, page.complete_size - state["offset"]))
+                last = len(page.records) - 1
+                for i, rec in enumerate(page.records):
+                    state["committed"] += 1
+                    after = None
+                    if i == last and page.token:
+                        after = Cursor(
+                            baseline_at, page.token, walk_from, 0, state["committed"], page_started
+                        )
+                    yield self._work(rec, generation, after)
+
+        restarted: list[bool] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._pages, send, walk_from, token, started, restarted)
+            add = self.progress.add if self.progress is not None else None
+            pipeline = Pipeline(ctx, self.set_id, src.name, progress=add, ahead=ctx.config.harvest.batch_size)
+            stats = await pipeline.run(items())
+            await recv.aclose()
+        if failure:
+            raise failure[0]
+        # The walk is complete and every record committed: the next walk starts where this one began
+        # (the repository's clock). Without a responseDate (§3.2 requires one): our clock at the start,
+        # less a day for skew; an early ``from`` only lists records again, as no-ops.
+        new_from = state["started"] or own_start - timedelta(days=1)
+        if state["started"] is None:
+            log.warning("source=%s no responseDate in the walk's first response; next from %s (our clock)",
+                        src.name, format_from(new_from, self.granularity))  # fmt: skip
+        done = Cursor(new_from if full else baseline_at, None, new_from, 0, 0, None)
+        if full:
+            assert generation is not None
+            swept = await ctx.write(ctx.writer.finish_baseline, self.set_id, generation, done)
+            ctx.metrics.committed(src.name, swept, ())
+            for ch in swept:
+                stats.applied[ch.change] = stats.applied.get(ch.change, 0) + 1
+        else:
+            await ctx.write(ctx.writer.apply, self.set_id, [], done)
+        log.info(
+            "source=%s OAI-PMH walk done: %d records, applied %s, %d skipped, next from %s",
+            src.name, stats.seen, stats.applied, self.skipped,
+            format_from(new_from, self.granularity),
+        )  # fmt: skip
+        return stats
+
+    def _work(self, rec: Record, generation: int | None, after: Cursor | None) -> Work:
+        via = Link("via", self._get_record + quote(rec.identifier, safe=""), modified=rec.datestamp)
+        md = Md(change=DELETED if rec.deleted else UPDATED, datetime=rec.datestamp,
+                type=None if rec.deleted else CONTENT_TYPE)  # fmt: skip
+        entry = Entry(rec.identifier, lastmod=rec.datestamp, md=md, links=[via])
+        if rec.deleted:
+            return Work(entry, DELETED, after, generation)
+        assert rec.content is not None
+        blob = _begin(self.ctx.blobs, frozenset({"md5"}))
+        blob.write(rec.content)
+        info = blob.finish()
+        return Work(entry, CREATED if generation is not None else UPDATED, after, generation, blob, info)
+
+
+async def sync_oaipmh(
+    ctx: HarvestContext, src: SourceConfig, progress: Progress | None = None
+) -> PipelineStats:
+    """Bring an OAI-PMH source's one set up to date (``harvest/source.py`` calls it per sync)."""
+    set_id = await ctx.write(ctx.writer.ensure_set, src.name, set_key(src))
+    return await OaiHarvest(ctx, src, set_id, progress).run()
+
+
+__all__ = ["OaiError", "OaiHarvest", "Page", "Record", "format_from", "parse_page", "sync_oaipmh"]

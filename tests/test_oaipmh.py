@@ -1,0 +1,427 @@
+"""OAI-PMH sources end to end, against PyPI ``oaipmh``'s data provider (tests/oaiserver.py): a full walk
+of 5,000 records over many pages, additions, updates and deletions, a ``kill -9`` in the middle of a
+ListRecords walk (and an expired resumption token) with no gap and no duplicate in the changelog, then
+resync (the reference ResourceSync client) in sync with what rsagg republishes, every document valid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import zipfile
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from lxml import etree
+
+from aggregator.config import parse_config
+from aggregator.harvest.oaipmh import parse_page
+from aggregator.publish.dumps import DumpBuilder
+from aggregator.publish.uris import rsagg_uri
+from aggregator.rs.validate import ERROR, validate_source
+from aggregator.store.blobs import FileBlobStore
+from aggregator.store.state import State
+
+from .harvesting import audit, changelog, harvest, held
+from .httpserver import serve_app
+from .oaiserver import OaiApp, Repository
+from .test_publish import local_files, publishing, resync, walk
+
+RSAGG = str(Path(sys.executable).parent / "rsagg")
+OAI_DC = "{http://www.openarchives.org/OAI/2.0/oai_dc/}dc"
+
+
+def oai_config(tmp_path: Path, url: str, **source):
+    return parse_config(
+        {
+            "store": {"path": str(tmp_path / "data")},
+            "harvest": {"retries": 2, "backoff_base": 0.01, "backoff_max": 0.05, "timeout": 10},
+            "sources": [{"name": "oai", "url": url, "kind": "oai-pmh", **source}],
+        },
+        str(tmp_path / "test.toml"),
+    )
+
+
+def write_config(tmp_path: Path, url: str, extra: str = "") -> Path:
+    path = tmp_path / "rsagg.toml"
+    path.write_text(
+        f'[store]\npath = "{tmp_path / "data"}"\n[harvest]\nretries = 2\nbackoff_base = 0.01\n'
+        f'backoff_max = 0.05\ntimeout = 10\n\n[[sources]]\nname = "oai"\nkind = "oai-pmh"\nurl = "{url}"\n'
+        + extra
+    )
+    return path
+
+
+def titles(cfg) -> dict[str, str]:
+    """identifier -> dc:title of every live record rsagg holds (read back from its blob store)."""
+    out = {}
+    blobs = cfg.store_path / "blobs"
+    for uri, sha in held(cfg).items():
+        files = list(blobs.glob(f"{sha[:2]}/{sha[2:4]}/{sha}"))
+        root = etree.fromstring(files[0].read_bytes())
+        assert root.tag == OAI_DC
+        out[uri] = root.findtext("{http://purl.org/dc/elements/1.1/}title")
+    return out
+
+
+async def next_second() -> None:
+    """Wait until the repository clock (whole seconds) has moved on: datestamps after this are later."""
+    start = datetime.now(UTC).replace(microsecond=0)
+    while datetime.now(UTC).replace(microsecond=0) <= start:
+        await trio.sleep(0.05)
+
+
+async def change(repo: Repository, *, added: range, updated: range, deleted: range) -> None:
+    """Add, update and delete records, all datestamped after the previous walk began."""
+    await next_second()
+    repo.bulk_add(added.start, len(added))
+    for i in updated:
+        repo.update(repo.ident(i), f"Updated {i} at {datetime.now(UTC)}")
+    for i in deleted:
+        repo.delete(repo.ident(i))
+
+
+def kinds(log) -> Counter:
+    return Counter(change for _, change, _ in log)
+
+
+async def test_oai_harvest_changes_and_resync(tmp_path: Path):
+    """The whole way at a size resync (one GET per resource) crosses quickly; 5,000 records: below."""
+    repo = Repository()
+    repo.bulk_add(0, 1000)
+    app = OaiApp(repo, page_size=100)
+    async with serve_app(app) as base:
+        repo.base_url = f"{base}/oai"
+        cfg = oai_config(tmp_path, f"{base}/oai")
+        result = (await harvest(cfg))["oai"]
+        assert result.ok, result.error
+        assert result.sets == 1 and result.stats[0].applied == {"created": 1000}
+        assert len(app.list_requests()) == 10  # 1,000 records in pages of 100
+        assert titles(cfg) == repo.live()
+        log = changelog(cfg)
+        assert len(log) == 1000 and kinds(log) == {"created": 1000} and len({u for u, _, _ in log}) == 1000
+        with State(cfg.store_path / "state.db") as st:
+            (s,) = st.sets("oai")
+            row = st.resource(s["id"], repo.ident(7))
+            assert row.type == "application/xml" and row.lastmod == repo.items[
+                repo.ident(7)
+            ].datestamp.replace(tzinfo=UTC)
+            (via,) = row.links
+            assert via.rel == "via" and "verb=GetRecord" in via.href and "metadataPrefix=oai_dc" in via.href
+            cur = st.cursor(s["id"])
+            assert cur.changelist_url is None and cur.last_datetime is not None  # walk complete
+            assert st.source("oai")["progress_done"] == 1000  # rsagg status shows the walk's progress
+
+        # The via link names the record: GetRecord answers the same metadata, byte for byte once
+        # canonicalised (what rsagg stores).
+        async with httpx.AsyncClient() as client:
+            got = parse_page((await client.get(via.href)).content, via.href)
+        assert got.records[0].identifier == repo.ident(7)
+        blob = cfg.store_path / "blobs" / row.sha256[:2] / row.sha256[2:4] / row.sha256
+        assert got.records[0].content == blob.read_bytes()
+
+        # Additions, updates, deletions: exactly those enter the changelog; an unchanged walk logs nothing
+        # (``from`` is inclusive: the records of the previous walk's last second come again, as no-ops).
+        await change(repo, added=range(5000, 5040), updated=range(100, 130), deleted=range(200, 220))
+        result = (await harvest(cfg))["oai"]
+        assert result.ok, result.error
+        assert app.list_requests()[10].args.get("from")  # an incremental walk
+        log2 = changelog(cfg)[1000:]
+        assert kinds(log2) == {"created": 40, "updated": 30, "deleted": 20}, kinds(log2)
+        assert titles(cfg) == repo.live()
+        assert (await harvest(cfg))["oai"].ok
+        assert len(changelog(cfg)) == 1090
+
+        # resync from rsagg's republished set: baseline, incremental, audit; every document valid.
+        async with publishing(cfg) as (rbase, client):
+            docs = await walk(client, rbase)  # every document validated on the way (get_doc)
+            assert f"{rbase}/oai/resourcelist.xml" in docs
+            await rsagg_validate([u for u in docs], tmp_path)
+            dest, cwd = tmp_path / "dest", tmp_path / "cwd"
+            cwd.mkdir()
+            out = await resync("--baseline", "--delete", rbase, str(dest), cwd=cwd)
+            assert "SYNCED" in out or "IN SYNC" in out, out
+            assert local_titles(dest, rbase) == repo.live()
+
+            await change(repo, added=range(6000, 6005), updated=range(300, 305), deleted=range(400, 403))
+            assert (await harvest(cfg))["oai"].ok
+            assert kinds(changelog(cfg)[1090:]) == {"created": 5, "updated": 5, "deleted": 3}
+            docs = await walk(client, rbase)
+            await rsagg_validate([u for u in docs if "changelist" in u], tmp_path)
+            head, entries = docs[f"{rbase}/oai/changelist.xml"]
+            open_list = f"{rbase}/oai/changelist.xml" if not head.is_index else entries[-1].loc
+            out = await resync(
+                "--incremental", "--delete", "--changelist-uri", open_list, rbase, str(dest), cwd=cwd
+            )
+            assert "CHANGES APPLIED" in out, out
+            assert local_titles(dest, rbase) == repo.live()
+            out = await resync("--audit", "--hash", "md5", rbase, str(dest), cwd=cwd)
+            assert "IN SYNC" in out and "NOT IN SYNC" not in out, out
+
+    # A Resource Dump of the set (§11, what the daemon builds on its schedule): every record, valid.
+    with State(cfg.store_path / "state.db") as st, FileBlobStore(cfg.store_path / "blobs") as blobs:
+        builder = DumpBuilder(st, blobs, base_url="http://rsagg.example", max_entries=400)
+        try:
+            packages = builder.build_resource_dump("oai", [s["id"] for s in st.sets("oai")])
+            names = []
+            for p in packages:
+                with zipfile.ZipFile(blobs.local_path(p.sha256)) as zf:
+                    manifest = zf.read("manifest.xml")
+                    url = "http://rsagg.example/oai/manifest.xml"
+                    assert [i for i in validate_source(manifest, url) if i.severity == ERROR] == []
+                    names += [n for n in zf.namelist() if n != "manifest.xml"]
+        finally:
+            builder.close()
+    assert len(packages) == 3 and len(names) == len(repo.live())
+
+
+def local_titles(dest: Path, rbase: str) -> dict[str, str]:
+    """identifier -> title of the files resync wrote (it maps our URIs under BASE to files under DEST)."""
+    out = {}
+    prefix = rsagg_uri(rbase, "oai", "oai:x")[: -len("oai:x")]
+    for rel, data in local_files(dest).items():
+        uri = f"{rbase}/{rel}"
+        assert uri.startswith(prefix), uri
+        root = etree.fromstring(data)
+        out[uri[len(prefix) :]] = root.findtext("{http://purl.org/dc/elements/1.1/}title")
+    return out
+
+
+async def rsagg_validate(urls: list[str], tmp_path: Path) -> None:
+    assert urls
+    done = await trio.run_process([RSAGG, "validate", *urls], capture_stdout=True, capture_stderr=True,
+                                  check=False)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr).decode()
+
+
+def cursor_token(db: Path) -> str | None:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+            row = conn.execute("SELECT changelist_url FROM cursors").fetchone()
+    except sqlite3.OperationalError:  # not created yet
+        return None
+    return row[0] if row else None
+
+
+async def kill_mid_walk(config: Path, app: OaiApp, db: Path, tmp_path: Path) -> None:
+    """Start ``rsagg harvest --once``, hold its walk after 10 more pages and SIGKILL it there (a page
+    committed, the next ones fetched or asked for)."""
+    app.hold_after = len(app.list_requests()) + 10
+    app.holding, app.release = trio.Event(), trio.Event()
+    log = open(tmp_path / "harvest-killed.log", "ab")
+    proc = subprocess.Popen([RSAGG, "harvest", "-c", str(config), "--once"], stdout=log, stderr=log)
+    try:
+        with trio.fail_after(120):
+            while not (app.holding.is_set() and cursor_token(db)):
+                assert proc.poll() is None, "the harvest ended before it could be killed"
+                await trio.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+        log.close()
+        app.hold_after = None
+        app.release.set()
+    assert proc.returncode == -signal.SIGKILL
+    assert cursor_token(db), "killed with no committed page"
+
+
+async def run_harvest(config: Path) -> None:
+    done = await trio.run_process([RSAGG, "harvest", "-c", str(config), "--once"], capture_stdout=True,
+                                  capture_stderr=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+
+
+async def test_kill_9_mid_walk_then_resume_no_gap_no_duplicate(tmp_path: Path):
+    repo = Repository()
+    repo.bulk_add(0, 5000)
+    app = OaiApp(repo, page_size=100)
+    async with serve_app(app) as base:
+        config = write_config(tmp_path, f"{base}/oai")
+        db = tmp_path / "data" / "state.db"
+        await kill_mid_walk(config, app, db, tmp_path)
+        killed_at = len(app.list_requests())
+        await run_harvest(config)
+        resumed = app.list_requests()[killed_at:]
+        # The restart went on from the stored token (Identify first), not from a fresh walk.
+        assert "resumptionToken" in resumed[0].args, resumed[0].args
+        assert len(resumed) < 50
+        cfg = oai_config(tmp_path, f"{base}/oai")
+        log = changelog(cfg)
+        assert kinds(log) == {"created": 5000} and len({u for u, _, _ in log}) == 5000
+        assert titles(cfg) == repo.live()
+
+        # Killed in an incremental walk, and the repository forgot its tokens meanwhile: the walk starts
+        # again from its ``from`` (badResumptionToken) and the records already applied are no-ops.
+        await change(repo, added=range(5000, 5100), updated=range(0, 2500), deleted=range(2500, 2600))
+        await kill_mid_walk(config, app, db, tmp_path)
+        app.expire_tokens()
+        killed_at = len(app.list_requests())
+        await run_harvest(config)
+        resumed = app.list_requests()[killed_at:]
+        assert "resumptionToken" in resumed[0].args and "from" in resumed[1].args  # refused, restarted
+        log = changelog(cfg)[5000:]
+        assert kinds(log) == {"created": 100, "updated": 2500, "deleted": 100}, kinds(log)
+        assert len({u for u, _, _ in log}) == 2700  # each change logged once
+        assert titles(cfg) == repo.live()
+
+
+async def test_sets_errors_and_deleted_policies(tmp_path: Path, caplog):
+    repo = Repository(deleted_record="transient")
+    repo.bulk_add(0, 300)
+    app = OaiApp(repo, page_size=50)
+    async with serve_app(app) as base:
+        # A selective harvest: only the records of set "even".
+        await next_second()  # the walk's responseDate (the next ``from``) is after every datestamp
+        cfg = oai_config(tmp_path / "a", f"{base}/oai", set="even")
+        assert (await harvest(cfg))["oai"].ok
+        assert set(held(cfg)) == {repo.ident(i) for i in range(0, 300, 2)}
+        assert all(r.args["set"] == "even" for r in app.list_requests() if "resumptionToken" not in r.args)
+        # rsagg audit walks the repository against the store: in sync, then each kind of difference.
+        assert await audit(cfg) == []
+        repo.update(repo.ident(2), "Rekord 2")  # same length: the hash tells
+        repo.delete(repo.ident(4))
+        repo.add(1000, sets=("even",))
+        found = sorted((d.kind, d.uri) for d in await audit(cfg))
+        assert found == [
+            ("hash", repo.ident(2)),
+            ("missing", repo.ident(1000)),
+            ("not-deleted", repo.ident(4)),
+        ]
+        assert (await harvest(cfg))["oai"].ok and await audit(cfg) == []
+
+        # noRecordsMatch: nothing changed is not an error, and moves nothing.
+        await next_second()
+        before = changelog(cfg)
+        await next_second()
+        result = (await harvest(cfg))["oai"]
+        assert result.ok, result.error
+        assert changelog(cfg) == before
+
+        # cannotDisseminateFormat: a clear error naming the config key's value; the source is "error".
+        bad = oai_config(tmp_path / "b", f"{base}/oai", metadata_prefix="marc21")
+        result = (await harvest(bad))["oai"]
+        assert not result.ok
+        assert "cannotDisseminateFormat" in result.error and "'marc21'" in result.error, result.error
+        with State(bad.store_path / "state.db") as st:
+            assert st.source("oai")["state"] == "error"
+
+    # Not an OAI-PMH repository at all (an HTML page): the source fails with a message naming the URL.
+    async def html(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+        elif scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/html")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": b"<html><body><p>Welcome<br></body></html>"})
+
+    async with serve_app(html) as base:
+        result = (await harvest(oai_config(tmp_path / "e", f"{base}/oai")))["oai"]
+        assert not result.ok and f"{base}/oai?verb=Identify" in result.error, result.error
+
+    # A repository that keeps no deletions ("no"): a deleted record is simply gone from the lists, so
+    # an incremental walk cannot see it; a full walk (full_harvest_interval) sweeps it.
+    repo = Repository(deleted_record="no")
+    repo.bulk_add(0, 20)
+    async with serve_app(OaiApp(repo, page_size=7)) as base:
+        cfg = oai_config(tmp_path / "d", f"{base}/oai")
+        assert (await harvest(cfg))["oai"].ok and len(held(cfg)) == 20
+        repo.delete(repo.ident(3))
+        await change(repo, added=range(50, 51), updated=range(5, 6), deleted=range(0, 0))
+        assert (await harvest(cfg))["oai"].ok
+        assert len(held(cfg)) == 21 and repo.ident(3) in held(cfg)  # incremental: the deletion unseen
+        every = oai_config(tmp_path / "d", f"{base}/oai", full_harvest_interval=0.001)
+        assert (await harvest(every))["oai"].ok
+        assert set(held(cfg)) == set(repo.live()) and repo.ident(3) not in held(cfg)
+        assert kinds(changelog(cfg)[20:]) == {"created": 1, "updated": 1, "deleted": 1}
+
+
+def test_config_keys(tmp_path: Path):
+    from aggregator.config import ConfigError
+
+    def parse(**src):
+        return parse_config({"sources": [{"name": "o", "url": "http://h/oai", **src}]}, "t.toml")
+
+    assert parse(kind="oai-pmh").sources[0].metadata_prefix == "oai_dc"
+    for bad, key in [
+        ({"kind": "oai"}, "sources[0].kind"),
+        ({"set": "x"}, "sources[0].kind"),
+        ({"kind": "oai-pmh", "auth": {"bearer_token": "s3cret"}}, "sources[0].auth.bearer_token"),
+        ({"auth": {"headers": {"X-Key": "s3cret"}}}, "sources[0].auth.headers.X-Key"),
+        ({"auth": {"basic_username": "u"}}, "sources[0].auth"),
+        (
+            {"auth": {"bearer_token_env": "A", "basic_username": "u", "basic_password_env": "B"}},
+            "sources[0].auth",
+        ),
+        ({"max_rate": -1}, "sources[0].max_rate"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            parse(**bad)
+        assert err.value.key == key, (bad, err.value)
+        assert "s3cret" not in str(err.value)
+    with pytest.raises(ConfigError, match="password"):
+        parse_config({"sources": [{"name": "o", "url": "http://u:pw@h/oai"}]}, "t.toml")
+
+
+def test_parse_page_is_lenient_and_hostile_proof(tmp_path: Path):
+    """A record without identifier or metadata is skipped with a reason; an external entity is never read;
+    broken XML is an OaiError naming the URL; the content is canonical (same bytes whatever the prefixes)."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET")
+    doc = f"""<?xml version="1.0"?>
+<!DOCTYPE OAI-PMH [<!ENTITY xxe SYSTEM "file://{secret}">]>
+<OAI-PMH xmlns="http://www.openarchives.org/OAI/2.0/">
+  <responseDate>2026-01-02T03:04:05Z</responseDate>
+  <ListRecords>
+    <record><header><identifier>oai:x:1</identifier><datestamp>2026-01-01</datestamp></header>
+      <metadata><a:dc xmlns:a="http://www.openarchives.org/OAI/2.0/oai_dc/"><t>&xxe;</t></a:dc></metadata></record>
+    <record><header><datestamp>2026-01-01</datestamp></header><metadata><x/></metadata></record>
+    <record><header><identifier>oai:x:3</identifier><datestamp>2026-01-01</datestamp></header></record>
+    <record><header status="deleted"><identifier>oai:x:4</identifier><datestamp>2026-01-01</datestamp>
+      </header></record>
+    <record><header><identifier>oai:x:5</identifier><datestamp>2026-01-01</datestamp></header>
+      <metadata><b:dc xmlns:b="http://www.openarchives.org/OAI/2.0/oai_dc/"><b:t/></b:dc></metadata></record>
+    <resumptionToken completeListSize="9">tok-1</resumptionToken>
+  </ListRecords>
+</OAI-PMH>""".encode()
+    page = parse_page(doc, "http://h/oai")
+    # oai:x:1 names an entity that is never resolved: its record cannot be canonicalised, so skipped
+    assert [r.identifier for r in page.records] == ["oai:x:4", "oai:x:5"]
+    assert page.token == "tok-1" and page.response_date == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert page.complete_size == 9 and page.cursor is None
+    assert len(page.problems) == 3 and "oai:x:1" in page.problems[0] and "oai:x:3" in page.problems[2]
+    assert all(b"TOP-SECRET" not in (r.content or b"") for r in page.records)
+    assert page.records[0].deleted and page.records[0].content is None
+    # exclusive C14N: the prefix is the document's, the bytes are stable and self-contained XML
+    dc = b'<b:dc xmlns:b="http://www.openarchives.org/OAI/2.0/oai_dc/"><b:t></b:t></b:dc>'
+    assert page.records[1].content == dc
+    from aggregator.harvest.oaipmh import OaiError
+
+    with pytest.raises(OaiError, match="http://h/oai"):
+        parse_page(b"<OAI-PMH><ListRecords><record>", "http://h/oai")
+
+
+async def test_day_granularity_overlap_is_idempotent(tmp_path: Path):
+    """A repository with day granularity: ``from`` is a date, so every later walk lists all of today's
+    records again; only what really changed enters the changelog."""
+    repo = Repository(granularity="YYYY-MM-DD")
+    repo.bulk_add(0, 120)
+    app = OaiApp(repo, page_size=25)
+    async with serve_app(app) as base:
+        cfg = oai_config(tmp_path, f"{base}/oai")
+        assert (await harvest(cfg))["oai"].ok
+        await change(repo, added=range(500, 503), updated=range(10, 12), deleted=range(20, 21))
+        assert (await harvest(cfg))["oai"].ok
+        walk = [r for r in app.list_requests() if "resumptionToken" not in r.args][-1]
+        assert len(walk.args["from"]) == 10  # YYYY-MM-DD
+        assert kinds(changelog(cfg)[120:]) == {"created": 3, "updated": 2, "deleted": 1}
+        assert (await harvest(cfg))["oai"].ok
+        assert len(changelog(cfg)) == 126
+        assert titles(cfg) == repo.live()
