@@ -58,6 +58,7 @@ from ..store.blobs import BlobStore
 from ..store.state import Resource, State
 from . import documents, status_page
 from .documents import Doc, Site, no_dumps, no_extra_capabilities
+from .fastpath import ResourceFastPath
 from .links import LinkPolicy, PluginLinks
 from .resources import gone, remote_response, resource_answer
 from .sets import PublishedSet, published_sets
@@ -181,6 +182,7 @@ class Publisher:
         self.config = config
         self.metrics = metrics or default_metrics()
         self.blobs = blobs
+        self.state_path = state_path
         self.pool = ReaderPool(state_path, max_open=config.server.max_readers)
         #: Short calls (``run``) in flight: no more than the pool keeps idle, since more meant a connection
         #: opened and closed per call under load (~0.3 ms each); document streams are not counted here.
@@ -391,14 +393,19 @@ def create_app(
     State(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
     publisher = Publisher(config, blobs, state_path, dumps_available, plugins, extra_capabilities, metrics)
 
+    fast: list[ResourceFastPath] = []  # the hot route's middleware, once starlette has built it
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             yield
         finally:
             publisher.pool.close()
+            for f in fast:
+                f.close()
 
     get = ["GET", "HEAD"]
+    resource_route = Route("/{set}/r/{rest:path}", resource, methods=get)
     routes: list[BaseRoute] = [
         *extra_routes,
         Route("/", status_page.home, methods=get),
@@ -411,11 +418,19 @@ def create_app(
         Route("/{set}/resourcelist/{lo:int}-{hi}.xml", resourcelist_part, methods=get),
         Route("/{set}/changelist.xml", changelist, methods=get),
         Route("/{set}/changelist/{k:int}.xml", changelist_window, methods=get),
-        Route("/{set}/r/{rest:path}", resource, methods=get),
+        resource_route,
     ]
     served = Middleware(ServedMetrics, metrics=publisher.metrics)  # by route template (metrics.py)
+
+    def hot(inner: Any) -> ResourceFastPath:
+        fast.append(ResourceFastPath(inner, publisher, resource_route))
+        return fast[-1]
+
     app = Starlette(
-        routes=routes, lifespan=lifespan, middleware=[served], exception_handlers={ServerBusy: busy}
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[served, Middleware(hot)],
+        exception_handlers={ServerBusy: busy},
     )
     app.state.publisher = publisher
     return app

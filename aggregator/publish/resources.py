@@ -61,7 +61,20 @@ def _etag_match(header: str, etag: str) -> bool:
     return any((t[2:] if t.startswith("W/") else t) == etag for t in tags)
 
 
-def not_modified(request: Request, r: Resource) -> bool:
+class LiteRequest:
+    """What answering a resource reads of a request (the method, a few headers by lower-case name):
+    the hot route (``fastpath.py``) builds one without starlette's Request."""
+
+    __slots__ = ("headers", "method")
+
+    def __init__(self, method: str, headers: dict[str, str]) -> None:
+        self.method, self.headers = method, headers
+
+
+AnyRequest = Request | LiteRequest
+
+
+def not_modified(request: AnyRequest, r: Resource) -> bool:
     """RFC 9110 §13.2.2: If-None-Match decides when present, else If-Modified-Since (GET/HEAD)."""
     inm = request.headers.get("if-none-match")
     if inm is not None:
@@ -85,7 +98,8 @@ def _token(value: str | None) -> str | None:
     return None
 
 
-def _headers(r: Resource, link: str) -> dict[str, str]:
+def resource_headers(r: Resource, link: str) -> dict[str, str]:
+    """The headers of a 200 for a live resource (Content-Length and Content-Range are added per answer)."""
     h = {
         "etag": etag_of(r),
         "last-modified": http_date(r.updated_at),
@@ -114,11 +128,9 @@ def resource_answer(request: Request, r: Resource, blobs: BlobStore, link: str) 
     """
     if r.deleted or not r.sha256:
         return gone(link, 410)
-    headers = _headers(r, link)
+    headers = resource_headers(r, link)
     if not_modified(request, r):
-        for k in ("content-type", "accept-ranges", "content-encoding"):
-            headers.pop(k, None)
-        return Response(status_code=304, headers=headers)
+        return Response(status_code=304, headers=conditional_headers(headers))
     path = blobs.local_path(r.sha256)
     if path is None:
         return None
@@ -133,7 +145,13 @@ async def remote_response(request: Request, r: Resource, blobs: BlobStore, link:
         size = await trio.to_thread.run_sync(blobs.size, r.sha256)
     except (FileNotFoundError, KeyError):
         return _missing(r)
-    return _stream_blob(request, r, blobs, size, _headers(r, link))
+    return _stream_blob(request, r, blobs, size, resource_headers(r, link))
+
+
+def conditional_headers(headers: dict[str, str]) -> dict[str, str]:
+    """The headers of a 304: the validators and the link, not the representation's type, encoding or
+    ranges (RFC 9110 §15.4.5)."""
+    return {k: v for k, v in headers.items() if k in ("etag", "last-modified", "link")}
 
 
 def _local(request: Request, r: Resource, path: Path, headers: dict[str, str]) -> Response:
@@ -144,13 +162,10 @@ def _local(request: Request, r: Resource, path: Path, headers: dict[str, str]) -
     except FileNotFoundError:
         return _missing(r)
     head = request.method == "HEAD"
-    span = _file_span(request, headers, st.st_size) if head or st.st_size <= SMALL_BLOB else None
+    span = _span(request, headers, st.st_size) if head or st.st_size <= SMALL_BLOB else None
     if span is None:
         return FileResponse(path, headers=headers, stat_result=st)
     status, start, end = span
-    headers["content-length"] = str(end - start)  # header order as FileResponse's
-    if status == 206:
-        headers["content-range"] = f"bytes {start}-{end - 1}/{st.st_size}"
     if head:
         return Response(status_code=status, headers=headers)
     try:
@@ -162,7 +177,37 @@ def _local(request: Request, r: Resource, path: Path, headers: dict[str, str]) -
     return Response(data, status_code=status, headers=headers)
 
 
-def _file_span(request: Request, headers: dict[str, str], size: int) -> tuple[int, int, int] | None:
+def _span(request: AnyRequest, headers: dict[str, str], size: int) -> tuple[int, int, int] | None:
+    """``_file_span``, and its Content-Length (+ Content-Range) added to ``headers`` (in FileResponse's
+    order); None (headers untouched) when FileResponse must decide."""
+    span = _file_span(request, headers, size)
+    if span is not None:
+        status, start, end = span
+        headers["content-length"] = str(end - start)
+        if status == 206:
+            headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+    return span
+
+
+def memory_response(request: AnyRequest, headers: dict[str, str], data: bytes) -> Response | None:
+    """The answer ``_local`` gives for a small blob, from its bytes in memory (``headers`` is consumed);
+    None when FileResponse must decide (several ranges, 400, 416)."""
+    span = _span(request, headers, len(data))
+    if span is None:
+        return None
+    status, start, end = span
+    if request.method == "HEAD":
+        return Response(status_code=status, headers=headers)
+    return Response(data[start:end] if status == 206 else data, status_code=status, headers=headers)
+
+
+def head_response(request: AnyRequest, headers: dict[str, str], size: int) -> Response | None:
+    """The answer ``_local`` gives to a HEAD of a local blob of ``size`` bytes (``headers`` consumed)."""
+    span = _span(request, headers, size)
+    return None if span is None else Response(status_code=span[0], headers=headers)
+
+
+def _file_span(request: AnyRequest, headers: dict[str, str], size: int) -> tuple[int, int, int] | None:
     """(status, start, end exclusive) as FileResponse decides them for one span of the blob (whole: no
     Range, or an If-Range that does not match; a single satisfiable ``bytes=a-b``); None for every other
     Range header, which FileResponse answers itself (multipart, 400, 416)."""
@@ -258,11 +303,16 @@ async def _read(blobs: BlobStore, sha256: str, start: int, end: int) -> AsyncIte
 
 __all__ = [
     "SMALL_BLOB",
+    "LiteRequest",
+    "conditional_headers",
     "etag_of",
     "gone",
+    "head_response",
     "http_date",
+    "memory_response",
     "not_modified",
     "remote_response",
     "resource_answer",
+    "resource_headers",
     "single_range",
 ]
