@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from starlette.responses import FileResponse
 
 import aggregator.publish.app as app_module
 from aggregator.config import Config
@@ -83,12 +82,12 @@ def file_responses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Paths of the FileResponses made, in order."""
     made: list[str] = []
 
-    class Counted(FileResponse):
+    class Counted(resources._FileAnswer):
         def __init__(self, path: Any, *args: Any, **kw: Any) -> None:
             made.append(str(path))
             super().__init__(path, *args, **kw)
 
-    monkeypatch.setattr(resources, "FileResponse", Counted)
+    monkeypatch.setattr(resources, "_FileAnswer", Counted)
     return made
 
 

@@ -183,7 +183,9 @@ class ResourceFastPath:
         if not_modified(request, hot.row):
             return Response(status_code=304, headers=conditional_headers(hot.headers))
         if hot.target is not None and self.offload == "x-accel":
-            return Response(headers={**hot.headers, "x-accel-redirect": hot.target})
+            # nginx says Accept-Ranges itself on a 200 (it would repeat ours), and not on a 206
+            headers = {k: v for k, v in hot.headers.items() if k != "accept-ranges"}
+            return Response(headers={**headers, "x-accel-redirect": hot.target})
         if hot.target is not None:
             return Response(status_code=307, headers={"location": hot.target, "link": hot.headers["link"]})
         if hot.body is not None:

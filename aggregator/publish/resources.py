@@ -32,6 +32,7 @@ from typing import BinaryIO
 import trio
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response, StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from ..store.blobs import BlobStore
 from ..store.state import Resource
@@ -164,7 +165,7 @@ def _local(request: Request, r: Resource, path: Path, headers: dict[str, str]) -
     head = request.method == "HEAD"
     span = _span(request, headers, st.st_size) if head or st.st_size <= SMALL_BLOB else None
     if span is None:
-        return FileResponse(path, headers=headers, stat_result=st)
+        return _FileAnswer(path, headers=headers, stat_result=st)
     status, start, end = span
     if head:
         return Response(status_code=status, headers=headers)
@@ -177,6 +178,18 @@ def _local(request: Request, r: Resource, path: Path, headers: dict[str, str]) -
     return Response(data, status_code=status, headers=headers)
 
 
+class _FileAnswer(FileResponse):
+    """FileResponse without Accept-Ranges on a 206, as every other answer here (and nginx's)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_206(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 206:
+                message["headers"] = [(k, v) for k, v in message["headers"] if k != b"accept-ranges"]
+            await send(message)
+
+        await super().__call__(scope, receive, send_206)
+
+
 def _span(request: AnyRequest, headers: dict[str, str], size: int) -> tuple[int, int, int] | None:
     """``_file_span``, and its Content-Length (+ Content-Range) added to ``headers`` (in FileResponse's
     order); None (headers untouched) when FileResponse must decide."""
@@ -186,6 +199,7 @@ def _span(request: AnyRequest, headers: dict[str, str], size: int) -> tuple[int,
         headers["content-length"] = str(end - start)
         if status == 206:
             headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+            del headers["accept-ranges"]  # as nginx answers a 206 (RFC 9110 §14.3: optional)
     return span
 
 
@@ -279,6 +293,7 @@ def _stream_blob(
     if isinstance(rng, tuple):
         status, (start, end) = 206, rng
         headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+        del headers["accept-ranges"]
     headers["content-length"] = str(end - start)
     if request.method == "HEAD":
         return Response(status_code=status, headers=headers)
