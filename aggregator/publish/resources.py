@@ -77,18 +77,23 @@ AnyRequest = Request | LiteRequest
 
 def not_modified(request: AnyRequest, r: Resource) -> bool:
     """RFC 9110 §13.2.2: If-None-Match decides when present, else If-Modified-Since (GET/HEAD)."""
+    return validators_match(request, etag_of(r), r.updated_at)
+
+
+def validators_match(request: AnyRequest, etag: str, last_modified: datetime | None) -> bool:
+    """True when the request's If-None-Match (else If-Modified-Since) says its copy is current: 304."""
     inm = request.headers.get("if-none-match")
     if inm is not None:
-        return _etag_match(inm, etag_of(r))
+        return _etag_match(inm, etag[2:] if etag.startswith("W/") else etag)
     ims = request.headers.get("if-modified-since")
-    if ims:
+    if ims and last_modified is not None:
         try:
             since = parsedate_to_datetime(ims)
         except (TypeError, ValueError, IndexError):
             return False
         if since.tzinfo is None:
             since = since.replace(tzinfo=UTC)
-        return r.updated_at.replace(microsecond=0) <= since
+        return last_modified.replace(microsecond=0) <= since
     return False
 
 
@@ -330,4 +335,5 @@ __all__ = [
     "resource_answer",
     "resource_headers",
     "single_range",
+    "validators_match",
 ]
