@@ -179,6 +179,9 @@ class S3BlobStore:
             aws_secret_access_key=secret_key,
             region_name=region,
             config=Config(
+                # SigV4 for presigned URLs too (botocore presigns with SigV2 otherwise, which S3 retired
+                # and SeaweedFS refuses once a response-content-type is signed); at most 7 days.
+                signature_version="s3v4",
                 s3={"addressing_style": "path"},
                 retries={"mode": "standard", "max_attempts": max_attempts},
                 max_pool_connections=max(10, 2 * self._threads),
