@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 import trio
 
 from aggregator.config import load_config
@@ -36,8 +35,6 @@ NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 COMPARED = ("etag", "last-modified", "content-type", "content-length", "content-range",
             "content-encoding", "link", "accept-ranges", "location")  # fmt: skip
 GUARD = 60  # seconds: a hung step fails the test instead of hanging the suite
-
-)
 
 FILES = {
     "a.txt": (b"plain text, small\n", "text/plain"),
