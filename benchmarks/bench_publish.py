@@ -380,6 +380,9 @@ def run_load(name: str, base: str, paths: list[str], work: Path, args: argparse.
         )
         cmd = [wrk, "-d", f"{args.duration}s", "-c", str(args.concurrency), "-t", "2", "--timeout", "10s",
                "-s", str(script), base + "/"]  # fmt: skip
+        if args.warmup:  # every server gets the same: first lookups, OS caches, nginx's open files
+            warm = [*cmd[:2], f"{args.warmup}s", *cmd[3:]]
+            subprocess.run(warm, capture_output=True, timeout=args.warmup + 60)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration + 60).stdout
         rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
         done = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
@@ -410,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resources", type=int, default=1_000_000, help="resources in the state (1,000,000)")
     p.add_argument("--concurrency", type=int, default=32, help="concurrent connections of the GET load (32)")
     p.add_argument("--duration", type=int, default=10, help="seconds of wrk load per server (10)")
+    p.add_argument("--warmup", type=int, default=3, help="seconds of unmeasured wrk load first (3)")
     p.add_argument("--requests", type=int, default=10_000, help="GETs per server without wrk (10,000)")
     p.add_argument("--no-wrk", action="store_true", help="use the httpx load generator even if wrk is here")
     p.add_argument("--no-nginx", action="store_true", help="do not compare with nginx")
