@@ -550,7 +550,7 @@ def create_app(
     served = Middleware(ServedMetrics, metrics=publisher.metrics)  # by route template (metrics.py)
 
     def hot(inner: Any) -> ResourceFastPath:
-        fast.append(ResourceFastPath(inner, publisher, resource_route))
+        fast.append(ResourceFastPath(inner, publisher, resource_route, (ServerBusy, busy)))
         return fast[-1]
 
     app = Starlette(

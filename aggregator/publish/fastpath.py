@@ -28,10 +28,12 @@ import os
 import sqlite3
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -140,10 +142,18 @@ class HotCache:
 class ResourceFastPath:
     """ASGI middleware in front of starlette's router for ``GET|HEAD /SET/r/...`` (module docstring)."""
 
-    def __init__(self, app: ASGIApp, publisher: Publisher, route: object) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        publisher: Publisher,
+        route: object,
+        busy: tuple[type[Exception], Callable[[Request, Exception], Awaitable[Response]]],
+    ) -> None:
         self.app = app
         self.pub = publisher
         self.route = route  # the resource Route: ServedMetrics labels the request by its path
+        #: (ServerBusy, its handler): this middleware is outside starlette's exception handlers
+        self.busy = busy
         self.cache = HotCache(publisher.state_path)
         self.offload = publisher.config.server.offload
         self.location = publisher.config.server.offload_location
@@ -166,7 +176,11 @@ class ResourceFastPath:
         cacheable = self.cache.fresh()
         hot = self.cache.get(parsed) if cacheable else None
         if hot is None:
-            hot = await self.pub.run(self._lookup, *parsed)
+            try:
+                hot = await self.pub.run(self._lookup, *parsed)
+            except self.busy[0] as exc:
+                await (await self.busy[1](Request(scope), exc))(scope, receive, send)
+                return
             if cacheable:
                 self.cache.put(parsed, hot)
         request = LiteRequest(scope["method"], {k.decode("latin-1"): v.decode("latin-1")
