@@ -74,6 +74,8 @@ class Hot:
     size: int | None = None  # the local blob's size (HEAD of a big one needs no bytes)
     target: str | None = None  # X-Accel-Redirect path or redirect URL
     expires: float = float("inf")  # monotonic time the target stops being usable
+    #: The raw headers of the answer to a GET or HEAD without Range or validators (None: build it).
+    plain: tuple[int, list[tuple[bytes, bytes]]] | None = None
 
     @property
     def cost(self) -> int:
@@ -86,7 +88,7 @@ class HotCache:
     def __init__(self, state_path: Path, entries: int = HOT_ENTRIES, max_bytes: int = HOT_BYTES) -> None:
         self.state_path = state_path
         self.entries, self.max_bytes = entries, max_bytes
-        self._lru: OrderedDict[tuple[str, str], Hot] = OrderedDict()
+        self._lru: OrderedDict[bytes, Hot] = OrderedDict()
         self._bytes = 0
         self._version: int | None = None
         self._conn: sqlite3.Connection | None = None
@@ -111,7 +113,7 @@ class HotCache:
             self._version = version
         return version is not None
 
-    def get(self, key: tuple[str, str]) -> Hot | None:
+    def get(self, key: bytes) -> Hot | None:
         hot = self._lru.get(key)
         if hot is None:
             return None
@@ -121,14 +123,14 @@ class HotCache:
         self._lru.move_to_end(key)
         return hot
 
-    def put(self, key: tuple[str, str], hot: Hot) -> None:
+    def put(self, key: bytes, hot: Hot) -> None:
         self._drop(key)
         self._lru[key] = hot
         self._bytes += hot.cost
         while len(self._lru) > self.entries or self._bytes > self.max_bytes:
             self._drop(next(iter(self._lru)))
 
-    def _drop(self, key: tuple[str, str]) -> None:
+    def _drop(self, key: bytes) -> None:
         old = self._lru.pop(key, None)
         if old is not None:
             self._bytes -= old.cost
@@ -165,26 +167,33 @@ class ResourceFastPath:
             await self.app(scope, receive, send)
             return
         raw = scope.get("raw_path") or scope["path"].encode("utf-8")
-        try:
-            parsed = split_resource_path(raw.decode("utf-8").partition("?")[0])
-        except UnicodeDecodeError:
-            parsed = None
-        if parsed is None:
-            await self.app(scope, receive, send)
-            return
-        scope["route"] = self.route
         cacheable = self.cache.fresh()
-        hot = self.cache.get(parsed) if cacheable else None
+        hot = self.cache.get(raw) if cacheable else None
         if hot is None:
+            try:
+                parsed = split_resource_path(raw.decode("utf-8").partition("?")[0])
+            except UnicodeDecodeError:
+                parsed = None
+            if parsed is None:
+                await self.app(scope, receive, send)
+                return
+            scope["route"] = self.route
             try:
                 hot = await self.pub.run(self._lookup, *parsed)
             except self.busy[0] as exc:
                 await (await self.busy[1](Request(scope), exc))(scope, receive, send)
                 return
             if cacheable:
-                self.cache.put(parsed, hot)
-        request = LiteRequest(scope["method"], {k.decode("latin-1"): v.decode("latin-1")
-                                                for k, v in scope["headers"] if k in _WANTED})  # fmt: skip
+                self.cache.put(raw, hot)
+        scope["route"] = self.route
+        wanted = [(k, v) for k, v in scope["headers"] if k in _WANTED]
+        if not wanted and hot.plain is not None:  # the common case: headers and bytes ready to send
+            status, headers = hot.plain
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            body = hot.body if scope["method"] == "GET" else b""
+            await send({"type": "http.response.body", "body": body or b""})
+            return
+        request = LiteRequest(scope["method"], {k.decode("latin-1"): v.decode("latin-1") for k, v in wanted})
         response = self._answer(request, hot)
         if response is None:
             await self.app(scope, receive, send)
@@ -233,6 +242,9 @@ class ResourceFastPath:
                 log.warning("server.offload = redirect: the blob store has no URLs; rsagg serves the bytes")
         if hot.target is None:
             hot.size, hot.body = _local_blob(pub.blobs.local_path(row.sha256))
+        plain = self._answer(LiteRequest("GET", {}), hot)
+        if plain is not None and (hot.target is not None or hot.body is not None):
+            hot.plain = plain.status_code, plain.raw_headers
         return hot
 
     def close(self) -> None:
