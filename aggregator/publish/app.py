@@ -524,6 +524,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        publisher.pool.release(await publisher.pool.acquire())  # a connection ready for the first request
         try:
             yield
         finally:
