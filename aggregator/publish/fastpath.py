@@ -1,13 +1,14 @@
 """The hot route: resource GETs and HEADs answered from memory, before starlette's routing.
 
 A crawler or Destination fetches the same resources again and again (audits, re-syncs, conditional
-GETs). What a resource GET needs — the row, the plugins' verdict, the Capability List link, the bytes
-of a small blob, or where an offloading front end finds them — is kept in an LRU (``HotCache``) until
-the state changes: ``PRAGMA data_version`` of a connection of our own tells, in a few microseconds and
-without a worker thread, that another connection (the harvester, ``rsagg gc``) committed since. Then
-the whole cache is dropped; answers never come from an older state than the request's.
+GETs). What a resource GET needs (the row, the plugins' verdict, the Capability List link, the bytes of
+a small blob or where an offloading front end finds them, the ready-made headers of a plain GET) is
+kept in an LRU by request path (``HotCache``) until the state changes: ``PRAGMA data_version`` of a
+connection of our own tells, in a few microseconds and without a worker thread, that another
+connection (the harvester, ``rsagg gc``) committed since. Then the whole cache is dropped; answers
+never come from an older state than the request's.
 
-A hit costs no thread hop and no database call; a miss one worker-thread call (``Publisher.run``),
+A hit costs no thread hop and no query (that one pragma); a miss one worker-thread call (``Publisher.run``),
 as the route had before. Anything the memory cannot answer (a big blob, a Range only starlette's
 FileResponse decides, a blob in a store without URLs) goes on to the ordinary route
 (``app.resource``), which answers it as before: the bytes and headers are the same either way.
@@ -64,7 +65,7 @@ _WANTED = frozenset((b"if-none-match", b"if-modified-since", b"range", b"if-rang
 
 @dataclass(slots=True)
 class Hot:
-    """What answers one (set, URI) while the state is unchanged."""
+    """What answers one resource path (``/SET/r/...`` as requested) while the state is unchanged."""
 
     status: int  # 200 held and live, 404, 410
     link: str | None
