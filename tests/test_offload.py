@@ -161,6 +161,7 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                         assert (await same(name, if_none_match=etag)).status_code == 304
                         assert (await same(name, if_none_match='"other"')).status_code == 200
                         since = r.headers["last-modified"]
+                        assert (await same(name, range="bytes=2-5", if_range=since)).status_code == 206
                         assert (await same(name, if_modified_since=since)).status_code == 304
                         old = "Mon, 01 Jan 2001 00:00:00 GMT"
                         assert (await same(name, if_modified_since=old)).status_code == 200
