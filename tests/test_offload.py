@@ -152,6 +152,7 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                         assert r.status_code == 200 and r.content == data
                         assert r.headers["content-type"].startswith(type_)
                         etag = r.headers["etag"]
+                        old = "Mon, 01 Jan 2001 00:00:00 GMT"
                         assert (await same(name, "HEAD")).headers["content-length"] == str(len(data))
                         assert (await same(name, range="bytes=2-5")).content == data[2:6]
                         assert (await same(name, range="bytes=-3")).content == data[-3:]
@@ -159,11 +160,19 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                         assert (await same(name, range="bytes=2-5", if_range=etag)).status_code == 206
                         assert (await same(name, range="bytes=2-5", if_range='"other"')).status_code == 200
                         assert (await same(name, if_none_match=etag)).status_code == 304
+                        # preconditions (RFC 9110 §13.1.1, §13.1.4) judged by the resource, not the file
+                        assert (await same(name, if_match=etag)).content == data
+                        assert (
+                            await same(name, if_match=f'"x", {etag}', range="bytes=1-2")
+                        ).status_code == 206
+                        assert (await same(name, if_match='"x"')).status_code == 412
+                        assert (await same(name, if_match=f"W/{etag}")).status_code == 412  # strong only
+                        assert (await same(name, if_unmodified_since=old)).status_code == 412
                         assert (await same(name, if_none_match='"other"')).status_code == 200
                         since = r.headers["last-modified"]
                         assert (await same(name, range="bytes=2-5", if_range=since)).status_code == 206
                         assert (await same(name, if_modified_since=since)).status_code == 304
-                        old = "Mon, 01 Jan 2001 00:00:00 GMT"
+                        assert (await same(name, if_unmodified_since=since)).content == data
                         assert (await same(name, if_modified_since=old)).status_code == 200
                     assert (await same("drafts/secret.txt")).status_code == 404
                     assert (await same("never-held.txt")).status_code == 404

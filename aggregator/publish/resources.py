@@ -75,6 +75,39 @@ class LiteRequest:
 AnyRequest = Request | LiteRequest
 
 
+def conditional_answer(request: AnyRequest, r: Resource, headers: dict[str, str]) -> Response | None:
+    """412 or 304 for a live resource when the request's preconditions say so (RFC 9110 §13.2.2 order:
+    If-Match, else If-Unmodified-Since, then If-None-Match, else If-Modified-Since); None: answer it."""
+    if precondition_failed(request, r):
+        return Response(status_code=412, headers=conditional_headers(headers))
+    if not_modified(request, r):
+        return Response(status_code=304, headers=conditional_headers(headers))
+    return None
+
+
+def precondition_failed(request: AnyRequest, r: Resource) -> bool:
+    """If-Match (strong comparison: a weak tag never matches, RFC 9110 §13.1.1), else If-Unmodified-Since
+    (§13.1.4), is false for the resource as held: 412."""
+    im = request.headers.get("if-match")
+    if im is not None:
+        if im.strip() == "*":
+            return False
+        return etag_of(r) not in [t.strip() for t in im.split(",")]
+    ius = request.headers.get("if-unmodified-since")
+    if ius:
+        since = _http_time(ius)
+        return since is not None and r.updated_at.replace(microsecond=0) > since
+    return False
+
+
+def _http_time(value: str) -> datetime | None:
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
 def not_modified(request: AnyRequest, r: Resource) -> bool:
     """RFC 9110 §13.2.2: If-None-Match decides when present, else If-Modified-Since (GET/HEAD)."""
     return validators_match(request, etag_of(r), r.updated_at)
@@ -87,13 +120,8 @@ def validators_match(request: AnyRequest, etag: str, last_modified: datetime | N
         return _etag_match(inm, etag[2:] if etag.startswith("W/") else etag)
     ims = request.headers.get("if-modified-since")
     if ims and last_modified is not None:
-        try:
-            since = parsedate_to_datetime(ims)
-        except (TypeError, ValueError, IndexError):
-            return False
-        if since.tzinfo is None:
-            since = since.replace(tzinfo=UTC)
-        return last_modified.replace(microsecond=0) <= since
+        since = _http_time(ims)
+        return since is not None and last_modified.replace(microsecond=0) <= since
     return False
 
 
@@ -135,8 +163,9 @@ def resource_answer(request: Request, r: Resource, blobs: BlobStore, link: str) 
     if r.deleted or not r.sha256:
         return gone(link, 410)
     headers = resource_headers(r, link)
-    if not_modified(request, r):
-        return Response(status_code=304, headers=conditional_headers(headers))
+    early = conditional_answer(request, r, headers)
+    if early is not None:
+        return early
     path = blobs.local_path(r.sha256)
     if path is None:
         return None
@@ -324,6 +353,7 @@ async def _read(blobs: BlobStore, sha256: str, start: int, end: int) -> AsyncIte
 __all__ = [
     "SMALL_BLOB",
     "LiteRequest",
+    "conditional_answer",
     "conditional_headers",
     "etag_of",
     "gone",
@@ -331,6 +361,7 @@ __all__ = [
     "http_date",
     "memory_response",
     "not_modified",
+    "precondition_failed",
     "remote_response",
     "resource_answer",
     "resource_headers",
