@@ -4,7 +4,8 @@
   Content-Length, Content-Encoding when the upstream had one (the bytes are the encoded ones);
 - ``ETag: "<sha256>"`` (strong: content-addressed, so equal tags mean equal bytes) and
   ``Last-Modified`` = rsagg's ``updated_at`` of the row (our own clock, as in our lists);
-- If-None-Match, else If-Modified-Since -> 304 (RFC 9110 §13.2.2 order);
+- If-Match, else If-Unmodified-Since false -> 412; then If-None-Match, else If-Modified-Since -> 304
+  (RFC 9110 §13.2.2 order);
 - a single ``Range`` -> 206 (If-Range honoured); several ranges: multipart from starlette's
   FileResponse for local blobs, the full 200 from other backends (RFC 9110 allows ignoring Range);
 - deleted (a tombstone) -> 410 Gone; never held -> 404;
