@@ -11,6 +11,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}\Z")
+#: ``server.offload``: who sends a resource's bytes (see ServerConfig).
+OFFLOAD_MODES = ("none", "x-accel", "redirect")
 
 
 class ConfigError(Exception):
@@ -31,6 +33,14 @@ class ServerConfig:
     #: Connections one client address may hold open at once (serverguard.py); 0 = no cap. Behind a reverse
     #: proxy every client is the proxy: raise it or set 0, and let the proxy limit per client.
     max_connections_per_client: int = 256
+    #: Who sends a resource's bytes: "none" (rsagg), "x-accel" (nginx in front, through an internal
+    #: location, see ``config/nginx.conf``) or "redirect" (a blob store with URLs, e.g. S3: presigned or
+    #: public). rsagg still decides visibility, 404/410, 304 and the headers in every mode.
+    offload: str = "none"
+    #: "x-accel": the internal nginx location mapped onto the blob store's root (ends with "/").
+    offload_location: str = "/_rsagg_blobs/"
+    #: "redirect": seconds a presigned URL stays valid (a public bucket URL does not expire).
+    redirect_lifetime: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -251,6 +261,15 @@ def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
         raise ConfigError(file, "server.listen", f"must be HOST:PORT, not {server.listen!r}")
     if server.max_readers < 1:
         raise ConfigError(file, "server.max_readers", "must be at least 1")
+    if server.offload not in OFFLOAD_MODES:
+        raise ConfigError(
+            file, "server.offload", f"must be one of {', '.join(OFFLOAD_MODES)}, not {server.offload!r}"
+        )
+    loc = server.offload_location
+    if not (loc.startswith("/") and loc.endswith("/")) or any(c in loc for c in "?#%\r\n "):
+        raise ConfigError(file, "server.offload_location", f"must be a path like /_rsagg_blobs/, not {loc!r}")
+    if server.redirect_lifetime < 1 or server.redirect_lifetime > 7 * 86400:
+        raise ConfigError(file, "server.redirect_lifetime", "must be 1 s to 7 days (604800 s, the S3 limit)")
     if server.base_url.endswith("/"):
         server = replace(server, base_url=server.base_url.rstrip("/"))
     store = _section(file, "store", StoreConfig, data.get("store", {}))

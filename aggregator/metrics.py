@@ -392,6 +392,9 @@ class Metrics:
             ["route"],
             registry=r,
         )
+        #: (route, method, code) -> its labelled children: ``labels()`` cost more than a hot resource GET's
+        #: own work (a few routes x methods x codes: small).
+        self._served: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
         # -- read when scraped
         self._plugins: list[Any] = []  # every Plugins of the process (harvest's, each publisher app's)
@@ -498,8 +501,12 @@ class Metrics:
             self.store_dedup_bytes.inc(sum(i.length for i in deduplicated))
 
     def served(self, route: str, method: str, code: int, seconds: float) -> None:
-        self.http_requests.labels(route, method, str(code)).inc()
-        self.http_duration.labels(route).observe(seconds)
+        children = self._served.get((route, method, code))
+        if children is None:
+            children = (self.http_requests.labels(route, method, str(code)), self.http_duration.labels(route))
+            self._served[(route, method, code)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     # ------------------------------------------------------------------ scrape
 

@@ -27,7 +27,8 @@ Semantics mirrored from ``FileBlobStore``:
 - ``iter_hashes`` lists keys in ascending order (S3 lists keys in UTF-8 binary order, and the fan-out
   prefix is derived from the hash, so key order is hash order); an out-of-order listing raises instead
   of feeding gc's sorted merge a wrong stream.
-- ``local_path`` is None: callers stream from ``open``.
+- ``local_path`` is None: callers stream from ``open``; ``url`` gives clients a presigned GET URL, or
+  ``public_url`` + key for a public bucket (``server.offload = "redirect"``).
 
 Errors from S3 other than "not found" raise ``S3StoreError`` (an ``OSError``) naming the endpoint, the
 bucket and the key; a wrong access or secret key is detected when the store is created.
@@ -61,6 +62,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import quote, urlsplit
 
 try:  # the ``s3`` extra (pip install 'rsagg[s3]'); without it the plugin loads but cannot create a store
     import boto3
@@ -82,6 +84,7 @@ from aggregator.store.blobs import (
     BlobWriter,
     SpooledBlobWriter,
     TempArea,
+    blob_name,
     check_sha256,
     pending_writers,
     put_bytes,
@@ -103,7 +106,7 @@ SETTINGS = frozenset(
     {
         "endpoint_url", "bucket", "prefix", "access_key", "secret_key", "region", "multipart_threshold",
         "multipart_part_size", "upload_threads", "create_bucket", "max_attempts", "connect_timeout",
-        "read_timeout",
+        "read_timeout", "public_url",
     }
 )  # fmt: skip
 _AUTH_CODES = frozenset(
@@ -142,6 +145,7 @@ class S3BlobStore:
         max_attempts: int = 5,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
+        public_url: str | None = None,
     ) -> None:
         if not bucket:
             raise ValueError("S3 blob store: 'bucket' is required")
@@ -153,6 +157,14 @@ class S3BlobStore:
             prefix += "/"
         if multipart_threshold < 1:
             raise ValueError("S3 blob store: multipart_threshold must be positive")
+        if public_url is not None:
+            parts = urlsplit(public_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"S3 blob store: public_url is not an http(s) URL: {public_url!r}")
+            if not public_url.endswith("/"):
+                public_url += "/"
+        #: Where clients read objects without signing (a public bucket, a CDN): ``public_url`` + key.
+        self.public_url = public_url
         self.bucket = bucket
         self.prefix = prefix
         self.endpoint_url = endpoint_url
@@ -167,6 +179,9 @@ class S3BlobStore:
             aws_secret_access_key=secret_key,
             region_name=region,
             config=Config(
+                # SigV4 for presigned URLs too (botocore presigns with SigV2 otherwise, which S3 retired
+                # and SeaweedFS refuses once a response-content-type is signed); at most 7 days.
+                signature_version="s3v4",
                 s3={"addressing_style": "path"},
                 retries={"mode": "standard", "max_attempts": max_attempts},
                 max_pool_connections=max(10, 2 * self._threads),
@@ -229,6 +244,23 @@ class S3BlobStore:
     def local_path(self, sha256: str) -> Path | None:
         check_sha256(sha256)
         return None
+
+    def blob_name(self, sha256: str) -> str:
+        return blob_name(sha256)
+
+    def url(self, sha256: str, lifetime: float, content_type: str | None = None) -> str | None:
+        """``public_url`` + key when the bucket is public (never expires), else a presigned GET URL valid
+        ``lifetime`` seconds that makes S3 answer with ``content_type`` (signed locally: no request)."""
+        key = self.key(sha256)
+        if self.public_url is not None:
+            return self.public_url + quote(key)
+        params = {"Bucket": self.bucket, "Key": key}
+        if content_type:
+            params["ResponseContentType"] = content_type
+        try:
+            return self._client.generate_presigned_url("get_object", Params=params, ExpiresIn=int(lifetime))
+        except BotoCoreError as exc:  # no credentials to sign with
+            raise self._error(exc, "presigning a GET", key) from exc
 
     def _error(self, exc: Exception, doing: str, key: str | None = None) -> S3StoreError:
         where = self._where + (f", key {key!r}" if key else "")
@@ -614,7 +646,9 @@ def create_store(settings: Mapping[str, Any], root: Path) -> S3BlobStore:
     is appended when missing), ``access_key`` + ``secret_key`` (omit both for boto3's default credential
     chain), ``region`` ("us-east-1"), ``multipart_threshold`` (bytes, 8 MiB), ``multipart_part_size``
     (bytes, 8 MiB, at least 5 MiB), ``upload_threads`` (8), ``create_bucket`` (false),
-    ``max_attempts`` (5, botocore "standard" retries), ``connect_timeout`` / ``read_timeout`` (seconds).
+    ``max_attempts`` (5, botocore "standard" retries), ``connect_timeout`` / ``read_timeout`` (seconds),
+    ``public_url`` (the bucket's URL as clients reach it without signing, e.g.
+    ``https://cdn.example/blobs/``: redirects then point there instead of to presigned URLs).
     """
     if boto3 is None:
         raise ValueError("S3 blob store: boto3 is not installed (pip install 'rsagg[s3]')")

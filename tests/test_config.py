@@ -73,6 +73,11 @@ def test_example_config_loads():
         ("[harvest]\ntimeout = -1\n", "harvest.timeout", "negative"),
         ('[server]\nlisten = "nowhere"\n', "server.listen", "HOST:PORT"),
         ('[store]\nsynchronous = "OFF"\n', "store.synchronous", "NORMAL or FULL"),
+        ('[server]\noffload = "sendfile"\n', "server.offload", "none, x-accel, redirect"),
+        ('[server]\noffload_location = "blobs"\n', "server.offload_location", "a path like"),
+        ('[server]\noffload_location = "/a b/"\n', "server.offload_location", "a path like"),
+        ("[server]\nredirect_lifetime = 0\n", "server.redirect_lifetime", "7 days"),
+        ("[server]\nredirect_lifetime = 700000\n", "server.redirect_lifetime", "7 days"),
         ("this is = = not toml", "-", "not valid TOML"),
     ],
 )

@@ -32,13 +32,16 @@ channels of ``publish/notify.py``: topic + ``rel="hub"``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import os
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import trio
 from starlette.applications import Starlette
@@ -56,13 +59,25 @@ from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.state import Resource, State
 from . import documents, status_page
-from .documents import Doc, DumpsAvailable, ExtraCapabilities, Site, no_dumps, no_extra_capabilities
-from .resources import gone, remote_response, resource_answer
+from .doccache import CacheWriter, DocumentCache, fingerprint
+from .documents import (
+    Doc,
+    DumpsAvailable,
+    ExtraCapabilities,
+    Site,
+    Validity,
+    no_dumps,
+    no_extra_capabilities,
+)
+from .fastpath import ResourceFastPath
+from .resources import LiteRequest, gone, http_date, remote_response, resource_answer, validators_match
 from .sets import PublishedSet
 from .site import build_site, link_policy, publish_filter
 from .uris import split_resource_path
 
 log = logging.getLogger("rsagg.publish")
+#: Bump when a change of the code changes what a document renders to: cached renderings are dropped.
+RENDERING = 1
 T = TypeVar("T")
 
 XML = "application/xml"
@@ -74,6 +89,11 @@ POOL_IDLE = 8
 READER_WAIT = 10.0
 
 Build = Callable[[Site, State, PublishedSet, datetime], "Doc | None"]
+Validate = Callable[[Site, State, PublishedSet], "Validity | None"]
+#: Cache-Control (for a CDN or browser in front): lists that may change, and closed Change List windows.
+CACHE_OPEN = "public, max-age=10"
+CACHE_CLOSED = "public, max-age=86400"
+FILE_CHUNK = 256 * 1024
 
 
 class ServerBusy(Exception):
@@ -178,6 +198,15 @@ class Publisher:
         self.config = config
         self.metrics = metrics or default_metrics()
         self.blobs = blobs
+        self.state_path = state_path
+        #: When this configuration took effect: Last-Modified of the documents built from it alone.
+        self.started = utcnow()
+        #: Everything but the state that decides a document's bytes: names its rendering cache.
+        self.fingerprint = fingerprint(
+            config.server.base_url, config.sets, config.publish, config.plugins,
+            [s.plugins for s in config.sources], documents.MAX_ENTRIES, RENDERING,
+        )  # fmt: skip
+        self.documents = DocumentCache(state_path.parent / "cache" / "documents", self.fingerprint)
         self.pool = ReaderPool(state_path, max_open=config.server.max_readers)
         #: Short calls (``run``) in flight: no more than the pool keeps idle, since more meant a connection
         #: opened and closed per call under load (~0.3 ms each); document streams are not counted here.
@@ -216,14 +245,22 @@ class Publisher:
 
 
 class DocumentResponse(StreamingResponse):
-    """A ResourceSync document streamed as it is read from the state; gives its connection back to the
-    pool when done, whatever happened (finished, client gone, deadline)."""
+    """A ResourceSync document streamed as it is read from the state (or from its cached rendering);
+    gives its connection back to the pool when done, whatever happened (finished, client gone,
+    deadline). ``tee``: the rendering also goes there, committed to the cache once whole."""
 
-    def __init__(self, doc: Doc, release: Callable[[], None]) -> None:
-        head, entries = doc
-        self._chunks = iter_document_bytes(head, entries)
+    def __init__(
+        self,
+        doc: Doc | Iterator[bytes],
+        release: Callable[[], None],
+        *,
+        headers: dict[str, str] | None = None,
+        tee: CacheWriter | None = None,
+    ) -> None:
+        chunks = iter_document_bytes(*doc, flush_head=True) if isinstance(doc, tuple) else doc
+        self._chunks = _teed(chunks, tee) if tee is not None else chunks
         self._release = release
-        super().__init__(self._body(), media_type=XML)
+        super().__init__(self._body(), media_type=XML, headers=headers)
 
     async def _body(self) -> AsyncIterator[bytes]:
         try:
@@ -233,7 +270,9 @@ class DocumentResponse(StreamingResponse):
                     return
                 yield chunk
         finally:
-            self._chunks.close()
+            close = getattr(self._chunks, "close", None)
+            if close is not None:
+                close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -247,46 +286,134 @@ class DocumentResponse(StreamingResponse):
             self._release()
 
 
-def _prepare(pub: Publisher, state: State, name: str | None, build: Build, now: datetime) -> Doc | None:
+def _teed(chunks: Iterator[bytes], writer: CacheWriter) -> Iterator[bytes]:
+    """``chunks``, written to ``writer`` too: committed when the last one went out, else dropped."""
+    whole = False
+    try:
+        for chunk in chunks:
+            writer.write(chunk)
+            yield chunk
+        whole = True
+    finally:
+        if whole:
+            writer.commit()
+        else:
+            writer.abort()
+
+
+def _file_chunks(f: BinaryIO) -> Iterator[bytes]:
+    with f:
+        yield from iter(lambda: f.read(FILE_CHUNK), b"")
+
+
+@dataclass
+class Prepared:
+    """What a document request gets: 304, headers only (HEAD), a cached rendering, or one to make."""
+
+    status: int
+    headers: dict[str, str]
+    doc: Doc | None = None
+    cached: BinaryIO | None = None
+    validity: Validity | None = None
+
+
+def _prepare(
+    pub: Publisher,
+    state: State,
+    name: str | None,
+    build: Build,
+    validate: Validate,
+    now: datetime,
+    request: LiteRequest,
+) -> Prepared | None:
+    """The validators first (cheap), then a cached rendering, then the document (worker thread)."""
     site = pub.site(state)
     ps = site.sets.get(name) if name is not None else None
     if ps is None:
         return None
-    return build(site, state, ps, now)
+    v = validate(site, state, ps)
+    if v is None:
+        return None
+    tag = hashlib.sha256(f"{pub.fingerprint}/{v.name}@{v.version}".encode()).hexdigest()[:32]
+    # Weak: two renderings of one version differ in rs:md at (RFC 9110 §8.8.1).
+    headers = {"etag": f'W/"{tag}"', "cache-control": CACHE_CLOSED if v.closed else CACHE_OPEN}
+    if v.last_modified is not None:
+        headers["last-modified"] = http_date(v.last_modified)
+    if validators_match(request, headers["etag"], v.last_modified):
+        return Prepared(304, headers)
+    if request.method == "HEAD":
+        return Prepared(200, headers)
+    cached = pub.documents.open(v.name, v.version)
+    if cached is not None:
+        headers["content-length"] = str(os.fstat(cached.fileno()).st_size)
+        return Prepared(200, headers, cached=cached)
+    doc = build(site, state, ps, now)
+    if doc is None:
+        return None
+    return Prepared(200, headers, doc=doc, validity=v)
 
 
-async def _document(request: Request, build: Build) -> Response:
+async def _document(request: Request, build: Build, validate: Validate) -> Response:
     pub: Publisher = request.app.state.publisher
     now = utcnow()
+    lite = LiteRequest(request.method, request.headers)  # type: ignore[arg-type]
     state = await pub.pool.acquire()
     try:
-        doc = await trio.to_thread.run_sync(_prepare, pub, state, request.path_params.get("set"), build, now)
+        set_name = request.path_params.get("set")
+        prep = await trio.to_thread.run_sync(_prepare, pub, state, set_name, build, validate, now, lite)
     except BaseException:
         pub.pool.release(state)
         raise
-    if doc is None:
+    if prep is None or prep.doc is None:
         pub.pool.release(state)
+    if prep is None:
         return PlainTextResponse("not found\n", status_code=404)
-    if request.method == "HEAD":
-        pub.pool.release(state)
-        response = Response(headers={"content-type": XML})
+    if prep.status == 304:
+        return Response(status_code=304, headers=prep.headers)
+    if prep.cached is not None:
+        return DocumentResponse(_file_chunks(prep.cached), lambda: None, headers=prep.headers)
+    if prep.doc is None:  # HEAD
+        response = Response(headers={**prep.headers, "content-type": XML})
         del response.headers["content-length"]  # unknown until streamed
         return response
-    return DocumentResponse(doc, lambda: pub.pool.release(state))
+    v = prep.validity
+    tee = pub.documents.writer(v.name, v.version) if v is not None else None
+    return DocumentResponse(prep.doc, lambda: pub.pool.release(state), headers=prep.headers, tee=tee)
+
+
+async def _small_document(request: Request, make: Callable[[Site], Doc]) -> Response:
+    """A document built whole (Source Description, Capability List): strong ETag of its bytes."""
+    pub: Publisher = request.app.state.publisher
+    doc = await pub.run(lambda state: make(pub.site(state)))
+    if doc is None:
+        return PlainTextResponse("not found\n", status_code=404)
+    body = b"".join(iter_document_bytes(*doc))
+    headers = {
+        "etag": f'"{hashlib.sha256(body).hexdigest()[:32]}"',
+        "last-modified": http_date(pub.started),
+        "cache-control": CACHE_OPEN,
+    }
+    if validators_match(request, headers["etag"], pub.started):
+        return Response(status_code=304, headers=headers)
+    return Response(body if request.method == "GET" else b"", headers=headers, media_type=XML)
 
 
 async def well_known(request: Request) -> Response:
-    pub: Publisher = request.app.state.publisher
-    site = await pub.run(pub.site)
-    return DocumentResponse(documents.source_description(site), lambda: None)
+    return await _small_document(request, documents.source_description)
 
 
 async def capabilitylist(request: Request) -> Response:
-    return await _document(request, lambda site, st, ps, now: documents.capability_list(site, ps))
+    name = request.path_params["set"]
+
+    def make(site: Site) -> Doc | None:
+        ps = site.sets.get(name)
+        return None if ps is None else documents.capability_list(site, ps)
+
+    return await _small_document(request, make)
 
 
 async def resourcelist(request: Request) -> Response:
-    return await _document(request, documents.resource_list)
+    return await _document(request, documents.resource_list, documents.resource_list_validity)
 
 
 async def resourcelist_part(request: Request) -> Response:
@@ -299,18 +426,22 @@ async def resourcelist_part(request: Request) -> Response:
     else:
         return PlainTextResponse("not found\n", status_code=404)
     return await _document(
-        request, lambda site, st, ps, now: documents.resource_list_part(site, st, ps, lo, hi, now)
+        request,
+        lambda site, st, ps, now: documents.resource_list_part(site, st, ps, lo, hi, now),
+        lambda site, st, ps: documents.resource_list_part_validity(site, st, ps, lo, hi),
     )
 
 
 async def changelist(request: Request) -> Response:
-    return await _document(request, documents.change_list)
+    return await _document(request, documents.change_list, documents.change_list_validity)
 
 
 async def changelist_window(request: Request) -> Response:
     k: int = request.path_params["k"]
     return await _document(
-        request, lambda site, st, ps, now: documents.change_list_window(site, st, ps, k, now)
+        request,
+        lambda site, st, ps, now: documents.change_list_window(site, st, ps, k, now),
+        lambda site, st, ps: documents.change_list_window_validity(site, st, ps, k),
     )
 
 
@@ -384,14 +515,20 @@ def create_app(
     State(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
     publisher = Publisher(config, blobs, state_path, dumps_available, plugins, extra_capabilities, metrics)
 
+    fast: list[ResourceFastPath] = []  # the hot route's middleware, once starlette has built it
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        publisher.pool.release(await publisher.pool.acquire())  # a connection ready for the first request
         try:
             yield
         finally:
             publisher.pool.close()
+            for f in fast:
+                f.close()
 
     get = ["GET", "HEAD"]
+    resource_route = Route("/{set}/r/{rest:path}", resource, methods=get)
     routes: list[BaseRoute] = [
         *extra_routes,
         Route("/", status_page.home, methods=get),
@@ -404,11 +541,19 @@ def create_app(
         Route("/{set}/resourcelist/{lo:int}-{hi}.xml", resourcelist_part, methods=get),
         Route("/{set}/changelist.xml", changelist, methods=get),
         Route("/{set}/changelist/{k:int}.xml", changelist_window, methods=get),
-        Route("/{set}/r/{rest:path}", resource, methods=get),
+        resource_route,
     ]
     served = Middleware(ServedMetrics, metrics=publisher.metrics)  # by route template (metrics.py)
+
+    def hot(inner: Any) -> ResourceFastPath:
+        fast.append(ResourceFastPath(inner, publisher, resource_route, (ServerBusy, busy)))
+        return fast[-1]
+
     app = Starlette(
-        routes=routes, lifespan=lifespan, middleware=[served], exception_handlers={ServerBusy: busy}
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[served, Middleware(hot)],
+        exception_handlers={ServerBusy: busy},
     )
     app.state.publisher = publisher
     return app

@@ -118,6 +118,16 @@ class PluginLinks:
     def __init__(self, plugins, fallback: LinkPolicy | None = None) -> None:
         self.plugins = plugins
         self.fallback = fallback or LinkPolicy()
+        #: The built-in policy when no other plugin implements the hook: applied without the plugin
+        #: call (a list renders ~2x faster), with the settings the built-in plugin would read.
+        self.direct: LinkPolicy | None = None
+        impls = getattr(getattr(plugins, "pm", None), "hook", None)
+        impls = impls.rsagg_republish_links.get_hookimpls() if impls is not None else None
+        if impls is not None and [i.plugin_name for i in impls] == ["linkpolicy"]:
+            s = plugins.context.settings("linkpolicy")
+            self.direct = LinkPolicy(
+                bool(s.get("keep_collection", False)), bool(s.get("keep_canonical", False))
+            )
 
     def links(
         self,
@@ -127,6 +137,8 @@ class PluginLinks:
         record: LogRecord | None = None,
         set_name: str = "",
     ) -> list[Link]:
+        if self.direct is not None:
+            return self.direct.links(resource, uri_of=uri_of, record=record)
         links = self.plugins.first(
             "rsagg_republish_links", set_name=set_name, resource=resource, uri_of=uri_of, record=record
         )

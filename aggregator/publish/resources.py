@@ -4,7 +4,8 @@
   Content-Length, Content-Encoding when the upstream had one (the bytes are the encoded ones);
 - ``ETag: "<sha256>"`` (strong: content-addressed, so equal tags mean equal bytes) and
   ``Last-Modified`` = rsagg's ``updated_at`` of the row (our own clock, as in our lists);
-- If-None-Match, else If-Modified-Since -> 304 (RFC 9110 §13.2.2 order);
+- If-Match, else If-Unmodified-Since false -> 412; then If-None-Match, else If-Modified-Since -> 304
+  (RFC 9110 §13.2.2 order);
 - a single ``Range`` -> 206 (If-Range honoured); several ranges: multipart from starlette's
   FileResponse for local blobs, the full 200 from other backends (RFC 9110 allows ignoring Range);
 - deleted (a tombstone) -> 410 Gone; never held -> 404;
@@ -32,6 +33,7 @@ from typing import BinaryIO
 import trio
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response, StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from ..store.blobs import BlobStore
 from ..store.state import Resource
@@ -61,20 +63,66 @@ def _etag_match(header: str, etag: str) -> bool:
     return any((t[2:] if t.startswith("W/") else t) == etag for t in tags)
 
 
-def not_modified(request: Request, r: Resource) -> bool:
+class LiteRequest:
+    """What answering a resource reads of a request (the method, a few headers by lower-case name):
+    the hot route (``fastpath.py``) builds one without starlette's Request."""
+
+    __slots__ = ("headers", "method")
+
+    def __init__(self, method: str, headers: dict[str, str]) -> None:
+        self.method, self.headers = method, headers
+
+
+AnyRequest = Request | LiteRequest
+
+
+def conditional_answer(request: AnyRequest, r: Resource, headers: dict[str, str]) -> Response | None:
+    """412 or 304 for a live resource when the request's preconditions say so (RFC 9110 §13.2.2 order:
+    If-Match, else If-Unmodified-Since, then If-None-Match, else If-Modified-Since); None: answer it."""
+    if precondition_failed(request, r):
+        return Response(status_code=412, headers=conditional_headers(headers))
+    if not_modified(request, r):
+        return Response(status_code=304, headers=conditional_headers(headers))
+    return None
+
+
+def precondition_failed(request: AnyRequest, r: Resource) -> bool:
+    """If-Match (strong comparison: a weak tag never matches, RFC 9110 §13.1.1), else If-Unmodified-Since
+    (§13.1.4), is false for the resource as held: 412."""
+    im = request.headers.get("if-match")
+    if im is not None:
+        if im.strip() == "*":
+            return False
+        return etag_of(r) not in [t.strip() for t in im.split(",")]
+    ius = request.headers.get("if-unmodified-since")
+    if ius:
+        since = _http_time(ius)
+        return since is not None and r.updated_at.replace(microsecond=0) > since
+    return False
+
+
+def _http_time(value: str) -> datetime | None:
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+def not_modified(request: AnyRequest, r: Resource) -> bool:
     """RFC 9110 §13.2.2: If-None-Match decides when present, else If-Modified-Since (GET/HEAD)."""
+    return validators_match(request, etag_of(r), r.updated_at)
+
+
+def validators_match(request: AnyRequest, etag: str, last_modified: datetime | None) -> bool:
+    """True when the request's If-None-Match (else If-Modified-Since) says its copy is current: 304."""
     inm = request.headers.get("if-none-match")
     if inm is not None:
-        return _etag_match(inm, etag_of(r))
+        return _etag_match(inm, etag[2:] if etag.startswith("W/") else etag)
     ims = request.headers.get("if-modified-since")
-    if ims:
-        try:
-            since = parsedate_to_datetime(ims)
-        except (TypeError, ValueError, IndexError):
-            return False
-        if since.tzinfo is None:
-            since = since.replace(tzinfo=UTC)
-        return r.updated_at.replace(microsecond=0) <= since
+    if ims and last_modified is not None:
+        since = _http_time(ims)
+        return since is not None and last_modified.replace(microsecond=0) <= since
     return False
 
 
@@ -85,7 +133,8 @@ def _token(value: str | None) -> str | None:
     return None
 
 
-def _headers(r: Resource, link: str) -> dict[str, str]:
+def resource_headers(r: Resource, link: str) -> dict[str, str]:
+    """The headers of a 200 for a live resource (Content-Length and Content-Range are added per answer)."""
     h = {
         "etag": etag_of(r),
         "last-modified": http_date(r.updated_at),
@@ -114,11 +163,10 @@ def resource_answer(request: Request, r: Resource, blobs: BlobStore, link: str) 
     """
     if r.deleted or not r.sha256:
         return gone(link, 410)
-    headers = _headers(r, link)
-    if not_modified(request, r):
-        for k in ("content-type", "accept-ranges", "content-encoding"):
-            headers.pop(k, None)
-        return Response(status_code=304, headers=headers)
+    headers = resource_headers(r, link)
+    early = conditional_answer(request, r, headers)
+    if early is not None:
+        return early
     path = blobs.local_path(r.sha256)
     if path is None:
         return None
@@ -133,7 +181,13 @@ async def remote_response(request: Request, r: Resource, blobs: BlobStore, link:
         size = await trio.to_thread.run_sync(blobs.size, r.sha256)
     except (FileNotFoundError, KeyError):
         return _missing(r)
-    return _stream_blob(request, r, blobs, size, _headers(r, link))
+    return _stream_blob(request, r, blobs, size, resource_headers(r, link))
+
+
+def conditional_headers(headers: dict[str, str]) -> dict[str, str]:
+    """The headers of a 304: the validators and the link, not the representation's type, encoding or
+    ranges (RFC 9110 §15.4.5)."""
+    return {k: v for k, v in headers.items() if k in ("etag", "last-modified", "link")}
 
 
 def _local(request: Request, r: Resource, path: Path, headers: dict[str, str]) -> Response:
@@ -144,13 +198,10 @@ def _local(request: Request, r: Resource, path: Path, headers: dict[str, str]) -
     except FileNotFoundError:
         return _missing(r)
     head = request.method == "HEAD"
-    span = _file_span(request, headers, st.st_size) if head or st.st_size <= SMALL_BLOB else None
+    span = _span(request, headers, st.st_size) if head or st.st_size <= SMALL_BLOB else None
     if span is None:
-        return FileResponse(path, headers=headers, stat_result=st)
+        return _FileAnswer(path, headers=headers, stat_result=st)
     status, start, end = span
-    headers["content-length"] = str(end - start)  # header order as FileResponse's
-    if status == 206:
-        headers["content-range"] = f"bytes {start}-{end - 1}/{st.st_size}"
     if head:
         return Response(status_code=status, headers=headers)
     try:
@@ -162,7 +213,50 @@ def _local(request: Request, r: Resource, path: Path, headers: dict[str, str]) -
     return Response(data, status_code=status, headers=headers)
 
 
-def _file_span(request: Request, headers: dict[str, str], size: int) -> tuple[int, int, int] | None:
+class _FileAnswer(FileResponse):
+    """FileResponse without Accept-Ranges on a 206, as every other answer here (and nginx's)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_206(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 206:
+                message["headers"] = [(k, v) for k, v in message["headers"] if k != b"accept-ranges"]
+            await send(message)
+
+        await super().__call__(scope, receive, send_206)
+
+
+def _span(request: AnyRequest, headers: dict[str, str], size: int) -> tuple[int, int, int] | None:
+    """``_file_span``, and its Content-Length (+ Content-Range) added to ``headers`` (in FileResponse's
+    order); None (headers untouched) when FileResponse must decide."""
+    span = _file_span(request, headers, size)
+    if span is not None:
+        status, start, end = span
+        headers["content-length"] = str(end - start)
+        if status == 206:
+            headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+            del headers["accept-ranges"]  # as nginx answers a 206 (RFC 9110 §14.3: optional)
+    return span
+
+
+def memory_response(request: AnyRequest, headers: dict[str, str], data: bytes) -> Response | None:
+    """The answer ``_local`` gives for a small blob, from its bytes in memory (``headers`` is consumed);
+    None when FileResponse must decide (several ranges, 400, 416)."""
+    span = _span(request, headers, len(data))
+    if span is None:
+        return None
+    status, start, end = span
+    if request.method == "HEAD":
+        return Response(status_code=status, headers=headers)
+    return Response(data[start:end] if status == 206 else data, status_code=status, headers=headers)
+
+
+def head_response(request: AnyRequest, headers: dict[str, str], size: int) -> Response | None:
+    """The answer ``_local`` gives to a HEAD of a local blob of ``size`` bytes (``headers`` consumed)."""
+    span = _span(request, headers, size)
+    return None if span is None else Response(status_code=span[0], headers=headers)
+
+
+def _file_span(request: AnyRequest, headers: dict[str, str], size: int) -> tuple[int, int, int] | None:
     """(status, start, end exclusive) as FileResponse decides them for one span of the blob (whole: no
     Range, or an If-Range that does not match; a single satisfiable ``bytes=a-b``); None for every other
     Range header, which FileResponse answers itself (multipart, 400, 416)."""
@@ -234,6 +328,7 @@ def _stream_blob(
     if isinstance(rng, tuple):
         status, (start, end) = 206, rng
         headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+        del headers["accept-ranges"]
     headers["content-length"] = str(end - start)
     if request.method == "HEAD":
         return Response(status_code=status, headers=headers)
@@ -258,11 +353,19 @@ async def _read(blobs: BlobStore, sha256: str, start: int, end: int) -> AsyncIte
 
 __all__ = [
     "SMALL_BLOB",
+    "LiteRequest",
+    "conditional_answer",
+    "conditional_headers",
     "etag_of",
     "gone",
+    "head_response",
     "http_date",
+    "memory_response",
     "not_modified",
+    "precondition_failed",
     "remote_response",
     "resource_answer",
+    "resource_headers",
     "single_range",
+    "validators_match",
 ]

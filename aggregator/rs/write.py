@@ -319,17 +319,20 @@ class _Counted:
             yield e
 
 
-def iter_document_bytes(head: Head, entries: Iterable[Entry], *, chunk_size: int = 65536) -> Iterator[bytes]:
+def iter_document_bytes(
+    head: Head, entries: Iterable[Entry], *, chunk_size: int = 65536, flush_head: bool = False
+) -> Iterator[bytes]:
     """The document as UTF-8 chunks of about ``chunk_size`` bytes (e.g. for a streaming HTTP response).
 
     The entries are consumed lazily as chunks are pulled; only the chunk being built is held.
+    ``flush_head``: the head is a chunk of its own, before any entry is asked for (time to first byte).
     """
     ser = _Serializer()
     tag = _CHILD.get(head.root, "url")
     entry = ser.entry
     buf = [ser.head(head)]
     size = len(buf[0])
-    if size >= chunk_size:
+    if size >= chunk_size or flush_head:
         yield buf.pop().encode()
         size = 0
     for e in entries:

@@ -277,6 +277,23 @@ class BlobStore(Protocol):
 
     def local_path(self, sha256: str) -> Path | None: ...
 
+    def blob_name(self, sha256: str) -> str:
+        """The blob's name inside the store, ``ab/cd/<sha256>``: where a front end offloading the bytes
+        finds it (a file under the store's root, an object key after the prefix)."""
+        ...
+
+    def url(self, sha256: str, lifetime: float, content_type: str | None = None) -> str | None:
+        """A URL clients can GET the bytes from directly, valid ``lifetime`` seconds (served with
+        ``content_type`` where the store can say so), for ``server.offload = "redirect"``; None when the
+        store has no such URLs (a local filesystem)."""
+        ...
+
+
+def blob_name(sha256: str) -> str:
+    """``ab/cd/<sha256>``: the two fan-out levels every store names its blobs by."""
+    check_sha256(sha256)
+    return f"{sha256[0:2]}/{sha256[2:4]}/{sha256}"
+
 
 def _fsync_path(path: Path | str, flags: int = os.O_RDONLY) -> None:
     fd = os.open(path, flags)
@@ -406,6 +423,12 @@ class FileBlobStore:
     def local_path(self, sha256: str) -> Path | None:
         """Where the blob is (or would be) on disk, for serving it with sendfile; not checked to exist."""
         return self._path(sha256)
+
+    def blob_name(self, sha256: str) -> str:
+        return blob_name(sha256)
+
+    def url(self, sha256: str, lifetime: float, content_type: str | None = None) -> str | None:
+        return None  # clients cannot reach a local file by URL: use x-accel offload instead
 
     # -- writing ---------------------------------------------------------------------------------
 

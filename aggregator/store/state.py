@@ -913,16 +913,87 @@ class State:
         Part k of a Resource List Index then holds the live resources with ``b[k-1] < id <= b[k]``
         (b[0] = 0), at most ``size`` each (§7: 50,000 per document, §10.2). One pass in SQLite.
         """
+        return list(self.iter_live_part_boundaries(set_ids, size))
+
+    def live_more_than(self, set_ids: Sequence[int], n: int) -> bool:
+        """True when the sets hold more than ``n`` live resources: reads at most n+1 index entries (a
+        Resource List Index's head is written before its parts are counted out)."""
+        left = n + 1
+        with self._lock:
+            for sid in dict.fromkeys(set_ids):
+                left -= self.conn.execute(
+                    "SELECT count(*) FROM (SELECT 1 FROM resources WHERE set_id = ? AND deleted = 0 LIMIT ?)",
+                    (sid, left),
+                ).fetchone()[0]
+                if left <= 0:
+                    return True
+        return False
+
+    def iter_live_part_boundaries(self, set_ids: Sequence[int], size: int) -> Iterator[int]:
+        """``live_part_boundaries``, yielded as SQLite finds them (one pass, not held). The caller holds
+        the connection for itself until the iterator is done (a publisher's pooled reader)."""
         if size < 1:
             raise ValueError("size must be at least 1")
         if not set_ids:
-            return []
+            return
         sql = (
             "SELECT id FROM (SELECT id, row_number() OVER (ORDER BY id) AS n FROM resources "
             "WHERE set_id IN (SELECT value FROM json_each(?)) AND deleted = 0) WHERE n % ? = 0 ORDER BY id"
         )
+        cur = self.conn.execute(sql, (json.dumps(list(set_ids)), size))
+        try:
+            while True:
+                with self._lock:
+                    rows = cur.fetchmany(64)
+                if not rows:
+                    return
+                for (b,) in rows:
+                    yield b
+        finally:
+            cur.close()
+
+    def live_after(self, set_ids: Sequence[int], after_id: int) -> bool:
+        """Whether the sets hold a live resource with ``id > after_id`` (an index seek per set)."""
         with self._lock:
-            return [r[0] for r in self.conn.execute(sql, (json.dumps(list(set_ids)), size))]
+            return any(
+                self.conn.execute(
+                    "SELECT 1 FROM resources WHERE set_id = ? AND deleted = 0 AND id > ? LIMIT 1",
+                    (sid, after_id),
+                ).fetchone()
+                for sid in dict.fromkeys(set_ids)
+            )
+
+    def rows_version(
+        self, set_ids: Sequence[int], after_id: int = 0, until_id: int | None = None
+    ) -> tuple[int, datetime | None]:
+        """What changes whenever a row of the sets with ``after_id < id <= until_id`` changes (created,
+        updated, deleted): their count and newest ``updated_at``. A Resource List part renders the same
+        while these stay (one range scan of the rows)."""
+        top = _MAX_INT if until_id is None else until_id
+        count, newest = 0, ""
+        with self._lock:
+            for sid in dict.fromkeys(set_ids):
+                n, m = self.conn.execute(
+                    "SELECT count(*), max(updated_at) FROM resources WHERE set_id = ? AND id > ? AND id <= ?",
+                    (sid, after_id, top),
+                ).fetchone()
+                count += n
+                newest = max(newest, m or "")
+        return count, parse_dt(newest) if newest else None
+
+    def set_last_seq(self, set_ids: Sequence[int]) -> int:
+        """The sets' newest changelog seq (0: none): every change of their rows is logged, so lists
+        built from them render the same while it stays."""
+        with self._lock:
+            return max(
+                (
+                    self.conn.execute(
+                        "SELECT coalesce(max(seq), 0) FROM changelog WHERE set_id = ?", (sid,)
+                    ).fetchone()[0]
+                    for sid in dict.fromkeys(set_ids)
+                ),
+                default=0,
+            )
 
     def iter_live(
         self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None

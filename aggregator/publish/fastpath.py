@@ -1,0 +1,275 @@
+"""The hot route: resource GETs and HEADs answered from memory, before starlette's routing.
+
+A crawler or Destination fetches the same resources again and again (audits, re-syncs, conditional
+GETs). What a resource GET needs (the row, the plugins' verdict, the Capability List link, the bytes of
+a small blob or where an offloading front end finds them, the ready-made headers of a plain GET) is
+kept in an LRU by request path (``HotCache``) until the state changes: ``PRAGMA data_version`` of a
+connection of our own tells, in a few microseconds and without a worker thread, that another
+connection (the harvester, ``rsagg gc``) committed since. Then the whole cache is dropped; answers
+never come from an older state than the request's.
+
+A hit costs no thread hop and no query (that one pragma); a miss one worker-thread call (``Publisher.run``),
+as the route had before. Anything the memory cannot answer (a big blob, a Range only starlette's
+FileResponse decides, a blob in a store without URLs) goes on to the ordinary route
+(``app.resource``), which answers it as before: the bytes and headers are the same either way.
+
+``server.offload`` (see ``config/nginx.conf`` and the README):
+
+- ``x-accel``: 200 with ``X-Accel-Redirect: <offload_location><ab/cd/sha256>`` and every header of
+  the answer (ETag, Last-Modified, Content-Type, Content-Encoding, Link); nginx sends the bytes from
+  the blob file (sendfile, Range); rsagg still answers 304, 404 and 410 itself;
+- ``redirect``: 307 to ``BlobStore.url`` (an S3 presigned URL, kept for half its lifetime, or a public
+  bucket URL); 304/404/410 as above.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..store.state import Resource, State
+from .resources import (
+    SMALL_BLOB,
+    LiteRequest,
+    conditional_answer,
+    gone,
+    head_response,
+    memory_response,
+    resource_headers,
+)
+from .uris import RESOURCES, split_resource_path
+
+if TYPE_CHECKING:
+    from .app import Publisher
+
+log = logging.getLogger("rsagg.publish")
+
+#: Lookups kept (each a few hundred bytes plus the blob when small), and blob bytes kept in all.
+HOT_ENTRIES = 20_000
+HOT_BYTES = 32 * 1024 * 1024
+_MARK = f"/{RESOURCES}/"
+_WANTED = frozenset(
+    (b"if-none-match", b"if-modified-since", b"range", b"if-range", b"if-match", b"if-unmodified-since")
+)
+_PRECONDITIONS = frozenset(("if-match", "if-unmodified-since"))
+
+
+@dataclass(slots=True)
+class Hot:
+    """What answers one resource path (``/SET/r/...`` as requested) while the state is unchanged."""
+
+    status: int  # 200 held and live, 404, 410
+    link: str | None
+    row: Resource | None = None
+    headers: dict[str, str] | None = None  # the 200's headers (resources.resource_headers)
+    body: bytes | None = None  # the whole blob, when small and local (offload "none")
+    size: int | None = None  # the local blob's size (HEAD of a big one needs no bytes)
+    target: str | None = None  # X-Accel-Redirect path or redirect URL
+    expires: float = float("inf")  # monotonic time the target stops being usable
+    #: The raw headers of the answer to a GET or HEAD without Range or validators (None: build it).
+    plain: tuple[int, list[tuple[bytes, bytes]]] | None = None
+
+    @property
+    def cost(self) -> int:
+        return len(self.body) if self.body is not None else 0
+
+
+class HotCache:
+    """An LRU of ``Hot`` answers bounded by count and by blob bytes, dropped when the state changes."""
+
+    def __init__(self, state_path: Path, entries: int = HOT_ENTRIES, max_bytes: int = HOT_BYTES) -> None:
+        self.state_path = state_path
+        self.entries, self.max_bytes = entries, max_bytes
+        self._lru: OrderedDict[bytes, Hot] = OrderedDict()
+        self._bytes = 0
+        self._version: int | None = None
+        self._conn: sqlite3.Connection | None = None
+
+    def _data_version(self) -> int | None:
+        """The state's change counter as this connection sees it; None when it cannot be read."""
+        try:
+            if self._conn is None:
+                uri = f"file:{self.state_path}?mode=ro"
+                self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=0.1)
+            return self._conn.execute("PRAGMA data_version").fetchone()[0]
+        except sqlite3.Error:
+            self.close()
+            return None
+
+    def fresh(self) -> bool:
+        """Drop everything when the state changed since the last call; False: do not cache now."""
+        version = self._data_version()
+        if version is None or version != self._version:
+            self._lru.clear()
+            self._bytes = 0
+            self._version = version
+        return version is not None
+
+    def get(self, key: bytes) -> Hot | None:
+        hot = self._lru.get(key)
+        if hot is None:
+            return None
+        if hot.expires <= time.monotonic():
+            self._drop(key)
+            return None
+        self._lru.move_to_end(key)
+        return hot
+
+    def put(self, key: bytes, hot: Hot) -> None:
+        self._drop(key)
+        self._lru[key] = hot
+        self._bytes += hot.cost
+        while len(self._lru) > self.entries or self._bytes > self.max_bytes:
+            self._drop(next(iter(self._lru)))
+
+    def _drop(self, key: bytes) -> None:
+        old = self._lru.pop(key, None)
+        if old is not None:
+            self._bytes -= old.cost
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class ResourceFastPath:
+    """ASGI middleware in front of starlette's router for ``GET|HEAD /SET/r/...`` (module docstring)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        publisher: Publisher,
+        route: object,
+        busy: tuple[type[Exception], Callable[[Request, Exception], Awaitable[Response]]],
+    ) -> None:
+        self.app = app
+        self.pub = publisher
+        self.route = route  # the resource Route: ServedMetrics labels the request by its path
+        #: (ServerBusy, its handler): this middleware is outside starlette's exception handlers
+        self.busy = busy
+        self.cache = HotCache(publisher.state_path)
+        self.offload = publisher.config.server.offload
+        self.location = publisher.config.server.offload_location
+        self.lifetime = publisher.config.server.redirect_lifetime
+        self._no_url_logged = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD") or _MARK not in scope["path"]:
+            await self.app(scope, receive, send)
+            return
+        raw = scope.get("raw_path") or scope["path"].encode("utf-8")
+        cacheable = self.cache.fresh()
+        hot = self.cache.get(raw) if cacheable else None
+        if hot is None:
+            try:
+                parsed = split_resource_path(raw.decode("utf-8").partition("?")[0])
+            except UnicodeDecodeError:
+                parsed = None
+            if parsed is None:
+                await self.app(scope, receive, send)
+                return
+            scope["route"] = self.route
+            try:
+                hot = await self.pub.run(self._lookup, *parsed)
+            except self.busy[0] as exc:
+                await (await self.busy[1](Request(scope), exc))(scope, receive, send)
+                return
+            if cacheable:
+                self.cache.put(raw, hot)
+        scope["route"] = self.route
+        wanted = [(k, v) for k, v in scope["headers"] if k in _WANTED]
+        if not wanted and hot.plain is not None:  # the common case: headers and bytes ready to send
+            status, headers = hot.plain
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            body = hot.body if scope["method"] == "GET" else b""
+            await send({"type": "http.response.body", "body": body or b""})
+            return
+        request = LiteRequest(scope["method"], {k.decode("latin-1"): v.decode("latin-1") for k, v in wanted})
+        response = self._answer(request, hot)
+        if response is None:
+            await self.app(scope, receive, send)
+            return
+        await response(scope, receive, send)
+
+    def _answer(self, request: LiteRequest, hot: Hot) -> Response | None:
+        if hot.status != 200 or hot.row is None or hot.headers is None:
+            return gone(hot.link, hot.status)
+        early = conditional_answer(request, hot.row, hot.headers)
+        if early is not None:
+            return early
+        if hot.target is not None and _PRECONDITIONS & request.headers.keys():
+            # nginx would judge If-Match / If-Unmodified-Since by the blob file, not by the resource,
+            # and S3 by the object: rsagg sends these (rare) ones itself (the ordinary route)
+            return None
+        if hot.target is not None and self.offload == "x-accel":
+            # nginx says Accept-Ranges itself on a 200 (it would repeat ours), and not on a 206
+            headers = {k: v for k, v in hot.headers.items() if k != "accept-ranges"}
+            return Response(headers={**headers, "x-accel-redirect": hot.target})
+        if hot.target is not None:
+            return Response(status_code=307, headers={"location": hot.target, "link": hot.headers["link"]})
+        if hot.body is not None:
+            return memory_response(request, dict(hot.headers), hot.body)
+        if request.method == "HEAD" and hot.size is not None:
+            return head_response(request, dict(hot.headers), hot.size)
+        return None
+
+    def _lookup(self, state: State, set_name: str, uri: str) -> Hot:
+        """The answer for (set, URI) as the state has it now (worker thread, blocking)."""
+        pub = self.pub
+        site = pub.site(state)
+        ps = site.sets.get(set_name)
+        if ps is None:
+            return Hot(404, None)
+        link = f'<{site.capabilitylist(ps.name)}>; rel="resourcesync"'
+        row = state.resource_in(ps.set_ids, uri)
+        if row is None or not site.visible(ps.name, row):
+            return Hot(404, link)
+        if row.deleted or not row.sha256:
+            return Hot(410, link)
+        hot = Hot(200, link, row, resource_headers(row, link))
+        if self.offload == "x-accel":
+            hot.target = self.location + pub.blobs.blob_name(row.sha256)
+        elif self.offload == "redirect":
+            url = pub.blobs.url(row.sha256, self.lifetime, hot.headers["content-type"])
+            if url is not None:
+                hot.target, hot.expires = url, time.monotonic() + self.lifetime / 2
+            elif not self._no_url_logged:
+                self._no_url_logged = True
+                log.warning("server.offload = redirect: the blob store has no URLs; rsagg serves the bytes")
+        if hot.target is None:
+            hot.size, hot.body = _local_blob(pub.blobs.local_path(row.sha256))
+        plain = self._answer(LiteRequest("GET", {}), hot)
+        if plain is not None and (hot.target is not None or hot.body is not None):
+            hot.plain = plain.status_code, plain.raw_headers
+        return hot
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def _local_blob(path: Path | None) -> tuple[int | None, bytes | None]:
+    """A local blob's size, and its bytes when it is small (None, None: not local or missing; the
+    ordinary route streams it, or answers 500 and says so)."""
+    if path is None:
+        return None, None
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            return size, (f.read() if size <= SMALL_BLOB else None)
+    except OSError:
+        return None, None
+
+
+__all__ = ["HOT_BYTES", "HOT_ENTRIES", "Hot", "HotCache", "ResourceFastPath"]
