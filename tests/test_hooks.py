@@ -488,7 +488,7 @@ async def test_hook_rsagg_shutdown(tmp_path_factory: pytest.TempPathFactory):
         assert events[-1]["event"] == "shutdown", f"{kind}: shutdown is the last event"
 
 
-async def test_hook_rsagg_filter_publish_reaches_dumps(tmp_path: Path, monkeypatch):
+async def test_publish_filter_reaches_dump_packages(tmp_path: Path, monkeypatch):
     """A hidden resource must not ship inside the Resource Dump or the Change Dump packages either."""
     import zipfile
 
