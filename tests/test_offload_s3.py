@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from aggregator.config import parse_config
+from aggregator.config import ConfigError, parse_config
 from aggregator.demo.upstream import Upstream
 from aggregator.harvest.context import open_blob_store
 from aggregator.plugins import Plugins
@@ -118,5 +118,5 @@ async def test_public_url_gives_unsigned_urls(tmp_path: Path, seaweed: SeaweedFS
         assert store.url(sha, 600) == f"https://cdn.example/blobs/ab/ab/{sha}"
         assert store.blob_name(sha) == f"ab/ab/{sha}"
     bad = s3_config(tmp_path / "x", seaweed, "http://upstream.invalid/", public_url="ftp://nope")
-    with pytest.raises(ValueError, match="public_url is not an http"):
+    with pytest.raises(ConfigError, match=r"store\.settings: .*public_url is not an http"):
         open_blob_store(bad, Plugins.from_config(bad))
