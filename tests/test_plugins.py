@@ -78,9 +78,8 @@ def test_defaults_first_then_entry_points_and_a_third_party_answer_wins(monkeypa
     assert names[len(DEFAULT_PLUGINS) :] == [*installed, "links"]
     assert all(plugins.versions[n] == "builtin" for n in DEFAULT_PLUGINS)
     # pluggy calls the most recently registered first: the third party before the default policy.
-    answers = plugins.call("rsagg_republish_links", set_name="s", resource=resource(), uri_of=lambda u: None,
-                           record=None)  # fmt: skip
-    assert [name for name, _ in answers] == ["links", "linkpolicy"]
+    order = [impl.plugin_name for impl in reversed(plugins.pm.hook.rsagg_republish_links.get_hookimpls())]
+    assert order == ["links", "linkpolicy"]
     assert PluginLinks(plugins).links(resource(), uri_of=lambda u: None, set_name="s") == [
         Link("via", "http://elsewhere.example/s")
     ]
@@ -172,9 +171,9 @@ def test_per_source_settings_overlay_the_global_table():
     def keep(source: str, e: Entry) -> list:
         return plugins.call("rsagg_filter_harvest", source=source, entry=e, metadata=None)
 
-    assert keep("a", entry("http://a.example/x", "text/plain", 50)) == [("resourcefilter", True)]
-    assert keep("b", entry("http://b.example/x", "text/plain", 50)) == [("resourcefilter", False)]
-    assert keep("b", entry("http://b.example/x", "text/plain", 5)) == [("resourcefilter", True)]
+    assert keep("a", entry("http://a.example/x", "text/plain", 50)) == [True]
+    assert keep("b", entry("http://b.example/x", "text/plain", 50)) == [False]
+    assert keep("b", entry("http://b.example/x", "text/plain", 5)) == [True]
 
 
 class Broken:
@@ -201,13 +200,13 @@ async def test_a_plugin_that_raises_is_logged_with_its_name_and_counted(
     plugins = Plugins({"example": {"hide": "secret"}, "resourcefilter": {"types": ["text/*"]}})
     caplog.set_level(logging.ERROR, logger="rsagg.plugins")
     answers = plugins.call("rsagg_filter_publish", set_name="s", resource=resource("http://x/secret"))
-    assert answers == [("example", False)]  # the others still answer
+    assert answers == [False]  # the others still answer
     assert plugins.failures["broken"] == 1
     assert "plugin broken raised in rsagg_filter_publish: RuntimeError: boom" in caplog.text
 
     answers = await plugins.acall("rsagg_filter_harvest", source="s", entry=entry("http://x/a", "image/png"),
                                   metadata=None)  # fmt: skip
-    assert answers == [("resourcefilter", False)]
+    assert answers == [False]
     assert plugins.failures["broken"] == 2
     assert "plugin broken raised in rsagg_filter_harvest: OSError: async boom" in caplog.text
 
@@ -216,6 +215,118 @@ async def test_a_plugin_that_raises_is_logged_with_its_name_and_counted(
         r, uri_of=lambda u: None
     )
     assert plugins.failures["broken"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# pluggy's semantics hold: every call goes through pluggy's own call loop
+
+
+class Calls:
+    """Records which of its implementations ran."""
+
+    def __init__(self, answer: object = None) -> None:
+        self.answer, self.ran = answer, 0
+
+    @hookimpl
+    def rsagg_republish_links(self, plugin, set_name, resource, uri_of, record):
+        self.ran += 1
+        return self.answer
+
+
+def test_a_firstresult_hook_stops_at_the_first_non_none_answer(monkeypatch: pytest.MonkeyPatch):
+    earlier, silent, answering = Calls([Link("via", "http://never.example/")]), Calls(None), LinksFirst()
+    for name, obj in [("earlier", earlier), ("silent", silent), ("answering", answering)]:
+        add_plugin(monkeypatch, name, obj)
+    plugins = Plugins()
+    links = plugins.first("rsagg_republish_links", set_name="s", resource=resource(), uri_of=lambda u: None,
+                          record=None)  # fmt: skip
+    assert links == [Link("via", "http://elsewhere.example/s")]  # "answering" was registered last
+    assert silent.ran == 0 and earlier.ran == 0  # neither was called: pluggy stopped at the first answer
+    with pytest.raises(TypeError, match="not a firstresult hook"):
+        plugins.first("rsagg_filter_publish", set_name="s", resource=resource())
+
+
+class Wrapper:
+    """A ``wrapper=True`` implementation: sees the answers of the others and may change them."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    @hookimpl(wrapper=True)
+    def rsagg_filter_publish(self, plugin, set_name, resource):
+        answers = yield
+        self.seen.append(list(answers))
+        return [*answers, "wrapped"]
+
+
+class OldStyleWrapper:
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    @hookimpl(hookwrapper=True)
+    def rsagg_filter_publish(self, plugin, set_name, resource):
+        outcome = yield
+        self.seen.append(list(outcome.get_result()))
+        outcome.force_result([*outcome.get_result(), "old"])
+
+
+def test_a_wrapper_wraps_the_call_and_can_change_its_result(monkeypatch: pytest.MonkeyPatch):
+    wrapper, old = Wrapper(), OldStyleWrapper()
+    add_plugin(monkeypatch, "wrapper", wrapper)
+    add_plugin(monkeypatch, "old", old)
+    plugins = Plugins({"example": {"hide": "secret"}})
+    answers = plugins.call("rsagg_filter_publish", set_name="s", resource=resource("http://x/secret"))
+    # the old-style wrapper (registered last) is outermost: it sees the new-style wrapper's result
+    assert wrapper.seen == [[False]] and old.seen == [[False, "wrapped"]]
+    assert answers == [False, "wrapped", "old"]
+
+
+class Ordered:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def rsagg_resource_deleted(self, plugin, source, set_name, uri):
+        self.log.append(self.name)
+
+
+def test_tryfirst_and_trylast_order_the_implementations(monkeypatch: pytest.MonkeyPatch):
+    log: list[str] = []
+    kinds = {"first": hookimpl(tryfirst=True), "plain": hookimpl, "last": hookimpl(trylast=True)}
+    for name, marker in kinds.items():  # without the marks pluggy would call them last, plain, first
+        cls = type(name, (Ordered,), {"rsagg_resource_deleted": marker(Ordered.rsagg_resource_deleted)})
+        add_plugin(monkeypatch, name, cls(name, log))
+    plugins = Plugins()
+    plugins.call("rsagg_resource_deleted", source="s", set_name="s", uri="http://x/a")
+    assert log == ["first", "plain", "last"]
+
+
+class FailingWrapper:
+    @hookimpl(wrapper=True)
+    def rsagg_filter_publish(self, plugin, set_name, resource):
+        yield
+        raise RuntimeError("wrapper boom")
+
+    @hookimpl(wrapper=True)
+    def rsagg_republish_links(self, plugin, set_name, resource, uri_of, record):
+        raise RuntimeError("before yield")
+        yield  # pragma: no cover
+
+
+def test_a_failing_wrapper_is_isolated_and_counted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    add_plugin(monkeypatch, "badwrapper", FailingWrapper())
+    add_plugin(monkeypatch, "broken", Broken())
+    plugins = Plugins({"example": {"hide": "secret"}})
+    caplog.set_level(logging.ERROR, logger="rsagg.plugins")
+    answers = plugins.call("rsagg_filter_publish", set_name="s", resource=resource("http://x/secret"))
+    assert answers == [False]  # the answer as it would be without the failing wrapper and plugin
+    assert plugins.failures == {"badwrapper": 1, "broken": 1}
+    assert "plugin badwrapper raised in rsagg_filter_publish: RuntimeError: wrapper boom" in caplog.text
+    r = resource()
+    policy = LinkPolicy().links(r, uri_of=lambda u: None)
+    assert PluginLinks(plugins).links(r, uri_of=lambda u: None) == policy
+    assert plugins.failures == {"badwrapper": 2, "broken": 2}
 
 
 def test_a_plugin_that_fails_to_load_is_logged_and_counted(
@@ -304,7 +415,7 @@ def _resourcefilter(settings: dict, e: Entry) -> list:
     ],
 )
 def test_resourcefilter_rules(settings, loc, type, length, keep):
-    assert _resourcefilter(settings, entry(loc, type, length)) == [("resourcefilter", keep)]
+    assert _resourcefilter(settings, entry(loc, type, length)) == [keep]
 
 
 def test_resourcefilter_has_no_say_unless_configured_for_the_source():
@@ -313,9 +424,7 @@ def test_resourcefilter_has_no_say_unless_configured_for_the_source():
     plugins = Plugins({}, {"s": {"resourcefilter": {"types": ["text/*"]}}})
     e = entry("http://x/a", "image/png")
     assert plugins.call("rsagg_filter_harvest", source="other", entry=e, metadata=None) == []
-    assert plugins.call("rsagg_filter_harvest", source="s", entry=e, metadata=None) == [
-        ("resourcefilter", False)
-    ]
+    assert plugins.call("rsagg_filter_harvest", source="s", entry=e, metadata=None) == [False]
     off = Plugins({"resourcefilter": {"types": ["text/*"]}}, {"s": {"resourcefilter": {"enabled": False}}})
     assert off.call("rsagg_filter_harvest", source="s", entry=e, metadata=None) == []
 
@@ -425,21 +534,19 @@ async def _metadatafilter(settings: dict, e: Entry, records: Records) -> list:
 async def test_metadatafilter_matches_records(settings, record, keep):
     records = Records({"http://x/a.meta.xml": record})
     e = entry("http://x/a", record="http://x/a.meta.xml")
-    assert await _metadatafilter(settings, e, records) == [("metadatafilter", keep)]
+    assert await _metadatafilter(settings, e, records) == [keep]
     assert records.asked == ["http://x/a.meta.xml"]
 
 
 async def test_metadatafilter_entries_without_a_record():
     settings = {"field": "type", "values": ["Text"]}
     records = Records({"http://x/gone.meta.xml": None})
-    assert await _metadatafilter(settings, entry("http://x/a.meta.xml"), records) == [
-        ("metadatafilter", False)
-    ]
+    assert await _metadatafilter(settings, entry("http://x/a.meta.xml"), records) == [False]
     assert await _metadatafilter(settings, entry("http://x/a", record="http://x/gone.meta.xml"), records) == [
-        ("metadatafilter", False)
+        False
     ]
     keep = {**settings, "keep_without_record": True}
-    assert await _metadatafilter(keep, entry("http://x/a.meta.xml"), records) == [("metadatafilter", True)]
+    assert await _metadatafilter(keep, entry("http://x/a.meta.xml"), records) == [True]
     assert records.asked == ["http://x/gone.meta.xml"]  # no link, no request
 
 
@@ -457,7 +564,7 @@ async def test_metadatafilter_has_no_say_unless_configured_or_when_the_record_ca
 def test_metadatafilter_answers_synchronously_when_it_needs_no_record():
     plugins = Plugins({"metadatafilter": {"field": "type", "values": ["Text"]}})
     assert plugins.call("rsagg_filter_harvest", source="s", entry=entry("http://x/a"), metadata=None) == [
-        ("metadatafilter", False)
+        False
     ]
 
 
