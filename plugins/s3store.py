@@ -76,13 +76,13 @@ except ImportError:  # pragma: no cover - exercised only where boto3 is not inst
         pass
 
 
-from aggregator.hookspecs import hookimpl
-from aggregator.store.blobs import (
+from aggregator.plugin_api import (
     BlobInfo,
     BlobWriter,
     SpooledBlobWriter,
     TempArea,
     check_sha256,
+    hookimpl,
     pending_writers,
     put_bytes,
 )

@@ -640,3 +640,31 @@ async def test_metadata_filter_follows_record_changes_in_incremental_sync(tmp_pa
         assert held(cfg) == {up.url("b.txt"): up.resources()["b.txt"].sha256}
     resources, _ = await _published_locs(cfg)
     assert resources == [rsagg_uri(PUBLIC, "up", up.url("b.txt"))]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the public plugin API
+
+
+def test_the_plugin_api_exports_exactly_its_names():
+    import aggregator.plugin_api as api
+
+    public = {n for n in vars(api) if not n.startswith("_") and n != "annotations"}
+    assert set(api.__all__) == public and len(api.__all__) == len(set(api.__all__))
+    assert api.hookimpl is hookimpl and api.Resource is Resource and api.Entry is Entry
+
+
+def test_shipped_plugins_and_the_example_import_nothing_of_rsagg_but_the_plugin_api():
+    import ast
+
+    root = Path(__file__).parent.parent
+    files = [Path(m.__file__) for m in SHIPPED.values()]
+    files.append(root / "tests" / "example_plugin" / "rsagg_example_plugin.py")
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                if name.split(".")[0] == "aggregator":
+                    assert name == "aggregator.plugin_api", f"{file.name} imports {name}"
