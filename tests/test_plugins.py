@@ -12,11 +12,11 @@ from importlib.metadata import entry_points, version
 from pathlib import Path
 
 import pytest
+import rsagg_metadatafilter as metadatafilter
+import rsagg_resourcefilter as resourcefilter
+import rsagg_s3 as s3store
+import rsagg_xmlpatch as xmlpatch
 
-import plugins.metadatafilter as metadatafilter
-import plugins.resourcefilter as resourcefilter
-import plugins.s3store as s3store
-import plugins.xmlpatch as xmlpatch
 from aggregator.cli import main
 from aggregator.config import ConfigError, parse_config
 from aggregator.default_plugins import filesystem
@@ -98,8 +98,9 @@ def test_shipped_plugins_load_through_their_entry_points():
     eps = {ep.name: ep for ep in entry_points(group="rsagg")}
     plugins = Plugins()
     for name, module in SHIPPED.items():
-        assert eps[name].value == module.__name__ and eps[name].dist.name == "rsagg"
+        assert eps[name].value == module.__name__ and eps[name].dist.name == f"rsagg-{name}"
         assert plugins.pm.get_plugin(name) is module
+        assert plugins.versions[name] == version(f"rsagg-{name}")  # shown by rsagg plugins
     stores = plugins.merged("rsagg_blob_stores")
     assert stores["s3"] is s3store.create_store and stores["filesystem"] is filesystem.create_store
     formats = plugins.merged("rsagg_patch_formats")
@@ -384,7 +385,7 @@ def test_rsagg_plugins_lists_name_version_origin_enabled_and_hooks(
 
 
 # ---------------------------------------------------------------------------------------------------
-# plugins/resourcefilter.py
+# plugins/rsagg-resourcefilter
 
 
 def _resourcefilter(settings: dict, e: Entry) -> list:
@@ -458,7 +459,7 @@ def test_filter_plugins_check_every_sources_settings_at_startup(caplog: pytest.L
 
 
 # ---------------------------------------------------------------------------------------------------
-# plugins/metadatafilter.py
+# plugins/rsagg-metadatafilter
 
 
 def dc_record(*elements: tuple[str, str], ns: str = DC) -> bytes:
