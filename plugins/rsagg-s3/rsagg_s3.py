@@ -32,7 +32,7 @@ Semantics mirrored from ``FileBlobStore``:
 Errors from S3 other than "not found" raise ``S3StoreError`` (an ``OSError``) naming the endpoint, the
 bucket and the key; a wrong access or secret key is detected when the store is created.
 
-As an rsagg plugin (entry point ``s3`` in the ``rsagg`` group; needs ``pip install 'rsagg[s3]'``) it
+As an rsagg plugin (entry point ``s3`` in the ``rsagg`` group; ``pip install ./plugins/rsagg-s3``) it
 registers the blob store backend ``s3`` (hook ``rsagg_blob_stores``); the settings are those of
 ``create_store``::
 
@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
-try:  # the ``s3`` extra (pip install 'rsagg[s3]'); without it the plugin loads but cannot create a store
+try:  # a dependency of this distribution; without it the plugin loads but cannot create a store
     import boto3
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
@@ -617,7 +617,7 @@ def create_store(settings: Mapping[str, Any], root: Path) -> S3BlobStore:
     ``max_attempts`` (5, botocore "standard" retries), ``connect_timeout`` / ``read_timeout`` (seconds).
     """
     if boto3 is None:
-        raise ValueError("S3 blob store: boto3 is not installed (pip install 'rsagg[s3]')")
+        raise ValueError("S3 blob store: boto3 is not installed (pip install boto3)")
     unknown = sorted(set(settings) - SETTINGS)
     if unknown:
         raise ValueError(f"S3 blob store: unknown setting(s) {', '.join(unknown)}")
