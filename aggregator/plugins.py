@@ -4,15 +4,29 @@ Order of registration: the default plugins (rsagg's own behaviour) first, then t
 the ``rsagg`` entry-point group. pluggy calls the most recently registered first, so a third-party
 plugin answers a ``firstresult`` hook before the default does. The configuration can disable any plugin
 (``[plugins.NAME] enabled = false``) and gives each its own settings table, globally and per source.
+
+Every hook call goes through pluggy's own call loop (``pm.hook.NAME(...)``), so its semantics hold:
+``firstresult`` hooks stop at the first non-None answer, ``wrapper=True`` (and old-style
+``hookwrapper=True``) implementations wrap the call and may change its result, ``tryfirst``/``trylast``
+order the implementations. Isolation is added at registration, not by a loop of our own: when a plugin
+is registered, each of its hook implementations (``HookImpl.function``) is replaced by a shim that calls
+the original and, if it raises, logs the plugin's name and the hook, counts it in ``failures`` (exported
+as a metric) and answers None — "no say" — so pluggy moves on to the next implementation. A result that
+is an awaitable is wrapped the same way, so a coroutine that raises later is isolated too. A wrapper's
+shim is a generator that delegates to the wrapper: a wrapper that raises before or after its ``yield``
+is counted and the call goes on with the result it would have had without that wrapper. pluggy keeps
+the implementation's ``argnames`` from the original function, so each still receives only what it asks
+for.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points, version
 from typing import Any
@@ -64,14 +78,14 @@ class Plugins:
         self.failures: Counter[str] = Counter()  # plugin name -> exceptions raised (metrics read this)
         self.versions: dict[str, str] = {}
         for name, module in DEFAULT_PLUGINS.items():
-            self.pm.register(importlib.import_module(module), name=name)
+            self._register(importlib.import_module(module), name)
             self.versions[name] = "builtin"
         if entry_point_plugins:
             for ep in entry_points(group=GROUP):
                 if self.pm.get_plugin(ep.name) is not None:
                     continue
                 try:
-                    self.pm.register(ep.load(), name=ep.name)
+                    self._register(ep.load(), ep.name)
                 except Exception as exc:  # a broken third-party plugin must not stop rsagg
                     log.error("plugin %s (%s) failed to load: %s", ep.name, ep.value, exc)
                     self.failures[ep.name] += 1
@@ -120,50 +134,106 @@ class Plugins:
         callers = self.pm.get_hookcallers(plugin) or []
         return sorted(caller.name for caller in callers)
 
-    def call(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every implementation of a hook, each isolated: one that raises is logged and counted.
+    def call(self, hook: str, **kwargs: Any) -> Any:
+        """Call a hook through pluggy, each implementation isolated: one that raises is logged and counted.
 
-        Returns ``(plugin name, result)`` pairs in pluggy's call order (most recently registered first),
-        leaving out None results. ``plugin`` is passed automatically to hooks that take it.
+        Returns what pluggy returns: the list of non-None answers (most recently registered first, as
+        ordered by ``tryfirst``/``trylast``), or for a ``firstresult`` hook the first answer or None.
+        ``plugin`` (the ``PluginContext``) is passed automatically to hooks whose specification takes it.
         """
         caller = getattr(self.pm.hook, hook)
-        results = []
-        for impl in reversed(caller.get_hookimpls()):
-            args = {k: v for k, v in {"plugin": self.context, **kwargs}.items() if k in impl.argnames}
-            try:
-                result = impl.function(**args)
-            except Exception as exc:
-                self._failed(impl.plugin_name, hook, exc)
-                continue
-            if result is not None:
-                results.append((impl.plugin_name, result))
-        return results
+        if caller.spec is not None and "plugin" in caller.spec.argnames:
+            kwargs = {"plugin": self.context, **kwargs}
+        return caller(**kwargs)
 
-    async def acall(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Like ``call`` for hooks that may return awaitables (awaited here, still isolated)."""
+    async def acall(self, hook: str, **kwargs: Any) -> list[Any]:
+        """Like ``call`` for hooks whose answers may be awaitables: each is awaited (still isolated)."""
         out = []
-        for name, result in self.call(hook, **kwargs):
+        for result in self.call(hook, **kwargs):
             if inspect.isawaitable(result):
-                try:
-                    result = await result
-                except Exception as exc:
-                    self._failed(name, hook, exc)
-                    continue
+                result = await result
             if result is not None:
-                out.append((name, result))
+                out.append(result)
         return out
 
     def first(self, hook: str, **kwargs: Any) -> Any:
-        """The first non-None answer of a hook (firstresult semantics, isolated)."""
-        results = self.call(hook, **kwargs)
-        return results[0][1] if results else None
+        """The answer of a ``firstresult`` hook: the first non-None one (later implementations not called)."""
+        caller = getattr(self.pm.hook, hook)
+        if caller.spec is None or not caller.spec.opts.get("firstresult"):
+            raise TypeError(f"{hook} is not a firstresult hook")
+        return self.call(hook, **kwargs)
 
     def merged(self, hook: str) -> dict[str, Any]:
         """Merge the dicts returned by a registration hook; later plugins override earlier keys."""
         merged: dict[str, Any] = {}
-        for _, table in reversed(self.call(hook)):
+        for table in reversed(self.call(hook)):
             merged.update(table)
         return merged
+
+    def _register(self, plugin: object, name: str) -> None:
+        """Register with pluggy, then put an isolating shim before each of the plugin's hook functions."""
+        self.pm.register(plugin, name=name)
+        for caller in self.pm.get_hookcallers(plugin) or []:
+            for impl in caller.get_hookimpls():
+                if impl.plugin is plugin:
+                    wrap = self._isolated_wrapper if impl.wrapper or impl.hookwrapper else self._isolated
+                    impl.function = wrap(name, caller.name, impl.function)  # type: ignore[misc]
+
+    def _isolated(self, name: str, hook: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def shim(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = function(*args, **kwargs)
+            except Exception as exc:
+                self._failed(name, hook, exc)
+                return None
+            if inspect.isawaitable(result):
+                return self._isolated_awaitable(name, hook, result)
+            return result
+
+        return shim
+
+    async def _isolated_awaitable(self, name: str, hook: str, awaitable: Any) -> Any:
+        try:
+            return await awaitable
+        except Exception as exc:
+            self._failed(name, hook, exc)
+            return None
+
+    def _isolated_wrapper(
+        self, name: str, hook: str, function: Callable[..., Generator[None, Any, Any]]
+    ) -> Callable[..., Generator[None, Any, Any]]:
+        """A generator that delegates to a wrapper; the wrapper failing leaves the call's result as is."""
+
+        @functools.wraps(function)
+        def shim(*args: Any, **kwargs: Any) -> Generator[None, Any, Any]:
+            try:
+                gen = function(*args, **kwargs)
+                next(gen)
+            except Exception as exc:  # StopIteration too: a wrapper that does not yield
+                self._failed(name, hook, exc)
+                return (yield)
+            try:
+                sent = yield
+            except BaseException as below:  # raised further down the call: the wrapper sees it, as in pluggy
+                try:
+                    gen.throw(below)
+                except StopIteration as stop:
+                    return stop.value
+                gen.close()
+                raise RuntimeError(f"plugin {name}'s wrapper of {hook} yielded twice") from below
+            try:
+                gen.send(sent)
+            except StopIteration as stop:
+                return stop.value
+            except Exception as exc:
+                self._failed(name, hook, exc)
+                return sent
+            gen.close()
+            self._failed(name, hook, RuntimeError("wrapper yielded twice"))
+            return sent
+
+        return shim
 
     def _failed(self, name: str, hook: str, exc: Exception) -> None:
         self.failures[name] += 1

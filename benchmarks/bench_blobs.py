@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 with FileBlobStore(base / f"fs-{size}") as store:
                     rows.append(bench("filesystem (fsync)", store, size, count, args.batch))
         if "s3" in backends:
-            from plugins.s3store import create_store
+            from rsagg_s3 import create_store
+
             from tests.seaweedfs import run_seaweedfs
 
             with run_seaweedfs(base / "seaweedfs") as sw:

@@ -38,7 +38,7 @@ class SeaweedFS:
     log_path: Path | None = None
 
     def settings(self, bucket: str, **extra: object) -> dict:
-        """A settings dict for ``plugins.s3store.create_store``."""
+        """A settings dict for ``rsagg_s3.create_store``."""
         return {
             "endpoint_url": self.endpoint_url,
             "bucket": bucket,

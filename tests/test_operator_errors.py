@@ -95,9 +95,9 @@ def test_every_command_names_the_broken_key(
 ) -> None:
     path, key = _config(tmp_path, case, busy_port)
     if case == "s3 without boto3":
-        import plugins.s3store
+        import rsagg_s3
 
-        monkeypatch.setattr(plugins.s3store, "boto3", None)
+        monkeypatch.setattr(rsagg_s3, "boto3", None)
     for command in COMMANDS:
         if (case, command[0]) in NOT_CONCERNED:
             continue

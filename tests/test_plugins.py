@@ -12,11 +12,11 @@ from importlib.metadata import entry_points, version
 from pathlib import Path
 
 import pytest
+import rsagg_metadatafilter as metadatafilter
+import rsagg_resourcefilter as resourcefilter
+import rsagg_s3 as s3store
+import rsagg_xmlpatch as xmlpatch
 
-import plugins.metadatafilter as metadatafilter
-import plugins.resourcefilter as resourcefilter
-import plugins.s3store as s3store
-import plugins.xmlpatch as xmlpatch
 from aggregator.cli import main
 from aggregator.config import ConfigError, parse_config
 from aggregator.default_plugins import filesystem
@@ -78,9 +78,8 @@ def test_defaults_first_then_entry_points_and_a_third_party_answer_wins(monkeypa
     assert names[len(DEFAULT_PLUGINS) :] == [*installed, "links"]
     assert all(plugins.versions[n] == "builtin" for n in DEFAULT_PLUGINS)
     # pluggy calls the most recently registered first: the third party before the default policy.
-    answers = plugins.call("rsagg_republish_links", set_name="s", resource=resource(), uri_of=lambda u: None,
-                           record=None)  # fmt: skip
-    assert [name for name, _ in answers] == ["links", "linkpolicy"]
+    order = [impl.plugin_name for impl in reversed(plugins.pm.hook.rsagg_republish_links.get_hookimpls())]
+    assert order == ["links", "linkpolicy"]
     assert PluginLinks(plugins).links(resource(), uri_of=lambda u: None, set_name="s") == [
         Link("via", "http://elsewhere.example/s")
     ]
@@ -99,8 +98,9 @@ def test_shipped_plugins_load_through_their_entry_points():
     eps = {ep.name: ep for ep in entry_points(group="rsagg")}
     plugins = Plugins()
     for name, module in SHIPPED.items():
-        assert eps[name].value == module.__name__ and eps[name].dist.name == "rsagg"
+        assert eps[name].value == module.__name__ and eps[name].dist.name == f"rsagg-{name}"
         assert plugins.pm.get_plugin(name) is module
+        assert plugins.versions[name] == version(f"rsagg-{name}")  # shown by rsagg plugins
     stores = plugins.merged("rsagg_blob_stores")
     assert stores["s3"] is s3store.create_store and stores["filesystem"] is filesystem.create_store
     formats = plugins.merged("rsagg_patch_formats")
@@ -172,9 +172,9 @@ def test_per_source_settings_overlay_the_global_table():
     def keep(source: str, e: Entry) -> list:
         return plugins.call("rsagg_filter_harvest", source=source, entry=e, metadata=None)
 
-    assert keep("a", entry("http://a.example/x", "text/plain", 50)) == [("resourcefilter", True)]
-    assert keep("b", entry("http://b.example/x", "text/plain", 50)) == [("resourcefilter", False)]
-    assert keep("b", entry("http://b.example/x", "text/plain", 5)) == [("resourcefilter", True)]
+    assert keep("a", entry("http://a.example/x", "text/plain", 50)) == [True]
+    assert keep("b", entry("http://b.example/x", "text/plain", 50)) == [False]
+    assert keep("b", entry("http://b.example/x", "text/plain", 5)) == [True]
 
 
 class Broken:
@@ -201,13 +201,13 @@ async def test_a_plugin_that_raises_is_logged_with_its_name_and_counted(
     plugins = Plugins({"example": {"hide": "secret"}, "resourcefilter": {"types": ["text/*"]}})
     caplog.set_level(logging.ERROR, logger="rsagg.plugins")
     answers = plugins.call("rsagg_filter_publish", set_name="s", resource=resource("http://x/secret"))
-    assert answers == [("example", False)]  # the others still answer
+    assert answers == [False]  # the others still answer
     assert plugins.failures["broken"] == 1
     assert "plugin broken raised in rsagg_filter_publish: RuntimeError: boom" in caplog.text
 
     answers = await plugins.acall("rsagg_filter_harvest", source="s", entry=entry("http://x/a", "image/png"),
                                   metadata=None)  # fmt: skip
-    assert answers == [("resourcefilter", False)]
+    assert answers == [False]
     assert plugins.failures["broken"] == 2
     assert "plugin broken raised in rsagg_filter_harvest: OSError: async boom" in caplog.text
 
@@ -216,6 +216,118 @@ async def test_a_plugin_that_raises_is_logged_with_its_name_and_counted(
         r, uri_of=lambda u: None
     )
     assert plugins.failures["broken"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# pluggy's semantics hold: every call goes through pluggy's own call loop
+
+
+class Calls:
+    """Records which of its implementations ran."""
+
+    def __init__(self, answer: object = None) -> None:
+        self.answer, self.ran = answer, 0
+
+    @hookimpl
+    def rsagg_republish_links(self, plugin, set_name, resource, uri_of, record):
+        self.ran += 1
+        return self.answer
+
+
+def test_a_firstresult_hook_stops_at_the_first_non_none_answer(monkeypatch: pytest.MonkeyPatch):
+    earlier, silent, answering = Calls([Link("via", "http://never.example/")]), Calls(None), LinksFirst()
+    for name, obj in [("earlier", earlier), ("silent", silent), ("answering", answering)]:
+        add_plugin(monkeypatch, name, obj)
+    plugins = Plugins()
+    links = plugins.first("rsagg_republish_links", set_name="s", resource=resource(), uri_of=lambda u: None,
+                          record=None)  # fmt: skip
+    assert links == [Link("via", "http://elsewhere.example/s")]  # "answering" was registered last
+    assert silent.ran == 0 and earlier.ran == 0  # neither was called: pluggy stopped at the first answer
+    with pytest.raises(TypeError, match="not a firstresult hook"):
+        plugins.first("rsagg_filter_publish", set_name="s", resource=resource())
+
+
+class Wrapper:
+    """A ``wrapper=True`` implementation: sees the answers of the others and may change them."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    @hookimpl(wrapper=True)
+    def rsagg_filter_publish(self, plugin, set_name, resource):
+        answers = yield
+        self.seen.append(list(answers))
+        return [*answers, "wrapped"]
+
+
+class OldStyleWrapper:
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    @hookimpl(hookwrapper=True)
+    def rsagg_filter_publish(self, plugin, set_name, resource):
+        outcome = yield
+        self.seen.append(list(outcome.get_result()))
+        outcome.force_result([*outcome.get_result(), "old"])
+
+
+def test_a_wrapper_wraps_the_call_and_can_change_its_result(monkeypatch: pytest.MonkeyPatch):
+    wrapper, old = Wrapper(), OldStyleWrapper()
+    add_plugin(monkeypatch, "wrapper", wrapper)
+    add_plugin(monkeypatch, "old", old)
+    plugins = Plugins({"example": {"hide": "secret"}})
+    answers = plugins.call("rsagg_filter_publish", set_name="s", resource=resource("http://x/secret"))
+    # the old-style wrapper (registered last) is outermost: it sees the new-style wrapper's result
+    assert wrapper.seen == [[False]] and old.seen == [[False, "wrapped"]]
+    assert answers == [False, "wrapped", "old"]
+
+
+class Ordered:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def rsagg_resource_deleted(self, plugin, source, set_name, uri):
+        self.log.append(self.name)
+
+
+def test_tryfirst_and_trylast_order_the_implementations(monkeypatch: pytest.MonkeyPatch):
+    log: list[str] = []
+    kinds = {"first": hookimpl(tryfirst=True), "plain": hookimpl, "last": hookimpl(trylast=True)}
+    for name, marker in kinds.items():  # without the marks pluggy would call them last, plain, first
+        cls = type(name, (Ordered,), {"rsagg_resource_deleted": marker(Ordered.rsagg_resource_deleted)})
+        add_plugin(monkeypatch, name, cls(name, log))
+    plugins = Plugins()
+    plugins.call("rsagg_resource_deleted", source="s", set_name="s", uri="http://x/a")
+    assert log == ["first", "plain", "last"]
+
+
+class FailingWrapper:
+    @hookimpl(wrapper=True)
+    def rsagg_filter_publish(self, plugin, set_name, resource):
+        yield
+        raise RuntimeError("wrapper boom")
+
+    @hookimpl(wrapper=True)
+    def rsagg_republish_links(self, plugin, set_name, resource, uri_of, record):
+        raise RuntimeError("before yield")
+        yield  # pragma: no cover
+
+
+def test_a_failing_wrapper_is_isolated_and_counted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    add_plugin(monkeypatch, "badwrapper", FailingWrapper())
+    add_plugin(monkeypatch, "broken", Broken())
+    plugins = Plugins({"example": {"hide": "secret"}})
+    caplog.set_level(logging.ERROR, logger="rsagg.plugins")
+    answers = plugins.call("rsagg_filter_publish", set_name="s", resource=resource("http://x/secret"))
+    assert answers == [False]  # the answer as it would be without the failing wrapper and plugin
+    assert plugins.failures == {"badwrapper": 1, "broken": 1}
+    assert "plugin badwrapper raised in rsagg_filter_publish: RuntimeError: wrapper boom" in caplog.text
+    r = resource()
+    policy = LinkPolicy().links(r, uri_of=lambda u: None)
+    assert PluginLinks(plugins).links(r, uri_of=lambda u: None) == policy
+    assert plugins.failures == {"badwrapper": 2, "broken": 2}
 
 
 def test_a_plugin_that_fails_to_load_is_logged_and_counted(
@@ -273,7 +385,7 @@ def test_rsagg_plugins_lists_name_version_origin_enabled_and_hooks(
 
 
 # ---------------------------------------------------------------------------------------------------
-# plugins/resourcefilter.py
+# plugins/rsagg-resourcefilter
 
 
 def _resourcefilter(settings: dict, e: Entry) -> list:
@@ -304,7 +416,7 @@ def _resourcefilter(settings: dict, e: Entry) -> list:
     ],
 )
 def test_resourcefilter_rules(settings, loc, type, length, keep):
-    assert _resourcefilter(settings, entry(loc, type, length)) == [("resourcefilter", keep)]
+    assert _resourcefilter(settings, entry(loc, type, length)) == [keep]
 
 
 def test_resourcefilter_has_no_say_unless_configured_for_the_source():
@@ -313,9 +425,7 @@ def test_resourcefilter_has_no_say_unless_configured_for_the_source():
     plugins = Plugins({}, {"s": {"resourcefilter": {"types": ["text/*"]}}})
     e = entry("http://x/a", "image/png")
     assert plugins.call("rsagg_filter_harvest", source="other", entry=e, metadata=None) == []
-    assert plugins.call("rsagg_filter_harvest", source="s", entry=e, metadata=None) == [
-        ("resourcefilter", False)
-    ]
+    assert plugins.call("rsagg_filter_harvest", source="s", entry=e, metadata=None) == [False]
     off = Plugins({"resourcefilter": {"types": ["text/*"]}}, {"s": {"resourcefilter": {"enabled": False}}})
     assert off.call("rsagg_filter_harvest", source="s", entry=e, metadata=None) == []
 
@@ -349,7 +459,7 @@ def test_filter_plugins_check_every_sources_settings_at_startup(caplog: pytest.L
 
 
 # ---------------------------------------------------------------------------------------------------
-# plugins/metadatafilter.py
+# plugins/rsagg-metadatafilter
 
 
 def dc_record(*elements: tuple[str, str], ns: str = DC) -> bytes:
@@ -425,21 +535,19 @@ async def _metadatafilter(settings: dict, e: Entry, records: Records) -> list:
 async def test_metadatafilter_matches_records(settings, record, keep):
     records = Records({"http://x/a.meta.xml": record})
     e = entry("http://x/a", record="http://x/a.meta.xml")
-    assert await _metadatafilter(settings, e, records) == [("metadatafilter", keep)]
+    assert await _metadatafilter(settings, e, records) == [keep]
     assert records.asked == ["http://x/a.meta.xml"]
 
 
 async def test_metadatafilter_entries_without_a_record():
     settings = {"field": "type", "values": ["Text"]}
     records = Records({"http://x/gone.meta.xml": None})
-    assert await _metadatafilter(settings, entry("http://x/a.meta.xml"), records) == [
-        ("metadatafilter", False)
-    ]
+    assert await _metadatafilter(settings, entry("http://x/a.meta.xml"), records) == [False]
     assert await _metadatafilter(settings, entry("http://x/a", record="http://x/gone.meta.xml"), records) == [
-        ("metadatafilter", False)
+        False
     ]
     keep = {**settings, "keep_without_record": True}
-    assert await _metadatafilter(keep, entry("http://x/a.meta.xml"), records) == [("metadatafilter", True)]
+    assert await _metadatafilter(keep, entry("http://x/a.meta.xml"), records) == [True]
     assert records.asked == ["http://x/gone.meta.xml"]  # no link, no request
 
 
@@ -457,7 +565,7 @@ async def test_metadatafilter_has_no_say_unless_configured_or_when_the_record_ca
 def test_metadatafilter_answers_synchronously_when_it_needs_no_record():
     plugins = Plugins({"metadatafilter": {"field": "type", "values": ["Text"]}})
     assert plugins.call("rsagg_filter_harvest", source="s", entry=entry("http://x/a"), metadata=None) == [
-        ("metadatafilter", False)
+        False
     ]
 
 
@@ -533,3 +641,31 @@ async def test_metadata_filter_follows_record_changes_in_incremental_sync(tmp_pa
         assert held(cfg) == {up.url("b.txt"): up.resources()["b.txt"].sha256}
     resources, _ = await _published_locs(cfg)
     assert resources == [rsagg_uri(PUBLIC, "up", up.url("b.txt"))]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the public plugin API
+
+
+def test_the_plugin_api_exports_exactly_its_names():
+    import aggregator.plugin_api as api
+
+    public = {n for n in vars(api) if not n.startswith("_") and n != "annotations"}
+    assert set(api.__all__) == public and len(api.__all__) == len(set(api.__all__))
+    assert api.hookimpl is hookimpl and api.Resource is Resource and api.Entry is Entry
+
+
+def test_shipped_plugins_and_the_example_import_nothing_of_rsagg_but_the_plugin_api():
+    import ast
+
+    root = Path(__file__).parent.parent
+    files = [Path(m.__file__) for m in SHIPPED.values()]
+    files.append(root / "tests" / "example_plugin" / "rsagg_example_plugin.py")
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                if name.split(".")[0] == "aggregator":
+                    assert name == "aggregator.plugin_api", f"{file.name} imports {name}"

@@ -19,9 +19,9 @@ import boto3
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
+from rsagg_s3 import MIN_PART_SIZE, S3BlobStore, S3StoreError, create_store
 
 from aggregator.store.blobs import BlobInfo, BlobStore
-from plugins.s3store import MIN_PART_SIZE, S3BlobStore, S3StoreError, create_store
 from tests import harvesting, test_harvest, test_publish
 from tests.blobtesting import temp_files
 from tests.seaweedfs import SeaweedFS, run_seaweedfs

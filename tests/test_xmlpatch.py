@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 from lxml import etree
-
-from plugins.xmlpatch import MEDIA_TYPE, XmlPatchError, apply_xml_patch, patch_formats, rewrite_selector
+from rsagg_xmlpatch import MEDIA_TYPE, XmlPatchError, apply_xml_patch, patch_formats, rewrite_selector
 
 DECL = b'<?xml version="1.0" encoding="UTF-8"?>\n'
 

@@ -237,7 +237,7 @@ class Pipeline:
                     answers = await self.ctx.plugins.acall(
                         "rsagg_filter_harvest", source=self.source, entry=work.entry, metadata=self._metadata
                     )
-                    if any(answer is False for _, answer in answers):
+                    if any(answer is False for answer in answers):
                         if work.blob is not None:
                             work.blob.abort()
                         if work.generation is not None:

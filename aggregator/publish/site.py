@@ -29,7 +29,7 @@ def publish_filter(plugins: Plugins) -> Callable[[str, Resource], bool]:
 
     def visible(set_name: str, resource: Resource) -> bool:
         results = plugins.call("rsagg_filter_publish", set_name=set_name, resource=resource)
-        return all(answer is not False for _, answer in results)
+        return all(answer is not False for answer in results)
 
     return visible
 

@@ -25,7 +25,7 @@ import re
 from datetime import datetime
 from typing import Any
 
-from aggregator.hookspecs import hookimpl
+from aggregator.plugin_api import hookimpl
 
 NAME = "example"
 

@@ -33,7 +33,7 @@ Semantics mirrored from ``FileBlobStore``:
 Errors from S3 other than "not found" raise ``S3StoreError`` (an ``OSError``) naming the endpoint, the
 bucket and the key; a wrong access or secret key is detected when the store is created.
 
-As an rsagg plugin (entry point ``s3`` in the ``rsagg`` group; needs ``pip install 'rsagg[s3]'``) it
+As an rsagg plugin (entry point ``s3`` in the ``rsagg`` group; ``pip install ./plugins/rsagg-s3``) it
 registers the blob store backend ``s3`` (hook ``rsagg_blob_stores``); the settings are those of
 ``create_store``::
 
@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import quote, urlsplit
 
-try:  # the ``s3`` extra (pip install 'rsagg[s3]'); without it the plugin loads but cannot create a store
+try:  # a dependency of this distribution; without it the plugin loads but cannot create a store
     import boto3
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
@@ -78,14 +78,14 @@ except ImportError:  # pragma: no cover - exercised only where boto3 is not inst
         pass
 
 
-from aggregator.hookspecs import hookimpl
-from aggregator.store.blobs import (
+from aggregator.plugin_api import (
     BlobInfo,
     BlobWriter,
     SpooledBlobWriter,
     TempArea,
     blob_name,
     check_sha256,
+    hookimpl,
     pending_writers,
     put_bytes,
 )
@@ -651,7 +651,7 @@ def create_store(settings: Mapping[str, Any], root: Path) -> S3BlobStore:
     ``https://cdn.example/blobs/``: redirects then point there instead of to presigned URLs).
     """
     if boto3 is None:
-        raise ValueError("S3 blob store: boto3 is not installed (pip install 'rsagg[s3]')")
+        raise ValueError("S3 blob store: boto3 is not installed (pip install boto3)")
     unknown = sorted(set(settings) - SETTINGS)
     if unknown:
         raise ValueError(f"S3 blob store: unknown setting(s) {', '.join(unknown)}")

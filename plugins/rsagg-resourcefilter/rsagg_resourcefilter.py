@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from aggregator.hookspecs import hookimpl
+from aggregator.plugin_api import hookimpl
 
 NAME = "resourcefilter"
 #: Settings that make the plugin filter a source (the others only tune these).

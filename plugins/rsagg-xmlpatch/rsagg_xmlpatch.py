@@ -57,7 +57,7 @@ from typing import Any
 
 from lxml import etree
 
-from aggregator.hookspecs import hookimpl
+from aggregator.plugin_api import hookimpl
 
 PatchApplier = Callable[[bytes, bytes], bytes]  # same shape as aggregator.harvest.patch.PatchApplier
 

@@ -46,7 +46,7 @@ from typing import Any
 
 from lxml import etree
 
-from aggregator.hookspecs import hookimpl
+from aggregator.plugin_api import hookimpl
 
 log = logging.getLogger("rsagg.plugins.metadatafilter")
 

@@ -1,0 +1,57 @@
+"""The public API for rsagg plugins: everything a plugin imports from rsagg, and nothing else.
+
+A plugin (a shipped one under ``plugins/`` or a third party's) imports only from this module; the
+modules these names live in are rsagg's internals and may move. What is here:
+
+- ``hookimpl``, the marker for hook implementations (the hooks are specified in ``aggregator.hookspecs``);
+- ``PluginContext``, the ``plugin`` argument of hooks (a plugin's own settings);
+- the types hooks receive: ``Entry`` (with ``Md`` and ``Link``) of an upstream list, the stored
+  ``Resource`` and change-log ``LogRecord`` of the publish side, ``MetadataRecords`` (the ``metadata``
+  argument of ``rsagg_filter_harvest``), ``Config`` (of ``rsagg_startup``);
+- for a blob store backend (``rsagg_blob_stores``): the ``BlobStore`` protocol, ``BlobInfo`` and
+  ``BlobWriter`` (with ``SpooledBlobWriter``, a writer that spools to a local temporary file), and the
+  helpers a backend reuses — ``TempArea`` (temporary files under the store's local root), ``put_bytes``,
+  ``pending_writers`` (writers still open, for the crash/leak checks), ``check_sha256`` and
+  ``blob_name`` (the ``ab/cd/<sha256>`` name every store gives a blob, which offloading relies on).
+"""
+
+from __future__ import annotations
+
+from .config import Config
+from .harvest.metadata import MetadataRecords
+from .hookspecs import hookimpl
+from .plugins import PluginContext
+from .rs.model import Entry, Link, Md
+from .store.blobs import (
+    BlobInfo,
+    BlobStore,
+    BlobWriter,
+    SpooledBlobWriter,
+    TempArea,
+    blob_name,
+    check_sha256,
+    pending_writers,
+    put_bytes,
+)
+from .store.state import LogRecord, Resource
+
+__all__ = [
+    "BlobInfo",
+    "BlobStore",
+    "BlobWriter",
+    "Config",
+    "Entry",
+    "Link",
+    "LogRecord",
+    "Md",
+    "MetadataRecords",
+    "PluginContext",
+    "Resource",
+    "SpooledBlobWriter",
+    "TempArea",
+    "blob_name",
+    "check_sha256",
+    "hookimpl",
+    "pending_writers",
+    "put_bytes",
+]
