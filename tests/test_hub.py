@@ -25,8 +25,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from aggregator.harvest.discovery import parse_link_header
-from aggregator.publish.hub import Hub, HubLimits, topics_under
 from aggregator.rs.w3cdt import utcnow
+from aggregator.websub.hub import Hub, HubLimits, topics_under
 from tests.httpserver import serve_app
 
 TOKEN = "s3cret-publish-token"

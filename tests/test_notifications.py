@@ -31,12 +31,12 @@ from aggregator.demo.notify import UpstreamNotifier
 from aggregator.demo.upstream import Upstream
 from aggregator.harvest.context import HarvestContext
 from aggregator.harvest.discovery import parse_link_header
-from aggregator.harvest.subscriber import CALLBACK_PREFIX, Subscriber
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, Entry, Head
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.w3cdt import format_w3c, utcnow
 from aggregator.store.state import State
+from aggregator.websub.subscriber import CALLBACK_PREFIX, Subscriber
 
 from .httpserver import serve_app
 from .notifying import flask_hub, node_config, rsagg_node, wait_until
@@ -622,7 +622,7 @@ async def test_notifications_off_means_no_channels(tmp_path: Path) -> None:
 
 
 def test_framework_differences_name_created_updated_deleted_documents() -> None:
-    from aggregator.publish.notify import _differences
+    from aggregator.websub.notifier import _differences
 
     now = utcnow()
     index = "http://r.example/s/changelist.xml"
@@ -657,7 +657,7 @@ def test_framework_differences_name_created_updated_deleted_documents() -> None:
 def test_signature_methods_sha256_or_stronger_and_sha1_only_when_configured() -> None:
     from types import SimpleNamespace
 
-    from aggregator.harvest.subscriber import Subscription
+    from aggregator.websub.subscriber import Subscription
 
     body = b"<urlset/>"
     sub = Subscription(1, "t", "the-secret", "up", "cl", CHANGE_NOTIFICATION, "topic", "hub")

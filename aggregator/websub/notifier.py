@@ -65,6 +65,9 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..config import Config
+from ..publish.app import Publisher
+from ..publish.documents import Site, UriOf, Windows, capability_list, change_entry
+from ..publish.sets import PublishedSet
 from ..rs.model import (
     CAPABILITYLIST,
     CHANGE_NOTIFICATION,
@@ -84,10 +87,7 @@ from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.state import LogRecord, Resource, State, format_dt, parse_dt
 from ..store.tables import OwnTables
-from .app import Publisher
-from .documents import Site, UriOf, Windows, capability_list, change_entry
 from .hub import Hub
-from .sets import PublishedSet
 
 log = logging.getLogger("rsagg.notify")
 

@@ -73,16 +73,16 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..config import SourceConfig
+from ..harvest.context import HarvestContext
+from ..harvest.discovery import SetInfo
+from ..harvest.lists import ListRef, Position, resolve, when
+from ..harvest.pipeline import Pipeline, Work
+from ..harvest.source import sync_source
 from ..rs.model import CHANGE_NOTIFICATION, CHANGES, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
 from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
 from ..store.state import format_dt, parse_dt
 from ..store.tables import Closed, OwnTables
-from .context import HarvestContext
-from .discovery import SetInfo
-from .lists import ListRef, Position, resolve, when
-from .pipeline import Pipeline, Work
-from .source import sync_source
 
 log = logging.getLogger("rsagg.subscriber")
 T = TypeVar("T")
