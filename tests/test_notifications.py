@@ -1,7 +1,7 @@
 """Change and Framework Notification end to end, over real HTTP on 127.0.0.1.
 
 rsagg nodes are the real daemon run in-process (``tests/notifying.py``); the upstream is the demo
-``Upstream`` publishing its notifications (``demo/notify.py``) through rsagg's ``Hub`` embedded in it
+``Upstream`` publishing its notifications (``testing/notify.py``) through rsagg's ``Hub`` embedded in it
 or through flask-websub, a WebSub hub nobody here wrote. Subscribers: rsagg itself, and a minimal one
 written here (it checks signatures with ``hmac`` on its own). Polling intervals are an hour, so what
 arrives, arrived by notification; counters tell which way it came.
@@ -27,8 +27,6 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from aggregator.demo.notify import UpstreamNotifier
-from aggregator.demo.upstream import Upstream
 from aggregator.harvest.context import HarvestContext
 from aggregator.harvest.discovery import parse_link_header
 from aggregator.publish.uris import rsagg_uri
@@ -36,6 +34,8 @@ from aggregator.rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, Ent
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.w3cdt import format_w3c, utcnow
 from aggregator.store.state import State
+from aggregator.testing.notify import UpstreamNotifier
+from aggregator.testing.upstream import Upstream
 from aggregator.websub.subscriber import CALLBACK_PREFIX, Subscriber
 
 from .httpserver import serve_app
