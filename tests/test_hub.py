@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from aggregator.harvest.discovery import parse_link_header
+from aggregator.rs.linkheader import parse_link_header
 from aggregator.rs.w3cdt import utcnow
 from aggregator.websub import hub as hub_module
 from aggregator.websub.hub import Hub, HubLimits, topics_under

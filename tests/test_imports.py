@@ -84,6 +84,13 @@ def test_harvest_and_publish_are_siblings() -> None:
     _check(_violations("aggregator.publish", ("aggregator.harvest", "aggregator.websub")), "publish/")
 
 
+def test_the_hub_stands_alone() -> None:
+    """The embedded WebSub hub serves any subscriber: it uses neither harvest/ nor publish/ (the Link
+    header parser it shares with discovery lives in rs/)."""
+    found = _violations("aggregator.websub.hub", ("aggregator.harvest", "aggregator.publish"))
+    _check(found, "websub/hub.py")
+
+
 def test_runtime_never_imports_the_test_doubles() -> None:
     """``aggregator.testing`` is for tests (and the ``rsagg demo`` command that shows one off)."""
     found = _violations(

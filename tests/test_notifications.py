@@ -28,8 +28,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from aggregator.harvest.context import HarvestContext
-from aggregator.harvest.discovery import parse_link_header
 from aggregator.publish.uris import rsagg_uri
+from aggregator.rs.linkheader import parse_link_header
 from aggregator.rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, Entry, Head
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.w3cdt import format_w3c, utcnow

@@ -65,8 +65,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from .. import __version__, outbound
-from ..harvest.discovery import links_with_rel
 from ..retry import backoff, retry_after
+from ..rs.linkheader import links_with_rel
 from ..rs.w3cdt import utcnow
 from ..store.state import format_dt, parse_dt
 from ..store.tables import OwnTables
