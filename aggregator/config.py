@@ -115,7 +115,7 @@ class PublishConfig:
 
 @dataclass(frozen=True)
 class NotificationsConfig:
-    """Change and Framework Notification over WebSub, both ways (spec/NOTES.md, ``notifications.py``).
+    """Change and Framework Notification over WebSub, both ways (spec/NOTES.md, ``websub/``).
 
     ``hub`` empty: rsagg's embedded hub at ``hub_path`` carries rsagg's own channels; else that external
     hub (generic WebSub publishing: ``hub.mode=publish`` ping, the hub fetches the topic).

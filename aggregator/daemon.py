@@ -34,11 +34,11 @@ from .config import Config, ConfigError, SourceConfig, load_config
 from .harvest.context import HarvestContext, open_context
 from .harvest.source import poll_source
 from .hotswap import HotSwapApp
-from .notifications import prepare_notifications, run_notifications
 from .publish.schedule import run_dumps
 from .rs import parse
 from .serverguard import ServerLimits
 from .serving import serve
+from .websub.service import prepare_notifications, run_notifications
 
 log = logging.getLogger("rsagg.daemon")
 
@@ -74,11 +74,11 @@ def _listen(config: Config) -> tuple[str, int]:
 
 def publisher_app(config: Config, ctx: HarvestContext) -> ASGIApp:
     """The republishing Source (imported lazily: harvest-only commands do not need it)."""
-    from .notifications import app_options
     from .publish.app import create_app
 
     # app_options: the notification routes (hub, callbacks, topics) and Capability List entries
     from .publish.schedule import dump_app_options
+    from .websub.service import app_options
 
     options = dump_app_options(ctx, app_options(ctx))  # + the dump documents, packages, manifests
     options["metrics"] = ctx.metrics  # /metrics shows this process's harvest too (metrics.py)
@@ -298,7 +298,7 @@ async def _serve_and_harvest(
 ) -> None:
     _check_state_directory(config)
     async with open_context(config) as ctx, trio.open_nursery() as nursery:
-        prepare_notifications(ctx, harvest=harvest)  # notifications.py: before the app needs its routes
+        prepare_notifications(ctx, harvest=harvest)  # websub/service.py: before the app needs its routes
         daemon = _Daemon(ctx, nursery, harvest=harvest, config_path=config_path, app_factory=app_factory)
         await run_notifications(nursery, ctx, stop_when=daemon.shutdown.wait)
         nursery.start_soon(run_dumps, ctx, daemon.shutdown.wait)  # publish/schedule.py

@@ -154,7 +154,7 @@ disable_created_metrics()
 #: The source whose work the current trio task does ("" outside a sync): labels upstream requests.
 current_source: ContextVar[str] = ContextVar("rsagg_metrics_source", default="")
 
-# Hub (``publish/hub.py`` metrics(event, outcome)) and subscriber (``harvest/subscriber.py`` COUNTERS)
+# Hub (``websub/hub.py`` metrics(event, outcome)) and subscriber (``websub/subscriber.py`` COUNTERS)
 # outcomes exposed with 0 before they first happen, so dashboards and alerts see the series.
 HUB_DELIVERY = ("ok", "retry", "failed", "gone", "dropped")
 HUB_VERIFICATION = ("subscribed", "unsubscribed", "failed", "denied")

@@ -40,12 +40,12 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aggregator.demo.notify import UpstreamNotifier  # noqa: E402
-from aggregator.demo.upstream import Upstream  # noqa: E402
 from aggregator.harvest.context import HarvestContext  # noqa: E402
 from aggregator.rs.parse import parse_bytes  # noqa: E402
 from aggregator.rs.w3cdt import utcnow  # noqa: E402
 from aggregator.store.state import State  # noqa: E402
+from aggregator.testing.notify import UpstreamNotifier  # noqa: E402
+from aggregator.testing.upstream import Upstream  # noqa: E402
 from tests.notifying import node_config, rsagg_node, wait_until  # noqa: E402
 
 TARGET_P99_MS = 300.0

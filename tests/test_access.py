@@ -240,7 +240,7 @@ async def test_resourcesync_source_credentials_stay_on_its_origin(tmp_path: Path
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("RS_TOKEN", TOKEN)
     monkeypatch.setenv("RS_KEY", API_KEY)
-    from aggregator.demo.upstream import Upstream
+    from aggregator.testing.upstream import Upstream
 
     up = Upstream(mirror="ok", resource_dump=False, change_dump=False)
     up.bulk_create(6)

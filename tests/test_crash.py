@@ -37,12 +37,12 @@ import trio
 
 from aggregator.commands.gc import collect_garbage
 from aggregator.config import load_config
-from aggregator.demo.upstream import ChangeRecord, Upstream
 from aggregator.harvest import dumps
 from aggregator.rs.parse import DocumentReader
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.lock import LOCK_NAME
 from aggregator.store.state import State, parse_dt
+from aggregator.testing.upstream import ChangeRecord, Upstream
 
 from .harvesting import audit
 from .test_dumps import entry_for, make_zip, manifest_xml

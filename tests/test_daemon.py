@@ -25,11 +25,11 @@ import trio
 from aggregator import sdnotify
 from aggregator.config import load_config, parse_config
 from aggregator.daemon import ListenError, run_daemon
-from aggregator.demo.upstream import Upstream
 from aggregator.harvest.context import open_context
 from aggregator.hotswap import HotSwapApp
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.state import State
+from aggregator.testing.upstream import Upstream
 
 from .harvesting import audit, harvest
 

@@ -12,11 +12,10 @@ from aggregator.harvest.discovery import (
     DiscoveryError,
     discover,
     html_links,
-    links_with_rel,
-    parse_link_header,
     robots_sitemaps,
 )
 from aggregator.harvest.fetch import Fetcher
+from aggregator.rs.linkheader import links_with_rel, parse_link_header
 from tests.httpserver import serve_app
 
 XML = "application/xml"

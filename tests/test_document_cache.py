@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from aggregator.demo.upstream import Upstream
 from aggregator.publish import app as app_module
 from aggregator.publish import documents
 from aggregator.rs.parse import parse_bytes
+from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest, make_config
 from .test_publish import publishing, with_publish

@@ -22,7 +22,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from aggregator.harvest.fetch import Expected, Fetcher, FetchError, retry_after_seconds
+from aggregator.harvest.fetch import Expected, Fetcher, FetchError
+from aggregator.retry import retry_after_seconds
 from aggregator.store.blobs import FileBlobStore
 from tests.blobtesting import temp_files
 from tests.httpserver import serve_app

@@ -1,12 +1,12 @@
-"""The harvester end to end against a real HTTP upstream (aggregator.demo.upstream) on 127.0.0.1."""
+"""The harvester end to end against a real HTTP upstream (aggregator.testing.upstream) on 127.0.0.1."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-from aggregator.demo.upstream import StepClock, Upstream, canonical_json
 from aggregator.store.blobs import FileBlobStore
+from aggregator.testing.upstream import StepClock, Upstream, canonical_json
 
 from .harvesting import audit, changelog, harvest, held, make_config
 from .httpserver import serve_app

@@ -23,12 +23,12 @@ import pytest
 import trio
 
 from aggregator.config import Config, parse_config
-from aggregator.demo.upstream import PATCH_TYPE, Upstream, canonical_json
 from aggregator.hookspecs import hookimpl
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.model import Link
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.state import State
+from aggregator.testing.upstream import PATCH_TYPE, Upstream, canonical_json
 
 from .harvesting import changelog, harvest, held
 from .plugintesting import PUBLIC, add_plugin, listed, published

@@ -29,7 +29,6 @@ from aggregator.cli import main
 from aggregator.commands.harvest import harvest_once
 from aggregator.config import load_config
 from aggregator.daemon import run_daemon
-from aggregator.demo.upstream import Upstream
 from aggregator.harvest import context as harvest_context
 from aggregator.harvest import progress as harvest_progress
 from aggregator.harvest.context import open_context
@@ -39,6 +38,7 @@ from aggregator.metrics import FAMILIES, Metrics, sample_names, status_class
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.validate import ERROR, validate_source
 from aggregator.store.state import State
+from aggregator.testing.upstream import Upstream
 
 REPO = Path(__file__).resolve().parent.parent
 GUARD = 30  # seconds: a hung step fails the test instead of hanging the suite

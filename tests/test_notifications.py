@@ -1,7 +1,7 @@
 """Change and Framework Notification end to end, over real HTTP on 127.0.0.1.
 
 rsagg nodes are the real daemon run in-process (``tests/notifying.py``); the upstream is the demo
-``Upstream`` publishing its notifications (``demo/notify.py``) through rsagg's ``Hub`` embedded in it
+``Upstream`` publishing its notifications (``testing/notify.py``) through rsagg's ``Hub`` embedded in it
 or through flask-websub, a WebSub hub nobody here wrote. Subscribers: rsagg itself, and a minimal one
 written here (it checks signatures with ``hmac`` on its own). Polling intervals are an hour, so what
 arrives, arrived by notification; counters tell which way it came.
@@ -27,16 +27,16 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from aggregator.demo.notify import UpstreamNotifier
-from aggregator.demo.upstream import Upstream
 from aggregator.harvest.context import HarvestContext
-from aggregator.harvest.discovery import parse_link_header
-from aggregator.harvest.subscriber import CALLBACK_PREFIX, Subscriber
 from aggregator.publish.uris import rsagg_uri
+from aggregator.rs.linkheader import parse_link_header
 from aggregator.rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, Entry, Head
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.w3cdt import format_w3c, utcnow
 from aggregator.store.state import State
+from aggregator.testing.notify import UpstreamNotifier
+from aggregator.testing.upstream import Upstream
+from aggregator.websub.subscriber import CALLBACK_PREFIX, Subscriber
 
 from .httpserver import serve_app
 from .notifying import flask_hub, node_config, rsagg_node, wait_until
@@ -622,7 +622,7 @@ async def test_notifications_off_means_no_channels(tmp_path: Path) -> None:
 
 
 def test_framework_differences_name_created_updated_deleted_documents() -> None:
-    from aggregator.publish.notify import _differences
+    from aggregator.websub.notifier import _differences
 
     now = utcnow()
     index = "http://r.example/s/changelist.xml"
@@ -657,7 +657,7 @@ def test_framework_differences_name_created_updated_deleted_documents() -> None:
 def test_signature_methods_sha256_or_stronger_and_sha1_only_when_configured() -> None:
     from types import SimpleNamespace
 
-    from aggregator.harvest.subscriber import Subscription
+    from aggregator.websub.subscriber import Subscription
 
     body = b"<urlset/>"
     sub = Subscription(1, "t", "the-secret", "up", "cl", CHANGE_NOTIFICATION, "topic", "hub")

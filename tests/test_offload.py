@@ -21,10 +21,10 @@ import httpx
 import trio
 
 from aggregator.config import load_config
-from aggregator.demo.upstream import Upstream
 from aggregator.publish.app import create_app
 from aggregator.publish.uris import rsagg_uri
 from aggregator.store.blobs import FileBlobStore
+from aggregator.testing.upstream import Upstream
 
 from .httpserver import serve_app
 from .test_publish import local_files, resync

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from aggregator.config import ConfigError, parse_config
-from aggregator.demo.upstream import Upstream
 from aggregator.harvest.context import open_blob_store
 from aggregator.plugins import Plugins
 from aggregator.publish.uris import rsagg_uri
+from aggregator.testing.upstream import Upstream
 from tests.seaweedfs import SeaweedFS, run_seaweedfs
 
 from .harvesting import harvest

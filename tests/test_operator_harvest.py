@@ -18,9 +18,9 @@ from starlette.routing import Route
 
 from aggregator import status
 from aggregator.cli import main
-from aggregator.demo.upstream import Upstream
 from aggregator.rs import parse
 from aggregator.store.state import State
+from aggregator.testing.upstream import Upstream
 
 from .harvesting import audit, harvest, make_config
 from .httpserver import serve_app

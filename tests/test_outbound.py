@@ -33,9 +33,9 @@ from aggregator.harvest.fetch import Expected, Fetcher, FetchError
 from aggregator.harvest.metadata import MetadataRecords
 from aggregator.metrics import Metrics
 from aggregator.outbound import AddressPolicy, parse_networks, refusal_rule
-from aggregator.publish.hub import Hub, HubLimits, topics_under
 from aggregator.rs.model import Entry, Link
 from aggregator.serving import serving
+from aggregator.websub.hub import Hub, HubLimits, topics_under
 
 from .harvesting import harvest, held
 

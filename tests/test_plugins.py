@@ -20,13 +20,13 @@ import rsagg_xmlpatch as xmlpatch
 from aggregator.cli import main
 from aggregator.config import ConfigError, parse_config
 from aggregator.default_plugins import filesystem
-from aggregator.demo.upstream import Upstream
 from aggregator.hookspecs import hookimpl
 from aggregator.plugins import DEFAULT_PLUGINS, Plugins
 from aggregator.publish.links import LinkPolicy, PluginLinks
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.model import Entry, Link, Md
 from aggregator.store.state import Resource
+from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest, held
 from .plugintesting import PUBLIC, add_plugin, listed, published

@@ -22,7 +22,6 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from aggregator.config import Config, PublishConfig, parse_config
-from aggregator.demo.upstream import Upstream
 from aggregator.harvest.context import open_blob_store
 from aggregator.plugins import Plugins
 from aggregator.publish import documents
@@ -33,6 +32,7 @@ from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import validate_source
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.state import Change, State
+from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest, make_config
 from .httpserver import serve_app

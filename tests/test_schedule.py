@@ -8,12 +8,12 @@ import httpx
 import trio
 
 from aggregator.config import parse_config
-from aggregator.demo.upstream import Upstream
 from aggregator.harvest.context import open_context
 from aggregator.publish.app import create_app
 from aggregator.publish.schedule import dump_app_options, run_dumps
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import validate_source
+from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest
 from .httpserver import serve_app

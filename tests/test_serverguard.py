@@ -21,9 +21,9 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from aggregator.outbound import AddressPolicy
-from aggregator.publish.hub import Hub, HubLimits, topics_under
 from aggregator.serverguard import ServerLimits
 from aggregator.serving import serving
+from aggregator.websub.hub import Hub, HubLimits, topics_under
 
 LIMITS = ServerLimits(
     max_header_bytes=8 * 1024,
@@ -260,7 +260,7 @@ async def test_subscription_flood_gets_429_and_the_server_stays_responsive(tmp_p
 
 def test_rate_limit_table_stays_bounded() -> None:
     """A flood of distinct callback hosts cannot grow the hub's per-host table past its bound."""
-    from aggregator.publish.hub import _Buckets
+    from aggregator.websub.hub import _Buckets
 
     buckets = _Buckets(rate=1.0, burst=2, max_keys=100)
     waits = [buckets.take(f"h{i}.example", now=0.0) for i in range(1000)]

@@ -14,11 +14,11 @@ import pytest
 import trio
 
 from aggregator.config import parse_config
-from aggregator.demo.upstream import Upstream
 from aggregator.harvest.context import open_context
 from aggregator.publish.app import create_app
 from aggregator.rs.w3cdt import utcnow
 from aggregator.store.state import State
+from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest
 from .httpserver import serve_app

@@ -1,4 +1,4 @@
-"""The demo upstream (aggregator/demo/upstream.py) is the Source most harvest tests trust: check that it
+"""The demo upstream (aggregator/testing/upstream.py) is the Source most harvest tests trust: check that it
 publishes what the specification asks (§8-§14) and that its faults do what they say."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import pytest
 import trio
 from lxml import etree
 
-from aggregator.demo.upstream import PATCH_TYPE, StepClock, Upstream, canonical_json, serve
 from aggregator.rs.model import PATCH_REL, RS_NS, SITEMAP_NS, Link
 from aggregator.rs.w3cdt import parse_w3c
+from aggregator.testing.upstream import PATCH_TYPE, StepClock, Upstream, canonical_json, serve
 
 NS = {"sm": SITEMAP_NS, "rs": RS_NS}
 

@@ -13,11 +13,11 @@ import trio
 
 from ..config import Config, parse_config
 from ..daemon import ListenError, run_daemon
-from ..demo.notify import UpstreamNotifier
-from ..demo.upstream import Upstream
 from ..harvest.context import HarvestContext
 from ..logs import setup_logging
 from ..store.lock import store_lock
+from ..testing.notify import UpstreamNotifier
+from ..testing.upstream import Upstream
 from ._common import add_global_arguments
 
 

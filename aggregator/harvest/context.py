@@ -51,7 +51,7 @@ class HarvestContext:
     progress: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     _write_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     #: Called on the trio thread after each state transaction that logged changes (rsagg's notifier
-    #: publishes them at once instead of at its next look; ``publish/notify.py``).
+    #: publishes them at once instead of at its next look; ``websub/notifier.py``).
     commit_listeners: list[Callable[[], None]] = field(default_factory=list)
     #: ``notifications.Notifications`` when they are on (set by ``start_notifications``): its
     #: ``subscriber`` runs the sources whose channels rsagg follows (``poll_source``).

@@ -23,7 +23,9 @@ from urllib.parse import urljoin, urlsplit
 import lxml.html
 from lxml import etree
 
+from ..retry import retryable_status
 from ..rs import model
+from ..rs.linkheader import links_with_rel
 from ..rs.model import Entry, Head, Md
 from ..rs.parse import DocumentError
 from .deviations import deviation, skip
@@ -41,7 +43,6 @@ MAX_PAGE_LINKS = 10
 MAX_DESCRIPTION_ENTRIES = 100_000
 MAX_FETCHES = 2_000
 MAX_UP_HOPS = 4
-_TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
 @dataclass
@@ -101,34 +102,6 @@ class DiscoveryError(Exception):
 
 
 # -- small parsers ---------------------------------------------------------------------------------
-
-_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-_QUOTED = r'"(?:[^"\\]|\\.)*"'
-_LINK_VALUE = re.compile(rf"<([^>]*)>((?:\s*;\s*{_TOKEN}\s*(?:=\s*(?:{_QUOTED}|[^;,\s]*))?)*)")
-_LINK_PARAM = re.compile(rf";\s*({_TOKEN})\s*(?:=\s*({_QUOTED}|[^;,\s]*))?")
-
-
-def parse_link_header(value: str | None) -> list[tuple[str, dict[str, str]]]:
-    """RFC 8288 ``Link`` header -> [(target, {param: value})], parameter names lower-cased."""
-    out: list[tuple[str, dict[str, str]]] = []
-    for m in _LINK_VALUE.finditer(value or ""):
-        params: dict[str, str] = {}
-        for p in _LINK_PARAM.finditer(m.group(2)):
-            v = p.group(2) or ""
-            if v.startswith('"'):
-                v = re.sub(r"\\(.)", r"\1", v[1:-1])
-            params.setdefault(p.group(1).lower(), v)
-        out.append((m.group(1).strip(), params))
-    return out
-
-
-def links_with_rel(value: str | None, rel: str, base: str) -> list[str]:
-    """Absolute targets of the Link header entries whose ``rel`` includes ``rel`` (§6.3.3)."""
-    return [
-        urljoin(base, target)
-        for target, params in parse_link_header(value)
-        if rel in params.get("rel", "").lower().split()
-    ]
 
 
 def html_links(content: bytes, base: str, rel: str = REL) -> list[str]:
@@ -225,7 +198,7 @@ class _Discovery:
         if isinstance(exc, FetchError):
             if exc.kind == "http":
                 why = f"HTTP {exc.status}"
-                self.transient |= exc.status in _TRANSIENT_STATUS
+                self.transient |= exc.status is not None and retryable_status(exc.status)
             else:
                 why = f"{exc.kind}: {_without_url(exc.message, exc.url, exc.line)}"
                 self.transient |= exc.kind in ("timeout", "network")

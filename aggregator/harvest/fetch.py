@@ -28,17 +28,14 @@ from __future__ import annotations
 
 import collections
 import contextvars
-import email.utils
 import inspect
 import logging
-import random
 import tempfile
 import urllib.request
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from functools import partial
 from typing import Any, BinaryIO, TypeVar
 
@@ -46,6 +43,7 @@ import httpx
 import trio
 
 from .. import __version__, outbound
+from ..retry import backoff, retry_after, retryable_status
 from ..rs import parse
 from ..rs.fixity import Hasher, mismatches
 from ..rs.model import Entry, Head
@@ -57,8 +55,6 @@ log = logging.getLogger("rsagg.fetch")
 T = TypeVar("T")
 
 MAX_REDIRECTS = 10
-#: Statuses worth another try: the server is busy or a gateway failed (RFC 9110 §15.5.9, §15.6, RFC 6585).
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 #: Bytes read from the spool (and handed to the parser) per step; also the bound on decoded output per step.
 CHUNK = 64 * 1024
 #: Document bodies up to this size stay in memory while spooled; bigger ones go to a temp file.
@@ -166,22 +162,6 @@ class FetchedBytes:
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def retry_after_seconds(value: str | None, now: datetime | None = None) -> float | None:
-    """``Retry-After`` as seconds from now: delta-seconds or an HTTP-date (RFC 9110 §10.2.3)."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
 
 
 def _transport_error(url: str, exc: Exception) -> FetchError:
@@ -678,10 +658,8 @@ class Fetcher:
         await trio.sleep(seconds)
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
-        """Exponential backoff with full jitter; the server's Retry-After wins, both capped."""
-        if retry_after is not None:
-            return min(self.backoff_max, retry_after)
-        return random.uniform(0, min(self.backoff_max, self.backoff_base * 2**attempt))
+        """rsagg's one backoff (``retry.py``) within this fetcher's bounds."""
+        return backoff(attempt, base=self.backoff_base, cap=self.backoff_max, retry_after=retry_after)
 
     async def _with_retries(self, url: str, attempt: Callable[[], Awaitable[T]]) -> T:
         for n in range(self.retries + 1):
@@ -743,8 +721,8 @@ class Fetcher:
             "http",
             f"HTTP {status} {reason}".rstrip(),
             status=status,
-            transient=status in RETRY_STATUSES,
-            retry_after=retry_after_seconds(body.response.headers.get("retry-after")),
+            transient=retryable_status(status),
+            retry_after=retry_after(status, body.response.headers),
         )
 
     # -- documents --------------------------------------------------------------------------------
@@ -1025,5 +1003,4 @@ __all__ = [
     "FetchedBytes",
     "FetchedResource",
     "Fetcher",
-    "retry_after_seconds",
 ]

@@ -216,7 +216,7 @@ async def poll_source(ctx: HarvestContext, src: SourceConfig) -> None:
     """The daemon's per-source task: sync, sleep the interval with jitter, forever (until cancelled).
 
     A source whose notification channels rsagg follows is run by the subscriber instead: the same
-    syncs, plus notifications in between (``harvest/subscriber.py``).
+    syncs, plus notifications in between (``websub/subscriber.py``).
     """
     subscriber = ctx.notifications.subscriber if ctx.notifications is not None else None
     if subscriber is not None and subscriber.follows(src):

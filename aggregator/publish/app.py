@@ -26,7 +26,7 @@ the blob store, the reader pool (``await publisher.run(fn, ...)``) and the publi
 ``dumps_available(set_name) -> {capability: url}`` decides the ``resourcedump``/``changedump`` entries
 of a Capability List; it is called in a worker thread, so it may block briefly but must be thread-safe.
 ``extra_capabilities(set_name) -> [Entry]`` adds Capability List entries the same way (the notification
-channels of ``publish/notify.py``: topic + ``rel="hub"``).
+channels of ``websub/notifier.py``: topic + ``rel="hub"``).
 """
 
 from __future__ import annotations

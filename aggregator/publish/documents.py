@@ -84,7 +84,7 @@ class Site:
     #: ``visible(set name, resource)``: False hides a resource (plugins' ``rsagg_filter_publish``).
     visible: Callable[[str, Resource], bool] = lambda set_name, resource: True
     #: ``extra_capabilities(set name)``: more Capability List entries, e.g. the notification channels
-    #: (Change/Framework Notification: topic ``loc`` + ``rs:ln rel="hub"``; ``publish/notify.py``).
+    #: (Change/Framework Notification: topic ``loc`` + ``rs:ln rel="hub"``; ``websub/notifier.py``).
     extra_capabilities: ExtraCapabilities = no_extra_capabilities
 
     def shows(self, set_name: str, row: Resource | None) -> bool:

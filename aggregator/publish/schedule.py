@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
-from ..harvest.context import HarvestContext
+from ..config import Config
+from ..plugins import Plugins
+from ..store.blobs import BlobStore
 from ..store.state import State
 from .documents import Site
 from .dumps import DumpBuilder, dump_routes
@@ -27,7 +29,17 @@ log = logging.getLogger("rsagg.publish")
 CHANGE_DUMP_PERIOD = 60.0
 
 
-def dump_builder(ctx: HarvestContext) -> DumpBuilder | None:
+class DumpContext(Protocol):
+    """What the dump schedule needs of the daemon's context (the harvest context provides it; publish/
+    does not import harvest/). ``dumps`` holds the process's one DumpBuilder once built."""
+
+    config: Config
+    blobs: BlobStore
+    plugins: Plugins
+    dumps: Any
+
+
+def dump_builder(ctx: DumpContext) -> DumpBuilder | None:
     """The process's one DumpBuilder (None when dumps are off), kept on the context."""
     config = ctx.config
     if config.publish.dump_interval <= 0:
@@ -40,7 +52,7 @@ def dump_builder(ctx: HarvestContext) -> DumpBuilder | None:
     return builder
 
 
-def dump_app_options(ctx: HarvestContext, options: dict[str, Any]) -> dict[str, Any]:
+def dump_app_options(ctx: DumpContext, options: dict[str, Any]) -> dict[str, Any]:
     """``create_app`` keyword arguments with the dump routes and the dumps a Capability List lists."""
     builder = dump_builder(ctx)
     if builder is None:
@@ -52,7 +64,7 @@ def dump_app_options(ctx: HarvestContext, options: dict[str, Any]) -> dict[str, 
     }
 
 
-def _site(ctx: HarvestContext, state: State) -> Site:
+def _site(ctx: DumpContext, state: State) -> Site:
     """The Site the app serves (sets, link policy, publish filter): a package holds what the lists show."""
     plugins = ctx.plugins
     return build_site(
@@ -60,7 +72,7 @@ def _site(ctx: HarvestContext, state: State) -> Site:
     )
 
 
-def build_due(builder: DumpBuilder, ctx: HarvestContext, *, resource_dumps: bool) -> int:
+def build_due(builder: DumpBuilder, ctx: DumpContext, *, resource_dumps: bool) -> int:
     """Build what is due for every published set (blocking: call it in a worker thread)."""
     builder.site = _site(ctx, builder.state)
     built = 0
@@ -71,7 +83,7 @@ def build_due(builder: DumpBuilder, ctx: HarvestContext, *, resource_dumps: bool
     return built
 
 
-async def run_dumps(ctx: HarvestContext, stop_when: Callable[[], Awaitable[Any]]) -> None:
+async def run_dumps(ctx: DumpContext, stop_when: Callable[[], Awaitable[Any]]) -> None:
     """The daemon task: Resource Dumps on their interval, Change Dump packages as windows close; ends
     when ``stop_when()`` returns (the daemon's shutdown)."""
     builder = dump_builder(ctx)
@@ -83,7 +95,7 @@ async def run_dumps(ctx: HarvestContext, stop_when: Callable[[], Awaitable[Any]]
         nursery.cancel_scope.cancel()
 
 
-async def _build_forever(ctx: HarvestContext, builder: DumpBuilder) -> None:
+async def _build_forever(ctx: DumpContext, builder: DumpBuilder) -> None:
     next_resource_dump = trio.current_time()
     while True:
         due = trio.current_time() >= next_resource_dump

@@ -73,16 +73,17 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..config import SourceConfig
+from ..harvest.context import HarvestContext
+from ..harvest.discovery import SetInfo
+from ..harvest.lists import ListRef, Position, resolve, when
+from ..harvest.pipeline import Pipeline, Work
+from ..harvest.source import sync_source
+from ..retry import backoff, retry_after
 from ..rs.model import CHANGE_NOTIFICATION, CHANGES, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
 from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
 from ..store.state import format_dt, parse_dt
 from ..store.tables import Closed, OwnTables
-from .context import HarvestContext
-from .discovery import SetInfo
-from .lists import ListRef, Position, resolve, when
-from .pipeline import Pipeline, Work
-from .source import sync_source
 
 log = logging.getLogger("rsagg.subscriber")
 T = TypeVar("T")
@@ -127,7 +128,8 @@ class SubscriberSettings:
 
     tick: float = 5.0  # the maintenance task looks at subscriptions at least this often
     verify_timeout: float = 120.0  # a request not verified by then has failed
-    retry_base: float = 10.0  # first retry of a failed request after ~this; doubles each failure
+    # Every failure is retried (the wish to follow stands) with rsagg's backoff (retry.py).
+    retry_base: float = 10.0  # first retry of a failed request within this; doubles each failure
     retry_max: float = 3600.0
     renew_fraction: float = 0.75  # renew a lease when this fraction of it is over
     unsubscribe_attempts: int = 3  # then the subscription is forgotten (deliveries get 410)
@@ -367,6 +369,7 @@ class Subscriber:
             form["hub.secret"] = sub.secret
             form["hub.lease_seconds"] = str(self.ctx.config.notifications.lease_seconds)
         error = ""
+        wait: float | None = None
         try:
             with trio.fail_after(self.settings.request_timeout):
                 r = await self.client.post(sub.hub, data=form)
@@ -375,14 +378,15 @@ class Subscriber:
                 self.counters["renewals"] += renewal
                 return
             error = f"hub answered {r.status_code}: {r.text[:200]!r}"
+            wait = retry_after(r.status_code, r.headers)
         except trio.TooSlowError:
             error = "hub did not answer in time"
         except httpx.HTTPError as exc:
             error = f"{type(exc).__name__}: {exc}"
         if sub.pending == mode:  # not verified meanwhile
-            await self._failed(sub, error)
+            await self._failed(sub, error, wait)
 
-    async def _failed(self, sub: Subscription, why: str) -> None:
+    async def _failed(self, sub: Subscription, why: str, wait: float | None = None) -> None:
         s = self.settings
         sub.pending = None
         sub.failures += 1
@@ -392,8 +396,7 @@ class Subscriber:
             )
             await self._forget(sub)
             return
-        delay = min(s.retry_max, s.retry_base * 2 ** min(sub.failures - 1, 30))
-        delay = delay / 2 + random.uniform(0, delay / 2)
+        delay = backoff(sub.failures - 1, base=s.retry_base, cap=s.retry_max, retry_after=wait)
         sub.next_attempt = self._now() + timedelta(seconds=delay)
         self.counters["subscribe.failed"] += sub.wanted
         what = "subscription to" if sub.wanted else "unsubscription from"

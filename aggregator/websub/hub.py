@@ -16,7 +16,8 @@ and Framework Notification (Notification 1.0 §4; spec/NOTES.md "Change Notifica
   <topic>; rel="self"`` (plus the publisher's ``rel="resourcesync"``, Notification §4.3 Example 7),
   ``X-Hub-Signature: sha256=<hex HMAC>`` when the subscriber gave a secret (§7.1; SHA-256 as the floor
   §8 recommends). 2xx = delivered; 410 = subscription deleted; anything else is retried with
-  exponential backoff and jitter until the lease ends (§7: the subscription stays active meanwhile).
+  rsagg's backoff (``retry.py``: exponential, full jitter, Retry-After honoured) until the lease ends
+  (§7: the subscription stays active meanwhile).
   Deliveries to one callback go out in publication order (a later one waits for the earlier), since
   a ResourceSync Destination reads out-of-order notifications as a gap (NOTES "Payload").
 
@@ -47,7 +48,6 @@ import hashlib
 import hmac
 import logging
 import math
-import random
 import re
 import secrets
 import time
@@ -65,8 +65,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from .. import __version__, outbound
-from ..harvest.discovery import links_with_rel
-from ..harvest.fetch import retry_after_seconds
+from ..retry import backoff, retry_after
+from ..rs.linkheader import links_with_rel
 from ..rs.w3cdt import utcnow
 from ..store.state import format_dt, parse_dt
 from ..store.tables import OwnTables
@@ -99,7 +99,7 @@ class HubLimits:
     lease_max: int = 864_000  # WebSub §8: "10 days is a good default"; we never grant more
     concurrency: int = 16  # verifications + deliveries in flight
     request_timeout: float = 10.0  # whole-request deadline for every hub request
-    backoff_base: float = 5.0  # first retry after ~this; doubles each failure
+    backoff_base: float = 5.0  # first retry within this (full jitter, retry.py); doubles each failure
     backoff_max: float = 3600.0
     max_payload_bytes: int = 4 * 1024 * 1024  # notifications are small: bursts are split (NOTES)
     max_pending_per_subscription: int = 1000  # older undelivered payloads are dropped beyond this
@@ -864,7 +864,7 @@ class Hub:
         if d.secret:
             headers["X-Hub-Signature"] = signature(d.secret, d.body)  # §7.1
         status: int | None = None
-        retry_after: float | None = None
+        wait: float | None = None
         error = ""
         try:
             with trio.fail_after(self.limits.request_timeout):
@@ -872,8 +872,7 @@ class Hub:
                     "POST", d.callback, content=d.body, headers=headers, follow_redirects=False
                 ) as r:
                     status = r.status_code
-                    if status in (429, 503):
-                        retry_after = retry_after_seconds(r.headers.get("retry-after"))
+                    wait = retry_after(status, r.headers)
         except trio.TooSlowError:
             error = "timed out"
         except httpx.HTTPError as exc:
@@ -886,20 +885,14 @@ class Hub:
             outcome = "gone"
         else:
             outcome = "retry"
-        delay = self._backoff(d.attempts + 1, retry_after)
+        # WebSub §7: every failure but 410 is retried (until the lease ends); only the delay is ours.
+        delay = backoff(
+            d.attempts, base=self.limits.backoff_base, cap=self.limits.backoff_max, retry_after=wait
+        )
         outcome = await self._tables.run(self._delivered, d, outcome, error, delay)
         if outcome != "ok":
             log.info("hub: delivery to %s (attempt %d): %s -> %s", d.callback, d.attempts + 1, error, outcome)
         self._metric("delivery", outcome)
-
-    def _backoff(self, attempts: int, retry_after: float | None) -> float:
-        """Exponential backoff with jitter (half fixed, half random); a Retry-After is honoured, capped."""
-        lim = self.limits
-        d = min(lim.backoff_max, lim.backoff_base * 2 ** min(attempts - 1, 60))
-        d = d / 2 + random.uniform(0, d / 2)
-        if retry_after is not None:
-            d = max(d, min(retry_after, lim.backoff_max))
-        return d
 
     def _delivered(self, d: _Delivery, outcome: str, error: str, delay: float) -> str:
         now_dt = self._now()

@@ -65,6 +65,10 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..config import Config
+from ..publish.app import Publisher
+from ..publish.documents import Site, UriOf, Windows, capability_list, change_entry
+from ..publish.sets import PublishedSet
+from ..retry import backoff, retry_after, retryable_status, transient_error
 from ..rs.model import (
     CAPABILITYLIST,
     CHANGE_NOTIFICATION,
@@ -84,10 +88,7 @@ from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.state import LogRecord, Resource, State, format_dt, parse_dt
 from ..store.tables import OwnTables
-from .app import Publisher
-from .documents import Site, UriOf, Windows, capability_list, change_entry
 from .hub import Hub
-from .sets import PublishedSet
 
 log = logging.getLogger("rsagg.notify")
 
@@ -99,7 +100,11 @@ TOPICS = {
 }
 #: Payloads built per set in one round (bounds memory; the next round follows at once).
 MAX_PAYLOADS_PER_ROUND = 8
+#: Pings of an external hub: tries, and the backoff bounds between them (``retry.py``; a hub's
+#: Retry-After is honoured up to the cap: the notifier round waits meanwhile).
 PING_ATTEMPTS = 3
+PING_BACKOFF = 0.2
+PING_BACKOFF_MAX = 5.0
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS notify_channels (
@@ -369,14 +374,21 @@ class Notifier:
         assert self.client is not None
         error = ""
         for attempt in range(PING_ATTEMPTS):
+            wait: float | None = None
             try:
                 r = await self.client.post(self.hub_url, data={"hub.mode": "publish", "hub.topic": topic})
                 if 200 <= r.status_code < 300:
                     return True
                 error = f"status {r.status_code}: {r.text[:200]!r}"
+                if not retryable_status(r.status_code):  # the same ping gets the same answer
+                    break
+                wait = retry_after(r.status_code, r.headers)
             except httpx.HTTPError as exc:
                 error = f"{type(exc).__name__}: {exc}"
-            await trio.sleep(0.2 * 2**attempt)
+                if not transient_error(exc):
+                    break
+            if attempt + 1 < PING_ATTEMPTS:
+                await trio.sleep(backoff(attempt, base=PING_BACKOFF, cap=PING_BACKOFF_MAX, retry_after=wait))
         log.warning(
             "notify: ping of %s for %s failed: %s (subscribers will poll)", self.hub_url, topic, error
         )

@@ -37,10 +37,10 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..publish.hub import Hub, HubLimits, topics_under
 from ..rs import model
 from ..rs.model import Entry, Head, Link, Md
 from ..rs.write import iter_document_bytes
+from ..websub.hub import Hub, HubLimits, topics_under
 from .upstream import ChangeRecord, Upstream
 
 log = logging.getLogger("rsagg.demo")

@@ -5,11 +5,11 @@ harvest context is open (sets ``ctx.notifications``), builds the publisher app w
 ``create_app(..., **app_options(ctx))``, then ``run_notifications(nursery, ctx, stop_when=...)``;
 that is all (``start_notifications`` does both steps for tests). Parts (see their modules):
 
-- ``publish/hub.py`` — the embedded WebSub hub at ``[notifications] hub_path`` (unless ``hub`` names
+- ``websub/hub.py`` — the embedded WebSub hub at ``[notifications] hub_path`` (unless ``hub`` names
   an external hub); topics limited to rsagg's own URLs, payload POSTs off (rsagg publishes in-process).
-- ``publish/notify.py`` — rsagg's own channels: topic documents, Capability List entries, the
+- ``websub/notifier.py`` — rsagg's own channels: topic documents, Capability List entries, the
   change and framework notifications (woken by every harvest commit, ``HarvestContext.committed``).
-- ``harvest/subscriber.py`` — subscriptions to upstream channels, the callback routes, and the task of
+- ``websub/subscriber.py`` — subscriptions to upstream channels, the callback routes, and the task of
   every followed source (``poll_source`` hands them over through ``ctx.notifications``).
 
 Off entirely with ``[notifications] enabled = false``. Changing ``[notifications]`` or
@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
-from . import __version__, outbound
-from .harvest.context import HarvestContext
+from .. import __version__, outbound
+from ..harvest.context import HarvestContext
 
 if TYPE_CHECKING:  # imported when used: the daemon imports this module, harvest-only runs need no more
     from starlette.routing import BaseRoute
 
-    from .harvest.subscriber import Subscriber, SubscriberSettings
-    from .publish.hub import Hub, HubLimits
-    from .publish.notify import Notifier
+    from .hub import Hub, HubLimits
+    from .notifier import Notifier
+    from .subscriber import Subscriber, SubscriberSettings
 
 log = logging.getLogger("rsagg.notify")
 
@@ -104,9 +104,9 @@ def prepare_notifications(
     nc = config.notifications
     if not nc.enabled:
         return None
-    from .harvest.subscriber import Subscriber
-    from .publish.hub import Hub, topics_under
-    from .publish.notify import Notifier
+    from .hub import Hub, topics_under
+    from .notifier import Notifier
+    from .subscriber import Subscriber
 
     base = config.server.base_url
     # The harvester's policy (outbound.py): subscription requests go to hubs that upstream documents name.
