@@ -4,7 +4,8 @@ The shape, types and ranges are declared on the config dataclasses and checked b
 keys, wrong types (strict: "5" is no number, 5 no string, true no int) and out-of-range values come back
 as one ``ConfigError`` per problem with its key path (``sources[2].interval``). What pydantic cannot see
 in one field (duplicate names, ``[[sets]]`` naming known sources, auth that never holds a secret inline)
-is checked after it, in the same error form.
+is checked after it, in the same error form. Configs built in code (``Config()``, ``dataclasses.replace``)
+are checked by the same types, raising pydantic's ValidationError.
 
 Why pydantic rather than msgspec: its dataclasses stay standard frozen dataclasses, so every caller's
 ``dataclasses.replace``, ``fields`` and ``repr`` (a cache key of renderings) keep working, and each error
@@ -41,8 +42,11 @@ from pydantic_core import PydanticCustomError
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}\Z")
 #: ``server.offload``: who sends a resource's bytes (see ServerConfig).
-OFFLOAD_MODES = ("none", "x-accel", "redirect")
-SOURCE_KINDS = ("resourcesync", "oai-pmh")
+Offload = Literal["none", "x-accel", "redirect"]
+OFFLOAD_MODES: tuple[str, ...] = get_args(Offload)
+#: ``sources.kind``: the protocol a source speaks.
+SourceKind = Literal["resourcesync", "oai-pmh"]
+SOURCE_KINDS: tuple[str, ...] = get_args(SourceKind)
 
 
 class ConfigError(Exception):
@@ -63,13 +67,14 @@ def _rule(ok: Callable[[Any], bool], problem: Callable[[Any], str]) -> AfterVali
 
     def check(value: Any) -> Any:
         if not ok(value):
-            raise PydanticCustomError("rsagg", "{problem}", {"problem": problem(value)})
+            raise _fail(problem(value))
         return value
 
     return AfterValidator(check)
 
 
 def _fail(problem: str) -> PydanticCustomError:
+    """An error whose text is ours, word for word (``_problem`` passes it through)."""
     return PydanticCustomError("rsagg", "{problem}", {"problem": problem})
 
 
@@ -89,7 +94,6 @@ def _is_offload_location(loc: str) -> bool:
 
 _HUB_PATH = re.compile(r"/[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*\Z")
 
-Int = StrictInt
 Float = StrictFloat
 Bool = StrictBool
 Str = StrictStr
@@ -142,7 +146,7 @@ class ServerConfig:
     #: Who sends a resource's bytes: "none" (rsagg), "x-accel" (nginx in front, through an internal
     #: location, see ``config/nginx.conf``) or "redirect" (a blob store with URLs, e.g. S3: presigned or
     #: public). rsagg still decides visibility, 404/410, 304 and the headers in every mode.
-    offload: Literal["none", "x-accel", "redirect"] = "none"
+    offload: Offload = "none"
     #: "x-accel": the internal nginx location mapped onto the blob store's root (ends with "/").
     offload_location: Annotated[
         Str, _rule(_is_offload_location, lambda v: f"must be a path like /_rsagg_blobs/, not {v!r}")
@@ -213,7 +217,7 @@ class SourceConfig:
     #: Per-source plugin settings, ``plugins.NAME = {...}``: overlaid on ``[plugins.NAME]``.
     plugins: dict[str, Table] = field(default_factory=dict)
     #: "resourcesync" (default) or "oai-pmh" (``harvest/oaipmh.py``: ``url`` is the base URL).
-    kind: Literal["resourcesync", "oai-pmh"] = "resourcesync"
+    kind: SourceKind = "resourcesync"
     metadata_prefix: NonEmptyStr = "oai_dc"  # oai-pmh only
     set: NonEmptyStr | None = None  # oai-pmh only: a setSpec to harvest selectively
     #: oai-pmh only: seconds between full walks that sweep what is no longer listed (0 = the first only)
@@ -394,7 +398,12 @@ def _problem(error: Any) -> str:
     if kind in _TYPE_NAMES:
         return f"must be {_TYPE_NAMES[kind]}, not {value!r}"
     if kind in ("dict_type", "dataclass_type"):
-        return "must be a table" if "auth" in loc else f"must be a table, not {value!r}"  # auth: secrets
+        # A string here may be a secret put where its table belongs (auth, a plugin's settings): not shown.
+        return (
+            "must be a table"
+            if isinstance(value, str) or "auth" in loc
+            else f"must be a table, not {value!r}"
+        )
     if kind in ("tuple_type", "list_type"):
         if loc in (("sources",), ("sets",)):
             return f"must be an array of tables ([[{loc[0]}]])"

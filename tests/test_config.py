@@ -325,6 +325,9 @@ def test_auth_values_are_never_echoed():
     with pytest.raises(ConfigError) as err:
         parse_config({"sources": [{"name": "a", "url": "http://x/", "auth": "s3cret"}]}, "t.toml")
     assert err.value.key == "sources[0].auth" and "s3cret" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_config({"plugins": {"s3": "s3cret"}}, "t.toml")  # a key where its table belongs
+    assert err.value.key == "plugins.s3" and "s3cret" not in str(err.value)
 
 
 def test_configs_stay_frozen_dataclasses_checked_on_replace():
@@ -343,3 +346,16 @@ def test_configs_stay_frozen_dataclasses_checked_on_replace():
     assert fewer.server.max_readers == 1 and hash(fewer.server) != hash(cfg.server)
     with pytest.raises(ValidationError):
         dataclasses.replace(cfg.server, max_readers="1")
+
+
+def test_cli_reports_every_problem_on_its_own_line(tmp_path, capsys):
+    from aggregator.cli import main
+
+    path = write(
+        tmp_path, '[store]\nsettings = 5\n[[sources]]\nname = "a"\nurl = "http://x/"\ninterval = "5"\n'
+    )
+    assert main(["status", "-c", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"rsagg status: config error: {path}: store.settings: must be a table, not 5",
+        f"{path}: sources[0].interval: must be float, not '5'",
+    ]
