@@ -94,6 +94,7 @@ def _is_offload_location(loc: str) -> bool:
 
 _HUB_PATH = re.compile(r"/[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*\Z")
 
+# The field types: strict scalars, their ranges and one-field rules (a failure names the field's key).
 Float = StrictFloat
 Bool = StrictBool
 Str = StrictStr
@@ -107,6 +108,32 @@ Name = Annotated[
 ]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 Table = dict[str, Any]
+_UrlOrEmpty = Annotated[Str, _rule(lambda v: not v or _is_url(v), lambda v: f"not an http(s) URL: {v!r}")]
+_Listen = Annotated[Str, _rule(_is_listen, lambda v: f"must be HOST:PORT, not {v!r}")]
+_OffloadLocation = Annotated[
+    Str, _rule(_is_offload_location, lambda v: f"must be a path like /_rsagg_blobs/, not {v!r}")
+]
+_RedirectLifetime = Annotated[
+    Float, _rule(lambda v: 1 <= v <= 7 * 86400, lambda v: "must be 1 s to 7 days (604800 s, the S3 limit)")
+]
+_Synchronous = Annotated[
+    Str, _rule(lambda v: v.upper() in ("NORMAL", "FULL"), lambda v: f"must be NORMAL or FULL, not {v!r}")
+]
+_Fraction = Annotated[Float, _rule(lambda v: 0 <= v < 1, lambda v: "must be in [0, 1)")]
+_HeaderValue = Annotated[
+    Str,
+    _rule(
+        lambda v: not any(ord(c) < 32 or ord(c) == 127 for c in v),
+        lambda v: "must not hold control characters",
+    ),
+]
+_HubPath = Annotated[
+    Str,
+    _rule(
+        lambda v: bool(_HUB_PATH.match(v)) and not v.startswith("/."),
+        lambda v: f"must be a plain absolute path like /hub, not {v!r}",
+    ),
+]
 
 
 def _source_names(value: Any) -> tuple[str, ...]:
@@ -135,7 +162,7 @@ def _networks(value: Any) -> tuple[str, ...] | None:
 
 @dataclass(frozen=True, config=_STRICT)
 class ServerConfig:
-    listen: Annotated[Str, _rule(_is_listen, lambda v: f"must be HOST:PORT, not {v!r}")] = "127.0.0.1:8080"
+    listen: _Listen = "127.0.0.1:8080"
     base_url: Annotated[Url, AfterValidator(lambda v: v.rstrip("/"))] = "http://127.0.0.1:8080"
     #: Database connections serving requests at once (each document stream holds one while it streams);
     #: more requests wait a little, then get 503 + Retry-After. Bounds the server's memory under a crawl.
@@ -148,23 +175,16 @@ class ServerConfig:
     #: public). rsagg still decides visibility, 404/410, 304 and the headers in every mode.
     offload: Offload = "none"
     #: "x-accel": the internal nginx location mapped onto the blob store's root (ends with "/").
-    offload_location: Annotated[
-        Str, _rule(_is_offload_location, lambda v: f"must be a path like /_rsagg_blobs/, not {v!r}")
-    ] = "/_rsagg_blobs/"
+    offload_location: _OffloadLocation = "/_rsagg_blobs/"
     #: "redirect": seconds a presigned URL stays valid (a public bucket URL does not expire).
-    redirect_lifetime: Annotated[
-        Float,
-        _rule(lambda v: 1 <= v <= 7 * 86400, lambda v: "must be 1 s to 7 days (604800 s, the S3 limit)"),
-    ] = 3600.0
+    redirect_lifetime: _RedirectLifetime = 3600.0
 
 
 @dataclass(frozen=True, config=_STRICT)
 class StoreConfig:
     path: Str = "./data"
     #: SQLite synchronous mode: NORMAL survives a process crash; FULL also a power loss (slower).
-    synchronous: Annotated[
-        Str, _rule(lambda v: v.upper() in ("NORMAL", "FULL"), lambda v: f"must be NORMAL or FULL, not {v!r}")
-    ] = "NORMAL"
+    synchronous: _Synchronous = "NORMAL"
     #: SQLite page cache of the harvester's writing connection, MiB (its reader uses 8). It fills up as the
     #: database grows: 64 MiB took a 200,000-resource baseline to 156 MB RSS (target < 150), 32 MiB to
     #: 119 MB, with no measurable change in the time spent writing state (benchmarks/bench_harvest.py).
@@ -180,9 +200,7 @@ class HarvestConfig:
     """Defaults for every source; a source may override the ones marked per-source."""
 
     interval: NonNegFloat = 300.0  # seconds between polls (per source)
-    jitter: Annotated[Float, _rule(lambda v: 0 <= v < 1, lambda v: "must be in [0, 1)")] = (
-        0.1  # +- fraction of the interval, so sources do not poll in lockstep
-    )
+    jitter: _Fraction = 0.1  # +- fraction of the interval, so sources do not poll in lockstep
     per_host: AtLeastOne = 8  # concurrent requests per upstream host
     max_connections: AtLeastOne = 64
     workers: AtLeastOne = 16  # concurrent resource fetches per set
@@ -195,13 +213,7 @@ class HarvestConfig:
     use_dumps: Bool = True  # baseline from a Resource Dump when one is advertised
     batch_size: AtLeastOne = 256  # changes committed per state transaction
     #: Sent on every request; "" = ``harvest/access.py`` DEFAULT_USER_AGENT (rsagg/VERSION (+project URL)).
-    user_agent: Annotated[
-        Str,
-        _rule(
-            lambda v: not any(ord(c) < 32 or ord(c) == 127 for c in v),
-            lambda v: "must not hold control characters",
-        ),
-    ] = ""
+    user_agent: _HeaderValue = ""
     max_rate: NonNegFloat = 0.0  # requests per second per source (0 = no limit besides per_host)
 
 
@@ -247,16 +259,8 @@ class NotificationsConfig:
     """
 
     enabled: Bool = True  # advertise + publish own channels, subscribe to upstream channels
-    hub: Annotated[Str, _rule(lambda v: not v or _is_url(v), lambda v: f"not an http(s) URL: {v!r}")] = (
-        ""  # external hub URL for rsagg's own channels; "" = the embedded hub
-    )
-    hub_path: Annotated[
-        Str,
-        _rule(
-            lambda v: bool(_HUB_PATH.match(v)) and not v.startswith("/."),
-            lambda v: f"must be a plain absolute path like /hub, not {v!r}",
-        ),
-    ] = "/hub"  # where the embedded hub is served
+    hub: _UrlOrEmpty = ""  # external hub URL for rsagg's own channels; "" = the embedded hub
+    hub_path: _HubPath = "/hub"  # where the embedded hub is served
     lease_seconds: AtLeastOne = 86_400  # lease rsagg asks for when it subscribes (renewed before it ends)
     accept_sha1: Bool = False  # accept X-Hub-Signature: sha1=... (WebSub §7.1 allows it; weak)
     max_entries: AtLeastOne = 1000  # entries per change notification; a burst is split (never a sitemapindex)
