@@ -1,119 +1,256 @@
-"""The TOML configuration: strict (unknown keys are errors), with messages naming file, key and problem."""
+"""The TOML configuration: strict (unknown keys are errors), with messages naming file, key and problem.
+
+The shape, types and ranges are declared on the config dataclasses and checked by pydantic v2: unknown
+keys, wrong types (strict: "5" is no number, 5 no string, true no int) and out-of-range values come back
+as one ``ConfigError`` per problem with its key path (``sources[2].interval``). What pydantic cannot see
+in one field (duplicate names, ``[[sets]]`` naming known sources, auth that never holds a secret inline)
+is checked after it, in the same error form. Configs built in code (``Config()``, ``dataclasses.replace``)
+are checked by the same types, raising pydantic's ValidationError.
+
+Why pydantic rather than msgspec: its dataclasses stay standard frozen dataclasses, so every caller's
+``dataclasses.replace``, ``fields`` and ``repr`` (a cache key of renderings) keep working, and each error
+comes with a structured location, type and context we turn into our own wording; msgspec's Structs are
+not dataclasses and its errors carry the path only inside the message text. Speed does not matter for a
+file read at start and on reload.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 import re
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
+
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+)
+from pydantic.dataclasses import dataclass
+from pydantic_core import PydanticCustomError
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}\Z")
 #: ``server.offload``: who sends a resource's bytes (see ServerConfig).
-OFFLOAD_MODES = ("none", "x-accel", "redirect")
+Offload = Literal["none", "x-accel", "redirect"]
+OFFLOAD_MODES: tuple[str, ...] = get_args(Offload)
+#: ``sources.kind``: the protocol a source speaks.
+SourceKind = Literal["resourcesync", "oai-pmh"]
+SOURCE_KINDS: tuple[str, ...] = get_args(SourceKind)
 
 
 class ConfigError(Exception):
-    """A configuration problem; ``str()`` reads ``FILE: KEY: PROBLEM``."""
+    """A configuration problem; ``str()`` reads ``FILE: KEY: PROBLEM`` (one line per further problem)."""
 
-    def __init__(self, file: str, key: str, problem: str) -> None:
-        super().__init__(f"{file}: {key}: {problem}")
-        self.file, self.key, self.problem = file, key, problem
+    def __init__(self, file: str, key: str, problem: str, more: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__("\n".join(f"{file}: {k}: {p}" for k, p in ((key, problem), *more)))
+        self.file, self.key, self.problem, self.more = file, key, problem, more
 
 
-@dataclass(frozen=True)
+#: Unknown keys are errors; numbers are finite. Scalars are strict through their types below (containers
+#: stay lax: a TOML array becomes a tuple, a table a dataclass).
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _rule(ok: Callable[[Any], bool], problem: Callable[[Any], str]) -> AfterValidator:
+    """A one-field check whose failure reads as ``problem(value)`` at that field's key."""
+
+    def check(value: Any) -> Any:
+        if not ok(value):
+            raise _fail(problem(value))
+        return value
+
+    return AfterValidator(check)
+
+
+def _fail(problem: str) -> PydanticCustomError:
+    """An error whose text is ours, word for word (``_problem`` passes it through)."""
+    return PydanticCustomError("rsagg", "{problem}", {"problem": problem})
+
+
+def _is_url(value: str) -> bool:
+    parts = urlsplit(value)
+    return parts.scheme in ("http", "https") and bool(parts.netloc)
+
+
+def _is_listen(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _is_offload_location(loc: str) -> bool:
+    return loc.startswith("/") and loc.endswith("/") and not any(c in loc for c in "?#%\r\n ")
+
+
+_HUB_PATH = re.compile(r"/[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*\Z")
+
+# The field types: strict scalars, their ranges and one-field rules (a failure names the field's key).
+Float = StrictFloat
+Bool = StrictBool
+Str = StrictStr
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+NonNegFloat = Annotated[StrictFloat, Field(ge=0)]
+AtLeastOne = Annotated[StrictInt, Field(ge=1)]
+Positive = Annotated[StrictFloat, Field(gt=0)]
+Url = Annotated[StrictStr, _rule(_is_url, lambda v: f"not an http(s) URL: {v!r}")]
+Name = Annotated[
+    StrictStr, _rule(NAME_RE.match, lambda v: f"{v!r} is not a short URL-safe name ([a-z0-9_-], max 63)")
+]
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+Table = dict[str, Any]
+_UrlOrEmpty = Annotated[Str, _rule(lambda v: not v or _is_url(v), lambda v: f"not an http(s) URL: {v!r}")]
+_Listen = Annotated[Str, _rule(_is_listen, lambda v: f"must be HOST:PORT, not {v!r}")]
+_OffloadLocation = Annotated[
+    Str, _rule(_is_offload_location, lambda v: f"must be a path like /_rsagg_blobs/, not {v!r}")
+]
+_RedirectLifetime = Annotated[
+    Float, _rule(lambda v: 1 <= v <= 7 * 86400, lambda v: "must be 1 s to 7 days (604800 s, the S3 limit)")
+]
+_Synchronous = Annotated[
+    Str, _rule(lambda v: v.upper() in ("NORMAL", "FULL"), lambda v: f"must be NORMAL or FULL, not {v!r}")
+]
+_Fraction = Annotated[Float, _rule(lambda v: 0 <= v < 1, lambda v: "must be in [0, 1)")]
+_HeaderValue = Annotated[
+    Str,
+    _rule(
+        lambda v: not any(ord(c) < 32 or ord(c) == 127 for c in v),
+        lambda v: "must not hold control characters",
+    ),
+]
+_HubPath = Annotated[
+    Str,
+    _rule(
+        lambda v: bool(_HUB_PATH.match(v)) and not v.startswith("/."),
+        lambda v: f"must be a plain absolute path like /hub, not {v!r}",
+    ),
+]
+
+
+def _source_names(value: Any) -> tuple[str, ...]:
+    """``[[sets]] sources``: a non-empty array of source names (which exist is checked with the sources)."""
+    if not isinstance(value, list | tuple) or not value:
+        raise _fail("must be a non-empty array of source names")
+    for name in value:
+        if not isinstance(name, str):
+            raise _fail(f"must hold source names, not {name!r}")
+    return tuple(value)
+
+
+def _networks(value: Any) -> tuple[str, ...] | None:
+    """``outbound.allow``: networks exactly as named (host bits set are an error), kept as strings."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not all(isinstance(a, str) for a in value):
+        raise _fail(f"must be an array of networks (CIDR), not {value!r}")
+    for net in value:
+        try:
+            ipaddress.ip_network(net.strip(), strict=True)
+        except ValueError as exc:
+            raise _fail(f"{net!r} is not a network: {exc}") from None
+    return tuple(a.strip() for a in value)
+
+
+@dataclass(frozen=True, config=_STRICT)
 class ServerConfig:
-    listen: str = "127.0.0.1:8080"
-    base_url: str = "http://127.0.0.1:8080"
+    listen: _Listen = "127.0.0.1:8080"
+    base_url: Annotated[Url, AfterValidator(lambda v: v.rstrip("/"))] = "http://127.0.0.1:8080"
     #: Database connections serving requests at once (each document stream holds one while it streams);
     #: more requests wait a little, then get 503 + Retry-After. Bounds the server's memory under a crawl.
-    max_readers: int = 32
+    max_readers: AtLeastOne = 32
     #: Connections one client address may hold open at once (serverguard.py); 0 = no cap. Behind a reverse
     #: proxy every client is the proxy: raise it or set 0, and let the proxy limit per client.
-    max_connections_per_client: int = 256
+    max_connections_per_client: NonNegInt = 256
     #: Who sends a resource's bytes: "none" (rsagg), "x-accel" (nginx in front, through an internal
     #: location, see ``config/nginx.conf``) or "redirect" (a blob store with URLs, e.g. S3: presigned or
     #: public). rsagg still decides visibility, 404/410, 304 and the headers in every mode.
-    offload: str = "none"
+    offload: Offload = "none"
     #: "x-accel": the internal nginx location mapped onto the blob store's root (ends with "/").
-    offload_location: str = "/_rsagg_blobs/"
+    offload_location: _OffloadLocation = "/_rsagg_blobs/"
     #: "redirect": seconds a presigned URL stays valid (a public bucket URL does not expire).
-    redirect_lifetime: float = 3600.0
+    redirect_lifetime: _RedirectLifetime = 3600.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class StoreConfig:
-    path: str = "./data"
+    path: Str = "./data"
     #: SQLite synchronous mode: NORMAL survives a process crash; FULL also a power loss (slower).
-    synchronous: str = "NORMAL"
+    synchronous: _Synchronous = "NORMAL"
     #: SQLite page cache of the harvester's writing connection, MiB (its reader uses 8). It fills up as the
     #: database grows: 64 MiB took a 200,000-resource baseline to 156 MB RSS (target < 150), 32 MiB to
     #: 119 MB, with no measurable change in the time spent writing state (benchmarks/bench_harvest.py).
-    cache_mib: int = 32
+    cache_mib: NonNegInt = 32
     #: Blob store backend, registered by a plugin (``rsagg_blob_stores``): "filesystem" or e.g. "s3".
-    backend: str = "filesystem"
+    backend: Str = "filesystem"
     #: The backend's own settings (``[store.settings]``).
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: Table = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class HarvestConfig:
     """Defaults for every source; a source may override the ones marked per-source."""
 
-    interval: float = 300.0  # seconds between polls (per source)
-    jitter: float = 0.1  # +- fraction of the interval, so sources do not poll in lockstep
-    per_host: int = 8  # concurrent requests per upstream host
-    max_connections: int = 64
-    workers: int = 16  # concurrent resource fetches per set
-    timeout: float = 30.0
-    retries: int = 4
-    backoff_base: float = 0.5
-    backoff_max: float = 60.0
-    max_document_bytes: int = 256 * 1024 * 1024
-    max_resource_bytes: int = 16 * 1024**3
-    use_dumps: bool = True  # baseline from a Resource Dump when one is advertised
-    batch_size: int = 256  # changes committed per state transaction
+    interval: NonNegFloat = 300.0  # seconds between polls (per source)
+    jitter: _Fraction = 0.1  # +- fraction of the interval, so sources do not poll in lockstep
+    per_host: AtLeastOne = 8  # concurrent requests per upstream host
+    max_connections: AtLeastOne = 64
+    workers: AtLeastOne = 16  # concurrent resource fetches per set
+    timeout: NonNegFloat = 30.0
+    retries: NonNegInt = 4
+    backoff_base: NonNegFloat = 0.5
+    backoff_max: NonNegFloat = 60.0
+    max_document_bytes: NonNegInt = 256 * 1024 * 1024
+    max_resource_bytes: NonNegInt = 16 * 1024**3
+    use_dumps: Bool = True  # baseline from a Resource Dump when one is advertised
+    batch_size: AtLeastOne = 256  # changes committed per state transaction
     #: Sent on every request; "" = ``harvest/access.py`` DEFAULT_USER_AGENT (rsagg/VERSION (+project URL)).
-    user_agent: str = ""
-    max_rate: float = 0.0  # requests per second per source (0 = no limit besides per_host)
+    user_agent: _HeaderValue = ""
+    max_rate: NonNegFloat = 0.0  # requests per second per source (0 = no limit besides per_host)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class SourceConfig:
-    name: str
-    url: str
-    interval: float | None = None
-    use_dumps: bool | None = None
-    enabled: bool = True
-    notifications: bool | None = None  # subscribe to its notification channels (default: [notifications])
-    notified_interval: float | None = None  # poll interval while notifications are live (safety net)
+    name: Name
+    url: Url
+    interval: NonNegFloat | None = None
+    use_dumps: Bool | None = None
+    enabled: Bool = True
+    notifications: Bool | None = None  # subscribe to its notification channels (default: [notifications])
+    notified_interval: Positive | None = None  # poll interval while notifications are live (safety net)
     #: Per-source plugin settings, ``plugins.NAME = {...}``: overlaid on ``[plugins.NAME]``.
-    plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
+    plugins: dict[str, Table] = field(default_factory=dict)
     #: "resourcesync" (default) or "oai-pmh" (``harvest/oaipmh.py``: ``url`` is the base URL).
-    kind: str = "resourcesync"
-    metadata_prefix: str = "oai_dc"  # oai-pmh only
-    set: str | None = None  # oai-pmh only: a setSpec to harvest selectively
+    kind: SourceKind = "resourcesync"
+    metadata_prefix: NonEmptyStr = "oai_dc"  # oai-pmh only
+    set: NonEmptyStr | None = None  # oai-pmh only: a setSpec to harvest selectively
     #: oai-pmh only: seconds between full walks that sweep what is no longer listed (0 = the first only)
-    full_harvest_interval: float = 0.0
-    max_rate: float | None = None  # requests/s to this source (default harvest.max_rate)
+    full_harvest_interval: NonNegFloat = 0.0
+    max_rate: NonNegFloat | None = None  # requests/s to this source (default harvest.max_rate)
     #: Credentials sent to the source's own origin only, read from files or the environment
     #: (``AUTH_KEYS``): checked for shape here, read by ``harvest/access.py`` when a harvest starts.
-    auth: dict[str, Any] = field(default_factory=dict)
+    auth: Table = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class PublishConfig:
     """How rsagg republishes what it holds (spec §6-§14; issue text "Publish contracts")."""
 
-    changelist_size: int = 10_000  # changes per Change List window (global changelog seq)
-    dump_interval: float = 86_400.0  # seconds between Resource Dumps (0 = off)
-    keep_collection_links: bool = False  # §14.8: collection links may not fit the aggregator's copy
-    keep_canonical_links: bool = False  # §14.8: same for canonical
+    changelist_size: AtLeastOne = 10_000  # changes per Change List window (global changelog seq)
+    dump_interval: NonNegFloat = 86_400.0  # seconds between Resource Dumps (0 = off)
+    keep_collection_links: Bool = False  # §14.8: collection links may not fit the aggregator's copy
+    keep_canonical_links: Bool = False  # §14.8: same for canonical
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class NotificationsConfig:
     """Change and Framework Notification over WebSub, both ways (spec/NOTES.md, ``websub/``).
 
@@ -121,37 +258,37 @@ class NotificationsConfig:
     hub (generic WebSub publishing: ``hub.mode=publish`` ping, the hub fetches the topic).
     """
 
-    enabled: bool = True  # advertise + publish own channels, subscribe to upstream channels
-    hub: str = ""  # external hub URL for rsagg's own channels; "" = the embedded hub
-    hub_path: str = "/hub"  # where the embedded hub is served
-    lease_seconds: int = 86_400  # lease rsagg asks for when it subscribes (renewed before it ends)
-    accept_sha1: bool = False  # accept X-Hub-Signature: sha1=... (WebSub §7.1 allows it; weak)
-    max_entries: int = 1000  # entries per change notification; a burst is split (never a sitemapindex)
-    notified_interval: float = 3600.0  # default poll interval of a source whose channels are live
+    enabled: Bool = True  # advertise + publish own channels, subscribe to upstream channels
+    hub: _UrlOrEmpty = ""  # external hub URL for rsagg's own channels; "" = the embedded hub
+    hub_path: _HubPath = "/hub"  # where the embedded hub is served
+    lease_seconds: AtLeastOne = 86_400  # lease rsagg asks for when it subscribes (renewed before it ends)
+    accept_sha1: Bool = False  # accept X-Hub-Signature: sha1=... (WebSub §7.1 allows it; weak)
+    max_entries: AtLeastOne = 1000  # entries per change notification; a burst is split (never a sitemapindex)
+    notified_interval: Positive = 3600.0  # default poll interval of a source whose channels are live
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class OutboundConfig:
     """Where rsagg's own requests may connect (``outbound.py``, docs/security.md)."""
 
     #: Networks opened although the policy refuses them (loopback, private, link-local, ...), exactly as
     #: named, e.g. ["10.1.0.0/16", "fd00:1::/64"]. Unset: none, except loopback on a local instance
     #: (``server.listen`` and ``server.base_url`` both loopback: the demo, development, tests).
-    allow: tuple[str, ...] | None = None
+    allow: Annotated[tuple[str, ...] | None, BeforeValidator(_networks)] = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class SetConfig:
     """A published set grouping the state sets of several sources under one Capability List (§9)."""
 
-    name: str
-    sources: tuple[str, ...] = ()
-    describedby: str | None = None  # §8/§9: a document about the set
+    name: Name
+    sources: Annotated[tuple[str, ...], BeforeValidator(_source_names)]
+    describedby: Url | None = None  # §8/§9: a document about the set
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class Config:
-    file: str = "<defaults>"
+    file: Str = "<defaults>"
     server: ServerConfig = field(default_factory=ServerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     harvest: HarvestConfig = field(default_factory=HarvestConfig)
@@ -159,7 +296,7 @@ class Config:
     publish: PublishConfig = field(default_factory=PublishConfig)
     sets: tuple[SetConfig, ...] = ()
     #: ``[plugins.NAME]`` tables: ``enabled = false`` turns a plugin off, the rest are its settings.
-    plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
+    plugins: dict[str, Table] = field(default_factory=dict)
     notifications: NotificationsConfig = field(default_factory=NotificationsConfig)
     outbound: OutboundConfig = field(default_factory=OutboundConfig)
 
@@ -198,134 +335,111 @@ class Config:
         return self.notifications.notified_interval
 
 
-def _check_url(file: str, key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(file, key, f"must be a string URL, not {type(value).__name__}")
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(file, key, f"not an http(s) URL: {value!r}")
-    return value
-
-
-def _section(file: str, prefix: str, cls: type, table: Any, required: tuple[str, ...] = ()) -> Any:
-    """Build a dataclass from a TOML table, rejecting unknown keys and wrong types."""
-    if not isinstance(table, dict):
-        raise ConfigError(file, prefix, "must be a table")
-    known = {f.name: f for f in fields(cls)}
-    for key in table:
-        if key not in known:
-            raise ConfigError(file, f"{prefix}.{key}", f"unknown key (known: {', '.join(sorted(known))})")
-    for key in required:
-        if key not in table:
-            raise ConfigError(file, f"{prefix}.{key}", "missing")
-    kwargs = {}
-    for key, value in table.items():
-        expected = known[key].type
-        ok = {
-            "str": isinstance(value, str),
-            "bool": isinstance(value, bool),
-            "int": isinstance(value, int) and not isinstance(value, bool),
-            "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-            "float | None": isinstance(value, (int, float)) and not isinstance(value, bool),
-            "bool | None": isinstance(value, bool),
-        }.get(expected, True)
-        if not ok:
-            raise ConfigError(file, f"{prefix}.{key}", f"must be {expected.split(' |')[0]}, not {value!r}")
-        if expected in ("int", "float", "float | None") and value < 0:
-            raise ConfigError(file, f"{prefix}.{key}", f"must not be negative, not {value!r}")
-        kwargs[key] = float(value) if expected.startswith("float") else value
-    return cls(**kwargs)
-
-
-def _check_plugin_tables(file: str, key: str, tables: Any) -> None:
-    if not isinstance(tables, dict):
-        raise ConfigError(file, key, "must be a table of plugin tables")
-    for name, table in tables.items():
-        if not isinstance(table, dict):
-            raise ConfigError(file, f"{key}.{name}", "must be a table of settings")
-        if "enabled" in table and not isinstance(table["enabled"], bool):
-            raise ConfigError(file, f"{key}.{name}.enabled", "must be true or false")
+_CONFIG = TypeAdapter(Config)
 
 
 def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
     """Check and build a Config from parsed TOML."""
-    allowed = {"server", "store", "harvest", "sources", "publish", "sets", "plugins", "notifications"}
-    allowed.add("outbound")  # the outbound address policy (outbound.py)
-    for key in data:
-        if key not in allowed:
-            raise ConfigError(file, key, f"unknown section (known: {', '.join(sorted(allowed))})")
-    server = _section(file, "server", ServerConfig, data.get("server", {}))
-    _check_url(file, "server.base_url", server.base_url)
-    host, sep, port = server.listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(file, "server.listen", f"must be HOST:PORT, not {server.listen!r}")
-    if server.max_readers < 1:
-        raise ConfigError(file, "server.max_readers", "must be at least 1")
-    if server.offload not in OFFLOAD_MODES:
-        raise ConfigError(
-            file, "server.offload", f"must be one of {', '.join(OFFLOAD_MODES)}, not {server.offload!r}"
-        )
-    loc = server.offload_location
-    if not (loc.startswith("/") and loc.endswith("/")) or any(c in loc for c in "?#%\r\n "):
-        raise ConfigError(file, "server.offload_location", f"must be a path like /_rsagg_blobs/, not {loc!r}")
-    if server.redirect_lifetime < 1 or server.redirect_lifetime > 7 * 86400:
-        raise ConfigError(file, "server.redirect_lifetime", "must be 1 s to 7 days (604800 s, the S3 limit)")
-    if server.base_url.endswith("/"):
-        server = replace(server, base_url=server.base_url.rstrip("/"))
-    store = _section(file, "store", StoreConfig, data.get("store", {}))
-    if store.synchronous.upper() not in ("NORMAL", "FULL"):
-        raise ConfigError(file, "store.synchronous", f"must be NORMAL or FULL, not {store.synchronous!r}")
-    harvest = _section(file, "harvest", HarvestConfig, data.get("harvest", {}))
-    for key in ("per_host", "max_connections", "workers", "batch_size"):
-        if getattr(harvest, key) < 1:
-            raise ConfigError(file, f"harvest.{key}", "must be at least 1")
-    if not 0 <= harvest.jitter < 1:
-        raise ConfigError(file, "harvest.jitter", "must be in [0, 1)")
-    if any(ord(c) < 32 or ord(c) == 127 for c in harvest.user_agent):
-        raise ConfigError(file, "harvest.user_agent", "must not hold control characters")
-    raw_sources = data.get("sources", [])
-    if not isinstance(raw_sources, list):
-        raise ConfigError(file, "sources", "must be an array of tables ([[sources]])")
-    sources: list[SourceConfig] = []
+    if "file" in data:  # the one field of Config that is not a section
+        raise ConfigError(file, "file", f"unknown section (known: {', '.join(_known(()))})")
+    try:
+        config = _CONFIG.validate_python({**data, "file": file})
+    except ValidationError as exc:
+        problems = [(_key(e["loc"]), _problem(e)) for e in exc.errors(include_url=False)]
+        (key, problem), *more = problems
+        raise ConfigError(file, key, problem, tuple(more)) from None
     seen: set[str] = set()
-    for i, table in enumerate(raw_sources):
+    for i, src in enumerate(config.sources):
         prefix = f"sources[{i}]"
-        src = _section(file, prefix, SourceConfig, table, required=("name", "url"))
-        if not NAME_RE.match(src.name):
-            raise ConfigError(
-                file, f"{prefix}.name", f"{src.name!r} is not a short URL-safe name ([a-z0-9_-], max 63)"
-            )
         if src.name in seen:
             raise ConfigError(file, f"{prefix}.name", f"duplicate source name {src.name!r}")
         seen.add(src.name)
-        _check_url(file, f"{prefix}.url", src.url)
         _check_plugin_tables(file, f"{prefix}.plugins", src.plugins)
-        if src.notified_interval is not None and src.notified_interval <= 0:
-            raise ConfigError(file, f"{prefix}.notified_interval", "must be more than 0")
         _check_source_access(file, prefix, src)
-        sources.append(src)
-    publish = _section(file, "publish", PublishConfig, data.get("publish", {}))
-    if publish.changelist_size < 1:
-        raise ConfigError(file, "publish.changelist_size", "must be at least 1")
-    sets = _parse_sets(file, data.get("sets", []), sources)
-    plugins = data.get("plugins", {})
-    _check_plugin_tables(file, "plugins", plugins)
-    notifications = _parse_notifications(file, data.get("notifications", {}))
-    return Config(
-        file=file,
-        server=server,
-        store=store,
-        harvest=harvest,
-        sources=tuple(sources),
-        publish=publish,
-        sets=sets,
-        plugins=plugins,
-        notifications=notifications,
-        outbound=_parse_outbound(file, data.get("outbound", {})),
+    _check_sets(file, config.sets, config.sources)
+    _check_plugin_tables(file, "plugins", config.plugins)
+    return config
+
+
+def _key(loc: tuple[int | str, ...]) -> str:
+    """pydantic's location as the config's key path: ``sources[2].interval``."""
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else f".{part}" if key else str(part)
+    return key or "-"
+
+
+def _known(loc: tuple[int | str, ...]) -> list[str]:
+    """The keys the table at ``loc`` may hold (the fields of its dataclass), for "unknown key" errors."""
+    cls: Any = Config
+    for part in loc:
+        if isinstance(part, int):
+            cls = get_args(cls)[0]  # tuple[X, ...]
+        else:
+            fields_ = getattr(cls, "__pydantic_fields__", None)
+            if not fields_ or part not in fields_:
+                return []
+            cls = fields_[part].annotation
+    return sorted(
+        name for name in getattr(cls, "__pydantic_fields__", {}) if cls is not Config or name != "file"
     )
 
 
-SOURCE_KINDS = ("resourcesync", "oai-pmh")
+_TYPE_NAMES = {"int_type": "int", "float_type": "float", "bool_type": "bool", "string_type": "str"}
+
+
+def _problem(error: Any) -> str:
+    """One pydantic error in the config's own words (never its generic text with a documentation URL)."""
+    kind, loc, ctx, value = error["type"], error["loc"], error.get("ctx") or {}, error.get("input")
+    if kind == "rsagg":
+        return str(ctx["problem"])
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        what = "section" if len(loc) == 1 else "key"
+        known = _known(loc[:-1])
+        return f"unknown {what} (known: {', '.join(known)})" if known else f"unknown {what}"
+    if kind in ("missing", "missing_argument"):
+        return "missing"
+    if kind in _TYPE_NAMES:
+        return f"must be {_TYPE_NAMES[kind]}, not {value!r}"
+    if kind in ("dict_type", "dataclass_type"):
+        # A string here may be a secret put where its table belongs (auth, a plugin's settings): not shown.
+        return (
+            "must be a table"
+            if isinstance(value, str) or "auth" in loc
+            else f"must be a table, not {value!r}"
+        )
+    if kind in ("tuple_type", "list_type"):
+        if loc in (("sources",), ("sets",)):
+            return f"must be an array of tables ([[{loc[0]}]])"
+        return f"must be an array, not {value!r}"
+    if kind == "greater_than_equal":
+        return (
+            f"must not be negative, not {value!r}"
+            if ctx["ge"] == 0
+            else f"must be at least {_num(ctx['ge'])}"
+        )
+    if kind == "greater_than":
+        return f"must be more than {_num(ctx['gt'])}"
+    if kind == "literal_error":
+        expected = str(ctx["expected"]).replace("'", "").replace(" or ", ", ")
+        return f"must be one of {expected}, not {value!r}"
+    if kind == "string_too_short":
+        return "must be a non-empty string"
+    if kind == "finite_number":
+        return f"must be a finite number, not {value!r}"
+    return str(error["msg"])
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _check_plugin_tables(file: str, key: str, tables: dict[str, dict[str, Any]]) -> None:
+    for name, table in tables.items():
+        if "enabled" in table and not isinstance(table["enabled"], bool):
+            raise ConfigError(file, f"{key}.{name}.enabled", "must be true or false")
+
+
 #: ``[sources.auth]`` keys; each secret is named by a ``*_file`` or ``*_env`` key, never given inline.
 AUTH_KEYS = frozenset({"bearer_token_file", "bearer_token_env", "basic_username", "basic_password_file",
                        "basic_password_env", "headers"})  # fmt: skip
@@ -333,15 +447,8 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 
 
 def _check_source_access(file: str, prefix: str, src: SourceConfig) -> None:
-    """kind, OAI-PMH keys, max_rate and the shape of ``auth`` (secrets are read by harvest/access.py)."""
-    if src.kind not in SOURCE_KINDS:
-        raise ConfigError(
-            file, f"{prefix}.kind", f"must be one of {', '.join(SOURCE_KINDS)}, not {src.kind!r}"
-        )
-    if not src.metadata_prefix or not isinstance(src.metadata_prefix, str):
-        raise ConfigError(file, f"{prefix}.metadata_prefix", "must be a non-empty string")
-    if src.set is not None and (not isinstance(src.set, str) or not src.set):
-        raise ConfigError(file, f"{prefix}.set", "must be a non-empty setSpec string")
+    """OAI-PMH keys on OAI-PMH sources only, no password in the URL, the shape of ``auth`` (its secrets
+    are read by harvest/access.py, never given inline)."""
     if src.kind != "oai-pmh" and (
         src.set is not None or src.metadata_prefix != "oai_dc" or src.full_harvest_interval
     ):
@@ -351,8 +458,6 @@ def _check_source_access(file: str, prefix: str, src: SourceConfig) -> None:
     if urlsplit(src.url).password is not None:
         raise ConfigError(file, f"{prefix}.url", "holds a password: name it in [sources.auth] instead")
     auth, key = src.auth, f"{prefix}.auth"
-    if not isinstance(auth, dict):
-        raise ConfigError(file, key, "must be a table")
     for k, v in auth.items():
         if k not in AUTH_KEYS:
             raise ConfigError(file, f"{key}.{k}", f"unknown key (known: {', '.join(sorted(AUTH_KEYS))})")
@@ -386,66 +491,18 @@ def _check_source_access(file: str, prefix: str, src: SourceConfig) -> None:
             )  # fmt: skip
 
 
-_HUB_PATH = re.compile(r"/[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*\Z")
-
-
-def _parse_notifications(file: str, table: Any) -> NotificationsConfig:
-    n = _section(file, "notifications", NotificationsConfig, table)
-    if n.hub:
-        _check_url(file, "notifications.hub", n.hub)
-    if not _HUB_PATH.match(n.hub_path) or n.hub_path.startswith("/."):
-        raise ConfigError(
-            file, "notifications.hub_path", f"must be a plain absolute path like /hub, not {n.hub_path!r}"
-        )
-    if n.lease_seconds < 1:
-        raise ConfigError(file, "notifications.lease_seconds", "must be at least 1")
-    if n.max_entries < 1:
-        raise ConfigError(file, "notifications.max_entries", "must be at least 1")
-    if n.notified_interval <= 0:
-        raise ConfigError(file, "notifications.notified_interval", "must be more than 0")
-    return n
-
-
-def _parse_outbound(file: str, table: Any) -> OutboundConfig:
-    if isinstance(table, dict) and "allow" in table:
-        allow = table["allow"]
-        if not isinstance(allow, list) or not all(isinstance(a, str) for a in allow):
-            raise ConfigError(file, "outbound.allow", f"must be an array of networks (CIDR), not {allow!r}")
-        for value in allow:
-            try:
-                ipaddress.ip_network(value.strip(), strict=True)
-            except ValueError as exc:
-                raise ConfigError(file, "outbound.allow", f"{value!r} is not a network: {exc}") from None
-        table = {**table, "allow": tuple(a.strip() for a in allow)}
-    return _section(file, "outbound", OutboundConfig, table)
-
-
-def _parse_sets(file: str, raw: Any, sources: list[SourceConfig]) -> tuple[SetConfig, ...]:
+def _check_sets(file: str, sets: tuple[SetConfig, ...], sources: tuple[SourceConfig, ...]) -> None:
     """``[[sets]]``: each names known sources; a source belongs to at most one set, and a set name may
     not be the default published name of a source outside it (both would claim ``/NAME/``)."""
-    if not isinstance(raw, list):
-        raise ConfigError(file, "sets", "must be an array of tables ([[sets]])")
     known = {s.name for s in sources}
     names: set[str] = set()
     owner: dict[str, str] = {}  # source -> set name
-    out: list[SetConfig] = []
-    for i, table in enumerate(raw):
+    for i, st in enumerate(sets):
         prefix = f"sets[{i}]"
-        if isinstance(table, dict) and isinstance(table.get("sources"), list):
-            table = {**table, "sources": tuple(table["sources"])}
-        st = _section(file, prefix, SetConfig, table, required=("name", "sources"))
-        if not isinstance(st.name, str) or not NAME_RE.match(st.name):
-            raise ConfigError(
-                file, f"{prefix}.name", f"{st.name!r} is not a short URL-safe name ([a-z0-9_-], max 63)"
-            )
         if st.name in names:
             raise ConfigError(file, f"{prefix}.name", f"duplicate set name {st.name!r}")
         names.add(st.name)
-        if not isinstance(st.sources, tuple) or not st.sources:
-            raise ConfigError(file, f"{prefix}.sources", "must be a non-empty array of source names")
         for src in st.sources:
-            if not isinstance(src, str):
-                raise ConfigError(file, f"{prefix}.sources", f"must hold source names, not {src!r}")
             if src not in known:
                 raise ConfigError(file, f"{prefix}.sources", f"unknown source {src!r}")
             if src in owner:
@@ -453,15 +510,11 @@ def _parse_sets(file: str, raw: Any, sources: list[SourceConfig]) -> tuple[SetCo
                     file, f"{prefix}.sources", f"source {src!r} is already in set {owner[src]!r}"
                 )
             owner[src] = st.name
-        if st.describedby is not None:
-            _check_url(file, f"{prefix}.describedby", st.describedby)
-        out.append(st)
-    for i, st in enumerate(out):
+    for i, st in enumerate(sets):
         if st.name in known and owner.get(st.name) != st.name:
             raise ConfigError(
                 file, f"sets[{i}].name", f"{st.name!r} is the published name of source {st.name!r}"
             )
-    return tuple(out)
 
 
 def load_config(path: str | Path) -> Config:

@@ -261,3 +261,101 @@ def test_notifications_config_errors(tmp_path, text, key, problem):
     assert err.value.key == key
     assert problem in err.value.problem
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"),
+    [
+        ("[store]\nsettings = 5\n", "store.settings", "must be a table, not 5"),
+        (
+            '[[sources]]\nname = "a"\nurl = "http://x/"\ninterval = "5"\n',
+            "sources[0].interval",
+            "must be float",
+        ),
+        ('[[sources]]\nname = "a"\nurl = "http://x/"\ninterval = -5\n', "sources[0].interval", "negative"),
+        (
+            '[[sources]]\nname = "a"\nurl = "http://x/"\n[sources.auth]\nbearer = "x"\n',
+            "sources[0].auth.bearer",
+            "unknown key",
+        ),
+        ("[store]\n[store.nested]\nx = 1\n", "store.nested", "unknown key (known: backend, cache_mib, path,"),
+        ("[harvest]\nworkers = true\n", "harvest.workers", "must be int, not True"),
+        ("[harvest]\ninterval = true\n", "harvest.interval", "must be float, not True"),
+        ('[server]\nmax_readers = "5"\n', "server.max_readers", "must be int, not '5'"),
+        ("[server]\nlisten = 8080\n", "server.listen", "must be str, not 8080"),
+        ("[harvest]\ninterval = nan\n", "harvest.interval", "finite"),
+        (
+            '[[sources]]\nname = "a"\nurl = "http://x/"\nkind = "oai"\n',
+            "sources[0].kind",
+            "must be one of resourcesync, oai-pmh, not 'oai'",
+        ),
+        ('[sources]\nname = "a"\n', "sources", "array of tables ([[sources]])"),
+        ("[plugins]\nresourcefilter = 5\n", "plugins.resourcefilter", "must be a table"),
+        ('file = "other.toml"\n', "file", "unknown section"),
+    ],
+)
+def test_types_and_ranges_are_named_by_key_path(tmp_path, text, key, problem):
+    """Validation is pydantic's: a wrong type, range or key is a ConfigError naming the key path, in the
+    project's own words (never pydantic's text and its documentation URLs)."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.key == key
+    assert problem in err.value.problem
+    assert str(err.value).startswith(f"{path}: {key}: ")
+    assert "pydantic" not in str(err.value) and "http" not in str(err.value).replace("http://x/", "")
+
+
+def test_every_problem_is_reported_one_per_line(tmp_path):
+    path = write(tmp_path, "[harvest]\nworkers = 0\nretries = -1\n[publish]\ncolour = 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert (err.value.key, err.value.problem) == ("harvest.workers", "must be at least 1")
+    assert str(err.value).splitlines() == [
+        f"{path}: harvest.workers: must be at least 1",
+        f"{path}: harvest.retries: must not be negative, not -1",
+        f"{path}: publish.colour: unknown key (known: changelist_size, dump_interval, keep_canonical_links,"
+        " keep_collection_links)",
+    ]
+
+
+def test_auth_values_are_never_echoed():
+    from aggregator.config import parse_config
+
+    with pytest.raises(ConfigError) as err:
+        parse_config({"sources": [{"name": "a", "url": "http://x/", "auth": "s3cret"}]}, "t.toml")
+    assert err.value.key == "sources[0].auth" and "s3cret" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_config({"plugins": {"s3": "s3cret"}}, "t.toml")  # a key where its table belongs
+    assert err.value.key == "plugins.s3" and "s3cret" not in str(err.value)
+
+
+def test_configs_stay_frozen_dataclasses_checked_on_replace():
+    import dataclasses
+
+    from pydantic import ValidationError
+
+    from aggregator.config import parse_config
+
+    cfg = parse_config({"sources": [{"name": "a", "url": "http://x/", "interval": 5}]})
+    assert dataclasses.is_dataclass(cfg) and cfg.sources[0].interval == 5.0
+    assert isinstance(cfg.sources[0].interval, float)  # ints are taken as the float they stand for
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.server.max_readers = 1  # type: ignore[misc]
+    fewer = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, max_readers=1))
+    assert fewer.server.max_readers == 1 and hash(fewer.server) != hash(cfg.server)
+    with pytest.raises(ValidationError):
+        dataclasses.replace(cfg.server, max_readers="1")
+
+
+def test_cli_reports_every_problem_on_its_own_line(tmp_path, capsys):
+    from aggregator.cli import main
+
+    path = write(
+        tmp_path, '[store]\nsettings = 5\n[[sources]]\nname = "a"\nurl = "http://x/"\ninterval = "5"\n'
+    )
+    assert main(["status", "-c", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"rsagg status: config error: {path}: store.settings: must be a table, not 5",
+        f"{path}: sources[0].interval: must be float, not '5'",
+    ]
