@@ -16,7 +16,7 @@ from typing import Any
 import trio
 
 from ..harvest.context import HarvestContext
-from ..store.state import State
+from ..store.state import State, open_state
 from .documents import Site
 from .dumps import DumpBuilder, dump_routes
 from .site import build_site, link_policy, publish_filter
@@ -34,7 +34,7 @@ def dump_builder(ctx: HarvestContext) -> DumpBuilder | None:
         return None
     builder = getattr(ctx, "dumps", None)
     if builder is None:
-        state = State(config.store_path / "state.db", synchronous=config.store.synchronous)
+        state = open_state(config)
         builder = DumpBuilder(state, ctx.blobs, base_url=config.server.base_url)
         ctx.dumps = builder
     return builder

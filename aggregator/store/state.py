@@ -31,13 +31,18 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlite_utils import Database
 
 from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Link
 from ..rs.w3cdt import parse_w3c, utcnow
 
+if TYPE_CHECKING:
+    from ..config import Config
+
+#: The state database's file name inside ``[store] path``: spelled here only (``state_path``).
+STATE_FILE = "state.db"
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 #: Rows fetched per page by the iterators (bounded memory; the lock is released between pages).
 PAGE_SIZE = 1000
@@ -1144,3 +1149,19 @@ def _resource(r: tuple) -> Resource:
         md_extra=json.loads(r[12]) if r[12] else {}, entry_extra=json.loads(r[13]) if r[13] else [],
         deleted=bool(r[14]), updated_at=parse_dt(r[16]), generation=r[15],
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where the state lives: the one place that knows (callers never build the path themselves).
+
+
+def state_path(config: Config) -> Path:
+    """The state database of a configured rsagg: ``STATE_FILE`` in the store folder."""
+    return Path(config.store_path) / STATE_FILE
+
+
+def open_state(config: Config, *, readonly: bool = False, **options: Any) -> State:
+    """Open the configured state (created and migrated unless ``readonly``) with ``[store]
+    synchronous``; ``options`` are ``State``'s other keyword arguments (``cache_mib``, ``clock``...)."""
+    options.setdefault("synchronous", config.store.synchronous)
+    return State(state_path(config), readonly=readonly, **options)
