@@ -62,7 +62,7 @@ def filled(tmp_path: Path) -> Config:
         sid = st.ensure_set("up", UP + "capabilitylist.xml")
         st.apply(sid, [Change(UP + n, "created", sha(d), len(d), t, e) for n, (d, t, e) in BLOBS.items()])
         st.apply(sid, [Change(UP + "gone.txt", "deleted")])
-        assert [s["name"] for s in st.sets()] == ["up"]
+        assert [s.name for s in st.sets()] == ["up"]
     return cfg
 
 

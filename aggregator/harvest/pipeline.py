@@ -174,7 +174,7 @@ class Pipeline:
             for h in ("rsagg_resource_stored", "rsagg_resource_deleted", "rsagg_change_published")
         )
         self._metadata = MetadataRecords(ctx, set_id, source)
-        self._set_name = next((s["name"] for s in ctx.reader.sets() if s["id"] == set_id), str(set_id))
+        self._set_name = next((s.name for s in ctx.reader.sets() if s.id == set_id), str(set_id))
         # URIs with a failed change waiting to be retried (store/retries.py): cleared once one applies.
         self._retrying = retries.uris(ctx.reader, set_id)
         #: Those still to be tried (not ended), which a snapshot may supersede.

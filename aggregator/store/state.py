@@ -28,7 +28,6 @@ import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,7 @@ from sqlite_utils import Database
 
 from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Link
 from ..rs.w3cdt import parse_w3c, utcnow
+from .rows import Change, Cursor, DocumentRow, LogRecord, Resource, SetRow, SourceRow
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -48,78 +48,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 PAGE_SIZE = 1000
 SYNCHRONOUS = ("NORMAL", "FULL", "EXTRA")
 _MAX_INT = 2**63 - 1  # SQLite's largest INTEGER: "no upper bound" in range queries
-
-# ---------------------------------------------------------------------------------------------------
-# Values
-
-
-@dataclass(slots=True)
-class Cursor:
-    """Where incremental sync of a set stands in the upstream change stream (§12); None = unknown."""
-
-    baseline_at: datetime | None = None  # `at` of the snapshot the baseline came from
-    changelist_url: str | None = None  # change list we were reading last
-    last_datetime: datetime | None = None  # datetime (or lastmod) of the last applied change
-    same_datetime_count: int = 0  # changes with exactly last_datetime applied so far (ties)
-    list_index: int = 0  # entries consumed in changelist_url (for lists without datetimes)
-    list_until: datetime | None = None  # `until` of changelist_url when closed
-
-
-@dataclass(slots=True)
-class Change:
-    """One change entering the store (from a Resource List, Change List, dump or notification)."""
-
-    uri: str
-    change: str  # created | updated | deleted
-    sha256: str | None = None
-    length: int | None = None
-    type: str | None = None
-    encoding: str | None = None
-    hashes: dict[str, str] = field(default_factory=dict)  # upstream-announced tokens, verified
-    lastmod: datetime | None = None
-    upstream_datetime: datetime | None = None
-    links: list[Link] = field(default_factory=list)
-    md_extra: dict[str, str] = field(default_factory=dict)
-    entry_extra: list[str] = field(default_factory=list)
-    generation: int | None = None  # set when part of a baseline
-
-
-@dataclass(slots=True)
-class Resource:
-    """A resource as held now (``deleted`` rows are tombstones that keep the last known content)."""
-
-    id: int
-    set_id: int
-    uri: str
-    sha256: str | None
-    length: int | None
-    type: str | None
-    encoding: str | None
-    hashes: dict[str, str]  # "sha-256" (ours) plus "md5"/"sha-1" when upstream announced them
-    lastmod: datetime | None
-    upstream_datetime: datetime | None
-    links: list[Link]
-    md_extra: dict[str, str]
-    entry_extra: list[str]
-    deleted: bool
-    updated_at: datetime  # rsagg's clock: when this row last changed state
-    generation: int | None
-
-
-@dataclass(slots=True)
-class LogRecord:
-    """One changelog record: what rsagg republishes as a change (datetime is rsagg's own clock)."""
-
-    seq: int
-    set_id: int
-    resource_id: int
-    uri: str
-    change: str
-    datetime: datetime
-    sha256: str | None
-    length: int | None
-    type: str | None
-
 
 # ---------------------------------------------------------------------------------------------------
 # Encoding
@@ -482,14 +410,14 @@ class State:
                 (name, url, now, now),
             )
 
-    def sources(self) -> list[dict]:
+    def sources(self) -> list[SourceRow]:
         with self._lock:
-            return [_source_dict(r) for r in self.db.query("SELECT * FROM sources ORDER BY name")]
+            return [_source_row(r) for r in self.db.query("SELECT * FROM sources ORDER BY name")]
 
-    def source(self, name: str) -> dict | None:
+    def source(self, name: str) -> SourceRow | None:
         with self._lock:
             rows = list(self.db.query("SELECT * FROM sources WHERE name = ?", [name]))
-        return _source_dict(rows[0]) if rows else None
+        return _source_row(rows[0]) if rows else None
 
     def set_source_status(self, name: str, **fields: Any) -> None:
         """Update status columns (see SOURCE_STATUS_FIELDS); datetimes may be given as datetime."""
@@ -539,14 +467,12 @@ class State:
 
     # -- documents -------------------------------------------------------------------------------
 
-    def document(self, url: str) -> dict | None:
+    def document(self, url: str) -> DocumentRow | None:
         with self._lock:
             rows = list(self.db.query("SELECT * FROM documents WHERE url = ?", [url]))
         if not rows:
             return None
-        d = rows[0]
-        d["fetched_at"] = parse_dt(d["fetched_at"])
-        return d
+        return DocumentRow(**{**rows[0], "fetched_at": parse_dt(rows[0]["fetched_at"])})
 
     def put_document(
         self,
@@ -593,13 +519,13 @@ class State:
             )
             return cur.lastrowid
 
-    def sets(self, source: str | None = None) -> list[dict]:
-        """id, source, capabilitylist_url, name, generation, baseline_generation (open baseline)."""
+    def sets(self, source: str | None = None) -> list[SetRow]:
+        """The sets (of one source), by id."""
         sql = "SELECT id, source, capabilitylist_url, name, generation, baseline_generation FROM sets"
         with self._lock:
             if source is None:
-                return list(self.db.query(sql + " ORDER BY id"))
-            return list(self.db.query(sql + " WHERE source = ? ORDER BY id", [source]))
+                return [SetRow(**r) for r in self.db.query(sql + " ORDER BY id")]
+            return [SetRow(**r) for r in self.db.query(sql + " WHERE source = ? ORDER BY id", [source])]
 
     def cursor(self, set_id: int) -> Cursor | None:
         with self._lock:
@@ -1127,11 +1053,11 @@ def _check_sha(sha256: str) -> None:
         raise ValueError(f"not a lowercase hex SHA-256: {sha256!r}")
 
 
-def _source_dict(d: dict) -> dict:
+def _source_row(d: dict) -> SourceRow:
     for k in _SOURCE_TIMES:
         if d.get(k) is not None:
             d[k] = parse_dt(d[k])
-    return d
+    return SourceRow(**d)
 
 
 def _resource(r: tuple) -> Resource:
