@@ -248,6 +248,18 @@ _UPDATE_RES = (
     + " WHERE id = ?"
 )
 _SELECT_RES = "SELECT id, " + ", ".join(_RES_COLS) + " FROM resources"
+# Positions in a row being written (_RES_COLS order, its id appended last) ...
+_W_UPSTREAM, _W_DELETED, _W_GENERATION = (
+    _RES_COLS.index(c) for c in ("upstream_datetime", "deleted", "generation")
+)
+_W_SHA256, _W_ID = _RES_COLS.index("sha256"), len(_RES_COLS)
+# ... and in a row read by _SELECT_RES (id first, then _RES_COLS).
+(
+    _R_SET, _R_URI, _R_SHA256, _R_LENGTH, _R_TYPE, _R_ENCODING, _R_MD5, _R_SHA1, _R_LASTMOD, _R_UPSTREAM,
+    _R_LINKS, _R_MD_EXTRA, _R_ENTRY_EXTRA, _R_DELETED, _R_GENERATION, _R_UPDATED,
+) = range(1, len(_RES_COLS) + 1)  # fmt: skip
+# What _apply knows of a uri of the batch: [id, sha256, live, stored] (stored: the row exists on disk).
+_C_ID, _C_SHA256, _C_LIVE, _C_STORED = range(4)
 _LOG_COLS = ("seq", "set_id", "resource_id", "uri", "change", "datetime", "sha256", "length", "type")
 _INSERT_LOG = (
     "INSERT INTO changelog (set_id, resource_id, uri, change, datetime, sha256, length, type) "
@@ -600,7 +612,7 @@ class State:
     ) -> list[Change]:
         # 1. What is stored now, for every uri of the batch (one query; json_each avoids variable limits).
         uris = list(dict.fromkeys(ch.uri for ch in changes))
-        current: dict[str, list] = {}  # uri -> [id, sha256, live, stored]
+        current: dict[str, list] = {}  # uri -> [id, sha256, live, stored] (the _C_* positions)
         if uris:
             for rid, uri, sha, deleted in c.execute(
                 "SELECT id, uri, sha256, deleted FROM resources "
@@ -612,7 +624,7 @@ class State:
         if len(current) < len(uris):
             next_id = c.execute("SELECT coalesce(max(id), 0) FROM resources").fetchone()[0]
         # 2. Decide, change by change; collapse to the final row per uri; keep the log in order.
-        rows: dict[str, list] = {}  # uri -> column values (_RES_COLS order) + [id]
+        rows: dict[str, list] = {}  # uri -> column values (_RES_COLS order) + [id] (the _W_* positions)
         tombstones: dict[int, tuple] = {}  # id of a stored row -> (generation, upstream_datetime)
         seen: dict[int, int] = {}  # id -> generation, for no-ops during a baseline
         log: list[tuple] = []  # changelog rows
@@ -620,44 +632,44 @@ class State:
         for ch in changes:
             gen = ch.generation if ch.generation is not None else open_generation
             cur = current.get(ch.uri)
-            live = cur is not None and cur[2]
+            live = cur is not None and cur[_C_LIVE]
             if ch.change == DELETED:
                 if not live:
                     continue
-                cur[2] = False
+                cur[_C_LIVE] = False
                 row = rows.get(ch.uri)
                 if row is not None:  # created/updated earlier in this batch: write it as a tombstone
-                    row[13] = 1
+                    row[_W_DELETED] = 1
                     if gen is not None:
-                        row[14] = gen
+                        row[_W_GENERATION] = gen
                     if ch.upstream_datetime is not None:
-                        row[9] = format_dt(ch.upstream_datetime)
+                        row[_W_UPSTREAM] = format_dt(ch.upstream_datetime)
                 else:
-                    tombstones[cur[0]] = (gen, format_dt(ch.upstream_datetime))
-                log.append((set_id, cur[0], ch.uri, DELETED, now, None, None, None))
+                    tombstones[cur[_C_ID]] = (gen, format_dt(ch.upstream_datetime))
+                log.append((set_id, cur[_C_ID], ch.uri, DELETED, now, None, None, None))
                 applied.append(ch)
                 continue
-            if live and cur[1] == ch.sha256:
+            if live and cur[_C_SHA256] == ch.sha256:
                 if gen is not None:
                     if ch.uri in rows:
-                        rows[ch.uri][14] = gen
+                        rows[ch.uri][_W_GENERATION] = gen
                     else:
-                        seen[cur[0]] = gen
+                        seen[cur[_C_ID]] = gen
                 continue
             kind = UPDATED if live else CREATED
             if cur is None:
                 next_id += 1
                 cur = current[ch.uri] = [next_id, ch.sha256, True, False]
             else:
-                cur[1], cur[2] = ch.sha256, True
-                tombstones.pop(cur[0], None)
+                cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
+                tombstones.pop(cur[_C_ID], None)
             h = ch.hashes
             rows[ch.uri] = [
                 set_id, ch.uri, ch.sha256, ch.length, ch.type, ch.encoding, h.get("md5"), h.get("sha-1"),
                 format_dt(ch.lastmod), format_dt(ch.upstream_datetime), _links_json(ch.links),
-                _json(ch.md_extra), _json(ch.entry_extra), 0, gen, now, cur[0],
+                _json(ch.md_extra), _json(ch.entry_extra), 0, gen, now, cur[_C_ID],
             ]  # fmt: skip
-            log.append((set_id, cur[0], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
+            log.append((set_id, cur[_C_ID], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
             applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
         # 3. Write: no-op marks, tombstones, new rows, changed rows, then the log.
         if seen:
@@ -673,10 +685,10 @@ class State:
         if rows:
             new, old = [], []
             for uri, row in rows.items():
-                if current[uri][3]:
-                    old.append(row[2:])
+                if current[uri][_C_STORED]:
+                    old.append(row[_W_SHA256:])  # _UPDATE_RES: the columns after uri, then the id
                 else:
-                    new.append((row[-1], *row[:-1]))
+                    new.append((row[_W_ID], *row[:_W_ID]))
             if new:
                 c.executemany(_INSERT_RES, new)
             if old:
@@ -1061,19 +1073,22 @@ def _source_row(d: dict) -> SourceRow:
 
 
 def _resource(r: tuple) -> Resource:
-    # r: id, then _RES_COLS
+    # r: id, then _RES_COLS (the _R_* positions)
     hashes = {}
-    if r[3] is not None:
-        hashes["sha-256"] = r[3]
-    if r[7] is not None:
-        hashes["md5"] = r[7]
-    if r[8] is not None:
-        hashes["sha-1"] = r[8]
+    if r[_R_SHA256] is not None:
+        hashes["sha-256"] = r[_R_SHA256]
+    if r[_R_MD5] is not None:
+        hashes["md5"] = r[_R_MD5]
+    if r[_R_SHA1] is not None:
+        hashes["sha-1"] = r[_R_SHA1]
+    md_extra, entry_extra = r[_R_MD_EXTRA], r[_R_ENTRY_EXTRA]
     return Resource(
-        id=r[0], set_id=r[1], uri=r[2], sha256=r[3], length=r[4], type=r[5], encoding=r[6], hashes=hashes,
-        lastmod=parse_dt(r[9]), upstream_datetime=parse_dt(r[10]), links=_links_from(r[11]),
-        md_extra=json.loads(r[12]) if r[12] else {}, entry_extra=json.loads(r[13]) if r[13] else [],
-        deleted=bool(r[14]), updated_at=parse_dt(r[16]), generation=r[15],
+        id=r[0], set_id=r[_R_SET], uri=r[_R_URI], sha256=r[_R_SHA256], length=r[_R_LENGTH], type=r[_R_TYPE],
+        encoding=r[_R_ENCODING], hashes=hashes, lastmod=parse_dt(r[_R_LASTMOD]),
+        upstream_datetime=parse_dt(r[_R_UPSTREAM]), links=_links_from(r[_R_LINKS]),
+        md_extra=json.loads(md_extra) if md_extra else {},
+        entry_extra=json.loads(entry_extra) if entry_extra else [],
+        deleted=bool(r[_R_DELETED]), updated_at=parse_dt(r[_R_UPDATED]), generation=r[_R_GENERATION],
     )  # fmt: skip
 
 
