@@ -493,6 +493,29 @@ def test_migrations_idempotent_and_pragmas(db_path: Path, clock: Clock) -> None:
         State(db_path, synchronous="OFF")
 
 
+def test_dump_tables_made_before_they_were_a_migration_are_kept(db_path: Path) -> None:
+    """Stores whose dump tables publish/dumps.py created itself (schema version 4) upgrade in place."""
+    conn = sqlite3.connect(db_path)
+    for step in MIGRATIONS[:4]:
+        for statement in step:
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version = 4")
+    for statement in MIGRATIONS[4]:  # as the dump builder did, before this was migration 5
+        conn.execute(statement)
+    conn.execute(
+        "INSERT INTO publish_dumps (set_name, kind, part, sha256, length, manifest_sha256, manifest_length, "
+        "entries, bytes, created) VALUES ('s', 'changedump', 1, ?, 1, ?, 1, 1, 1, 't')",
+        (A, B),
+    )
+    conn.commit()
+    conn.close()
+    with State(db_path) as st:
+        assert st.schema_version == len(MIGRATIONS) == 5
+        assert st.conn.execute("SELECT sha256 FROM publish_dumps").fetchall() == [(A,)]
+    with State(db_path, readonly=True) as ro:  # a reader accepts the upgraded store
+        assert {"publish_dumps", "publish_dump_runs"} <= set(ro.db.table_names())
+
+
 def test_newer_schema_is_refused(db_path: Path) -> None:
     State(db_path).close()
     conn = sqlite3.connect(db_path)

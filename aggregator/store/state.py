@@ -223,6 +223,44 @@ MIGRATIONS: list[tuple[str, ...]] = [
     (  # 4: the URL discovery used instead of the configured one when that failed (rsagg status)
         "ALTER TABLE sources ADD COLUMN using_url TEXT",
     ),
+    (  # 5: rsagg's own Resource Dump runs and Resource/Change Dump packages (publish/dumps.py). Until this
+        # step publish/dumps.py created them itself, so IF NOT EXISTS: a store that has them keeps them.
+        """CREATE TABLE IF NOT EXISTS publish_dump_runs (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            set_name TEXT NOT NULL,
+            at TEXT NOT NULL,              -- snapshot started (§11.1 at)
+            completed TEXT NOT NULL,       -- snapshot completed (§11.1 completed)
+            last_seq INTEGER NOT NULL,     -- global changelog seq when the snapshot started
+            set_ids TEXT NOT NULL,         -- JSON list of the state sets it covers
+            packages INTEGER NOT NULL,
+            entries INTEGER NOT NULL,
+            bytes INTEGER NOT NULL,
+            created TEXT NOT NULL
+        )""",
+        "CREATE INDEX IF NOT EXISTS publish_dump_runs_set ON publish_dump_runs(set_name, id)",
+        """CREATE TABLE IF NOT EXISTS publish_dumps (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,   -- never reused: Resource Dump package URLs name it
+            set_name TEXT NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ('resourcedump', 'changedump')),
+            run INTEGER,                   -- resourcedump: publish_dump_runs.id
+            part INTEGER NOT NULL,         -- 1-based package number within the run (1 for changedump)
+            window INTEGER,                -- changedump: Change List window K (its URL number)
+            first_seq INTEGER,             -- changedump: the window is seq in (first_seq, last_seq]
+            last_seq INTEGER,
+            sha256 TEXT NOT NULL,          -- the ZIP blob
+            length INTEGER NOT NULL,
+            manifest_sha256 TEXT NOT NULL, -- manifest.xml, also a blob (the rel="contents" copy)
+            manifest_length INTEGER NOT NULL,
+            at TEXT, completed TEXT,       -- resourcedump
+            from_ TEXT, until TEXT,        -- changedump
+            entries INTEGER NOT NULL,
+            bytes INTEGER NOT NULL,        -- bitstream bytes (uncompressed)
+            created TEXT NOT NULL,
+            UNIQUE (set_name, kind, window)
+        )""",
+        "CREATE INDEX IF NOT EXISTS publish_dumps_run ON publish_dumps(run)",
+        "CREATE INDEX IF NOT EXISTS publish_dumps_set ON publish_dumps(set_name, kind, id)",
+    ),
 ]
 
 SOURCE_STATUS_FIELDS = frozenset(
@@ -358,6 +396,18 @@ class State:
         self.close()
 
     # -- plumbing --------------------------------------------------------------------------------
+
+    def own_connection(self, *, readonly: bool = False, busy_timeout: float = 30.0) -> sqlite3.Connection:
+        """A second connection to this database for a module keeping tables of its own (publish/dumps.py):
+        autocommit (the caller runs ``BEGIN IMMEDIATE``), usable from any thread under the caller's lock;
+        ``readonly`` opens it ``mode=ro`` (it never creates the file). The caller closes it."""
+        if readonly:
+            return sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True)
+        conn = sqlite3.connect(
+            str(self.path), timeout=busy_timeout, check_same_thread=False, isolation_level=None
+        )
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        return conn
 
     @property
     def schema_version(self) -> int:
