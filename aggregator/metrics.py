@@ -58,7 +58,7 @@ from . import __version__
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from .store.state import State
+    from .store.interface import StateStore
 
 log = logging.getLogger("rsagg.metrics")
 
@@ -510,7 +510,7 @@ class Metrics:
 
     # ------------------------------------------------------------------ scrape
 
-    def refresh_from_state(self, state: State, *, now: float | None = None) -> None:
+    def refresh_from_state(self, state: StateStore, *, now: float | None = None) -> None:
         """Read sources, cursors and the changelog position (blocking: in a worker thread), and start a
         walk of the store when one is due. Called by ``/metrics`` before ``exposition``."""
         sources = state.sources()

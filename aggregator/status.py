@@ -18,9 +18,8 @@ from .config import Config
 from .harvest.progress import describe, figures, format_duration
 from .publish.sets import published_sets
 from .rs.w3cdt import format_w3c, utcnow
-from .store import retries
+from .store.interface import StateStore
 from .store.rows import SourceRow
-from .store.state import State
 
 
 def _time(value: datetime | str | None) -> str | None:
@@ -59,12 +58,12 @@ def lag_since(cur: Any, last_success: datetime | None) -> tuple[datetime | None,
     return pos, "change list" if pos else None
 
 
-def source_rows(state: State, names: Sequence[str], *, now: datetime | None = None) -> list[dict]:
+def source_rows(state: StateStore, names: Sequence[str], *, now: datetime | None = None) -> list[dict]:
     """One row per source, configured ones first (a source never harvested shows as 'new'), then
     sources the state still holds but the configuration no longer names."""
     now = now or utcnow()
     known = {s.name: s for s in state.sources()}
-    waiting = retries.by_source(state)
+    waiting = state.retries_by_source()
     rows = []
     for name in [*names, *sorted(set(known) - set(names))]:
         s = known.get(name)
@@ -116,7 +115,7 @@ def source_rows(state: State, names: Sequence[str], *, now: datetime | None = No
     return rows
 
 
-def set_rows(state: State, config: Config) -> list[dict]:
+def set_rows(state: StateStore, config: Config) -> list[dict]:
     """The published sets (``publish/sets.py``) with their resources, sources and Capability List."""
     state_sets = state.sets()
     source_of = {s.id: s.source for s in state_sets}
@@ -144,7 +143,7 @@ def _interrupted(rows: list[dict], running: bool | None) -> list[dict]:
 
 
 def collect(
-    state: State, config: Config, *, now: datetime | None = None, running: bool | None = None
+    state: StateStore, config: Config, *, now: datetime | None = None, running: bool | None = None
 ) -> dict[str, Any]:
     """Everything the status displays show (``rsagg status --json`` prints exactly this). ``running``:
     whether a harvesting process holds the store (``store/lock.py``; None: not known)."""

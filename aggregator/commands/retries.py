@@ -14,7 +14,6 @@ import sys
 
 from ..harvest.context import check_store
 from ..status import one_line
-from ..store import retries
 from ..store.state import open_state, state_path
 from ._common import add_config_arguments, start
 
@@ -39,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
         cleared = 0
     else:
         with open_state(config) as state:
-            rows = [r for r in retries.rows(state, args.source) if not args.ended or r["state"] == "ended"]
-            cleared = retries.clear(state, args.source, ended_only=args.ended) if args.clear else 0
+            rows = [r for r in state.retry_rows(args.source) if not args.ended or r["state"] == "ended"]
+            cleared = state.clear_retries(args.source, ended_only=args.ended) if args.clear else 0
     if args.json:
         json.dump({"retries": rows, "cleared": cleared}, sys.stdout, indent=2)
         print()

@@ -25,7 +25,8 @@ from ..config import Config, ConfigError
 from ..metrics import Metrics, current_source
 from ..plugins import Plugins
 from ..store.blobs import BlobStore, BlobWriter
-from ..store.state import State, open_state
+from ..store.interface import StateStore
+from ..store.state import open_state
 from .access import Access, user_agent
 from .fetch import Fetcher
 from .patch import PatchApplier, builtin_patch_formats
@@ -43,8 +44,8 @@ class HarvestContext:
     config: Config
     fetcher: Fetcher
     blobs: BlobStore
-    reader: State
-    writer: State
+    reader: StateStore
+    writer: StateStore
     patch_formats: dict[str, PatchApplier] = field(default_factory=builtin_patch_formats)
     plugins: Plugins = field(default_factory=lambda: Plugins(entry_point_plugins=False))
     #: source -> (done, expected or None): live progress of the running baseline (``harvest/progress.py``).

@@ -57,6 +57,7 @@ from ..plugins import Plugins
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
+from ..store.interface import StateStore
 from ..store.state import Resource, State
 from . import documents, status_page
 from .doccache import CacheWriter, DocumentCache, fingerprint
@@ -88,8 +89,8 @@ POOL_IDLE = 8
 #: Seconds a request waits for a database connection when all ``server.max_readers`` are in use.
 READER_WAIT = 10.0
 
-Build = Callable[[Site, State, PublishedSet, datetime], "Doc | None"]
-Validate = Callable[[Site, State, PublishedSet], "Validity | None"]
+Build = Callable[[Site, StateStore, PublishedSet, datetime], "Doc | None"]
+Validate = Callable[[Site, StateStore, PublishedSet], "Validity | None"]
 #: Cache-Control (for a CDN or browser in front): lists that may change, and closed Change List windows.
 CACHE_OPEN = "public, max-age=10"
 CACHE_CLOSED = "public, max-age=86400"
@@ -223,7 +224,7 @@ class Publisher:
     def base_url(self) -> str:
         return self.config.server.base_url
 
-    def site(self, state: State) -> Site:
+    def site(self, state: StateStore) -> Site:
         """The published sets as the state has them now, and how to write their URLs (blocking)."""
         return build_site(
             self.config,
@@ -319,7 +320,7 @@ class Prepared:
 
 def _prepare(
     pub: Publisher,
-    state: State,
+    state: StateStore,
     name: str | None,
     build: Build,
     validate: Validate,
@@ -465,7 +466,7 @@ async def resource(request: Request) -> Response:
         return gone(None, 404)
     set_name, uri = parsed
 
-    def answer(state: State) -> tuple[Response | None, Resource | None, str]:
+    def answer(state: StateStore) -> tuple[Response | None, Resource | None, str]:
         site = pub.site(state)
         ps = site.sets.get(set_name)
         if ps is None:

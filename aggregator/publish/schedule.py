@@ -16,7 +16,8 @@ from typing import Any
 import trio
 
 from ..harvest.context import HarvestContext
-from ..store.state import State, open_state
+from ..store.interface import StateStore
+from ..store.state import open_state
 from .documents import Site
 from .dumps import DumpBuilder, dump_routes
 from .site import build_site, link_policy, publish_filter
@@ -52,7 +53,7 @@ def dump_app_options(ctx: HarvestContext, options: dict[str, Any]) -> dict[str, 
     }
 
 
-def _site(ctx: HarvestContext, state: State) -> Site:
+def _site(ctx: HarvestContext, state: StateStore) -> Site:
     """The Site the app serves (sets, link policy, publish filter): a package holds what the lists show."""
     plugins = ctx.plugins
     return build_site(

@@ -27,14 +27,14 @@ import re
 import secrets
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlite_utils import Database
 
-from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Link
+from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Link
 from ..rs.w3cdt import parse_w3c, utcnow
 from .rows import Change, Cursor, DocumentRow, LogRecord, Resource, SetRow, SourceRow
 
@@ -804,6 +804,44 @@ class State:
         if gone:
             self._last_log_time = log_time
         return [Change(uri, DELETED, generation=generation) for _, uri in gone]
+
+    # -- retries (the SQL is store/retries.py's; these are the seam's names for it) ------------------
+
+    def pending_retries(self, set_id: int) -> list[tuple[Entry, str, int]]:
+        """(entry, change, attempts) of every failed change of a set still to be tried, oldest first."""
+        from . import retries  # retries.py builds on this module
+
+        return retries.pending(self, set_id)
+
+    def retry_uris(self, set_id: int) -> set[str]:
+        """Every URI of a set with a retry row, ended ones included."""
+        from . import retries
+
+        return retries.uris(self, set_id)
+
+    def end_retries(self, set_id: int, ended: Iterable[str], reason: str) -> None:
+        """Mark retries as ended (no longer listed upstream): kept to be seen, not tried."""
+        from . import retries
+
+        retries.end(self, set_id, ended, reason)
+
+    def retry_rows(self, sources: Iterable[str] = ()) -> list[dict]:
+        """Every retry (waiting or ended) with its source and set, for ``rsagg retries`` (JSON-ready)."""
+        from . import retries
+
+        return retries.rows(self, sources)
+
+    def clear_retries(self, sources: Iterable[str] = (), *, ended_only: bool = False) -> int:
+        """Forget retries (of some sources; only ended ones). Returns how many."""
+        from . import retries
+
+        return retries.clear(self, sources, ended_only=ended_only)
+
+    def retries_by_source(self) -> dict[str, dict[str, int]]:
+        """Source -> {"waiting": n, "ended": m}, for the status displays."""
+        from . import retries
+
+        return retries.by_source(self)
 
     # -- reads -----------------------------------------------------------------------------------
 
