@@ -14,7 +14,7 @@ import aggregator
 from aggregator.store import interface
 from aggregator.store.interface import StateStore
 from aggregator.store.rows import DocumentRow, SetRow, SourceRow
-from aggregator.store.state import STATE_FILE, State
+from aggregator.store.state import STATE_FILE, State, connect
 
 PROTOCOL_METHODS = sorted(
     name for name, value in vars(StateStore).items() if callable(value) and not name.startswith("_")
@@ -66,3 +66,10 @@ def test_only_the_store_knows_where_the_state_lives() -> None:
         if f'"{STATE_FILE}"' in p.read_text(encoding="utf-8")
     }
     assert spelled - STILL_BY_PATH == {"store/state.py"}
+
+
+def test_the_factory_names_a_location_it_cannot_open(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no state backend for postgresql://"):
+        connect("postgresql://rsagg@db.example.org/rsagg")
+    with connect(tmp_path / STATE_FILE) as st:  # a path: the SQLite file, created and migrated
+        assert isinstance(st, State) and st.sources() == []

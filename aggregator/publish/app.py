@@ -58,7 +58,7 @@ from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore
-from ..store.state import Resource, State
+from ..store.state import Resource, connect
 from . import documents, status_page
 from .doccache import CacheWriter, DocumentCache, fingerprint
 from .documents import (
@@ -102,7 +102,7 @@ class ServerBusy(Exception):
 
 
 class ReaderPool:
-    """Read-only ``State`` connections (``State(readonly=True)``), reused across requests, at most
+    """Read-only state connections (``store.state.connect(readonly=True)``), reused across requests, at most
     ``max_open`` at once.
 
     A connection is used by one request at a time (sqlite3 connections must not be shared
@@ -120,8 +120,8 @@ class ReaderPool:
         self.max_idle = max_idle
         self.max_open = max_open
         self.wait = READER_WAIT if wait is None else wait
-        self._idle: list[State] = []
-        self._lent: weakref.WeakSet[State] = weakref.WeakSet()
+        self._idle: list[StateStore] = []
+        self._lent: weakref.WeakSet[StateStore] = weakref.WeakSet()
         self._opening = 0  # connections being opened in a worker thread: their slots are taken
         self._closed = False
 
@@ -129,7 +129,7 @@ class ReaderPool:
     def in_use(self) -> int:
         return len(self._lent) + self._opening
 
-    async def acquire(self) -> State:
+    async def acquire(self) -> StateStore:
         if self.in_use >= self.max_open:
             # Saturated (rare): look again every 20 ms; a release never has to wake anyone up, which
             # also lets a collected, never-released connection free its slot.
@@ -142,13 +142,13 @@ class ReaderPool:
         if state is None:
             self._opening += 1
             try:
-                state = await trio.to_thread.run_sync(lambda: State(self.path, readonly=True, cache_mib=16))
+                state = await trio.to_thread.run_sync(lambda: connect(self.path, readonly=True, cache_mib=16))
             finally:
                 self._opening -= 1
         self._lent.add(state)
         return state
 
-    def release(self, state: State) -> None:
+    def release(self, state: StateStore) -> None:
         if state not in self._lent:
             return  # given back already
         self._lent.discard(state)
@@ -158,7 +158,7 @@ class ReaderPool:
             self._idle.append(state)
 
     @contextlib.asynccontextmanager
-    async def reader(self) -> AsyncIterator[State]:
+    async def reader(self) -> AsyncIterator[StateStore]:
         state = await self.acquire()
         try:
             yield state
@@ -513,7 +513,7 @@ def create_app(
     """
     state_path = Path(state_path)
     state_path.parent.mkdir(parents=True, exist_ok=True)
-    State(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
+    connect(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
     publisher = Publisher(config, blobs, state_path, dumps_available, plugins, extra_capabilities, metrics)
 
     fast: list[ResourceFastPath] = []  # the hot route's middleware, once starlette has built it

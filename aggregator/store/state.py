@@ -1193,4 +1193,14 @@ def open_state(config: Config, *, readonly: bool = False, **options: Any) -> Sta
     """Open the configured state (created and migrated unless ``readonly``) with ``[store]
     synchronous``; ``options`` are ``State``'s other keyword arguments (``cache_mib``, ``clock``...)."""
     options.setdefault("synchronous", config.store.synchronous)
-    return State(state_path(config), readonly=readonly, **options)
+    return connect(state_path(config), readonly=readonly, **options)
+
+
+def connect(location: Path | str, *, readonly: bool = False, **options: Any) -> State:
+    """The state at ``location`` (what ``state_path`` gives): the one factory every opener goes through,
+    so the backend is chosen here, from the location (the SQLite file; another backend would be named by
+    a URL such as ``postgresql://...``)."""
+    if isinstance(location, str) and "://" in location:
+        scheme = location.split("://", 1)[0]
+        raise ValueError(f"no state backend for {scheme}:// locations (the state is a SQLite file)")
+    return State(location, readonly=readonly, **options)
