@@ -38,6 +38,7 @@ from .publish.schedule import run_dumps
 from .rs import parse
 from .serverguard import ServerLimits
 from .serving import serve
+from .store.state import state_path
 from .websub.service import prepare_notifications, run_notifications
 
 log = logging.getLogger("rsagg.daemon")
@@ -82,7 +83,7 @@ def publisher_app(config: Config, ctx: HarvestContext) -> ASGIApp:
 
     options = dump_app_options(ctx, app_options(ctx))  # + the dump documents, packages, manifests
     options["metrics"] = ctx.metrics  # /metrics shows this process's harvest too (metrics.py)
-    return create_app(config, blobs=ctx.blobs, state_path=config.store_path / "state.db", **options)
+    return create_app(config, blobs=ctx.blobs, state_path=state_path(config), **options)
 
 
 def source_settings(config: Config, src: SourceConfig) -> tuple[Any, ...]:

@@ -58,7 +58,7 @@ from . import __version__
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from .store.state import State
+    from .store.interface import StateStore
 
 log = logging.getLogger("rsagg.metrics")
 
@@ -510,15 +510,15 @@ class Metrics:
 
     # ------------------------------------------------------------------ scrape
 
-    def refresh_from_state(self, state: State, *, now: float | None = None) -> None:
+    def refresh_from_state(self, state: StateStore, *, now: float | None = None) -> None:
         """Read sources, cursors and the changelog position (blocking: in a worker thread), and start a
         walk of the store when one is due. Called by ``/metrics`` before ``exposition``."""
         sources = state.sources()
         sets = state.sets()
-        cursors = {s["id"]: state.cursor(s["id"]) for s in sets}
+        cursors = {s.id: state.cursor(s.id) for s in sets}
         mono = time.monotonic()
         if mono - self._counts[0] >= COUNT_EVERY:
-            self._counts = (mono, {s["name"]: state.count_resources(source=s["name"]) for s in sources})
+            self._counts = (mono, {s.name: state.count_resources(source=s.name) for s in sources})
         self._state_snapshot = {
             "sources": sources,
             "sets": sets,
@@ -676,29 +676,29 @@ class Metrics:
         from .status import lag_since  # the one definition of lag (status.py imports what imports this)
 
         positions: dict[str, float] = {}
-        success = {s["name"]: s.get("last_success") for s in snap["sources"]}
+        success = {s.name: s.last_success for s in snap["sources"]}
         for s in snap["sets"]:
-            cur = snap["cursors"].get(s["id"])
+            cur = snap["cursors"].get(s.id)
             ts = _timestamp(cur.last_datetime or cur.baseline_at) if cur is not None else None
             if ts is not None:
-                cursor.add_metric([s["source"], s["name"]], ts)
-            since = _timestamp(lag_since(cur, success.get(s["source"]))[0])
+                cursor.add_metric([s.source, s.name], ts)
+            since = _timestamp(lag_since(cur, success.get(s.source))[0])
             if since is not None:
-                positions[s["source"]] = max(positions.get(s["source"], since), since)
+                positions[s.source] = max(positions.get(s.source, since), since)
         for s in snap["sources"]:
-            name = s["name"]
-            for fam, value in ((last_success, s.get("last_success")), (last_attempt, s.get("last_attempt"))):
+            name = s.name
+            for fam, value in ((last_success, s.last_success), (last_attempt, s.last_attempt)):
                 if isinstance(value, datetime):
                     fam.add_metric([name], value.timestamp())
-            state.add_metric([name, s.get("state") or "new"], 1)
+            state.add_metric([name, s.state or "new"], 1)
             if name in snap["counts"]:
                 resources.add_metric([name], snap["counts"][name])
             if name in positions:
                 lag.add_metric([name], max(0.0, now - positions[name]))
-            if s.get("state") == "syncing" and s.get("progress_done") is not None:
-                done.add_metric([name], s["progress_done"])
-                if s.get("progress_total"):
-                    expected.add_metric([name], s["progress_total"])
+            if s.state == "syncing" and s.progress_done is not None:
+                done.add_metric([name], s.progress_done)
+                if s.progress_total:
+                    expected.add_metric([name], s.progress_total)
         seq = GaugeMetricFamily("rsagg_changelog_last_seq", "Highest seq of rsagg's own change log")
         seq.add_metric([], snap["last_seq"])
         yield from (last_success, last_attempt, state, resources, lag, done, expected, cursor, seq)

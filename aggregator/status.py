@@ -18,8 +18,8 @@ from .config import Config
 from .harvest.progress import describe, figures, format_duration
 from .publish.sets import published_sets
 from .rs.w3cdt import format_w3c, utcnow
-from .store import retries
-from .store.state import State
+from .store.interface import StateStore
+from .store.rows import SourceRow
 
 
 def _time(value: datetime | str | None) -> str | None:
@@ -27,17 +27,17 @@ def _time(value: datetime | str | None) -> str | None:
     return format_w3c(value) if isinstance(value, datetime) else value
 
 
-def _progress(s: dict) -> dict | None:
+def _progress(s: SourceRow | None) -> dict | None:
     """done/total/percent/rate/eta of the running sync; None when none runs or it counted nothing."""
-    if s.get("state") != "syncing" or not s.get("progress_done"):
+    if s is None or s.state != "syncing" or not s.progress_done:
         return None
-    start, saved = s.get("last_attempt"), s.get("updated_at")
+    start, saved = s.last_attempt, s.updated_at
     elapsed = (
         (saved - start).total_seconds()
         if isinstance(start, datetime) and isinstance(saved, datetime)
         else None
     )
-    p = figures(s["progress_done"], s.get("progress_total"), elapsed)
+    p = figures(s.progress_done, s.progress_total, elapsed)
     p["text"] = describe(p)
     return p
 
@@ -58,28 +58,28 @@ def lag_since(cur: Any, last_success: datetime | None) -> tuple[datetime | None,
     return pos, "change list" if pos else None
 
 
-def source_rows(state: State, names: Sequence[str], *, now: datetime | None = None) -> list[dict]:
+def source_rows(state: StateStore, names: Sequence[str], *, now: datetime | None = None) -> list[dict]:
     """One row per source, configured ones first (a source never harvested shows as 'new'), then
     sources the state still holds but the configuration no longer names."""
     now = now or utcnow()
-    known = {s["name"]: s for s in state.sources()}
-    waiting = retries.by_source(state)
+    known = {s.name: s for s in state.sources()}
+    waiting = state.retries_by_source()
     rows = []
     for name in [*names, *sorted(set(known) - set(names))]:
-        s = known.get(name, {})
+        s = known.get(name)
         sets, newest, bases = [], None, set()
         for st in state.sets(name) if s else []:
-            cur = state.cursor(st["id"])
+            cur = state.cursor(st.id)
             pos = (cur.last_datetime or cur.baseline_at) if cur else None
-            since, basis = lag_since(cur, s.get("last_success"))
+            since, basis = lag_since(cur, s.last_success if s else None)
             if since is not None:
                 bases.add(basis)
                 newest = since if newest is None or since > newest else newest
             sets.append(
                 {
-                    "set": st["name"],
-                    "capabilitylist": st["capabilitylist_url"],
-                    "resources": state.count_resources(st["id"]),
+                    "set": st.name,
+                    "capabilitylist": st.capabilitylist_url,
+                    "resources": state.count_resources(st.id),
                     "position": format_w3c(pos) if pos else None,
                     "baseline_at": format_w3c(cur.baseline_at) if cur and cur.baseline_at else None,
                     "lag_basis": basis,
@@ -90,20 +90,20 @@ def source_rows(state: State, names: Sequence[str], *, now: datetime | None = No
             {
                 "name": name,
                 "configured": name in names,
-                "url": s.get("url"),
+                "url": s.url if s else None,
                 # When ``url`` failed and discovery found the Source elsewhere: what it answered and
                 # what is harvested instead (the operator should configure that).
-                "using": s.get("using_url"),
-                "state": s.get("state") or "new",
+                "using": s.using_url if s else None,
+                "state": (s.state if s else None) or "new",
                 "resources": sum(x["resources"] for x in sets),
                 "position": format_w3c(newest) if newest else None,
                 "lag_basis": " + ".join(sorted(bases)) or None,
                 "lag_seconds": round(max(0.0, (now - newest).total_seconds()), 1) if newest else None,
                 "lag": format_duration(max(0.0, (now - newest).total_seconds())) if newest else None,
                 "retries": waiting.get(name, {"waiting": 0, "ended": 0}),
-                "last_success": _time(s.get("last_success")),
-                "last_attempt": _time(s.get("last_attempt")),
-                "last_error": s.get("last_error"),
+                "last_success": _time(s.last_success if s else None),
+                "last_attempt": _time(s.last_attempt if s else None),
+                "last_error": s.last_error if s else None,
                 "progress": _progress(s),
                 "sets": sets,
                 # Lenient in, truthful out (harvest/deviations.py): what the last sync read past, and
@@ -115,10 +115,10 @@ def source_rows(state: State, names: Sequence[str], *, now: datetime | None = No
     return rows
 
 
-def set_rows(state: State, config: Config) -> list[dict]:
+def set_rows(state: StateStore, config: Config) -> list[dict]:
     """The published sets (``publish/sets.py``) with their resources, sources and Capability List."""
     state_sets = state.sets()
-    source_of = {s["id"]: s["source"] for s in state_sets}
+    source_of = {s.id: s.source for s in state_sets}
     base = config.server.base_url
     return [
         {
@@ -143,7 +143,7 @@ def _interrupted(rows: list[dict], running: bool | None) -> list[dict]:
 
 
 def collect(
-    state: State, config: Config, *, now: datetime | None = None, running: bool | None = None
+    state: StateStore, config: Config, *, now: datetime | None = None, running: bool | None = None
 ) -> dict[str, Any]:
     """Everything the status displays show (``rsagg status --json`` prints exactly this). ``running``:
     whether a harvesting process holds the store (``store/lock.py``; None: not known)."""

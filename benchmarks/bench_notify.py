@@ -61,7 +61,7 @@ def settings(mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def live_count(ctx: HarvestContext) -> int:
     with State(ctx.config.store_path / "state.db", readonly=True) as st:
-        return st.count_live([s["id"] for s in st.sets()])
+        return st.count_live([s.id for s in st.sets()])
 
 
 def idle(ctx: HarvestContext) -> bool:

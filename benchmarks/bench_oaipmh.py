@@ -131,7 +131,7 @@ def run_rsagg(url: str, folder: Path) -> tuple[float, int, float]:
     if not result.ok:
         raise SystemExit(f"rsagg failed: {result.error}")
     with State(cfg.store_path / "state.db") as st:
-        held = st.count_live([s["id"] for s in st.sets("oai")])
+        held = st.count_live([s.id for s in st.sets("oai")])
     blobs = open_blob_store(cfg, Plugins.from_config(cfg))
     app = create_app(cfg, blobs=blobs, state_path=cfg.store_path / "state.db")
 

@@ -98,7 +98,7 @@ def fill(store: Path, n: int) -> dict:
                 sha, length = infos[i % BLOBS]
                 changes.append(Change(upstream_uri(i), "created", sha, length, "text/plain"))
             state.apply(set_id, changes)
-        name = state.sets(SOURCE)[0]["name"]
+        name = state.sets(SOURCE)[0].name
     finally:
         state.close()
     return {"seconds": time.perf_counter() - start, "set": name}

@@ -28,6 +28,7 @@ from aggregator.daemon import ListenError, run_daemon
 from aggregator.harvest.context import open_context
 from aggregator.hotswap import HotSwapApp
 from aggregator.store.blobs import FileBlobStore
+from aggregator.store.rows import SourceRow
 from aggregator.store.state import State
 from aggregator.testing.upstream import Upstream
 
@@ -121,7 +122,7 @@ class DaemonProcess:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def source_row(self, name: str) -> dict | None:
+    def source_row(self, name: str) -> SourceRow | None:
         db = self.store / "state.db"
         if not db.exists():
             return None
@@ -132,12 +133,12 @@ class DaemonProcess:
         with State(self.store / "state.db", readonly=True) as state:
             return state.count_resources(source=name)
 
-    async def wait_harvested(self, name: str) -> dict:
+    async def wait_harvested(self, name: str) -> SourceRow:
         while True:
             row = self.source_row(name)
-            if row is not None and row.get("last_success"):
+            if row is not None and row.last_success:
                 return row
-            assert row is None or row["state"] != "error", row
+            assert row is None or row.state != "error", row
             await trio.sleep(0.05)
 
     async def kill(self) -> None:
@@ -254,7 +255,7 @@ async def test_sigterm_during_harvest_leaves_a_consistent_store(short_tmp: Path)
                 while sum(n for p, n in up.counts.items() if p.startswith("/big/res/")) < 40:
                     await trio.sleep(0.02)
                 row = d.source_row("big")
-                assert row is not None and row["state"] == "syncing"  # a harvest is in progress
+                assert row is not None and row.state == "syncing"  # a harvest is in progress
                 mark = len(notify.messages)
                 d.signal(signal.SIGTERM)
                 with trio.fail_after(10):

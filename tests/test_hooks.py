@@ -360,7 +360,7 @@ async def test_hook_rsagg_change_published(tmp_path: Path, monkeypatch):
         up.delete("r000001.txt")
         await ok(cfg)
     with State(cfg.store_path / "state.db", readonly=True) as st:
-        names = {s["id"]: s["name"] for s in st.sets()}
+        names = {s.id: s.name for s in st.sets()}
         log = list(st.iter_changelog())
     assert len(log) == 5
     # one call per record appended, in changelog order, each readable when the hook ran
@@ -430,7 +430,7 @@ async def _daemon(config: Path) -> list[dict]:
                         row = st.source("up")
                 except (RuntimeError, sqlite3.Error):  # created but not migrated yet
                     pass
-            if row is not None and row.get("last_success"):
+            if row is not None and row.last_success:
                 break
             assert proc.poll() is None, (config.parent / "out.log").read_text()
             await trio.sleep(0.05)

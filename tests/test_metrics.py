@@ -262,9 +262,9 @@ async def test_progress_of_a_long_baseline(tmp_path: Path, monkeypatch, caplog):
                 with trio.fail_after(GUARD):
                     while True:
                         row = watcher.source("up")
-                        if row and row["state"] == "syncing" and row["progress_done"]:
-                            seen.append((row["progress_done"], row["progress_total"]))
-                            if row["progress_total"] == n and row["progress_done"] < n:
+                        if row and row.state == "syncing" and row.progress_done:
+                            seen.append((row.progress_done, row.progress_total))
+                            if row.progress_total == n and row.progress_done < n:
                                 break
                         await trio.sleep(0.01)
                 running = status.collect(watcher, config)["sources"][0]
@@ -292,7 +292,7 @@ async def test_progress_of_a_long_baseline(tmp_path: Path, monkeypatch, caplog):
     # in the log, every LOG_EVERY seconds
     assert any("baseline progress: " in r.getMessage() and f"/{n}" in r.getMessage() for r in caplog.records)
     # finished: the final figures
-    assert final["state"] == "ok" and (final["progress_done"], final["progress_total"]) == (n, n)
+    assert final.state == "ok" and (final.progress_done, final.progress_total) == (n, n)
 
 
 def test_progress_line_and_helpers():

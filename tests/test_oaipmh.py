@@ -108,15 +108,15 @@ async def test_oai_harvest_changes_and_resync(tmp_path: Path):
         assert len(log) == 1000 and kinds(log) == {"created": 1000} and len({u for u, _, _ in log}) == 1000
         with State(cfg.store_path / "state.db") as st:
             (s,) = st.sets("oai")
-            row = st.resource(s["id"], repo.ident(7))
+            row = st.resource(s.id, repo.ident(7))
             assert row.type == "application/xml" and row.lastmod == repo.items[
                 repo.ident(7)
             ].datestamp.replace(tzinfo=UTC)
             (via,) = row.links
             assert via.rel == "via" and "verb=GetRecord" in via.href and "metadataPrefix=oai_dc" in via.href
-            cur = st.cursor(s["id"])
+            cur = st.cursor(s.id)
             assert cur.changelist_url is None and cur.last_datetime is not None  # walk complete
-            assert st.source("oai")["progress_done"] == 1000  # rsagg status shows the walk's progress
+            assert st.source("oai").progress_done == 1000  # rsagg status shows the walk's progress
 
         # The via link names the record: GetRecord answers the same metadata, byte for byte once
         # canonicalised (what rsagg stores).
@@ -168,7 +168,7 @@ async def test_oai_harvest_changes_and_resync(tmp_path: Path):
     with State(cfg.store_path / "state.db") as st, FileBlobStore(cfg.store_path / "blobs") as blobs:
         builder = DumpBuilder(st, blobs, base_url="http://rsagg.example", max_entries=400)
         try:
-            packages = builder.build_resource_dump("oai", [s["id"] for s in st.sets("oai")])
+            packages = builder.build_resource_dump("oai", [s.id for s in st.sets("oai")])
             names = []
             for p in packages:
                 with zipfile.ZipFile(blobs.local_path(p.sha256)) as zf:
@@ -309,7 +309,7 @@ async def test_sets_errors_and_deleted_policies(tmp_path: Path, caplog):
         assert not result.ok
         assert "cannotDisseminateFormat" in result.error and "'marc21'" in result.error, result.error
         with State(bad.store_path / "state.db") as st:
-            assert st.source("oai")["state"] == "error"
+            assert st.source("oai").state == "error"
 
     # Not an OAI-PMH repository at all (an HTML page): the source fails with a message naming the URL.
     async def html(scope, receive, send):

@@ -200,13 +200,13 @@ async def test_lag_of_a_source_without_change_list_counts_from_its_last_read(tmp
         cfg = make_config(tmp_path / "data", {"up": base})
         assert (await harvest(cfg))["up"].ok
         with State(cfg.store_path / "state.db") as state:
-            first = state.source("up")["last_success"]
+            first = state.source("up").last_success
             row = status.collect(state, cfg, now=first + timedelta(hours=1))["sources"][0]
         # The list's own `at` is in 2024 (the upstream's clock); the lag is the hour since the last read.
         assert row["lag_basis"] == "resource list" and row["lag_seconds"] == 3600.0
         assert (await harvest(cfg))["up"].ok  # unchanged upstream (a conditional GET): still a read
         with State(cfg.store_path / "state.db") as state:
-            second = state.source("up")["last_success"]
+            second = state.source("up").last_success
             row = status.collect(state, cfg, now=second + timedelta(seconds=5))["sources"][0]
         assert second > first and row["lag_seconds"] == 5.0
         # /metrics says the same (seconds since that read, not years since the upstream clock's `at`).

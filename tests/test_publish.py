@@ -83,7 +83,7 @@ def state_of(cfg: Config) -> State:
 def set_names(cfg: Config) -> dict[str, int]:
     """State set name -> id."""
     with state_of(cfg) as st:
-        return {s["name"]: s["id"] for s in st.sets()}
+        return {s.name: s.id for s in st.sets()}
 
 
 async def get_doc(client: httpx.AsyncClient, url: str) -> tuple[Head, list[Entry]]:

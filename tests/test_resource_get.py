@@ -62,7 +62,7 @@ def filled(tmp_path: Path) -> Config:
         sid = st.ensure_set("up", UP + "capabilitylist.xml")
         st.apply(sid, [Change(UP + n, "created", sha(d), len(d), t, e) for n, (d, t, e) in BLOBS.items()])
         st.apply(sid, [Change(UP + "gone.txt", "deleted")])
-        assert [s["name"] for s in st.sets()] == ["up"]
+        assert [s.name for s in st.sets()] == ["up"]
     return cfg
 
 
@@ -264,12 +264,13 @@ async def test_concurrent_gets_stay_within_the_idle_pool(tmp_path: Path, monkeyp
     """More requests in flight than the pool keeps idle must not open a connection per request."""
     opened: list[Path] = []
 
-    class Counted(State):
-        def __init__(self, path: Path, *args: Any, **kw: Any) -> None:
-            opened.append(Path(path))
-            super().__init__(path, *args, **kw)
+    connect = app_module.connect  # the publisher opens every state connection through it
 
-    monkeypatch.setattr(app_module, "State", Counted)
+    def counted(path: Path, **kw: Any) -> Any:
+        opened.append(Path(path))
+        return connect(path, **kw)
+
+    monkeypatch.setattr(app_module, "connect", counted)
     names = ["small.txt", "enc.json", "empty", "edge.bin"] * 16
     got: dict[int, bytes] = {}
     async with served(tmp_path) as (url, client):

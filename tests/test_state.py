@@ -11,6 +11,7 @@ import pytest
 
 from aggregator.rs.model import Link
 from aggregator.store import state as state_mod
+from aggregator.store.rows import DocumentRow
 from aggregator.store.state import MIGRATIONS, Change, Cursor, LogRecord, State, format_dt, parse_dt
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -272,7 +273,7 @@ def test_baseline_generation_sweep(st: State, set_id: int, clock: Clock) -> None
     st.apply(other, [ch("elsewhere", "created", A)])
     clock.tick()
     gen = st.begin_baseline(set_id)
-    assert st.sets("src")[0]["baseline_generation"] == gen
+    assert st.sets("src")[0].baseline_generation == gen
     seq0 = st.last_seq()
     applied = st.apply(
         set_id,
@@ -293,7 +294,7 @@ def test_baseline_generation_sweep(st: State, set_id: int, clock: Clock) -> None
     assert live == ["changed", "fresh", "notified", "same"]
     assert st.resource(other, "elsewhere").deleted is False  # other sets untouched
     assert st.cursor(set_id) == Cursor(baseline_at=T0)
-    assert st.sets("src")[0]["baseline_generation"] is None
+    assert st.sets("src")[0].baseline_generation is None
     with pytest.raises(ValueError):
         st.finish_baseline(set_id, gen, Cursor())  # not open any more
 
@@ -318,7 +319,7 @@ def test_finish_baseline_is_one_transaction(st: State, set_id: int, monkeypatch:
     with pytest.raises(RuntimeError):
         st.finish_baseline(set_id, gen, Cursor(list_index=9))
     assert _snapshot(st, set_id) == before
-    assert st.sets("src")[0]["baseline_generation"] == gen
+    assert st.sets("src")[0].baseline_generation == gen
 
 
 # -- reads ----------------------------------------------------------------------------------------
@@ -418,8 +419,8 @@ def test_referenced_hashes(st: State, set_id: int) -> None:
 def test_sources_and_status(st: State, clock: Clock) -> None:
     st.upsert_source("src", "https://example.org/new-sd.xml")
     st.upsert_source("b", "https://b.example/")
-    assert [s["name"] for s in st.sources()] == ["b", "src"]
-    assert st.source("src")["url"] == "https://example.org/new-sd.xml"
+    assert [s.name for s in st.sources()] == ["b", "src"]
+    assert st.source("src").url == "https://example.org/new-sd.xml"
     assert st.source("nope") is None
     when = datetime(2024, 5, 1, 11, 0, 0, 5, tzinfo=UTC)
     st.set_source_status(
@@ -427,14 +428,14 @@ def test_sources_and_status(st: State, clock: Clock) -> None:
         last_error="timeout", failures=2,
     )  # fmt: skip
     s = st.source("src")
-    assert (s["state"], s["last_attempt"], s["progress_done"], s["progress_total"]) == (
+    assert (s.state, s.last_attempt, s.progress_done, s.progress_total) == (
         "baseline",
         when,
         10,
         100,
     )
-    assert (s["last_error"], s["failures"], s["last_success"]) == ("timeout", 2, None)
-    assert s["created_at"] == T0
+    assert (s.last_error, s.failures, s.last_success) == ("timeout", 2, None)
+    assert s.created_at == T0
     with pytest.raises(ValueError):
         st.set_source_status("src", colour="red")
     with pytest.raises(KeyError):
@@ -451,10 +452,10 @@ def test_documents(st: State, clock: Clock) -> None:
         "https://example.org/cl.xml", "src", "capabilitylist", etag='"y"', last_modified="Wed", sha256=B
     )
     d = st.document("https://example.org/cl.xml")
-    assert d == {
-        "url": "https://example.org/cl.xml", "source": "src", "capability": "capabilitylist",
-        "etag": '"y"', "last_modified": "Wed", "sha256": B, "fetched_at": T0 + timedelta(seconds=5),
-    }  # fmt: skip
+    assert d == DocumentRow(
+        url="https://example.org/cl.xml", source="src", capability="capabilitylist",
+        etag='"y"', last_modified="Wed", sha256=B, fetched_at=T0 + timedelta(seconds=5),
+    )  # fmt: skip
     with pytest.raises(sqlite3.IntegrityError):  # foreign keys are on
         st.put_document("https://x/", "unknown-source", None, etag=None, last_modified=None, sha256=None)
 
@@ -465,10 +466,10 @@ def test_sets(st: State) -> None:
     assert st.ensure_set("src", "https://example.org/cl1.xml") == s1
     clash = st.ensure_set("src-2", "https://clash.example/cl.xml")
     s2 = st.ensure_set("src", "https://example.org/cl2.xml")
-    names = {d["id"]: d["name"] for d in st.sets()}
+    names = {d.id: d.name for d in st.sets()}
     assert names[s1] == "src" and names[clash] == "src-2" and names[s2] == "src-3"
-    assert [d["id"] for d in st.sets("src")] == [s1, s2]
-    assert st.sets("src")[0]["capabilitylist_url"] == "https://example.org/cl1.xml"
+    assert [d.id for d in st.sets("src")] == [s1, s2]
+    assert st.sets("src")[0].capabilitylist_url == "https://example.org/cl1.xml"
 
 
 # -- schema, pragmas, threads ---------------------------------------------------------------------
@@ -486,10 +487,33 @@ def test_migrations_idempotent_and_pragmas(db_path: Path, clock: Clock) -> None:
         assert s2.schema_version == len(MIGRATIONS)
         assert set(s2.db.table_names()) == tables
         assert s2.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
-        assert s2.source("x")["url"] == "https://x/"
+        assert s2.source("x").url == "https://x/"
     assert {"sources", "documents", "sets", "cursors", "resources", "changelog"} <= tables
     with pytest.raises(ValueError):
         State(db_path, synchronous="OFF")
+
+
+def test_dump_tables_made_before_they_were_a_migration_are_kept(db_path: Path) -> None:
+    """Stores whose dump tables publish/dumps.py created itself (schema version 4) upgrade in place."""
+    conn = sqlite3.connect(db_path)
+    for step in MIGRATIONS[:4]:
+        for statement in step:
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version = 4")
+    for statement in MIGRATIONS[4]:  # as the dump builder did, before this was migration 5
+        conn.execute(statement)
+    conn.execute(
+        "INSERT INTO publish_dumps (set_name, kind, part, sha256, length, manifest_sha256, manifest_length, "
+        "entries, bytes, created) VALUES ('s', 'changedump', 1, ?, 1, ?, 1, 1, 1, 't')",
+        (A, B),
+    )
+    conn.commit()
+    conn.close()
+    with State(db_path) as st:
+        assert st.schema_version == len(MIGRATIONS) == 5
+        assert st.conn.execute("SELECT sha256 FROM publish_dumps").fetchall() == [(A,)]
+    with State(db_path, readonly=True) as ro:  # a reader accepts the upgraded store
+        assert {"publish_dumps", "publish_dump_runs"} <= set(ro.db.table_names())
 
 
 def test_newer_schema_is_refused(db_path: Path) -> None:

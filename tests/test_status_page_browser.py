@@ -100,7 +100,7 @@ async def test_status_page_in_chromium(tmp_path: Path) -> None:
         assert all(r.ok for r in (await harvest(config)).values())
     # A baseline under way (40 of an expected 160 done, begun 20 s ago) and a source in error.
     with State(config.store_path / "state.db") as state:
-        held = state.count_resources(state.sets("busy")[0]["id"])
+        held = state.count_resources(state.sets("busy")[0].id)
         state.set_source_status(
             "busy", state="syncing", progress_done=held, progress_total=4 * held,
             last_attempt=utcnow() - timedelta(seconds=20),

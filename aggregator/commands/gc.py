@@ -10,7 +10,7 @@ from ..plugins import Plugins
 from ..publish import dumps
 from ..store.blobs import BlobStore
 from ..store.lock import store_lock
-from ..store.state import State
+from ..store.state import State, open_state
 from ._common import add_config_arguments, start
 
 
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     root = prepare_store(config)
     with store_lock(root, "rsagg gc"):  # never beside a harvest (see collect_garbage)
         blobs = open_blob_store(config, Plugins.from_config(config))
-        state = State(root / "state.db")
+        state = open_state(config)
         try:
             removed, freed = collect_garbage(state, blobs, dry_run=args.dry_run)
         finally:

@@ -14,8 +14,7 @@ import sys
 
 from ..harvest.context import check_store
 from ..status import one_line
-from ..store import retries
-from ..store.state import State
+from ..store.state import open_state, state_path
 from ._common import add_config_arguments, start
 
 
@@ -33,14 +32,14 @@ def run(args: argparse.Namespace) -> int:
     config = start(args)
     if config is None:
         return 2
-    root = check_store(config)
-    if not (root / "state.db").exists():
+    check_store(config)  # a store path that cannot work is an error
+    if not state_path(config).exists():
         rows: list[dict] = []
         cleared = 0
     else:
-        with State(root / "state.db") as state:
-            rows = [r for r in retries.rows(state, args.source) if not args.ended or r["state"] == "ended"]
-            cleared = retries.clear(state, args.source, ended_only=args.ended) if args.clear else 0
+        with open_state(config) as state:
+            rows = [r for r in state.retry_rows(args.source) if not args.ended or r["state"] == "ended"]
+            cleared = state.clear_retries(args.source, ended_only=args.ended) if args.clear else 0
     if args.json:
         json.dump({"retries": rows, "cleared": cleared}, sys.stdout, indent=2)
         print()

@@ -14,7 +14,7 @@ import sys
 from ..harvest.context import check_store
 from ..status import collect, table, unharvested
 from ..store.lock import harvester_running
-from ..store.state import State
+from ..store.state import open_state, state_path
 from ._common import add_config_arguments, start
 
 
@@ -27,11 +27,12 @@ def run(args: argparse.Namespace) -> int:
     config = start(args)
     if config is None:
         return 2
-    db = check_store(config) / "state.db"  # a store path that cannot work is an error
+    check_store(config)  # a store path that cannot work is an error
+    db = state_path(config)
     if not db.exists():
         status = unharvested(config)
     else:
-        with State(db) as state:
+        with open_state(config) as state:
             status = collect(state, config, running=harvester_running(db.parent))
     if args.json:
         json.dump(status, sys.stdout, indent=2)

@@ -182,7 +182,7 @@ async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator
 
 
 def _set_id(ctx: HarvestContext, source: str, set_url: str) -> int | None:
-    return next((s["id"] for s in ctx.reader.sets(source) if s["capabilitylist_url"] == set_url), None)
+    return next((s.id for s in ctx.reader.sets(source) if s.capabilitylist_url == set_url), None)
 
 
 async def _compare(

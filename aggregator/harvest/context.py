@@ -25,7 +25,8 @@ from ..config import Config, ConfigError
 from ..metrics import Metrics, current_source
 from ..plugins import Plugins
 from ..store.blobs import BlobStore, BlobWriter
-from ..store.state import State
+from ..store.interface import StateStore
+from ..store.state import open_state
 from .access import Access, user_agent
 from .fetch import Fetcher
 from .patch import PatchApplier, builtin_patch_formats
@@ -43,8 +44,8 @@ class HarvestContext:
     config: Config
     fetcher: Fetcher
     blobs: BlobStore
-    reader: State
-    writer: State
+    reader: StateStore
+    writer: StateStore
     patch_formats: dict[str, PatchApplier] = field(default_factory=builtin_patch_formats)
     plugins: Plugins = field(default_factory=lambda: Plugins(entry_point_plugins=False))
     #: source -> (done, expected or None): live progress of the running baseline (``harvest/progress.py``).
@@ -193,12 +194,12 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
     """Open the store, the state database (reader + writer) and the one HTTP client for a run."""
     hc = config.harvest
     access = Access(config)  # reads the sources' secrets: a missing one stops here (a ConfigError)
-    root = prepare_store(config)
+    prepare_store(config)  # the store folder exists and is writable (a ConfigError otherwise)
     plugins = Plugins.from_config(config)
     blobs = open_blob_store(config, plugins)
-    writer = State(root / "state.db", synchronous=config.store.synchronous, cache_mib=config.store.cache_mib)
+    writer = open_state(config, cache_mib=config.store.cache_mib)
     # The reader only walks the (set_id, uri) index for lookups: a small cache holds its hot pages.
-    reader = State(root / "state.db", synchronous=config.store.synchronous, cache_mib=8)
+    reader = open_state(config, cache_mib=8)
     metrics = Metrics()
     metrics.attach(plugins=plugins, store=blobs)
     fetcher = Fetcher(

@@ -13,6 +13,7 @@ from datetime import datetime
 from urllib.parse import urljoin
 
 from ..rs.model import CHANGELIST, CHANGELIST_ARCHIVE, CHANGES, RESOURCELIST, Entry, Head
+from ..store.rows import DocumentRow
 from ..store.state import Cursor
 from .deviations import deviation
 from .fetch import DocumentStream, Fetcher, FetchError
@@ -43,7 +44,7 @@ class Validators:
     The caller stores ``pending`` after its pipeline succeeded.
     """
 
-    def __init__(self, known: Callable[[str], dict | None], *, conditional: bool = True) -> None:
+    def __init__(self, known: Callable[[str], DocumentRow | None], *, conditional: bool = True) -> None:
         self._known = known
         self._conditional = conditional  # False: only record (a first read must not be skipped)
         self.pending: dict[str, tuple[str | None, str | None]] = {}
@@ -52,7 +53,7 @@ class Validators:
         row = self._known(url) if self._conditional else None
         if not row:
             return {}
-        return {"etag": row.get("etag"), "last_modified": row.get("last_modified")}
+        return {"etag": row.etag, "last_modified": row.last_modified}
 
     def read(self, url: str, etag: str | None, last_modified: str | None) -> None:
         if etag or last_modified:

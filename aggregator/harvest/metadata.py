@@ -58,8 +58,8 @@ class MetadataRecords:
             if all(row.hashes.get(a, d) == d for a, d in announced.items()):
                 return row.sha256
         doc = self.ctx.reader.document(url)
-        if url in self._fresh and doc and doc.get("sha256") and self.ctx.blobs.exists(doc["sha256"]):
-            return doc["sha256"]
+        if url in self._fresh and doc and doc.sha256 and self.ctx.blobs.exists(doc.sha256):
+            return doc.sha256
         return None
 
     async def _fetch(self, url: str) -> str:

@@ -314,9 +314,7 @@ class OaiHarvest:
         full = walk_from is None
         generation = None
         if full:
-            open_gen = next(
-                s["baseline_generation"] for s in ctx.reader.sets(src.name) if s["id"] == self.set_id
-            )
+            open_gen = next(s.baseline_generation for s in ctx.reader.sets(src.name) if s.id == self.set_id)
             # A full walk resumed by its token keeps its generation: rows it already saw must not be swept.
             generation = (
                 open_gen if token and open_gen else await ctx.write(ctx.writer.begin_baseline, self.set_id)

@@ -174,11 +174,11 @@ class Pipeline:
             for h in ("rsagg_resource_stored", "rsagg_resource_deleted", "rsagg_change_published")
         )
         self._metadata = MetadataRecords(ctx, set_id, source)
-        self._set_name = next((s["name"] for s in ctx.reader.sets() if s["id"] == set_id), str(set_id))
+        self._set_name = next((s.name for s in ctx.reader.sets() if s.id == set_id), str(set_id))
         # URIs with a failed change waiting to be retried (store/retries.py): cleared once one applies.
-        self._retrying = retries.uris(ctx.reader, set_id)
+        self._retrying = ctx.reader.retry_uris(set_id)
         #: Those still to be tried (not ended), which a snapshot may supersede.
-        self._waiting = frozenset(e.loc for e, _, _ in retries.pending(ctx.reader, set_id))
+        self._waiting = frozenset(e.loc for e, _, _ in ctx.reader.pending_retries(set_id))
         self._listed: set[str] = set()  # the waiting URIs this run's items listed
         # Records appended after this point are announced (rsagg_change_published).
         self._last_seq = ctx.reader.last_seq() if self._events else 0

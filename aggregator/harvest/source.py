@@ -14,7 +14,6 @@ from ..config import SourceConfig
 from ..metrics import current_source
 from ..rs.model import CHANGELIST
 from ..rs.w3cdt import format_w3c, utcnow
-from ..store import retries
 from .audit import still_listed
 from .baseline import run_baseline
 from .context import HarvestContext
@@ -58,7 +57,7 @@ async def retry_failed(ctx: HarvestContext, set_id: int, source: str, uris: set[
     """Try again the changes of a set whose fetch failed in an earlier run (store/retries.py) and that
     are still waiting (``uris``: those waiting when this sync started), through the one pipeline; they
     move no cursor. A change that applies now leaves the list."""
-    waiting = [w for w in retries.pending(ctx.reader, set_id) if w[0].loc in uris]
+    waiting = [w for w in ctx.reader.pending_retries(set_id) if w[0].loc in uris]
     if not waiting:
         return None
 
@@ -98,7 +97,7 @@ async def end_unlisted_retries(
     gone = sorted(due - listed) if listed is not None else []
     if not gone:
         return 0
-    await ctx.write(retries.end, ctx.writer, set_id, gone, "no longer listed upstream")
+    await ctx.write(ctx.writer.end_retries, set_id, gone, "no longer listed upstream")
     for uri in gone:
         stats.failed.pop(uri, None)
     shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
@@ -146,7 +145,7 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
         for info in sets:
             set_id = await ctx.write(ctx.writer.ensure_set, src.name, info.capabilitylist_url)
             # failed in earlier runs: URI -> attempts so far
-            waiting = {e.loc: n for e, _, n in retries.pending(ctx.reader, set_id)}
+            waiting = {e.loc: n for e, _, n in ctx.reader.pending_retries(set_id)}
             cursor = ctx.reader.cursor(set_id)
             baseline = cursor is None or CHANGELIST not in info.capabilities
             if not baseline:

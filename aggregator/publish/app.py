@@ -57,7 +57,8 @@ from ..plugins import Plugins
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
-from ..store.state import Resource, State
+from ..store.interface import StateStore
+from ..store.state import Resource, connect
 from . import documents, status_page
 from .doccache import CacheWriter, DocumentCache, fingerprint
 from .documents import (
@@ -88,8 +89,8 @@ POOL_IDLE = 8
 #: Seconds a request waits for a database connection when all ``server.max_readers`` are in use.
 READER_WAIT = 10.0
 
-Build = Callable[[Site, State, PublishedSet, datetime], "Doc | None"]
-Validate = Callable[[Site, State, PublishedSet], "Validity | None"]
+Build = Callable[[Site, StateStore, PublishedSet, datetime], "Doc | None"]
+Validate = Callable[[Site, StateStore, PublishedSet], "Validity | None"]
 #: Cache-Control (for a CDN or browser in front): lists that may change, and closed Change List windows.
 CACHE_OPEN = "public, max-age=10"
 CACHE_CLOSED = "public, max-age=86400"
@@ -101,7 +102,7 @@ class ServerBusy(Exception):
 
 
 class ReaderPool:
-    """Read-only ``State`` connections (``State(readonly=True)``), reused across requests, at most
+    """Read-only state connections (``store.state.connect(readonly=True)``), reused across requests, at most
     ``max_open`` at once.
 
     A connection is used by one request at a time (sqlite3 connections must not be shared
@@ -119,8 +120,8 @@ class ReaderPool:
         self.max_idle = max_idle
         self.max_open = max_open
         self.wait = READER_WAIT if wait is None else wait
-        self._idle: list[State] = []
-        self._lent: weakref.WeakSet[State] = weakref.WeakSet()
+        self._idle: list[StateStore] = []
+        self._lent: weakref.WeakSet[StateStore] = weakref.WeakSet()
         self._opening = 0  # connections being opened in a worker thread: their slots are taken
         self._closed = False
 
@@ -128,7 +129,7 @@ class ReaderPool:
     def in_use(self) -> int:
         return len(self._lent) + self._opening
 
-    async def acquire(self) -> State:
+    async def acquire(self) -> StateStore:
         if self.in_use >= self.max_open:
             # Saturated (rare): look again every 20 ms; a release never has to wake anyone up, which
             # also lets a collected, never-released connection free its slot.
@@ -141,13 +142,13 @@ class ReaderPool:
         if state is None:
             self._opening += 1
             try:
-                state = await trio.to_thread.run_sync(lambda: State(self.path, readonly=True, cache_mib=16))
+                state = await trio.to_thread.run_sync(lambda: connect(self.path, readonly=True, cache_mib=16))
             finally:
                 self._opening -= 1
         self._lent.add(state)
         return state
 
-    def release(self, state: State) -> None:
+    def release(self, state: StateStore) -> None:
         if state not in self._lent:
             return  # given back already
         self._lent.discard(state)
@@ -157,7 +158,7 @@ class ReaderPool:
             self._idle.append(state)
 
     @contextlib.asynccontextmanager
-    async def reader(self) -> AsyncIterator[State]:
+    async def reader(self) -> AsyncIterator[StateStore]:
         state = await self.acquire()
         try:
             yield state
@@ -223,7 +224,7 @@ class Publisher:
     def base_url(self) -> str:
         return self.config.server.base_url
 
-    def site(self, state: State) -> Site:
+    def site(self, state: StateStore) -> Site:
         """The published sets as the state has them now, and how to write their URLs (blocking)."""
         return build_site(
             self.config,
@@ -319,7 +320,7 @@ class Prepared:
 
 def _prepare(
     pub: Publisher,
-    state: State,
+    state: StateStore,
     name: str | None,
     build: Build,
     validate: Validate,
@@ -465,7 +466,7 @@ async def resource(request: Request) -> Response:
         return gone(None, 404)
     set_name, uri = parsed
 
-    def answer(state: State) -> tuple[Response | None, Resource | None, str]:
+    def answer(state: StateStore) -> tuple[Response | None, Resource | None, str]:
         site = pub.site(state)
         ps = site.sets.get(set_name)
         if ps is None:
@@ -512,7 +513,7 @@ def create_app(
     """
     state_path = Path(state_path)
     state_path.parent.mkdir(parents=True, exist_ok=True)
-    State(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
+    connect(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
     publisher = Publisher(config, blobs, state_path, dumps_available, plugins, extra_capabilities, metrics)
 
     fast: list[ResourceFastPath] = []  # the hot route's middleware, once starlette has built it

@@ -43,7 +43,8 @@ from ..rs.model import (
     Link,
     Md,
 )
-from ..store.state import LogRecord, Resource, State
+from ..store.interface import StateStore
+from ..store.state import LogRecord, Resource
 from .links import LinkPolicy, PluginLinks
 from .sets import PublishedSet
 from .uris import rsagg_uri
@@ -162,7 +163,7 @@ class UriOf:
     request (bounded), since metadata records are linked from many entries.
     """
 
-    def __init__(self, site: Site, state: State, ps: PublishedSet) -> None:
+    def __init__(self, site: Site, state: StateStore, ps: PublishedSet) -> None:
         self.site, self.state = site, state
         self.order = [ps, *(o for o in site.sets.values() if o.name != ps.name)]
         self.cache: dict[str, str | None] = {}
@@ -243,7 +244,7 @@ def change_entry(
 # Resource Lists (§10.1) and Resource List Indexes (§10.2)
 
 
-def resource_list(site: Site, state: State, ps: PublishedSet, now: datetime) -> Doc:
+def resource_list(site: Site, state: StateStore, ps: PublishedSet, now: datetime) -> Doc:
     """A <urlset> when the set has at most MAX_ENTRIES live resources, else an index of id-range parts.
 
     Part boundaries are the id of every MAX_ENTRIES-th live resource, computed now; parts are
@@ -259,7 +260,7 @@ def resource_list(site: Site, state: State, ps: PublishedSet, now: datetime) -> 
     return head, _index_entries(site, state, ps, size)
 
 
-def _index_entries(site: Site, state: State, ps: PublishedSet, size: int) -> Iterator[Entry]:
+def _index_entries(site: Site, state: StateStore, ps: PublishedSet, size: int) -> Iterator[Entry]:
     lo, last = 0, None
     for b in state.iter_live_part_boundaries(ps.set_ids, size):
         if last is not None:
@@ -274,7 +275,7 @@ def _index_entries(site: Site, state: State, ps: PublishedSet, size: int) -> Ite
 
 
 def resource_list_part(
-    site: Site, state: State, ps: PublishedSet, lo: int, hi: int | None, now: datetime
+    site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int | None, now: datetime
 ) -> Doc:
     """Part ``LO-HI`` of the Resource List Index: live resources with lo < id <= hi (§10.2)."""
     links = [Link("up", site.capabilitylist(ps.name)), Link("index", site.resourcelist(ps.name))]
@@ -282,7 +283,7 @@ def resource_list_part(
     return head, _resources(site, state, ps, lo, hi)
 
 
-def _resources(site: Site, state: State, ps: PublishedSet, lo: int, hi: int | None) -> Iterator[Entry]:
+def _resources(site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int | None) -> Iterator[Entry]:
     uri_of = UriOf(site, state, ps)
     for r in state.iter_live(ps.set_ids, after_id=lo, until_id=hi):
         if site.visible(ps.name, r):
@@ -306,19 +307,19 @@ class Validity:
     closed: bool = False
 
 
-def _set_changed(state: State, ps: PublishedSet) -> tuple[int, datetime | None]:
+def _set_changed(state: StateStore, ps: PublishedSet) -> tuple[int, datetime | None]:
     seq = state.set_last_seq(ps.set_ids)
     return seq, (state.log_datetime(seq) if seq else state.history_start(ps.set_ids))
 
 
-def resource_list_validity(site: Site, state: State, ps: PublishedSet) -> Validity:
+def resource_list_validity(site: Site, state: StateStore, ps: PublishedSet) -> Validity:
     """Every change of the set's rows is logged: the list (or index) follows the set's last record."""
     seq, when = _set_changed(state, ps)
     return Validity(f"{ps.name}.resourcelist", f"s{seq}", when)
 
 
 def resource_list_part_validity(
-    site: Site, state: State, ps: PublishedSet, lo: int, hi: int | None
+    site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int | None
 ) -> Validity:
     """An untouched part (no row of its id range changed) keeps its version, whatever else changed."""
     count, newest = state.rows_version(ps.set_ids, lo, hi)
@@ -326,13 +327,13 @@ def resource_list_part_validity(
     return Validity(f"{ps.name}.resourcelist-{lo}-{'end' if hi is None else hi}", version, newest)
 
 
-def change_list_validity(site: Site, state: State, ps: PublishedSet) -> Validity:
+def change_list_validity(site: Site, state: StateStore, ps: PublishedSet) -> Validity:
     """The index's windows follow the global changelog seq (a window closes when it fills up)."""
     _, when = _set_changed(state, ps)
     return Validity(f"{ps.name}.changelist", f"g{state.last_seq()}", when)
 
 
-def change_list_window_validity(site: Site, state: State, ps: PublishedSet, k: int) -> Validity | None:
+def change_list_window_validity(site: Site, state: StateStore, ps: PublishedSet, k: int) -> Validity | None:
     """A closed window is final (§12.1); the open one follows the set's last record."""
     last = state.last_seq()
     open_k = last // site.changelist_size + 1
@@ -359,7 +360,7 @@ class Window:
 class Windows:
     """The Change List windows of one published set, as of now (see the module docstring)."""
 
-    def __init__(self, site: Site, state: State, ps: PublishedSet, now: datetime) -> None:
+    def __init__(self, site: Site, state: StateStore, ps: PublishedSet, now: datetime) -> None:
         self.state, self.ps, self.now = state, ps, now
         self.size = site.changelist_size
         self.last_seq = state.last_seq()
@@ -384,7 +385,7 @@ class Windows:
         return Window(k, start, until)
 
 
-def change_list(site: Site, state: State, ps: PublishedSet, now: datetime) -> Doc:
+def change_list(site: Site, state: StateStore, ps: PublishedSet, now: datetime) -> Doc:
     """``/SET/changelist.xml``: the open list itself when it is the only window, else the index."""
     ws = Windows(site, state, ps, now)
     if len(ws.listed) == 1:
@@ -406,7 +407,7 @@ def change_list(site: Site, state: State, ps: PublishedSet, now: datetime) -> Do
 
 
 def change_list_window(
-    site: Site, state: State, ps: PublishedSet, k: int, now: datetime, *, windows: Windows | None = None
+    site: Site, state: StateStore, ps: PublishedSet, k: int, now: datetime, *, windows: Windows | None = None
 ) -> Doc | None:
     """``/SET/changelist/K.xml``: the set's records of window K in seq order (None: no such window)."""
     ws = windows or Windows(site, state, ps, now)
@@ -421,7 +422,7 @@ def change_list_window(
     return head, _changes(site, state, ps, lo, hi)
 
 
-def _changes(site: Site, state: State, ps: PublishedSet, lo: int, hi: int) -> Iterator[Entry]:
+def _changes(site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int) -> Iterator[Entry]:
     uri_of = UriOf(site, state, ps)
     for rec, row in state.iter_log_range(ps.set_ids, lo, hi):
         if site.shows(ps.name, row):

@@ -18,10 +18,11 @@ under its SHA-256; the manifest is also stored as a blob of its own, served at t
 included in the bitstream package": both are the same bytes). Blobs are committed before the rows that
 name them (docs/architecture.md invariant 2).
 
-Bookkeeping lives in two tables of the state database that this module creates itself (``SCHEMA``, with
-``CREATE TABLE IF NOT EXISTS``), through its own SQLite connection: they are nobody else's business, and
-an own connection never interleaves with a harvest transaction on the State's shared one (WAL lets both
-work). ``gc`` must keep the blobs they name: see ``REFERENCED_SQL`` / ``DumpBuilder.referenced_hashes``.
+Bookkeeping lives in two tables of the state database (``publish_dump_runs``, ``publish_dumps``: migration 5
+of store/state.py), written through a connection of this module's own (``State.own_connection``): they are
+nobody else's business, and an own connection never interleaves with a harvest transaction on the State's
+shared one (WAL lets both work). ``gc`` must keep the blobs they name: see ``REFERENCED_SQL`` /
+``DumpBuilder.referenced_hashes``.
 
 Building blocks the harvester is picky about (aggregator/harvest/dumps.py reads our packages too): member
 paths are plain (``[A-Za-z0-9._-]`` names, no ``..``), every member is hashed while it is copied and
@@ -44,7 +45,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from email.utils import format_datetime, parsedate_to_datetime
-from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
@@ -95,45 +95,10 @@ _COMPRESSIBLE_IMAGES = frozenset({"image/svg+xml", "image/bmp", "image/x-portabl
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 # ---------------------------------------------------------------------------------------------------
-# Schema (own tables, created idempotently; times in State's fixed-width W3C form, text order == time order)
+# Tables publish_dump_runs and publish_dumps (times in State's fixed-width W3C form: text order == time order)
 
-SCHEMA: tuple[str, ...] = (
-    """CREATE TABLE IF NOT EXISTS publish_dump_runs (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        set_name TEXT NOT NULL,
-        at TEXT NOT NULL,              -- snapshot started (§11.1 at)
-        completed TEXT NOT NULL,       -- snapshot completed (§11.1 completed)
-        last_seq INTEGER NOT NULL,     -- global changelog seq when the snapshot started
-        set_ids TEXT NOT NULL,         -- JSON list of the state sets it covers
-        packages INTEGER NOT NULL,
-        entries INTEGER NOT NULL,
-        bytes INTEGER NOT NULL,
-        created TEXT NOT NULL
-    )""",
-    "CREATE INDEX IF NOT EXISTS publish_dump_runs_set ON publish_dump_runs(set_name, id)",
-    """CREATE TABLE IF NOT EXISTS publish_dumps (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,   -- never reused: Resource Dump package URLs name it
-        set_name TEXT NOT NULL,
-        kind TEXT NOT NULL CHECK (kind IN ('resourcedump', 'changedump')),
-        run INTEGER,                   -- resourcedump: publish_dump_runs.id
-        part INTEGER NOT NULL,         -- 1-based package number within the run (1 for changedump)
-        window INTEGER,                -- changedump: Change List window K (its URL number)
-        first_seq INTEGER,             -- changedump: the window is seq in (first_seq, last_seq]
-        last_seq INTEGER,
-        sha256 TEXT NOT NULL,          -- the ZIP blob
-        length INTEGER NOT NULL,
-        manifest_sha256 TEXT NOT NULL, -- manifest.xml, also a blob (the rel="contents" copy)
-        manifest_length INTEGER NOT NULL,
-        at TEXT, completed TEXT,       -- resourcedump
-        from_ TEXT, until TEXT,        -- changedump
-        entries INTEGER NOT NULL,
-        bytes INTEGER NOT NULL,        -- bitstream bytes (uncompressed)
-        created TEXT NOT NULL,
-        UNIQUE (set_name, kind, window)
-    )""",
-    "CREATE INDEX IF NOT EXISTS publish_dumps_run ON publish_dumps(run)",
-    "CREATE INDEX IF NOT EXISTS publish_dumps_set ON publish_dumps(set_name, kind, id)",
-)
+# The tables are migration 5 of store/state.py (``MIGRATIONS``): the state owns every table it holds.
+
 #: The blobs gc must keep for dumps; meant for a UNION in ``State.referenced_hashes``.
 REFERENCED_SQL = "SELECT sha256 FROM publish_dumps UNION SELECT manifest_sha256 FROM publish_dumps"
 
@@ -256,14 +221,8 @@ class DumpBuilder:
         self._clock = clock
         self._lock = threading.RLock()  # the connection
         self._build_locks: dict[tuple[str, str], threading.Lock] = {}
-        self.conn = sqlite3.connect(
-            str(state.path), timeout=busy_timeout, check_same_thread=False, isolation_level=None
-        )
+        self.conn = state.own_connection(busy_timeout=busy_timeout)  # the tables: State's migration 5
         self.conn.row_factory = sqlite3.Row
-        self.conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-        with self._write() as c:
-            for statement in SCHEMA:
-                c.execute(statement)
 
     def close(self) -> None:
         with self._lock:
@@ -730,10 +689,10 @@ class _Transaction:
 def referenced_hashes(state: State) -> Iterator[str]:
     """The blobs dumps name, ascending, for gc to merge with ``State.referenced_hashes`` (heapq.merge):
     without it gc would delete every package. Read-only; nothing when no dump was ever built."""
-    conn = sqlite3.connect(Path(state.path).resolve().as_uri() + "?mode=ro", uri=True)
+    conn = state.own_connection(readonly=True)
     try:
         if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'publish_dumps'").fetchone() is None:
-            return
+            return  # a store older than migration 5 opened read-only
         yield from (row[0] for row in conn.execute(REFERENCED_SQL + " ORDER BY 1"))
     finally:
         conn.close()
@@ -870,7 +829,6 @@ def _not_modified(request: Request, etag: str, created: datetime) -> bool:
 
 __all__ = [
     "REFERENCED_SQL",
-    "SCHEMA",
     "DumpBuildError",
     "DumpBuilder",
     "PackageInfo",

@@ -38,7 +38,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..store.state import Resource, State
+from ..store.interface import StateStore
+from ..store.state import Resource
 from .resources import (
     SMALL_BLOB,
     LiteRequest,
@@ -225,7 +226,7 @@ class ResourceFastPath:
             return head_response(request, dict(hot.headers), hot.size)
         return None
 
-    def _lookup(self, state: State, set_name: str, uri: str) -> Hot:
+    def _lookup(self, state: StateStore, set_name: str, uri: str) -> Hot:
         """The answer for (set, URI) as the state has it now (worker thread, blocking)."""
         pub = self.pub
         site = pub.site(state)

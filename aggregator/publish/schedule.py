@@ -18,7 +18,8 @@ import trio
 from ..config import Config
 from ..plugins import Plugins
 from ..store.blobs import BlobStore
-from ..store.state import State
+from ..store.interface import StateStore
+from ..store.state import open_state
 from .documents import Site
 from .dumps import DumpBuilder, dump_routes
 from .site import build_site, link_policy, publish_filter
@@ -46,7 +47,7 @@ def dump_builder(ctx: DumpContext) -> DumpBuilder | None:
         return None
     builder = getattr(ctx, "dumps", None)
     if builder is None:
-        state = State(config.store_path / "state.db", synchronous=config.store.synchronous)
+        state = open_state(config)
         builder = DumpBuilder(state, ctx.blobs, base_url=config.server.base_url)
         ctx.dumps = builder
     return builder
@@ -64,7 +65,7 @@ def dump_app_options(ctx: DumpContext, options: dict[str, Any]) -> dict[str, Any
     }
 
 
-def _site(ctx: DumpContext, state: State) -> Site:
+def _site(ctx: DumpContext, state: StateStore) -> Site:
     """The Site the app serves (sets, link policy, publish filter): a package holds what the lists show."""
     plugins = ctx.plugins
     return build_site(

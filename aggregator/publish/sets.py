@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..config import Config
+from ..store.rows import SetRow
 
 log = logging.getLogger("rsagg.publish")
 _warned: set[tuple[str, str]] = set()
@@ -26,7 +27,7 @@ class PublishedSet:
     describedby: str | None = None  # §8/§9: a document about the set
 
 
-def published_sets(config: Config, state_sets: Iterable[dict]) -> dict[str, PublishedSet]:
+def published_sets(config: Config, state_sets: Iterable[SetRow]) -> dict[str, PublishedSet]:
     """Name -> published set: configured groups first (config order), then every state set whose
     source is in no group, under the state set's own name, by set id.
 
@@ -34,26 +35,26 @@ def published_sets(config: Config, state_sets: Iterable[dict]) -> dict[str, Publ
     """
     group_of = {src: g.name for g in config.sets for src in g.sources}
     members: dict[str, list[int]] = {g.name: [] for g in config.sets}
-    loose: list[dict] = []
-    for s in sorted(state_sets, key=lambda s: s["id"]):
-        group = group_of.get(s["source"])
+    loose: list[SetRow] = []
+    for s in sorted(state_sets, key=lambda s: s.id):
+        group = group_of.get(s.source)
         if group is not None:
-            members[group].append(s["id"])
+            members[group].append(s.id)
         else:
             loose.append(s)
     out = {g.name: PublishedSet(g.name, tuple(members[g.name]), g.describedby) for g in config.sets}
     for s in loose:
-        if s["name"] in out:
-            if (s["name"], s["source"]) not in _warned:  # once per process, not per request
-                _warned.add((s["name"], s["source"]))
+        if s.name in out:
+            if (s.name, s.source) not in _warned:  # once per process, not per request
+                _warned.add((s.name, s.source))
                 log.warning(
                     "state set %r of source %r is not published: configured set %r has that name",
-                    s["name"],
-                    s["source"],
-                    s["name"],
+                    s.name,
+                    s.source,
+                    s.name,
                 )
             continue
-        out[s["name"]] = PublishedSet(s["name"], (s["id"],))
+        out[s.name] = PublishedSet(s.name, (s.id,))
     return out
 
 

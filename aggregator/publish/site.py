@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 from ..config import Config
 from ..plugins import Plugins
-from ..store.state import Resource, State
+from ..store.interface import StateStore
+from ..store.state import Resource
 from .documents import DumpsAvailable, ExtraCapabilities, Site, no_dumps, no_extra_capabilities
 from .links import LinkPolicy, PluginLinks
 from .sets import published_sets
@@ -41,7 +42,7 @@ def link_policy(config: Config, plugins: Plugins) -> PluginLinks:
 
 def build_site(
     config: Config,
-    state: State,
+    state: StateStore,
     *,
     policy: PluginLinks,
     visible: Callable[[str, Resource], bool],

@@ -21,8 +21,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from .. import status
 from ..metrics import CONTENT_TYPE
+from ..store.interface import StateStore
 from ..store.lock import harvester_running
-from ..store.state import State
 
 if TYPE_CHECKING:
     from .app import Publisher
@@ -53,7 +53,7 @@ td.lag, td.success, td.progress { white-space: nowrap; }
 """
 
 
-def _status(pub: Publisher, state: State) -> dict[str, Any]:
+def _status(pub: Publisher, state: StateStore) -> dict[str, Any]:
     return status.collect(state, pub.config, running=harvester_running(pub.config.store_path))
 
 
@@ -67,7 +67,7 @@ async def metrics(request: Request) -> Response:
     """Refresh what is read from the state (and the store's size), then expose; both in a worker thread."""
     pub: Publisher = request.app.state.publisher
 
-    def scrape(state: State) -> bytes:
+    def scrape(state: StateStore) -> bytes:
         pub.metrics.refresh_from_state(state)
         return pub.metrics.exposition()
 
@@ -155,7 +155,7 @@ setInterval(refresh, REFRESH_MS);
 async def home(request: Request) -> Response:
     pub: Publisher = request.app.state.publisher
 
-    def build(state: State) -> tuple[Any, dict, dict]:
+    def build(state: StateStore) -> tuple[Any, dict, dict]:
         site = pub.site(state)
         dumps = {name: site.dumps_available(name) or {} for name in site.sets}
         return site, _status(pub, state), dumps

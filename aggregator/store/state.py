@@ -27,94 +27,27 @@ import re
 import secrets
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlite_utils import Database
 
-from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Link
+from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Link
 from ..rs.w3cdt import parse_w3c, utcnow
+from .rows import Change, Cursor, DocumentRow, LogRecord, Resource, SetRow, SourceRow
 
+if TYPE_CHECKING:
+    from ..config import Config
+
+#: The state database's file name inside ``[store] path``: spelled here only (``state_path``).
+STATE_FILE = "state.db"
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 #: Rows fetched per page by the iterators (bounded memory; the lock is released between pages).
 PAGE_SIZE = 1000
 SYNCHRONOUS = ("NORMAL", "FULL", "EXTRA")
 _MAX_INT = 2**63 - 1  # SQLite's largest INTEGER: "no upper bound" in range queries
-
-# ---------------------------------------------------------------------------------------------------
-# Values
-
-
-@dataclass(slots=True)
-class Cursor:
-    """Where incremental sync of a set stands in the upstream change stream (§12); None = unknown."""
-
-    baseline_at: datetime | None = None  # `at` of the snapshot the baseline came from
-    changelist_url: str | None = None  # change list we were reading last
-    last_datetime: datetime | None = None  # datetime (or lastmod) of the last applied change
-    same_datetime_count: int = 0  # changes with exactly last_datetime applied so far (ties)
-    list_index: int = 0  # entries consumed in changelist_url (for lists without datetimes)
-    list_until: datetime | None = None  # `until` of changelist_url when closed
-
-
-@dataclass(slots=True)
-class Change:
-    """One change entering the store (from a Resource List, Change List, dump or notification)."""
-
-    uri: str
-    change: str  # created | updated | deleted
-    sha256: str | None = None
-    length: int | None = None
-    type: str | None = None
-    encoding: str | None = None
-    hashes: dict[str, str] = field(default_factory=dict)  # upstream-announced tokens, verified
-    lastmod: datetime | None = None
-    upstream_datetime: datetime | None = None
-    links: list[Link] = field(default_factory=list)
-    md_extra: dict[str, str] = field(default_factory=dict)
-    entry_extra: list[str] = field(default_factory=list)
-    generation: int | None = None  # set when part of a baseline
-
-
-@dataclass(slots=True)
-class Resource:
-    """A resource as held now (``deleted`` rows are tombstones that keep the last known content)."""
-
-    id: int
-    set_id: int
-    uri: str
-    sha256: str | None
-    length: int | None
-    type: str | None
-    encoding: str | None
-    hashes: dict[str, str]  # "sha-256" (ours) plus "md5"/"sha-1" when upstream announced them
-    lastmod: datetime | None
-    upstream_datetime: datetime | None
-    links: list[Link]
-    md_extra: dict[str, str]
-    entry_extra: list[str]
-    deleted: bool
-    updated_at: datetime  # rsagg's clock: when this row last changed state
-    generation: int | None
-
-
-@dataclass(slots=True)
-class LogRecord:
-    """One changelog record: what rsagg republishes as a change (datetime is rsagg's own clock)."""
-
-    seq: int
-    set_id: int
-    resource_id: int
-    uri: str
-    change: str
-    datetime: datetime
-    sha256: str | None
-    length: int | None
-    type: str | None
-
 
 # ---------------------------------------------------------------------------------------------------
 # Encoding
@@ -290,6 +223,44 @@ MIGRATIONS: list[tuple[str, ...]] = [
     (  # 4: the URL discovery used instead of the configured one when that failed (rsagg status)
         "ALTER TABLE sources ADD COLUMN using_url TEXT",
     ),
+    (  # 5: rsagg's own Resource Dump runs and Resource/Change Dump packages (publish/dumps.py). Until this
+        # step publish/dumps.py created them itself, so IF NOT EXISTS: a store that has them keeps them.
+        """CREATE TABLE IF NOT EXISTS publish_dump_runs (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            set_name TEXT NOT NULL,
+            at TEXT NOT NULL,              -- snapshot started (§11.1 at)
+            completed TEXT NOT NULL,       -- snapshot completed (§11.1 completed)
+            last_seq INTEGER NOT NULL,     -- global changelog seq when the snapshot started
+            set_ids TEXT NOT NULL,         -- JSON list of the state sets it covers
+            packages INTEGER NOT NULL,
+            entries INTEGER NOT NULL,
+            bytes INTEGER NOT NULL,
+            created TEXT NOT NULL
+        )""",
+        "CREATE INDEX IF NOT EXISTS publish_dump_runs_set ON publish_dump_runs(set_name, id)",
+        """CREATE TABLE IF NOT EXISTS publish_dumps (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,   -- never reused: Resource Dump package URLs name it
+            set_name TEXT NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ('resourcedump', 'changedump')),
+            run INTEGER,                   -- resourcedump: publish_dump_runs.id
+            part INTEGER NOT NULL,         -- 1-based package number within the run (1 for changedump)
+            window INTEGER,                -- changedump: Change List window K (its URL number)
+            first_seq INTEGER,             -- changedump: the window is seq in (first_seq, last_seq]
+            last_seq INTEGER,
+            sha256 TEXT NOT NULL,          -- the ZIP blob
+            length INTEGER NOT NULL,
+            manifest_sha256 TEXT NOT NULL, -- manifest.xml, also a blob (the rel="contents" copy)
+            manifest_length INTEGER NOT NULL,
+            at TEXT, completed TEXT,       -- resourcedump
+            from_ TEXT, until TEXT,        -- changedump
+            entries INTEGER NOT NULL,
+            bytes INTEGER NOT NULL,        -- bitstream bytes (uncompressed)
+            created TEXT NOT NULL,
+            UNIQUE (set_name, kind, window)
+        )""",
+        "CREATE INDEX IF NOT EXISTS publish_dumps_run ON publish_dumps(run)",
+        "CREATE INDEX IF NOT EXISTS publish_dumps_set ON publish_dumps(set_name, kind, id)",
+    ),
 ]
 
 SOURCE_STATUS_FIELDS = frozenset(
@@ -315,6 +286,18 @@ _UPDATE_RES = (
     + " WHERE id = ?"
 )
 _SELECT_RES = "SELECT id, " + ", ".join(_RES_COLS) + " FROM resources"
+# Positions in a row being written (_RES_COLS order, its id appended last) ...
+_W_UPSTREAM, _W_DELETED, _W_GENERATION = (
+    _RES_COLS.index(c) for c in ("upstream_datetime", "deleted", "generation")
+)
+_W_SHA256, _W_ID = _RES_COLS.index("sha256"), len(_RES_COLS)
+# ... and in a row read by _SELECT_RES (id first, then _RES_COLS).
+(
+    _R_SET, _R_URI, _R_SHA256, _R_LENGTH, _R_TYPE, _R_ENCODING, _R_MD5, _R_SHA1, _R_LASTMOD, _R_UPSTREAM,
+    _R_LINKS, _R_MD_EXTRA, _R_ENTRY_EXTRA, _R_DELETED, _R_GENERATION, _R_UPDATED,
+) = range(1, len(_RES_COLS) + 1)  # fmt: skip
+# What _apply knows of a uri of the batch: [id, sha256, live, stored] (stored: the row exists on disk).
+_C_ID, _C_SHA256, _C_LIVE, _C_STORED = range(4)
 _LOG_COLS = ("seq", "set_id", "resource_id", "uri", "change", "datetime", "sha256", "length", "type")
 _INSERT_LOG = (
     "INSERT INTO changelog (set_id, resource_id, uri, change, datetime, sha256, length, type) "
@@ -414,6 +397,18 @@ class State:
 
     # -- plumbing --------------------------------------------------------------------------------
 
+    def own_connection(self, *, readonly: bool = False, busy_timeout: float = 30.0) -> sqlite3.Connection:
+        """A second connection to this database for a module keeping tables of its own (publish/dumps.py):
+        autocommit (the caller runs ``BEGIN IMMEDIATE``), usable from any thread under the caller's lock;
+        ``readonly`` opens it ``mode=ro`` (it never creates the file). The caller closes it."""
+        if readonly:
+            return sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True)
+        conn = sqlite3.connect(
+            str(self.path), timeout=busy_timeout, check_same_thread=False, isolation_level=None
+        )
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        return conn
+
     @property
     def schema_version(self) -> int:
         with self._lock:
@@ -477,14 +472,14 @@ class State:
                 (name, url, now, now),
             )
 
-    def sources(self) -> list[dict]:
+    def sources(self) -> list[SourceRow]:
         with self._lock:
-            return [_source_dict(r) for r in self.db.query("SELECT * FROM sources ORDER BY name")]
+            return [_source_row(r) for r in self.db.query("SELECT * FROM sources ORDER BY name")]
 
-    def source(self, name: str) -> dict | None:
+    def source(self, name: str) -> SourceRow | None:
         with self._lock:
             rows = list(self.db.query("SELECT * FROM sources WHERE name = ?", [name]))
-        return _source_dict(rows[0]) if rows else None
+        return _source_row(rows[0]) if rows else None
 
     def set_source_status(self, name: str, **fields: Any) -> None:
         """Update status columns (see SOURCE_STATUS_FIELDS); datetimes may be given as datetime."""
@@ -534,14 +529,12 @@ class State:
 
     # -- documents -------------------------------------------------------------------------------
 
-    def document(self, url: str) -> dict | None:
+    def document(self, url: str) -> DocumentRow | None:
         with self._lock:
             rows = list(self.db.query("SELECT * FROM documents WHERE url = ?", [url]))
         if not rows:
             return None
-        d = rows[0]
-        d["fetched_at"] = parse_dt(d["fetched_at"])
-        return d
+        return DocumentRow(**{**rows[0], "fetched_at": parse_dt(rows[0]["fetched_at"])})
 
     def put_document(
         self,
@@ -588,13 +581,13 @@ class State:
             )
             return cur.lastrowid
 
-    def sets(self, source: str | None = None) -> list[dict]:
-        """id, source, capabilitylist_url, name, generation, baseline_generation (open baseline)."""
+    def sets(self, source: str | None = None) -> list[SetRow]:
+        """The sets (of one source), by id."""
         sql = "SELECT id, source, capabilitylist_url, name, generation, baseline_generation FROM sets"
         with self._lock:
             if source is None:
-                return list(self.db.query(sql + " ORDER BY id"))
-            return list(self.db.query(sql + " WHERE source = ? ORDER BY id", [source]))
+                return [SetRow(**r) for r in self.db.query(sql + " ORDER BY id")]
+            return [SetRow(**r) for r in self.db.query(sql + " WHERE source = ? ORDER BY id", [source])]
 
     def cursor(self, set_id: int) -> Cursor | None:
         with self._lock:
@@ -669,7 +662,7 @@ class State:
     ) -> list[Change]:
         # 1. What is stored now, for every uri of the batch (one query; json_each avoids variable limits).
         uris = list(dict.fromkeys(ch.uri for ch in changes))
-        current: dict[str, list] = {}  # uri -> [id, sha256, live, stored]
+        current: dict[str, list] = {}  # uri -> [id, sha256, live, stored] (the _C_* positions)
         if uris:
             for rid, uri, sha, deleted in c.execute(
                 "SELECT id, uri, sha256, deleted FROM resources "
@@ -681,7 +674,7 @@ class State:
         if len(current) < len(uris):
             next_id = c.execute("SELECT coalesce(max(id), 0) FROM resources").fetchone()[0]
         # 2. Decide, change by change; collapse to the final row per uri; keep the log in order.
-        rows: dict[str, list] = {}  # uri -> column values (_RES_COLS order) + [id]
+        rows: dict[str, list] = {}  # uri -> column values (_RES_COLS order) + [id] (the _W_* positions)
         tombstones: dict[int, tuple] = {}  # id of a stored row -> (generation, upstream_datetime)
         seen: dict[int, int] = {}  # id -> generation, for no-ops during a baseline
         log: list[tuple] = []  # changelog rows
@@ -689,44 +682,44 @@ class State:
         for ch in changes:
             gen = ch.generation if ch.generation is not None else open_generation
             cur = current.get(ch.uri)
-            live = cur is not None and cur[2]
+            live = cur is not None and cur[_C_LIVE]
             if ch.change == DELETED:
                 if not live:
                     continue
-                cur[2] = False
+                cur[_C_LIVE] = False
                 row = rows.get(ch.uri)
                 if row is not None:  # created/updated earlier in this batch: write it as a tombstone
-                    row[13] = 1
+                    row[_W_DELETED] = 1
                     if gen is not None:
-                        row[14] = gen
+                        row[_W_GENERATION] = gen
                     if ch.upstream_datetime is not None:
-                        row[9] = format_dt(ch.upstream_datetime)
+                        row[_W_UPSTREAM] = format_dt(ch.upstream_datetime)
                 else:
-                    tombstones[cur[0]] = (gen, format_dt(ch.upstream_datetime))
-                log.append((set_id, cur[0], ch.uri, DELETED, now, None, None, None))
+                    tombstones[cur[_C_ID]] = (gen, format_dt(ch.upstream_datetime))
+                log.append((set_id, cur[_C_ID], ch.uri, DELETED, now, None, None, None))
                 applied.append(ch)
                 continue
-            if live and cur[1] == ch.sha256:
+            if live and cur[_C_SHA256] == ch.sha256:
                 if gen is not None:
                     if ch.uri in rows:
-                        rows[ch.uri][14] = gen
+                        rows[ch.uri][_W_GENERATION] = gen
                     else:
-                        seen[cur[0]] = gen
+                        seen[cur[_C_ID]] = gen
                 continue
             kind = UPDATED if live else CREATED
             if cur is None:
                 next_id += 1
                 cur = current[ch.uri] = [next_id, ch.sha256, True, False]
             else:
-                cur[1], cur[2] = ch.sha256, True
-                tombstones.pop(cur[0], None)
+                cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
+                tombstones.pop(cur[_C_ID], None)
             h = ch.hashes
             rows[ch.uri] = [
                 set_id, ch.uri, ch.sha256, ch.length, ch.type, ch.encoding, h.get("md5"), h.get("sha-1"),
                 format_dt(ch.lastmod), format_dt(ch.upstream_datetime), _links_json(ch.links),
-                _json(ch.md_extra), _json(ch.entry_extra), 0, gen, now, cur[0],
+                _json(ch.md_extra), _json(ch.entry_extra), 0, gen, now, cur[_C_ID],
             ]  # fmt: skip
-            log.append((set_id, cur[0], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
+            log.append((set_id, cur[_C_ID], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
             applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
         # 3. Write: no-op marks, tombstones, new rows, changed rows, then the log.
         if seen:
@@ -742,10 +735,10 @@ class State:
         if rows:
             new, old = [], []
             for uri, row in rows.items():
-                if current[uri][3]:
-                    old.append(row[2:])
+                if current[uri][_C_STORED]:
+                    old.append(row[_W_SHA256:])  # _UPDATE_RES: the columns after uri, then the id
                 else:
-                    new.append((row[-1], *row[:-1]))
+                    new.append((row[_W_ID], *row[:_W_ID]))
             if new:
                 c.executemany(_INSERT_RES, new)
             if old:
@@ -811,6 +804,44 @@ class State:
         if gone:
             self._last_log_time = log_time
         return [Change(uri, DELETED, generation=generation) for _, uri in gone]
+
+    # -- retries (the SQL is store/retries.py's; these are the seam's names for it) ------------------
+
+    def pending_retries(self, set_id: int) -> list[tuple[Entry, str, int]]:
+        """(entry, change, attempts) of every failed change of a set still to be tried, oldest first."""
+        from . import retries  # retries.py builds on this module
+
+        return retries.pending(self, set_id)
+
+    def retry_uris(self, set_id: int) -> set[str]:
+        """Every URI of a set with a retry row, ended ones included."""
+        from . import retries
+
+        return retries.uris(self, set_id)
+
+    def end_retries(self, set_id: int, ended: Iterable[str], reason: str) -> None:
+        """Mark retries as ended (no longer listed upstream): kept to be seen, not tried."""
+        from . import retries
+
+        retries.end(self, set_id, ended, reason)
+
+    def retry_rows(self, sources: Iterable[str] = ()) -> list[dict]:
+        """Every retry (waiting or ended) with its source and set, for ``rsagg retries`` (JSON-ready)."""
+        from . import retries
+
+        return retries.rows(self, sources)
+
+    def clear_retries(self, sources: Iterable[str] = (), *, ended_only: bool = False) -> int:
+        """Forget retries (of some sources; only ended ones). Returns how many."""
+        from . import retries
+
+        return retries.clear(self, sources, ended_only=ended_only)
+
+    def retries_by_source(self) -> dict[str, dict[str, int]]:
+        """Source -> {"waiting": n, "ended": m}, for the status displays."""
+        from . import retries
+
+        return retries.by_source(self)
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -1122,25 +1153,54 @@ def _check_sha(sha256: str) -> None:
         raise ValueError(f"not a lowercase hex SHA-256: {sha256!r}")
 
 
-def _source_dict(d: dict) -> dict:
+def _source_row(d: dict) -> SourceRow:
     for k in _SOURCE_TIMES:
         if d.get(k) is not None:
             d[k] = parse_dt(d[k])
-    return d
+    return SourceRow(**d)
 
 
 def _resource(r: tuple) -> Resource:
-    # r: id, then _RES_COLS
+    # r: id, then _RES_COLS (the _R_* positions)
     hashes = {}
-    if r[3] is not None:
-        hashes["sha-256"] = r[3]
-    if r[7] is not None:
-        hashes["md5"] = r[7]
-    if r[8] is not None:
-        hashes["sha-1"] = r[8]
+    if r[_R_SHA256] is not None:
+        hashes["sha-256"] = r[_R_SHA256]
+    if r[_R_MD5] is not None:
+        hashes["md5"] = r[_R_MD5]
+    if r[_R_SHA1] is not None:
+        hashes["sha-1"] = r[_R_SHA1]
+    md_extra, entry_extra = r[_R_MD_EXTRA], r[_R_ENTRY_EXTRA]
     return Resource(
-        id=r[0], set_id=r[1], uri=r[2], sha256=r[3], length=r[4], type=r[5], encoding=r[6], hashes=hashes,
-        lastmod=parse_dt(r[9]), upstream_datetime=parse_dt(r[10]), links=_links_from(r[11]),
-        md_extra=json.loads(r[12]) if r[12] else {}, entry_extra=json.loads(r[13]) if r[13] else [],
-        deleted=bool(r[14]), updated_at=parse_dt(r[16]), generation=r[15],
+        id=r[0], set_id=r[_R_SET], uri=r[_R_URI], sha256=r[_R_SHA256], length=r[_R_LENGTH], type=r[_R_TYPE],
+        encoding=r[_R_ENCODING], hashes=hashes, lastmod=parse_dt(r[_R_LASTMOD]),
+        upstream_datetime=parse_dt(r[_R_UPSTREAM]), links=_links_from(r[_R_LINKS]),
+        md_extra=json.loads(md_extra) if md_extra else {},
+        entry_extra=json.loads(entry_extra) if entry_extra else [],
+        deleted=bool(r[_R_DELETED]), updated_at=parse_dt(r[_R_UPDATED]), generation=r[_R_GENERATION],
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where the state lives: the one place that knows (callers never build the path themselves).
+
+
+def state_path(config: Config) -> Path:
+    """The state database of a configured rsagg: ``STATE_FILE`` in the store folder."""
+    return Path(config.store_path) / STATE_FILE
+
+
+def open_state(config: Config, *, readonly: bool = False, **options: Any) -> State:
+    """Open the configured state (created and migrated unless ``readonly``) with ``[store]
+    synchronous``; ``options`` are ``State``'s other keyword arguments (``cache_mib``, ``clock``...)."""
+    options.setdefault("synchronous", config.store.synchronous)
+    return connect(state_path(config), readonly=readonly, **options)
+
+
+def connect(location: Path | str, *, readonly: bool = False, **options: Any) -> State:
+    """The state at ``location`` (what ``state_path`` gives): the one factory every opener goes through,
+    so the backend is chosen here, from the location (the SQLite file; another backend would be named by
+    a URL such as ``postgresql://...``)."""
+    if isinstance(location, str) and "://" in location:
+        scheme = location.split("://", 1)[0]
+        raise ValueError(f"no state backend for {scheme}:// locations (the state is a SQLite file)")
+    return State(location, readonly=readonly, **options)

@@ -711,8 +711,8 @@ class Subscriber:
 
     def _set_id(self, source: str, capabilitylist_url: str) -> int | None:
         for s in self.ctx.reader.sets(source):
-            if s["capabilitylist_url"] == capabilitylist_url:
-                return int(s["id"])
+            if s.capabilitylist_url == capabilitylist_url:
+                return s.id
         return None
 
     async def _apply(self, src: SourceConfig, sub: Subscription, notice: Notice) -> bool:
