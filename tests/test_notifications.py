@@ -680,3 +680,32 @@ def test_signature_methods_sha256_or_stronger_and_sha1_only_when_configured() ->
     assert problem(_sign("the-secret", body, "sha1"), accept_sha1=True) is None
     assert problem("md5=" + hashlib.md5(body).hexdigest()) == "delivery.bad_signature"
     assert problem(None) == problem("") == "delivery.unsigned"
+
+
+async def test_a_topic_answers_as_soon_as_its_set_is_advertised(tmp_path: Path) -> None:
+    """The Capability List is a view of the state and may name a new set's channels before the notifier's
+    next round: the topic must answer then (a hub fetching it, or a subscriber checking it, got 404)."""
+    from aggregator.store.blobs import FileBlobStore
+    from aggregator.websub.notifier import Notifier
+
+    from .harvesting import harvest, make_config
+
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.bulk_create(2)
+    async with up.serving() as base:
+        config = make_config(tmp_path / "data", {"up": base})
+        assert (await harvest(config))["up"].ok
+    async with httpx.AsyncClient() as pings:  # an external hub: never pinged, no round runs
+        blobs = FileBlobStore(config.store_path / "blobs")
+        hub = "http://hub.test/hub"
+        notifier = Notifier(lambda: config, config.store_path / "state.db", blobs, hub_url=hub, client=pings)
+        try:
+            app = Starlette(routes=notifier.routes())  # no round has run: the notifier knows no set yet
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                r = await c.get("/up/change-notification.xml")
+                assert r.status_code == 200 and r.headers["content-type"].startswith("application/xml")
+                assert topic_links(r)["self"].endswith("/up/change-notification.xml")
+                assert (await c.get("/nothing/change-notification.xml")).status_code == 404
+        finally:
+            await notifier.aclose()
+            blobs.close()

@@ -67,7 +67,7 @@ from starlette.routing import Route
 from ..config import Config
 from ..publish.app import Publisher
 from ..publish.documents import Site, UriOf, Windows, capability_list, change_entry
-from ..publish.sets import PublishedSet
+from ..publish.sets import PublishedSet, published_sets
 from ..retry import backoff, retry_after, retryable_status, transient_error
 from ..rs.model import (
     CAPABILITYLIST,
@@ -249,6 +249,10 @@ class Notifier:
             self._reader = State(self.state_path, readonly=True, cache_mib=8)
         return self._reader
 
+    def _published(self, set_name: str) -> bool:
+        """Whether ``set_name`` is published now (blocking)."""
+        return set_name in published_sets(self.get_config(), self._state().sets())
+
     def _site(self, config: Config, state: State) -> Site:
         """Our documents exactly as the app writes them (link policy, plugins' filter, extra entries)."""
         if self._publisher is None or self._publisher[0] is not config:
@@ -297,7 +301,10 @@ class Notifier:
             topic = self.topic(set_name, kind)
             ch = self._channels.get(topic)
             if ch is None and set_name not in self._set_names:
-                return PlainTextResponse("not found\n", status_code=404)
+                # The Capability List naming this topic is a view of the state, which may be newer than
+                # the last round: a published set's topic answers from the moment it is advertised.
+                if not await self._tables.run(self._published, set_name):
+                    return PlainTextResponse("not found\n", status_code=404)
             base = self.get_config().server.base_url
             headers = {
                 "Link": f'<{topic}>; rel="self", <{self.hub_url}>; rel="hub", '
