@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,21 @@ from aggregator.harvest.audit import Difference, audit_source
 from aggregator.harvest.context import open_context
 from aggregator.harvest.source import SourceResult
 from aggregator.store.state import State
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def rsagg(*args: str, config: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``rsagg ARGS -c CONFIG`` as an operator runs it: its own process, in the config's folder."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "aggregator", *args, "-c", str(config)],
+        cwd=config.parent, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
 
 #: Extra ``[store]`` keys for every config the tests make: the S3 tests set a backend here to run the
 #: harvester and publisher scenarios unchanged on another blob store (tests/test_s3store.py).

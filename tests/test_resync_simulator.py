@@ -44,9 +44,10 @@ from aggregator.harvest.pipeline import Failure
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import ERROR, check_source
 
+from .harvesting import rsagg as run_rsagg
+
 pytest.importorskip("simulator", reason="resync-simulator is a test dependency (pyproject [test])")
 
-REPO = Path(__file__).resolve().parents[1]
 PEER = Path(__file__).resolve().parent / "resync_simulator_peer.py"
 SOURCE = "sim"
 RESOURCES = 20  # at the start
@@ -176,14 +177,7 @@ def get(url: str) -> httpx.Response | None:
 
 
 def rsagg(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "aggregator", *args, "-c", str(config)],
-        cwd=config.parent, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT,
-    )  # fmt: skip
+    return run_rsagg(*args, config=config, timeout=COMMAND_TIMEOUT)
 
 
 def raced(failure: Failure) -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import resource
 import sqlite3
@@ -43,7 +42,8 @@ import pytest
 
 from aggregator.rs.parse import parse_bytes
 
-REPO = Path(__file__).resolve().parents[1]
+from .harvesting import rsagg as run_rsagg
+
 RESYNC_BUILD = Path(sys.executable).parent / "resync-build"
 COUNT = 60_000  # above 50,000: resync-build writes a Resource List Index (§10.2)
 MODIFIED, DELETED, ADDED = 100, 50, 50
@@ -161,14 +161,7 @@ def build_documents(site: StaticSite) -> None:
 
 
 def rsagg(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "aggregator", *args, "-c", str(config)],
-        cwd=config.parent, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT,
-    )  # fmt: skip
+    return run_rsagg(*args, config=config, timeout=COMMAND_TIMEOUT)
 
 
 def harvest(config: Path) -> str:
