@@ -94,7 +94,7 @@ async def end_unlisted_retries(
         log.warning("source=%s set=%s could not check which failed changes are still listed: %s",
                     source, info.capabilitylist_url, exc)  # fmt: skip
         return 0
-    gone = sorted(due - listed) if listed is not None else []
+    gone = sorted(due - listed)
     if not gone:
         return 0
     await ctx.write(ctx.writer.end_retries, set_id, gone, "no longer listed upstream")
