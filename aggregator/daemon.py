@@ -1,5 +1,8 @@
 """The daemon: one trio nursery holding the HTTP server, one poll task per source and the watchdog.
 
+Its parts are built by the composition root (compose.py: ``open_context``, then ``assemble``); the
+daemon runs them, swaps the publisher on a reload, and stops them.
+
 Signals (systemd's ``ExecReload=/bin/kill -HUP $MAINPID`` and stop):
 
 - SIGHUP re-reads the configuration file. A broken file is refused (logged as ``FILE: KEY: PROBLEM``)
@@ -30,16 +33,13 @@ import trio
 from starlette.types import ASGIApp
 
 from . import outbound, sdnotify
+from .compose import Assembly, assemble, open_context, run_assembly
 from .config import Config, ConfigError, SourceConfig, load_config
-from .harvest.context import HarvestContext, open_context
 from .harvest.source import poll_source
 from .hotswap import HotSwapApp
-from .publish.schedule import run_dumps
 from .rs import parse
 from .serverguard import ServerLimits
 from .serving import serve
-from .store.state import state_path
-from .websub.service import prepare_notifications, run_notifications
 
 log = logging.getLogger("rsagg.daemon")
 
@@ -65,7 +65,7 @@ RESTART_KEYS = (
     "harvest.max_resource_bytes",
 )
 
-AppFactory = Callable[[Config, HarvestContext], ASGIApp]
+AppFactory = Callable[[Config, Assembly], ASGIApp]
 
 
 def _listen(config: Config) -> tuple[str, int]:
@@ -73,17 +73,9 @@ def _listen(config: Config) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def publisher_app(config: Config, ctx: HarvestContext) -> ASGIApp:
-    """The republishing Source (imported lazily: harvest-only commands do not need it)."""
-    from .publish.app import create_app
-
-    # app_options: the notification routes (hub, callbacks, topics) and Capability List entries
-    from .publish.schedule import dump_app_options
-    from .websub.service import app_options
-
-    options = dump_app_options(ctx, app_options(ctx))  # + the dump documents, packages, manifests
-    options["metrics"] = ctx.metrics  # /metrics shows this process's harvest too (metrics.py)
-    return create_app(config, blobs=ctx.blobs, state_path=state_path(config), **options)
+def publisher_app(config: Config, parts: Assembly) -> ASGIApp:
+    """The republishing Source for ``config``, from the daemon's parts (``Assembly.app``)."""
+    return parts.app(config)
 
 
 def source_settings(config: Config, src: SourceConfig) -> tuple[Any, ...]:
@@ -109,21 +101,22 @@ class _SourceTask:
 class _Daemon:
     def __init__(
         self,
-        ctx: HarvestContext,
+        parts: Assembly,
         nursery: trio.Nursery,
         *,
         harvest: bool,
         config_path: Path | None,
         app_factory: AppFactory,
     ) -> None:
-        self.ctx = ctx
+        self.parts = parts
+        self.ctx = parts.harvest
         self.nursery = nursery
         self.harvest = harvest
         self.config_path = config_path
         self.app_factory = app_factory
         self.tasks: dict[str, _SourceTask] = {}
         self.shutdown = trio.Event()
-        self.app = HotSwapApp(app_factory(ctx.config, ctx), nursery)
+        self.app = HotSwapApp(app_factory(parts.config, parts), nursery)
         self.bound = ""
 
     @property
@@ -145,7 +138,7 @@ class _Daemon:
             with task.scope:
                 if after is not None:
                     await after.wait()  # the previous task of this source has finished its last commit
-                await poll_source(self.ctx, task.src)
+                await poll_source(self.ctx, task.src, self.parts.followed)
         finally:
             task.done.set()
 
@@ -189,14 +182,15 @@ class _Daemon:
         new = self._keep_unreloadable(old, new)
         try:
             # In a thread: create_app opens the state database, which may wait for a harvest commit.
-            await self.app.replace(await trio.to_thread.run_sync(self.app_factory, new, self.ctx))
+            await self.app.replace(await trio.to_thread.run_sync(self.app_factory, new, self.parts))
         except Exception as exc:  # a publisher that cannot start with this config: keep the old one
             log.error("reload refused, the publisher rejects %s: %s: %s", new.file, type(exc).__name__, exc)
             return
         self.ctx.config = new
         outbound.update_policy(self.ctx.fetcher.policy, new)  # new sources' origins, a changed allow-list
-        if self.ctx.notifications is not None and self.ctx.notifications.hub is not None:
-            outbound.update_policy(self.ctx.notifications.hub.policy, new, trust_sources=False)
+        notes = self.parts.notifications
+        if notes is not None and notes.hub is not None:
+            outbound.update_policy(notes.hub.policy, new, trust_sources=False)
         if self.harvest:
             self._apply_sources(new)
         log.info("reloaded %s: %d source(s) harvested", new.file, len(self.tasks))
@@ -261,11 +255,12 @@ async def run_daemon(
     harvest: bool = True,
     app_factory: AppFactory = publisher_app,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-    on_ready: Callable[[HarvestContext, str], Awaitable[None]] | None = None,
+    on_ready: Callable[[Assembly, str], Awaitable[None]] | None = None,
 ) -> None:
     """Serve and harvest until SIGTERM/SIGINT (or cancellation); ``task_status`` gets the bound URL.
 
-    ``config_path`` is the file SIGHUP re-reads (None: SIGHUP is ignored with a warning). Raises
+    ``config_path`` is the file SIGHUP re-reads (None: SIGHUP is ignored with a warning); ``on_ready``
+    gets the daemon's parts (compose.py ``Assembly``) and the bound URL once it serves. Raises
     ``ListenError`` (plain, not in an exception group) when the server socket cannot be bound.
     """
     path = Path(config_path) if config_path is not None else None
@@ -295,14 +290,13 @@ async def _serve_and_harvest(
     app_factory: AppFactory,
     signals: AsyncIterator[int],
     task_status: trio.TaskStatus[str],
-    on_ready: Callable[[HarvestContext, str], Awaitable[None]] | None,
+    on_ready: Callable[[Assembly, str], Awaitable[None]] | None,
 ) -> None:
     _check_state_directory(config)
     async with open_context(config) as ctx, trio.open_nursery() as nursery:
-        prepare_notifications(ctx, harvest=harvest)  # websub/service.py: before the app needs its routes
-        daemon = _Daemon(ctx, nursery, harvest=harvest, config_path=config_path, app_factory=app_factory)
-        await run_notifications(nursery, ctx, stop_when=daemon.shutdown.wait)
-        nursery.start_soon(run_dumps, ctx, daemon.shutdown.wait)  # publish/schedule.py
+        parts = assemble(ctx, harvest=harvest)  # compose.py: before the app needs its routes
+        daemon = _Daemon(parts, nursery, harvest=harvest, config_path=config_path, app_factory=app_factory)
+        await run_assembly(nursery, parts, daemon.shutdown.wait)  # notifications, the dump schedule
         host, port = _listen(config)
         limits = ServerLimits(
             max_connections_per_client=config.server.max_connections_per_client,
@@ -322,7 +316,7 @@ async def _serve_and_harvest(
         log.info("document parser: %s", "compiled fast path" if parse.SPEEDUPS else "pure Python (slower)")
         daemon.start_sources()
         if on_ready is not None:
-            await on_ready(ctx, daemon.bound)
+            await on_ready(parts, daemon.bound)
         task_status.started(daemon.bound)
         sdnotify.ready(daemon.status_line())
         async for signum in signals:

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from aggregator.commands.harvest import harvest_once
+from aggregator.compose import open_context
 from aggregator.config import Config, parse_config
 from aggregator.harvest.audit import Difference, audit_source
-from aggregator.harvest.context import open_context
 from aggregator.harvest.source import SourceResult
 from aggregator.store.state import State
 

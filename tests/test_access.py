@@ -16,9 +16,9 @@ import httpx
 import pytest
 import trio
 
+from aggregator.compose import open_context
 from aggregator.config import ConfigError, parse_config
 from aggregator.harvest.access import DEFAULT_USER_AGENT, _Pace
-from aggregator.harvest.context import open_context
 from aggregator.harvest.source import sync_source
 from aggregator.store.state import State
 

@@ -23,9 +23,9 @@ import pytest
 import trio
 
 from aggregator import sdnotify
+from aggregator.compose import open_context
 from aggregator.config import load_config, parse_config
 from aggregator.daemon import ListenError, run_daemon
-from aggregator.harvest.context import open_context
 from aggregator.hotswap import HotSwapApp
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.rows import SourceRow

@@ -492,8 +492,8 @@ async def test_publish_filter_reaches_dump_packages(tmp_path: Path, monkeypatch)
     """A hidden resource must not ship inside the Resource Dump or the Change Dump packages either."""
     import zipfile
 
-    from aggregator.harvest.context import open_context
-    from aggregator.publish.schedule import build_due, dump_builder
+    from aggregator.compose import open_context
+    from aggregator.publish.schedule import build_due, open_dump_builder
 
     add_plugin(monkeypatch, "hide", HideSecrets())
     up = Upstream(resource_dump=False, change_dump=False)
@@ -505,9 +505,14 @@ async def test_publish_filter_reaches_dump_packages(tmp_path: Path, monkeypatch)
         await ok(cfg)
     assert len(held(cfg)) == 3
     async with open_context(cfg) as ctx:
-        builder = dump_builder(ctx)
+        builder = open_dump_builder(ctx.config, ctx.blobs)
         assert builder is not None
-        assert await trio.to_thread.run_sync(lambda: build_due(builder, ctx, resource_dumps=True)) >= 2
+        assert (
+            await trio.to_thread.run_sync(
+                lambda: build_due(builder, ctx.config, ctx.plugins, resource_dumps=True)
+            )
+            >= 2
+        )
         with sqlite3.connect(cfg.store_path / "state.db") as c:
             rows = c.execute("SELECT kind, sha256 FROM publish_dumps").fetchall()
         assert {kind for kind, _ in rows} == {"resourcedump", "changedump"}

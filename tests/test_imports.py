@@ -70,9 +70,10 @@ def _check(found: set[tuple[str, str]], rule: str) -> None:
 
 def test_the_parser_sees_imports() -> None:
     """The check can fail: the parser resolves relative and lazy imports (a known one of each)."""
-    assert "aggregator.websub.service" in MODULES["aggregator.daemon"]  # from .websub.service import ...
+    assert "aggregator.compose" in MODULES["aggregator.daemon"]  # from .compose import ...
     assert "aggregator.testing.upstream" in MODULES["aggregator.commands.demo"]  # from ..testing.upstream
-    assert "aggregator.publish.app" in MODULES["aggregator.daemon"]  # imported inside a function
+    assert "aggregator.publish.app" in MODULES["aggregator.compose"]  # imported inside a function
+    assert "aggregator.websub.hub" in MODULES["aggregator.compose"]  # inside TYPE_CHECKING
     assert len(MODULES) > 50
 
 
@@ -82,6 +83,33 @@ def test_harvest_and_publish_are_siblings() -> None:
     publish/ builds)."""
     _check(_violations("aggregator.harvest", ("aggregator.publish", "aggregator.websub")), "harvest/")
     _check(_violations("aggregator.publish", ("aggregator.harvest", "aggregator.websub")), "publish/")
+
+
+def test_websub_does_not_import_harvest() -> None:
+    """The subscriber drives harvests without knowing how they are done: the composition hands it a
+    ``Harvester`` (harvest/notices.py), so websub/ imports nothing of harvest/."""
+    _check(_violations("aggregator.websub", ("aggregator.harvest",)), "websub/")
+
+
+#: The layer that builds and runs the stages (the composition root, the daemon, the command line).
+COMPOSITION = ("aggregator.compose", "aggregator.daemon", "aggregator.commands", "aggregator.cli")
+#: The stages and the floors they stand on.
+STAGES = ("aggregator.harvest", "aggregator.publish", "aggregator.websub", "aggregator.store",
+          "aggregator.rs")  # fmt: skip
+
+
+def test_stages_are_handed_their_parts() -> None:
+    """Nothing below the composition imports it: a stage gets its parts handed in (compose.py), it never
+    reaches up for them."""
+    for stage in STAGES:
+        _check(_violations(stage, COMPOSITION), stage)
+
+
+def test_the_store_is_a_floor() -> None:
+    """store/ (the state seam and its backend, the blob store) stands on rs/ and config only: no stage
+    above it is imported from below."""
+    above = ("aggregator.harvest", "aggregator.publish", "aggregator.websub", *COMPOSITION)
+    _check(_violations("aggregator.store", above), "store/")
 
 
 def test_the_hub_stands_alone() -> None:

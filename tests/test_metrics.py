@@ -27,11 +27,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from aggregator import status
 from aggregator.cli import main
 from aggregator.commands.harvest import harvest_once
+from aggregator.compose import open_context
 from aggregator.config import load_config
 from aggregator.daemon import run_daemon
 from aggregator.harvest import context as harvest_context
 from aggregator.harvest import progress as harvest_progress
-from aggregator.harvest.context import open_context
 from aggregator.harvest.progress import ProgressLine
 from aggregator.harvest.source import sync_source
 from aggregator.metrics import FAMILIES, Metrics, sample_names, status_class

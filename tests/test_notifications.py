@@ -663,11 +663,8 @@ def test_signature_methods_sha256_or_stronger_and_sha1_only_when_configured() ->
     sub = Subscription(1, "t", "the-secret", "up", "cl", CHANGE_NOTIFICATION, "topic", "hub")
 
     def problem(header: str | None, accept_sha1: bool = False) -> str | None:
-        fake = SimpleNamespace(
-            ctx=SimpleNamespace(
-                config=SimpleNamespace(notifications=SimpleNamespace(accept_sha1=accept_sha1))
-            )
-        )
+        config = SimpleNamespace(notifications=SimpleNamespace(accept_sha1=accept_sha1))
+        fake = SimpleNamespace(get_config=lambda: config)
         return Subscriber._signature_problem(fake, sub, header, body)  # type: ignore[arg-type]
 
     for algo in ("sha256", "sha384", "sha512"):

@@ -222,7 +222,7 @@ async def test_lag_of_a_source_without_change_list_counts_from_its_last_read(tmp
 
 async def test_plain_list_size_estimated_early_for_progress(tmp_path: Path) -> None:
     """A baseline from one big Resource List shows N/TOTAL with an ETA early on, not N/? to the end."""
-    from aggregator.harvest.context import open_context
+    from aggregator.compose import open_context
     from aggregator.harvest.lists import Snapshot, resource_list_entries
 
     up = Upstream(resourcelist_page_size=50_000)

@@ -27,8 +27,8 @@ from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from aggregator import outbound
+from aggregator.compose import open_context
 from aggregator.config import ConfigError, parse_config
-from aggregator.harvest.context import open_context
 from aggregator.harvest.fetch import Expected, Fetcher, FetchError
 from aggregator.harvest.metadata import MetadataRecords
 from aggregator.metrics import Metrics

@@ -7,10 +7,10 @@ from pathlib import Path
 import httpx
 import trio
 
+from aggregator.compose import open_context
 from aggregator.config import parse_config
-from aggregator.harvest.context import open_context
 from aggregator.publish.app import create_app
-from aggregator.publish.schedule import dump_app_options, run_dumps
+from aggregator.publish.schedule import dump_app_options, open_dump_builder, run_dumps
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import validate_source
 from aggregator.testing.upstream import Upstream
@@ -33,14 +33,15 @@ async def test_dumps_built_on_schedule_and_advertised(tmp_path: Path):
         assert (await harvest(config))["up"].ok
         async with open_context(config) as ctx:
             stop = trio.Event()
-            options = dump_app_options(ctx, {})
+            builder = open_dump_builder(config, ctx.blobs)
+            options = dump_app_options(builder, {})
             app = create_app(config, blobs=ctx.blobs, state_path=config.store_path / "state.db", **options)
             async with serve_app(app) as ours, httpx.AsyncClient() as client, trio.open_nursery() as nursery:
-                nursery.start_soon(run_dumps, ctx, stop.wait)
+                nursery.start_soon(run_dumps, builder, lambda: ctx.config, ctx.plugins, stop.wait)
                 # One build round commits the Change Dump packages before the Resource Dump: wait for
                 # both (waiting for "any dump" raced the second commit on a loaded machine).
                 with trio.fail_after(60):
-                    while set(ctx.dumps.available("up")) != {"resourcedump", "changedump"}:
+                    while set(builder.available("up")) != {"resourcedump", "changedump"}:
                         await trio.sleep(0.05)
                 stop.set()
                 cap = (await client.get(f"{ours}/up/capabilitylist.xml")).content
@@ -58,4 +59,4 @@ async def test_dumps_built_on_schedule_and_advertised(tmp_path: Path):
         # dump_interval = 0: no dumps, nothing advertised
         config0 = parse_config({**raw, "publish": {"dump_interval": 0}}, str(tmp_path / "rsagg.toml"))
         async with open_context(config0) as ctx:
-            assert dump_app_options(ctx, {"x": 1}) == {"x": 1}
+            assert dump_app_options(open_dump_builder(config0, ctx.blobs), {"x": 1}) == {"x": 1}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from aggregator.compose import open_context
 from aggregator.config import parse_config
-from aggregator.harvest.context import open_context
 from aggregator.publish.app import create_app
 from aggregator.rs.w3cdt import utcnow
 from aggregator.store.state import State

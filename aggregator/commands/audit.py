@@ -8,8 +8,8 @@ import sys
 
 import trio
 
+from ..compose import open_context
 from ..harvest.audit import Difference, audit_source
-from ..harvest.context import open_context
 from ._common import add_config_arguments, start
 
 

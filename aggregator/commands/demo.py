@@ -11,9 +11,9 @@ from pathlib import Path
 
 import trio
 
+from ..compose import Assembly
 from ..config import Config, parse_config
 from ..daemon import ListenError, run_daemon
-from ..harvest.context import HarvestContext
 from ..logs import setup_logging
 from ..store.lock import store_lock
 from ..testing.notify import UpstreamNotifier
@@ -79,7 +79,7 @@ async def run_demo(args: argparse.Namespace, data: Path) -> None:
         await nursery.start(notifier.run)  # change + framework notifications through its own hub
         config = demo_config(data, port, f"{upstream}/.well-known/resourcesync", args.interval)
 
-        async def ready(ctx: HarvestContext, bound: str) -> None:
+        async def ready(parts: Assembly, bound: str) -> None:
             base = config.server.base_url
             print(
                 f"rsagg demo running (store: {data})\n"

@@ -11,8 +11,9 @@ from typing import TextIO
 
 import trio
 
+from ..compose import open_context
 from ..config import ConfigError
-from ..harvest.context import open_context, prepare_store
+from ..harvest.context import prepare_store
 from ..harvest.progress import ProgressLine
 from ..harvest.source import SourceResult, poll_source, sync_source
 from ..store.lock import store_lock

@@ -1,8 +1,10 @@
-"""What every harvest task shares: config, the one Fetcher, the blob store and the state database.
+"""What every harvest task shares: config, the one Fetcher, the blob store and the state.
 
-SQLite is used through two connections: a reader used directly on the trio thread for quick indexed
+The state is used through two handles: a reader used directly on the trio thread for quick indexed
 lookups (WAL lets it read while a write is in progress), and a writer used only from a worker thread, one
-call at a time, so that a long transaction never blocks the event loop.
+call at a time, so that a long transaction never blocks the event loop. The composition (compose.py,
+``open_context``) builds the context; nothing is set on it from outside afterwards but the running
+configuration (a reload) and the commit listeners.
 """
 
 from __future__ import annotations
@@ -12,22 +14,18 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
 
-from .. import outbound
 from ..config import Config, ConfigError
-from ..metrics import Metrics, current_source
+from ..metrics import Metrics
 from ..plugins import Plugins
 from ..store.blobs import BlobStore, BlobWriter
 from ..store.interface import StateStore
-from ..store.state import open_state
-from .access import Access, user_agent
 from .fetch import Fetcher
 from .patch import PatchApplier, builtin_patch_formats
 
@@ -52,17 +50,12 @@ class HarvestContext:
     progress: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     _write_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     #: Called on the trio thread after each state transaction that logged changes (rsagg's notifier
-    #: publishes them at once instead of at its next look; ``websub/notifier.py``).
+    #: publishes them at once instead of at its next look; the composition adds ``Notifier.wake``).
     commit_listeners: list[Callable[[], None]] = field(default_factory=list)
-    #: ``notifications.Notifications`` when they are on (set by ``start_notifications``): its
-    #: ``subscriber`` runs the sources whose channels rsagg follows (``poll_source``).
-    notifications: Any = None
     #: This process's metrics (``metrics.py``); the pipeline and ``sync_source`` report to it.
     metrics: Metrics = field(default_factory=Metrics)
     _progress_unsaved: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     _progress_saved_at: float = 0.0
-    #: ``publish.dumps.DumpBuilder`` of the daemon when dumps are on (``publish/schedule.py``).
-    dumps: Any = None
 
     def committed(self) -> None:
         for listener in self.commit_listeners:
@@ -187,49 +180,3 @@ def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:
         raise ConfigError(
             config.file, "store.path", f"backend {name!r} cannot use {str(config.store_path)!r}: {exc}"
         ) from None
-
-
-@asynccontextmanager
-async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
-    """Open the store, the state database (reader + writer) and the one HTTP client for a run."""
-    hc = config.harvest
-    access = Access(config)  # reads the sources' secrets: a missing one stops here (a ConfigError)
-    prepare_store(config)  # the store folder exists and is writable (a ConfigError otherwise)
-    plugins = Plugins.from_config(config)
-    blobs = open_blob_store(config, plugins)
-    writer = open_state(config, cache_mib=config.store.cache_mib)
-    # The reader only walks the (set_id, uri) index for lookups: a small cache holds its hot pages.
-    reader = open_state(config, cache_mib=8)
-    metrics = Metrics()
-    metrics.attach(plugins=plugins, store=blobs)
-    fetcher = Fetcher(
-        metrics_hook=metrics.fetch_hook,
-        per_host=hc.per_host,
-        max_connections=hc.max_connections,
-        timeout=hc.timeout,
-        retries=hc.retries,
-        backoff_base=hc.backoff_base,
-        backoff_max=hc.backoff_max,
-        max_document_bytes=hc.max_document_bytes,
-        max_resource_bytes=hc.max_resource_bytes,
-        policy=outbound.policy_for(
-            config, current_source=current_source.get, on_refused=metrics.outbound_refused_hook
-        ),
-        user_agent=user_agent(config),
-        request_hook=access,
-    )
-    plugins.call("rsagg_startup", config=config)
-    try:
-        ctx = HarvestContext(
-            config, fetcher, blobs, reader, writer,
-            patch_formats=plugins.merged("rsagg_patch_formats"), plugins=plugins, metrics=metrics,
-        )  # fmt: skip
-        metrics.attach(notifications=lambda: ctx.notifications)
-        access.follow(lambda: ctx.config)  # a reloaded config's credentials and rates apply at once
-        yield ctx
-    finally:
-        plugins.call("rsagg_shutdown")
-        with trio.CancelScope(shield=True):
-            await fetcher.aclose()
-        reader.close()
-        writer.close()

@@ -7,6 +7,7 @@ import random
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -211,15 +212,22 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
     return result
 
 
-async def poll_source(ctx: HarvestContext, src: SourceConfig) -> None:
+class FollowedSources(Protocol):
+    """Who runs the sources whose notification channels rsagg follows (websub/subscriber.py's
+    ``Subscriber``, handed in by the composition: harvest/ does not import websub/)."""
+
+    def follows(self, src: SourceConfig) -> bool: ...
+
+    async def run_source(self, src: SourceConfig) -> None: ...
+
+
+async def poll_source(ctx: HarvestContext, src: SourceConfig, follow: FollowedSources | None = None) -> None:
     """The daemon's per-source task: sync, sleep the interval with jitter, forever (until cancelled).
 
-    A source whose notification channels rsagg follows is run by the subscriber instead: the same
-    syncs, plus notifications in between (``websub/subscriber.py``).
+    A source ``follow`` follows is run by it instead: the same syncs, plus notifications in between.
     """
-    subscriber = ctx.notifications.subscriber if ctx.notifications is not None else None
-    if subscriber is not None and subscriber.follows(src):
-        await subscriber.run_source(src)
+    if follow is not None and follow.follows(src):
+        await follow.run_source(src)
         return
     interval = ctx.config.interval(src)
     jitter = ctx.config.harvest.jitter

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
@@ -30,32 +30,16 @@ log = logging.getLogger("rsagg.publish")
 CHANGE_DUMP_PERIOD = 60.0
 
 
-class DumpContext(Protocol):
-    """What the dump schedule needs of the daemon's context (the harvest context provides it; publish/
-    does not import harvest/). ``dumps`` holds the process's one DumpBuilder once built."""
-
-    config: Config
-    blobs: BlobStore
-    plugins: Plugins
-    dumps: Any
-
-
-def dump_builder(ctx: DumpContext) -> DumpBuilder | None:
-    """The process's one DumpBuilder (None when dumps are off), kept on the context."""
-    config = ctx.config
+def open_dump_builder(config: Config, blobs: BlobStore) -> DumpBuilder | None:
+    """The process's one DumpBuilder over a state handle of its own (None when dumps are off); the
+    composition builds it once and hands it to the app, the schedule and the notifier."""
     if config.publish.dump_interval <= 0:
         return None
-    builder = getattr(ctx, "dumps", None)
-    if builder is None:
-        state = open_state(config)
-        builder = DumpBuilder(state, ctx.blobs, base_url=config.server.base_url)
-        ctx.dumps = builder
-    return builder
+    return DumpBuilder(open_state(config), blobs, base_url=config.server.base_url)
 
 
-def dump_app_options(ctx: DumpContext, options: dict[str, Any]) -> dict[str, Any]:
+def dump_app_options(builder: DumpBuilder | None, options: dict[str, Any]) -> dict[str, Any]:
     """``create_app`` keyword arguments with the dump routes and the dumps a Capability List lists."""
-    builder = dump_builder(ctx)
     if builder is None:
         return options
     return {
@@ -65,38 +49,39 @@ def dump_app_options(ctx: DumpContext, options: dict[str, Any]) -> dict[str, Any
     }
 
 
-def _site(ctx: DumpContext, state: StateStore) -> Site:
+def _site(config: Config, plugins: Plugins, state: StateStore) -> Site:
     """The Site the app serves (sets, link policy, publish filter): a package holds what the lists show."""
-    plugins = ctx.plugins
-    return build_site(
-        ctx.config, state, policy=link_policy(ctx.config, plugins), visible=publish_filter(plugins)
-    )
+    return build_site(config, state, policy=link_policy(config, plugins), visible=publish_filter(plugins))
 
 
-def build_due(builder: DumpBuilder, ctx: DumpContext, *, resource_dumps: bool) -> int:
+def build_due(builder: DumpBuilder, config: Config, plugins: Plugins, *, resource_dumps: bool) -> int:
     """Build what is due for every published set (blocking: call it in a worker thread)."""
-    builder.site = _site(ctx, builder.state)
+    builder.site = _site(config, plugins, builder.state)
     built = 0
     for ps in builder.site.sets.values():
-        built += len(builder.build_change_dumps(ps.name, ps.set_ids, ctx.config.publish.changelist_size))
+        built += len(builder.build_change_dumps(ps.name, ps.set_ids, config.publish.changelist_size))
         if resource_dumps:
             built += len(builder.build_resource_dump(ps.name, ps.set_ids))
     return built
 
 
-async def run_dumps(ctx: DumpContext, stop_when: Callable[[], Awaitable[Any]]) -> None:
+async def run_dumps(
+    builder: DumpBuilder | None,
+    get_config: Callable[[], Config],
+    plugins: Plugins,
+    stop_when: Callable[[], Awaitable[Any]],
+) -> None:
     """The daemon task: Resource Dumps on their interval, Change Dump packages as windows close; ends
-    when ``stop_when()`` returns (the daemon's shutdown)."""
-    builder = dump_builder(ctx)
+    when ``stop_when()`` returns (the daemon's shutdown). ``get_config``: the running configuration."""
     if builder is None:
         return
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_build_forever, ctx, builder)
+        nursery.start_soon(_build_forever, builder, get_config, plugins)
         await stop_when()
         nursery.cancel_scope.cancel()
 
 
-async def _build_forever(ctx: DumpContext, builder: DumpBuilder) -> None:
+async def _build_forever(builder: DumpBuilder, get_config: Callable[[], Config], plugins: Plugins) -> None:
     next_resource_dump = trio.current_time()
     while True:
         due = trio.current_time() >= next_resource_dump
@@ -104,12 +89,12 @@ async def _build_forever(ctx: DumpContext, builder: DumpBuilder) -> None:
             # abandon_on_cancel: a stop must not wait for a long build. An abandoned build dies with the
             # process before its rows commit (one transaction after its blobs), leaving temp files only.
             built = await trio.to_thread.run_sync(
-                partial(build_due, builder, ctx, resource_dumps=due), abandon_on_cancel=True
+                partial(build_due, builder, get_config(), plugins, resource_dumps=due), abandon_on_cancel=True
             )
             if built:
                 log.info("built %d dump package(s)", built)
         except Exception as exc:  # a failed dump must not stop the daemon; the next round tries again
             log.error("building dumps failed: %s: %s", type(exc).__name__, exc)
         if due:
-            next_resource_dump = trio.current_time() + ctx.config.publish.dump_interval
+            next_resource_dump = trio.current_time() + get_config().publish.dump_interval
         await trio.sleep(min(CHANGE_DUMP_PERIOD, max(1.0, next_resource_dump - trio.current_time())))

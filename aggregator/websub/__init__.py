@@ -3,18 +3,13 @@
 - ``hub.py`` — the embedded hub: subscriptions, verification of intent, signed and retried delivery;
 - ``notifier.py`` — rsagg's own Change and Framework Notification channels (the publisher side);
 - ``subscriber.py`` — subscriptions to upstream channels and what their notifications trigger;
-- ``service.py`` — the wiring the daemon calls (``prepare_notifications``, ``run_notifications``).
+- ``storecalls.py`` — their state calls, in a worker thread, one at a time;
+- ``service.py`` — the wiring the composition calls (``prepare_notifications``, ``run_notifications``).
 
 Retries and backoff of all three come from ``aggregator.retry``. Importing this package imports only
 the wiring; the parts are imported when notifications are on.
 """
 
-from .service import Notifications, app_options, prepare_notifications, run_notifications, start_notifications
+from .service import Notifications, app_options, prepare_notifications, run_notifications
 
-__all__ = [
-    "Notifications",
-    "app_options",
-    "prepare_notifications",
-    "run_notifications",
-    "start_notifications",
-]
+__all__ = ["Notifications", "app_options", "prepare_notifications", "run_notifications"]

@@ -1,16 +1,17 @@
 """Notifications in a running rsagg: the hub, the notifier and the subscriber, started with one call.
 
-Why one module: the daemon should not know the parts. It calls ``prepare_notifications(ctx)`` once the
-harvest context is open (sets ``ctx.notifications``), builds the publisher app with
-``create_app(..., **app_options(ctx))``, then ``run_notifications(nursery, ctx, stop_when=...)``;
-that is all (``start_notifications`` does both steps for tests). Parts (see their modules):
+Why one module: the composition (compose.py) should not know the parts. It calls
+``prepare_notifications(...)`` with what they need (the running configuration, the blob store, the
+harvester's outbound policy, a ``Harvester`` when rsagg follows upstream channels, the dump builder),
+builds the publisher app with ``create_app(..., **app_options(notes))``, then
+``run_notifications(nursery, notes, stop_when=...)``; that is all. Parts (see their modules):
 
 - ``websub/hub.py`` — the embedded WebSub hub at ``[notifications] hub_path`` (unless ``hub`` names
   an external hub); topics limited to rsagg's own URLs, payload POSTs off (rsagg publishes in-process).
 - ``websub/notifier.py`` — rsagg's own channels: topic documents, Capability List entries, the
   change and framework notifications (woken by every harvest commit, ``HarvestContext.committed``).
 - ``websub/subscriber.py`` — subscriptions to upstream channels, the callback routes, and the task of
-  every followed source (``poll_source`` hands them over through ``ctx.notifications``).
+  every followed source (``poll_source`` hands them over: the composition passes it the subscriber).
 
 Off entirely with ``[notifications] enabled = false``. Changing ``[notifications]`` or
 ``server.base_url`` takes effect at the next start (a reload keeps the running hub and topics).
@@ -28,15 +29,17 @@ import httpx
 import trio
 
 from .. import __version__, outbound
-from ..harvest.context import HarvestContext
+from ..config import Config
+from ..store.blobs import BlobStore
 from ..store.state import open_state
 
 if TYPE_CHECKING:  # imported when used: the daemon imports this module, harvest-only runs need no more
     from starlette.routing import BaseRoute
 
+    from ..publish.dumps import DumpBuilder
     from .hub import Hub, HubLimits
     from .notifier import Notifier
-    from .subscriber import Subscriber, SubscriberSettings
+    from .subscriber import Harvester, Subscriber, SubscriberSettings
 
 log = logging.getLogger("rsagg.notify")
 
@@ -82,26 +85,32 @@ class Notifications:
         await self.client.aclose()
 
 
-def app_options(ctx: HarvestContext) -> dict[str, Any]:
+def app_options(notes: Notifications | None) -> dict[str, Any]:
     """Keyword arguments for ``publish.app.create_app``: the routes and the Capability List entries."""
-    notes: Notifications | None = ctx.notifications
     if notes is None:
         return {}
     return {"extra_routes": notes.routes(), "extra_capabilities": notes.notifier.capabilities}
 
 
 def prepare_notifications(
-    ctx: HarvestContext,
+    get_config: Callable[[], Config],
+    blobs: BlobStore,
     *,
-    harvest: bool = True,
+    policy: outbound.AddressPolicy | None,
+    harvester: Harvester | None = None,
+    dumps: DumpBuilder | None = None,
     hub_limits: HubLimits | None = None,
     settings: SubscriberSettings | None = None,
     poll_interval: float = 1.0,
     framework_interval: float = 5.0,
 ) -> Notifications | None:
-    """Build hub, notifier and (with ``harvest``) subscriber; sets ``ctx.notifications``. None when
-    ``[notifications] enabled = false``. Nothing runs yet (``run_notifications``)."""
-    config = ctx.config
+    """Build hub, notifier and (with a ``harvester``) subscriber, each with a state handle of its own.
+    None when ``[notifications] enabled = false``. Nothing runs yet (``run_notifications``).
+
+    ``policy``: the harvester's outbound address policy (subscription requests go to hubs that upstream
+    documents name); ``dumps``: the process's dump builder (the notifier advertises its dumps).
+    """
+    config = get_config()
     nc = config.notifications
     if not nc.enabled:
         return None
@@ -110,12 +119,8 @@ def prepare_notifications(
     from .subscriber import Subscriber
 
     base = config.server.base_url
-    # The harvester's policy (outbound.py): subscription requests go to hubs that upstream documents name.
     client = outbound.client(
-        ctx.fetcher.policy,
-        timeout=10.0,
-        follow_redirects=False,
-        headers={"User-Agent": f"rsagg/{__version__} (WebSub)"},
+        policy, timeout=10.0, follow_redirects=False, headers={"User-Agent": f"rsagg/{__version__} (WebSub)"}
     )
     hub: Hub | None = None
     counts: Counter[str] = Counter()
@@ -127,7 +132,7 @@ def prepare_notifications(
         def count(event: str, outcome: str) -> None:
             counts[f"{event}.{outcome}"] += 1
 
-        refused = ctx.fetcher.policy.on_refused if ctx.fetcher.policy is not None else None
+        refused = policy.on_refused if policy is not None else None
         hub = Hub(
             open_state(config),
             # Anyone names the callbacks: source origins are not trusted here (outbound.py).
@@ -139,29 +144,27 @@ def prepare_notifications(
             metrics=count,
         )
     notifier = Notifier(
-        lambda: ctx.config,
+        get_config,
         open_state(config),
-        ctx.blobs,
+        blobs,
         hub_url=hub_url,
         hub=hub,
         client=client,
-        dumps_available=lambda name: ctx.dumps.available(name) if ctx.dumps is not None else {},
-        dump_versions=lambda name: _dump_versions(ctx, name),
+        dumps_available=dumps.available if dumps is not None else (lambda name: {}),
+        dump_versions=lambda name: _dump_versions(dumps, name),
         poll_interval=poll_interval,
         framework_interval=framework_interval,
     )
-    subscriber = Subscriber(ctx, open_state(config), client=client, settings=settings) if harvest else None
-    notes = Notifications(hub_url, notifier, client, hub, subscriber, counts)
-    ctx.notifications = notes
-    ctx.commit_listeners.append(notifier.wake)
+    subscriber = None
+    if harvester is not None:
+        subscriber = Subscriber(get_config, open_state(config), harvester, client=client, settings=settings)
     where = f"external hub {hub_url}" if nc.hub else f"embedded hub {hub_url}"
-    log.info("notifications on: %s%s", where, ", following upstream channels" if harvest else "")
-    return notes
+    log.info("notifications on: %s%s", where, ", following upstream channels" if subscriber else "")
+    return Notifications(hub_url, notifier, client, hub, subscriber, counts)
 
 
-def _dump_versions(ctx: HarvestContext, set_name: str) -> dict[str, str]:
+def _dump_versions(builder: DumpBuilder | None, set_name: str) -> dict[str, str]:
     """A rebuilt dump keeps its URL: the newest Resource Dump run and the Change Dump packages tell."""
-    builder = ctx.dumps
     if builder is None:
         return {}
     run = builder.latest_run(set_name)
@@ -172,26 +175,16 @@ def _dump_versions(ctx: HarvestContext, set_name: str) -> dict[str, str]:
 
 
 async def run_notifications(
-    nursery: trio.Nursery, ctx: HarvestContext, *, stop_when: Callable[[], Awaitable[Any]] | None = None
-) -> None:
-    """Start the workers of ``ctx.notifications`` (if any) in ``nursery``. They stop when the nursery
-    is cancelled, on ``Notifications.stop()``, or when ``stop_when()`` returns (the daemon's shutdown),
-    and then close their database connections and HTTP client."""
-    if ctx.notifications is not None:
-        await nursery.start(_run, ctx.notifications, stop_when)
-
-
-async def start_notifications(
     nursery: trio.Nursery,
-    ctx: HarvestContext,
+    notes: Notifications | None,
     *,
     stop_when: Callable[[], Awaitable[Any]] | None = None,
-    **kw: Any,
-) -> Notifications | None:
-    """``prepare_notifications`` + ``run_notifications`` (when no app needs building in between)."""
-    notes = prepare_notifications(ctx, **kw)
-    await run_notifications(nursery, ctx, stop_when=stop_when)
-    return notes
+) -> None:
+    """Start the workers of ``notes`` (if any) in ``nursery``. They stop when the nursery is cancelled,
+    on ``Notifications.stop()``, or when ``stop_when()`` returns (the daemon's shutdown), and then close
+    their state handles and HTTP client."""
+    if notes is not None:
+        await nursery.start(_run, notes, stop_when)
 
 
 async def _run(
@@ -220,10 +213,4 @@ async def _run(
             await notes.aclose()
 
 
-__all__ = [
-    "Notifications",
-    "app_options",
-    "prepare_notifications",
-    "run_notifications",
-    "start_notifications",
-]
+__all__ = ["Notifications", "app_options", "prepare_notifications", "run_notifications"]

@@ -37,19 +37,19 @@ on demand and every ``notified_interval`` while every set's change channel is li
 - change notification: continuity first (NOTES "Payload"): its ``from`` must be the ``until`` of the
   previous one taken on that channel. A first notice, a gap or a notice that cannot be placed on the
   cursor makes it poll the Change List instead (which holds the same changes); an old or repeated one
-  (``until`` not after the last) is dropped. Otherwise its entries go through the one ``Pipeline``
-  (docs/architecture.md invariant 1) with the set's cursor, exactly like Change List entries: entries at or
-  before the cursor (datetime + ties, ``lists.Position``) were applied already — by the Change List or
-  an earlier notice — and are skipped, so notifications and polling never apply a change twice. The
-  cursor keeps its Change List position (URL, index), so the next poll reads on from where it was.
-  A notice whose entries tie with the cursor's datetime at its ``from`` (a group of same-time changes
-  cut between two notices) cannot say which of them are applied: poll.
+  (``until`` not after the last) is dropped. Otherwise its entries go to the harvest
+  (``Harvester.apply_notice``, harvest/notices.py), which places them on the set's cursor and takes those
+  not yet applied through the one pipeline (docs/architecture.md invariant 1), exactly like Change List
+  entries; a notice it cannot place makes the source poll.
 - framework notification: a capability document changed: sync at once (the sync re-reads the
   Capability List, then the Change List, or the Resource List of a set without one).
 
-State: table ``notify_subscriptions`` (``CREATE TABLE IF NOT EXISTS``, own connection), mirrored in
-memory (one process owns it). Counters for the metrics issue: ``Subscriber.counters`` (keys listed at
-``COUNTERS``).
+The subscriber drives harvests but does not know how they are done: the composition hands it a
+``Harvester`` (harvest/notices.py's ``NotifiedHarvest``), so websub/ imports nothing of harvest/.
+
+State: the subscriptions (``StateStore.notify_subscriptions``, migration 8), through a state handle of
+the subscriber's own, mirrored in memory (one process owns them). Counters: ``Subscriber.counters``
+(keys listed at ``COUNTERS``).
 """
 
 from __future__ import annotations
@@ -60,10 +60,10 @@ import logging
 import random
 import secrets
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urljoin
 
 import httpx
@@ -72,14 +72,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..config import SourceConfig
-from ..harvest.context import HarvestContext
-from ..harvest.discovery import SetInfo
-from ..harvest.lists import ListRef, Position, resolve, when
-from ..harvest.pipeline import Pipeline, Work
-from ..harvest.source import sync_source
+from ..config import Config, SourceConfig
 from ..retry import backoff, retry_after
-from ..rs.model import CHANGE_NOTIFICATION, CHANGES, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
+from ..rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
 from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
 from ..store.interface import StateStore
@@ -170,19 +165,64 @@ class _Inbox:
     busy: bool = False  # a sync or a notice is being worked on
 
 
+class Channel(Protocol):
+    """A capability a discovered set advertises (harvest/discovery.py ``Capability``)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def entry(self) -> Entry: ...
+
+
+class AdvertisedSet(Protocol):
+    """A set a sync discovered, with what its Capability List advertises (harvest/discovery.py
+    ``SetInfo``): the notification channels are ``capabilities[kind]`` with ``rel="hub"`` links."""
+
+    @property
+    def capabilitylist_url(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Mapping[str, Channel]: ...
+
+
+class Harvester(Protocol):
+    """What the subscriber asks of the harvest (harvest/notices.py ``NotifiedHarvest``)."""
+
+    async def sync(self, src: SourceConfig) -> Sequence[AdvertisedSet]:
+        """One sync of the source; the sets it discovered."""
+        ...
+
+    async def apply_notice(
+        self,
+        src: SourceConfig,
+        capabilitylist_url: str,
+        topic: str,
+        from_: datetime,
+        entries: Sequence[Entry],
+    ) -> tuple[int, int] | None:
+        """A change notice's entries applied on the set's cursor: (entries taken, changes logged); None
+        when they cannot be placed or applied (then the source is polled)."""
+        ...
+
+
 class Subscriber:
     """Subscriptions, callback routes (``routes()``), maintenance (``run()``) and source tasks."""
 
     def __init__(
         self,
-        ctx: HarvestContext,
+        get_config: Callable[[], Config],
         state: StateStore,
+        harvester: Harvester,
         *,
         client: httpx.AsyncClient,
         settings: SubscriberSettings | None = None,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
-        self.ctx = ctx
+        """``get_config``: the running configuration (a reload's is followed); ``state``: a state handle
+        of the subscriber's own, closed by ``aclose``; ``harvester``: runs the syncs and applies notices."""
+        self.get_config = get_config
+        self.harvester = harvester
         self.client = client
         self.settings = settings or SubscriberSettings()
         self.counters: Counter[str] = Counter()
@@ -191,7 +231,7 @@ class Subscriber:
         self._inboxes: dict[str, _Inbox] = {}
         self._discovered: dict[str, list[str]] = {}  # source -> capability list URLs of its last sync
         self._wake = trio.Event()
-        self.state = state  # a state handle of the subscriber's own, closed by ``aclose``
+        self.state = state
         self._store = StoreCalls(state)
         for sub in self._store.call(state.notify_subscriptions):
             self._subs[sub.token] = sub
@@ -232,14 +272,14 @@ class Subscriber:
 
     def follows(self, src: SourceConfig) -> bool:
         """Whether this source's channels are followed (``[notifications]`` and the source's switch)."""
-        return self.ctx.config.notifications_on(src)
+        return self.get_config().notifications_on(src)
 
     def callback_url(self, sub: Subscription) -> str:
-        return f"{self.ctx.config.server.base_url}{CALLBACK_PREFIX}{sub.token}"
+        return f"{self.get_config().server.base_url}{CALLBACK_PREFIX}{sub.token}"
 
     # -- subscribing -----------------------------------------------------------------------------
 
-    async def ensure(self, src: SourceConfig, sets: Sequence[SetInfo]) -> None:
+    async def ensure(self, src: SourceConfig, sets: Sequence[AdvertisedSet]) -> None:
         """Subscribe to the channels these sets advertise; retire subscriptions they no longer do."""
         self._discovered[src.name] = [s.capabilitylist_url for s in sets]
         wanted: dict[tuple[str, str], tuple[str, str]] = {}  # (capability list, kind) -> (topic, hub)
@@ -292,7 +332,7 @@ class Subscriber:
         form = {"hub.mode": mode, "hub.topic": sub.topic, "hub.callback": self.callback_url(sub)}
         if mode == "subscribe":
             form["hub.secret"] = sub.secret
-            form["hub.lease_seconds"] = str(self.ctx.config.notifications.lease_seconds)
+            form["hub.lease_seconds"] = str(self.get_config().notifications.lease_seconds)
         error = ""
         wait: float | None = None
         try:
@@ -357,7 +397,7 @@ class Subscriber:
         """One look at every subscription; returns the seconds until the next thing is due."""
         s = self.settings
         now = self._now()
-        config = self.ctx.config
+        config = self.get_config()
         followed = {src.name for src in config.sources if src.enabled and config.notifications_on(src)}
         due = now + timedelta(seconds=s.tick)
         for sub in list(self._subs.values()):
@@ -430,7 +470,7 @@ class Subscriber:
             return PlainTextResponse(challenge)
         raw = q.get("hub.lease_seconds", "")
         lease = int(raw) if raw.isascii() and raw.isdigit() and 0 < int(raw) < 10**9 else None
-        lease = lease or self.ctx.config.notifications.lease_seconds
+        lease = lease or self.get_config().notifications.lease_seconds
         sub.pending, sub.failures, sub.next_attempt = None, 0, None
         sub.lease_seconds, sub.verified = lease, now
         sub.lease_expires = now + timedelta(seconds=lease)
@@ -488,7 +528,7 @@ class Subscriber:
         method, _, digest = header.strip().partition("=")
         method = method.strip().lower()
         algos: dict[str, Any] = dict(STRONG_SIGNATURES)
-        if self.ctx.config.notifications.accept_sha1:
+        if self.get_config().notifications.accept_sha1:
             algos["sha1"] = hashlib.sha1
         if method not in algos:
             return "delivery.bad_signature"
@@ -511,7 +551,7 @@ class Subscriber:
             raise DocumentError(sub.topic, head.line, f"not a <urlset> with capability {sub.kind!r}")
         if sub.kind == CHANGE_NOTIFICATION and (md is None or md.from_ is None or md.until is None):
             raise DocumentError(sub.topic, head.line, "a change notification needs from and until")
-        return Notice(sub, head, [resolve(e, sub.topic) for e in entries])  # relative <loc>: vs the topic
+        return Notice(sub, head, entries)  # relative <loc> are resolved against the topic when applied
 
     # -- the source's task -----------------------------------------------------------------------
 
@@ -537,7 +577,7 @@ class Subscriber:
         """``notified_interval`` while every set of the source has a live change channel, else
         the normal ``interval``."""
         now = self._now()
-        config = self.ctx.config
+        config = self.get_config()
         sets = self._discovered.get(src.name) or []
         live = {
             s.capabilitylist_url
@@ -551,7 +591,7 @@ class Subscriber:
     async def run_source(self, src: SourceConfig) -> None:
         """A followed source's task: syncs and notices, one at a time, until cancelled."""
         box = self._box(src.name)
-        jitter = self.ctx.config.harvest.jitter
+        jitter = self.get_config().harvest.jitter
         why: str | None = "start"
         last = trio.current_time()
         factor = 1.0
@@ -589,10 +629,10 @@ class Subscriber:
     async def _sync(self, src: SourceConfig, why: str) -> None:
         self.counters["poll"] += 1
         log.info("source=%s syncing (%s)", src.name, why)
-        result = await sync_source(self.ctx, src)
-        if result.discovered:
+        discovered = await self.harvester.sync(src)
+        if discovered:
             try:
-                await self.ensure(src, result.discovered)
+                await self.ensure(src, discovered)
             except Exception:
                 log.exception("source=%s could not update its subscriptions", src.name)
 
@@ -634,68 +674,22 @@ class Subscriber:
         sub.last_until = until
         await self._save(sub)
 
-    def _set_id(self, source: str, capabilitylist_url: str) -> int | None:
-        for s in self.ctx.reader.sets(source):
-            if s.capabilitylist_url == capabilitylist_url:
-                return s.id
-        return None
-
     async def _apply(self, src: SourceConfig, sub: Subscription, notice: Notice) -> bool:
-        """The notice's entries through the pipeline on the set's cursor; False when they cannot be
+        """The notice's entries through the harvest on the set's cursor; False when they cannot be
         placed on it (then the caller polls)."""
-        set_id = self._set_id(src.name, sub.capabilitylist_url)
-        cursor = self.ctx.reader.cursor(set_id) if set_id is not None else None
-        if set_id is None or cursor is None:
-            return False  # no baseline yet: the sync does it
         md = notice.head.md
         assert md is not None and md.from_ is not None
-        pos = Position(cursor)
-        keep = ListRef(cursor.changelist_url or "", None, cursor.list_until)
-        work: list[Work] = []
-        previous: datetime | None = None
-        for entry in notice.entries:
-            t = when(entry)
-            if t is None or (previous is not None and t < previous):
-                return False  # no time, or not in forward chronological order: not placeable
-            previous = t
-            if entry.change not in CHANGES:
-                log.warning("source=%s %s: change %r skipped", src.name, sub.topic, entry.change)
-                continue
-            if cursor.last_datetime is not None and t == cursor.last_datetime and t <= md.from_:
-                return False  # a same-time group cut between two notices: which of it is applied?
-            if cursor.last_datetime is None and cursor.baseline_at is not None and t < cursor.baseline_at:
-                continue  # before the snapshot the baseline came from
-            if pos.is_applied(t, keep.url, 0):
-                continue
-            after = replace(pos.advance(t, keep, cursor.list_index), changelist_url=cursor.changelist_url)
-            work.append(Work(entry, entry.change or "", after))
-        if not work:
-            self.counters["notice.known"] += 1
-            log.info(
-                "source=%s %s: nothing new in the notification (%d entries)",
-                src.name,
-                sub.topic,
-                len(notice.entries),
-            )
-            return True
-
-        async def items() -> AsyncGenerator[Work, None]:
-            for w in work:
-                yield w
-
-        try:
-            stats = await Pipeline(self.ctx, set_id, src.name).run(items())
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            log.error("source=%s applying a notification failed: %s: %s", src.name, type(exc).__name__, exc)
+        done = await self.harvester.apply_notice(
+            src, sub.capabilitylist_url, sub.topic, md.from_, notice.entries
+        )
+        if done is None:
             return False
+        taken, logged = done
+        if not taken:
+            self.counters["notice.known"] += 1
+            return True
         self.counters["notice.applied"] += 1
-        self.counters["changes.applied"] += sum(stats.applied.values())
-        for f in stats.failures:
-            log.warning(
-                "source=%s url=%s from a notification failed (%s): %s", src.name, f.uri, f.kind, f.message
-            )
+        self.counters["changes.applied"] += logged
         return True
 
 
@@ -712,4 +706,13 @@ async def _read_capped(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-__all__ = ["CALLBACK_PREFIX", "COUNTERS", "Notice", "Subscriber", "SubscriberSettings", "Subscription"]
+__all__ = [
+    "CALLBACK_PREFIX",
+    "COUNTERS",
+    "AdvertisedSet",
+    "Harvester",
+    "Notice",
+    "Subscriber",
+    "SubscriberSettings",
+    "Subscription",
+]

@@ -1,0 +1,178 @@
+"""The composition root: the one place rsagg's parts are built and wired together.
+
+Why one place: every stage gets what it needs handed in, typed, at construction (nothing set on it
+from outside later), and the order of wiring is written down here instead of being implied by the
+daemon's start-up. The stages do not know each other: harvest/, publish/ and websub/ import only
+``rs``, the HTTP layer, ``store``, ``config``, ``plugins`` and the shared helpers (tests/test_imports.py);
+this module, the daemon and the commands sit above them.
+
+- ``open_context(config)``: the parts every run shares — plugins, the blob store, metrics, the one
+  HTTP ``Fetcher``, the state (a writer and a reader handle) — as the harvest stage's ``HarvestContext``.
+  ``rsagg harvest`` and ``rsagg audit`` need no more.
+- ``assemble(ctx, ...)``: a daemon's parts on top of it, in this order: the dump builder (its own state
+  handle; off when ``publish.dump_interval = 0``), then notifications (hub, notifier, subscriber, each with
+  a state handle of its own; the subscriber gets a ``Harvester`` of ``ctx``, the notifier the dump
+  builder, the harvest context the notifier's wake-up as a commit listener, the metrics the counters).
+  ``Assembly.app(config)`` builds the publisher for a configuration (start and every reload) from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from . import outbound
+from .config import Config
+from .harvest.access import Access, user_agent
+from .harvest.context import HarvestContext, open_blob_store, prepare_store
+from .harvest.fetch import Fetcher
+from .harvest.notices import NotifiedHarvest
+from .harvest.source import FollowedSources
+from .metrics import Metrics, current_source
+from .plugins import Plugins
+from .store.blobs import BlobStore
+from .store.state import open_state, state_path
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
+    from .publish.dumps import DumpBuilder
+    from .websub.hub import HubLimits
+    from .websub.service import Notifications
+    from .websub.subscriber import SubscriberSettings
+
+
+@asynccontextmanager
+async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
+    """Open the store, the state (reader + writer handles) and the one HTTP client for a run."""
+    hc = config.harvest
+    access = Access(config)  # reads the sources' secrets: a missing one stops here (a ConfigError)
+    prepare_store(config)  # the store folder exists and is writable (a ConfigError otherwise)
+    plugins = Plugins.from_config(config)
+    blobs = open_blob_store(config, plugins)
+    writer = open_state(config, cache_mib=config.store.cache_mib)
+    # The reader only walks the (set_id, uri) index for lookups: a small cache holds its hot pages.
+    reader = open_state(config, cache_mib=8)
+    metrics = Metrics()
+    metrics.attach(plugins=plugins, store=blobs)
+    fetcher = Fetcher(
+        metrics_hook=metrics.fetch_hook,
+        per_host=hc.per_host,
+        max_connections=hc.max_connections,
+        timeout=hc.timeout,
+        retries=hc.retries,
+        backoff_base=hc.backoff_base,
+        backoff_max=hc.backoff_max,
+        max_document_bytes=hc.max_document_bytes,
+        max_resource_bytes=hc.max_resource_bytes,
+        policy=outbound.policy_for(
+            config, current_source=current_source.get, on_refused=metrics.outbound_refused_hook
+        ),
+        user_agent=user_agent(config),
+        request_hook=access,
+    )
+    plugins.call("rsagg_startup", config=config)
+    try:
+        ctx = HarvestContext(
+            config, fetcher, blobs, reader, writer,
+            patch_formats=plugins.merged("rsagg_patch_formats"), plugins=plugins, metrics=metrics,
+        )  # fmt: skip
+        access.follow(lambda: ctx.config)  # a reloaded config's credentials and rates apply at once
+        yield ctx
+    finally:
+        plugins.call("rsagg_shutdown")
+        with trio.CancelScope(shield=True):
+            await fetcher.aclose()
+        reader.close()
+        writer.close()
+
+
+@dataclass
+class Assembly:
+    """A daemon's parts (``assemble``): the harvest context, the dump builder, the notifications."""
+
+    harvest: HarvestContext
+    dumps: DumpBuilder | None = None
+    notifications: Notifications | None = None
+
+    @property
+    def config(self) -> Config:
+        """The running configuration: the harvest context's, which a reload replaces (every part reads
+        it through a getter of it)."""
+        return self.harvest.config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        self.harvest.config = config
+
+    @property
+    def blobs(self) -> BlobStore:
+        return self.harvest.blobs
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.harvest.metrics
+
+    @property
+    def followed(self) -> FollowedSources | None:
+        """Who runs the sources whose notification channels rsagg follows (``poll_source``'s ``follow``)."""
+        return self.notifications.subscriber if self.notifications is not None else None
+
+    def app(self, config: Config) -> ASGIApp:
+        """The publishing app for ``config`` (imported lazily: harvest-only commands do not need it)."""
+        from .publish.app import create_app
+        from .publish.schedule import dump_app_options
+        from .websub.service import app_options
+
+        # app_options: the notification routes (hub, callbacks, topics) and Capability List entries;
+        # dump_app_options: the dump documents, packages, manifests.
+        options = dump_app_options(self.dumps, app_options(self.notifications))
+        options["metrics"] = self.metrics  # /metrics shows this process's harvest too (metrics.py)
+        return create_app(config, blobs=self.blobs, state_path=state_path(config), **options)
+
+
+def assemble(
+    ctx: HarvestContext,
+    *,
+    harvest: bool = True,
+    hub_limits: HubLimits | None = None,
+    settings: SubscriberSettings | None = None,
+    **notifier_options: Any,
+) -> Assembly:
+    """Build a daemon's parts on ``ctx`` (nothing runs yet: ``run_assembly``). ``harvest``: whether
+    this process harvests (then it also follows upstream notification channels)."""
+    from .publish.schedule import open_dump_builder
+    from .websub.service import prepare_notifications
+
+    dumps = open_dump_builder(ctx.config, ctx.blobs)
+    notes = prepare_notifications(
+        lambda: ctx.config,
+        ctx.blobs,
+        policy=ctx.fetcher.policy,
+        harvester=NotifiedHarvest(ctx) if harvest else None,
+        dumps=dumps,
+        hub_limits=hub_limits,
+        settings=settings,
+        **notifier_options,
+    )
+    if notes is not None:
+        ctx.commit_listeners.append(notes.notifier.wake)  # rsagg's own notifications go out at once
+        ctx.metrics.attach(notifications=lambda: notes)
+    return Assembly(ctx, dumps, notes)
+
+
+async def run_assembly(nursery: trio.Nursery, parts: Assembly, stop_when: Any) -> None:
+    """Start the background workers of ``parts`` in ``nursery``: notifications (hub, notifier,
+    subscriber) and the dump schedule; they stop when ``stop_when()`` returns (the daemon's shutdown)."""
+    from .publish.schedule import run_dumps
+    from .websub.service import run_notifications
+
+    await run_notifications(nursery, parts.notifications, stop_when=stop_when)
+    nursery.start_soon(run_dumps, parts.dumps, lambda: parts.config, parts.harvest.plugins, stop_when)
+
+
+__all__ = ["Assembly", "assemble", "open_context", "run_assembly"]
