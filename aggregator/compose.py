@@ -18,7 +18,7 @@ this module, the daemon and the commands sit above them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -165,7 +165,9 @@ def assemble(
     return Assembly(ctx, dumps, notes)
 
 
-async def run_assembly(nursery: trio.Nursery, parts: Assembly, stop_when: Any) -> None:
+async def run_assembly(
+    nursery: trio.Nursery, parts: Assembly, stop_when: Callable[[], Awaitable[Any]]
+) -> None:
     """Start the background workers of ``parts`` in ``nursery``: notifications (hub, notifier,
     subscriber) and the dump schedule; they stop when ``stop_when()`` returns (the daemon's shutdown)."""
     from .publish.schedule import run_dumps

@@ -1,0 +1,59 @@
+"""The composition root (aggregator/compose.py): each stage is handed its parts, typed, at construction."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+from aggregator.compose import assemble, open_context
+from aggregator.config import Config, parse_config
+from aggregator.harvest.context import HarvestContext
+from aggregator.harvest.notices import NotifiedHarvest
+
+
+def test_the_harvest_context_has_no_untyped_slots() -> None:
+    """Nothing is parked on the harvest context for other stages to pick up later."""
+    hints = typing.get_type_hints(HarvestContext)
+    assert not [name for name, hint in hints.items() if hint is typing.Any]
+    assert "notifications" not in hints and "dumps" not in hints
+
+
+def _config(tmp_path: Path, **sections: dict) -> Config:
+    raw = {"store": {"path": str(tmp_path / "data")}, "sources": [], **sections}
+    return parse_config(raw, str(tmp_path / "rsagg.toml"))
+
+
+async def test_assemble_wires_dumps_and_notifications(tmp_path: Path) -> None:
+    config = _config(tmp_path, publish={"dump_interval": 3600})
+    async with open_context(config) as ctx:
+        parts = assemble(ctx)
+        notes = parts.notifications
+        assert parts.dumps is not None and notes is not None and notes.hub is not None
+        try:
+            assert notes.notifier.wake in ctx.commit_listeners  # a harvest commit wakes the notifier
+            assert notes.notifier.dumps_available == parts.dumps.available  # it advertises the dumps
+            assert parts.followed is notes.subscriber is not None  # poll_source hands followed sources over
+            harvester = notes.subscriber.harvester
+            assert isinstance(harvester, NotifiedHarvest) and harvester.ctx is ctx
+            for part in (notes.hub, notes.notifier, notes.subscriber):  # a state handle of its own each
+                assert part.state is not ctx.writer and part.state is not ctx.reader
+            assert parts.dumps.state is not ctx.writer
+            paths = {getattr(r, "path", None) for r in parts.app(config).routes}
+            assert {"/hub", "/{set}/resourcedump.xml"} <= paths
+        finally:
+            await notes.aclose()
+
+
+async def test_assemble_without_harvest_or_dumps_or_notifications(tmp_path: Path) -> None:
+    config = _config(tmp_path, publish={"dump_interval": 0})
+    async with open_context(config) as ctx:
+        parts = assemble(ctx, harvest=False)
+        assert parts.dumps is None and parts.notifications is not None
+        try:
+            assert parts.notifications.subscriber is None and parts.followed is None
+        finally:
+            await parts.notifications.aclose()
+    config = _config(tmp_path, publish={"dump_interval": 0}, notifications={"enabled": False})
+    async with open_context(config) as ctx:
+        parts = assemble(ctx)
+        assert parts.notifications is None and parts.followed is None and ctx.commit_listeners == []
