@@ -43,6 +43,11 @@ if TYPE_CHECKING:  # imported when used: the daemon imports this module, harvest
 
 log = logging.getLogger("rsagg.notify")
 
+#: Page cache of the hub's and the subscriber's state handles (their tables are small: SQLite's default
+#: size) and of the notifier's (it reads the changelog and the published sets).
+SMALL_CACHE_MIB = 2
+NOTIFIER_CACHE_MIB = 8
+
 
 @dataclass
 class Notifications:
@@ -134,7 +139,7 @@ def prepare_notifications(
 
         refused = policy.on_refused if policy is not None else None
         hub = Hub(
-            open_state(config),
+            open_state(config, cache_mib=SMALL_CACHE_MIB),
             # Anyone names the callbacks: source origins are not trusted here (outbound.py).
             policy=outbound.policy_for(config, trust_sources=False, on_refused=refused),
             hub_url=hub_url,
@@ -145,7 +150,7 @@ def prepare_notifications(
         )
     notifier = Notifier(
         get_config,
-        open_state(config),
+        open_state(config, cache_mib=NOTIFIER_CACHE_MIB),
         blobs,
         hub_url=hub_url,
         hub=hub,
@@ -157,7 +162,8 @@ def prepare_notifications(
     )
     subscriber = None
     if harvester is not None:
-        subscriber = Subscriber(get_config, open_state(config), harvester, client=client, settings=settings)
+        state = open_state(config, cache_mib=SMALL_CACHE_MIB)
+        subscriber = Subscriber(get_config, state, harvester, client=client, settings=settings)
     where = f"external hub {hub_url}" if nc.hub else f"embedded hub {hub_url}"
     log.info("notifications on: %s%s", where, ", following upstream channels" if subscriber else "")
     return Notifications(hub_url, notifier, client, hub, subscriber, counts)
