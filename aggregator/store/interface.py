@@ -16,9 +16,9 @@ The rules every backend keeps (docs/architecture.md invariants 1-3):
   bounded memory whatever the size of the state.
 - Rows come back as the values of ``store/rows.py`` (times as aware UTC ``datetime``), never as a
   backend's own row type; nothing of a backend (connection, cursor, transaction) crosses this seam.
-- Every method is one transaction (or one consistent read) of its own and is safe to call from any
-  thread; a backend serialises what its connection needs serialised. Every write commits before the
-  method returns (``version()`` grows).
+- Every writing method is one transaction of its own and commits before it returns (``version()``
+  grows); reads need no snapshot across their statements unless their docstring says so. Every method
+  is safe to call from any thread; a backend serialises what its connection needs serialised.
 - Ids (``id`` of hub subscriptions, verifications, deliveries, notify subscriptions, dump runs and
   packages) are assigned by the backend, grow, and are never reused (SQLite ``AUTOINCREMENT``;
   PostgreSQL ``GENERATED ALWAYS AS IDENTITY`` / a sequence).
