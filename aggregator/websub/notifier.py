@@ -25,9 +25,10 @@ after each harvest commit (``HarvestContext.committed`` wakes ``Notifier.wake``)
 - a burst is split into payloads of ``max_entries`` (never a ``<sitemapindex>``), extended to the end
   of a group of records that share one datetime (one commit) up to twice that, so that a split seldom
   cuts such a group: a Destination cannot tell which of a cut group it already holds (it then polls);
-- channel state (``last_seq``, ``last_until``, the latest payload) lives in the table ``notify_channels``
-  (``CREATE TABLE IF NOT EXISTS``, own connection, like ``hub.py``), so the chain of from/until goes on
-  across restarts. A new channel starts at the current end of the changelog: history is in the lists.
+- channel state (``last_seq``, ``last_until``, the latest payload) lives in the state
+  (``StateStore.notify_channels``, migration 7; a state handle of the notifier's own), so the chain of
+  from/until goes on across restarts. A new channel starts at the current end of the changelog: history
+  is in the lists.
 
 Framework notifications (Framework Notification §2-§3): at most every ``framework_interval`` seconds,
 and at once when the changelog opens a new Change List window, each set's capability documents are
