@@ -178,6 +178,10 @@ class ServerConfig:
     offload_location: _OffloadLocation = "/_rsagg_blobs/"
     #: "redirect": seconds a presigned URL stays valid (a public bucket URL does not expire).
     redirect_lifetime: _RedirectLifetime = 3600.0
+    #: "x-accel": seconds nginx may keep rsagg's answer for a resource (``X-Accel-Expires``) and send the
+    #: bytes without asking again (``config/nginx.conf`` caches these decisions); a change, a deletion or
+    #: a publish-filter change shows through nginx at most this late. 0 = nginx asks rsagg every time.
+    offload_cache_seconds: Annotated[StrictInt, Field(ge=0, le=86400)] = 10
 
 
 @dataclass(frozen=True, config=_STRICT)

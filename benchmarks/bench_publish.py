@@ -346,6 +346,7 @@ def start_nginx_offload(
         ("server 127.0.0.1:8080;", f"server {rsagg.split('//', 1)[1]};"),
         ("listen 127.0.0.1:8000;", f"listen 127.0.0.1:{port};"),
         ("alias /var/lib/rsagg/blobs/;", f"alias {blobs}/;"),
+        ("root /var/lib/rsagg/blobs;", f"root {blobs};"),
         ("worker_processes auto;", "worker_processes 2;"),
     ):
         text = text.replace(old, new)

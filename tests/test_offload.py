@@ -1,6 +1,6 @@
 """``server.offload = "x-accel"`` with a real nginx (Debian's) in front of a real ``rsagg run``.
 
-nginx runs the shipped ``config/nginx.conf`` (only its three marked lines changed: ports and the blob
+nginx runs the shipped ``config/nginx.conf`` (only its four marked lines changed: ports and the blob
 folder) as a private instance in the test's folder. Every resource must answer the same through nginx
 (which sends the bytes from the blob file) as from rsagg serving them itself: status, bytes and every
 header a client reads, with Range, conditional requests, a resource hidden by a publish filter (404) and
@@ -53,12 +53,13 @@ def free_port() -> int:
 
 
 def nginx_conf(folder: Path, port: int, upstream_port: int, blobs: Path) -> Path:
-    """The shipped example with its three marked lines set for this test (and root's workers)."""
+    """The shipped example with its four marked lines set for this test (and root's workers)."""
     text = (REPO / "config" / "nginx.conf").read_text()
     for old, new in (
         ("server 127.0.0.1:8080;", f"server 127.0.0.1:{upstream_port};"),
         ("listen 127.0.0.1:8000;", f"listen 127.0.0.1:{port};"),
         ("alias /var/lib/rsagg/blobs/;", f"alias {blobs}/;"),
+        ("root /var/lib/rsagg/blobs;", f"root {blobs};"),
         ("worker_processes auto;", "worker_processes 1;"),
     ):
         assert old in text, old
@@ -137,13 +138,39 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                         assert {k: a.headers.get(k) for k in COMPARED} == {
                             k: b.headers.get(k) for k in COMPARED
                         }, what
-                        assert "x-accel-redirect" not in b.headers
+                        assert "x-accel-redirect" not in b.headers and "x-accel-expires" not in b.headers
                         return a
 
-                    # the daemon itself hands the bytes to nginx
+                    # the daemon itself hands the bytes to nginx, and says how long nginx may keep that
                     direct = await client.get(f"http://127.0.0.1:{rport}" + path("a.txt"))
                     assert direct.status_code == 200 and direct.content == b""
                     assert direct.headers["x-accel-redirect"].startswith("/_rsagg_blobs/")
+                    assert direct.headers["x-accel-expires"] == str(cfg.server.offload_cache_seconds)
+
+                    # nginx answers plain GETs and HEADs of a resource from its cached decision
+                    async def resource_requests() -> float:
+                        text = (await client.get(f"http://127.0.0.1:{rport}/metrics")).text
+                        return sum(
+                            float(line.rsplit(" ", 1)[1])
+                            for line in text.splitlines()
+                            if line.startswith("rsagg_http_requests_total{") and "/r/{rest:path}" in line
+                        )
+
+                    first = await client.get(front + path("b.bin"))
+                    before = await resource_requests()
+                    for method in ("GET", "HEAD", "GET"):
+                        again = await client.request(method, front + path("b.bin"))
+                        assert again.status_code == 200 and again.headers["etag"] == first.headers["etag"]
+                    # (at most one: the decision may expire once while the three go out, not twice)
+                    assert await resource_requests() <= before + 1
+                    assert (
+                        await client.get(front + path("b.bin"), headers={"if-none-match": "*"})
+                    ).status_code == 304
+                    after = await resource_requests()
+                    assert (
+                        await client.get(front + path("b.bin"), headers={"if-none-match": "*"})
+                    ).status_code == 304
+                    assert await resource_requests() == after + 1  # validators: rsagg judges them
 
                     for name, (data, type_) in FILES.items():
                         if name.startswith("drafts/"):
@@ -193,6 +220,11 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                         return (await client.get(alone + path("gone.txt"))).status_code == 410
 
                     await wait_for(deleted, "the daemon to harvest the deletion")
+
+                    async def deleted_behind_nginx() -> bool:  # within server.offload_cache_seconds
+                        return (await client.get(front + path("gone.txt"))).status_code == 410
+
+                    await wait_for(deleted_behind_nginx, "nginx's cached decision to expire")
                     assert (await same("gone.txt")).status_code == 410
                     assert (await same("gone.txt", "HEAD")).status_code == 410
         finally:

@@ -17,7 +17,10 @@ FileResponse decides, a blob in a store without URLs) goes on to the ordinary ro
 
 - ``x-accel``: 200 with ``X-Accel-Redirect: <offload_location><ab/cd/sha256>`` and every header of
   the answer (ETag, Last-Modified, Content-Type, Content-Encoding, Link); nginx sends the bytes from
-  the blob file (sendfile, Range); rsagg still answers 304, 404 and 410 itself;
+  the blob file (sendfile, Range); rsagg still answers 304, 404 and 410 itself. With
+  ``server.offload_cache_seconds`` the answer says ``X-Accel-Expires``: nginx may keep it (the shipped
+  ``config/nginx.conf`` does, as the decision of an ``auth_request``) and answer plain GETs and HEADs
+  of that resource alone for that long;
 - ``redirect``: 307 to ``BlobStore.url`` (an S3 presigned URL, kept for half its lifetime, or a public
   bucket URL); 304/404/410 as above.
 """
@@ -164,6 +167,8 @@ class ResourceFastPath:
         self.offload = publisher.config.server.offload
         self.location = publisher.config.server.offload_location
         self.lifetime = publisher.config.server.redirect_lifetime
+        cache_seconds = publisher.config.server.offload_cache_seconds
+        self.cache_seconds = str(cache_seconds) if cache_seconds else ""
         self._no_url_logged = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -217,7 +222,10 @@ class ResourceFastPath:
         if hot.target is not None and self.offload == "x-accel":
             # nginx says Accept-Ranges itself on a 200 (it would repeat ours), and not on a 206
             headers = {k: v for k, v in hot.headers.items() if k != "accept-ranges"}
-            return Response(headers={**headers, "x-accel-redirect": hot.target})
+            headers["x-accel-redirect"] = hot.target
+            if self.cache_seconds:  # how long nginx may reuse this answer (it never passes it on)
+                headers["x-accel-expires"] = self.cache_seconds
+            return Response(headers=headers)
         if hot.target is not None:
             return Response(status_code=307, headers={"location": hot.target, "link": hot.headers["link"]})
         if hot.body is not None:
