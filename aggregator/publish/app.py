@@ -413,8 +413,12 @@ async def capabilitylist(request: Request) -> Response:
     return await _small_document(request, make)
 
 
+def _resource_list(site: Site, state: StateStore, ps: PublishedSet, now: datetime) -> Doc:
+    return documents.resource_list(site, state, ps, now, lines=True)
+
+
 async def resourcelist(request: Request) -> Response:
-    return await _document(request, documents.resource_list, documents.resource_list_validity)
+    return await _document(request, _resource_list, documents.resource_list_validity)
 
 
 async def resourcelist_part(request: Request) -> Response:
@@ -428,7 +432,7 @@ async def resourcelist_part(request: Request) -> Response:
         return PlainTextResponse("not found\n", status_code=404)
     return await _document(
         request,
-        lambda site, st, ps, now: documents.resource_list_part(site, st, ps, lo, hi, now),
+        lambda site, st, ps, now: documents.resource_list_part(site, st, ps, lo, hi, now, lines=True),
         lambda site, st, ps: documents.resource_list_part_validity(site, st, ps, lo, hi),
     )
 

@@ -45,6 +45,7 @@ from ..rs.model import (
 )
 from ..store.interface import StateStore
 from ..store.state import LogRecord, Resource
+from . import listing
 from .links import LinkPolicy, PluginLinks
 from .sets import PublishedSet
 from .uris import rsagg_uri
@@ -56,7 +57,8 @@ MAX_ENTRIES = 50_000
 DUMP_CAPABILITIES = (RESOURCEDUMP, CHANGEDUMP)
 _URI_CACHE = 4096
 
-Doc = tuple[Head, Iterator[Entry]]
+#: A document: its head and its entries (or, where asked for, their ready-written lines).
+Doc = tuple[Head, Iterator[Entry]] | tuple[Head, Iterator[Entry | str]]
 #: ``dumps_available(set name)``: the dump capabilities a Capability List lists, capability -> URL.
 DumpsAvailable = Callable[[str], dict[str, str]]
 #: ``extra_capabilities(set name)``: more Capability List entries (e.g. notification channels).
@@ -73,6 +75,11 @@ def no_extra_capabilities(set_name: str) -> list[Entry]:
     return []
 
 
+def show_all(set_name: str, resource: Resource) -> bool:
+    """The publish filter when no plugin has one: every resource is shown."""
+    return True
+
+
 @dataclass(frozen=True)
 class Site:
     """What the documents of one request need: the base URL, the published sets, the policies."""
@@ -83,7 +90,7 @@ class Site:
     changelist_size: int
     dumps_available: DumpsAvailable = no_dumps
     #: ``visible(set name, resource)``: False hides a resource (plugins' ``rsagg_filter_publish``).
-    visible: Callable[[str, Resource], bool] = lambda set_name, resource: True
+    visible: Callable[[str, Resource], bool] = show_all
     #: ``extra_capabilities(set name)``: more Capability List entries, e.g. the notification channels
     #: (Change/Framework Notification: topic ``loc`` + ``rs:ln rel="hub"``; ``websub/notifier.py``).
     extra_capabilities: ExtraCapabilities = no_extra_capabilities
@@ -244,18 +251,23 @@ def change_entry(
 # Resource Lists (§10.1) and Resource List Indexes (§10.2)
 
 
-def resource_list(site: Site, state: StateStore, ps: PublishedSet, now: datetime) -> Doc:
+def resource_list(
+    site: Site, state: StateStore, ps: PublishedSet, now: datetime, *, lines: bool = False
+) -> Doc:
     """A <urlset> when the set has at most MAX_ENTRIES live resources, else an index of id-range parts.
 
     Part boundaries are the id of every MAX_ENTRIES-th live resource, computed now; parts are
     ``LO-HI`` (LO < id <= HI) and the last ``LO-end`` (also what was created since). The index's head
     goes out before its parts are counted out (a pass over every live row: ~1 s at 1,000,000).
+
+    ``lines``: entries may come as their ready-written lines (``str``, ``publish/listing.py``) where
+    that is faster; for ``rs.write.iter_document_bytes``, which writes them as they are.
     """
     up = Link("up", site.capabilitylist(ps.name))
     size = MAX_ENTRIES
     if not state.live_more_than(ps.set_ids, size):
         head = Head(md=Md(capability=RESOURCELIST, at=now), links=[up])
-        return head, _resources(site, state, ps, 0, None)
+        return head, _resources(site, state, ps, 0, None, lines)
     head = Head(root=SITEMAPINDEX, md=Md(capability=RESOURCELIST, at=now), links=[up])
     return head, _index_entries(site, state, ps, size)
 
@@ -275,16 +287,36 @@ def _index_entries(site: Site, state: StateStore, ps: PublishedSet, size: int) -
 
 
 def resource_list_part(
-    site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int | None, now: datetime
+    site: Site,
+    state: StateStore,
+    ps: PublishedSet,
+    lo: int,
+    hi: int | None,
+    now: datetime,
+    *,
+    lines: bool = False,
 ) -> Doc:
     """Part ``LO-HI`` of the Resource List Index: live resources with lo < id <= hi (§10.2)."""
     links = [Link("up", site.capabilitylist(ps.name)), Link("index", site.resourcelist(ps.name))]
     head = Head(md=Md(capability=RESOURCELIST, at=now), links=links)
-    return head, _resources(site, state, ps, lo, hi)
+    return head, _resources(site, state, ps, lo, hi, lines)
 
 
-def _resources(site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int | None) -> Iterator[Entry]:
+def _resources(
+    site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int | None, lines: bool = False
+) -> Iterator[Entry | str]:
     uri_of = UriOf(site, state, ps)
+    if lines and listing.plain_policy(site.policy):
+        writer = listing.ListingWriter(site.base_url, ps.name)
+
+        def general(r: Resource) -> Entry:
+            return resource_entry(site, ps, r, uri_of)
+
+        if site.visible is show_all:
+            yield from listing.listing(writer, state, ps.set_ids, lo, hi, general)
+        else:
+            yield from listing.filtered(writer, state, ps, lo, hi, site.visible, general)
+        return
     for r in state.iter_live(ps.set_ids, after_id=lo, until_id=hi):
         if site.visible(ps.name, r):
             yield resource_entry(site, ps, r, uri_of)
