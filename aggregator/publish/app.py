@@ -95,6 +95,8 @@ Validate = Callable[[Site, StateStore, PublishedSet], "Validity | None"]
 CACHE_OPEN = "public, max-age=10"
 CACHE_CLOSED = "public, max-age=86400"
 FILE_CHUNK = 256 * 1024
+#: Bytes of a rendering handed over per worker-thread call (each call costs wake-ups on both sides).
+DOC_CHUNK = 256 * 1024
 
 
 class ServerBusy(Exception):
@@ -258,7 +260,11 @@ class DocumentResponse(StreamingResponse):
         headers: dict[str, str] | None = None,
         tee: CacheWriter | None = None,
     ) -> None:
-        chunks = iter_document_bytes(*doc, flush_head=True) if isinstance(doc, tuple) else doc
+        chunks = (
+            iter_document_bytes(*doc, chunk_size=DOC_CHUNK, flush_head=True)
+            if isinstance(doc, tuple)
+            else doc
+        )
         self._chunks = _teed(chunks, tee) if tee is not None else chunks
         self._release = release
         super().__init__(self._body(), media_type=XML, headers=headers)
