@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -59,6 +60,12 @@ async def publishing(
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         await holder["app"](scope, receive, send)
+
+    async def fast_lane(method: bytes, target: bytes) -> Any:  # the server's fast lane: the app's
+        app = holder.get("app")
+        return None if app is None else await app.state.fast_lane(method, target)
+
+    asgi.state = SimpleNamespace(fast_lane=fast_lane)  # type: ignore[attr-defined]
 
     with open_blob_store(cfg, Plugins.from_config(cfg)) as store:  # the configured backend
         async with serve_app(asgi) as base:

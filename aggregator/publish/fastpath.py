@@ -81,8 +81,9 @@ class Hot:
     size: int | None = None  # the local blob's size (HEAD of a big one needs no bytes)
     target: str | None = None  # X-Accel-Redirect path or redirect URL
     expires: float = float("inf")  # monotonic time the target stops being usable
-    #: The raw headers of the answer to a GET or HEAD without Range or validators (None: build it).
-    plain: tuple[int, list[tuple[bytes, bytes]]] | None = None
+    #: The answer to a GET without Range or validators: status, raw headers, body (a HEAD's: no body);
+    #: None: build it per request.
+    plain: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None
 
     @property
     def cost(self) -> int:
@@ -197,10 +198,9 @@ class ResourceFastPath:
         scope["route"] = self.route
         wanted = [(k, v) for k, v in scope["headers"] if k in _WANTED]
         if not wanted and hot.plain is not None:  # the common case: headers and bytes ready to send
-            status, headers = hot.plain
+            status, headers, body = hot.plain
             await send({"type": "http.response.start", "status": status, "headers": headers})
-            body = hot.body if scope["method"] == "GET" else b""
-            await send({"type": "http.response.body", "body": body or b""})
+            await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
             return
         request = LiteRequest(scope["method"], {k.decode("latin-1"): v.decode("latin-1") for k, v in wanted})
         response = self._answer(request, hot)
@@ -208,6 +208,38 @@ class ResourceFastPath:
             await self.app(scope, receive, send)
             return
         await response(scope, receive, send)
+
+    async def lane(self, method: bytes, target: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """The answer to a plain GET/HEAD (no validators, no Range) of ``target`` (the raw request
+        target) for the server's fast lane (``serverguard._FastLane``): status, headers and body as
+        ``__call__`` sends them, or None for anything else (the ordinary path answers it)."""
+        start = time.perf_counter()
+        raw = target.partition(b"?")[0]
+        if b"/r/" not in raw:
+            return None
+        cacheable = self.cache.fresh()
+        hot = self.cache.get(raw) if cacheable else None
+        if hot is None:
+            try:
+                parsed = split_resource_path(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                return None
+            if parsed is None:
+                return None
+            try:
+                hot = await self.pub.run(self._lookup, *parsed)
+            except self.busy[0]:
+                return None  # the ordinary path answers 503
+            if cacheable:
+                self.cache.put(raw, hot)
+        if hot.plain is None:
+            return None
+        status, headers, body = hot.plain
+        head = method == b"HEAD"
+        self.pub.metrics.served(
+            self.route.path, "HEAD" if head else "GET", status, time.perf_counter() - start
+        )
+        return status, headers, b"" if head else body
 
     def _answer(self, request: LiteRequest, hot: Hot) -> Response | None:
         if hot.status != 200 or hot.row is None or hot.headers is None:
@@ -240,13 +272,13 @@ class ResourceFastPath:
         site = pub.site(state)
         ps = site.sets.get(set_name)
         if ps is None:
-            return Hot(404, None)
+            return self._with_plain(Hot(404, None))
         link = f'<{site.capabilitylist(ps.name)}>; rel="resourcesync"'
         row = state.resource_in(ps.set_ids, uri)
         if row is None or not site.visible(ps.name, row):
-            return Hot(404, link)
+            return self._with_plain(Hot(404, link))
         if row.deleted or not row.sha256:
-            return Hot(410, link)
+            return self._with_plain(Hot(410, link))
         hot = Hot(200, link, row, resource_headers(row, link))
         if self.offload == "x-accel":
             hot.target = self.location + pub.blobs.blob_name(row.sha256)
@@ -259,9 +291,13 @@ class ResourceFastPath:
                 log.warning("server.offload = redirect: the blob store has no URLs; rsagg serves the bytes")
         if hot.target is None:
             hot.size, hot.body = _local_blob(pub.blobs.local_path(row.sha256))
+        return self._with_plain(hot)
+
+    def _with_plain(self, hot: Hot) -> Hot:
+        """``hot`` with its ready answer to a plain GET when there is one (not a big local blob)."""
         plain = self._answer(LiteRequest("GET", {}), hot)
-        if plain is not None and (hot.target is not None or hot.body is not None):
-            hot.plain = plain.status_code, plain.raw_headers
+        if plain is not None and (hot.status != 200 or hot.target is not None or hot.body is not None):
+            hot.plain = plain.status_code, plain.raw_headers, bytes(plain.body)
         return hot
 
     def close(self) -> None:
