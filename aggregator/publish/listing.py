@@ -116,10 +116,11 @@ class ListingWriter:
     def lines(
         self, rows: Iterable[ListingRow | Resource], general: Callable[[Resource], T]
     ) -> Iterator[str | T]:
-        """The lines of ``iter_live_listing``'s rows (``general`` for its ``Resource`` rows). The commonest
-        row (sha-256, length, no other hash, no encoding, no upstream time, a URI to copy as it is) is
-        written inline, one f-string, its stored time converted once per run of equal times."""
-        head, types, special, plain, row = self.head, self._types, _special, _plain, self.row
+        """The lines of ``iter_live_listing``'s rows (``general`` for its ``Resource`` rows). The common
+        rows (a sha-256 and a length, no encoding, a URI to copy as it is, a known type) are written
+        inline, one f-string each; a run of rows stored at the same time converts that time once."""
+        head, types, special, row, safe = self.head, self._types, _special, self.row, _SAFE_CHARS
+        schemes: dict[str, bool] = {}
         last: str | None = None
         when = ""
         for r in rows:
@@ -127,22 +128,37 @@ class ListingWriter:
                 yield general(r)
                 continue
             _, uri, sha256, length, type_, encoding, md5, sha1, lastmod, upstream, updated = r
-            if (
-                sha256 is not None and length is not None and md5 is None and sha1 is None
-                and encoding is None and lastmod is None and upstream is None
-                and special(uri) is None and special(sha256) is None
-            ):  # fmt: skip
+            if sha256 is not None and length is not None and encoding is None and special(uri) is None:
                 scheme, sep, rest = uri.partition("://")
                 t = types.get(type_)
-                if sep and t is not None and plain(scheme, rest):
-                    if updated != last:
-                        last, when = updated, _text_time(updated)
-                    a = f' hash="sha-256:{sha256}" length="{length}"{t}'
-                    yield (
-                        f"{head}{scheme}/{rest}</loc><lastmod>{when}</lastmod><rs:md{a}/>"
-                        f'<rs:ln rel="via" href="{uri}"{a}/></url>\n'
-                    )
-                    continue
+                ok = schemes.get(scheme)
+                if ok is None:
+                    ok = schemes[scheme] = _SCHEME.match(scheme) is not None
+                if (
+                    sep
+                    and ok
+                    and t is not None
+                    and not rest.strip(safe)
+                    and "/." not in rest
+                    and rest[:1] != "."
+                ):
+                    if md5 is None and sha1 is None:
+                        h = f"sha-256:{sha256}"
+                    else:  # format_hash's order
+                        h = " ".join(
+                            f"{a}:{d}" for a, d in (("sha-256", sha256), ("sha-1", sha1), ("md5", md5)) if d
+                        )
+                    if special(h) is None:
+                        if updated != last:
+                            last, when = updated, _text_time(updated)
+                        mod = lastmod or upstream
+                        m = "" if mod is None else f' modified="{_text_time(mod)}"'
+                        a = f' hash="{h}" length="{length}"{t}'
+                        yield (
+                            f"{head}{scheme}/{rest}</loc><lastmod>{when}</lastmod><rs:md{a}/>"
+                            f'<rs:ln rel="via" href="{uri}"{m}{a}/></url>\n'
+                        )
+                        continue
             yield row(r)
 
     def row(self, r: tuple) -> str:
