@@ -319,7 +319,7 @@ class Prepared:
 
     status: int
     headers: dict[str, str]
-    doc: Doc | None = None
+    doc: Iterator[bytes] | None = None  # the rendering, its head already written
     cached: BinaryIO | None = None
     validity: Validity | None = None
 
@@ -357,7 +357,20 @@ def _prepare(
     doc = build(site, state, ps, now)
     if doc is None:
         return None
-    return Prepared(200, headers, doc=doc, validity=v)
+    # The head is written here, in this worker-thread call: one thread hop less before the first byte.
+    chunks = iter_document_bytes(*doc, chunk_size=DOC_CHUNK, flush_head=True)
+    return Prepared(200, headers, doc=_started(next(chunks), chunks), validity=v)
+
+
+def _started(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    """``first``, then ``rest`` (closed with this iterator, however it ends)."""
+    try:
+        yield first
+        yield from rest
+    finally:
+        close = getattr(rest, "close", None)
+        if close is not None:
+            close()
 
 
 async def _document(request: Request, build: Build, validate: Validate) -> Response:
