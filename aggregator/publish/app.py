@@ -62,6 +62,8 @@ from ..store.state import Resource, connect
 from . import documents, status_page
 from .doccache import CacheWriter, DocumentCache, fingerprint
 from .documents import (
+    CACHE_CLOSED,
+    CACHE_OPEN,
     Doc,
     DumpsAvailable,
     ExtraCapabilities,
@@ -91,9 +93,6 @@ READER_WAIT = 10.0
 
 Build = Callable[[Site, StateStore, PublishedSet, datetime], "Doc | None"]
 Validate = Callable[[Site, StateStore, PublishedSet], "Validity | None"]
-#: Cache-Control (for a CDN or browser in front): lists that may change, and closed Change List windows.
-CACHE_OPEN = "public, max-age=10"
-CACHE_CLOSED = "public, max-age=86400"
 FILE_CHUNK = 256 * 1024
 #: Bytes of a rendering handed over per worker-thread call (each call costs wake-ups on both sides).
 DOC_CHUNK = 256 * 1024
@@ -415,7 +414,9 @@ async def _small_document(request: Request, make: Callable[[Site], Doc]) -> Resp
     }
     if validators_match(request, headers["etag"], pub.started):
         return Response(status_code=304, headers=headers)
-    return Response(body if request.method == "GET" else b"", headers=headers, media_type=XML)
+    if request.method == "HEAD":  # the GET's length, no bytes
+        return Response(b"", headers={**headers, "content-length": str(len(body))}, media_type=XML)
+    return Response(body, headers=headers, media_type=XML)
 
 
 async def well_known(request: Request) -> Response:

@@ -53,6 +53,10 @@ from .uris import rsagg_uri
 #: §7: at most 50,000 entries per <urlset> (the Sitemap limit). Above it a Resource List is an index;
 #: a module constant so tests can make it small.
 MAX_ENTRIES = 50_000
+#: Cache-Control by document kind (for a CDN or browser in front): what may change, and what never does
+#: (a closed Change List window, §12.1; a dump package).
+CACHE_OPEN = "public, max-age=10"
+CACHE_CLOSED = "public, max-age=86400"
 #: Capabilities the dump helper may add to a Capability List (§9, §11, §13), in the order written.
 DUMP_CAPABILITIES = (RESOURCEDUMP, CHANGEDUMP)
 _URI_CACHE = 4096
@@ -462,6 +466,8 @@ def _changes(site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int) 
 
 
 __all__ = [
+    "CACHE_CLOSED",
+    "CACHE_OPEN",
     "DUMP_CAPABILITIES",
     "MAX_ENTRIES",
     "Doc",
