@@ -564,6 +564,13 @@ def test_state_reads_for_publishing(tmp_path: Path):
         ids = [r.id for r in st.iter_live([a, b])]
         assert ids == sorted(ids) and len(ids) == 8
         assert st.live_part_boundaries([a, b], 3) == [ids[2], ids[5]]
+        live_a = [r.id for r in st.iter_live([a])]  # one set, one part at a time: the same boundaries
+        assert (
+            st.live_part_boundaries([a], 2)
+            == live_a[1::2]
+            == [st.live_part_boundary(a, 0, 2), st.live_part_boundary(a, live_a[1], 2)]
+        )
+        assert st.live_part_boundary(a, live_a[3], 2) is None and st.live_part_boundary(a, 0, 4) == live_a[3]
         assert [r.uri for r in st.iter_live([a], after_id=ids[0], until_id=ids[3])] == [
             r.uri for r in st.iter_live([a]) if ids[0] < r.id <= ids[3]
         ]

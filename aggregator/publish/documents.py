@@ -276,9 +276,21 @@ def resource_list(
     return head, _index_entries(site, state, ps, size)
 
 
+def _boundaries(state: StateStore, set_ids: tuple[int, ...], size: int) -> Iterator[int]:
+    """The id of every ``size``-th live resource of the sets, in order."""
+    ids = tuple(dict.fromkeys(set_ids))
+    if len(ids) != 1:  # rows of several sets, numbered together
+        yield from state.iter_live_part_boundaries(ids, size)
+        return
+    b = state.live_part_boundary(ids[0], 0, size)
+    while b is not None:
+        yield b
+        b = state.live_part_boundary(ids[0], b, size)
+
+
 def _index_entries(site: Site, state: StateStore, ps: PublishedSet, size: int) -> Iterator[Entry]:
     lo, last = 0, None
-    for b in state.iter_live_part_boundaries(ps.set_ids, size):
+    for b in _boundaries(state, ps.set_ids, size):
         if last is not None:
             yield Entry(site.resourcelist_part(ps.name, lo, last))
             lo = last
