@@ -29,6 +29,8 @@ from .sets import PublishedSet
 from .uris import _SCHEME, RESOURCES, SAFE, rsagg_path
 
 T = TypeVar("T")
+#: Lines joined into one string before they go on (about 50 KB).
+_BATCH = 128
 #: Attribute text per distinct type/encoding value (a list has few), bounded.
 _ATTR_CACHE = 1024
 
@@ -116,15 +118,21 @@ class ListingWriter:
     def lines(
         self, rows: Iterable[ListingRow | Resource], general: Callable[[Resource], T]
     ) -> Iterator[str | T]:
-        """The lines of ``iter_live_listing``'s rows (``general`` for its ``Resource`` rows). The common
-        rows (a sha-256 and a length, no encoding, a URI to copy as it is, a known type) are written
-        inline, one f-string each; a run of rows stored at the same time converts that time once."""
+        """The lines of ``iter_live_listing``'s rows, several joined in one string (``general`` for its
+        ``Resource`` rows). The common rows (a sha-256 and a length, no encoding, a URI to copy as it is,
+        a known type) are written inline, one f-string each; a run of rows stored at the same time
+        converts that time once."""
         head, types, special, row, safe = self.head, self._types, _special, self.row, _SAFE_CHARS
         schemes: dict[str, bool] = {}
         last: str | None = None
         when = ""
+        out: list[str] = []  # lines go out joined, _BATCH at a time (a generator step per row costs)
+        add = out.append
         for r in rows:
             if type(r) is not tuple:
+                if out:
+                    yield "".join(out)
+                    out.clear()
                 yield general(r)
                 continue
             _, uri, sha256, length, type_, encoding, md5, sha1, lastmod, upstream, updated = r
@@ -145,21 +153,25 @@ class ListingWriter:
                     if md5 is None and sha1 is None:
                         h = f"sha-256:{sha256}"
                     else:  # format_hash's order
-                        h = " ".join(
-                            f"{a}:{d}" for a, d in (("sha-256", sha256), ("sha-1", sha1), ("md5", md5)) if d
-                        )
+                        pairs = (("sha-256", sha256), ("sha-1", sha1), ("md5", md5))
+                        h = " ".join(f"{a}:{d}" for a, d in pairs if d is not None)
                     if special(h) is None:
                         if updated != last:
                             last, when = updated, _text_time(updated)
                         mod = lastmod or upstream
                         m = "" if mod is None else f' modified="{_text_time(mod)}"'
                         a = f' hash="{h}" length="{length}"{t}'
-                        yield (
+                        add(
                             f"{head}{scheme}/{rest}</loc><lastmod>{when}</lastmod><rs:md{a}/>"
                             f'<rs:ln rel="via" href="{uri}"{m}{a}/></url>\n'
                         )
+                        if len(out) >= _BATCH:
+                            yield "".join(out)
+                            out.clear()
                         continue
-            yield row(r)
+            add(row(r))
+        if out:
+            yield "".join(out)
 
     def row(self, r: tuple) -> str:
         """``line`` for a ``ListingRow``."""
