@@ -187,7 +187,7 @@ class _FastLane:
             if b"\r\n\r\n" not in buf:  # idle (or dripping a head) past the deadline: closed
                 return None
             head, _, rest = buf.partition(b"\r\n\r\n")
-            request = _plain_request(head)
+            request = _plain_request(head) if len(head) <= self.limits.max_header_bytes else None
             if request is None:
                 return buf
             answer = await self.lane(*request)
