@@ -111,6 +111,11 @@ async def test_lane_answers_as_the_ordinary_path(tmp_path: Path, monkeypatch):
             [refused] = await exchange(bad, b"GET " + small.encode() + b" HTTP/1.1\r\nno colon here\r\n\r\n")
             assert refused.startswith(b"HTTP/1.1 400 ")
             await bad.aclose()
+            # so is a head over the size bound, even when it arrives whole
+            big = await trio.open_tcp_stream(host, int(port))
+            [over] = await exchange(big, request("GET", small, "X-Big: " + "a" * 20_000))
+            assert over.startswith(b"HTTP/1.1 431 ")
+            await big.aclose()
 
             metrics = (await client.get(base + "/metrics")).text
             served_lines = [ln for ln in metrics.splitlines() if ln.startswith("rsagg_http_requests_total{")]
