@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import socket
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,8 @@ import trio
 
 from aggregator.publish.uris import rsagg_uri
 from aggregator.testing.upstream import Upstream
+
+from .harvesting import start_daemon
 
 REPO = Path(__file__).resolve().parent.parent
 GUARD = 60
@@ -80,14 +81,8 @@ async def test_two_serving_processes_one_harvest(tmp_path: Path):
             f"[plugins.example]\nevents_file = '{events}'\n"
             f'[[sources]]\nname = "up"\nurl = "{ubase}"\ninterval = 3600\n'
         )
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        }
         log = (tmp_path / "daemon.log").open("ab")
-        daemon = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "aggregator", "run", "-c", str(config)], env=env, stdout=log, stderr=log
-        )
+        daemon = await start_daemon(config, log)
         try:
             async with httpx.AsyncClient(timeout=30) as client:
                 last = rsagg_uri(base, "up", up.url(f"r{N - 1}.txt"))

@@ -31,6 +31,7 @@ import logging
 import os
 import sqlite3
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -168,8 +169,7 @@ class ResourceFastPath:
         self.offload = publisher.config.server.offload
         self.location = publisher.config.server.offload_location
         self.lifetime = publisher.config.server.redirect_lifetime
-        cache_seconds = publisher.config.server.offload_cache_seconds
-        self.cache_seconds = str(cache_seconds) if cache_seconds else ""
+        self.cache_seconds = publisher.config.server.offload_cache_seconds
         self._no_url_logged = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -256,7 +256,7 @@ class ResourceFastPath:
             headers = {k: v for k, v in hot.headers.items() if k != "accept-ranges"}
             headers["x-accel-redirect"] = hot.target
             if self.cache_seconds:  # how long nginx may reuse this answer (it never passes it on)
-                headers["x-accel-expires"] = self.cache_seconds
+                headers["x-accel-expires"] = str(_expires(self.cache_seconds, hot.row.uri))
             return Response(headers=headers)
         if hot.target is not None:
             return Response(status_code=307, headers={"location": hot.target, "link": hot.headers["link"]})
@@ -302,6 +302,12 @@ class ResourceFastPath:
 
     def close(self) -> None:
         self.cache.close()
+
+
+def _expires(seconds: int, uri: str) -> int:
+    """``seconds`` less up to a fifth, the same for a resource every time: answers nginx kept together
+    (a crawl) do not all expire in the same second, and none is kept longer than ``seconds``."""
+    return seconds - zlib.crc32(uri.encode("utf-8", "surrogatepass")) % (seconds // 5 + 1)
 
 
 def _local_blob(path: Path | None) -> tuple[int | None, bytes | None]:
