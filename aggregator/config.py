@@ -178,6 +178,14 @@ class ServerConfig:
     offload_location: _OffloadLocation = "/_rsagg_blobs/"
     #: "redirect": seconds a presigned URL stays valid (a public bucket URL does not expire).
     redirect_lifetime: _RedirectLifetime = 3600.0
+    #: Serving processes: the daemon itself and ``workers - 1`` more on the same port (SO_REUSEPORT),
+    #: answering resources and lists; the harvester, hub, notifier and dump builder run once, in the
+    #: daemon, which also answers what the others forward (``aggregator/workers.py``).
+    workers: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    #: "x-accel": seconds nginx may keep rsagg's answer for a resource (``X-Accel-Expires``) and send the
+    #: bytes without asking again (``config/nginx.conf`` caches these decisions); a change, a deletion or
+    #: a publish-filter change shows through nginx at most this late. 0 = nginx asks rsagg every time.
+    offload_cache_seconds: Annotated[StrictInt, Field(ge=0, le=86400)] = 10
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -40,6 +40,7 @@ from .hotswap import HotSwapApp
 from .rs import parse
 from .serverguard import ServerLimits
 from .serving import serve
+from .workers import Workers
 
 log = logging.getLogger("rsagg.daemon")
 
@@ -118,6 +119,7 @@ class _Daemon:
         self.shutdown = trio.Event()
         self.app = HotSwapApp(app_factory(parts.config, parts), nursery)
         self.bound = ""
+        self.workers: Workers | None = None
 
     @property
     def config(self) -> Config:
@@ -187,6 +189,8 @@ class _Daemon:
             log.error("reload refused, the publisher rejects %s: %s: %s", new.file, type(exc).__name__, exc)
             return
         self.ctx.config = new
+        if self.workers is not None:
+            self.workers.restart()  # they read the configuration file again
         outbound.update_policy(self.ctx.fetcher.policy, new)  # new sources' origins, a changed allow-list
         notes = self.parts.notifications
         if notes is not None and notes.hub is not None:
@@ -302,10 +306,17 @@ async def _serve_and_harvest(
             max_connections_per_client=config.server.max_connections_per_client,
             on_refused=ctx.metrics.server_refused_hook,
         )
+        workers = config.server.workers
+        if workers > 1 and config_path is None:
+            log.warning(
+                "server.workers = %d needs a configuration file to start them: serving alone", workers
+            )
+            workers = 1
         try:
             daemon.bound = await nursery.start(
-                partial(serve, daemon.app, host, port, shutdown_trigger=daemon.shutdown.wait, limits=limits)
-            )
+                partial(serve, daemon.app, host, port, shutdown_trigger=daemon.shutdown.wait, limits=limits,
+                        reuse_port=workers > 1)
+            )  # fmt: skip
         except* OSError as group:
             exc = _sole(group, OSError)
             reason = (exc.strerror if exc is not None else None) or str(group.exceptions[0])
@@ -313,6 +324,16 @@ async def _serve_and_harvest(
                 f"{config.file}: server.listen: cannot listen on {host}:{port}: {reason}"
             ) from None
         log.info("listening on %s, publishing as %s (server.base_url)", daemon.bound, config.server.base_url)
+        if workers > 1:  # workers.py: they forward what only this process answers to a listener of its own
+            assert config_path is not None
+            internal = await nursery.start(
+                partial(serve, daemon.app, "127.0.0.1", 0, shutdown_trigger=daemon.shutdown.wait,
+                        limits=replace(limits, max_connections_per_client=0))
+            )  # fmt: skip
+            bound_port = int(daemon.bound.rsplit(":", 1)[1])
+            daemon.workers = Workers(config_path, workers - 1, host, bound_port, internal)
+            nursery.start_soon(daemon.workers.run, nursery, daemon.shutdown.wait)
+            log.info("%d worker processes serve on the same port (server.workers)", workers - 1)
         log.info("document parser: %s", "compiled fast path" if parse.SPEEDUPS else "pure Python (slower)")
         daemon.start_sources()
         if on_ready is not None:

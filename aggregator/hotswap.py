@@ -10,6 +10,7 @@ already running finish on the app they started on.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import trio
@@ -76,6 +77,12 @@ class HotSwapApp:
     def __init__(self, app: ASGIApp, nursery: trio.Nursery) -> None:
         self._current = _Lifespan(app)
         self._nursery = nursery
+        #: ``state.fast_lane``: the current inner app's (``serverguard``'s fast lane asks it once).
+        self.state = SimpleNamespace(fast_lane=self._fast_lane)
+
+    async def _fast_lane(self, method: bytes, target: bytes) -> Any:
+        lane = getattr(getattr(self._current.app, "state", None), "fast_lane", None)
+        return None if lane is None else await lane(method, target)
 
     @property
     def app(self) -> ASGIApp:

@@ -114,12 +114,132 @@ class _SendBounded(trio.abc.HalfCloseableStream):
         await self._stream.aclose()
 
 
+class _Prefixed(trio.abc.HalfCloseableStream):
+    """A stream whose first ``receive_some`` gives back bytes read already (by the fast lane)."""
+
+    def __init__(self, stream: _SendBounded, pending: bytes) -> None:
+        self._stream = stream
+        self._pending = pending
+        self.socket = stream.socket
+
+    @property
+    def sent(self) -> bool:
+        return self._stream.sent
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        if self._pending:
+            data, self._pending = self._pending, b""
+            return data
+        return await self._stream.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self._stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+#: ``lane(method, target) -> (status, raw headers, body) | None``: a request answered without hypercorn
+#: (the publisher's hot resource route, ``publish/fastpath.py``); None: hypercorn answers it.
+Lane = Callable[[bytes, bytes], Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes] | None]]
+#: Request headers the fast lane leaves to hypercorn (bodies, upgrades, connection handling) or to the
+#: app's ordinary route (validators and ranges decide per request).
+_LANE_HANDS_OVER = frozenset(
+    (b"content-length", b"transfer-encoding", b"expect", b"upgrade", b"te", b"range", b"if-range",
+     b"if-match", b"if-none-match", b"if-modified-since", b"if-unmodified-since", b"http2-settings")
+)  # fmt: skip
+_RECV = 65536
+
+
+class _FastLane:
+    """Plain ``GET``/``HEAD`` requests of a keep-alive HTTP/1.1 connection answered by ``lane`` without
+    hypercorn's and starlette's layers (h11 events, ASGI messages, a task per request): they cost far
+    more than the answer of a resource the publisher holds in memory. The first request it does not
+    take (anything but an origin-form GET/HEAD with a Host and plain headers, or one ``lane`` declines)
+    and the rest of the connection go to hypercorn, with the bytes read so far: whatever the lane
+    cannot answer exactly as hypercorn would is hypercorn's to answer. Same bounds: the head within
+    ``header_timeout`` and ``max_header_bytes``; writes bounded by the stream (``send_timeout``)."""
+
+    def __init__(self, lane: Lane, limits: ServerLimits, config: Config, context: WorkerContext) -> None:
+        self.lane, self.limits, self.config, self.context = lane, limits, config, context
+
+    async def serve(self, stream: _SendBounded) -> bytes | None:
+        """Answer requests while the lane can; the bytes read but not answered (hypercorn's to answer),
+        or None when the connection is done (closed by the client, idle too long, shutting down)."""
+        buf = b""
+        while True:
+            if self.context.terminated.is_set():
+                return None
+            with trio.move_on_after(self.limits.header_timeout):
+                while b"\r\n\r\n" not in buf:
+                    if len(buf) > self.limits.max_header_bytes:
+                        return buf
+                    data = await stream.receive_some(_RECV)
+                    if not data:
+                        return None if not buf else buf
+                    buf += data
+            if b"\r\n\r\n" not in buf:  # idle (or dripping a head) past the deadline: closed
+                return None
+            head, _, rest = buf.partition(b"\r\n\r\n")
+            request = _plain_request(head) if len(head) <= self.limits.max_header_bytes else None
+            if request is None:
+                return buf
+            answer = await self.lane(*request)
+            if answer is None:
+                return buf
+            status, headers, body = answer
+            out = [b"HTTP/1.1 %d \r\n" % status]
+            out += [b"%s: %s\r\n" % h for h in headers]
+            out += [b"%s: %s\r\n" % h for h in self.config.response_headers("h11")]
+            out += [b"\r\n", body]
+            await stream.send_all(b"".join(out))
+            buf = rest
+
+
+def _plain_request(head: bytes) -> tuple[bytes, bytes] | None:
+    """(method, target) of a request head the fast lane may answer, else None."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or parts[0] not in (b"GET", b"HEAD"):
+        return None
+    target = parts[1]
+    if target[:1] != b"/" or not target.isascii() or b"#" in target:
+        return None
+    hosts = 0
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name[-1:] in (b" ", b"\t") or b"\n" in line or b"\x00" in line:
+            return None
+        if not line.isascii() or any(c < 32 and c != 9 for c in line):
+            return None
+        name = name.lower()
+        if name in _LANE_HANDS_OVER:
+            return None
+        if name == b"host":
+            hosts += 1
+        elif name == b"connection" and value.strip().lower() != b"keep-alive":
+            return None
+    return (parts[0], target) if hosts == 1 else None
+
+
 class _Connections:
     """Open connections per client address, and the handler that enforces the cap."""
 
-    def __init__(self, limits: ServerLimits, server: Callable[[trio.abc.Stream], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        limits: ServerLimits,
+        server: Callable[[trio.abc.Stream], Awaitable[None]],
+        lane: _FastLane | None = None,
+    ) -> None:
         self.limits = limits
         self.server = server
+        self.lane = lane
         self.open: Counter[str] = Counter()
         self.refused = 0
 
@@ -142,7 +262,17 @@ class _Connections:
         bounded = _SendBounded(stream, self.limits)
         start = trio.current_time()
         try:
-            await self.server(bounded)
+            if self.lane is None:
+                await self.server(bounded)
+            else:
+                try:
+                    pending = await self.lane.serve(bounded)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pending = None
+                if pending is None:
+                    await trio.aclose_forcefully(bounded)
+                else:
+                    await self.server(_Prefixed(bounded, pending))
             if not bounded.sent and trio.current_time() - start >= self.limits.header_timeout:
                 self.limits.refused("head_time")  # closed by hypercorn's timer before a request head
         finally:
@@ -239,6 +369,8 @@ async def serve_guarded(
     """Like ``hypercorn.trio.run.worker_serve`` (plain HTTP), with the bounds of ``limits``.
 
     ``sockets``: already bound (e.g. shared by several worker processes); by default ``config.bind``.
+    ``app.state.fast_lane`` (a ``Lane``), when the app has one, answers the plain requests it can
+    without hypercorn (``_FastLane``).
     """
     limits.apply(config)
     wrapped = wrap_app(RequestGuard(app, limits), config.wsgi_max_body_size, "asgi")
@@ -257,7 +389,9 @@ async def serve_guarded(
                 listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
             server = partial(TCPServer, wrapped, config, context, ConnectionState(lifespan_state.copy()))
-            connections = _Connections(limits, server)  # type: ignore[arg-type]
+            lane = getattr(getattr(app, "state", None), "fast_lane", None)
+            fast = _FastLane(lane, limits, config, context) if lane is not None else None
+            connections = _Connections(limits, server, fast)  # type: ignore[arg-type]
             task_status.started(binds)
             try:
                 async with trio.open_nursery(strict_exception_groups=True) as nursery:

@@ -6,12 +6,13 @@ address): ``serverguard.py``.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
 import trio
-from hypercorn.config import Config
+from hypercorn.config import Config, Sockets
 from starlette.types import ASGIApp
 
 from .serverguard import ServerLimits, serve_guarded
@@ -25,23 +26,48 @@ async def serve(
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     graceful_timeout: float = 0.5,
     limits: ServerLimits | None = None,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve an ASGI app with hypercorn's trio worker until cancelled (or ``shutdown_trigger`` returns).
 
     ``base_url = await nursery.start(serve, app)`` binds (port 0: the OS picks a free port) and hands
     back ``http://host:port`` of the socket actually bound, so there is no pick-then-bind race.
+    ``reuse_port``: bound with SO_REUSEPORT, so that other processes doing the same share the port (the
+    kernel spreads the connections over them: ``server.workers``).
     """
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.loglevel = "WARNING"  # errors still reach stderr; no "Running on ..." lines
     config.graceful_timeout = graceful_timeout
+    sockets = _reuse_port_socket(host, port, config.backlog) if reuse_port else None
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(
-            partial(serve_guarded, app, config, limits or ServerLimits(), shutdown_trigger=shutdown_trigger)
+            partial(
+                serve_guarded,
+                app,
+                config,
+                limits or ServerLimits(),
+                shutdown_trigger=shutdown_trigger,
+                sockets=sockets,
+            )
         )
         task_status.started(binds[0].rstrip("/"))
+
+
+def _reuse_port_socket(host: str, port: int, backlog: int) -> Sockets:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[])
 
 
 @asynccontextmanager

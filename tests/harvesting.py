@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+import trio
 
 from aggregator.commands.harvest import harvest_once
 from aggregator.compose import open_context
@@ -18,16 +20,26 @@ from aggregator.store.state import State
 REPO = Path(__file__).resolve().parent.parent
 
 
-def rsagg(*args: str, config: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``rsagg ARGS -c CONFIG`` as an operator runs it: its own process, in the config's folder."""
-    env = {
+def _env() -> dict[str, str]:
+    return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
+
+
+def rsagg(*args: str, config: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``rsagg ARGS -c CONFIG`` as an operator runs it: its own process, in the config's folder."""
     return subprocess.run(
         [sys.executable, "-m", "aggregator", *args, "-c", str(config)],
-        cwd=config.parent, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=config.parent, env=_env(), capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
+
+
+async def start_daemon(config: Path, log: BinaryIO) -> trio.Process:
+    """``rsagg run -c CONFIG`` in a process of its own (the caller stops it), output to ``log``."""
+    return await trio.lowlevel.open_process(
+        [sys.executable, "-m", "aggregator", "run", "-c", str(config)], env=_env(), stdout=log, stderr=log
+    )
 
 
 #: Extra ``[store]`` keys for every config the tests make: the S3 tests set a backend here to run the

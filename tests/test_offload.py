@@ -1,6 +1,6 @@
 """``server.offload = "x-accel"`` with a real nginx (Debian's) in front of a real ``rsagg run``.
 
-nginx runs the shipped ``config/nginx.conf`` (only its three marked lines changed: ports and the blob
+nginx runs the shipped ``config/nginx.conf`` (only its four marked lines changed: ports and the blob
 folder) as a private instance in the test's folder. Every resource must answer the same through nginx
 (which sends the bytes from the blob file) as from rsagg serving them itself: status, bytes and every
 header a client reads, with Range, conditional requests, a resource hidden by a publish filter (404) and
@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 from pathlib import Path
 
 import httpx
@@ -26,6 +25,7 @@ from aggregator.publish.uris import rsagg_uri
 from aggregator.store.blobs import FileBlobStore
 from aggregator.testing.upstream import Upstream
 
+from .harvesting import start_daemon
 from .httpserver import serve_app
 from .test_publish import local_files, resync
 
@@ -53,12 +53,13 @@ def free_port() -> int:
 
 
 def nginx_conf(folder: Path, port: int, upstream_port: int, blobs: Path) -> Path:
-    """The shipped example with its three marked lines set for this test (and root's workers)."""
+    """The shipped example with its four marked lines set for this test (and root's workers)."""
     text = (REPO / "config" / "nginx.conf").read_text()
     for old, new in (
         ("server 127.0.0.1:8080;", f"server 127.0.0.1:{upstream_port};"),
         ("listen 127.0.0.1:8000;", f"listen 127.0.0.1:{port};"),
         ("alias /var/lib/rsagg/blobs/;", f"alias {blobs}/;"),
+        ("root /var/lib/rsagg/blobs;", f"root {blobs};"),
         ("worker_processes auto;", "worker_processes 1;"),
     ):
         assert old in text, old
@@ -96,14 +97,8 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
             "[plugins.example]\nhide = '/drafts/'\n"
             f'[[sources]]\nname = "up"\nurl = "{ubase}"\ninterval = 1\n'
         )
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        }
         log = (tmp_path / "daemon.log").open("ab")
-        daemon = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "aggregator", "run", "-c", str(config)], env=env, stdout=log, stderr=log
-        )
+        daemon = await start_daemon(config, log)
         (store / "blobs").mkdir(parents=True, exist_ok=True)
         conf = nginx_conf(ngx, nport, rport, store / "blobs")
         nginx = await trio.lowlevel.open_process(
@@ -137,13 +132,41 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                         assert {k: a.headers.get(k) for k in COMPARED} == {
                             k: b.headers.get(k) for k in COMPARED
                         }, what
-                        assert "x-accel-redirect" not in b.headers
+                        assert "x-accel-redirect" not in b.headers and "x-accel-expires" not in b.headers
                         return a
 
-                    # the daemon itself hands the bytes to nginx
+                    # the daemon itself hands the bytes to nginx, and says how long nginx may keep that
                     direct = await client.get(f"http://127.0.0.1:{rport}" + path("a.txt"))
                     assert direct.status_code == 200 and direct.content == b""
                     assert direct.headers["x-accel-redirect"].startswith("/_rsagg_blobs/")
+                    seconds = cfg.server.offload_cache_seconds  # at most, a fifth less for some
+                    assert seconds - seconds // 5 <= int(direct.headers["x-accel-expires"]) <= seconds
+
+                    # nginx answers plain GETs and HEADs of a resource from its cached decision
+                    async def resource_requests() -> float:
+                        text = (await client.get(f"http://127.0.0.1:{rport}/metrics")).text
+                        return sum(
+                            float(line.rsplit(" ", 1)[1])
+                            for line in text.splitlines()
+                            if line.startswith("rsagg_http_requests_total{") and "/r/{rest:path}" in line
+                        )
+
+                    first = await client.get(front + path("b.bin"))
+                    before = await resource_requests()
+                    for method in ("GET", "HEAD", "GET"):
+                        again = await client.request(method, front + path("b.bin"))
+                        assert again.status_code == 200 and again.headers["etag"] == first.headers["etag"]
+                    # (at most one: the decision may expire once while the three go out, not twice)
+                    assert await resource_requests() <= before + 1
+                    after = await resource_requests()
+                    assert (
+                        await client.get(front + path("b.bin"), headers={"if-none-match": "*"})
+                    ).status_code == 304
+
+                    async def judged_by_rsagg() -> bool:  # validators: rsagg judges them, not the cache
+                        return await resource_requests() > after
+
+                    await wait_for(judged_by_rsagg, "the conditional request to reach rsagg")
 
                     for name, (data, type_) in FILES.items():
                         if name.startswith("drafts/"):
@@ -193,6 +216,11 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                         return (await client.get(alone + path("gone.txt"))).status_code == 410
 
                     await wait_for(deleted, "the daemon to harvest the deletion")
+
+                    async def deleted_behind_nginx() -> bool:  # within server.offload_cache_seconds
+                        return (await client.get(front + path("gone.txt"))).status_code == 410
+
+                    await wait_for(deleted_behind_nginx, "nginx's cached decision to expire")
                     assert (await same("gone.txt")).status_code == 410
                     assert (await same("gone.txt", "HEAD")).status_code == 410
         finally:

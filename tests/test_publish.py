@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -59,6 +60,12 @@ async def publishing(
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         await holder["app"](scope, receive, send)
+
+    async def fast_lane(method: bytes, target: bytes) -> Any:  # the server's fast lane: the app's
+        app = holder.get("app")
+        return None if app is None else await app.state.fast_lane(method, target)
+
+    asgi.state = SimpleNamespace(fast_lane=fast_lane)  # type: ignore[attr-defined]
 
     with open_blob_store(cfg, Plugins.from_config(cfg)) as store:  # the configured backend
         async with serve_app(asgi) as base:
@@ -557,6 +564,13 @@ def test_state_reads_for_publishing(tmp_path: Path):
         ids = [r.id for r in st.iter_live([a, b])]
         assert ids == sorted(ids) and len(ids) == 8
         assert st.live_part_boundaries([a, b], 3) == [ids[2], ids[5]]
+        live_a = [r.id for r in st.iter_live([a])]  # one set, one part at a time: the same boundaries
+        assert (
+            st.live_part_boundaries([a], 2)
+            == live_a[1::2]
+            == [st.live_part_boundary(a, 0, 2), st.live_part_boundary(a, live_a[1], 2)]
+        )
+        assert st.live_part_boundary(a, live_a[3], 2) is None and st.live_part_boundary(a, 0, 4) == live_a[3]
         assert [r.uri for r in st.iter_live([a], after_id=ids[0], until_id=ids[3])] == [
             r.uri for r in st.iter_live([a]) if ids[0] < r.id <= ids[3]
         ]

@@ -420,8 +420,17 @@ async def test_routes_serve_documents_packages_and_manifests(env: Env) -> None:
             assert r.status_code == 200 and r.headers["content-type"].startswith("application/xml")
             assert errors(r.content, str(r.url)) == []
             assert parse_bytes(r.content)[0].capability == doc
+            # validators, conditional GET and Cache-Control, as every document (more packages may come)
+            etag, lm = r.headers["etag"], r.headers["last-modified"]
+            assert r.headers["cache-control"] == "public, max-age=10"
+            for cond in ({"If-None-Match": etag}, {"If-Modified-Since": lm}):
+                again = await c.get(f"/art/{doc}.xml", headers=cond)
+                assert again.status_code == 304 and again.headers["etag"] == etag, cond
+            assert (await c.get(f"/art/{doc}.xml", headers={"If-None-Match": '"x"'})).content == r.content
+            size = len((await c.get(f"/art/{doc}.xml")).content)
             r = await c.head(f"/art/{doc}.xml")
-            assert r.status_code == 200 and r.content == b""
+            assert r.status_code == 200 and r.content == b"" and r.headers["etag"] == etag
+            assert r.headers["content-length"] == str(size)
         for p in (rd, cd):
             r = await c.get(p.url)
             assert r.status_code == 200
@@ -429,6 +438,7 @@ async def test_routes_serve_documents_packages_and_manifests(env: Env) -> None:
             assert r.headers["etag"] == f'"{p.sha256}"'
             assert int(r.headers["content-length"]) == p.length == len(r.content)
             assert hashlib.sha256(r.content).hexdigest() == p.sha256
+            assert r.headers["cache-control"] == "public, max-age=86400"  # a package never changes
             assert (await c.get(p.url, headers={"If-None-Match": f'"{p.sha256}"'})).status_code == 304
             r = await c.get(p.url, headers={"Range": "bytes=0-3"})
             assert r.status_code == 206 and r.content == b"PK\x03\x04"

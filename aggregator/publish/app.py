@@ -43,6 +43,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
+import anyio.lowlevel
 import trio
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -62,6 +63,8 @@ from ..store.state import Resource, connect
 from . import documents, status_page
 from .doccache import CacheWriter, DocumentCache, fingerprint
 from .documents import (
+    CACHE_CLOSED,
+    CACHE_OPEN,
     Doc,
     DumpsAvailable,
     ExtraCapabilities,
@@ -91,10 +94,9 @@ READER_WAIT = 10.0
 
 Build = Callable[[Site, StateStore, PublishedSet, datetime], "Doc | None"]
 Validate = Callable[[Site, StateStore, PublishedSet], "Validity | None"]
-#: Cache-Control (for a CDN or browser in front): lists that may change, and closed Change List windows.
-CACHE_OPEN = "public, max-age=10"
-CACHE_CLOSED = "public, max-age=86400"
 FILE_CHUNK = 256 * 1024
+#: Bytes of a rendering handed over per worker-thread call (each call costs wake-ups on both sides).
+DOC_CHUNK = 256 * 1024
 
 
 class ServerBusy(Exception):
@@ -258,7 +260,11 @@ class DocumentResponse(StreamingResponse):
         headers: dict[str, str] | None = None,
         tee: CacheWriter | None = None,
     ) -> None:
-        chunks = iter_document_bytes(*doc, flush_head=True) if isinstance(doc, tuple) else doc
+        chunks = (
+            iter_document_bytes(*doc, chunk_size=DOC_CHUNK, flush_head=True)
+            if isinstance(doc, tuple)
+            else doc
+        )
         self._chunks = _teed(chunks, tee) if tee is not None else chunks
         self._release = release
         super().__init__(self._body(), media_type=XML, headers=headers)
@@ -313,7 +319,7 @@ class Prepared:
 
     status: int
     headers: dict[str, str]
-    doc: Doc | None = None
+    doc: Iterator[bytes] | None = None  # the rendering, its head already written
     cached: BinaryIO | None = None
     validity: Validity | None = None
 
@@ -351,7 +357,20 @@ def _prepare(
     doc = build(site, state, ps, now)
     if doc is None:
         return None
-    return Prepared(200, headers, doc=doc, validity=v)
+    # The head is written here, in this worker-thread call: one thread hop less before the first byte.
+    chunks = iter_document_bytes(*doc, chunk_size=DOC_CHUNK, flush_head=True)
+    return Prepared(200, headers, doc=_started(next(chunks), chunks), validity=v)
+
+
+def _started(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    """``first``, then ``rest`` (closed with this iterator, however it ends)."""
+    try:
+        yield first
+        yield from rest
+    finally:
+        close = getattr(rest, "close", None)
+        if close is not None:
+            close()
 
 
 async def _document(request: Request, build: Build, validate: Validate) -> Response:
@@ -396,7 +415,9 @@ async def _small_document(request: Request, make: Callable[[Site], Doc]) -> Resp
     }
     if validators_match(request, headers["etag"], pub.started):
         return Response(status_code=304, headers=headers)
-    return Response(body if request.method == "GET" else b"", headers=headers, media_type=XML)
+    if request.method == "HEAD":  # the GET's length, no bytes
+        return Response(b"", headers={**headers, "content-length": str(len(body))}, media_type=XML)
+    return Response(body, headers=headers, media_type=XML)
 
 
 async def well_known(request: Request) -> Response:
@@ -413,8 +434,12 @@ async def capabilitylist(request: Request) -> Response:
     return await _small_document(request, make)
 
 
+def _resource_list(site: Site, state: StateStore, ps: PublishedSet, now: datetime) -> Doc:
+    return documents.resource_list(site, state, ps, now, lines=True)
+
+
 async def resourcelist(request: Request) -> Response:
-    return await _document(request, documents.resource_list, documents.resource_list_validity)
+    return await _document(request, _resource_list, documents.resource_list_validity)
 
 
 async def resourcelist_part(request: Request) -> Response:
@@ -428,7 +453,7 @@ async def resourcelist_part(request: Request) -> Response:
         return PlainTextResponse("not found\n", status_code=404)
     return await _document(
         request,
-        lambda site, st, ps, now: documents.resource_list_part(site, st, ps, lo, hi, now),
+        lambda site, st, ps, now: documents.resource_list_part(site, st, ps, lo, hi, now, lines=True),
         lambda site, st, ps: documents.resource_list_part_validity(site, st, ps, lo, hi),
     )
 
@@ -521,6 +546,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         publisher.pool.release(await publisher.pool.acquire())  # a connection ready for the first request
+        # Starlette streams through anyio, which loads its trio backend on first use (~80 ms): now,
+        # rather than in the first document's time to first byte.
+        await anyio.lowlevel.checkpoint()
         try:
             yield
         finally:
@@ -557,6 +585,10 @@ def create_app(
         exception_handlers={ServerBusy: busy},
     )
     app.state.publisher = publisher
+    # Built now rather than at the first request, so that the server finds the hot route's fast lane
+    # (``serverguard._FastLane``: plain resource GETs answered without the ASGI layers) at start-up.
+    app.middleware_stack = app.build_middleware_stack()
+    app.state.fast_lane = fast[0].lane
     return app
 
 

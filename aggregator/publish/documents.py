@@ -45,6 +45,7 @@ from ..rs.model import (
 )
 from ..store.interface import StateStore
 from ..store.state import LogRecord, Resource
+from . import listing
 from .links import LinkPolicy, PluginLinks
 from .sets import PublishedSet
 from .uris import rsagg_uri
@@ -52,11 +53,16 @@ from .uris import rsagg_uri
 #: §7: at most 50,000 entries per <urlset> (the Sitemap limit). Above it a Resource List is an index;
 #: a module constant so tests can make it small.
 MAX_ENTRIES = 50_000
+#: Cache-Control by document kind (for a CDN or browser in front): what may change, and what never does
+#: (a closed Change List window, §12.1; a dump package).
+CACHE_OPEN = "public, max-age=10"
+CACHE_CLOSED = "public, max-age=86400"
 #: Capabilities the dump helper may add to a Capability List (§9, §11, §13), in the order written.
 DUMP_CAPABILITIES = (RESOURCEDUMP, CHANGEDUMP)
 _URI_CACHE = 4096
 
-Doc = tuple[Head, Iterator[Entry]]
+#: A document: its head and its entries (or, where asked for, their ready-written lines).
+Doc = tuple[Head, Iterator[Entry]] | tuple[Head, Iterator[Entry | str]]
 #: ``dumps_available(set name)``: the dump capabilities a Capability List lists, capability -> URL.
 DumpsAvailable = Callable[[str], dict[str, str]]
 #: ``extra_capabilities(set name)``: more Capability List entries (e.g. notification channels).
@@ -73,6 +79,11 @@ def no_extra_capabilities(set_name: str) -> list[Entry]:
     return []
 
 
+def show_all(set_name: str, resource: Resource) -> bool:
+    """The publish filter when no plugin has one: every resource is shown."""
+    return True
+
+
 @dataclass(frozen=True)
 class Site:
     """What the documents of one request need: the base URL, the published sets, the policies."""
@@ -83,7 +94,7 @@ class Site:
     changelist_size: int
     dumps_available: DumpsAvailable = no_dumps
     #: ``visible(set name, resource)``: False hides a resource (plugins' ``rsagg_filter_publish``).
-    visible: Callable[[str, Resource], bool] = lambda set_name, resource: True
+    visible: Callable[[str, Resource], bool] = show_all
     #: ``extra_capabilities(set name)``: more Capability List entries, e.g. the notification channels
     #: (Change/Framework Notification: topic ``loc`` + ``rs:ln rel="hub"``; ``websub/notifier.py``).
     extra_capabilities: ExtraCapabilities = no_extra_capabilities
@@ -244,25 +255,42 @@ def change_entry(
 # Resource Lists (§10.1) and Resource List Indexes (§10.2)
 
 
-def resource_list(site: Site, state: StateStore, ps: PublishedSet, now: datetime) -> Doc:
+def resource_list(
+    site: Site, state: StateStore, ps: PublishedSet, now: datetime, *, lines: bool = False
+) -> Doc:
     """A <urlset> when the set has at most MAX_ENTRIES live resources, else an index of id-range parts.
 
     Part boundaries are the id of every MAX_ENTRIES-th live resource, computed now; parts are
     ``LO-HI`` (LO < id <= HI) and the last ``LO-end`` (also what was created since). The index's head
     goes out before its parts are counted out (a pass over every live row: ~1 s at 1,000,000).
+
+    ``lines``: entries may come as their ready-written lines (``str``, ``publish/listing.py``) where
+    that is faster; for ``rs.write.iter_document_bytes``, which writes them as they are.
     """
     up = Link("up", site.capabilitylist(ps.name))
     size = MAX_ENTRIES
     if not state.live_more_than(ps.set_ids, size):
         head = Head(md=Md(capability=RESOURCELIST, at=now), links=[up])
-        return head, _resources(site, state, ps, 0, None)
+        return head, _resources(site, state, ps, 0, None, lines)
     head = Head(root=SITEMAPINDEX, md=Md(capability=RESOURCELIST, at=now), links=[up])
     return head, _index_entries(site, state, ps, size)
 
 
+def _boundaries(state: StateStore, set_ids: tuple[int, ...], size: int) -> Iterator[int]:
+    """The id of every ``size``-th live resource of the sets, in order."""
+    ids = tuple(dict.fromkeys(set_ids))
+    if len(ids) != 1:  # rows of several sets, numbered together
+        yield from state.iter_live_part_boundaries(ids, size)
+        return
+    b = state.live_part_boundary(ids[0], 0, size)
+    while b is not None:
+        yield b
+        b = state.live_part_boundary(ids[0], b, size)
+
+
 def _index_entries(site: Site, state: StateStore, ps: PublishedSet, size: int) -> Iterator[Entry]:
     lo, last = 0, None
-    for b in state.iter_live_part_boundaries(ps.set_ids, size):
+    for b in _boundaries(state, ps.set_ids, size):
         if last is not None:
             yield Entry(site.resourcelist_part(ps.name, lo, last))
             lo = last
@@ -275,16 +303,36 @@ def _index_entries(site: Site, state: StateStore, ps: PublishedSet, size: int) -
 
 
 def resource_list_part(
-    site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int | None, now: datetime
+    site: Site,
+    state: StateStore,
+    ps: PublishedSet,
+    lo: int,
+    hi: int | None,
+    now: datetime,
+    *,
+    lines: bool = False,
 ) -> Doc:
     """Part ``LO-HI`` of the Resource List Index: live resources with lo < id <= hi (§10.2)."""
     links = [Link("up", site.capabilitylist(ps.name)), Link("index", site.resourcelist(ps.name))]
     head = Head(md=Md(capability=RESOURCELIST, at=now), links=links)
-    return head, _resources(site, state, ps, lo, hi)
+    return head, _resources(site, state, ps, lo, hi, lines)
 
 
-def _resources(site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int | None) -> Iterator[Entry]:
+def _resources(
+    site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int | None, lines: bool = False
+) -> Iterator[Entry | str]:
     uri_of = UriOf(site, state, ps)
+    if lines and listing.plain_policy(site.policy):
+        writer = listing.ListingWriter(site.base_url, ps.name)
+
+        def general(r: Resource) -> Entry:
+            return resource_entry(site, ps, r, uri_of)
+
+        if site.visible is show_all:
+            yield from listing.listing(writer, state, ps.set_ids, lo, hi, general)
+        else:
+            yield from listing.filtered(writer, state, ps, lo, hi, site.visible, general)
+        return
     for r in state.iter_live(ps.set_ids, after_id=lo, until_id=hi):
         if site.visible(ps.name, r):
             yield resource_entry(site, ps, r, uri_of)
@@ -430,6 +478,8 @@ def _changes(site: Site, state: StateStore, ps: PublishedSet, lo: int, hi: int) 
 
 
 __all__ = [
+    "CACHE_CLOSED",
+    "CACHE_OPEN",
     "DUMP_CAPABILITIES",
     "MAX_ENTRIES",
     "Doc",

@@ -58,8 +58,9 @@ from ..store.blobs import BlobInfo, BlobStore, BlobWriter
 from ..store.interface import StateStore
 from ..store.rows import DumpPackage, DumpPart, DumpRun
 from ..store.state import LogRecord, Resource
-from .documents import Site, UriOf, Windows, change_entry, resource_entry
+from .documents import CACHE_CLOSED, CACHE_OPEN, Site, UriOf, Windows, change_entry, resource_entry
 from .links import LinkPolicy
+from .resources import http_date, validators_match
 from .sets import PublishedSet
 
 log = logging.getLogger("rsagg.publish.dumps")
@@ -646,9 +647,21 @@ def dump_routes(builder: DumpBuilder) -> list[Route]:
             doc = await run_in_threadpool(make, request.path_params["set"])
             if doc is None:
                 raise HTTPException(404)
-            head, entries = doc
-            body = iterate_in_threadpool(iter_document_bytes(head, entries))
-            return StreamingResponse(body, media_type=XML_TYPE)
+            head, entries = doc  # one entry per package: small, written whole
+            body = b"".join(iter_document_bytes(head, entries))
+            times = [t for md in [head.md, *(e.md for e in entries)] if md is not None
+                     for t in (md.at, md.completed, md.until) if t is not None]  # fmt: skip
+            # Strong: equal bytes (RFC 9110 §8.8.1); it changes with every package built.
+            headers = {"ETag": f'"{hashlib.sha256(body).hexdigest()[:32]}"', "Cache-Control": CACHE_OPEN}
+            if times:
+                headers["Last-Modified"] = http_date(max(times))
+            if validators_match(request, headers["ETag"], max(times) if times else None):
+                return Response(status_code=304, headers=headers)
+            if request.method == "HEAD":  # the GET's length, no bytes
+                return Response(
+                    b"", media_type=XML_TYPE, headers={**headers, "Content-Length": str(len(body))}
+                )
+            return Response(body, media_type=XML_TYPE, headers=headers)
 
         return endpoint
 
@@ -684,6 +697,7 @@ async def _blob_response(
     """An immutable blob: strong ETag = its SHA-256, conditional GET, Range (via FileResponse) when local."""
     etag = f'"{sha256}"'
     headers = {"ETag": etag, "Last-Modified": format_datetime(created.astimezone(UTC), usegmt=True)}
+    headers["Cache-Control"] = CACHE_CLOSED  # a package never changes (content-addressed)
     if _not_modified(request, etag, created):
         return Response(status_code=304, headers=headers)
     path = blobs.local_path(sha256)

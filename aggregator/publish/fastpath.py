@@ -17,7 +17,10 @@ starlette's FileResponse decides, a blob in a store without URLs) goes on to the
 
 - ``x-accel``: 200 with ``X-Accel-Redirect: <offload_location><ab/cd/sha256>`` and every header of
   the answer (ETag, Last-Modified, Content-Type, Content-Encoding, Link); nginx sends the bytes from
-  the blob file (sendfile, Range); rsagg still answers 304, 404 and 410 itself;
+  the blob file (sendfile, Range); rsagg still answers 304, 404 and 410 itself. With
+  ``server.offload_cache_seconds`` the answer says ``X-Accel-Expires``: nginx may keep it (the shipped
+  ``config/nginx.conf`` does, as the decision of an ``auth_request``) and answer plain GETs and HEADs
+  of that resource alone for that long;
 - ``redirect``: 307 to ``BlobStore.url`` (an S3 presigned URL, kept for half its lifetime, or a public
   bucket URL); 304/404/410 as above.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -77,8 +81,9 @@ class Hot:
     size: int | None = None  # the local blob's size (HEAD of a big one needs no bytes)
     target: str | None = None  # X-Accel-Redirect path or redirect URL
     expires: float = float("inf")  # monotonic time the target stops being usable
-    #: The raw headers of the answer to a GET or HEAD without Range or validators (None: build it).
-    plain: tuple[int, list[tuple[bytes, bytes]]] | None = None
+    #: The answer to a GET without Range or validators: status, raw headers, body (a HEAD's: no body);
+    #: None: build it per request.
+    plain: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None
 
     @property
     def cost(self) -> int:
@@ -169,6 +174,7 @@ class ResourceFastPath:
         self.offload = publisher.config.server.offload
         self.location = publisher.config.server.offload_location
         self.lifetime = publisher.config.server.redirect_lifetime
+        self.cache_seconds = publisher.config.server.offload_cache_seconds
         self._no_url_logged = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -197,10 +203,9 @@ class ResourceFastPath:
         scope["route"] = self.route
         wanted = [(k, v) for k, v in scope["headers"] if k in _WANTED]
         if not wanted and hot.plain is not None:  # the common case: headers and bytes ready to send
-            status, headers = hot.plain
+            status, headers, body = hot.plain
             await send({"type": "http.response.start", "status": status, "headers": headers})
-            body = hot.body if scope["method"] == "GET" else b""
-            await send({"type": "http.response.body", "body": body or b""})
+            await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
             return
         request = LiteRequest(scope["method"], {k.decode("latin-1"): v.decode("latin-1") for k, v in wanted})
         response = self._answer(request, hot)
@@ -208,6 +213,38 @@ class ResourceFastPath:
             await self.app(scope, receive, send)
             return
         await response(scope, receive, send)
+
+    async def lane(self, method: bytes, target: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """The answer to a plain GET/HEAD (no validators, no Range) of ``target`` (the raw request
+        target) for the server's fast lane (``serverguard._FastLane``): status, headers and body as
+        ``__call__`` sends them, or None for anything else (the ordinary path answers it)."""
+        start = time.perf_counter()
+        raw = target.partition(b"?")[0]
+        if b"/r/" not in raw:
+            return None
+        cacheable = self.cache.fresh()
+        hot = self.cache.get(raw) if cacheable else None
+        if hot is None:
+            try:
+                parsed = split_resource_path(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                return None
+            if parsed is None:
+                return None
+            try:
+                hot = await self.pub.run(self._lookup, *parsed)
+            except self.busy[0]:
+                return None  # the ordinary path answers 503
+            if cacheable:
+                self.cache.put(raw, hot)
+        if hot.plain is None:
+            return None
+        status, headers, body = hot.plain
+        head = method == b"HEAD"
+        self.pub.metrics.served(
+            self.route.path, "HEAD" if head else "GET", status, time.perf_counter() - start
+        )
+        return status, headers, b"" if head else body
 
     def _answer(self, request: LiteRequest, hot: Hot) -> Response | None:
         if hot.status != 200 or hot.row is None or hot.headers is None:
@@ -222,7 +259,10 @@ class ResourceFastPath:
         if hot.target is not None and self.offload == "x-accel":
             # nginx says Accept-Ranges itself on a 200 (it would repeat ours), and not on a 206
             headers = {k: v for k, v in hot.headers.items() if k != "accept-ranges"}
-            return Response(headers={**headers, "x-accel-redirect": hot.target})
+            headers["x-accel-redirect"] = hot.target
+            if self.cache_seconds:  # how long nginx may reuse this answer (it never passes it on)
+                headers["x-accel-expires"] = str(_expires(self.cache_seconds, hot.row.uri))
+            return Response(headers=headers)
         if hot.target is not None:
             return Response(status_code=307, headers={"location": hot.target, "link": hot.headers["link"]})
         if hot.body is not None:
@@ -237,13 +277,13 @@ class ResourceFastPath:
         site = pub.site(state)
         ps = site.sets.get(set_name)
         if ps is None:
-            return Hot(404, None)
+            return self._with_plain(Hot(404, None))
         link = f'<{site.capabilitylist(ps.name)}>; rel="resourcesync"'
         row = state.resource_in(ps.set_ids, uri)
         if row is None or not site.visible(ps.name, row):
-            return Hot(404, link)
+            return self._with_plain(Hot(404, link))
         if row.deleted or not row.sha256:
-            return Hot(410, link)
+            return self._with_plain(Hot(410, link))
         hot = Hot(200, link, row, resource_headers(row, link))
         if self.offload == "x-accel":
             hot.target = self.location + pub.blobs.blob_name(row.sha256)
@@ -256,13 +296,23 @@ class ResourceFastPath:
                 log.warning("server.offload = redirect: the blob store has no URLs; rsagg serves the bytes")
         if hot.target is None:
             hot.size, hot.body = _local_blob(pub.blobs.local_path(row.sha256))
+        return self._with_plain(hot)
+
+    def _with_plain(self, hot: Hot) -> Hot:
+        """``hot`` with its ready answer to a plain GET when there is one (not a big local blob)."""
         plain = self._answer(LiteRequest("GET", {}), hot)
-        if plain is not None and (hot.target is not None or hot.body is not None):
-            hot.plain = plain.status_code, plain.raw_headers
+        if plain is not None and (hot.status != 200 or hot.target is not None or hot.body is not None):
+            hot.plain = plain.status_code, plain.raw_headers, bytes(plain.body)
         return hot
 
     def close(self) -> None:
         self.cache.close()
+
+
+def _expires(seconds: int, uri: str) -> int:
+    """``seconds`` less up to a fifth, the same for a resource every time: answers nginx kept together
+    (a crawl) do not all expire in the same second, and none is kept longer than ``seconds``."""
+    return seconds - zlib.crc32(uri.encode("utf-8", "surrogatepass")) % (seconds // 5 + 1)
 
 
 def _local_blob(path: Path | None) -> tuple[int | None, bytes | None]:

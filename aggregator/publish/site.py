@@ -13,20 +13,16 @@ from ..config import Config
 from ..plugins import Plugins
 from ..store.interface import StateStore
 from ..store.state import Resource
-from .documents import DumpsAvailable, ExtraCapabilities, Site, no_dumps, no_extra_capabilities
+from .documents import DumpsAvailable, ExtraCapabilities, Site, no_dumps, no_extra_capabilities, show_all
 from .links import LinkPolicy, PluginLinks
 from .sets import published_sets
-
-
-def _shown(set_name: str, resource: Resource) -> bool:
-    return True
 
 
 def publish_filter(plugins: Plugins) -> Callable[[str, Resource], bool]:
     """``visible(set name, resource)``: hidden when any plugin's ``rsagg_filter_publish`` answers False.
     When no plugin implements it, no plugin call is made per entry (lists of millions)."""
     if not plugins.pm.hook.rsagg_filter_publish.get_hookimpls():
-        return _shown
+        return show_all
 
     def visible(set_name: str, resource: Resource) -> bool:
         results = plugins.call("rsagg_filter_publish", set_name=set_name, resource=resource)

@@ -69,9 +69,10 @@ def format_w3c(dt: datetime) -> str:
         dt = dt.replace(tzinfo=UTC)
     else:
         dt = dt.astimezone(UTC)
-    if dt.microsecond:
-        return dt.strftime("%Y-%m-%dT%H:%M:%S.%f").rstrip("0") + "Z"
-    return f"{dt.year:04d}-{dt.month:02d}-{dt.day:02d}T{dt.hour:02d}:{dt.minute:02d}:{dt.second:02d}Z"
+    s = f"{dt.year:04d}-{dt.month:02d}-{dt.day:02d}T{dt.hour:02d}:{dt.minute:02d}:{dt.second:02d}"
+    if dt.microsecond:  # (not strftime: its %Y does not pad years before 1000 to four digits)
+        s += f".{dt.microsecond:06d}".rstrip("0")
+    return s + "Z"
 
 
 def utcnow() -> datetime:

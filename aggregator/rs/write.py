@@ -320,12 +320,14 @@ class _Counted:
 
 
 def iter_document_bytes(
-    head: Head, entries: Iterable[Entry], *, chunk_size: int = 65536, flush_head: bool = False
+    head: Head, entries: Iterable[Entry | str], *, chunk_size: int = 65536, flush_head: bool = False
 ) -> Iterator[bytes]:
     """The document as UTF-8 chunks of about ``chunk_size`` bytes (e.g. for a streaming HTTP response).
 
     The entries are consumed lazily as chunks are pulled; only the chunk being built is held.
     ``flush_head``: the head is a chunk of its own, before any entry is asked for (time to first byte).
+    An entry given as ``str`` is one already written (a whole ``<url>...</url>`` line, as ``entry``
+    writes it: ``publish/listing.py``) and goes out as it is.
     """
     ser = _Serializer()
     tag = _CHILD.get(head.root, "url")
@@ -336,7 +338,7 @@ def iter_document_bytes(
         yield buf.pop().encode()
         size = 0
     for e in entries:
-        s = entry(e, tag)
+        s = e if type(e) is str else entry(e, tag)
         buf.append(s)
         size += len(s)
         if size >= chunk_size:

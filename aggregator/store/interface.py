@@ -53,6 +53,14 @@ from .rows import (
     SourceRow,
 )
 
+#: A live resource row as ``iter_live_listing`` gives it when it has no links, md extras or entry extras
+#: (the common case of a list of millions): ``(id, uri, sha256, length, type, encoding, md5, sha1, lastmod,
+#: upstream_datetime, updated_at)`` with the times as UTC W3C text (``parse_w3c`` reads them; the
+#: fixed-width form ``...T12:00:00.000000Z`` is what a list writer can copy without parsing). A plain
+#: tuple, not a ``Resource``: building objects per row cost more than writing the entry.
+_Text = str | None
+ListingRow = tuple[int, str, _Text, int | None, _Text, _Text, _Text, _Text, _Text, _Text, str]
+
 
 class StateStore(Protocol):
     """Sources, their documents and sets, the resources held, the changelog and the cursors."""
@@ -193,6 +201,8 @@ class StateStore(Protocol):
 
     def iter_live_part_boundaries(self, set_ids: Sequence[int], size: int) -> Iterator[int]: ...
 
+    def live_part_boundary(self, set_id: int, after_id: int, size: int) -> int | None: ...
+
     def live_after(self, set_ids: Sequence[int], after_id: int) -> bool: ...
 
     def rows_version(
@@ -204,6 +214,13 @@ class StateStore(Protocol):
     def iter_live(
         self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None
     ) -> Iterator[Resource]: ...
+
+    def iter_live_listing(
+        self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None
+    ) -> Iterator[ListingRow | Resource]:
+        """``iter_live`` for writing lists: the rows without links or extras as ``ListingRow`` tuples,
+        the others as ``Resource``; same rows, same order."""
+        ...
 
     def resource_in(self, set_ids: Sequence[int], uri: str) -> Resource | None: ...
 

@@ -1,0 +1,240 @@
+"""Several serving processes on one port (``server.workers``): the daemon and ``workers - 1`` more.
+
+A crawl of a big Source is resource GETs and list streams, and one Python process answers them on one
+core. With ``server.workers = N`` the daemon starts N - 1 worker processes (``python -m
+aggregator.workers``); each binds ``server.listen`` with SO_REUSEPORT, as the daemon does, and the
+kernel spreads new connections over the N sockets.
+
+Only serving multiplies. A worker answers, from the state and the store as the daemon does, what
+needs no process of its own: resources, Resource Lists and their parts, Change Lists and their
+windows, ``robots.txt`` and the Source Description (``LOCAL``). Everything else -- the home page,
+``/status.json`` and ``/metrics`` (the daemon's counters), Capability Lists (they list the dumps and the
+notification channels, which the daemon knows), dumps, the WebSub hub and callbacks, other methods --
+is forwarded to the daemon over a loopback listener of its own and answered there: the harvester, the
+hub, the notifier and the dump builder run once, in the daemon. A worker that exits is started again;
+when the daemon goes, its workers go (SIGTERM on the parent's death, and the daemon stops them).
+A reload (SIGHUP) restarts the workers with the new configuration.
+
+Caveats: ``/metrics`` counts the requests the daemon answered (each worker counts its own, unseen);
+each worker keeps its own cache of rendered documents (the same files, so a rendering one process
+made is not reused by another until it renders that version itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import trio
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger("rsagg.workers")
+
+#: What a worker answers itself (GET and HEAD of these paths); the rest goes to the daemon.
+LOCAL = re.compile(
+    r"/[^/]+/(r/.*|resourcelist\.xml|resourcelist/\d+-(\d+|end)\.xml|changelist\.xml|changelist/\d+\.xml)"
+    r"|/robots\.txt|/\.well-known/resourcesync",
+    re.DOTALL,
+)
+#: Hop-by-hop headers (RFC 9110 §7.6.1): not forwarded either way.
+HOP = frozenset((b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+                 b"proxy-connection", b"host", b"content-length"))  # fmt: skip
+#: Not passed back: hop-by-hop, and what this process's server writes itself.
+_NOT_BACK = (HOP - {b"content-length"}) | {b"date", b"server"}
+#: Restart delays of a worker that keeps exiting (seconds).
+BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class Forwarding:
+    """A worker's ASGI app: ``LOCAL`` requests to the publisher app, the others to the daemon."""
+
+    def __init__(self, app: ASGIApp, daemon_url: str) -> None:
+        self.app = app
+        self.daemon = httpx.URL(daemon_url)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0), follow_redirects=False)
+        self.state = SimpleNamespace(fast_lane=getattr(getattr(app, "state", None), "fast_lane", None))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                await self.client.aclose()
+            return
+        if scope["type"] != "http":
+            return
+        if scope["method"] in ("GET", "HEAD") and LOCAL.fullmatch(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        await self.forward(scope, receive, send)
+
+    async def forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = bytearray()
+        while True:  # (the server's guard bounds its size and time)
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        raw = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            raw += b"?" + scope["query_string"]
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
+        request = self.client.build_request(
+            scope["method"], self.daemon.copy_with(raw_path=raw), headers=headers, content=bytes(body)
+        )
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            log.warning("worker: forwarding %s %s failed: %s", scope["method"], scope["path"], exc)
+            text = b"bad gateway: the daemon did not answer\n"
+            head = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(text))]
+            await send({"type": "http.response.start", "status": 502, "headers": head})
+            await send({"type": "http.response.body", "body": text})
+            return
+        try:
+            out = [(k, v) for k, v in response.headers.raw if k.lower() not in _NOT_BACK]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": out})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+
+
+# -- the daemon's side -------------------------------------------------------------------------------
+
+
+class Workers:
+    """The daemon's worker processes: started, started again when one exits, stopped with the daemon."""
+
+    def __init__(self, config_path: Path, count: int, host: str, port: int, daemon_url: str) -> None:
+        self.config_path, self.count, self.host, self.port = config_path, count, host, port
+        self.daemon_url = daemon_url
+        self.procs: dict[int, trio.Process] = {}
+        self.stopping = False
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "aggregator.workers", "--config", str(self.config_path),
+                "--host", self.host, "--port", str(self.port), "--daemon", self.daemon_url]  # fmt: skip
+
+    async def run(self, nursery: trio.Nursery, stop_when: Callable[[], Awaitable[Any]]) -> None:
+        for i in range(self.count):
+            nursery.start_soon(self._keep, i, name=f"worker {i + 1}")
+        await stop_when()
+        await self.stop()
+
+    async def _keep(self, i: int) -> None:
+        failures = 0
+        while not self.stopping:
+            proc = await trio.lowlevel.open_process(self.command(), stdin=subprocess.DEVNULL)
+            self.procs[i] = proc
+            log.info("worker %d started (pid %d)", i + 1, proc.pid)
+            started = trio.current_time()
+            code = await proc.wait()
+            self.procs.pop(i, None)
+            if self.stopping:
+                return
+            failures = 0 if trio.current_time() - started > 60 else failures + 1
+            delay = BACKOFF[min(failures, len(BACKOFF) - 1)] if failures else 0.0
+            level = logging.INFO if code == 0 else logging.ERROR
+            log.log(level, "worker %d (pid %d) exited with %s: again in %.0f s", i + 1, proc.pid, code, delay)
+            await trio.sleep(delay)
+
+    def restart(self) -> None:
+        """SIGTERM every worker: each is started again (with the configuration file as it is now)."""
+        for proc in list(self.procs.values()):
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        procs = list(self.procs.values())
+        for proc in procs:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(10):
+            for proc in procs:
+                await proc.wait()
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+# -- a worker process --------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the daemon dies, however it dies (Linux ``PR_SET_PDEATHSIG``)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+async def serve_worker(config_path: Path, host: str, port: int, daemon_url: str) -> None:
+    from .config import load_config
+    from .harvest.context import open_blob_store
+    from .plugins import Plugins
+    from .publish.app import create_app
+    from .serverguard import ServerLimits
+    from .serving import serve
+    from .store.state import state_path
+
+    config = load_config(config_path)
+    plugins = Plugins.from_config(config)
+    blobs = open_blob_store(config, plugins)
+    try:
+        app = create_app(config, blobs=blobs, state_path=state_path(config), plugins=plugins)
+        limits = ServerLimits(max_connections_per_client=config.server.max_connections_per_client)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            stop = trio.Event()
+
+            async def stop_on_signal() -> None:
+                async for _ in signals:
+                    stop.set()
+                    return
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stop_on_signal)
+                await nursery.start(
+                    partial(serve, Forwarding(app, daemon_url), host, port, shutdown_trigger=stop.wait,
+                            limits=limits, reuse_port=True)
+                )  # fmt: skip
+                await stop.wait()
+                nursery.cancel_scope.deadline = trio.current_time() + 5
+    finally:
+        blobs.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m aggregator.workers", description="an rsagg serving worker")
+    p.add_argument("--config", required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--daemon", required=True, help="the daemon's loopback URL for what a worker forwards")
+    args = p.parse_args(argv)
+    _die_with_parent()
+    from .logs import setup_logging
+
+    setup_logging(os.environ.get("RSAGG_LOG_LEVEL", "info"), os.environ.get("RSAGG_LOG_FORMAT", "text"))
+    trio.run(serve_worker, Path(args.config), args.host, args.port, args.daemon)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
