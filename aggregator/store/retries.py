@@ -42,7 +42,7 @@ def update(
         "INSERT INTO retries (set_id, uri, change, entry, kind, message, first_at, last_at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (set_id, uri) DO UPDATE SET "
         "change = excluded.change, entry = excluded.entry, kind = excluded.kind, "
-        "message = excluded.message, attempts = attempts + 1, last_at = excluded.last_at",
+        "message = excluded.message, attempts = retries.attempts + 1, last_at = excluded.last_at",
         rows,
     )
     conn.executemany("DELETE FROM retries WHERE set_id = ? AND uri = ?", [(set_id, u) for u in cleared])

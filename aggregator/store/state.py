@@ -40,6 +40,7 @@ from .rows import Change, Cursor, DocumentRow, LogRecord, Resource, SetRow, Sour
 
 if TYPE_CHECKING:
     from ..config import Config
+    from .interface import StateStore
 
 #: The state database's file name inside ``[store] path``: spelled here only (``state_path``).
 STATE_FILE = "state.db"
@@ -1189,18 +1190,25 @@ def state_path(config: Config) -> Path:
     return Path(config.store_path) / STATE_FILE
 
 
-def open_state(config: Config, *, readonly: bool = False, **options: Any) -> State:
+def open_state(config: Config, *, readonly: bool = False, **options: Any) -> StateStore:
     """Open the configured state (created and migrated unless ``readonly``) with ``[store]
     synchronous``; ``options`` are ``State``'s other keyword arguments (``cache_mib``, ``clock``...)."""
     options.setdefault("synchronous", config.store.synchronous)
     return connect(state_path(config), readonly=readonly, **options)
 
 
-def connect(location: Path | str, *, readonly: bool = False, **options: Any) -> State:
+def connect(location: Path | str, *, readonly: bool = False, **options: Any) -> StateStore:
     """The state at ``location`` (what ``state_path`` gives): the one factory every opener goes through,
-    so the backend is chosen here, from the location (the SQLite file; another backend would be named by
-    a URL such as ``postgresql://...``)."""
+    so the backend is chosen here, from the location: a ``postgresql://`` URL is a PostgreSQL database
+    (store/postgres.py, the ``rsagg[postgresql]`` extra), anything else the SQLite file."""
     if isinstance(location, str) and "://" in location:
-        scheme = location.split("://", 1)[0]
-        raise ValueError(f"no state backend for {scheme}:// locations (the state is a SQLite file)")
+        scheme = location.split("://", 1)[0].lower()
+        if scheme not in ("postgresql", "postgres"):
+            raise ValueError(f"no state backend for {scheme}:// locations (a SQLite file or postgresql://)")
+        try:
+            from .postgres import PostgresState
+        except ImportError as exc:
+            need = "pip install 'rsagg[postgresql]'"
+            raise ValueError(f"a postgresql:// state needs psycopg ({need}): {exc}") from None
+        return PostgresState(location, readonly=readonly, **options)
     return State(location, readonly=readonly, **options)

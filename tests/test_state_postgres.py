@@ -1,0 +1,295 @@
+"""The PostgreSQL state (aggregator/store/postgres.py) against a real server (tests/pgserver.py).
+
+Every behaviour test of tests/test_state.py runs here again, unchanged, on PostgreSQL: this module
+imports them and overrides the one fixture that opens the state (``reopen``). The tests of SQLite's own
+mechanics (pragmas, its migration of an old file, its text times) stay there; their PostgreSQL
+counterparts, and what only a server has (several processes, passwords, an unreachable host), are here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from aggregator.store import state as state_mod
+from aggregator.store.interface import StateStore
+from aggregator.store.postgres import MIGRATIONS, PostgresState, StateUnavailable, redact
+from aggregator.store.state import MIGRATIONS as SQLITE_MIGRATIONS
+from aggregator.store.state import Change, Cursor, State, connect
+
+from . import test_state, test_state_interface
+from .pgserver import PgServer
+from .test_state import A, B, C, ch
+
+#: test_state.py's tests of SQLite itself (its pragmas, files and text form), not of the StateStore.
+SQLITE_ONLY = {
+    "test_migrations_idempotent_and_pragmas",
+    "test_dump_tables_made_before_they_were_a_migration_are_kept",
+    "test_newer_schema_is_refused",
+    "test_datetime_text_form",
+}
+#: Its fixtures this module uses as they are (``reopen`` and ``fail_changelog_insert`` are overridden).
+SHARED_FIXTURES = ("clock", "st", "set_id")
+globals().update(
+    {
+        name: obj
+        for name, obj in vars(test_state).items()
+        if name in SHARED_FIXTURES or (name.startswith("test_") and name not in SQLITE_ONLY)
+    }
+)
+
+
+@pytest.fixture
+def url(pg_server: PgServer) -> str:
+    return pg_server.fresh_url()
+
+
+@pytest.fixture
+def reopen(url: str) -> Callable[..., StateStore]:
+    return lambda **kw: connect(url, **kw)
+
+
+@pytest.fixture
+def fail_changelog_insert(url: str) -> Callable[[str], None]:
+    def install(uri: str) -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(
+                "CREATE FUNCTION fail_log() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                f"IF NEW.uri = '{uri}' THEN RAISE EXCEPTION 'disk says no'; END IF; RETURN NEW; END $$"
+            )
+            conn.execute(
+                "CREATE TRIGGER fail_log BEFORE INSERT ON changelog FOR EACH ROW EXECUTE FUNCTION fail_log()"
+            )
+
+    return install
+
+
+# -- the seam ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", test_state_interface.PROTOCOL_METHODS)
+def test_postgres_implements_every_protocol_method_alike(name: str) -> None:
+    test_state_interface.assert_implements(PostgresState, name)
+
+
+def test_the_factory_opens_postgresql_urls(url: str) -> None:
+    with connect(url) as st:
+        assert isinstance(st, PostgresState) and st.sources() == []
+    with connect(url.replace("postgresql://", "postgres://", 1)) as st:
+        assert isinstance(st, PostgresState)
+
+
+# -- schema ---------------------------------------------------------------------------------------
+
+
+def test_same_migration_steps_as_sqlite(url: str) -> None:
+    """Step i here is step i there: a version number means the same tables in either backend."""
+    assert len(MIGRATIONS) == len(SQLITE_MIGRATIONS)
+    with connect(url) as st:
+        assert st.schema_version == len(MIGRATIONS)
+        with st.pool.connection() as c:
+            tables = {
+                r[0] for r in c.execute("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")
+            }
+    sqlite_tables = {"sources", "documents", "sets", "cursors", "resources", "changelog", "retries",
+                     "upstream_notes", "publish_dump_runs", "publish_dumps"}  # fmt: skip
+    assert sqlite_tables <= tables
+    assert tables - sqlite_tables == {"schema_version", "changelog_head"}
+
+
+def test_processes_starting_at_once_migrate_once(pg_server: PgServer) -> None:
+    """Four processes open a new database at the same instant: the advisory lock lets one migrate, the
+    others find it done; no error, one version row."""
+    db = pg_server.fresh_database()
+    code = (
+        "import sys; from aggregator.store.state import connect\n"
+        "st = connect(sys.argv[1]); print(st.schema_version); st.close()\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, db], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    assert [o.strip() for o, _ in outs] == [str(len(MIGRATIONS))] * 4
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*), max(version) FROM schema_version").fetchone() == (
+            1,
+            len(MIGRATIONS),
+        )
+
+
+def test_newer_schema_is_refused_and_reader_needs_a_migrated_one(url: str, pg_server: PgServer) -> None:
+    with pytest.raises(RuntimeError, match="schema version 0"):
+        connect(url, readonly=True)
+    connect(url).close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("UPDATE schema_version SET version = %s", (len(MIGRATIONS) + 1,))
+    with pytest.raises(RuntimeError, match="schema version"):
+        connect(url)
+
+
+def test_a_reader_refuses_writes(url: str) -> None:
+    with connect(url) as w:
+        w.upsert_source("src", "https://example.org/")
+    with connect(url, readonly=True) as ro:
+        assert [s.name for s in ro.sources()] == ["src"]
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            ro.upsert_source("other", "https://other.example/")
+
+
+def test_synchronous_maps_to_synchronous_commit(url: str) -> None:
+    for mode, expected in (("NORMAL", "off"), ("FULL", "on")):
+        with connect(url, synchronous=mode) as st, st.pool.connection() as c:
+            assert c.execute("SHOW synchronous_commit").fetchone()[0] == expected
+    with pytest.raises(ValueError):
+        connect(url, synchronous="OFF")
+
+
+# -- several writers -------------------------------------------------------------------------------
+
+
+def test_writers_in_two_processes_keep_one_dense_changelog(url: str) -> None:
+    """Two stores (as two processes would) apply at once: seq is dense and in commit order, datetimes
+    never go back, every change is logged once."""
+    a, b = connect(url), connect(url)
+    try:
+        a.upsert_source("src", "https://example.org/")
+        sids = [
+            a.ensure_set("src", "https://example.org/cl1.xml"),
+            b.ensure_set("src", "https://example.org/cl2.xml"),
+        ]
+        errors: list[BaseException] = []
+
+        def work(st: StateStore, sid: int, n: int) -> None:
+            try:
+                for i in range(25):
+                    st.apply(sid, [ch(f"w{n}-{i}-{k}", "created", A) for k in range(4)])
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=work, args=(st, sid, n))
+            for n, (st, sid) in enumerate(zip((a, b), sids, strict=True))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        log = list(a.iter_changelog())
+        assert [r.seq for r in log] == list(range(1, 201)) and a.last_seq() == 200
+        assert [r.datetime for r in log] == sorted(r.datetime for r in log)
+        assert len({r.uri for r in log}) == 200
+        assert len({r.resource_id for r in log}) == 200
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_rolled_back_batch_leaves_no_gap(st: PostgresState, set_id: int) -> None:
+    st.apply(set_id, [ch("a", "created", A)])
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("after the log was written")
+
+    with pytest.raises(RuntimeError):
+        st.apply(set_id, [ch("b", "created", B)], also=boom)
+    st.apply(set_id, [ch("c", "created", C)])
+    assert [(r.seq, r.uri) for r in st.iter_changelog()] == [(1, "a"), (2, "c")]
+
+
+def test_also_runs_in_the_transaction_with_sqlite_placeholders(st: PostgresState, set_id: int) -> None:
+    """store/retries.py's bookkeeping (``?`` placeholders) commits with the batch on PostgreSQL too."""
+    from aggregator.rs.model import Entry
+    from aggregator.store import retries
+
+    failed = [(Entry(loc="https://example.org/r/1"), "created", "hash", "md5 mismatch")]
+    st.apply(set_id, [ch("ok", "created", A)], also=lambda c, now: retries.update(c, now, set_id, failed, []))
+    st.apply(set_id, [], also=lambda c, now: retries.update(c, now, set_id, failed, []))  # a second attempt
+    ((entry, change, attempts),) = st.pending_retries(set_id)
+    assert (entry.loc, change, attempts) == ("https://example.org/r/1", "created", 2)
+    assert st.retries_by_source() == {"src": {"waiting": 1, "ended": 0}}
+    st.end_retries(set_id, ["https://example.org/r/1"], "no longer listed")
+    assert st.pending_retries(set_id) == [] and st.retry_uris(set_id) == {"https://example.org/r/1"}
+    (row,) = st.retry_rows(["src"])
+    assert row["state"] == "ended" and row["message"].startswith("no longer listed (last failure: hash:")
+    assert st.clear_retries(ended_only=True) == 1 and st.retry_rows() == []
+
+
+def test_iterators_hold_no_connection_between_pages(
+    st: PostgresState,
+    set_id: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slow consumer of a keyset iterator never keeps a pooled connection: writers go on."""
+    monkeypatch.setattr(state_mod, "PAGE_SIZE", 2)
+    st.apply(set_id, [ch(f"r{i}", "created", A) for i in range(5)])
+    it = st.iter_resources(set_id)
+    next(it)
+    assert st.pool.get_stats()["pool_available"] == st.pool.get_stats()["pool_size"]
+    st.apply(set_id, [ch("while-reading", "created", B)])
+    assert len(list(it)) == 5  # the rest, and the row written meanwhile (ids grow)
+    assert sorted(st.referenced_hashes()) == [A, B]
+
+
+# -- secrets and errors ---------------------------------------------------------------------------
+
+
+def test_redact() -> None:
+    assert redact("postgresql://u:s3cret@db:5432/x") == "postgresql://u:***@db:5432/x"
+    assert redact("postgresql://u@db/x") == "postgresql://u@db/x"
+    assert redact("postgresql://db/x?sslmode=require") == "postgresql://db/x?sslmode=require"
+
+
+def test_wrong_password_is_one_clean_line_without_the_secret(pg_server: PgServer) -> None:
+    bad = pg_server.url().replace(pg_server.password, "not-the-password-42")
+    with pytest.raises(StateUnavailable) as info:
+        connect(bad)
+    message = str(info.value)
+    assert "\n" not in message and "password authentication failed" in message
+    assert "not-the-password-42" not in message and pg_server.password not in message
+    assert message.startswith(f"state {redact(bad)}: cannot open")
+
+
+def test_password_from_the_environment(pg_server: PgServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGPASSWORD", pg_server.password)
+    with connect(pg_server.url(password=False)) as st:
+        assert st.location == pg_server.url(password=False)
+    monkeypatch.setenv("PGPASSWORD", "wrong")
+    with pytest.raises(StateUnavailable, match="password authentication failed"):
+        connect(pg_server.url(password=False))
+
+
+def test_unreachable_server(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(StateUnavailable) as info:
+        connect(f"postgresql://rsagg:hunter2@127.0.0.1:{port}/x", connect_timeout=2)
+    assert "hunter2" not in str(info.value) and "\n" not in str(info.value)
+    assert f"postgresql://rsagg:***@127.0.0.1:{port}/x" in str(info.value)
+
+
+def test_sqlite_is_still_the_default(tmp_path: Path) -> None:
+    with connect(tmp_path / "state.db") as st:
+        assert isinstance(st, State)
+    with pytest.raises(ValueError, match="no state backend for mysql://"):
+        connect("mysql://db/x")
+
+
+def test_change_and_cursor_types_survive(st: PostgresState, set_id: int) -> None:
+    cur = Cursor(changelist_url="https://example.org/cl.xml", list_index=3)
+    (out,) = st.apply(set_id, [Change("u", "updated", A, length=2**40)], cur)
+    assert out.change == "created" and st.resource(set_id, "u").length == 2**40
+    assert st.cursor(set_id) == cur
