@@ -16,14 +16,16 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import trio
 
 from aggregator.store import state as state_mod
 from aggregator.store.interface import StateStore
 from aggregator.store.postgres import MIGRATIONS, PostgresState, StateUnavailable, redact
 from aggregator.store.state import MIGRATIONS as SQLITE_MIGRATIONS
 from aggregator.store.state import Change, Cursor, State, connect
+from aggregator.testing.upstream import Upstream
 
-from . import test_state, test_state_interface
+from . import harvesting, test_harvest, test_state, test_state_interface
 from .pgserver import PgServer
 from .test_state import A, B, C, ch
 
@@ -293,3 +295,78 @@ def test_change_and_cursor_types_survive(st: PostgresState, set_id: int) -> None
     (out,) = st.apply(set_id, [Change("u", "updated", A, length=2**40)], cur)
     assert out.change == "created" and st.resource(set_id, "u").length == 2**40
     assert st.cursor(set_id) == cur
+
+
+# -- end to end: the harvester on a PostgreSQL state ---------------------------------------------
+
+HARVEST_SCENARIOS = [
+    test_harvest.test_baseline_then_incremental_in_sync,
+    test_harvest.test_resource_list_index_and_dump_baselines,
+    test_harvest.test_mirrors_patches_and_retry_after,
+    test_harvest.test_gap_is_recovered_by_a_fresh_baseline,
+    test_harvest.test_failed_changes_are_retried_at_the_next_sync,
+    test_harvest.test_a_baseline_ends_the_retries_of_resources_it_no_longer_lists,
+]
+
+
+@pytest.mark.parametrize("scenario", HARVEST_SCENARIOS, ids=lambda f: f.__name__)
+async def test_harvest_scenarios_pass_unchanged_on_postgres(
+    scenario, pg_server: PgServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The harvester's own end-to-end tests, same assertions, with every config's state in PostgreSQL
+    (a fresh schema each); afterwards no SQLite state file exists anywhere."""
+    monkeypatch.setattr(harvesting, "STORE", {"state": pg_server.fresh_url})
+    kwargs = {"monkeypatch": monkeypatch} if "monkeypatch" in scenario.__code__.co_varnames else {}
+    await scenario(tmp_path, **kwargs)
+    assert not list(tmp_path.rglob("state.db*")), "the state went to SQLite"
+
+
+def _config_file(tmp_path: Path, state: str, source_url: str) -> Path:
+    cfg = tmp_path / "rsagg.toml"
+    cfg.write_text(
+        f'[store]\npath = "{tmp_path / "data"}"\nstate = "{state}"\n\n'
+        f"[harvest]\nretries = 1\nbackoff_base = 0.01\ntimeout = 10\n\n"
+        f'[[sources]]\nname = "up"\nurl = "{source_url}"\n'
+    )
+    return cfg
+
+
+async def test_rsagg_harvest_once_with_state_in_postgres(pg_server: PgServer, tmp_path: Path) -> None:
+    """``rsagg harvest --once`` as an operator runs it, the password in PGPASSWORD, not in the file."""
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.bulk_create(30)
+    with_password = pg_server.fresh_url()
+    url = with_password.replace(f":{pg_server.password}@", "@")
+    async with up.serving() as base:
+        cfg = _config_file(tmp_path, url, base)
+        env = {"PGPASSWORD": pg_server.password}
+        done = await trio.to_thread.run_sync(
+            lambda: harvesting.rsagg("harvest", "--once", config=cfg, timeout=300, env=env)
+        )
+    assert done.returncode == 0, done.stderr
+    assert pg_server.password not in done.stdout + done.stderr
+    with connect(with_password) as st:
+        assert {r.uri: r.sha256 for r in st.iter_resources()} == {
+            up.url(p): v.sha256 for p, v in up.resources().items()
+        }
+        assert st.last_seq() == 30
+    assert not list(tmp_path.rglob("state.db*"))
+
+
+def test_rsagg_with_a_wrong_password_says_so_in_one_line(pg_server: PgServer, tmp_path: Path) -> None:
+    secret = "wrong-secret-7"
+    cfg = _config_file(tmp_path, pg_server.url().replace(pg_server.password, secret), "http://127.0.0.1:9/")
+    done = harvesting.rsagg("harvest", "--once", config=cfg, timeout=120)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert (
+        "password authentication failed" in lines[0] and f"rsagg:***@127.0.0.1:{pg_server.port}" in lines[0]
+    )
+    assert secret not in done.stderr + done.stdout and pg_server.password not in done.stderr
+
+
+def test_a_state_url_of_another_kind_is_a_config_error(tmp_path: Path) -> None:
+    cfg = _config_file(tmp_path, "mysql://u:pw@db/x", "http://127.0.0.1:9/")
+    done = harvesting.rsagg("harvest", "--once", config=cfg, timeout=120)
+    assert done.returncode == 2 and "store.state" in done.stderr and "pw@" not in done.stderr, done.stderr

@@ -1185,9 +1185,10 @@ def _resource(r: tuple) -> Resource:
 # Where the state lives: the one place that knows (callers never build the path themselves).
 
 
-def state_path(config: Config) -> Path:
-    """The state database of a configured rsagg: ``STATE_FILE`` in the store folder."""
-    return Path(config.store_path) / STATE_FILE
+def state_path(config: Config) -> Path | str:
+    """The state database of a configured rsagg: ``[store] state`` when it names one (a ``postgresql://``
+    URL), else ``STATE_FILE`` in the store folder."""
+    return config.store.state or Path(config.store_path) / STATE_FILE
 
 
 def open_state(config: Config, *, readonly: bool = False, **options: Any) -> StateStore:
