@@ -7,7 +7,7 @@ here and on a Unix socket in that folder, and stops (``pg_ctl stop -m fast``) wh
 Clients log in over TCP with a password (``scram-sha-256``: the tests check that a wrong one is refused
 with a clean message); over the socket, local users are trusted. Each test gets a schema of its own
 (``fresh_url``): cheaper than a database per test, and as isolated for rsagg, which names no schema.
-Fsync is off: the tests check rsagg's transactions, not the disk.
+Fsync is off unless ``durable`` (benchmarks): the tests check rsagg's transactions, not the disk.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ def _free_port() -> int:
 class PgServer:
     """A running test cluster; ``url()`` names a database or schema in it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, durable: bool = False) -> None:
+        #: fsync and full-page writes on, as in production (benchmarks); off for tests, which check rsagg's
+        #: transactions, not the disk.
+        self.durable = durable
         self.root = Path(tempfile.mkdtemp(prefix="rsagg-pg-"))
         self.data = self.root / "data"
         self.password = secrets.token_urlsafe(16)
@@ -71,10 +74,10 @@ class PgServer:
         for attempt in range(5):  # the port picked may be taken by someone else meanwhile
             self.port = _free_port()
             options = (
-                f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
-                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200 "
-                "-c shared_buffers=32MB"
-            )
+                f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c max_connections=200 "
+                + ("-c shared_buffers=128MB" if self.durable else
+                   "-c shared_buffers=32MB -c fsync=off -c synchronous_commit=off -c full_page_writes=off")
+            )  # fmt: skip
             try:
                 self._run(str(BIN / "pg_ctl"), "-D", str(self.data), "-o", options, "-l",
                           str(self.root / "log"), "-w", "-t", "120", "start")  # fmt: skip
@@ -122,8 +125,8 @@ class PgServer:
 
 
 @contextlib.contextmanager
-def running() -> Iterator[PgServer]:
-    server = PgServer()
+def running(*, durable: bool = False) -> Iterator[PgServer]:
+    server = PgServer(durable=durable)
     try:
         yield server.start()
     finally:
