@@ -9,6 +9,7 @@ counterparts, and what only a server has (several processes, passwords, an unrea
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import threading
@@ -361,6 +362,14 @@ async def test_rsagg_harvest_once_with_state_in_postgres(pg_server: PgServer, tm
         )
     assert done.returncode == 0, done.stderr
     assert pg_server.password not in done.stdout + done.stderr
+    for command in ("status", "retries"):  # the commands that read the state find it there too
+        shown = harvesting.rsagg(command, "--json", config=cfg, timeout=120, env=env)
+        assert shown.returncode == 0 and pg_server.password not in shown.stdout + shown.stderr, shown.stderr
+        if command == "status":
+            (source,) = json.loads(shown.stdout)["sources"]
+            assert (source["name"], source["resources"], source["state"]) == ("up", 30, "ok")
+        else:
+            assert json.loads(shown.stdout) == {"retries": [], "cleared": 0}
     with connect(with_password) as st:
         assert {r.uri: r.sha256 for r in st.iter_resources()} == {
             up.url(p): v.sha256 for p, v in up.resources().items()
