@@ -19,15 +19,18 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-import bench_harvest  # noqa: E402 - the upstream site, its server and the child runner
+import bench_harvest  # noqa: E402 - the upstream site and its server
+import psutil  # noqa: E402
 
 from aggregator.store.state import connect  # noqa: E402
 from tests import pgserver  # noqa: E402
@@ -43,6 +46,8 @@ class Run:
     wall: float
     held: int
     code: int
+    cpu: float = 0.0  # CPU seconds of the rsagg process
+    db_cpu: float = 0.0  # CPU seconds of the PostgreSQL server during the run
 
     @property
     def rate(self) -> float:
@@ -72,10 +77,29 @@ def harvest(folder: Path, base: str, n: int, state: str) -> Run:
         "--log-level",
         "warning",
     ]
-    wall, _, code = bench_harvest.run_child(cmd, folder, "rsagg")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    server_before = server_cpu()
+    with (folder / "rsagg.out").open("wb") as out, (folder / "rsagg.err").open("wb") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=folder, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
     with connect(state or folder / "data" / "state.db") as st:
         held = st.count_resources()
-    return Run("postgresql" if state else "sqlite", n, wall, held, code)
+    run = Run("postgresql" if state else "sqlite", n, wall, held, os.waitstatus_to_exitcode(status))
+    run.cpu = usage.ru_utime + usage.ru_stime
+    run.db_cpu = server_cpu() - server_before if state else 0.0
+    return run
+
+
+def server_cpu() -> float:
+    """CPU seconds used so far by the PostgreSQL server processes on the machine (ours is the only one)."""
+    total = 0.0
+    for p in psutil.process_iter(["name", "cpu_times"]):
+        t = p.info["cpu_times"]
+        if p.info["name"] in ("postgres", "postmaster") and t is not None:
+            total += t.user + t.system + t.children_user + t.children_system  # + the ended backends
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}\n")
     print("single-node PostgreSQL vs SQLite (baseline harvest, latency-free local upstream)")
-    head = f"{'state':<12} {'runs':>5} {'resources':>10} {'median s':>9} {'resources/s':>12} {'ratio':>7}"
+    head = (f"{'state':<12} {'runs':>5} {'resources':>10} {'median s':>9} {'resources/s':>12} {'ratio':>7}"
+            f" {'rsagg CPU s':>12} {'server CPU s':>13}")  # fmt: skip
     print(head + "\n" + "-" * len(head))
     rate = {}
     for backend in ("sqlite", "postgresql"):
@@ -121,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{backend:<12} no complete run")
             continue
         wall = statistics.median(r.wall for r in mine)
+        cpu, db_cpu = statistics.median(r.cpu for r in mine), statistics.median(r.db_cpu for r in mine)
         rate[backend] = n / wall
         ratio = rate[backend] / rate["sqlite"] if "sqlite" in rate else float("nan")
-        print(f"{backend:<12} {len(mine):>5} {n:>10,} {wall:>9.1f} {rate[backend]:>12,.0f} {ratio:>6.2f}x")
+        print(f"{backend:<12} {len(mine):>5} {n:>10,} {wall:>9.1f} {rate[backend]:>12,.0f} {ratio:>6.2f}x"
+              f" {cpu:>12.1f} {db_cpu:>13.1f}")  # fmt: skip
+    print("(medians; CPU s: of the rsagg process, and of the PostgreSQL server during the run)")
     ok = all(r.ok for r in runs)
     if len(rate) == 2:
         ratio = rate["postgresql"] / rate["sqlite"]

@@ -345,7 +345,7 @@ class PostgresState:
             min_size=1,
             max_size=size,
             configure=configure,
-            kwargs={"connect_timeout": max(1, int(connect_timeout))},
+            kwargs={"connect_timeout": max(1, int(connect_timeout)), "autocommit": True},
             name=f"rsagg-state-{id(self):x}",
             open=True,
         )
