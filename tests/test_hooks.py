@@ -508,7 +508,8 @@ async def test_publish_filter_reaches_dump_packages(tmp_path: Path, monkeypatch)
         builder = dump_builder(ctx)
         assert builder is not None
         assert await trio.to_thread.run_sync(lambda: build_due(builder, ctx, resource_dumps=True)) >= 2
-        rows = builder._query("SELECT kind, sha256 FROM publish_dumps", ())
+        with sqlite3.connect(cfg.store_path / "state.db") as c:
+            rows = c.execute("SELECT kind, sha256 FROM publish_dumps").fetchall()
         assert {kind for kind, _ in rows} == {"resourcedump", "changedump"}
         for kind, sha in rows:
             with ctx.blobs.open(sha) as f, zipfile.ZipFile(f) as zf:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import sqlite3
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from starlette.routing import Route
 
 from aggregator.rs.linkheader import parse_link_header
 from aggregator.rs.w3cdt import utcnow
+from aggregator.store.state import connect
 from aggregator.websub import hub as hub_module
 from aggregator.websub.hub import Hub, HubLimits, topics_under
 from tests.httpserver import serve_app
@@ -136,7 +138,7 @@ class Harness:
         kw.setdefault("limits", FAST)
         kw.setdefault("publish_token", TOKEN)
         self.hub = Hub(
-            self.db,
+            connect(self.db),
             hub_url=self.hub_url,
             allowed_topic=topics_under(self.base),
             metrics=lambda e, o: self.metrics.append((e, o)),
@@ -470,8 +472,8 @@ async def test_delivery_is_not_retried_past_the_lease(
 async def test_unreachable_callback_is_retried(tmp_path: Path) -> None:
     async with harness(tmp_path) as h:
         await subscribed(h, "a")
-        with h.hub._tables.lock:  # point the subscription at a port nobody listens on
-            h.hub.conn.execute("UPDATE hub_subscriptions SET callback = 'http://127.0.0.1:9/cb'")
+        with sqlite3.connect(h.db) as c:  # point the subscription at a port nobody listens on
+            c.execute("UPDATE hub_subscriptions SET callback = 'http://127.0.0.1:9/cb'")
         assert await h.hub.publish(h.topic, PAYLOAD) == 1
         await wait_until(lambda: h.count("delivery", "retry") >= 2, "retried")
         assert h.hub.pending()["deliveries"] == 1
@@ -491,8 +493,8 @@ async def test_pending_deliveries_are_capped_per_subscription(tmp_path: Path) ->
         await wait_until(lambda: len(h.sub.received("a")) == 2, "delivered")
         assert [p.body for p in h.sub.received("a")] == bodies[1:]  # the oldest was dropped
         await wait_until(lambda: h.count("delivery", "ok") == 2, "metrics")
-        with h.hub._tables.lock:  # payloads delivered to everyone are not kept
-            assert h.hub.conn.execute("SELECT COUNT(*) FROM hub_payloads").fetchone()[0] == 0
+        with sqlite3.connect(h.db) as c:  # payloads delivered to everyone are not kept
+            assert c.execute("SELECT COUNT(*) FROM hub_payloads").fetchone()[0] == 0
 
 
 # -- persistence ------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from aggregator.metrics import Metrics
 from aggregator.outbound import AddressPolicy, parse_networks, refusal_rule
 from aggregator.rs.model import Entry, Link
 from aggregator.serving import serving
+from aggregator.store.state import connect
 from aggregator.websub.hub import Hub, HubLimits, topics_under
 
 from .harvesting import harvest, held
@@ -329,7 +330,7 @@ async def hub_server(tmp_path: Path, policy: AddressPolicy, **limits: Any) -> As
 
     async with serving(app) as base:
         hub = Hub(
-            tmp_path / "hub.db",
+            connect(tmp_path / "hub.db"),
             hub_url=f"{base}/hub",
             allowed_topic=topics_under(base),
             policy=policy,

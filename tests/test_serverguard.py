@@ -7,6 +7,7 @@ Every loop is bounded in count and time; the waits are hang guards far above any
 
 from __future__ import annotations
 
+import sqlite3
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -23,6 +24,7 @@ from starlette.routing import Route
 from aggregator.outbound import AddressPolicy
 from aggregator.serverguard import ServerLimits
 from aggregator.serving import serving
+from aggregator.store.state import connect
 from aggregator.websub.hub import Hub, HubLimits, topics_under
 
 LIMITS = ServerLimits(
@@ -216,7 +218,7 @@ async def test_subscription_flood_gets_429_and_the_server_stays_responsive(tmp_p
     async with serving(starlette, limits=LIMITS) as base:
         # No worker: requests stay waiting for verification (the counts include them).
         hub = holder["hub"] = Hub(
-            tmp_path / "hub.db", hub_url=f"{base}/hub", allowed_topic=topics_under(base),
+            connect(tmp_path / "hub.db"), hub_url=f"{base}/hub", allowed_topic=topics_under(base),
             policy=AddressPolicy(), limits=limits,
         )  # fmt: skip
         statuses: list[int] = []
@@ -249,9 +251,10 @@ async def test_subscription_flood_gets_429_and_the_server_stays_responsive(tmp_p
         assert retry_after and all(v.isdigit() and int(v) >= 1 for v in retry_after)
         pending = (await trio.to_thread.run_sync(hub.pending))["verifications"]
         assert pending == accepted
-        rows = hub.conn.execute(
-            "SELECT COUNT(*) FROM hub_verifications WHERE callback LIKE 'http://cb.example/%'"
-        ).fetchone()[0]
+        with sqlite3.connect(tmp_path / "hub.db") as c:
+            rows = c.execute(
+                "SELECT COUNT(*) FROM hub_verifications WHERE callback LIKE 'http://cb.example/%'"
+            ).fetchone()[0]
         assert rows <= 3  # the per-host limit
         assert len(hub._host_rate._buckets) <= hub._host_rate.max_keys  # memory bounded
         await hub.aclose()
@@ -280,7 +283,7 @@ async def test_hub_count_and_length_limits(tmp_path: Path) -> None:
 
     async with serving(Starlette(routes=[Route("/hub", hub_endpoint, methods=["POST"])])) as base:
         hub = holder["hub"] = Hub(
-            tmp_path / "hub.db", hub_url=f"{base}/hub", allowed_topic=topics_under(base),
+            connect(tmp_path / "hub.db"), hub_url=f"{base}/hub", allowed_topic=topics_under(base),
             policy=AddressPolicy(), limits=limits,
         )  # fmt: skip
         async with httpx.AsyncClient(timeout=20) as client:

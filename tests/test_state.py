@@ -535,7 +535,7 @@ def test_dump_tables_made_before_they_were_a_migration_are_kept(db_path: Path) -
     conn.commit()
     conn.close()
     with State(db_path) as st:
-        assert st.schema_version == len(MIGRATIONS) == 5
+        assert st.schema_version == len(MIGRATIONS) >= 5
         assert st.conn.execute("SELECT sha256 FROM publish_dumps").fetchall() == [(A,)]
     with State(db_path, readonly=True) as ro:  # a reader accepts the upgraded store
         assert {"publish_dumps", "publish_dump_runs"} <= set(ro.db.table_names())

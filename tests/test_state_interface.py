@@ -58,8 +58,12 @@ def test_rows_are_frozen_values(tmp_path: Path) -> None:
         set_row.name = "other"  # type: ignore[misc]
 
 
-#: Modules that still open the state by path themselves (the WebSub tables, to move behind the seam).
-STILL_BY_PATH = {"websub/hub.py", "websub/notifier.py", "websub/subscriber.py", "websub/service.py"}
+#: Modules that still open the state by path themselves: none (the WebSub tables are behind the seam).
+STILL_BY_PATH: set[str] = set()
+#: Modules that may speak SQL: the SQLite and PostgreSQL backends, and the audit's scratch set of URIs seen (a
+#: temporary file of its own, not the state).
+SQL_SPEAKERS = {"store/state.py", "store/postgres.py", "harvest/audit.py"}
+SQL_MARKS = ("import sqlite3", "sqlite_utils import", ".execute(")
 
 
 def test_only_the_store_knows_where_the_state_lives() -> None:
@@ -70,6 +74,17 @@ def test_only_the_store_knows_where_the_state_lives() -> None:
         if f'"{STATE_FILE}"' in p.read_text(encoding="utf-8")
     }
     assert spelled - STILL_BY_PATH == {"store/state.py"}
+
+
+def test_only_the_backend_speaks_sql() -> None:
+    """No sqlite3 connection, cursor or SQL text crosses the seam: a second backend replaces one module."""
+    root = Path(aggregator.__file__).parent
+    speakers = {
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if any(w in p.read_text(encoding="utf-8") for w in SQL_MARKS)
+    }
+    assert speakers == SQL_SPEAKERS
 
 
 def test_the_factory_names_a_location_it_cannot_open(tmp_path: Path) -> None:

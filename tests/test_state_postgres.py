@@ -24,30 +24,37 @@ from aggregator.config import ConfigError, load_config
 from aggregator.store import state as state_mod
 from aggregator.store.interface import StateStore
 from aggregator.store.postgres import MIGRATIONS, PostgresState, StateUnavailable, redact
+from aggregator.store.rows import RetryChanges
 from aggregator.store.state import MIGRATIONS as SQLITE_MIGRATIONS
 from aggregator.store.state import Change, Cursor, State, connect
 from aggregator.testing.upstream import Upstream
 
-from . import harvesting, test_harvest, test_state, test_state_interface
+from . import harvesting, test_harvest, test_state, test_state_interface, test_state_websub
 from .pgserver import PgServer
 from .test_state import A, B, C, ch
 
-#: test_state.py's tests of SQLite itself (its pragmas, files and text form), not of the StateStore.
+#: The tests of SQLite itself in those modules (its pragmas, files, text form and upgrades of old files),
+#: not of the StateStore.
 SQLITE_ONLY = {
     "test_migrations_idempotent_and_pragmas",
     "test_dump_tables_made_before_they_were_a_migration_are_kept",
     "test_newer_schema_is_refused",
     "test_datetime_text_form",
+    "test_a_store_of_the_previous_release_upgrades_in_place",
+    "test_a_fresh_store_has_the_same_tables_as_an_upgraded_one",
 }
-#: Its fixtures this module uses as they are (``reopen`` and ``fail_changelog_insert`` are overridden).
+#: test_state.py's fixtures used as they are (``reopen``, ``fail_changelog_insert``, and test_state_websub's
+#: ``location`` and ``count_rows`` are overridden below; its ``st`` is test_state's, on ``reopen``).
 SHARED_FIXTURES = ("clock", "st", "set_id")
-globals().update(
-    {
-        name: obj
-        for name, obj in vars(test_state).items()
-        if name in SHARED_FIXTURES or (name.startswith("test_") and name not in SQLITE_ONLY)
-    }
-)
+for _module in (test_state, test_state_websub):
+    globals().update(
+        {
+            name: obj
+            for name, obj in vars(_module).items()
+            if (name in SHARED_FIXTURES and _module is test_state)
+            or (name.startswith("test_") and name not in SQLITE_ONLY)
+        }
+    )
 
 
 @pytest.fixture
@@ -58,6 +65,20 @@ def url(pg_server: PgServer) -> str:
 @pytest.fixture
 def reopen(url: str) -> Callable[..., StateStore]:
     return lambda **kw: connect(url, **kw)
+
+
+@pytest.fixture
+def location(url: str) -> str:
+    return url
+
+
+@pytest.fixture
+def count_rows(url: str) -> Callable[[str], int]:
+    def count(table: str) -> int:
+        with psycopg.connect(url) as conn:
+            return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+    return count
 
 
 @pytest.fixture
@@ -93,19 +114,19 @@ def test_the_factory_opens_postgresql_urls(url: str) -> None:
 # -- schema ---------------------------------------------------------------------------------------
 
 
-def test_same_migration_steps_as_sqlite(url: str) -> None:
+def test_same_migration_steps_as_sqlite(url: str, tmp_path: Path) -> None:
     """Step i here is step i there: a version number means the same tables in either backend."""
     assert len(MIGRATIONS) == len(SQLITE_MIGRATIONS)
+    with State(tmp_path / "state.db") as lite:
+        sqlite_tables = set(lite.db.table_names()) - {"sqlite_sequence"}
     with connect(url) as st:
         assert st.schema_version == len(MIGRATIONS)
         with st.pool.connection() as c:
             tables = {
                 r[0] for r in c.execute("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")
             }
-    sqlite_tables = {"sources", "documents", "sets", "cursors", "resources", "changelog", "retries",
-                     "upstream_notes", "publish_dump_runs", "publish_dumps"}  # fmt: skip
-    assert sqlite_tables <= tables
-    assert tables - sqlite_tables == {"schema_version", "changelog_head"}
+    assert tables - sqlite_tables == {"schema_version", "changelog_head"}  # its own bookkeeping
+    assert sqlite_tables - tables == set()
 
 
 def test_processes_starting_at_once_migrate_once(pg_server: PgServer) -> None:
@@ -200,34 +221,20 @@ def test_writers_in_two_processes_keep_one_dense_changelog(url: str) -> None:
         b.close()
 
 
-def test_a_rolled_back_batch_leaves_no_gap(st: PostgresState, set_id: int) -> None:
+def test_a_rolled_back_batch_leaves_no_gap(
+    st: PostgresState, set_id: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     st.apply(set_id, [ch("a", "created", A)])
 
     def boom(*_: object) -> None:
         raise RuntimeError("after the log was written")
 
+    monkeypatch.setattr(st, "_put_retries", boom)
     with pytest.raises(RuntimeError):
-        st.apply(set_id, [ch("b", "created", B)], also=boom)
+        st.apply(set_id, [ch("b", "created", B)], retries=RetryChanges(cleared=["b"]))
+    monkeypatch.undo()
     st.apply(set_id, [ch("c", "created", C)])
     assert [(r.seq, r.uri) for r in st.iter_changelog()] == [(1, "a"), (2, "c")]
-
-
-def test_also_runs_in_the_transaction_with_sqlite_placeholders(st: PostgresState, set_id: int) -> None:
-    """store/retries.py's bookkeeping (``?`` placeholders) commits with the batch on PostgreSQL too."""
-    from aggregator.rs.model import Entry
-    from aggregator.store import retries
-
-    failed = [(Entry(loc="https://example.org/r/1"), "created", "hash", "md5 mismatch")]
-    st.apply(set_id, [ch("ok", "created", A)], also=lambda c, now: retries.update(c, now, set_id, failed, []))
-    st.apply(set_id, [], also=lambda c, now: retries.update(c, now, set_id, failed, []))  # a second attempt
-    ((entry, change, attempts),) = st.pending_retries(set_id)
-    assert (entry.loc, change, attempts) == ("https://example.org/r/1", "created", 2)
-    assert st.retries_by_source() == {"src": {"waiting": 1, "ended": 0}}
-    st.end_retries(set_id, ["https://example.org/r/1"], "no longer listed")
-    assert st.pending_retries(set_id) == [] and st.retry_uris(set_id) == {"https://example.org/r/1"}
-    (row,) = st.retry_rows(["src"])
-    assert row["state"] == "ended" and row["message"].startswith("no longer listed (last failure: hash:")
-    assert st.clear_retries(ended_only=True) == 1 and st.retry_rows() == []
 
 
 def test_iterators_hold_no_connection_between_pages(

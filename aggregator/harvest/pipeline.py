@@ -15,14 +15,13 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 import trio
 
 from ..metrics import current_source
 from ..rs.model import CREATED, DELETED, PATCH_REL, UPDATED, Entry
-from ..store import retries
 from ..store.blobs import BlobInfo, BlobWriter
+from ..store.rows import FailedChange, RetryChanges
 from ..store.state import Change, Cursor, Resource
 from .context import HarvestContext
 from .fetch import Expected, FetchedResource, FetchError
@@ -175,7 +174,7 @@ class Pipeline:
         )
         self._metadata = MetadataRecords(ctx, set_id, source)
         self._set_name = next((s.name for s in ctx.reader.sets() if s.id == set_id), str(set_id))
-        # URIs with a failed change waiting to be retried (store/retries.py): cleared once one applies.
+        # URIs with a failed change waiting to be retried (the state's retries): cleared once one applies.
         self._retrying = ctx.reader.retry_uris(set_id)
         #: Those still to be tried (not ended), which a snapshot may supersede.
         self._waiting = frozenset(e.loc for e, _, _ in ctx.reader.pending_retries(set_id))
@@ -372,23 +371,23 @@ class Pipeline:
                         return got
         return await self.ctx.fetcher.resource(candidate_urls(entry), expected, self.ctx.blobs)
 
-    def _retry_bookkeeping(self, batch: list[_Result]) -> Callable[[Any, str], None] | None:
-        """What store/retries.py must record and clear for this batch, to run inside its transaction.
+    def _retry_bookkeeping(self, batch: list[_Result]) -> RetryChanges | None:
+        """What the state must record and clear for this batch, in the transaction that applies it.
         Within a batch the last change of a URI decides (a stale entry followed by a good one)."""
         last: dict[str, _Result] = {r.work.entry.loc: r for r in batch}
         failed = [
-            (r.work.entry, r.work.change, r.failure.kind, r.failure.message)
+            FailedChange(r.work.entry, r.work.change, r.failure.kind, r.failure.message)
             for r in last.values()
             if r.failure
         ]
         cleared = [u for u, r in last.items() if r.failure is None and u in self._retrying]
         if not failed and not cleared:
             return None
-        self._retrying.update(e.loc for e, _, _, _ in failed)
+        self._retrying.update(f.entry.loc for f in failed)
         self._retrying.difference_update(cleared)
-        return lambda conn, now: retries.update(conn, now, self.set_id, failed, cleared)
+        return RetryChanges(failed, cleared)
 
-    def unlisted_retries(self) -> Callable[[Any, str], None] | None:
+    def unlisted_retries(self) -> RetryChanges | None:
         """After a complete snapshot (a baseline): forget the failed changes of URIs it did not list.
         The snapshot says they are gone; retrying them would fail at every sync from then on. (Those it
         listed were tried again by the run: cleared when they applied, recorded again when not.)"""
@@ -396,7 +395,7 @@ class Pipeline:
         if not gone:
             return None
         self._retrying.difference_update(gone)
-        return lambda conn, now: retries.update(conn, now, self.set_id, [], gone)
+        return RetryChanges(cleared=gone)
 
     def announce(self, applied: list[Change]) -> None:
         """Event hooks, after the transaction committed: what was stored or deleted, and each record
@@ -444,10 +443,10 @@ class Pipeline:
         await self.ctx.commit_blobs(writers)
         changes = [r.change for r in batch if r.change is not None]
         cursor = next((r.work.cursor_after for r in reversed(batch) if r.work.cursor_after), None)
-        also = self._retry_bookkeeping(batch)
+        retries = self._retry_bookkeeping(batch)
         if self._progress:  # before the write, so that the progress it saves counts this batch too
             self._progress(len(batch))
-        applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor, also)
+        applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor, retries)
         self.announce(applied)
         if applied:
             self.ctx.committed()  # e.g. rsagg's own change notifications go out now

@@ -54,7 +54,7 @@ class SourceResult:
 
 
 async def retry_failed(ctx: HarvestContext, set_id: int, source: str, uris: set[str]) -> PipelineStats | None:
-    """Try again the changes of a set whose fetch failed in an earlier run (store/retries.py) and that
+    """Try again the changes of a set whose fetch failed in an earlier run (the state's retries) and that
     are still waiting (``uris``: those waiting when this sync started), through the one pipeline; they
     move no cursor. A change that applies now leaves the list."""
     waiting = [w for w in ctx.reader.pending_retries(set_id) if w[0].loc in uris]
@@ -82,7 +82,7 @@ async def end_unlisted_retries(
 ) -> int:
     """End the retries that failed again for URIs the upstream no longer lists: retrying those can never
     succeed, and would keep the source in error while audit says in sync. They leave ``stats`` (the sync
-    is not failed by them) and stay visible as ended (store/retries.py). The lists are read only when a
+    is not failed by them) and stay visible as ended (the state's retries). The lists are read only when a
     failing retry reaches attempt 2, 4, 8, ... (``attempts``: before this run), so a Source whose
     resource keeps failing while listed is not re-read on every poll. Returns how many ended."""
     due = {uri for uri in stats.failed if uri in attempts and (attempts[uri] + 1) & attempts[uri] == 0}

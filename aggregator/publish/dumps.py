@@ -18,11 +18,9 @@ under its SHA-256; the manifest is also stored as a blob of its own, served at t
 included in the bitstream package": both are the same bytes). Blobs are committed before the rows that
 name them (docs/architecture.md invariant 2).
 
-Bookkeeping lives in two tables of the state database (``publish_dump_runs``, ``publish_dumps``: migration 5
-of store/state.py), written through a connection of this module's own (``State.own_connection``): they are
-nobody else's business, and an own connection never interleaves with a harvest transaction on the State's
-shared one (WAL lets both work). ``gc`` must keep the blobs they name: see ``REFERENCED_SQL`` /
-``DumpBuilder.referenced_hashes``.
+Bookkeeping lives in the state (runs and packages: ``StateStore.dump_*``, ``add_resource_dump``,
+``add_change_dump``, ``prune_resource_dumps``; migration 5 of store/state.py). ``gc`` must keep the blobs
+they name: see ``referenced_hashes`` / ``DumpBuilder.referenced_hashes``.
 
 Building blocks the harvester is picky about (aggregator/harvest/dumps.py reads our packages too): member
 paths are plain (``[A-Za-z0-9._-]`` names, no ``..``), every member is hashed while it is copied and
@@ -34,10 +32,8 @@ reader's zip-bomb ratio check (ours refuses more than 200:1).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
-import sqlite3
 import threading
 import zipfile
 import zlib
@@ -59,7 +55,9 @@ from ..rs.model import Entry, Head, Link, Md
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobInfo, BlobStore, BlobWriter
-from ..store.state import LogRecord, Resource, State, format_dt, parse_dt
+from ..store.interface import StateStore
+from ..store.rows import DumpPackage, DumpPart, DumpRun
+from ..store.state import LogRecord, Resource
 from .documents import Site, UriOf, Windows, change_entry, resource_entry
 from .links import LinkPolicy
 from .sets import PublishedSet
@@ -93,14 +91,6 @@ _STORED_TYPES = frozenset(
 )  # fmt: skip
 _COMPRESSIBLE_IMAGES = frozenset({"image/svg+xml", "image/bmp", "image/x-portable-anymap", "image/tiff"})
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-# ---------------------------------------------------------------------------------------------------
-# Tables publish_dump_runs and publish_dumps (times in State's fixed-width W3C form: text order == time order)
-
-# The tables are migration 5 of store/state.py (``MIGRATIONS``): the state owns every table it holds.
-
-#: The blobs gc must keep for dumps; meant for a UNION in ``State.referenced_hashes``.
-REFERENCED_SQL = "SELECT sha256 FROM publish_dumps UNION SELECT manifest_sha256 FROM publish_dumps"
 
 
 class DumpBuildError(Exception):
@@ -190,7 +180,7 @@ class DumpBuilder:
 
     def __init__(
         self,
-        state: State,
+        state: StateStore,
         blobs: BlobStore,
         *,
         base_url: str,
@@ -200,7 +190,6 @@ class DumpBuilder:
         keep: int = 2,
         compression: str = "auto",
         clock: Callable[[], datetime] = utcnow,
-        busy_timeout: float = 30.0,
     ) -> None:
         if not 1 <= max_entries <= MAX_MANIFEST_ENTRIES:
             raise ValueError(f"max_entries must be in 1..{MAX_MANIFEST_ENTRIES} (§7 document limit)")
@@ -219,14 +208,11 @@ class DumpBuilder:
         self.keep = keep
         self.compression = compression
         self._clock = clock
-        self._lock = threading.RLock()  # the connection
+        self._lock = threading.Lock()  # the build locks' table
         self._build_locks: dict[tuple[str, str], threading.Lock] = {}
-        self.conn = state.own_connection(busy_timeout=busy_timeout)  # the tables: State's migration 5
-        self.conn.row_factory = sqlite3.Row
 
     def close(self) -> None:
-        with self._lock:
-            self.conn.close()
+        """Nothing of its own to close (``state`` belongs to the caller)."""
 
     # -- URLs (documents.Site has the rest of the layout) -----------------------------------------------
 
@@ -239,81 +225,60 @@ class DumpBuilder:
     def manifest_url(self, set_name: str, kind: str, number: int) -> str:
         return f"{self.base_url}/{set_name}/{kind}/{number}/{MANIFEST_NAME}"
 
-    # -- database ----------------------------------------------------------------------------------
-
-    def _write(self) -> _Transaction:
-        return _Transaction(self.conn, self._lock)
-
-    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
-        with self._lock:
-            return self.conn.execute(sql, params).fetchall()
+    # -- bookkeeping -------------------------------------------------------------------------------
 
     def _build_lock(self, set_name: str, kind: str) -> threading.Lock:
         with self._lock:
             return self._build_locks.setdefault((set_name, kind), threading.Lock())
 
-    def _info(self, row: sqlite3.Row) -> PackageInfo:
-        kind = row["kind"]
-        number = row["id"] if kind == RESOURCEDUMP else row["window"]
+    def _info(self, row: DumpPackage) -> PackageInfo:
+        kind = row.kind
+        number = row.id if kind == RESOURCEDUMP else row.window
+        assert number is not None
         return PackageInfo(
-            set_name=row["set_name"], kind=kind, number=number,
-            url=self.package_url(row["set_name"], kind, number),
-            manifest_url=self.manifest_url(row["set_name"], kind, number),
-            sha256=row["sha256"], length=row["length"], manifest_sha256=row["manifest_sha256"],
-            manifest_length=row["manifest_length"], entries=row["entries"], bytes=row["bytes"],
-            created=parse_dt(row["created"]), at=parse_dt(row["at"]), completed=parse_dt(row["completed"]),
-            from_=parse_dt(row["from_"]), until=parse_dt(row["until"]), run=row["run"], part=row["part"],
+            set_name=row.set_name, kind=kind, number=number,
+            url=self.package_url(row.set_name, kind, number),
+            manifest_url=self.manifest_url(row.set_name, kind, number),
+            sha256=row.sha256, length=row.length, manifest_sha256=row.manifest_sha256,
+            manifest_length=row.manifest_length, entries=row.entries, bytes=row.bytes,
+            created=row.created, at=row.at, completed=row.completed,
+            from_=row.from_, until=row.until, run=row.run, part=row.part,
         )  # fmt: skip
 
     # -- reads (also used by the routes) -------------------------------------------------------------
 
-    def latest_run(self, set_name: str) -> sqlite3.Row | None:
-        rows = self._query(
-            "SELECT * FROM publish_dump_runs WHERE set_name = ? ORDER BY id DESC LIMIT 1", (set_name,)
-        )
-        return rows[0] if rows else None
+    def latest_run(self, set_name: str) -> DumpRun | None:
+        return self.state.dump_latest_run(set_name)
 
-    def resource_dump_packages(self, set_name: str, run: sqlite3.Row | None = None) -> list[PackageInfo]:
+    def resource_dump_packages(self, set_name: str, run: DumpRun | None = None) -> list[PackageInfo]:
         """The packages of a run, by default the newest (what ``/SET/resourcedump.xml`` lists)."""
         if run is None:
             run = self.latest_run(set_name)
         if run is None:
             return []
-        rows = self._query("SELECT * FROM publish_dumps WHERE run = ? ORDER BY part", (run["id"],))
-        return [self._info(r) for r in rows]
+        return [self._info(r) for r in self.state.dump_run_packages(run.id)]
 
     def change_dump_packages(self, set_name: str) -> list[PackageInfo]:
         """Every Change Dump package of the set, in window (== chronological) order."""
-        rows = self._query(
-            "SELECT * FROM publish_dumps WHERE set_name = ? AND kind = ? ORDER BY window",
-            (set_name, CHANGEDUMP),
-        )
-        return [self._info(r) for r in rows]
+        return [self._info(r) for r in self.state.change_dump_packages(set_name)]
 
     def package(self, set_name: str, kind: str, number: int) -> PackageInfo | None:
         """A package by its URL number (also an older, still kept Resource Dump run's package)."""
-        key = "id" if kind == RESOURCEDUMP else "window"
-        rows = self._query(
-            f"SELECT * FROM publish_dumps WHERE set_name = ? AND kind = ? AND {key} = ?",
-            (set_name, kind, number),
-        )
-        return self._info(rows[0]) if rows else None
+        row = self.state.dump_package(set_name, kind, number)
+        return self._info(row) if row else None
 
     def available(self, set_name: str) -> dict[str, str]:
         """Capability -> document URL, for the Capability List (§9): only what has been built."""
         out: dict[str, str] = {}
         if self.latest_run(set_name) is not None:
             out[RESOURCEDUMP] = self.document_url(set_name, RESOURCEDUMP)
-        if self._query(
-            "SELECT 1 FROM publish_dumps WHERE set_name = ? AND kind = ? LIMIT 1", (set_name, CHANGEDUMP)
-        ):
+        if self.state.has_change_dump(set_name):
             out[CHANGEDUMP] = self.document_url(set_name, CHANGEDUMP)
         return out
 
     def referenced_hashes(self) -> Iterator[str]:
         """Every blob a dump names, ascending (for gc, alongside ``State.referenced_hashes``)."""
-        for row in self._query(REFERENCED_SQL + " ORDER BY 1"):
-            yield row[0]
+        return self.state.dump_hashes()
 
     # -- documents (§11.1, §13.1) --------------------------------------------------------------------
 
@@ -324,7 +289,7 @@ class DumpBuilder:
             return None
         head = Head(
             model.URLSET,
-            Md(capability=RESOURCEDUMP, at=parse_dt(run["at"]), completed=parse_dt(run["completed"])),
+            Md(capability=RESOURCEDUMP, at=run.at, completed=run.completed),
             [Link(rel="up", href=self.site.capabilitylist(set_name))],
         )
         return head, [_package_entry(p) for p in self.resource_dump_packages(set_name, run)]
@@ -388,10 +353,10 @@ class DumpBuilder:
             )  # fmt: skip
             return infos
 
-    def _changed_since(self, run: sqlite3.Row, ids: list[int]) -> bool:
-        if json.loads(run["set_ids"]) != ids:
+    def _changed_since(self, run: DumpRun, ids: list[int]) -> bool:
+        if list(run.set_ids) != ids:
             return True
-        return any(next(self.state.iter_changelog(run["last_seq"], set_id=s, limit=1), None) for s in ids)
+        return any(next(self.state.iter_changelog(run.last_seq, set_id=s, limit=1), None) for s in ids)
 
     def _resource_batches(self, set_name: str, ids: list[int]) -> Iterator[list[_Member]]:
         """Live resources in id order, cut at max_entries / max_bytes (a lone big resource gets its own)."""
@@ -438,49 +403,18 @@ class DumpBuilder:
         completed: datetime,
         built: list[tuple[_Built, datetime, datetime]],
     ) -> list[PackageInfo]:
-        now = format_dt(self._now())
-        with self._write() as c:
-            run = c.execute(
-                "INSERT INTO publish_dump_runs (set_name, at, completed, last_seq, set_ids, packages, "
-                "entries, bytes, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (set_name, format_dt(at), format_dt(completed), last_seq, json.dumps(ids), len(built),
-                 sum(b.entries for b, _, _ in built), sum(b.bytes for b, _, _ in built), now),
-            ).lastrowid  # fmt: skip
-            for part, (b, pkg_at, pkg_completed) in enumerate(built, 1):
-                c.execute(
-                    "INSERT INTO publish_dumps (set_name, kind, run, part, sha256, length, manifest_sha256, "
-                    "manifest_length, at, completed, entries, bytes, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (set_name, RESOURCEDUMP, run, part, b.zip_info.sha256, b.zip_info.length,
-                     b.manifest_info.sha256, b.manifest_info.length, format_dt(pkg_at),
-                     format_dt(pkg_completed), b.entries, b.bytes, now),
-                )  # fmt: skip
-            rows = c.execute("SELECT * FROM publish_dumps WHERE run = ? ORDER BY part", (run,)).fetchall()
+        parts = [
+            DumpPart(b.zip_info.sha256, b.zip_info.length, b.manifest_info.sha256, b.manifest_info.length,
+                     b.entries, b.bytes, at=pkg_at, completed=pkg_completed)
+            for b, pkg_at, pkg_completed in built
+        ]  # fmt: skip
+        rows = self.state.add_resource_dump(set_name, ids, last_seq, at, completed, parts, self._now())
         return [self._info(r) for r in rows]
 
     def _prune(self, set_name: str) -> None:
         """Keep the newest ``keep`` runs; drop the rows of older ones, then their blobs if nothing else
         names them (another dump row, or a resource/changelog/document of the State)."""
-        with self._write() as c:
-            old = [
-                r[0]
-                for r in c.execute(
-                    "SELECT id FROM publish_dump_runs WHERE set_name = ? ORDER BY id DESC LIMIT -1 OFFSET ?",
-                    (set_name, self.keep),
-                )
-            ]
-            if not old:
-                return
-            marks = ",".join("?" * len(old))
-            shas = {
-                sha
-                for row in c.execute(
-                    f"SELECT sha256, manifest_sha256 FROM publish_dumps WHERE run IN ({marks})", old
-                )
-                for sha in row
-            }
-            c.execute(f"DELETE FROM publish_dumps WHERE run IN ({marks})", old)
-            c.execute(f"DELETE FROM publish_dump_runs WHERE id IN ({marks})", old)
+        shas = self.state.prune_resource_dumps(set_name, self.keep)
         self._release(shas)
 
     def _release(self, shas: set[str]) -> None:
@@ -518,12 +452,7 @@ class DumpBuilder:
         ps = PublishedSet(set_name, tuple(ids))
         with self._build_lock(set_name, CHANGEDUMP):
             windows = Windows(site, self.state, ps, self._now())
-            done = {
-                r[0]
-                for r in self._query(
-                    "SELECT window FROM publish_dumps WHERE set_name = ? AND kind = ?", (set_name, CHANGEDUMP)
-                )
-            }
+            done = {p.window for p in self.state.change_dump_packages(set_name)}
             for k in windows.listed:
                 if k < windows.open_k and k not in done:
                     out.append(self._build_window(site, ps, windows, k))
@@ -555,17 +484,11 @@ class DumpBuilder:
         except BaseException:
             built.abort()
             raise
-        with self._write() as c:
-            c.execute(
-                "INSERT INTO publish_dumps (set_name, kind, part, window, first_seq, last_seq, sha256, "
-                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created) "
-                "VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (ps.name, CHANGEDUMP, k, (k - 1) * n, k * n, built.zip_info.sha256, built.zip_info.length,
-                 built.manifest_info.sha256, built.manifest_info.length, format_dt(w.from_),
-                 format_dt(w.until), built.entries, built.bytes, format_dt(self._now())),
-            )  # fmt: skip
-        info = self.package(ps.name, CHANGEDUMP, k)
-        assert info is not None
+        part = DumpPart(
+            built.zip_info.sha256, built.zip_info.length, built.manifest_info.sha256,
+            built.manifest_info.length, built.entries, built.bytes, from_=w.from_, until=w.until,
+        )  # fmt: skip
+        info = self._info(self.state.add_change_dump(ps.name, k, (k - 1) * n, k * n, part, self._now()))
         log.info("set=%s change dump %d: %d entries, %d bytes", ps.name, k, info.entries, info.bytes)
         return info
 
@@ -660,42 +583,10 @@ class DumpBuilder:
         return self._clock().astimezone(UTC)
 
 
-class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT on the builder's own connection, under its lock."""
-
-    def __init__(self, conn: sqlite3.Connection, lock: threading.RLock) -> None:
-        self.conn = conn
-        self.lock = lock
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.lock.acquire()
-        try:
-            self.conn.execute("BEGIN IMMEDIATE")
-        except BaseException:
-            self.lock.release()
-            raise
-        return self.conn
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        try:
-            if exc_type is None:
-                self.conn.execute("COMMIT")
-            elif self.conn.in_transaction:
-                self.conn.execute("ROLLBACK")
-        finally:
-            self.lock.release()
-
-
-def referenced_hashes(state: State) -> Iterator[str]:
-    """The blobs dumps name, ascending, for gc to merge with ``State.referenced_hashes`` (heapq.merge):
-    without it gc would delete every package. Read-only; nothing when no dump was ever built."""
-    conn = state.own_connection(readonly=True)
-    try:
-        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'publish_dumps'").fetchone() is None:
-            return  # a store older than migration 5 opened read-only
-        yield from (row[0] for row in conn.execute(REFERENCED_SQL + " ORDER BY 1"))
-    finally:
-        conn.close()
+def referenced_hashes(state: StateStore) -> Iterator[str]:
+    """The blobs dumps name, ascending, for gc to merge with ``StateStore.referenced_hashes``
+    (heapq.merge): without it gc would delete every package. Nothing when no dump was ever built."""
+    return state.dump_hashes()
 
 
 def _package_entry(p: PackageInfo) -> Entry:
@@ -828,7 +719,6 @@ def _not_modified(request: Request, etag: str, created: datetime) -> bool:
 
 
 __all__ = [
-    "REFERENCED_SQL",
     "DumpBuildError",
     "DumpBuilder",
     "PackageInfo",

@@ -3,14 +3,14 @@
 A crawler or Destination fetches the same resources again and again (audits, re-syncs, conditional
 GETs). What a resource GET needs (the row, the plugins' verdict, the Capability List link, the bytes of
 a small blob or where an offloading front end finds them, the ready-made headers of a plain GET) is
-kept in an LRU by request path (``HotCache``) until the state changes: ``PRAGMA data_version`` of a
-connection of our own tells, in a few microseconds and without a worker thread, that another
-connection (the harvester, ``rsagg gc``) committed since. Then the whole cache is dropped; answers
+kept in an LRU by request path (``HotCache``) until the state changes: ``StateStore.version()`` of a
+read-only state handle of our own tells, in a few microseconds and without a worker thread, that a
+writer (the harvester, ``rsagg gc``) committed since. Then the whole cache is dropped; answers
 never come from an older state than the request's.
 
-A hit costs no thread hop and no query (that one pragma); a miss one worker-thread call (``Publisher.run``),
-as the route had before. Anything the memory cannot answer (a big blob, a Range only starlette's
-FileResponse decides, a blob in a store without URLs) goes on to the ordinary route
+A hit costs no thread hop and no query (that one version read); a miss one worker-thread call
+(``Publisher.run``), as the route had before. Anything the memory cannot answer (a big blob, a Range only
+starlette's FileResponse decides, a blob in a store without URLs) goes on to the ordinary route
 (``app.resource``), which answers it as before: the bytes and headers are the same either way.
 
 ``server.offload`` (see ``config/nginx.conf`` and the README):
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -39,7 +38,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..store.interface import StateStore
-from ..store.state import Resource
+from ..store.state import Resource, connect
 from .resources import (
     SMALL_BLOB,
     LiteRequest,
@@ -89,22 +88,25 @@ class Hot:
 class HotCache:
     """An LRU of ``Hot`` answers bounded by count and by blob bytes, dropped when the state changes."""
 
-    def __init__(self, state_path: Path, entries: int = HOT_ENTRIES, max_bytes: int = HOT_BYTES) -> None:
-        self.state_path = state_path
+    def __init__(
+        self, open_reader: Callable[[], StateStore], entries: int = HOT_ENTRIES, max_bytes: int = HOT_BYTES
+    ) -> None:
+        """``open_reader``: opens the read-only state handle whose ``version()`` is watched."""
+        self.open_reader = open_reader
         self.entries, self.max_bytes = entries, max_bytes
         self._lru: OrderedDict[bytes, Hot] = OrderedDict()
         self._bytes = 0
         self._version: int | None = None
-        self._conn: sqlite3.Connection | None = None
+        self._reader: StateStore | None = None
 
     def _data_version(self) -> int | None:
-        """The state's change counter as this connection sees it; None when it cannot be read."""
+        """The state's change counter; None when it cannot be read (then nothing is cached)."""
         try:
-            if self._conn is None:
-                uri = f"file:{self.state_path}?mode=ro"
-                self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=0.1)
-            return self._conn.execute("PRAGMA data_version").fetchone()[0]
-        except sqlite3.Error:
+            if self._reader is None:
+                self._reader = self.open_reader()
+            return self._reader.version()
+        except Exception as exc:  # a backend's own error type: the hot cache just stays off meanwhile
+            log.debug("hot cache: state version unreadable: %s", exc)
             self.close()
             return None
 
@@ -140,9 +142,9 @@ class HotCache:
             self._bytes -= old.cost
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        if self._reader is not None:
+            reader, self._reader = self._reader, None
+            reader.close()
 
 
 class ResourceFastPath:
@@ -160,7 +162,10 @@ class ResourceFastPath:
         self.route = route  # the resource Route: ServedMetrics labels the request by its path
         #: (ServerBusy, its handler): this middleware is outside starlette's exception handlers
         self.busy = busy
-        self.cache = HotCache(publisher.state_path)
+        # A handle of its own, not one of the pool's: read in the event loop, between requests.
+        self.cache = HotCache(
+            lambda: connect(publisher.state_path, readonly=True, busy_timeout=0.1, cache_mib=1)
+        )
         self.offload = publisher.config.server.offload
         self.location = publisher.config.server.offload_location
         self.lifetime = publisher.config.server.redirect_lifetime

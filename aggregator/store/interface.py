@@ -8,34 +8,65 @@ store knows where the state lives and how it is opened.
 The rules every backend keeps (docs/architecture.md invariants 1-3):
 
 - ``apply`` and ``finish_baseline`` write the resource rows, their changelog records, the cursor and the
-  ``also`` bookkeeping in ONE transaction: a crash never half-applies a batch, never applies one twice.
+  retry bookkeeping (``RetryChanges``) in ONE transaction: a crash never half-applies a batch, never
+  applies one twice.
 - The changelog's ``seq`` only grows and is never reused; its ``datetime`` (rsagg's clock) never goes
   back, so seq order is datetime order.
 - Resource ids are never reused (rows are tombstoned, not deleted); iterators page by id / seq and hold
   bounded memory whatever the size of the state.
 - Rows come back as the values of ``store/rows.py`` (times as aware UTC ``datetime``), never as a
-  backend's own row type.
+  backend's own row type; nothing of a backend (connection, cursor, transaction) crosses this seam.
+- Every method is one transaction (or one consistent read) of its own and is safe to call from any
+  thread; a backend serialises what its connection needs serialised. Every write commits before the
+  method returns (``version()`` grows).
+- Ids (``id`` of hub subscriptions, verifications, deliveries, notify subscriptions, dump runs and
+  packages) are assigned by the backend, grow, and are never reused (SQLite ``AUTOINCREMENT``;
+  PostgreSQL ``GENERATED ALWAYS AS IDENTITY`` / a sequence).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
 from ..rs.model import Entry
-from .rows import Change, Cursor, DocumentRow, LogRecord, Resource, SetRow, SourceRow
-
-#: ``also(transaction, now)`` of ``apply``/``finish_baseline``: bookkeeping committed with the changes.
-#: ``transaction`` is the backend's handle on the open transaction (``sqlite3.Connection`` for ``State``),
-#: ``now`` the batch's changelog time in fixed-width W3C form.
-Also = Callable[[Any, str], None]
+from .rows import (
+    Change,
+    Cursor,
+    DocumentRow,
+    DumpPackage,
+    DumpPart,
+    DumpRun,
+    FailedChange,
+    HubBacklog,
+    HubDelivery,
+    HubRequestState,
+    HubSubscription,
+    HubVerification,
+    LogRecord,
+    NotifyChannel,
+    NotifySubscription,
+    Resource,
+    RetryChanges,
+    SetRow,
+    SourceRow,
+)
 
 
 class StateStore(Protocol):
     """Sources, their documents and sets, the resources held, the changelog and the cursors."""
 
     def close(self) -> None: ...
+
+    def version(self) -> int:
+        """A change counter: grows whenever anyone (this handle, another one, another process) commits a
+        write to the state, and stays the same while nobody does. Cheap enough to call per HTTP request
+        without a worker thread (the publisher's hot cache drops everything when it moved). Only
+        equality matters to callers; a backend may use e.g. SQLite's ``PRAGMA data_version`` plus its
+        own commits, or a PostgreSQL sequence bumped by every writing transaction (or
+        ``pg_stat_database.xact_commit``-like counters) read in one round trip."""
+        ...
 
     # -- sources ----------------------------------------------------------------------------------
 
@@ -84,22 +115,38 @@ class StateStore(Protocol):
         set_id: int,
         changes: Sequence[Change],
         cursor: Cursor | None = None,
-        also: Also | None = None,
-    ) -> list[Change]: ...
+        retries: RetryChanges | None = None,
+    ) -> list[Change]:
+        """Apply a batch of changes, move the cursor and write ``retries``, in ONE transaction
+        (store/state.py ``State.apply`` has the per-change rules every backend keeps)."""
+        ...
 
     def begin_baseline(self, set_id: int) -> int: ...
 
     def finish_baseline(
-        self, set_id: int, generation: int, cursor: Cursor, also: Also | None = None
-    ) -> list[Change]: ...
+        self, set_id: int, generation: int, cursor: Cursor, retries: RetryChanges | None = None
+    ) -> list[Change]:
+        """Tombstone what the baseline did not see, store the cursor, close the baseline and write
+        ``retries``, in one transaction. ``retries``: ``failed`` rows are upserted by (set_id,
+        ``entry.loc``) — a new row has attempts 1, first_at = last_at = the batch's changelog time; an
+        existing one gets attempts + 1 and the new change, entry, kind, message and last_at — then the
+        rows of the ``cleared`` URIs of the set are deleted."""
+        ...
 
     # -- retries: failed changes kept to be tried again at the set's next sync ----------------------
 
-    def pending_retries(self, set_id: int) -> list[tuple[Entry, str, int]]: ...
+    def pending_retries(self, set_id: int) -> list[tuple[Entry, str, int]]:
+        """(entry, change, attempts) of the set's retries not ended, oldest first_at first. The entry is
+        stored as given to ``FailedChange`` (State: a one-entry ResourceSync document) and comes back
+        equal."""
+        ...
 
     def retry_uris(self, set_id: int) -> set[str]: ...
 
-    def end_retries(self, set_id: int, ended: Iterable[str], reason: str) -> None: ...
+    def end_retries(self, set_id: int, ended: Iterable[str], reason: str) -> None:
+        """Mark the retries of ``ended`` URIs (not already ended) as ended: kind "ended", message
+        ``f"{reason} (last failure: {kind}: {message})"``, last_at now."""
+        ...
 
     def retry_rows(self, sources: Iterable[str] = ()) -> list[dict]: ...
 
@@ -170,14 +217,198 @@ class StateStore(Protocol):
 
     def log_datetime(self, seq: int) -> datetime | None: ...
 
+    # -- the embedded WebSub hub (websub/hub.py) ---------------------------------------------------
+    # Four tables: subscriptions (unique per (topic, callback)), verifications waiting (unique per
+    # (topic, callback): a newer request replaces the waiting one), payloads, and deliveries (one per
+    # subscription and payload, deleted with their subscription; a payload no delivery names is deleted
+    # by the writes that end deliveries). Deliveries of one subscription go out in id order.
+
+    def hub_subscriptions(self, topic: str | None = None) -> list[HubSubscription]:
+        """Every subscription (of ``topic``), expired or not, by id (at most the hub's
+        ``max_subscriptions``: a list)."""
+        ...
+
+    def hub_backlog(self) -> HubBacklog:
+        """How many verifications and deliveries wait."""
+        ...
+
+    def hub_request_state(self, topic: str, callback: str) -> HubRequestState:
+        """For a new subscription request: how many verifications wait in all, whether one of this pair
+        does, whether the pair is subscribed."""
+        ...
+
+    def hub_subscriber_callbacks(self) -> list[str]:
+        """The callback URL of every distinct (topic, callback) pair that is subscribed or has a waiting
+        ``subscribe`` verification (the hub counts them per host)."""
+        ...
+
+    def hub_queue_verification(self, request: HubVerification, requested: datetime) -> int:
+        """Queue ``request`` (its ``id`` is ignored), replacing a waiting verification of the same
+        (topic, callback) (the replacement gets a new id); returns the new id."""
+        ...
+
+    def hub_due_verifications(self, exclude: Sequence[int], limit: int) -> list[HubVerification]:
+        """Up to ``limit`` waiting verifications whose id is not in ``exclude`` (in flight), by id."""
+        ...
+
+    def hub_finish_verification(
+        self, verification: HubVerification, subscribe: bool | None, lease_expires: datetime, now: datetime
+    ) -> bool:
+        """End a verification, in one transaction: delete its row by id — False (and nothing else
+        changes) when it is gone (a newer request replaced it). Then ``subscribe`` None: nothing more (a
+        failed verification leaves the subscription as it was, WebSub §5.1); False: delete the pair's
+        subscription (unsubscribed or denied) and the payloads left without delivery; True: insert the
+        subscription, or for an existing pair update its secret, lease_seconds, lease_expires and
+        ``verified`` (keeping its id and pending deliveries); ``created``/``verified`` = ``now``."""
+        ...
+
+    def hub_queue_payload(
+        self,
+        topic: str,
+        body: bytes,
+        content_type: str,
+        link: str,
+        now: datetime,
+        max_pending_per_subscription: int,
+    ) -> tuple[int, int]:
+        """Store a payload and one delivery (due ``now``) for every subscription of ``topic`` whose lease
+        ends after ``now``; then keep only the newest ``max_pending_per_subscription`` deliveries of
+        each subscription of the topic (WebSub §7 self-imposed limits). One transaction; no subscriber:
+        nothing stored. Returns (deliveries queued, deliveries dropped)."""
+        ...
+
+    def hub_expire(self, now: datetime) -> int:
+        """Delete the subscriptions whose lease ended (``lease_expires <= now``; WebSub §5.3.1), their
+        deliveries and orphaned payloads; returns how many subscriptions. Writes nothing when none."""
+        ...
+
+    def hub_next_lease_end(self) -> datetime | None:
+        """The earliest ``lease_expires`` of all subscriptions (None: none)."""
+        ...
+
+    def hub_due_deliveries(
+        self, now: datetime, exclude_subscriptions: Sequence[int], limit: int
+    ) -> list[HubDelivery]:
+        """Up to ``limit`` deliveries that may go out now: each the oldest (lowest id) pending delivery
+        of its subscription, due (``next_attempt <= now``), of a subscription not in
+        ``exclude_subscriptions``; by (next_attempt, id)."""
+        ...
+
+    def hub_next_delivery_due(self, exclude_subscriptions: Sequence[int]) -> datetime | None:
+        """The earliest ``next_attempt`` among the oldest pending delivery of each subscription not in
+        ``exclude_subscriptions`` (None: none)."""
+        ...
+
+    def hub_finish_delivery(self, delivery: HubDelivery, outcome: str, retry_at: datetime, error: str) -> str:
+        """Record a delivery attempt, in one transaction; returns the final outcome. "ok": delete the
+        delivery. "gone" (410): delete its subscription (and so its deliveries). "retry": when the
+        subscription is gone or ``retry_at`` is not before its lease end, delete the delivery and return
+        "failed"; else set attempts = ``delivery.attempts`` + 1, next_attempt = ``retry_at``,
+        last_error = ``error[:500]``. Unless the result is "retry", delete payloads left without a
+        delivery."""
+        ...
+
+    # -- rsagg's own notification channels (websub/notifier.py) -------------------------------------
+
+    def notify_channels(self) -> list[NotifyChannel]:
+        """Every saved channel (one per topic; a few per published set), by topic."""
+        ...
+
+    def put_notify_channels(self, channels: Sequence[NotifyChannel], drop: Sequence[str] = ()) -> None:
+        """Insert or replace ``channels`` (by topic; ``snapshot`` is JSON-able) and delete the channels
+        of the ``drop`` topics, in one transaction."""
+        ...
+
+    # -- rsagg's subscriptions to upstream channels (websub/subscriber.py) ----------------------------
+
+    def notify_subscriptions(self) -> list[NotifySubscription]:
+        """Every subscription, by id (a few per configured source: a list)."""
+        ...
+
+    def add_notify_subscription(self, subscription: NotifySubscription) -> int:
+        """Store a new subscription (its ``id`` ignored; ``token`` unique) and return its id."""
+        ...
+
+    def put_notify_subscriptions(self, subscriptions: Sequence[NotifySubscription]) -> None:
+        """Update stored subscriptions (every field, by id), in one transaction."""
+        ...
+
+    def delete_notify_subscription(self, subscription_id: int) -> None: ...
+
+    # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py) -------------------------------
+    # A Resource Dump run has numbered packages (part 1..n); a Change Dump has one package per Change
+    # List window (unique per (set_name, window)). Blob hashes are lowercase hex SHA-256.
+
+    def dump_latest_run(self, set_name: str) -> DumpRun | None:
+        """The set's newest Resource Dump run (highest id)."""
+        ...
+
+    def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
+        """The packages of a run, by part."""
+        ...
+
+    def change_dump_packages(self, set_name: str) -> list[DumpPackage]:
+        """The set's Change Dump packages, by window."""
+        ...
+
+    def dump_package(self, set_name: str, kind: str, number: int) -> DumpPackage | None:
+        """A package by its URL number: the package id for kind "resourcedump" (also of an older run
+        still kept), the window for "changedump"; ValueError for another kind."""
+        ...
+
+    def has_change_dump(self, set_name: str) -> bool: ...
+
+    def add_resource_dump(
+        self,
+        set_name: str,
+        set_ids: Sequence[int],
+        last_seq: int,
+        at: datetime,
+        completed: datetime,
+        parts: Sequence[DumpPart],
+        created: datetime,
+    ) -> list[DumpPackage]:
+        """Record a run (its packages, entries and bytes summed from ``parts``) and its packages (part
+        1.. in the order given; ``created`` on all), in one transaction; returns the packages as stored,
+        by part."""
+        ...
+
+    def prune_resource_dumps(self, set_name: str, keep: int) -> set[str]:
+        """Delete all but the newest ``keep`` runs of the set and their packages, in one transaction;
+        returns the ZIP and manifest hashes the deleted packages named (the caller deletes the blobs
+        nothing else names)."""
+        ...
+
+    def add_change_dump(
+        self, set_name: str, window: int, first_seq: int, last_seq: int, part: DumpPart, created: datetime
+    ) -> DumpPackage:
+        """Record the Change Dump package of a window (``from_``/``until`` of ``part``); returns it."""
+        ...
+
+    def dump_hashes(self) -> Iterator[str]:
+        """Every blob a dump package names (ZIP and manifest), each once, ascending: gc merges it with
+        ``referenced_hashes``."""
+        ...
+
 
 __all__ = [
-    "Also",
     "Change",
     "Cursor",
     "DocumentRow",
+    "DumpPackage",
+    "DumpPart",
+    "DumpRun",
+    "FailedChange",
+    "HubBacklog",
+    "HubDelivery",
+    "HubRequestState",
+    "HubSubscription",
+    "HubVerification",
     "LogRecord",
+    "NotifyChannel",
+    "NotifySubscription",
     "Resource",
+    "RetryChanges",
     "SetRow",
     "SourceRow",
     "StateStore",

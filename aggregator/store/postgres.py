@@ -2,7 +2,7 @@
 
 Same tables, same migrations (in PostgreSQL's dialect, step *i* here is step *i* of store/state.py's
 ``MIGRATIONS``), same rules as the SQLite ``State``: resource rows, changelog records, the cursor and
-the ``also`` bookkeeping move in ONE transaction (docs/architecture.md invariants 1 and 2); the changelog
+the retry bookkeeping move in ONE transaction (docs/architecture.md invariants 1 and 2); the changelog
 is the truth of what rsagg republishes (invariant 3).
 
 Connections come from a psycopg-pool ``ConnectionPool``: every method borrows one for its transaction,
@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import heapq
 import json
-import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
@@ -46,12 +45,41 @@ import trio
 from psycopg_pool import ConnectionPool
 
 from ..commands._common import OperatorError
-from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry
+from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Head
 from ..rs.parse import parse_bytes
 from ..rs.w3cdt import utcnow
+from ..rs.write import iter_document_bytes
 from . import state as sqlite_state
-from .rows import Change, Cursor, DocumentRow, LogRecord, Resource, SetRow, SourceRow
-from .state import SOURCE_STATUS_FIELDS, SYNCHRONOUS, _check_sha, _json, _links_from, _links_json, format_dt
+from .rows import (
+    Change,
+    Cursor,
+    DocumentRow,
+    DumpPackage,
+    DumpPart,
+    DumpRun,
+    HubBacklog,
+    HubDelivery,
+    HubRequestState,
+    HubSubscription,
+    HubVerification,
+    LogRecord,
+    NotifyChannel,
+    NotifySubscription,
+    Resource,
+    RetryChanges,
+    SetRow,
+    SourceRow,
+)
+from .state import (
+    RETRY_ENDED,
+    SOURCE_STATUS_FIELDS,
+    SYNCHRONOUS,
+    _check_sha,
+    _json,
+    _links_from,
+    _links_json,
+    format_dt,
+)
 
 #: URL schemes this backend opens (``store.state.connect`` picks it by them).
 SCHEMES = ("postgresql", "postgres")
@@ -219,6 +247,85 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "CREATE INDEX publish_dumps_run ON publish_dumps(run)",
         "CREATE INDEX publish_dumps_set ON publish_dumps(set_name, kind, id)",
     ),
+    (  # 6: the embedded WebSub hub (websub/hub.py); and the change counter (version())
+        """CREATE TABLE hub_subscriptions (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            topic TEXT NOT NULL,
+            callback TEXT NOT NULL,
+            secret TEXT,
+            lease_seconds INTEGER NOT NULL,
+            lease_expires TIMESTAMPTZ NOT NULL,
+            created TIMESTAMPTZ NOT NULL,
+            verified TIMESTAMPTZ NOT NULL,
+            UNIQUE (topic, callback)
+        )""",
+        "CREATE INDEX hub_subscriptions_expires ON hub_subscriptions(lease_expires)",
+        """CREATE TABLE hub_verifications (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            mode TEXT NOT NULL CHECK (mode IN ('subscribe', 'unsubscribe', 'denied')),
+            topic TEXT NOT NULL,
+            callback TEXT NOT NULL,
+            secret TEXT,
+            lease_seconds INTEGER,
+            reason TEXT,
+            requested TIMESTAMPTZ NOT NULL,
+            UNIQUE (topic, callback)
+        )""",
+        """CREATE TABLE hub_payloads (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            topic TEXT NOT NULL,
+            body BYTEA NOT NULL,
+            content_type TEXT NOT NULL,
+            link TEXT NOT NULL,
+            created TIMESTAMPTZ NOT NULL
+        )""",
+        """CREATE TABLE hub_deliveries (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            subscription_id BIGINT NOT NULL REFERENCES hub_subscriptions(id) ON DELETE CASCADE,
+            payload_id BIGINT NOT NULL REFERENCES hub_payloads(id),
+            attempts INTEGER NOT NULL DEFAULT 0,
+            next_attempt TIMESTAMPTZ NOT NULL,
+            last_error TEXT
+        )""",
+        "CREATE INDEX hub_deliveries_subscription ON hub_deliveries(subscription_id, id)",
+        "CREATE INDEX hub_deliveries_payload ON hub_deliveries(payload_id)",
+        # Bumped after every committed write (``_write``), read by ``version()``: a sequence is not
+        # transactional and takes no lock, so writers never wait on it.
+        "CREATE SEQUENCE state_version AS BIGINT",
+    ),
+    (  # 7: rsagg's own notification channels (websub/notifier.py)
+        """CREATE TABLE notify_channels (
+            topic TEXT PRIMARY KEY,
+            set_name TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            last_seq BIGINT NOT NULL,
+            last_until TIMESTAMPTZ,
+            body BYTEA,
+            snapshot TEXT,
+            updated TIMESTAMPTZ NOT NULL
+        )""",
+    ),
+    (  # 8: rsagg's subscriptions to upstream channels (websub/subscriber.py)
+        """CREATE TABLE notify_subscriptions (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            token TEXT NOT NULL UNIQUE,
+            secret TEXT NOT NULL,
+            source TEXT NOT NULL,
+            capabilitylist_url TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            topic TEXT NOT NULL,
+            hub TEXT NOT NULL,
+            wanted BOOLEAN NOT NULL DEFAULT true,
+            pending TEXT,
+            requested TIMESTAMPTZ,
+            lease_seconds INTEGER,
+            lease_expires TIMESTAMPTZ,
+            verified TIMESTAMPTZ,
+            last_until TIMESTAMPTZ,
+            failures INTEGER NOT NULL DEFAULT 0,
+            next_attempt TIMESTAMPTZ
+        )""",
+    ),
 ]
 
 _RES_COLS = sqlite_state._RES_COLS
@@ -248,8 +355,6 @@ _SOURCE_COLS = (
     "name", "url", "state", "last_error", "last_error_at", "last_success", "last_attempt", "next_attempt",
     "failures", "progress_done", "progress_total", "progress_what", "created_at", "updated_at", "using_url",
 )  # fmt: skip
-#: ``kind`` of a retry that ended (store/retries.py's ENDED).
-_ENDED = "ended"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -397,9 +502,20 @@ class PostgresState:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[psycopg.Connection]:
-        """One transaction on a pooled connection: COMMIT, or ROLLBACK on any exception."""
-        with self.pool.connection() as conn, conn.transaction():
-            yield conn
+        """One transaction on a pooled connection: COMMIT, or ROLLBACK on any exception; once committed,
+        ``version()`` moves (after the commit, so a reader never caches what it could not see yet)."""
+        with self.pool.connection() as conn:
+            with conn.transaction():
+                yield conn
+            conn.execute("SELECT nextval('state_version')")
+
+    def version(self) -> int:
+        """Grows with every committed write of anyone (this process or another): the ``state_version``
+        sequence, bumped after each commit (``_write``). One round trip, no lock."""
+        with self._read() as c:
+            return c.execute(
+                "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM state_version"
+            ).fetchone()[0]
 
     def _read(self) -> contextlib.AbstractContextManager[psycopg.Connection]:
         return self.pool.connection()
@@ -593,13 +709,10 @@ class PostgresState:
         set_id: int,
         changes: Sequence[Change],
         cursor: Cursor | None = None,
-        also: Callable[[Any, str], None] | None = None,
+        retries: RetryChanges | None = None,
     ) -> list[Change]:
-        """Apply a batch of changes and move the cursor, in ONE transaction (``State.apply``'s rules).
-
-        ``also(transaction, now)`` runs inside it, after the changes and the cursor; ``transaction``
-        takes SQLite-style ``?`` placeholders (``_Transaction``), ``now`` is fixed-width W3C text.
-        """
+        """Apply a batch of changes, move the cursor and write ``retries``, in ONE transaction
+        (``State.apply``'s rules)."""
         for ch in changes:
             if ch.change not in CHANGES:
                 raise ValueError(f"{ch.uri}: unknown change {ch.change!r}")
@@ -613,8 +726,8 @@ class PostgresState:
             applied = self._apply(c, set_id, changes, row[0], seq, now)
             if cursor is not None:
                 self._put_cursor(c, set_id, cursor, now)
-            if also is not None:
-                also(_Transaction(c), format_dt(now))
+            if retries is not None:
+                self._put_retries(c, now, set_id, retries)
         return applied
 
     def _apply(
@@ -756,10 +869,10 @@ class PostgresState:
         set_id: int,
         generation: int,
         cursor: Cursor,
-        also: Callable[[Any, str], None] | None = None,
+        retries: RetryChanges | None = None,
     ) -> list[Change]:
         """``State.finish_baseline``: sweep the rows not seen in ``generation``, store the cursor and
-        close the baseline, in one transaction (``also`` too, as in ``apply``)."""
+        close the baseline, in one transaction (``retries`` too, as in ``apply``)."""
         with self._write() as c:
             row = c.execute(
                 "SELECT baseline_generation FROM sets WHERE id = %s FOR UPDATE", (set_id,)
@@ -786,18 +899,34 @@ class PostgresState:
                     )
             self._put_cursor(c, set_id, cursor, now)
             c.execute("UPDATE sets SET baseline_generation = NULL WHERE id = %s", (set_id,))
-            if also is not None:
-                also(_Transaction(c), format_dt(now))
+            if retries is not None:
+                self._put_retries(c, now, set_id, retries)
         return [Change(uri, DELETED, generation=generation) for _, uri in gone]
 
-    # -- retries (store/retries.py's rules, in this dialect) ----------------------------------------
+    # -- retries (State's rules: a failed change waits for the next sync; see State._put_retries) ---
+
+    def _put_retries(self, c: psycopg.Connection, now: datetime, set_id: int, retries: RetryChanges) -> None:
+        with c.cursor() as cur:
+            if retries.failed:
+                cur.executemany(
+                    "INSERT INTO retries (set_id, uri, change, entry, kind, message, first_at, last_at) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (set_id, uri) DO UPDATE SET "
+                    "change = excluded.change, entry = excluded.entry, kind = excluded.kind, "
+                    "message = excluded.message, attempts = retries.attempts + 1, last_at = excluded.last_at",
+                    [(set_id, f.entry.loc, f.change, b"".join(iter_document_bytes(Head(), [f.entry])), f.kind,
+                      f.message, now, now) for f in retries.failed],
+                )  # fmt: skip
+            if retries.cleared:
+                cur.execute(
+                    "DELETE FROM retries WHERE set_id = %s AND uri = ANY(%s)", (set_id, list(retries.cleared))
+                )
 
     def pending_retries(self, set_id: int) -> list[tuple[Entry, str, int]]:
         with self._read() as c:
             rows = c.execute(
                 "SELECT entry, change, attempts FROM retries WHERE set_id = %s AND kind <> %s "
                 "ORDER BY first_at",
-                (set_id, _ENDED),
+                (set_id, RETRY_ENDED),
             ).fetchall()
         out = []
         for data, change, attempts in rows:
@@ -815,7 +944,7 @@ class PostgresState:
             cur.executemany(
                 "UPDATE retries SET message = %s || ' (last failure: ' || kind || ': ' || message || ')', "
                 "kind = %s, last_at = %s WHERE set_id = %s AND uri = %s AND kind <> %s",
-                [(reason, _ENDED, now, set_id, uri, _ENDED) for uri in ended],
+                [(reason, RETRY_ENDED, now, set_id, uri, RETRY_ENDED) for uri in ended],
             )
 
     def retry_rows(self, sources: Iterable[str] = ()) -> list[dict]:
@@ -836,7 +965,7 @@ class PostgresState:
         for r in rows:
             d = dict(zip(names, r, strict=True))
             d["first_at"], d["last_at"] = format_dt(d["first_at"]), format_dt(d["last_at"])  # as State's
-            out.append({**d, "state": "ended" if d["kind"] == _ENDED else "waiting"})
+            out.append({**d, "state": "ended" if d["kind"] == RETRY_ENDED else "waiting"})
         return out
 
     def clear_retries(self, sources: Iterable[str] = (), *, ended_only: bool = False) -> int:
@@ -847,7 +976,7 @@ class PostgresState:
             params.append(wanted)
         if ended_only:
             where.append("kind = %s")
-            params.append(_ENDED)
+            params.append(RETRY_ENDED)
         sql = "DELETE FROM retries" + (" WHERE " + " AND ".join(where) if where else "")
         with self._write() as c:
             return c.execute(sql, params).rowcount
@@ -858,7 +987,7 @@ class PostgresState:
             rows = c.execute(
                 "SELECT s.source, r.kind = %s, count(*) FROM retries r JOIN sets s ON s.id = r.set_id "
                 "GROUP BY 1, 2",
-                (_ENDED,),
+                (RETRY_ENDED,),
             ).fetchall()
         for source, ended, n in rows:
             counts = out.setdefault(source, {"waiting": 0, "ended": 0})
@@ -1100,29 +1229,374 @@ class PostgresState:
         for (sha,) in self._server_side(sql, ()):
             yield sha
 
+    # -- the embedded WebSub hub (websub/hub.py; migration 6) ----------------------------------------
+
+    def hub_subscriptions(self, topic: str | None = None) -> list[HubSubscription]:
+        sql = (
+            "SELECT id, topic, callback, secret, lease_seconds, lease_expires, created, verified "
+            "FROM hub_subscriptions" + (" WHERE topic = %s" if topic is not None else "") + " ORDER BY id"
+        )
+        with self._read() as c:
+            rows = c.execute(sql, () if topic is None else (topic,)).fetchall()
+        return [HubSubscription(*r) for r in rows]
+
+    def hub_backlog(self) -> HubBacklog:
+        with self._read() as c:
+            v, d = c.execute(
+                "SELECT (SELECT count(*) FROM hub_verifications), (SELECT count(*) FROM hub_deliveries)"
+            ).fetchone()
+        return HubBacklog(v, d)
+
+    def hub_request_state(self, topic: str, callback: str) -> HubRequestState:
+        with self._read() as c:
+            waiting, pending, subscribed = c.execute(
+                "SELECT (SELECT count(*) FROM hub_verifications), "
+                "EXISTS (SELECT 1 FROM hub_verifications WHERE topic = %s AND callback = %s), "
+                "EXISTS (SELECT 1 FROM hub_subscriptions WHERE topic = %s AND callback = %s)",
+                (topic, callback, topic, callback),
+            ).fetchone()
+        return HubRequestState(waiting, pending, subscribed)
+
+    def hub_subscriber_callbacks(self) -> list[str]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT topic, callback FROM hub_subscriptions UNION "
+                "SELECT topic, callback FROM hub_verifications WHERE mode = 'subscribe'"
+            ).fetchall()
+        return [cb for _, cb in rows]
+
+    def hub_queue_verification(self, request: HubVerification, requested: datetime) -> int:
+        r = request
+        with self._write() as c:  # a newer request replaces the waiting one, with a new id
+            c.execute(
+                "DELETE FROM hub_verifications WHERE topic = %s AND callback = %s", (r.topic, r.callback)
+            )
+            return c.execute(
+                "INSERT INTO hub_verifications (mode, topic, callback, secret, lease_seconds, reason, "
+                "requested) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING id",
+                (r.mode, r.topic, r.callback, r.secret, r.lease_seconds, r.reason, requested),
+            ).fetchone()[0]
+
+    def hub_due_verifications(self, exclude: Sequence[int], limit: int) -> list[HubVerification]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT id, mode, topic, callback, secret, lease_seconds, reason FROM hub_verifications "
+                "WHERE NOT (id = ANY(%s)) ORDER BY id LIMIT %s",
+                (list(exclude), limit),
+            ).fetchall()
+        return [HubVerification(*r) for r in rows]
+
+    def hub_finish_verification(
+        self, verification: HubVerification, subscribe: bool | None, lease_expires: datetime, now: datetime
+    ) -> bool:
+        v = verification
+        with self._write() as c:
+            if c.execute("DELETE FROM hub_verifications WHERE id = %s", (v.id,)).rowcount == 0:
+                return False
+            if subscribe is None:
+                return True
+            if not subscribe:
+                c.execute(
+                    "DELETE FROM hub_subscriptions WHERE topic = %s AND callback = %s", (v.topic, v.callback)
+                )
+                c.execute(_HUB_GC_PAYLOADS)
+                return True
+            c.execute(  # a renewal keeps the row (and so the pending deliveries), with the new lease
+                "INSERT INTO hub_subscriptions (topic, callback, secret, lease_seconds, lease_expires, "
+                "created, verified) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (topic, callback) DO UPDATE SET secret = excluded.secret, "
+                "lease_seconds = excluded.lease_seconds, lease_expires = excluded.lease_expires, "
+                "verified = excluded.verified",
+                (v.topic, v.callback, v.secret, v.lease_seconds, lease_expires, now, now),
+            )
+            return True
+
+    def hub_queue_payload(
+        self,
+        topic: str,
+        body: bytes,
+        content_type: str,
+        link: str,
+        now: datetime,
+        max_pending_per_subscription: int,
+    ) -> tuple[int, int]:
+        with self._write() as c:
+            subs = [
+                r[0]
+                for r in c.execute(
+                    "SELECT id FROM hub_subscriptions WHERE topic = %s AND lease_expires > %s ORDER BY id",
+                    (topic, now),
+                )
+            ]
+            if not subs:
+                return 0, 0
+            pid = c.execute(
+                "INSERT INTO hub_payloads (topic, body, content_type, link, created) "
+                "VALUES (%s, %s, %s, %s, %s) RETURNING id",
+                (topic, body, content_type, link, now),
+            ).fetchone()[0]
+            c.execute(
+                "INSERT INTO hub_deliveries (subscription_id, payload_id, next_attempt) "
+                "SELECT s, %s, %s FROM unnest(%s::bigint[]) AS s ORDER BY s",
+                (pid, now, subs),
+            )
+            dropped = c.execute(
+                "DELETE FROM hub_deliveries WHERE id IN (SELECT id FROM (SELECT id, row_number() OVER "
+                "(PARTITION BY subscription_id ORDER BY id DESC) AS n FROM hub_deliveries "
+                "WHERE subscription_id IN (SELECT id FROM hub_subscriptions WHERE topic = %s)) AS x "
+                "WHERE n > %s)",
+                (topic, max_pending_per_subscription),
+            ).rowcount
+            if dropped:
+                c.execute(_HUB_GC_PAYLOADS)
+        return len(subs), dropped
+
+    def hub_expire(self, now: datetime) -> int:
+        with self._read() as c:
+            if not c.execute(
+                "SELECT 1 FROM hub_subscriptions WHERE lease_expires <= %s LIMIT 1", (now,)
+            ).fetchone():
+                return 0  # the common case: no write
+        with self._write() as c:
+            expired = c.execute("DELETE FROM hub_subscriptions WHERE lease_expires <= %s", (now,)).rowcount
+            c.execute(_HUB_GC_PAYLOADS)
+        return expired
+
+    def hub_next_lease_end(self) -> datetime | None:
+        with self._read() as c:
+            return c.execute("SELECT min(lease_expires) FROM hub_subscriptions").fetchone()[0]
+
+    def hub_due_deliveries(
+        self, now: datetime, exclude_subscriptions: Sequence[int], limit: int
+    ) -> list[HubDelivery]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT d.id, s.id, s.callback, s.secret, d.attempts, p.body, p.content_type, p.link "
+                "FROM hub_deliveries d JOIN hub_subscriptions s ON s.id = d.subscription_id "
+                "JOIN hub_payloads p ON p.id = d.payload_id "
+                f"WHERE d.id IN ({_HUB_HEADS}) AND d.next_attempt <= %s AND NOT (s.id = ANY(%s)) "
+                "ORDER BY d.next_attempt, d.id LIMIT %s",
+                (now, list(exclude_subscriptions), limit),
+            ).fetchall()
+        return [HubDelivery(*r) for r in rows]
+
+    def hub_next_delivery_due(self, exclude_subscriptions: Sequence[int]) -> datetime | None:
+        with self._read() as c:
+            return c.execute(
+                f"SELECT min(next_attempt) FROM hub_deliveries WHERE id IN ({_HUB_HEADS}) "
+                "AND NOT (subscription_id = ANY(%s))",
+                (list(exclude_subscriptions),),
+            ).fetchone()[0]
+
+    def hub_finish_delivery(self, delivery: HubDelivery, outcome: str, retry_at: datetime, error: str) -> str:
+        if outcome not in ("ok", "gone", "retry"):
+            raise ValueError(f"unknown delivery outcome {outcome!r}")
+        d = delivery
+        with self._write() as c:
+            if outcome == "gone":
+                c.execute("DELETE FROM hub_subscriptions WHERE id = %s", (d.subscription_id,))
+            elif outcome == "ok":
+                c.execute("DELETE FROM hub_deliveries WHERE id = %s", (d.id,))
+            else:
+                row = c.execute(
+                    "SELECT lease_expires FROM hub_subscriptions WHERE id = %s", (d.subscription_id,)
+                ).fetchone()
+                if row is None or retry_at >= row[0]:  # retried until the lease ends, no longer
+                    c.execute("DELETE FROM hub_deliveries WHERE id = %s", (d.id,))
+                    outcome = "failed"
+                else:
+                    c.execute(
+                        "UPDATE hub_deliveries SET attempts = %s, next_attempt = %s, last_error = %s "
+                        "WHERE id = %s",
+                        (d.attempts + 1, retry_at, error[:500], d.id),
+                    )
+            if outcome != "retry":
+                c.execute(_HUB_GC_PAYLOADS)
+        return outcome
+
+    # -- rsagg's notification channels (websub/notifier.py; migration 7) --------------------------
+
+    def notify_channels(self) -> list[NotifyChannel]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT topic, set_name, kind, last_seq, last_until, body, snapshot FROM notify_channels "
+                "ORDER BY topic"
+            ).fetchall()
+        return [
+            NotifyChannel(topic, name, kind, seq, until, bytes(body or b""), json.loads(snap or "{}"))
+            for topic, name, kind, seq, until, body, snap in rows
+        ]
+
+    def put_notify_channels(self, channels: Sequence[NotifyChannel], drop: Sequence[str] = ()) -> None:
+        now = self._now()
+        with self._write() as c, c.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO notify_channels (topic, set_name, kind, last_seq, last_until, body, snapshot, "
+                "updated) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (topic) DO UPDATE SET "
+                "set_name = excluded.set_name, kind = excluded.kind, last_seq = excluded.last_seq, "
+                "last_until = excluded.last_until, body = excluded.body, snapshot = excluded.snapshot, "
+                "updated = excluded.updated",
+                [(ch.topic, ch.set_name, ch.kind, ch.last_seq, ch.last_until, ch.body,
+                  json.dumps(ch.snapshot) if ch.snapshot else None, now) for ch in channels],
+            )  # fmt: skip
+            if drop:
+                cur.execute("DELETE FROM notify_channels WHERE topic = ANY(%s)", (list(drop),))
+
+    # -- rsagg's subscriptions to upstream channels (websub/subscriber.py; migration 8) ----------
+
+    def notify_subscriptions(self) -> list[NotifySubscription]:
+        with self._read() as c:
+            rows = c.execute(
+                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions ORDER BY id"
+            ).fetchall()
+        return [NotifySubscription(*r) for r in rows]
+
+    def add_notify_subscription(self, subscription: NotifySubscription) -> int:
+        cols = _NSUB_COLS[1:]
+        with self._write() as c:
+            return c.execute(
+                f"INSERT INTO notify_subscriptions ({', '.join(cols)}) "
+                f"VALUES ({', '.join(['%s'] * len(cols))}) RETURNING id",
+                [getattr(subscription, k) for k in cols],
+            ).fetchone()[0]
+
+    def put_notify_subscriptions(self, subscriptions: Sequence[NotifySubscription]) -> None:
+        sql = (
+            f"UPDATE notify_subscriptions SET {', '.join(f'{k} = %s' for k in _NSUB_COLS[1:])} WHERE id = %s"
+        )
+        with self._write() as c, c.cursor() as cur:
+            cur.executemany(sql, [[*(getattr(s, k) for k in _NSUB_COLS[1:]), s.id] for s in subscriptions])
+
+    def delete_notify_subscription(self, subscription_id: int) -> None:
+        with self._write() as c:
+            c.execute("DELETE FROM notify_subscriptions WHERE id = %s", (subscription_id,))
+
+    # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py; migration 5) ---------------
+
+    def dump_latest_run(self, set_name: str) -> DumpRun | None:
+        with self._read() as c:
+            row = c.execute(
+                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = %s ORDER BY id DESC LIMIT 1",
+                (set_name,),
+            ).fetchone()
+        return DumpRun(*row[:5], tuple(row[5]), *row[6:]) if row else None
+
+    def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
+        with self._read() as c:
+            rows = c.execute(f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = %s ORDER BY part", (run_id,))
+            return [DumpPackage(*r) for r in rows.fetchall()]
+
+    def change_dump_packages(self, set_name: str) -> list[DumpPackage]:
+        with self._read() as c:
+            rows = c.execute(
+                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = %s AND kind = 'changedump' "
+                'ORDER BY "window"',
+                (set_name,),
+            ).fetchall()
+        return [DumpPackage(*r) for r in rows]
+
+    def dump_package(self, set_name: str, kind: str, number: int) -> DumpPackage | None:
+        key = {"resourcedump": "id", "changedump": '"window"'}.get(kind)
+        if key is None:
+            raise ValueError(f"unknown dump kind {kind!r}")
+        with self._read() as c:
+            row = c.execute(
+                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = %s AND kind = %s AND {key} = %s",
+                (set_name, kind, number),
+            ).fetchone()
+        return DumpPackage(*row) if row else None
+
+    def has_change_dump(self, set_name: str) -> bool:
+        with self._read() as c:
+            return c.execute(
+                "SELECT EXISTS (SELECT 1 FROM publish_dumps WHERE set_name = %s AND kind = 'changedump')",
+                (set_name,),
+            ).fetchone()[0]
+
+    def add_resource_dump(
+        self,
+        set_name: str,
+        set_ids: Sequence[int],
+        last_seq: int,
+        at: datetime,
+        completed: datetime,
+        parts: Sequence[DumpPart],
+        created: datetime,
+    ) -> list[DumpPackage]:
+        with self._write() as c:
+            run = c.execute(
+                "INSERT INTO publish_dump_runs (set_name, at, completed, last_seq, set_ids, packages, "
+                "entries, bytes, created) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+                (set_name, at, completed, last_seq, list(set_ids), len(parts), sum(p.entries for p in parts),
+                 sum(p.bytes for p in parts), created),
+            ).fetchone()[0]  # fmt: skip
+            with c.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO publish_dumps (set_name, kind, run, part, sha256, length, manifest_sha256, "
+                    "manifest_length, at, completed, entries, bytes, created) "
+                    "VALUES (%s, 'resourcedump', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    [(set_name, run, number, p.sha256, p.length, p.manifest_sha256, p.manifest_length, p.at,
+                      p.completed, p.entries, p.bytes, created) for number, p in enumerate(parts, 1)],
+                )  # fmt: skip
+            rows = c.execute(f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = %s ORDER BY part", (run,))
+            return [DumpPackage(*r) for r in rows.fetchall()]
+
+    def prune_resource_dumps(self, set_name: str, keep: int) -> set[str]:
+        with self._write() as c:
+            old = [
+                r[0]
+                for r in c.execute(
+                    "SELECT id FROM publish_dump_runs WHERE set_name = %s ORDER BY id DESC OFFSET %s",
+                    (set_name, keep),
+                )
+            ]
+            if not old:
+                return set()
+            shas = {
+                sha
+                for row in c.execute(
+                    "SELECT sha256, manifest_sha256 FROM publish_dumps WHERE run = ANY(%s)", (old,)
+                ).fetchall()
+                for sha in row
+            }
+            c.execute("DELETE FROM publish_dumps WHERE run = ANY(%s)", (old,))
+            c.execute("DELETE FROM publish_dump_runs WHERE id = ANY(%s)", (old,))
+        return shas
+
+    def add_change_dump(
+        self, set_name: str, window: int, first_seq: int, last_seq: int, part: DumpPart, created: datetime
+    ) -> DumpPackage:
+        p = part
+        with self._write() as c:
+            row = c.execute(
+                'INSERT INTO publish_dumps (set_name, kind, part, "window", first_seq, last_seq, sha256, '
+                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created) "
+                "VALUES (%s, 'changedump', 1, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                f"RETURNING {_PKG_COLS}",
+                (set_name, window, first_seq, last_seq, p.sha256, p.length, p.manifest_sha256,
+                 p.manifest_length, p.from_, p.until, p.entries, p.bytes, created),
+            ).fetchone()  # fmt: skip
+        return DumpPackage(*row)
+
+    def dump_hashes(self) -> Iterator[str]:
+        sql = "SELECT sha256 FROM publish_dumps UNION SELECT manifest_sha256 FROM publish_dumps ORDER BY 1"
+        for (sha,) in self._server_side(sql, ()):
+            yield sha
+
 
 # ---------------------------------------------------------------------------------------------------
 
-_QMARK = re.compile(r"'[^']*'|\?")
-
-
-class _Transaction:
-    """The open transaction as ``also`` callbacks see it: SQLite-style ``?`` placeholders (store/retries.py
-    writes its bookkeeping for either backend), run on this transaction's connection."""
-
-    def __init__(self, conn: psycopg.Connection) -> None:
-        self.conn = conn
-
-    @staticmethod
-    def _sql(sql: str) -> str:
-        return _QMARK.sub(lambda m: "%s" if m.group() == "?" else m.group().replace("%", "%%"), sql)
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> psycopg.Cursor:
-        return self.conn.execute(self._sql(sql), params)
-
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        with self.conn.cursor() as cur:
-            cur.executemany(self._sql(sql), list(rows))
+# The oldest pending delivery of each subscription: the only one that may go out (in-order delivery).
+_HUB_HEADS = "SELECT min(id) FROM hub_deliveries GROUP BY subscription_id"
+_HUB_GC_PAYLOADS = (
+    "DELETE FROM hub_payloads p WHERE NOT EXISTS (SELECT 1 FROM hub_deliveries d WHERE d.payload_id = p.id)"
+)
+_NSUB_COLS = tuple(f.name for f in dataclasses.fields(NotifySubscription))
+_RUN_COLS = "id, set_name, at, completed, last_seq, set_ids, packages, entries, bytes, created"
+_PKG_COLS = (
+    'id, set_name, kind, run, part, "window", first_seq, last_seq, sha256, length, manifest_sha256, '
+    "manifest_length, at, completed, from_, until, entries, bytes, created"
+)
 
 
 def _schema_version(conn: psycopg.Connection) -> int:

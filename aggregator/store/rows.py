@@ -7,10 +7,12 @@ and ``Cursor`` go in, ``Resource`` and ``LogRecord`` come out of the change pipe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
-from ..rs.model import Link
+from ..rs.model import Entry, Link
 
 
 @dataclass(slots=True)
@@ -127,4 +129,196 @@ class DocumentRow:
     fetched_at: datetime
 
 
-__all__ = ["Change", "Cursor", "DocumentRow", "LogRecord", "Resource", "SetRow", "SourceRow"]
+# -- retries (failed changes kept to be tried again; written with the batch that failed them) --------
+
+
+@dataclass(frozen=True, slots=True)
+class FailedChange:
+    """A change whose fetch failed: kept with its upstream entry, to be tried again at the next sync."""
+
+    entry: Entry  # the upstream entry as read (its ``loc`` is the URI)
+    change: str  # created | updated | deleted, as upstream said
+    kind: str  # the failure's kind (e.g. hash_mismatch, http_status)
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class RetryChanges:
+    """Retry bookkeeping committed in the same transaction as a batch (``apply``/``finish_baseline``):
+    ``failed`` are recorded (a repeat of a URI already waiting counts one more attempt and replaces its
+    entry, change, kind and message), then the retries of the ``cleared`` URIs are forgotten."""
+
+    failed: Sequence[FailedChange] = ()
+    cleared: Sequence[str] = ()
+
+
+# -- the embedded WebSub hub ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HubSubscription:
+    """A verified subscription of the embedded hub (WebSub §5.3.1); ``id`` is never reused."""
+
+    id: int
+    topic: str
+    callback: str
+    secret: str | None  # hub.secret as given (the hub signs with it); None = none
+    lease_seconds: int
+    lease_expires: datetime
+    created: datetime
+    verified: datetime  # last successful verification (renewals move it)
+
+
+@dataclass(frozen=True, slots=True)
+class HubRequestState:
+    """What the hub's tables hold for a (topic, callback) pair when a subscription request comes in."""
+
+    waiting: int  # verifications waiting, all pairs
+    pending: bool  # a verification of this pair is waiting (the request replaces it)
+    subscribed: bool  # this pair is an active subscription (a subscribe request is a renewal)
+
+
+@dataclass(frozen=True, slots=True)
+class HubVerification:
+    """A subscription request waiting for its verification of intent (WebSub §5.3) or denial (§5.2)."""
+
+    id: int  # 0 for one not yet queued; a newer request for the pair gets a new id
+    mode: str  # subscribe | unsubscribe | denied
+    topic: str
+    callback: str
+    secret: str | None
+    lease_seconds: int | None  # the lease granted (clamped) for subscribe
+    reason: str | None  # hub.reason for denied
+
+
+@dataclass(frozen=True, slots=True)
+class HubDelivery:
+    """The oldest pending delivery of one subscription, with what the POST needs (WebSub §7)."""
+
+    id: int
+    subscription_id: int
+    callback: str
+    secret: str | None
+    attempts: int  # failed attempts so far
+    body: bytes
+    content_type: str
+    link: str  # the Link header sent with it
+
+
+@dataclass(frozen=True, slots=True)
+class HubBacklog:
+    """How much work waits in the hub: verifications and deliveries."""
+
+    verifications: int
+    deliveries: int
+
+
+# -- rsagg's own notification channels and the subscriptions to upstream channels ------------------
+
+
+@dataclass
+class NotifyChannel:
+    """One of rsagg's notification channels (a topic): how far it has published (a working copy)."""
+
+    topic: str
+    set_name: str
+    kind: str  # change-notification | framework-notification
+    last_seq: int  # changelog seq published up to (change channels)
+    last_until: datetime | None  # until of the latest payload: the next one's from
+    body: bytes = b""  # the latest payload (the topic document)
+    snapshot: dict[str, list[Any]] = field(default_factory=dict)  # framework: url -> JSON-able list
+
+
+@dataclass
+class NotifySubscription:
+    """A subscription of rsagg to one upstream channel of one set of one source (a working copy);
+    ``id`` 0 until stored (``add_notify_subscription`` gives it one)."""
+
+    id: int
+    token: str  # callback path segment: BASE/_websub/<token>
+    secret: str  # hub.secret (needed to check signatures)
+    source: str
+    capabilitylist_url: str
+    kind: str  # change-notification | framework-notification
+    topic: str
+    hub: str
+    wanted: bool = True  # False: being unsubscribed (then forgotten)
+    pending: str | None = None  # "subscribe" | "unsubscribe": a request of ours awaiting verification
+    requested: datetime | None = None
+    lease_seconds: int | None = None
+    lease_expires: datetime | None = None
+    verified: datetime | None = None
+    last_until: datetime | None = None  # until of the last change notification taken
+    failures: int = 0
+    next_attempt: datetime | None = None
+
+    def live(self, now: datetime) -> bool:
+        return self.wanted and self.lease_expires is not None and self.lease_expires > now
+
+
+# -- rsagg's own Resource Dumps and Change Dumps ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DumpPart:
+    """A dump package just built (its ZIP and manifest blobs committed), to be recorded."""
+
+    sha256: str  # the ZIP blob
+    length: int
+    manifest_sha256: str  # manifest.xml, a blob of its own
+    manifest_length: int
+    entries: int
+    bytes: int  # bitstream bytes (uncompressed)
+    at: datetime | None = None  # Resource Dump package: §11.2 at / completed
+    completed: datetime | None = None
+    from_: datetime | None = None  # Change Dump package: §13.2 from / until
+    until: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DumpRun:
+    """One Resource Dump run: a snapshot of a published set cut into packages."""
+
+    id: int  # never reused
+    set_name: str
+    at: datetime  # snapshot started (§11.1 at)
+    completed: datetime  # snapshot completed (§11.1 completed)
+    last_seq: int  # global changelog seq when the snapshot started
+    set_ids: tuple[int, ...]  # the state sets it covers, ascending
+    packages: int
+    entries: int
+    bytes: int
+    created: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class DumpPackage:
+    """A recorded Resource Dump or Change Dump package; ``id`` is never reused (Resource Dump package
+    URLs name it; Change Dump package URLs name the ``window``)."""
+
+    id: int
+    set_name: str
+    kind: str  # resourcedump | changedump
+    run: int | None  # resourcedump: its DumpRun.id
+    part: int  # 1-based package number within the run (1 for changedump)
+    window: int | None  # changedump: Change List window K
+    first_seq: int | None  # changedump: the window is seq in (first_seq, last_seq]
+    last_seq: int | None
+    sha256: str
+    length: int
+    manifest_sha256: str
+    manifest_length: int
+    at: datetime | None
+    completed: datetime | None
+    from_: datetime | None
+    until: datetime | None
+    entries: int
+    bytes: int
+    created: datetime
+
+
+__all__ = [
+    "Change", "Cursor", "DocumentRow", "DumpPackage", "DumpPart", "DumpRun", "FailedChange", "HubBacklog",
+    "HubDelivery", "HubRequestState", "HubSubscription", "HubVerification", "LogRecord", "NotifyChannel",
+    "NotifySubscription", "Resource", "RetryChanges", "SetRow", "SourceRow",
+]  # fmt: skip

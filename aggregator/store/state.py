@@ -34,9 +34,30 @@ from typing import TYPE_CHECKING, Any
 
 from sqlite_utils import Database
 
-from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Link
+from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Head, Link
+from ..rs.parse import parse_bytes
 from ..rs.w3cdt import parse_w3c, utcnow
-from .rows import Change, Cursor, DocumentRow, LogRecord, Resource, SetRow, SourceRow
+from ..rs.write import iter_document_bytes
+from .rows import (
+    Change,
+    Cursor,
+    DocumentRow,
+    DumpPackage,
+    DumpPart,
+    DumpRun,
+    HubBacklog,
+    HubDelivery,
+    HubRequestState,
+    HubSubscription,
+    HubVerification,
+    LogRecord,
+    NotifyChannel,
+    NotifySubscription,
+    Resource,
+    RetryChanges,
+    SetRow,
+    SourceRow,
+)
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -49,6 +70,8 @@ _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 PAGE_SIZE = 1000
 SYNCHRONOUS = ("NORMAL", "FULL", "EXTRA")
 _MAX_INT = 2**63 - 1  # SQLite's largest INTEGER: "no upper bound" in range queries
+#: ``kind`` of a retry that ended (its URI is no longer listed upstream): kept to be seen, not tried.
+RETRY_ENDED = "ended"
 
 # ---------------------------------------------------------------------------------------------------
 # Encoding
@@ -194,7 +217,7 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "CREATE INDEX changelog_set_seq ON changelog(set_id, seq)",
         "CREATE INDEX changelog_datetime ON changelog(datetime)",
     ),
-    (  # 2: changes whose fetch failed, retried at the next sync (store/retries.py)
+    (  # 2: changes whose fetch failed, retried at the next sync (State.pending_retries)
         """CREATE TABLE IF NOT EXISTS retries (
             set_id INTEGER NOT NULL REFERENCES sets(id),
             uri TEXT NOT NULL,
@@ -261,6 +284,83 @@ MIGRATIONS: list[tuple[str, ...]] = [
         )""",
         "CREATE INDEX IF NOT EXISTS publish_dumps_run ON publish_dumps(run)",
         "CREATE INDEX IF NOT EXISTS publish_dumps_set ON publish_dumps(set_name, kind, id)",
+    ),
+    (  # 6: the embedded WebSub hub (websub/hub.py). Until this step the hub created them itself, so
+        # IF NOT EXISTS: a store that has them keeps its subscriptions and pending work.
+        """CREATE TABLE IF NOT EXISTS hub_subscriptions (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: in-flight jobs name rows by id
+        topic TEXT NOT NULL,
+        callback TEXT NOT NULL,
+        secret TEXT,                            -- hub.secret as given (needed to sign); NULL = none
+        lease_seconds INTEGER NOT NULL,         -- as granted
+        lease_expires TEXT NOT NULL,            -- fixed-width W3C UTC (format_dt)
+        created TEXT NOT NULL,
+        verified TEXT NOT NULL,                 -- last successful verification (renewals move it)
+        UNIQUE (topic, callback)
+    )""",
+        "CREATE INDEX IF NOT EXISTS hub_subscriptions_expires ON hub_subscriptions(lease_expires)",
+        """CREATE TABLE IF NOT EXISTS hub_verifications (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,   -- a newer request for the pair replaces the row
+        mode TEXT NOT NULL CHECK (mode IN ('subscribe', 'unsubscribe', 'denied')),
+        topic TEXT NOT NULL,
+        callback TEXT NOT NULL,
+        secret TEXT,
+        lease_seconds INTEGER,                  -- granted (clamped) lease for subscribe
+        reason TEXT,                            -- hub.reason for denied
+        requested TEXT NOT NULL,
+        UNIQUE (topic, callback)
+    )""",
+        """CREATE TABLE IF NOT EXISTS hub_payloads (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        topic TEXT NOT NULL,
+        body BLOB NOT NULL,
+        content_type TEXT NOT NULL,
+        link TEXT NOT NULL,                     -- the Link header sent with every delivery of it
+        created TEXT NOT NULL
+    )""",
+        """CREATE TABLE IF NOT EXISTS hub_deliveries (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,   -- order of publication per subscription
+        subscription_id INTEGER NOT NULL REFERENCES hub_subscriptions(id) ON DELETE CASCADE,
+        payload_id INTEGER NOT NULL REFERENCES hub_payloads(id),
+        attempts INTEGER NOT NULL DEFAULT 0,
+        next_attempt TEXT NOT NULL,             -- fixed-width W3C UTC
+        last_error TEXT
+    )""",
+        "CREATE INDEX IF NOT EXISTS hub_deliveries_subscription ON hub_deliveries(subscription_id, id)",
+        "CREATE INDEX IF NOT EXISTS hub_deliveries_payload ON hub_deliveries(payload_id)",
+    ),
+    (  # 7: rsagg's own notification channels (websub/notifier.py; IF NOT EXISTS as in 6)
+        """CREATE TABLE IF NOT EXISTS notify_channels (
+        topic TEXT PRIMARY KEY,
+        set_name TEXT NOT NULL,
+        kind TEXT NOT NULL,            -- change-notification | framework-notification
+        last_seq INTEGER NOT NULL,     -- changelog seq published up to (change channels)
+        last_until TEXT,               -- until of the latest payload: the next one's from
+        body BLOB,                     -- the latest payload (the topic document)
+        snapshot TEXT,                 -- framework channels: JSON {url: [capability, version, index]}
+        updated TEXT NOT NULL
+    )""",
+    ),
+    (  # 8: rsagg's subscriptions to upstream channels (websub/subscriber.py; IF NOT EXISTS as in 6)
+        """CREATE TABLE IF NOT EXISTS notify_subscriptions (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        token TEXT NOT NULL UNIQUE,        -- callback path segment: BASE/_websub/<token>
+        secret TEXT NOT NULL,              -- hub.secret (needed to check signatures)
+        source TEXT NOT NULL,
+        capabilitylist_url TEXT NOT NULL,
+        kind TEXT NOT NULL,                -- change-notification | framework-notification
+        topic TEXT NOT NULL,
+        hub TEXT NOT NULL,
+        wanted INTEGER NOT NULL DEFAULT 1, -- 0: being unsubscribed
+        pending TEXT,                      -- subscribe | unsubscribe, awaiting verification
+        requested TEXT,
+        lease_seconds INTEGER,
+        lease_expires TEXT,
+        verified TEXT,
+        last_until TEXT,                   -- continuity of change notifications
+        failures INTEGER NOT NULL DEFAULT 0,
+        next_attempt TEXT
+    )""",
     ),
 ]
 
@@ -355,6 +455,7 @@ class State:
         self.path = Path(path)
         self._clock = clock
         self._lock = threading.RLock()
+        self._commits = 0  # own committed write transactions (version())
         conn = sqlite3.connect(str(self.path), timeout=busy_timeout, check_same_thread=False)
         self.db = Database(conn)
         self.conn = conn
@@ -398,18 +499,6 @@ class State:
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    def own_connection(self, *, readonly: bool = False, busy_timeout: float = 30.0) -> sqlite3.Connection:
-        """A second connection to this database for a module keeping tables of its own (publish/dumps.py):
-        autocommit (the caller runs ``BEGIN IMMEDIATE``), usable from any thread under the caller's lock;
-        ``readonly`` opens it ``mode=ro`` (it never creates the file). The caller closes it."""
-        if readonly:
-            return sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True)
-        conn = sqlite3.connect(
-            str(self.path), timeout=busy_timeout, check_same_thread=False, isolation_level=None
-        )
-        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-        return conn
-
     @property
     def schema_version(self) -> int:
         with self._lock:
@@ -434,6 +523,14 @@ class State:
         with self._lock:
             with immediate_transaction(self.conn) as conn:
                 yield conn
+            self._commits += 1
+
+    def version(self) -> int:
+        """Grows whenever anyone commits to the state: ``PRAGMA data_version`` (commits of other
+        connections, other processes too) plus this connection's own commits (which data_version does
+        not count). A few microseconds, no transaction."""
+        with self._lock:
+            return self.conn.execute("PRAGMA data_version").fetchone()[0] + self._commits
 
     def _now(self) -> datetime:
         return self._clock().astimezone(UTC)
@@ -616,7 +713,7 @@ class State:
         set_id: int,
         changes: Sequence[Change],
         cursor: Cursor | None = None,
-        also: Callable[[sqlite3.Connection, str], None] | None = None,
+        retries: RetryChanges | None = None,
     ) -> list[Change]:
         """Apply a batch of changes and move the cursor, in ONE transaction (invariants 1 and 2).
 
@@ -628,7 +725,8 @@ class State:
         A no-op is a true no-op: lastmod/links of the stored row are not refreshed, since the changelog
         must account for every change of what we republish.
 
-        ``also(connection, now)`` runs inside the same transaction, after the changes and the cursor.
+        ``retries`` (failed changes to keep, URIs whose retry ends) is written in the same transaction,
+        after the changes and the cursor.
 
         Returns the changes that changed state, each with ``change`` set to the logged kind.
         """
@@ -647,8 +745,8 @@ class State:
             applied = self._apply(c, set_id, changes, open_generation, now)
             if cursor is not None:
                 self._put_cursor(c, set_id, cursor, now)
-            if also is not None:  # bookkeeping that must commit with the changes (store/retries.py)
-                also(c, now)
+            if retries is not None:  # bookkeeping that must commit with the changes
+                self._put_retries(c, now, set_id, retries)
         if applied:
             self._last_log_time = log_time
         return applied
@@ -772,11 +870,11 @@ class State:
         set_id: int,
         generation: int,
         cursor: Cursor,
-        also: Callable[[sqlite3.Connection, str], None] | None = None,
+        retries: RetryChanges | None = None,
     ) -> list[Change]:
         """Tombstone (and log "deleted") every live row of the set not seen in ``generation``, store
-        the cursor and close the baseline, in one transaction (``also(connection, now)`` too, as in
-        ``apply``). Returns the deletions."""
+        the cursor and close the baseline, in one transaction (``retries`` too, as in ``apply``).
+        Returns the deletions."""
         with self._write() as c:
             row = c.execute("SELECT baseline_generation FROM sets WHERE id = ?", (set_id,)).fetchone()
             if row is None:
@@ -800,49 +898,117 @@ class State:
                 )
             self._put_cursor(c, set_id, cursor, now)
             c.execute("UPDATE sets SET baseline_generation = NULL WHERE id = ?", (set_id,))
-            if also is not None:
-                also(c, now)
+            if retries is not None:
+                self._put_retries(c, now, set_id, retries)
         if gone:
             self._last_log_time = log_time
         return [Change(uri, DELETED, generation=generation) for _, uri in gone]
 
-    # -- retries (the SQL is store/retries.py's; these are the seam's names for it) ------------------
+    # -- retries ---------------------------------------------------------------------------------
+    # Changes whose fetch failed (a hash mismatch, a 5xx that outlasted retries), kept to be tried again:
+    # the cursor of incremental sync moves past a failed change (the stream must go on), so without them
+    # the resource would stay stale until it changed upstream again. Each is kept with its entry (a
+    # one-entry ResourceSync document, written and read back by rs/; table ``retries``, migration 2),
+    # retried through the one pipeline at the start of the set's next sync, and dropped when a change of
+    # the same URI applies. A retry also ends when the upstream no longer lists its URI: the row stays,
+    # kind RETRY_ENDED with the reason, for ``rsagg status``/``rsagg retries``, until ``--clear``; an
+    # ended retry is not tried again, and a new change of its URI replaces it like any other.
+
+    def _put_retries(self, c: sqlite3.Connection, now: str, set_id: int, retries: RetryChanges) -> None:
+        """Inside the transaction that applies a batch: a crash can neither leave a retry of a change
+        already superseded nor lose a failure the cursor has moved past."""
+        rows = [
+            (set_id, f.entry.loc, f.change, b"".join(iter_document_bytes(Head(), [f.entry])), f.kind,
+             f.message, now, now)
+            for f in retries.failed
+        ]  # fmt: skip
+        c.executemany(
+            "INSERT INTO retries (set_id, uri, change, entry, kind, message, first_at, last_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (set_id, uri) DO UPDATE SET "
+            "change = excluded.change, entry = excluded.entry, kind = excluded.kind, "
+            "message = excluded.message, attempts = attempts + 1, last_at = excluded.last_at",
+            rows,
+        )
+        c.executemany(
+            "DELETE FROM retries WHERE set_id = ? AND uri = ?", [(set_id, u) for u in retries.cleared]
+        )
 
     def pending_retries(self, set_id: int) -> list[tuple[Entry, str, int]]:
         """(entry, change, attempts) of every failed change of a set still to be tried, oldest first."""
-        from . import retries  # retries.py builds on this module
-
-        return retries.pending(self, set_id)
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT entry, change, attempts FROM retries WHERE set_id = ? AND kind != ? "
+                "ORDER BY first_at",
+                (set_id, RETRY_ENDED),
+            ).fetchall()
+        out = []
+        for data, change, attempts in rows:
+            _, entries = parse_bytes(bytes(data))
+            out.extend((e, change, attempts) for e in entries)
+        return out
 
     def retry_uris(self, set_id: int) -> set[str]:
         """Every URI of a set with a retry row, ended ones included."""
-        from . import retries
-
-        return retries.uris(self, set_id)
+        with self._lock:
+            rows = self.conn.execute("SELECT uri FROM retries WHERE set_id = ?", (set_id,)).fetchall()
+        return {r[0] for r in rows}
 
     def end_retries(self, set_id: int, ended: Iterable[str], reason: str) -> None:
-        """Mark retries as ended (no longer listed upstream): kept to be seen, not tried."""
-        from . import retries
-
-        retries.end(self, set_id, ended, reason)
+        """Mark retries as ended (no longer listed upstream): kept to be seen, not tried; ``reason``
+        first, the last failure kept after it."""
+        now = format_dt(self._now())
+        with self._write() as conn:
+            conn.executemany(
+                "UPDATE retries SET message = ? || ' (last failure: ' || kind || ': ' || message || ')', "
+                "kind = ?, last_at = ? WHERE set_id = ? AND uri = ? AND kind != ?",
+                [(reason, RETRY_ENDED, now, set_id, uri, RETRY_ENDED) for uri in ended],
+            )
 
     def retry_rows(self, sources: Iterable[str] = ()) -> list[dict]:
         """Every retry (waiting or ended) with its source and set, for ``rsagg retries`` (JSON-ready)."""
-        from . import retries
-
-        return retries.rows(self, sources)
+        wanted = list(sources)
+        sql = (
+            "SELECT s.source, s.name AS set_name, r.uri, r.change, r.kind, r.message, r.attempts, "
+            "r.first_at, r.last_at FROM retries r JOIN sets s ON s.id = r.set_id"
+        )
+        if wanted:
+            sql += f" WHERE s.source IN ({', '.join('?' * len(wanted))})"
+        with self._lock:
+            cur = self.conn.execute(sql + " ORDER BY s.source, r.first_at", wanted)
+            names = [d[0] for d in cur.description]
+            rows = cur.fetchall()
+        return [
+            {**dict(zip(names, r, strict=True)), "state": "ended" if r[4] == RETRY_ENDED else "waiting"}
+            for r in rows
+        ]
 
     def clear_retries(self, sources: Iterable[str] = (), *, ended_only: bool = False) -> int:
-        """Forget retries (of some sources; only ended ones). Returns how many."""
-        from . import retries
-
-        return retries.clear(self, sources, ended_only=ended_only)
+        """Forget retries (of some sources; only ended ones): the operator gives up. Returns how many."""
+        wanted = list(sources)
+        where, params = [], []
+        if wanted:
+            where.append(f"set_id IN (SELECT id FROM sets WHERE source IN ({', '.join('?' * len(wanted))}))")
+            params += wanted
+        if ended_only:
+            where.append("kind = ?")
+            params.append(RETRY_ENDED)
+        sql = "DELETE FROM retries" + (" WHERE " + " AND ".join(where) if where else "")
+        with self._write() as conn:
+            return conn.execute(sql, params).rowcount
 
     def retries_by_source(self) -> dict[str, dict[str, int]]:
         """Source -> {"waiting": n, "ended": m}, for the status displays."""
-        from . import retries
-
-        return retries.by_source(self)
+        out: dict[str, dict[str, int]] = {}
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT s.source, r.kind = ?, count(*) FROM retries r JOIN sets s ON s.id = r.set_id "
+                "GROUP BY s.source, r.kind = ?",
+                (RETRY_ENDED, RETRY_ENDED),
+            ).fetchall()
+        for source, kind, n in rows:
+            counts = out.setdefault(source, {"waiting": 0, "ended": 0})
+            counts["ended" if kind else "waiting"] += n
+        return out
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -1145,8 +1311,424 @@ class State:
             with self._lock, contextlib.suppress(sqlite3.ProgrammingError):  # closed meanwhile: gone anyway
                 self.conn.execute(f"DROP TABLE IF EXISTS {table}")
 
+    # -- the embedded WebSub hub (websub/hub.py; tables of migration 6) ----------------------------
+
+    def hub_subscriptions(self, topic: str | None = None) -> list[HubSubscription]:
+        """Subscriptions not yet purged (of one topic), by id."""
+        sql = (
+            "SELECT id, topic, callback, secret, lease_seconds, lease_expires, created, verified "
+            "FROM hub_subscriptions" + (" WHERE topic = ?" if topic is not None else "") + " ORDER BY id"
+        )
+        with self._lock:
+            rows = self.conn.execute(sql, () if topic is None else (topic,)).fetchall()
+        return [
+            HubSubscription(i, t, cb, sec, ls, parse_dt(le), parse_dt(cr), parse_dt(ve))
+            for i, t, cb, sec, ls, le, cr, ve in rows
+        ]
+
+    def hub_backlog(self) -> HubBacklog:
+        with self._lock:
+            v = self.conn.execute("SELECT COUNT(*) FROM hub_verifications").fetchone()[0]
+            d = self.conn.execute("SELECT COUNT(*) FROM hub_deliveries").fetchone()[0]
+        return HubBacklog(v, d)
+
+    def hub_request_state(self, topic: str, callback: str) -> HubRequestState:
+        with self._lock:
+            c = self.conn
+            waiting = c.execute("SELECT COUNT(*) FROM hub_verifications").fetchone()[0]
+            pending = c.execute(
+                "SELECT 1 FROM hub_verifications WHERE topic = ? AND callback = ?", (topic, callback)
+            ).fetchone()
+            subscribed = c.execute(
+                "SELECT 1 FROM hub_subscriptions WHERE topic = ? AND callback = ?", (topic, callback)
+            ).fetchone()
+        return HubRequestState(waiting, pending is not None, subscribed is not None)
+
+    def hub_subscriber_callbacks(self) -> list[str]:
+        """The callback of every distinct (topic, callback) subscribed or waiting to subscribe."""
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT topic, callback FROM hub_subscriptions UNION "
+                "SELECT topic, callback FROM hub_verifications WHERE mode = 'subscribe'"
+            ).fetchall()
+        return [cb for _, cb in rows]
+
+    def hub_queue_verification(self, request: HubVerification, requested: datetime) -> int:
+        with self._write() as c:
+            cur = c.execute(
+                "INSERT OR REPLACE INTO hub_verifications (mode, topic, callback, secret, lease_seconds, "
+                "reason, requested) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (request.mode, request.topic, request.callback, request.secret, request.lease_seconds,
+                 request.reason, format_dt(requested)),
+            )  # fmt: skip
+            return int(cur.lastrowid or 0)
+
+    def hub_due_verifications(self, exclude: Sequence[int], limit: int) -> list[HubVerification]:
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT id, mode, topic, callback, secret, lease_seconds, reason FROM hub_verifications "
+                "WHERE id NOT IN (SELECT value FROM json_each(?)) ORDER BY id LIMIT ?",
+                (json.dumps(list(exclude)), limit),
+            ).fetchall()
+        return [HubVerification(*r) for r in rows]
+
+    def hub_finish_verification(
+        self, verification: HubVerification, subscribe: bool | None, lease_expires: datetime, now: datetime
+    ) -> bool:
+        at = format_dt(now)
+        v = verification
+        with self._write() as c:
+            if c.execute("DELETE FROM hub_verifications WHERE id = ?", (v.id,)).rowcount == 0:
+                return False
+            if subscribe is None:
+                return True
+            if not subscribe:
+                c.execute(
+                    "DELETE FROM hub_subscriptions WHERE topic = ? AND callback = ?", (v.topic, v.callback)
+                )
+                c.execute(_HUB_GC_PAYLOADS)
+                return True
+            # A renewal keeps the row (and so the pending deliveries), with the new secret and lease.
+            c.execute(
+                "INSERT INTO hub_subscriptions "
+                "(topic, callback, secret, lease_seconds, lease_expires, created, verified) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (topic, callback) DO UPDATE SET "
+                "secret = excluded.secret, lease_seconds = excluded.lease_seconds, "
+                "lease_expires = excluded.lease_expires, verified = excluded.verified",
+                (v.topic, v.callback, v.secret, v.lease_seconds, format_dt(lease_expires), at, at),
+            )
+            return True
+
+    def hub_queue_payload(
+        self,
+        topic: str,
+        body: bytes,
+        content_type: str,
+        link: str,
+        now: datetime,
+        max_pending_per_subscription: int,
+    ) -> tuple[int, int]:
+        at = format_dt(now)
+        with self._write() as c:
+            subs = [
+                r[0]
+                for r in c.execute(
+                    "SELECT id FROM hub_subscriptions WHERE topic = ? AND lease_expires > ?", (topic, at)
+                )
+            ]
+            if not subs:
+                return 0, 0
+            pid = c.execute(
+                "INSERT INTO hub_payloads (topic, body, content_type, link, created) VALUES (?, ?, ?, ?, ?)",
+                (topic, body, content_type, link, at),
+            ).lastrowid
+            c.executemany(
+                "INSERT INTO hub_deliveries (subscription_id, payload_id, next_attempt) VALUES (?, ?, ?)",
+                [(s, pid, at) for s in subs],
+            )
+            dropped = c.execute(
+                """DELETE FROM hub_deliveries WHERE id IN (
+                    SELECT id FROM (
+                        SELECT id, ROW_NUMBER() OVER (PARTITION BY subscription_id ORDER BY id DESC) AS n
+                        FROM hub_deliveries
+                        WHERE subscription_id IN (SELECT id FROM hub_subscriptions WHERE topic = ?)
+                    ) WHERE n > ?)""",
+                (topic, max_pending_per_subscription),
+            ).rowcount
+            if dropped:
+                c.execute(_HUB_GC_PAYLOADS)
+        return len(subs), dropped
+
+    def hub_expire(self, now: datetime) -> int:
+        at = format_dt(now)
+        with self._lock:
+            if not self.conn.execute(
+                "SELECT 1 FROM hub_subscriptions WHERE lease_expires <= ? LIMIT 1", (at,)
+            ).fetchone():
+                return 0  # the common case: no write transaction
+            with self._write() as c:
+                expired = c.execute("DELETE FROM hub_subscriptions WHERE lease_expires <= ?", (at,)).rowcount
+                c.execute(_HUB_GC_PAYLOADS)
+        return expired
+
+    def hub_next_lease_end(self) -> datetime | None:
+        with self._lock:
+            row = self.conn.execute("SELECT MIN(lease_expires) FROM hub_subscriptions").fetchone()
+        return parse_dt(row[0]) if row and row[0] else None
+
+    def hub_due_deliveries(
+        self, now: datetime, exclude_subscriptions: Sequence[int], limit: int
+    ) -> list[HubDelivery]:
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT d.id, s.id, s.callback, s.secret, d.attempts, p.body, p.content_type, p.link "
+                "FROM hub_deliveries d JOIN hub_subscriptions s ON s.id = d.subscription_id "
+                "JOIN hub_payloads p ON p.id = d.payload_id "
+                f"WHERE d.id IN ({_HUB_HEADS}) AND d.next_attempt <= ? "
+                "AND s.id NOT IN (SELECT value FROM json_each(?)) ORDER BY d.next_attempt, d.id LIMIT ?",
+                (format_dt(now), json.dumps(list(exclude_subscriptions)), limit),
+            ).fetchall()
+        return [HubDelivery(*r) for r in rows]
+
+    def hub_next_delivery_due(self, exclude_subscriptions: Sequence[int]) -> datetime | None:
+        with self._lock:
+            row = self.conn.execute(
+                f"SELECT MIN(next_attempt) FROM hub_deliveries WHERE id IN ({_HUB_HEADS}) "
+                "AND subscription_id NOT IN (SELECT value FROM json_each(?))",
+                (json.dumps(list(exclude_subscriptions)),),
+            ).fetchone()
+        return parse_dt(row[0]) if row and row[0] else None
+
+    def hub_finish_delivery(self, delivery: HubDelivery, outcome: str, retry_at: datetime, error: str) -> str:
+        if outcome not in ("ok", "gone", "retry"):
+            raise ValueError(f"unknown delivery outcome {outcome!r}")
+        d = delivery
+        with self._write() as c:
+            if outcome == "gone":
+                c.execute("DELETE FROM hub_subscriptions WHERE id = ?", (d.subscription_id,))
+            elif outcome == "ok":
+                c.execute("DELETE FROM hub_deliveries WHERE id = ?", (d.id,))
+            else:
+                row = c.execute(
+                    "SELECT lease_expires FROM hub_subscriptions WHERE id = ?", (d.subscription_id,)
+                ).fetchone()
+                at = format_dt(retry_at)
+                if row is None or at >= row[0]:  # retried until the lease ends, no longer
+                    c.execute("DELETE FROM hub_deliveries WHERE id = ?", (d.id,))
+                    outcome = "failed"
+                else:
+                    c.execute(
+                        "UPDATE hub_deliveries SET attempts = ?, next_attempt = ?, last_error = ? "
+                        "WHERE id = ?",
+                        (d.attempts + 1, at, error[:500], d.id),
+                    )
+            if outcome != "retry":
+                c.execute(_HUB_GC_PAYLOADS)
+        return outcome
+
+    # -- rsagg's notification channels (websub/notifier.py; migration 7) ----------------------------
+
+    def notify_channels(self) -> list[NotifyChannel]:
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT topic, set_name, kind, last_seq, last_until, body, snapshot FROM notify_channels "
+                "ORDER BY topic"
+            ).fetchall()
+        return [
+            NotifyChannel(topic, name, kind, seq, parse_dt(until), body or b"", json.loads(snap or "{}"))
+            for topic, name, kind, seq, until, body, snap in rows
+        ]
+
+    def put_notify_channels(self, channels: Sequence[NotifyChannel], drop: Sequence[str] = ()) -> None:
+        now = format_dt(self._now())
+        with self._write() as c:
+            for ch in channels:
+                c.execute(
+                    "INSERT OR REPLACE INTO notify_channels (topic, set_name, kind, last_seq, last_until, "
+                    "body, snapshot, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (ch.topic, ch.set_name, ch.kind, ch.last_seq, format_dt(ch.last_until), ch.body,
+                     json.dumps(ch.snapshot) if ch.snapshot else None, now),
+                )  # fmt: skip
+            c.executemany("DELETE FROM notify_channels WHERE topic = ?", [(t,) for t in drop])
+
+    # -- rsagg's subscriptions to upstream channels (websub/subscriber.py; migration 8) --------------
+
+    def notify_subscriptions(self) -> list[NotifySubscription]:
+        with self._lock:
+            rows = self.conn.execute(
+                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions ORDER BY id"
+            ).fetchall()
+        out = []
+        for row in rows:
+            d = dict(zip(_NSUB_COLS, row, strict=True))
+            for k in _NSUB_TIMES:
+                d[k] = parse_dt(d[k])
+            d["wanted"] = bool(d["wanted"])
+            out.append(NotifySubscription(**d))
+        return out
+
+    def add_notify_subscription(self, subscription: NotifySubscription) -> int:
+        cols = _NSUB_COLS[1:]
+        with self._write() as c:
+            cur = c.execute(
+                f"INSERT INTO notify_subscriptions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                _nsub_values(subscription),
+            )
+            return int(cur.lastrowid or 0)
+
+    def put_notify_subscriptions(self, subscriptions: Sequence[NotifySubscription]) -> None:
+        sql = f"UPDATE notify_subscriptions SET {', '.join(f'{k} = ?' for k in _NSUB_COLS[1:])} WHERE id = ?"
+        with self._write() as c:
+            for sub in subscriptions:
+                c.execute(sql, (*_nsub_values(sub), sub.id))
+
+    def delete_notify_subscription(self, subscription_id: int) -> None:
+        with self._write() as c:
+            c.execute("DELETE FROM notify_subscriptions WHERE id = ?", (subscription_id,))
+
+    # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py; migration 5) ------------------
+
+    def dump_latest_run(self, set_name: str) -> DumpRun | None:
+        with self._lock:
+            row = self.conn.execute(
+                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = ? ORDER BY id DESC LIMIT 1",
+                (set_name,),
+            ).fetchone()
+        return _dump_run(row) if row else None
+
+    def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
+        with self._lock:
+            rows = self.conn.execute(
+                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = ? ORDER BY part", (run_id,)
+            ).fetchall()
+        return [_dump_package(r) for r in rows]
+
+    def change_dump_packages(self, set_name: str) -> list[DumpPackage]:
+        with self._lock:
+            rows = self.conn.execute(
+                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = ? AND kind = 'changedump' "
+                "ORDER BY window",
+                (set_name,),
+            ).fetchall()
+        return [_dump_package(r) for r in rows]
+
+    def dump_package(self, set_name: str, kind: str, number: int) -> DumpPackage | None:
+        key = {"resourcedump": "id", "changedump": "window"}.get(kind)
+        if key is None:
+            raise ValueError(f"unknown dump kind {kind!r}")
+        with self._lock:
+            row = self.conn.execute(
+                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = ? AND kind = ? AND {key} = ?",
+                (set_name, kind, number),
+            ).fetchone()
+        return _dump_package(row) if row else None
+
+    def has_change_dump(self, set_name: str) -> bool:
+        with self._lock:
+            return bool(
+                self.conn.execute(
+                    "SELECT 1 FROM publish_dumps WHERE set_name = ? AND kind = 'changedump' LIMIT 1",
+                    (set_name,),
+                ).fetchone()
+            )
+
+    def add_resource_dump(
+        self,
+        set_name: str,
+        set_ids: Sequence[int],
+        last_seq: int,
+        at: datetime,
+        completed: datetime,
+        parts: Sequence[DumpPart],
+        created: datetime,
+    ) -> list[DumpPackage]:
+        now = format_dt(created)
+        with self._write() as c:
+            run = c.execute(
+                "INSERT INTO publish_dump_runs (set_name, at, completed, last_seq, set_ids, packages, "
+                "entries, bytes, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (set_name, format_dt(at), format_dt(completed), last_seq, json.dumps(list(set_ids)),
+                 len(parts), sum(p.entries for p in parts), sum(p.bytes for p in parts), now),
+            ).lastrowid  # fmt: skip
+            for number, p in enumerate(parts, 1):
+                c.execute(
+                    "INSERT INTO publish_dumps (set_name, kind, run, part, sha256, length, manifest_sha256, "
+                    "manifest_length, at, completed, entries, bytes, created) "
+                    "VALUES (?, 'resourcedump', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (set_name, run, number, p.sha256, p.length, p.manifest_sha256, p.manifest_length,
+                     format_dt(p.at), format_dt(p.completed), p.entries, p.bytes, now),
+                )  # fmt: skip
+            rows = c.execute(
+                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = ? ORDER BY part", (run,)
+            ).fetchall()
+        return [_dump_package(r) for r in rows]
+
+    def prune_resource_dumps(self, set_name: str, keep: int) -> set[str]:
+        with self._write() as c:
+            old = [
+                r[0]
+                for r in c.execute(
+                    "SELECT id FROM publish_dump_runs WHERE set_name = ? ORDER BY id DESC LIMIT -1 OFFSET ?",
+                    (set_name, keep),
+                )
+            ]
+            if not old:
+                return set()
+            marks = ",".join("?" * len(old))
+            shas = {
+                sha
+                for row in c.execute(
+                    f"SELECT sha256, manifest_sha256 FROM publish_dumps WHERE run IN ({marks})", old
+                )
+                for sha in row
+            }
+            c.execute(f"DELETE FROM publish_dumps WHERE run IN ({marks})", old)
+            c.execute(f"DELETE FROM publish_dump_runs WHERE id IN ({marks})", old)
+        return shas
+
+    def add_change_dump(
+        self, set_name: str, window: int, first_seq: int, last_seq: int, part: DumpPart, created: datetime
+    ) -> DumpPackage:
+        p = part
+        with self._write() as c:
+            c.execute(
+                "INSERT INTO publish_dumps (set_name, kind, part, window, first_seq, last_seq, sha256, "
+                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created) "
+                "VALUES (?, 'changedump', 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (set_name, window, first_seq, last_seq, p.sha256, p.length, p.manifest_sha256,
+                 p.manifest_length, format_dt(p.from_), format_dt(p.until), p.entries, p.bytes,
+                 format_dt(created)),
+            )  # fmt: skip
+            row = c.execute(
+                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = ? AND kind = 'changedump' "
+                "AND window = ?",
+                (set_name, window),
+            ).fetchone()
+        return _dump_package(row)
+
+    def dump_hashes(self) -> Iterator[str]:
+        sql = "SELECT sha256 FROM publish_dumps UNION SELECT manifest_sha256 FROM publish_dumps ORDER BY 1"
+        with self._lock:
+            rows = self.conn.execute(sql).fetchall()
+        for (sha,) in rows:
+            yield sha
+
 
 # ---------------------------------------------------------------------------------------------------
+
+
+# The oldest pending delivery of each subscription: the only one that may go out (in-order delivery).
+_HUB_HEADS = "SELECT MIN(id) FROM hub_deliveries GROUP BY subscription_id"
+_HUB_GC_PAYLOADS = (
+    "DELETE FROM hub_payloads WHERE NOT EXISTS "
+    "(SELECT 1 FROM hub_deliveries d WHERE d.payload_id = hub_payloads.id)"
+)
+_NSUB_COLS = tuple(f.name for f in dataclasses.fields(NotifySubscription))
+_NSUB_TIMES = ("requested", "lease_expires", "verified", "last_until", "next_attempt")
+_RUN_COLS = "id, set_name, at, completed, last_seq, set_ids, packages, entries, bytes, created"
+_PKG_COLS = (
+    "id, set_name, kind, run, part, window, first_seq, last_seq, sha256, length, manifest_sha256, "
+    "manifest_length, at, completed, from_, until, entries, bytes, created"
+)
+
+
+def _nsub_values(sub: NotifySubscription) -> list[Any]:
+    values = [getattr(sub, k) for k in _NSUB_COLS[1:]]
+    return [format_dt(v) if isinstance(v, datetime) else v for v in values]
+
+
+def _dump_run(r: tuple) -> DumpRun:
+    return DumpRun(
+        r[0], r[1], parse_dt(r[2]), parse_dt(r[3]), r[4], tuple(json.loads(r[5])), r[6], r[7], r[8],
+        parse_dt(r[9]),
+    )  # fmt: skip
+
+
+def _dump_package(r: tuple) -> DumpPackage:
+    return DumpPackage(
+        *r[:12], parse_dt(r[12]), parse_dt(r[13]), parse_dt(r[14]), parse_dt(r[15]), r[16], r[17],
+        parse_dt(r[18]),
+    )  # fmt: skip
 
 
 def _check_sha(sha256: str) -> None:

@@ -21,12 +21,11 @@ and Framework Notification (Notification 1.0 §4; spec/NOTES.md "Change Notifica
   Deliveries to one callback go out in publication order (a later one waits for the earlier), since
   a ResourceSync Destination reads out-of-order notifications as a gap (NOTES "Payload").
 
-Everything the worker does comes from tables in the state database (``hub_*``, created here with
-``CREATE TABLE IF NOT EXISTS``; the harvester's schema versioning is not involved): pending
-verifications, subscriptions, payloads and deliveries survive a restart, and there is no in-memory queue
-to grow. A delivery interrupted by a crash is sent again (at-least-once). Bounds: concurrent jobs,
-per-request deadlines, payload size, pending deliveries per subscription (the oldest are dropped, §7
-"self-imposed limits"), pending verifications (503 when full).
+Everything the worker does comes from the hub's tables in the state (``StateStore.hub_*``, migration 6
+of store/state.py): pending verifications, subscriptions, payloads and deliveries survive a restart, and
+there is no in-memory queue to grow. A delivery interrupted by a crash is sent again (at-least-once).
+Bounds: concurrent jobs, per-request deadlines, payload size, pending deliveries per subscription (the
+oldest are dropped, §7 "self-imposed limits"), pending verifications (503 when full).
 
 Security (docs/security.md): a payload POST makes the hub sign and send whatever it is given to every
 subscriber, so it needs ``Authorization: Bearer <publish_token>`` (refused when no token is configured);
@@ -54,7 +53,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -68,8 +66,9 @@ from .. import __version__, outbound
 from ..retry import backoff, retry_after
 from ..rs.linkheader import links_with_rel
 from ..rs.w3cdt import utcnow
-from ..store.state import format_dt, parse_dt
-from ..store.tables import OwnTables
+from ..store.interface import StateStore
+from ..store.rows import HubDelivery, HubVerification
+from .storecalls import StoreCalls
 
 log = logging.getLogger("rsagg.hub")
 
@@ -193,103 +192,24 @@ class _Refusal(ValueError):
         self.status, self.message, self.headers = status, message, headers or {}
 
 
-@dataclass(frozen=True, slots=True)
-class _Verification:
-    id: int
-    mode: str  # subscribe | unsubscribe | denied
-    topic: str
-    callback: str
-    secret: str | None
-    lease_seconds: int | None
-    reason: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Delivery:
-    id: int
-    subscription_id: int
-    callback: str
-    secret: str | None
-    attempts: int
-    body: bytes
-    content_type: str
-    link: str
-
-
 @dataclass(slots=True)
 class _Plan:
-    verifications: list[_Verification]
-    deliveries: list[_Delivery]
+    verifications: list[HubVerification]
+    deliveries: list[HubDelivery]
     next_due: datetime | None
     expired: int
-
-
-SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS hub_subscriptions (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: in-flight jobs name rows by id
-        topic TEXT NOT NULL,
-        callback TEXT NOT NULL,
-        secret TEXT,                            -- hub.secret as given (needed to sign); NULL = none
-        lease_seconds INTEGER NOT NULL,         -- as granted
-        lease_expires TEXT NOT NULL,            -- fixed-width W3C UTC (store.state.format_dt)
-        created TEXT NOT NULL,
-        verified TEXT NOT NULL,                 -- last successful verification (renewals move it)
-        UNIQUE (topic, callback)
-    )""",
-    "CREATE INDEX IF NOT EXISTS hub_subscriptions_expires ON hub_subscriptions(lease_expires)",
-    """CREATE TABLE IF NOT EXISTS hub_verifications (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,   -- a newer request for the pair replaces the row
-        mode TEXT NOT NULL CHECK (mode IN ('subscribe', 'unsubscribe', 'denied')),
-        topic TEXT NOT NULL,
-        callback TEXT NOT NULL,
-        secret TEXT,
-        lease_seconds INTEGER,                  -- granted (clamped) lease for subscribe
-        reason TEXT,                            -- hub.reason for denied
-        requested TEXT NOT NULL,
-        UNIQUE (topic, callback)
-    )""",
-    """CREATE TABLE IF NOT EXISTS hub_payloads (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        topic TEXT NOT NULL,
-        body BLOB NOT NULL,
-        content_type TEXT NOT NULL,
-        link TEXT NOT NULL,                     -- the Link header sent with every delivery of it
-        created TEXT NOT NULL
-    )""",
-    """CREATE TABLE IF NOT EXISTS hub_deliveries (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,   -- order of publication per subscription
-        subscription_id INTEGER NOT NULL REFERENCES hub_subscriptions(id) ON DELETE CASCADE,
-        payload_id INTEGER NOT NULL REFERENCES hub_payloads(id),
-        attempts INTEGER NOT NULL DEFAULT 0,
-        next_attempt TEXT NOT NULL,             -- fixed-width W3C UTC
-        last_error TEXT
-    )""",
-    "CREATE INDEX IF NOT EXISTS hub_deliveries_subscription ON hub_deliveries(subscription_id, id)",
-    "CREATE INDEX IF NOT EXISTS hub_deliveries_payload ON hub_deliveries(payload_id)",
-)
-
-# The oldest pending delivery of each subscription: the only one that may go out (in-order delivery).
-_HEADS = "SELECT MIN(id) FROM hub_deliveries GROUP BY subscription_id"
-_GC_PAYLOADS = (
-    "DELETE FROM hub_payloads WHERE NOT EXISTS "
-    "(SELECT 1 FROM hub_deliveries d WHERE d.payload_id = hub_payloads.id)"
-)
-
-
-def _in(ids: Sequence[int]) -> str:
-    return ", ".join("?" * len(ids))
 
 
 class Hub:
     """The embedded WebSub hub: ``routes()`` for the HTTP side, ``run()`` for the worker, ``publish()``.
 
-    One instance per process; its own SQLite connection to the state database (WAL: the harvester's
-    writes and the publisher's reads go on alongside; its calls run in worker threads).
+    One instance per process; it owns ``state``, a state handle of its own (the harvester's writes and
+    the publisher's reads go on alongside; its calls run in worker threads), closed by ``aclose``.
     """
 
     def __init__(
         self,
-        db_path: Path | str,
+        state: StateStore,
         client: httpx.AsyncClient | Callable[[], httpx.AsyncClient] | None = None,
         *,
         hub_url: str,
@@ -301,7 +221,6 @@ class Hub:
         limits: HubLimits | None = None,
         metrics: MetricsHook | None = None,
         clock: Callable[[], datetime] = utcnow,
-        busy_timeout: float = 30.0,
     ) -> None:
         """``client``: an httpx client to share (not closed here), a factory (called on first use,
         closed by ``aclose``) or None (an own client, obeying ``policy``). ``policy``: the outbound address
@@ -327,8 +246,8 @@ class Hub:
         self._busy_verifications: set[int] = set()
         self._busy_subscriptions: set[int] = set()
         self._fetch_limiter = trio.CapacityLimiter(self.limits.max_topic_fetches)
-        self._tables = OwnTables(db_path, SCHEMA, busy_timeout=busy_timeout, foreign_keys=True)
-        self.conn = self._tables.conn
+        self.state = state
+        self._store = StoreCalls(state)
         self._counts: collections.Counter[str] = collections.Counter()  # see _check_counts
         self._counts_total = 0
         self._counts_at = -float("inf")
@@ -355,11 +274,11 @@ class Hub:
         return self._client
 
     async def aclose(self) -> None:
-        """Close an own HTTP client and the database connection."""
+        """Close an own HTTP client and the state handle."""
         if self._owned is not None:
             await self._owned.aclose()
             self._owned = self._client = None
-        self._tables.close()
+        self._store.close()
 
     async def __aenter__(self) -> Hub:
         return self
@@ -392,28 +311,19 @@ class Hub:
 
         Blocking (a quick read, but it may wait for the hub's lock): from async code, call it through
         ``trio.to_thread.run_sync``; so for ``pending``."""
-        sql = (
-            "SELECT topic, callback, secret IS NOT NULL, lease_seconds, lease_expires, created, verified "
-            "FROM hub_subscriptions" + (" WHERE topic = ?" if topic is not None else "") + " ORDER BY id"
-        )
-        with self._tables.lock:
-            rows = self.conn.execute(sql, () if topic is None else (topic,)).fetchall()
-        keys = ("topic", "callback", "has_secret", "lease_seconds", "lease_expires", "created", "verified")
-        out = []
-        for row in rows:
-            d = dict(zip(keys, row, strict=True))
-            d["has_secret"] = bool(d["has_secret"])
-            for k in ("lease_expires", "created", "verified"):
-                d[k] = parse_dt(d[k])
-            out.append(d)
-        return out
+        return [
+            {
+                "topic": s.topic, "callback": s.callback, "has_secret": s.secret is not None,
+                "lease_seconds": s.lease_seconds, "lease_expires": s.lease_expires, "created": s.created,
+                "verified": s.verified,
+            }
+            for s in self._store.call(self.state.hub_subscriptions, topic)
+        ]  # fmt: skip
 
     def pending(self) -> dict[str, int]:
         """How much work waits: verifications and deliveries."""
-        with self._tables.lock:
-            v = self.conn.execute("SELECT COUNT(*) FROM hub_verifications").fetchone()[0]
-            d = self.conn.execute("SELECT COUNT(*) FROM hub_deliveries").fetchone()[0]
-        return {"verifications": v, "deliveries": d}
+        backlog = self._store.call(self.state.hub_backlog)
+        return {"verifications": backlog.verifications, "deliveries": backlog.deliveries}
 
     # -- HTTP side -------------------------------------------------------------------------------
 
@@ -472,8 +382,8 @@ class Hub:
             if not self.allowed_topic(topic):
                 mode, secret = "denied", None
                 reason = "this hub only serves topics of the aggregator that runs it"
-        now = format_dt(self._now())
-        await self._tables.run(self._queue_verification, mode, topic, callback, secret, lease, reason, now)
+        request = HubVerification(0, mode, topic, callback, secret, lease, reason)
+        await self._store.run(self._queue_verification, request, self._now())
         self.wake()
         return PlainTextResponse("Accepted: the hub will verify this request with the callback.\n", 202)
 
@@ -499,55 +409,35 @@ class Hub:
             return lim.lease_max
         return max(lim.lease_min, min(lim.lease_max, int(raw)))
 
-    def _queue_verification(
-        self,
-        mode: str,
-        topic: str,
-        callback: str,
-        secret: str | None,
-        lease: int | None,
-        reason: str | None,
-        now: str,
-    ) -> None:
-        with self._tables.write() as c:
-            waiting = c.execute("SELECT COUNT(*) FROM hub_verifications").fetchone()[0]
-            known = c.execute(
-                "SELECT 1 FROM hub_verifications WHERE topic = ? AND callback = ?", (topic, callback)
-            ).fetchone()
-            if waiting >= self.limits.max_pending_verifications and not known:
-                raise _too_many("too many subscription requests waiting; try later", 60)
-            counted = self._check_counts(c, topic, callback) if mode == "subscribe" and not known else None
-            # A newer request for the same (topic, callback) replaces the waiting one: the latest intent
-            # is the one to verify (§5.1: each request overrides the previous state once verified).
-            c.execute(
-                "INSERT OR REPLACE INTO hub_verifications (mode, topic, callback, secret, lease_seconds, "
-                "reason, requested) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (mode, topic, callback, secret, lease, reason, now),
-            )
-            if counted is not None:
-                self._counts[counted] += 1
-                self._counts_total += 1
+    def _queue_verification(self, request: HubVerification, now: datetime) -> None:
+        """Check the bounds and queue the request (in a worker thread: the hub's store calls run one at a
+        time, so nothing of this hub comes between the check and the write)."""
+        found = self.state.hub_request_state(request.topic, request.callback)
+        if found.waiting >= self.limits.max_pending_verifications and not found.pending:
+            raise _too_many("too many subscription requests waiting; try later", 60)
+        counted = None
+        if request.mode == "subscribe" and not found.pending and not found.subscribed:
+            counted = self._check_counts(request.callback)
+        # A newer request for the same (topic, callback) replaces the waiting one: the latest intent
+        # is the one to verify (§5.1: each request overrides the previous state once verified).
+        self.state.hub_queue_verification(request, now)
+        if counted is not None:
+            self._counts[counted] += 1
+            self._counts_total += 1
 
-    def _check_counts(self, c: Any, topic: str, callback: str) -> str | None:
+    def _check_counts(self, callback: str) -> str:
         """A new subscription (neither active nor waiting) must fit the total and per-host limits;
-        returns the callback host to count once it is queued (None for a renewal).
+        returns the callback host to count once it is queued.
 
         The counts per host come from a scan of both tables at most every ``COUNTS_TTL`` seconds (a scan
         of 10,000 rows per request would cost a flood's worth of CPU), plus every request queued since;
         what was deleted meanwhile is still counted until the next scan: never fewer than there are.
         """
-        if c.execute(
-            "SELECT 1 FROM hub_subscriptions WHERE topic = ? AND callback = ?", (topic, callback)
-        ).fetchone():
-            return None  # a renewal
         now = time.monotonic()  # a worker thread: no trio clock here
         if now - self._counts_at > COUNTS_TTL:
-            rows = c.execute(
-                "SELECT topic, callback FROM hub_subscriptions UNION "
-                "SELECT topic, callback FROM hub_verifications WHERE mode = 'subscribe'"
-            ).fetchall()
-            self._counts = collections.Counter(_callback_host(cb) or "" for _, cb in rows)
-            self._counts_total, self._counts_at = len(rows), now
+            callbacks = self.state.hub_subscriber_callbacks()
+            self._counts = collections.Counter(_callback_host(cb) or "" for cb in callbacks)
+            self._counts_total, self._counts_at = len(callbacks), now
         lim = self.limits
         if self._counts_total >= lim.max_subscriptions:
             raise _too_many(f"this hub holds its maximum of {lim.max_subscriptions} subscriptions", 3600)
@@ -652,48 +542,15 @@ class Hub:
         _url(topic, "topic")
         links = [f'<{self.hub_url}>; rel="hub"', f'<{topic}>; rel="self"']
         links += [f'<{u}>; rel="resourcesync"' for u in resourcesync if _valid_url(u)]
-        queued, dropped = await self._tables.run(
-            self._queue_payload, topic, bytes(body), content_type, ", ".join(links), format_dt(self._now())
-        )
+        queued, dropped = await self._store.run(
+            self.state.hub_queue_payload, topic, bytes(body), content_type, ", ".join(links), self._now(),
+            self.limits.max_pending_per_subscription,
+        )  # fmt: skip
         if queued:
             self._metric("publish", "accepted")
             self.wake()
         self._metric("delivery", "dropped", dropped)
         return queued
-
-    def _queue_payload(
-        self, topic: str, body: bytes, content_type: str, link: str, now: str
-    ) -> tuple[int, int]:
-        with self._tables.write() as c:
-            subs = [
-                r[0]
-                for r in c.execute(
-                    "SELECT id FROM hub_subscriptions WHERE topic = ? AND lease_expires > ?", (topic, now)
-                )
-            ]
-            if not subs:
-                return 0, 0
-            pid = c.execute(
-                "INSERT INTO hub_payloads (topic, body, content_type, link, created) VALUES (?, ?, ?, ?, ?)",
-                (topic, body, content_type, link, now),
-            ).lastrowid
-            c.executemany(
-                "INSERT INTO hub_deliveries (subscription_id, payload_id, next_attempt) VALUES (?, ?, ?)",
-                [(s, pid, now) for s in subs],
-            )
-            # WebSub §7 "self-imposed limits": a callback that stays down keeps only the newest ones.
-            dropped = c.execute(
-                """DELETE FROM hub_deliveries WHERE id IN (
-                    SELECT id FROM (
-                        SELECT id, ROW_NUMBER() OVER (PARTITION BY subscription_id ORDER BY id DESC) AS n
-                        FROM hub_deliveries
-                        WHERE subscription_id IN (SELECT id FROM hub_subscriptions WHERE topic = ?)
-                    ) WHERE n > ?)""",
-                (topic, self.limits.max_pending_per_subscription),
-            ).rowcount
-            if dropped:
-                c.execute(_GC_PAYLOADS)
-        return len(subs), dropped
 
     # -- the worker ------------------------------------------------------------------------------
 
@@ -711,7 +568,7 @@ class Hub:
                 self._wake = trio.Event()  # before reading: a wake-up during the read is not lost
                 now = self._now()
                 free = self.limits.concurrency - len(self._busy_verifications) - len(self._busy_subscriptions)
-                plan = await self._tables.run(
+                plan = await self._store.run(
                     self._plan, now, free, sorted(self._busy_verifications), sorted(self._busy_subscriptions)
                 )
                 self._metric("subscription", "expired", plan.expired)
@@ -727,74 +584,40 @@ class Hub:
                 with trio.move_on_after(delay):
                     await self._wake.wait()
 
-    def _plan(self, now_dt: datetime, free: int, busy_v: list[int], busy_s: list[int]) -> _Plan:
-        now = format_dt(now_dt)
-        expired = 0
-        with self._tables.lock:
-            c = self.conn
-            if c.execute(
-                "SELECT 1 FROM hub_subscriptions WHERE lease_expires <= ? LIMIT 1", (now,)
-            ).fetchone():
-                with self._tables.write():  # WebSub §5.3.1: hubs MUST enforce lease expirations
-                    expired = c.execute(
-                        "DELETE FROM hub_subscriptions WHERE lease_expires <= ?", (now,)
-                    ).rowcount
-                    c.execute(_GC_PAYLOADS)
-            row = c.execute("SELECT MIN(lease_expires) FROM hub_subscriptions").fetchone()
-            next_due = parse_dt(row[0]) if row and row[0] else None
-            if free <= 0:  # wait for a job to finish (it wakes us)
-                return _Plan([], [], next_due, expired)
-            verifications = [
-                _Verification(*r)
-                for r in c.execute(
-                    "SELECT id, mode, topic, callback, secret, lease_seconds, reason FROM hub_verifications "
-                    f"WHERE id NOT IN ({_in(busy_v)}) ORDER BY id LIMIT ?",
-                    (*busy_v, free + 1),
-                )
-            ]
-            if len(verifications) > free:
-                verifications, next_due = verifications[:free], now_dt
-            free -= len(verifications)
-            deliveries: list[_Delivery] = []
-            if free > 0:
-                deliveries = [
-                    _Delivery(*r)
-                    for r in c.execute(
-                        "SELECT d.id, s.id, s.callback, s.secret, d.attempts, p.body, p.content_type, p.link "
-                        "FROM hub_deliveries d JOIN hub_subscriptions s ON s.id = d.subscription_id "
-                        "JOIN hub_payloads p ON p.id = d.payload_id "
-                        f"WHERE d.id IN ({_HEADS}) AND d.next_attempt <= ? AND s.id NOT IN ({_in(busy_s)}) "
-                        "ORDER BY d.next_attempt, d.id LIMIT ?",
-                        (now, *busy_s, free + 1),
-                    )
-                ]
-                if len(deliveries) > free:
-                    deliveries, next_due = deliveries[:free], now_dt
-            busy_s = busy_s + [d.subscription_id for d in deliveries]
-            row = c.execute(
-                f"SELECT MIN(next_attempt) FROM hub_deliveries WHERE id IN ({_HEADS}) "
-                f"AND subscription_id NOT IN ({_in(busy_s)})",
-                busy_s,
-            ).fetchone()
-            if row and row[0]:
-                due = parse_dt(row[0])
-                next_due = due if next_due is None else min(next_due, due)
+    def _plan(self, now: datetime, free: int, busy_v: list[int], busy_s: list[int]) -> _Plan:
+        st = self.state
+        expired = st.hub_expire(now)  # WebSub §5.3.1: hubs MUST enforce lease expirations
+        next_due = st.hub_next_lease_end()
+        if free <= 0:  # wait for a job to finish (it wakes us)
+            return _Plan([], [], next_due, expired)
+        verifications = st.hub_due_verifications(busy_v, free + 1)
+        if len(verifications) > free:
+            verifications, next_due = verifications[:free], now
+        free -= len(verifications)
+        deliveries: list[HubDelivery] = []
+        if free > 0:
+            deliveries = st.hub_due_deliveries(now, busy_s, free + 1)
+            if len(deliveries) > free:
+                deliveries, next_due = deliveries[:free], now
+        due = st.hub_next_delivery_due(busy_s + [d.subscription_id for d in deliveries])
+        if due is not None:
+            next_due = due if next_due is None else min(next_due, due)
         return _Plan(verifications, deliveries, next_due, expired)
 
-    async def _job(self, fn: Callable[[Any], Any], item: _Verification | _Delivery) -> None:
+    async def _job(self, fn: Callable[[Any], Any], item: HubVerification | HubDelivery) -> None:
         try:
             await fn(item)
         except Exception:
             log.exception("hub: %s failed unexpectedly", item)
             await trio.sleep(1.0)  # a persistent failure (database?) must not spin the worker
         finally:
-            if isinstance(item, _Verification):
+            if isinstance(item, HubVerification):
                 self._busy_verifications.discard(item.id)
             else:
                 self._busy_subscriptions.discard(item.subscription_id)
             self.wake()
 
-    async def _verify(self, v: _Verification) -> None:
+    async def _verify(self, v: HubVerification) -> None:
         """WebSub §5.3 (verification of intent) or §5.2 (denial): one GET to the callback."""
         challenge = secrets.token_urlsafe(32)  # §8: random, single-use
         params = [("hub.mode", v.mode), ("hub.topic", v.topic)]
@@ -820,45 +643,28 @@ class Hub:
             detail = "timed out"
         except httpx.HTTPError as exc:
             detail = f"{type(exc).__name__}: {exc}"
-        outcome = await self._tables.run(
-            self._verified, v, ok, format_dt(started + timedelta(seconds=v.lease_seconds or 0))
+        outcome = await self._store.run(
+            self._verified, v, ok, started + timedelta(seconds=v.lease_seconds or 0)
         )
         if outcome is None:
             return  # replaced by a newer request for the same pair while we asked
         log.info("hub: %s %s for %s -> %s (%s)", v.mode, v.topic, v.callback, outcome, detail)
         self._metric("verification", outcome)
 
-    def _verified(self, v: _Verification, ok: bool, lease_expires: str) -> str | None:
-        now = format_dt(self._now())
-        with self._tables.write() as c:
-            if c.execute("DELETE FROM hub_verifications WHERE id = ?", (v.id,)).rowcount == 0:
-                return None
-            if v.mode == "denied":  # §5.2: denied at any point ends the subscription too
-                c.execute(
-                    "DELETE FROM hub_subscriptions WHERE topic = ? AND callback = ?", (v.topic, v.callback)
-                )
-                c.execute(_GC_PAYLOADS)
-                return "denied"
-            if not ok:  # §5.1: if verification fails, the subscription state MUST be left unchanged
-                return "failed"
-            if v.mode == "unsubscribe":
-                c.execute(
-                    "DELETE FROM hub_subscriptions WHERE topic = ? AND callback = ?", (v.topic, v.callback)
-                )
-                c.execute(_GC_PAYLOADS)
-                return "unsubscribed"
-            # Renewal keeps the row (and so the pending deliveries), with the new secret and lease.
-            c.execute(
-                "INSERT INTO hub_subscriptions "
-                "(topic, callback, secret, lease_seconds, lease_expires, created, verified) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (topic, callback) DO UPDATE SET "
-                "secret = excluded.secret, lease_seconds = excluded.lease_seconds, "
-                "lease_expires = excluded.lease_expires, verified = excluded.verified",
-                (v.topic, v.callback, v.secret, v.lease_seconds, lease_expires, now, now),
-            )
-            return "subscribed"
+    def _verified(self, v: HubVerification, ok: bool, lease_expires: datetime) -> str | None:
+        if v.mode == "denied":  # §5.2: denied at any point ends the subscription too
+            outcome, subscribe = "denied", False
+        elif not ok:  # §5.1: if verification fails, the subscription state MUST be left unchanged
+            outcome, subscribe = "failed", None
+        elif v.mode == "unsubscribe":
+            outcome, subscribe = "unsubscribed", False
+        else:
+            outcome, subscribe = "subscribed", True
+        if not self.state.hub_finish_verification(v, subscribe, lease_expires, self._now()):
+            return None  # replaced by a newer request for the same pair
+        return outcome
 
-    async def _deliver(self, d: _Delivery) -> None:
+    async def _deliver(self, d: HubDelivery) -> None:
         """WebSub §7: POST the payload; the response body is ignored (never read)."""
         headers = {"Content-Type": d.content_type, "Link": d.link}
         if d.secret:
@@ -889,35 +695,11 @@ class Hub:
         delay = backoff(
             d.attempts, base=self.limits.backoff_base, cap=self.limits.backoff_max, retry_after=wait
         )
-        outcome = await self._tables.run(self._delivered, d, outcome, error, delay)
+        retry_at = self._now() + timedelta(seconds=delay)
+        outcome = await self._store.run(self.state.hub_finish_delivery, d, outcome, retry_at, error)
         if outcome != "ok":
             log.info("hub: delivery to %s (attempt %d): %s -> %s", d.callback, d.attempts + 1, error, outcome)
         self._metric("delivery", outcome)
-
-    def _delivered(self, d: _Delivery, outcome: str, error: str, delay: float) -> str:
-        now_dt = self._now()
-        with self._tables.write() as c:
-            if outcome == "gone":
-                c.execute("DELETE FROM hub_subscriptions WHERE id = ?", (d.subscription_id,))
-            elif outcome == "ok":
-                c.execute("DELETE FROM hub_deliveries WHERE id = ?", (d.id,))
-            else:
-                row = c.execute(
-                    "SELECT lease_expires FROM hub_subscriptions WHERE id = ?", (d.subscription_id,)
-                ).fetchone()
-                retry_at = format_dt(now_dt + timedelta(seconds=delay))
-                if row is None or retry_at >= row[0]:  # retried until the lease ends, no longer
-                    c.execute("DELETE FROM hub_deliveries WHERE id = ?", (d.id,))
-                    outcome = "failed"
-                else:
-                    c.execute(
-                        "UPDATE hub_deliveries SET attempts = ?, next_attempt = ?, last_error = ? "
-                        "WHERE id = ?",
-                        (d.attempts + 1, retry_at, error[:500], d.id),
-                    )
-            if outcome != "retry":
-                c.execute(_GC_PAYLOADS)
-        return outcome
 
 
 # -- small helpers -------------------------------------------------------------------------------

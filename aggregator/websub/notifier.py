@@ -55,7 +55,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -65,9 +64,10 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..config import Config
-from ..publish.app import Publisher
-from ..publish.documents import Site, UriOf, Windows, capability_list, change_entry
+from ..plugins import Plugins
+from ..publish.documents import Site, UriOf, Windows, capability_list, change_entry, no_dumps
 from ..publish.sets import PublishedSet, published_sets
+from ..publish.site import build_site, link_policy, publish_filter
 from ..retry import backoff, retry_after, retryable_status, transient_error
 from ..rs.model import (
     CAPABILITYLIST,
@@ -86,9 +86,11 @@ from ..rs.model import (
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
-from ..store.state import LogRecord, Resource, State, format_dt, parse_dt
-from ..store.tables import OwnTables
+from ..store.interface import StateStore
+from ..store.rows import NotifyChannel
+from ..store.state import LogRecord, Resource
 from .hub import Hub
+from .storecalls import StoreCalls
 
 log = logging.getLogger("rsagg.notify")
 
@@ -106,19 +108,6 @@ PING_ATTEMPTS = 3
 PING_BACKOFF = 0.2
 PING_BACKOFF_MAX = 5.0
 
-SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS notify_channels (
-        topic TEXT PRIMARY KEY,
-        set_name TEXT NOT NULL,
-        kind TEXT NOT NULL,            -- change-notification | framework-notification
-        last_seq INTEGER NOT NULL,     -- changelog seq published up to (change channels)
-        last_until TEXT,               -- until of the latest payload: the next one's from
-        body BLOB,                     -- the latest payload (the topic document)
-        snapshot TEXT,                 -- framework channels: JSON {url: [capability, version, index]}
-        updated TEXT NOT NULL
-    )""",
-)
-
 Snapshot = dict[str, list[Any]]  # url -> [capability, version, index url or None]
 
 
@@ -126,15 +115,8 @@ def topic_url(base_url: str, set_name: str, kind: str) -> str:
     return f"{base_url}/{set_name}/{TOPICS[kind]}"
 
 
-@dataclass
-class Channel:
-    topic: str
-    set_name: str
-    kind: str
-    last_seq: int
-    last_until: datetime | None
-    body: bytes = b""
-    snapshot: Snapshot = field(default_factory=dict)
+#: A channel's working copy: what the state keeps of it (``StateStore.notify_channels``).
+Channel = NotifyChannel
 
 
 @dataclass
@@ -174,7 +156,7 @@ class Notifier:
     def __init__(
         self,
         get_config: Callable[[], Config],
-        state_path: Path,
+        state: StateStore,
         blobs: BlobStore,
         *,
         hub_url: str,
@@ -186,11 +168,12 @@ class Notifier:
         framework_interval: float = 5.0,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
-        """``hub``: the embedded hub (in-process publishing); else ``client`` pings ``hub_url``."""
+        """``state``: a state handle of the notifier's own (closed by ``aclose``). ``hub``: the embedded
+        hub (in-process publishing); else ``client`` pings ``hub_url``."""
         if hub is None and client is None:
             raise ValueError("an external hub needs an HTTP client to ping it")
         self.get_config = get_config
-        self.state_path = Path(state_path)
+        self.state = state
         self.blobs = blobs
         self.hub_url = hub_url
         self.hub = hub
@@ -205,73 +188,45 @@ class Notifier:
         self._channels: dict[str, Channel] = {}
         self._set_names: set[str] = set()
         self._wake = trio.Event()
-        self._reader: State | None = None
-        self._publisher: tuple[Config, Any] | None = None
+        self._policies: tuple[Config, Any, Any] | None = None
         self._last_framework = float("-inf")
         self._last_open_k: int | None = None
-        self._tables = OwnTables(self.state_path, SCHEMA)
-        self.conn = self._tables.conn
+        self._store = StoreCalls(state)
         self._load()
 
     # -- plumbing --------------------------------------------------------------------------------
 
     def _load(self) -> None:
-        with self._tables.lock:
-            rows = self.conn.execute(
-                "SELECT topic, set_name, kind, last_seq, last_until, body, snapshot FROM notify_channels"
-            ).fetchall()
-        for topic, set_name, kind, last_seq, last_until, body, snapshot in rows:
-            self._channels[topic] = Channel(
-                topic,
-                set_name,
-                kind,
-                last_seq,
-                parse_dt(last_until),
-                body or b"",
-                json.loads(snapshot or "{}"),
-            )
+        for ch in self._store.call(self.state.notify_channels):
+            self._channels[ch.topic] = ch
 
     def _save(self, channels: Sequence[Channel], drop: Sequence[Channel] = ()) -> None:
-        now = format_dt(self._clock())
-        with self._tables.write() as c:
-            for ch in channels:
-                c.execute(
-                    "INSERT OR REPLACE INTO notify_channels (topic, set_name, kind, last_seq, last_until, "
-                    "body, snapshot, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (ch.topic, ch.set_name, ch.kind, ch.last_seq, format_dt(ch.last_until), ch.body,
-                     json.dumps(ch.snapshot) if ch.snapshot else None, now),
-                )  # fmt: skip
-            for ch in drop:
-                c.execute("DELETE FROM notify_channels WHERE topic = ?", (ch.topic,))
+        self.state.put_notify_channels(channels, [ch.topic for ch in drop])
 
-    def _state(self) -> State:
-        if self._reader is None:
-            self._reader = State(self.state_path, readonly=True, cache_mib=8)
-        return self._reader
+    def _state(self) -> StateStore:
+        return self.state
 
     def _published(self, set_name: str) -> bool:
         """Whether ``set_name`` is published now (blocking)."""
         return set_name in published_sets(self.get_config(), self._state().sets())
 
-    def _site(self, config: Config, state: State) -> Site:
+    def _site(self, config: Config, state: StateStore) -> Site:
         """Our documents exactly as the app writes them (link policy, plugins' filter, extra entries)."""
-        if self._publisher is None or self._publisher[0] is not config:
-            pub = Publisher(
-                config,
-                self.blobs,
-                self.state_path,
-                self.dumps_available,
-                extra_capabilities=self.capabilities,
-            )
-            self._publisher = (config, pub)
-        return self._publisher[1].site(state)
+        if self._policies is None or self._policies[0] is not config:
+            plugins = Plugins.from_config(config)
+            self._policies = (config, link_policy(config, plugins), publish_filter(plugins))
+        _, policy, visible = self._policies
+        return build_site(
+            config,
+            state,
+            policy=policy,
+            visible=visible,
+            dumps_available=self.dumps_available or no_dumps,
+            extra_capabilities=self.capabilities,
+        )
 
     async def aclose(self) -> None:
-        with self._tables.lock:
-            if self._reader is not None:
-                self._reader.close()
-                self._reader = None
-        self._tables.close()
+        self._store.close()
 
     def wake(self) -> None:
         """Look at the changelog now (called after each harvest commit)."""
@@ -303,7 +258,7 @@ class Notifier:
             if ch is None and set_name not in self._set_names:
                 # The Capability List naming this topic is a view of the state, which may be newer than
                 # the last round: a published set's topic answers from the moment it is advertised.
-                if not await self._tables.run(self._published, set_name):
+                if not await self._store.run(self._published, set_name):
                     return PlainTextResponse("not found\n", status_code=404)
             base = self.get_config().server.base_url
             headers = {
@@ -342,20 +297,20 @@ class Notifier:
         config = self.get_config()
         now_m = trio.current_time()
         framework_due = now_m - self._last_framework >= self.framework_interval
-        plan = await self._tables.run(self._plan, config, framework_due)
+        plan = await self._store.run(self._plan, config, framework_due)
         if plan.framework_checked:
             self._last_framework = now_m
         self._set_names = plan.set_names
         for ch in plan.advanced:
             self._channels[ch.topic] = ch
         if plan.silent:
-            await self._tables.run(self._save, plan.silent)
+            await self._store.run(self._save, plan.silent)
             for ch in plan.silent:
                 self._channels[ch.topic] = ch
         for p in plan.payloads:
             await self._send(config, p)
         if plan.dropped:
-            await self._tables.run(self._save, [], plan.dropped)
+            await self._store.run(self._save, [], plan.dropped)
             for ch in plan.dropped:
                 self._channels.pop(ch.topic, None)
         return plan.more
@@ -363,7 +318,7 @@ class Notifier:
     async def _send(self, config: Config, p: _Payload) -> None:
         ch = p.channel
         new = Channel(ch.topic, ch.set_name, ch.kind, p.last_seq, p.until, p.body, p.snapshot or ch.snapshot)
-        await self._tables.run(self._save, [new])  # first the topic document (a pinged hub fetches it)
+        await self._store.run(self._save, [new])  # first the topic document (a pinged hub fetches it)
         self._channels[ch.topic] = new
         capabilitylist = f"{config.server.base_url}/{ch.set_name}/capabilitylist.xml"
         ok = await self._publish(ch.topic, p.body, capabilitylist)
@@ -430,7 +385,14 @@ class Notifier:
         return any(s["lease_expires"] > now for s in self.hub.subscriptions(topic))
 
     def _plan_changes(
-        self, config: Config, state: State, site: Site, ps: PublishedSet, top: int, now: datetime, plan: _Plan
+        self,
+        config: Config,
+        state: StateStore,
+        site: Site,
+        ps: PublishedSet,
+        top: int,
+        now: datetime,
+        plan: _Plan,
     ) -> None:
         topic = topic_url(site.base_url, ps.name, CHANGE_NOTIFICATION)
         ch = self._channels.get(topic)
@@ -494,7 +456,7 @@ class Notifier:
 
     # -- framework notifications -----------------------------------------------------------------
 
-    def _snapshot(self, state: State, site: Site, ps: PublishedSet, now: datetime) -> Snapshot:
+    def _snapshot(self, state: StateStore, site: Site, ps: PublishedSet, now: datetime) -> Snapshot:
         """Every capability document of the set that Framework Notification §2.1 speaks of, versioned."""
         snap: Snapshot = {}
         sets = sorted((p.name, p.describedby or "") for p in site.sets.values())
@@ -517,7 +479,9 @@ class Notifier:
             snap[url] = [capability, versions.get(capability, url), None]
         return snap
 
-    def _plan_framework(self, state: State, site: Site, ps: PublishedSet, now: datetime, plan: _Plan) -> None:
+    def _plan_framework(
+        self, state: StateStore, site: Site, ps: PublishedSet, now: datetime, plan: _Plan
+    ) -> None:
         topic = topic_url(site.base_url, ps.name, FRAMEWORK_NOTIFICATION)
         ch = self._channels.get(topic)
         snap = self._snapshot(state, site, ps, now)

@@ -29,6 +29,7 @@ import trio
 
 from .. import __version__, outbound
 from ..harvest.context import HarvestContext
+from ..store.state import open_state
 
 if TYPE_CHECKING:  # imported when used: the daemon imports this module, harvest-only runs need no more
     from starlette.routing import BaseRoute
@@ -116,7 +117,6 @@ def prepare_notifications(
         follow_redirects=False,
         headers={"User-Agent": f"rsagg/{__version__} (WebSub)"},
     )
-    state_path = config.store_path / "state.db"
     hub: Hub | None = None
     counts: Counter[str] = Counter()
     if nc.hub:
@@ -129,7 +129,7 @@ def prepare_notifications(
 
         refused = ctx.fetcher.policy.on_refused if ctx.fetcher.policy is not None else None
         hub = Hub(
-            state_path,
+            open_state(config),
             # Anyone names the callbacks: source origins are not trusted here (outbound.py).
             policy=outbound.policy_for(config, trust_sources=False, on_refused=refused),
             hub_url=hub_url,
@@ -140,7 +140,7 @@ def prepare_notifications(
         )
     notifier = Notifier(
         lambda: ctx.config,
-        state_path,
+        open_state(config),
         ctx.blobs,
         hub_url=hub_url,
         hub=hub,
@@ -150,7 +150,7 @@ def prepare_notifications(
         poll_interval=poll_interval,
         framework_interval=framework_interval,
     )
-    subscriber = Subscriber(ctx, client=client, settings=settings) if harvest else None
+    subscriber = Subscriber(ctx, open_state(config), client=client, settings=settings) if harvest else None
     notes = Notifications(hub_url, notifier, client, hub, subscriber, counts)
     ctx.notifications = notes
     ctx.commit_listeners.append(notifier.wake)
@@ -166,7 +166,7 @@ def _dump_versions(ctx: HarvestContext, set_name: str) -> dict[str, str]:
         return {}
     run = builder.latest_run(set_name)
     return {
-        "resourcedump": str(run["id"]) if run else "",
+        "resourcedump": str(run.id) if run else "",
         "changedump": str(len(builder.change_dump_packages(set_name))),
     }
 

@@ -82,8 +82,10 @@ from ..retry import backoff, retry_after
 from ..rs.model import CHANGE_NOTIFICATION, CHANGES, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
 from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
-from ..store.state import format_dt, parse_dt
-from ..store.tables import Closed, OwnTables
+from ..store.interface import StateStore
+from ..store.rows import NotifySubscription
+from ..store.state import format_dt
+from .storecalls import Closed, StoreCalls
 
 log = logging.getLogger("rsagg.subscriber")
 T = TypeVar("T")
@@ -141,30 +143,9 @@ class SubscriberSettings:
     settle: float = 1.0
 
 
-@dataclass
-class Subscription:
-    """One channel of one set of one source (a row of ``notify_subscriptions``)."""
-
-    id: int
-    token: str
-    secret: str
-    source: str
-    capabilitylist_url: str
-    kind: str
-    topic: str
-    hub: str
-    wanted: bool = True  # False: being unsubscribed (then forgotten)
-    pending: str | None = None  # "subscribe" | "unsubscribe": a request of ours awaiting verification
-    requested: datetime | None = None
-    lease_seconds: int | None = None
-    lease_expires: datetime | None = None
-    verified: datetime | None = None
-    last_until: datetime | None = None  # until of the last change notification taken
-    failures: int = 0
-    next_attempt: datetime | None = None
-
-    def live(self, now: datetime) -> bool:
-        return self.wanted and self.lease_expires is not None and self.lease_expires > now
+#: One channel of one set of one source: the working copy of what the state keeps
+#: (``StateStore.notify_subscriptions``).
+Subscription = NotifySubscription
 
 
 @dataclass
@@ -189,41 +170,13 @@ class _Inbox:
     busy: bool = False  # a sync or a notice is being worked on
 
 
-SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS notify_subscriptions (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        token TEXT NOT NULL UNIQUE,        -- callback path segment: BASE/_websub/<token>
-        secret TEXT NOT NULL,              -- hub.secret (needed to check signatures)
-        source TEXT NOT NULL,
-        capabilitylist_url TEXT NOT NULL,
-        kind TEXT NOT NULL,                -- change-notification | framework-notification
-        topic TEXT NOT NULL,
-        hub TEXT NOT NULL,
-        wanted INTEGER NOT NULL DEFAULT 1, -- 0: being unsubscribed
-        pending TEXT,                      -- subscribe | unsubscribe, awaiting verification
-        requested TEXT,
-        lease_seconds INTEGER,
-        lease_expires TEXT,
-        verified TEXT,
-        last_until TEXT,                   -- continuity of change notifications
-        failures INTEGER NOT NULL DEFAULT 0,
-        next_attempt TEXT
-    )""",
-)
-_COLS = (
-    "id", "token", "secret", "source", "capabilitylist_url", "kind", "topic", "hub", "wanted", "pending",
-    "requested", "lease_seconds", "lease_expires", "verified", "last_until", "failures", "next_attempt",
-)  # fmt: skip
-_UPDATE = f"UPDATE notify_subscriptions SET {', '.join(f'{k} = ?' for k in _COLS[1:])} WHERE id = ?"
-_TIMES = ("requested", "lease_expires", "verified", "last_until", "next_attempt")
-
-
 class Subscriber:
     """Subscriptions, callback routes (``routes()``), maintenance (``run()``) and source tasks."""
 
     def __init__(
         self,
         ctx: HarvestContext,
+        state: StateStore,
         *,
         client: httpx.AsyncClient,
         settings: SubscriberSettings | None = None,
@@ -238,52 +191,24 @@ class Subscriber:
         self._inboxes: dict[str, _Inbox] = {}
         self._discovered: dict[str, list[str]] = {}  # source -> capability list URLs of its last sync
         self._wake = trio.Event()
-        self._tables = OwnTables(ctx.config.store_path / "state.db", SCHEMA)
-        self.conn = self._tables.conn
-        with self._tables.lock:
-            for row in self.conn.execute(f"SELECT {', '.join(_COLS)} FROM notify_subscriptions"):
-                d = dict(zip(_COLS, row, strict=True))
-                for k in _TIMES:
-                    d[k] = parse_dt(d[k])
-                d["wanted"] = bool(d["wanted"])
-                sub = Subscription(**d)
-                self._subs[sub.token] = sub
+        self.state = state  # a state handle of the subscriber's own, closed by ``aclose``
+        self._store = StoreCalls(state)
+        for sub in self._store.call(state.notify_subscriptions):
+            self._subs[sub.token] = sub
 
     # -- plumbing --------------------------------------------------------------------------------
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T | None:
         try:
-            return await self._tables.run(fn, *args)
+            return await self._store.run(fn, *args)
         except Closed:  # a task still finishing while the process stops
             return None
 
-    def _save_rows(self, subs: Sequence[Subscription]) -> None:
-        with self._tables.write() as c:
-            for sub in subs:
-                values = [getattr(sub, k) for k in _COLS[1:]]
-                values = [format_dt(v) if isinstance(v, datetime) else v for v in values]
-                c.execute(_UPDATE, (*values, sub.id))
-
     async def _save(self, *subs: Subscription) -> None:
-        await self._db(self._save_rows, subs)
-
-    def _insert_row(self, sub: Subscription) -> int:
-        cols = _COLS[1:]
-        values = [getattr(sub, k) for k in cols]
-        values = [format_dt(v) if isinstance(v, datetime) else v for v in values]
-        with self._tables.write() as c:
-            cur = c.execute(
-                f"INSERT INTO notify_subscriptions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                values,
-            )
-            return int(cur.lastrowid or 0)
-
-    def _delete_row(self, sub_id: int) -> None:
-        with self._tables.write() as c:
-            c.execute("DELETE FROM notify_subscriptions WHERE id = ?", (sub_id,))
+        await self._db(self.state.put_notify_subscriptions, subs)
 
     async def aclose(self) -> None:
-        self._tables.close()
+        self._store.close()
 
     def _now(self) -> datetime:
         return self._clock()
@@ -345,7 +270,7 @@ class Subscriber:
             sub = Subscription(
                 0, secrets.token_urlsafe(32), secrets.token_hex(32), src.name, key[0], key[1], topic, hub
             )
-            sub.id = await self._db(self._insert_row, sub) or 0
+            sub.id = await self._db(self.state.add_notify_subscription, sub) or 0
             self._subs[sub.token] = sub
             log.info("source=%s subscribing to %s %s at hub %s", src.name, key[1], topic, hub)
             await self._request(sub, "subscribe")
@@ -413,7 +338,7 @@ class Subscriber:
 
     async def _forget(self, sub: Subscription) -> None:
         self._subs.pop(sub.token, None)
-        await self._db(self._delete_row, sub.id)
+        await self._db(self.state.delete_notify_subscription, sub.id)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Maintenance until cancelled: renewals, retries, time-outs, sources that went away."""
