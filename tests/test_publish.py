@@ -31,7 +31,7 @@ from aggregator.rs.model import PATCH_REL, Entry, Head, Link
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import validate_source
 from aggregator.store.blobs import FileBlobStore
-from aggregator.store.state import Change, State
+from aggregator.store.state import Change, State, open_state, state_path
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest, make_config
@@ -63,7 +63,7 @@ async def publishing(
     with open_blob_store(cfg, Plugins.from_config(cfg)) as store:  # the configured backend
         async with serve_app(asgi) as base:
             config = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, base_url=base))
-            app = create_app(config, blobs=blobs or store, state_path=cfg.store_path / "state.db", **kw)
+            app = create_app(config, blobs=blobs or store, state_path=state_path(cfg), **kw)
             holder["app"] = app
             try:
                 async with httpx.AsyncClient(timeout=30) as client:
@@ -77,7 +77,7 @@ def with_publish(cfg: Config, **publish: Any) -> Config:
 
 
 def state_of(cfg: Config) -> State:
-    return State(cfg.store_path / "state.db")
+    return open_state(cfg)
 
 
 def set_names(cfg: Config) -> dict[str, int]:

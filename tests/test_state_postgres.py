@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 import trio
@@ -29,7 +31,8 @@ from aggregator.store.state import MIGRATIONS as SQLITE_MIGRATIONS
 from aggregator.store.state import Change, Cursor, State, connect
 from aggregator.testing.upstream import Upstream
 
-from . import harvesting, test_harvest, test_state, test_state_interface, test_state_websub
+from . import harvesting, test_harvest, test_publish, test_state, test_state_interface, test_state_websub
+from .notifying import free_port
 from .pgserver import PgServer
 from .test_state import A, B, C, ch
 
@@ -333,12 +336,21 @@ HARVEST_SCENARIOS = [
 ]
 
 
-@pytest.mark.parametrize("scenario", HARVEST_SCENARIOS, ids=lambda f: f.__name__)
-async def test_harvest_scenarios_pass_unchanged_on_postgres(
+#: The publisher's end-to-end tests: rsagg's Source read from a PostgreSQL state, resync 2.0.1 syncing from
+#: it (baseline, incremental, audit), every document valid, Change List windows equal to the changelog.
+PUBLISH_SCENARIOS = [
+    test_publish.test_resync_baseline_incremental_audit,
+    test_publish.test_change_list_windows_give_the_changelog_exactly,
+    test_publish.test_every_document_validates_and_indexes_appear,
+]
+
+
+@pytest.mark.parametrize("scenario", HARVEST_SCENARIOS + PUBLISH_SCENARIOS, ids=lambda f: f.__name__)
+async def test_scenarios_pass_unchanged_on_postgres(
     scenario, pg_server: PgServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The harvester's own end-to-end tests, same assertions, with every config's state in PostgreSQL
-    (a fresh schema each); afterwards no SQLite state file exists anywhere."""
+    """The harvester's and the publisher's own end-to-end tests, same assertions, with every config's
+    state in PostgreSQL (a fresh schema each); afterwards no SQLite state file exists anywhere."""
     monkeypatch.setattr(harvesting, "STORE", {"state": pg_server.fresh_url})
     kwargs = {"monkeypatch": monkeypatch} if "monkeypatch" in scenario.__code__.co_varnames else {}
     await scenario(tmp_path, **kwargs)
@@ -402,3 +414,70 @@ def test_a_state_url_of_another_kind_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(str(_config_file(tmp_path, "mysql://u:pw@db/x", "http://127.0.0.1:9/")))
     assert info.value.key == "store.state" and "pw@" not in str(info.value)
+
+
+async def test_rsagg_run_republishes_from_postgres_to_resync(pg_server: PgServer, tmp_path: Path) -> None:
+    """``rsagg run`` with its state in PostgreSQL harvests an upstream and republishes it; resync 2.0.1
+    (``resync-sync --baseline``) copies rsagg's Source and its audit finds it in sync; ``rsagg audit``
+    finds rsagg in sync with the upstream; the password (in PGPASSWORD) shows nowhere."""
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.bulk_create(12)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with_password = pg_server.fresh_url()
+    state = with_password.replace(f":{pg_server.password}@", "@")
+    env = {
+        **os.environ,
+        "PGPASSWORD": pg_server.password,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(harvesting.REPO), os.environ.get("PYTHONPATH")])),
+    }
+    log_path = tmp_path / "daemon.log"
+    async with up.serving() as ubase:
+        config = tmp_path / "rsagg.toml"
+        config.write_text(
+            f'[server]\nlisten = "127.0.0.1:{port}"\nbase_url = "{base}"\n'
+            f'[store]\npath = "{tmp_path / "data"}"\nstate = "{state}"\n'
+            "[harvest]\njitter = 0\nretries = 2\nbackoff_base = 0.01\nbackoff_max = 0.05\ntimeout = 10\n"
+            f'[[sources]]\nname = "up"\nurl = "{ubase}"\ninterval = 1\n'
+        )
+        with log_path.open("ab") as log:
+            daemon = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "aggregator", "run", "-c", str(config)],
+                env=env,
+                stdout=log,
+                stderr=log,
+            )
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                with trio.fail_after(120):
+                    while True:  # the daemon's first harvest is complete when every resource is listed
+                        with contextlib.suppress(httpx.TransportError):
+                            r = await client.get(f"{base}/up/resourcelist.xml")
+                            if r.status_code == 200 and r.text.count("<url>") == 12:
+                                break
+                        assert daemon.returncode is None, log_path.read_text()
+                        await trio.sleep(0.2)
+            dest, cwd = tmp_path / "dest", tmp_path / "cwd"
+            cwd.mkdir()
+            out = await test_publish.resync("--baseline", "--delete", base, str(dest), cwd=cwd)
+            assert "SYNCED" in out or "IN SYNC" in out, out
+            assert test_publish.local_files(dest) == test_publish.expected_files(up, base)
+            out = await test_publish.resync("--audit", "--hash", "md5", base, str(dest), cwd=cwd)
+            assert "IN SYNC" in out and "NOT IN SYNC" not in out, out
+            audit = await trio.to_thread.run_sync(
+                lambda: harvesting.rsagg(
+                    "audit", config=config, timeout=300, env={"PGPASSWORD": pg_server.password}
+                )
+            )
+            assert audit.returncode == 0, audit.stdout + audit.stderr
+            assert "in sync" in (audit.stdout + audit.stderr).lower(), audit.stdout + audit.stderr
+        finally:
+            daemon.terminate()
+            with trio.move_on_after(60):
+                await daemon.wait()
+            if daemon.returncode is None:
+                daemon.kill()
+    with connect(with_password) as st:
+        assert st.count_resources() == 12
+    assert pg_server.password not in log_path.read_text()
+    assert not list(tmp_path.rglob("state.db*"))

@@ -114,7 +114,7 @@ class ReaderPool:
     """
 
     def __init__(
-        self, path: Path, *, max_idle: int = POOL_IDLE, max_open: int = 32, wait: float | None = None
+        self, path: Path | str, *, max_idle: int = POOL_IDLE, max_open: int = 32, wait: float | None = None
     ) -> None:
         self.path = path
         self.max_idle = max_idle
@@ -190,7 +190,7 @@ class Publisher:
         self,
         config: Config,
         blobs: BlobStore,
-        state_path: Path,
+        state_path: Path | str,
         dumps_available: DumpsAvailable | None = None,
         plugins: Plugins | None = None,
         extra_capabilities: ExtraCapabilities | None = None,
@@ -207,7 +207,9 @@ class Publisher:
             config.server.base_url, config.sets, config.publish, config.plugins,
             [s.plugins for s in config.sources], documents.MAX_ENTRIES, RENDERING,
         )  # fmt: skip
-        self.documents = DocumentCache(state_path.parent / "cache" / "documents", self.fingerprint)
+        # Renderings are cached beside a state file, else (a state in a server) in the store folder.
+        folder = state_path.parent if isinstance(state_path, Path) else Path(config.store_path)
+        self.documents = DocumentCache(folder / "cache" / "documents", self.fingerprint)
         self.pool = ReaderPool(state_path, max_open=config.server.max_readers)
         #: Short calls (``run``) in flight: no more than the pool keeps idle, since more meant a connection
         #: opened and closed per call under load (~0.3 ms each); document streams are not counted here.
@@ -499,7 +501,7 @@ def create_app(
     config: Config,
     *,
     blobs: BlobStore,
-    state_path: Path,
+    state_path: Path | str,
     extra_routes: Sequence[BaseRoute] = (),
     dumps_available: DumpsAvailable | None = None,
     plugins: Plugins | None = None,
@@ -511,8 +513,9 @@ def create_app(
     ``metrics``: where served requests are counted and what ``/metrics`` shows (the daemon passes its
     harvest context's; default: the process-wide ``default_metrics()``).
     """
-    state_path = Path(state_path)
-    state_path.parent.mkdir(parents=True, exist_ok=True)
+    if not (isinstance(state_path, str) and "://" in state_path):  # a file, not a server's URL
+        state_path = Path(state_path)
+        state_path.parent.mkdir(parents=True, exist_ok=True)
     connect(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
     publisher = Publisher(config, blobs, state_path, dumps_available, plugins, extra_capabilities, metrics)
 
