@@ -88,7 +88,9 @@ def harvest(folder: Path, base: str, n: int, state: str) -> Run:
         held = st.count_resources()
     run = Run("postgresql" if state else "sqlite", n, wall, held, os.waitstatus_to_exitcode(status))
     run.cpu = usage.ru_utime + usage.ru_stime
-    run.db_cpu = server_cpu() - server_before if state else 0.0
+    if state:
+        time.sleep(1.0)  # the postmaster reaps the ended backends (a zombie's CPU time is not readable)
+        run.db_cpu = server_cpu() - server_before
     return run
 
 
