@@ -114,6 +114,10 @@ def test_the_factory_opens_postgresql_urls(url: str) -> None:
         assert isinstance(st, PostgresState)
 
 
+def test_state_reads_for_publishing(url: str) -> None:
+    test_publish.check_state_reads_for_publishing(lambda **kw: connect(url, **kw))
+
+
 # -- schema ---------------------------------------------------------------------------------------
 
 

@@ -444,7 +444,7 @@ class PostgresState:
                 f"{self.location} has schema version {version}, this rsagg reads {len(MIGRATIONS)} "
                 "(open it once read-write to create or migrate it)"
             )
-        size = max(1, min(pool_size, 2) if readonly else pool_size)
+        size = 1 if readonly else max(1, pool_size)  # a reader serves one request at a time
         self.pool = ConnectionPool(
             url,
             min_size=1,
@@ -1091,17 +1091,16 @@ class PostgresState:
             )
 
     def iter_live_part_boundaries(self, set_ids: Sequence[int], size: int) -> Iterator[int]:
-        """The id of every ``size``-th live resource in id order: one pass, read by a server-side cursor
-        in pages (``State.live_part_boundaries``)."""
+        """The id of every ``size``-th live resource in id order (``State.live_part_boundaries``): the
+        sets' live ids read by keyset pages and merged, so no connection is held between pages (a
+        publisher's reader has one)."""
         if size < 1:
             raise ValueError("size must be at least 1")
-        if not set_ids:
-            return
-        sql = (
-            "SELECT id FROM (SELECT id, row_number() OVER (ORDER BY id) AS n FROM resources "
-            "WHERE set_id = ANY(%s) AND NOT deleted) AS x WHERE n %% %s = 0 ORDER BY id"
-        )
-        yield from (r[0] for r in self._server_side(sql, (list(dict.fromkeys(set_ids)), size)))
+        sql = "SELECT id FROM resources WHERE set_id = %s AND NOT deleted AND id > %s ORDER BY id LIMIT %s"
+        iters = [self._pages(sql, [sid], 0, 0, None) for sid in dict.fromkeys(set_ids)]
+        for n, (rid,) in enumerate(heapq.merge(*iters), 1):
+            if n % size == 0:
+                yield rid
 
     def _server_side(self, sql: str, params: Sequence[Any]) -> Iterator[tuple]:
         """Rows of one query as of one instant, fetched in pages from a server-side cursor (bounded
