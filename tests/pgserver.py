@@ -73,19 +73,27 @@ class PgServer:
         pwfile.unlink()
         for attempt in range(5):  # the port picked may be taken by someone else meanwhile
             self.port = _free_port()
-            options = (
-                f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c max_connections=200 "
-                + ("-c shared_buffers=128MB" if self.durable else
-                   "-c shared_buffers=32MB -c fsync=off -c synchronous_commit=off -c full_page_writes=off")
-            )  # fmt: skip
             try:
-                self._run(str(BIN / "pg_ctl"), "-D", str(self.data), "-o", options, "-l",
-                          str(self.root / "log"), "-w", "-t", "120", "start")  # fmt: skip
+                self.resume()
                 break
             except subprocess.CalledProcessError:
                 if attempt == 4:
                     raise RuntimeError("PostgreSQL did not start:\n" + self.log()) from None
         return self
+
+    def resume(self) -> None:
+        """Start the server (again, after ``pause``) on its port."""
+        options = (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c max_connections=200 "
+            + ("-c shared_buffers=128MB" if self.durable else
+               "-c shared_buffers=32MB -c fsync=off -c synchronous_commit=off -c full_page_writes=off")
+        )  # fmt: skip
+        self._run(str(BIN / "pg_ctl"), "-D", str(self.data), "-o", options, "-l", str(self.root / "log"),
+                  "-w", "-t", "120", "start")  # fmt: skip
+
+    def pause(self) -> None:
+        """Stop the server (``-m fast``: its clients' connections are cut), keeping its data."""
+        self._run(str(BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop", timeout=60)
 
     def log(self) -> str:
         with contextlib.suppress(OSError):
@@ -94,7 +102,7 @@ class PgServer:
 
     def stop(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
-            self._run(str(BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop", timeout=60)
+            self.pause()
         shutil.rmtree(self.root, ignore_errors=True)
 
     def url(self, database: str = "postgres", *, password: bool = True, schema: str | None = None) -> str:

@@ -31,7 +31,15 @@ from aggregator.store.state import MIGRATIONS as SQLITE_MIGRATIONS
 from aggregator.store.state import Change, Cursor, State, connect
 from aggregator.testing.upstream import Upstream
 
-from . import harvesting, test_harvest, test_publish, test_state, test_state_interface, test_state_websub
+from . import (
+    harvesting,
+    pgserver,
+    test_harvest,
+    test_publish,
+    test_state,
+    test_state_interface,
+    test_state_websub,
+)
 from .notifying import free_port
 from .pgserver import PgServer
 from .test_state import A, B, C, ch
@@ -485,3 +493,65 @@ async def test_rsagg_run_republishes_from_postgres_to_resync(pg_server: PgServer
         assert st.count_resources() == 12
     assert pg_server.password not in log_path.read_text()
     assert not list(tmp_path.rglob("state.db*"))
+
+
+async def test_the_daemon_outlives_a_restart_of_its_state_server(tmp_path: Path) -> None:
+    """The server goes away under ``rsagg run`` and comes back: the daemon keeps running (a sync that
+    meets the outage fails with one redacted line, a request gets 503), then catches up by itself."""
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.bulk_create(5)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with pgserver.running() as pg:  # a server of its own: this test stops it
+        state = pg.fresh_url()
+        log_path = tmp_path / "daemon.log"
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(harvesting.REPO), os.environ.get("PYTHONPATH")])),
+        }
+        async with up.serving() as ubase, httpx.AsyncClient(timeout=30) as client:
+            config = tmp_path / "rsagg.toml"
+            config.write_text(
+                f'[server]\nlisten = "127.0.0.1:{port}"\nbase_url = "{base}"\n'
+                f'[store]\npath = "{tmp_path / "data"}"\nstate = "{state}"\n'
+                "[harvest]\njitter = 0\nretries = 1\nbackoff_base = 0.01\ntimeout = 10\n"
+                f'[[sources]]\nname = "up"\nurl = "{ubase}"\ninterval = 0.5\n'
+            )
+
+            async def listed() -> int:
+                with contextlib.suppress(httpx.TransportError):
+                    r = await client.get(f"{base}/up/resourcelist.xml")
+                    return r.text.count("<url>") if r.status_code == 200 else -r.status_code
+                return -1
+
+            with log_path.open("ab") as log:
+                daemon = await trio.lowlevel.open_process(
+                    [sys.executable, "-m", "aggregator", "run", "-c", str(config)],
+                    env=env,
+                    stdout=log,
+                    stderr=log,
+                )
+            try:
+                with trio.fail_after(120):
+                    while await listed() != 5:
+                        await trio.sleep(0.2)
+                await trio.to_thread.run_sync(pg.pause)
+                with trio.fail_after(120):  # a sync meets the outage
+                    while "unavailable" not in log_path.read_text():
+                        await trio.sleep(0.2)
+                assert await listed() == -503
+                up.create("while-away.txt", b"written while the state's server was down\n")
+                await trio.to_thread.run_sync(pg.resume)
+                with trio.fail_after(120):
+                    while await listed() != 6:
+                        assert daemon.returncode is None, log_path.read_text()
+                        await trio.sleep(0.2)
+                assert daemon.returncode is None
+            finally:
+                daemon.terminate()
+                with trio.move_on_after(60):
+                    await daemon.wait()
+                if daemon.returncode is None:
+                    daemon.kill()
+        text = log_path.read_text()
+        assert pg.password not in text and "rsagg:***@" in text

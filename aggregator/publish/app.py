@@ -57,7 +57,7 @@ from ..plugins import Plugins
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
-from ..store.interface import StateStore
+from ..store.interface import StateStore, StateUnavailable
 from ..store.state import Resource, connect
 from . import documents, status_page
 from .doccache import CacheWriter, DocumentCache, fingerprint
@@ -175,7 +175,8 @@ _busy_logged = [0.0]  # monotonic time of the last "busy" log line: one a minute
 
 
 async def busy(request: Request, exc: Exception) -> Response:
-    """503 for ``ServerBusy``: a crawler should come back a little later (RFC 9110 §15.6.4)."""
+    """503 for ``ServerBusy`` (and ``StateUnavailable``): a crawler should come back a little later (RFC
+    9110 §15.6.4)."""
     if time.monotonic() - _busy_logged[0] >= 60:
         _busy_logged[0] = time.monotonic()
         log.warning("%s %s: %s (503; said once a minute, see rsagg_http_requests_total)", request.method,
@@ -550,14 +551,16 @@ def create_app(
     served = Middleware(ServedMetrics, metrics=publisher.metrics)  # by route template (metrics.py)
 
     def hot(inner: Any) -> ResourceFastPath:
-        fast.append(ResourceFastPath(inner, publisher, resource_route, (ServerBusy, busy)))
+        fast.append(
+            ResourceFastPath(inner, publisher, resource_route, ((ServerBusy, StateUnavailable), busy))
+        )
         return fast[-1]
 
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
         middleware=[served, Middleware(hot)],
-        exception_handlers={ServerBusy: busy},
+        exception_handlers={ServerBusy: busy, StateUnavailable: busy},  # the state's server away: 503 too
     )
     app.state.publisher = publisher
     return app

@@ -54,6 +54,12 @@ from .rows import (
 )
 
 
+class StateUnavailable(Exception):
+    """The state cannot be reached (a server backend's server is down, refuses the login, ...): a sync
+    that meets it fails and the next one tries again; at start-up rsagg stops with this one line (exit 1).
+    Its message names the state's location without secrets."""
+
+
 class StateStore(Protocol):
     """Sources, their documents and sets, the resources held, the changelog and the cursors."""
 
@@ -412,4 +418,5 @@ __all__ = [
     "SetRow",
     "SourceRow",
     "StateStore",
+    "StateUnavailable",
 ]

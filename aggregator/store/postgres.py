@@ -42,14 +42,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import trio
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ..commands._common import OperatorError
 from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Head
 from ..rs.parse import parse_bytes
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from . import state as sqlite_state
+from .interface import StateUnavailable
 from .rows import (
     Change,
     Cursor,
@@ -377,10 +377,6 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
-class StateUnavailable(OperatorError):
-    """The PostgreSQL state cannot be opened (unreachable, refused, wrong password): one line, exit 1."""
-
-
 def _scrub(text: str, url: str) -> str:
     """``text`` (a driver's message) with the URL redacted and its password blanked, wherever they occur."""
     password = None
@@ -504,10 +500,23 @@ class PostgresState:
     def _write(self) -> Iterator[psycopg.Connection]:
         """One transaction on a pooled connection: COMMIT, or ROLLBACK on any exception; once committed,
         ``version()`` moves (after the commit, so a reader never caches what it could not see yet)."""
-        with self.pool.connection() as conn:
+        with self._unavailable(), self.pool.connection() as conn:
             with conn.transaction():
                 yield conn
             conn.execute("SELECT nextval('state_version')")
+
+    @contextlib.contextmanager
+    def _unavailable(self) -> Iterator[None]:
+        """The server gone, restarting or out of connections (psycopg's OperationalError, a pool timeout)
+        is ``StateUnavailable``: one line naming the redacted URL, which the harvester survives."""
+        try:
+            yield
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            with contextlib.suppress(Exception):  # the pool's other dead connections go now, not one per call
+                self.pool.check()
+            raise StateUnavailable(
+                f"state {self.location} unavailable: {_scrub(str(exc), self.url)}"
+            ) from None
 
     def version(self) -> int:
         """Grows with every committed write of anyone (this process or another): the ``state_version``
@@ -517,8 +526,10 @@ class PostgresState:
                 "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM state_version"
             ).fetchone()[0]
 
-    def _read(self) -> contextlib.AbstractContextManager[psycopg.Connection]:
-        return self.pool.connection()
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[psycopg.Connection]:
+        with self._unavailable(), self.pool.connection() as conn:
+            yield conn
 
     def _now(self) -> datetime:
         return self._clock().astimezone(UTC)
