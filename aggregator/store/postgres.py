@@ -44,7 +44,7 @@ import psycopg
 import trio
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Head
+from ..rs.model import CHANGES, DELETED, Entry, Head
 from ..rs.parse import parse_bytes
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
@@ -75,10 +75,9 @@ from .state import (
     SOURCE_STATUS_FIELDS,
     SYNCHRONOUS,
     _check_sha,
-    _json,
     _links_from,
-    _links_json,
     format_dt,
+    plan_batch,
 )
 
 #: URL schemes this backend opens (``store.state.connect`` picks it by them).
@@ -340,17 +339,13 @@ _UPDATE_FROM_BATCH = (
     )
     + f" FROM {_BATCH} b WHERE r.id = b.id"
 )
-_W_UPSTREAM, _W_DELETED, _W_GENERATION = (
-    _RES_COLS.index(c) for c in ("upstream_datetime", "deleted", "generation")
-)
-_W_ID = len(_RES_COLS)
+_W_ID = len(_RES_COLS)  # where a planned row (state.plan_batch) holds its id
 (
     _R_SET, _R_URI, _R_SHA256, _R_LENGTH, _R_TYPE, _R_ENCODING, _R_MD5, _R_SHA1, _R_LASTMOD, _R_UPSTREAM,
     _R_LINKS, _R_MD_EXTRA, _R_ENTRY_EXTRA, _R_DELETED, _R_GENERATION, _R_UPDATED,
 ) = range(1, len(_RES_COLS) + 1)  # fmt: skip
-_C_ID, _C_SHA256, _C_LIVE, _C_STORED = range(4)
+_C_STORED = 3  # in plan_batch's ``current``: the row exists already
 _LOG_COLS = ("seq", "set_id", "resource_id", "uri", "change", "datetime", "sha256", "length", "type")
-_LOG_INSERT_COLS = _LOG_COLS
 _SOURCE_COLS = (
     "name", "url", "state", "last_error", "last_error_at", "last_success", "last_attempt", "next_attempt",
     "failures", "progress_done", "progress_total", "progress_what", "created_at", "updated_at", "using_url",
@@ -764,7 +759,7 @@ class PostgresState:
             ):
                 current[uri] = [rid, sha, not deleted, True]
         new_ids: Iterator[int] = iter(())
-        if len(current) < len(uris):
+        if len(current) < len(uris):  # ids from the sequence: never reused, whichever process asks
             new_ids = iter(
                 r[0]
                 for r in c.execute(
@@ -772,53 +767,10 @@ class PostgresState:
                     (len(uris) - len(current),),
                 ).fetchall()
             )
-        # 2. Decide, change by change; collapse to the final row per uri; keep the log in order.
-        rows: dict[str, list] = {}
-        tombstones: dict[int, tuple] = {}
-        seen: dict[int, int] = {}
-        log: list[tuple] = []
-        applied: list[Change] = []
-        for ch in changes:
-            gen = ch.generation if ch.generation is not None else open_generation
-            cur = current.get(ch.uri)
-            live = cur is not None and cur[_C_LIVE]
-            if ch.change == DELETED:
-                if not live:
-                    continue
-                cur[_C_LIVE] = False
-                row = rows.get(ch.uri)
-                if row is not None:
-                    row[_W_DELETED] = True
-                    if gen is not None:
-                        row[_W_GENERATION] = gen
-                    if ch.upstream_datetime is not None:
-                        row[_W_UPSTREAM] = ch.upstream_datetime
-                else:
-                    tombstones[cur[_C_ID]] = (gen, ch.upstream_datetime)
-                log.append((set_id, cur[_C_ID], ch.uri, DELETED, now, None, None, None))
-                applied.append(ch)
-                continue
-            if live and cur[_C_SHA256] == ch.sha256:
-                if gen is not None:
-                    if ch.uri in rows:
-                        rows[ch.uri][_W_GENERATION] = gen
-                    else:
-                        seen[cur[_C_ID]] = gen
-                continue
-            kind = UPDATED if live else CREATED
-            if cur is None:
-                cur = current[ch.uri] = [next(new_ids), ch.sha256, True, False]
-            else:
-                cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
-                tombstones.pop(cur[_C_ID], None)
-            h = ch.hashes
-            rows[ch.uri] = [
-                set_id, ch.uri, ch.sha256, ch.length, ch.type, ch.encoding, h.get("md5"), h.get("sha-1"),
-                ch.lastmod, ch.upstream_datetime, _links_json(ch.links), _json(ch.md_extra),
-                _json(ch.entry_extra), False, gen, now, cur[_C_ID],
-            ]  # fmt: skip
-            log.append((set_id, cur[_C_ID], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
-            applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
+        # 2. Decide, change by change (store/state.py's plan_batch: the rules of every backend).
+        rows, tombstones, seen, log, applied = plan_batch(
+            set_id, changes, current, open_generation, now, lambda: next(new_ids), lambda t: t
+        )
         # 3. Write: no-op marks, tombstones, new rows, changed rows, then the log and its head.
         # Each kind of write is one statement whatever the batch's size (COPY, or arrays unnested):
         # row-by-row statements, even pipelined, made a batch of updates 4x slower.
@@ -857,7 +809,7 @@ class PostgresState:
     @staticmethod
     def _append_log(cur: psycopg.Cursor, seq: int, log: list[tuple]) -> None:
         """Append ``log`` (changelog rows without seq) after ``seq``; the head row is locked already."""
-        with cur.copy(f"COPY changelog ({', '.join(_LOG_INSERT_COLS)}) FROM STDIN") as copy:
+        with cur.copy(f"COPY changelog ({', '.join(_LOG_COLS)}) FROM STDIN") as copy:
             for i, r in enumerate(log, seq + 1):
                 copy.write_row((i, *r))
         cur.execute("UPDATE changelog_head SET seq = %s, datetime = %s", (seq + len(log), log[-1][4]))

@@ -406,6 +406,75 @@ _INSERT_LOG = (
 )
 
 
+def plan_batch(
+    set_id: int,
+    changes: Sequence[Change],
+    current: dict[str, list],
+    open_generation: int | None,
+    now: Any,
+    new_id: Callable[[], int],
+    when: Callable[[datetime | None], Any],
+) -> tuple[dict[str, list], dict[int, tuple], dict[int, int], list[tuple], list[Change]]:
+    """What a batch does, change by change, against the rows as they stand (``State.apply`` says the
+    rules): one place for them, whatever the backend writes with.
+
+    ``current``: uri -> [id, sha256, live, stored] of the batch's stored rows (the ``_C_*`` positions;
+    updated as the batch goes); ``now`` the batch's changelog time and ``when`` a time as the backend
+    stores it; ``new_id()`` an id for a new row. Returns (rows: uri -> the ``_RES_COLS`` values and the
+    id, the final row per uri; tombstones: stored row id -> (generation, upstream_datetime); seen: id ->
+    generation of no-ops during a baseline; log: changelog rows without seq; applied: the changes that
+    changed state, each with the logged kind).
+    """
+    # Collapse to the final row per uri; keep the log in order.
+    rows: dict[str, list] = {}  # uri -> column values (_RES_COLS order) + [id] (the _W_* positions)
+    tombstones: dict[int, tuple] = {}  # id of a stored row -> (generation, upstream_datetime)
+    seen: dict[int, int] = {}  # id -> generation, for no-ops during a baseline
+    log: list[tuple] = []  # changelog rows
+    applied: list[Change] = []
+    for ch in changes:
+        gen = ch.generation if ch.generation is not None else open_generation
+        cur = current.get(ch.uri)
+        live = cur is not None and cur[_C_LIVE]
+        if ch.change == DELETED:
+            if not live:
+                continue
+            cur[_C_LIVE] = False
+            row = rows.get(ch.uri)
+            if row is not None:  # created/updated earlier in this batch: write it as a tombstone
+                row[_W_DELETED] = True
+                if gen is not None:
+                    row[_W_GENERATION] = gen
+                if ch.upstream_datetime is not None:
+                    row[_W_UPSTREAM] = when(ch.upstream_datetime)
+            else:
+                tombstones[cur[_C_ID]] = (gen, when(ch.upstream_datetime))
+            log.append((set_id, cur[_C_ID], ch.uri, DELETED, now, None, None, None))
+            applied.append(ch)
+            continue
+        if live and cur[_C_SHA256] == ch.sha256:
+            if gen is not None:
+                if ch.uri in rows:
+                    rows[ch.uri][_W_GENERATION] = gen
+                else:
+                    seen[cur[_C_ID]] = gen
+            continue
+        kind = UPDATED if live else CREATED
+        if cur is None:
+            cur = current[ch.uri] = [new_id(), ch.sha256, True, False]
+        else:
+            cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
+            tombstones.pop(cur[_C_ID], None)
+        h = ch.hashes
+        rows[ch.uri] = [
+            set_id, ch.uri, ch.sha256, ch.length, ch.type, ch.encoding, h.get("md5"), h.get("sha-1"),
+            when(ch.lastmod), when(ch.upstream_datetime), _links_json(ch.links),
+            _json(ch.md_extra), _json(ch.entry_extra), False, gen, now, cur[_C_ID],
+        ]  # fmt: skip
+        log.append((set_id, cur[_C_ID], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
+        applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
+    return rows, tombstones, seen, log, applied
+
+
 @contextlib.contextmanager
 def immediate_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     """One write transaction: BEGIN IMMEDIATE (take the write lock now, not at the first write, so
@@ -769,57 +838,18 @@ class State:
                 (set_id, json.dumps(uris)),
             ):
                 current[uri] = [rid, sha, not deleted, True]
-        next_id = 0
-        if len(current) < len(uris):
-            next_id = c.execute("SELECT coalesce(max(id), 0) FROM resources").fetchone()[0]
-        # 2. Decide, change by change; collapse to the final row per uri; keep the log in order.
-        rows: dict[str, list] = {}  # uri -> column values (_RES_COLS order) + [id] (the _W_* positions)
-        tombstones: dict[int, tuple] = {}  # id of a stored row -> (generation, upstream_datetime)
-        seen: dict[int, int] = {}  # id -> generation, for no-ops during a baseline
-        log: list[tuple] = []  # changelog rows
-        applied: list[Change] = []
-        for ch in changes:
-            gen = ch.generation if ch.generation is not None else open_generation
-            cur = current.get(ch.uri)
-            live = cur is not None and cur[_C_LIVE]
-            if ch.change == DELETED:
-                if not live:
-                    continue
-                cur[_C_LIVE] = False
-                row = rows.get(ch.uri)
-                if row is not None:  # created/updated earlier in this batch: write it as a tombstone
-                    row[_W_DELETED] = 1
-                    if gen is not None:
-                        row[_W_GENERATION] = gen
-                    if ch.upstream_datetime is not None:
-                        row[_W_UPSTREAM] = format_dt(ch.upstream_datetime)
-                else:
-                    tombstones[cur[_C_ID]] = (gen, format_dt(ch.upstream_datetime))
-                log.append((set_id, cur[_C_ID], ch.uri, DELETED, now, None, None, None))
-                applied.append(ch)
-                continue
-            if live and cur[_C_SHA256] == ch.sha256:
-                if gen is not None:
-                    if ch.uri in rows:
-                        rows[ch.uri][_W_GENERATION] = gen
-                    else:
-                        seen[cur[_C_ID]] = gen
-                continue
-            kind = UPDATED if live else CREATED
-            if cur is None:
-                next_id += 1
-                cur = current[ch.uri] = [next_id, ch.sha256, True, False]
-            else:
-                cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
-                tombstones.pop(cur[_C_ID], None)
-            h = ch.hashes
-            rows[ch.uri] = [
-                set_id, ch.uri, ch.sha256, ch.length, ch.type, ch.encoding, h.get("md5"), h.get("sha-1"),
-                format_dt(ch.lastmod), format_dt(ch.upstream_datetime), _links_json(ch.links),
-                _json(ch.md_extra), _json(ch.entry_extra), 0, gen, now, cur[_C_ID],
-            ]  # fmt: skip
-            log.append((set_id, cur[_C_ID], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
-            applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
+        top: list[int] = []  # max(id), read once a new row needs an id
+
+        def new_id() -> int:
+            if not top:
+                top.append(c.execute("SELECT coalesce(max(id), 0) FROM resources").fetchone()[0])
+            top[0] += 1
+            return top[0]
+
+        # 2. Decide, change by change (plan_batch: the rules, shared by every backend).
+        rows, tombstones, seen, log, applied = plan_batch(
+            set_id, changes, current, open_generation, now, new_id, format_dt
+        )
         # 3. Write: no-op marks, tombstones, new rows, changed rows, then the log.
         if seen:
             c.executemany(
