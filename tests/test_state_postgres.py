@@ -322,6 +322,12 @@ def test_unreachable_server(tmp_path: Path) -> None:
     assert f"postgresql://rsagg:***@127.0.0.1:{port}/x" in str(info.value)
 
 
+def test_without_psycopg_a_postgresql_state_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "aggregator.store.postgres", None)  # as if psycopg were missing
+    with pytest.raises(StateUnavailable, match=r"needs psycopg \(pip install 'rsagg\[postgresql\]'\)"):
+        connect("postgresql://rsagg:secret@db.example.org/rsagg")
+
+
 def test_sqlite_is_still_the_default(tmp_path: Path) -> None:
     with connect(tmp_path / "state.db") as st:
         assert isinstance(st, State)

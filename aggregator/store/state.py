@@ -1820,8 +1820,10 @@ def connect(location: Path | str, *, readonly: bool = False, **options: Any) -> 
             raise ValueError(f"no state backend for {scheme}:// locations (a SQLite file or postgresql://)")
         try:
             from .postgres import PostgresState
-        except ImportError as exc:
+        except ImportError as exc:  # the optional extra is missing: one line, exit 1 (cli.py)
+            from .interface import StateUnavailable
+
             need = "pip install 'rsagg[postgresql]'"
-            raise ValueError(f"a postgresql:// state needs psycopg ({need}): {exc}") from None
+            raise StateUnavailable(f"a postgresql:// state needs psycopg ({need}): {exc}") from None
         return PostgresState(location, readonly=readonly, **options)
     return State(location, readonly=readonly, **options)
