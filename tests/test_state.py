@@ -367,6 +367,17 @@ def test_iter_resources_paging(st: State, set_id: int, monkeypatch: pytest.Monke
     assert list(st.iter_resources(set_id, limit=0)) == []
 
 
+def test_resources_of_a_batch_of_uris(st: State, set_id: int) -> None:
+    other = st.ensure_set("src", "https://example.org/cl2.xml")
+    st.apply(set_id, [ch("a", "created", A), ch("b", "created", B), ch("gone", "created", C)])
+    st.apply(set_id, [ch("gone", "deleted")])
+    st.apply(other, [ch("elsewhere", "created", A)])
+    got = st.resources(set_id, ["b", "nope", "a", "gone", "elsewhere", "a"])
+    assert set(got) == {"a", "b", "gone"}  # this set's rows only, tombstones too, each once
+    assert got == {u: st.resource(set_id, u) for u in ("a", "b", "gone")}
+    assert got["gone"].deleted and st.resources(set_id, []) == {}
+
+
 def test_counts(st: State, set_id: int) -> None:
     st.upsert_source("other", "https://other.example/")
     s2 = st.ensure_set("src", "https://example.org/cl2.xml")

@@ -164,6 +164,12 @@ class StateStore(Protocol):
 
     def resource(self, set_id: int, uri: str) -> Resource | None: ...
 
+    def resources(self, set_id: int, uris: Sequence[str]) -> dict[str, Resource]:
+        """The stored rows (tombstones too) of those of ``uris`` the set holds, by uri: ``resource`` for
+        a batch in one read (the pipeline looks up every change it is given; a server backend would
+        otherwise pay a round trip for each)."""
+        ...
+
     def iter_resources(
         self,
         set_id: int | None = None,

@@ -964,6 +964,19 @@ class PostgresState:
             row = c.execute(_SELECT_RES + " WHERE set_id = %s AND uri = %s", (set_id, uri)).fetchone()
         return _resource(row) if row else None
 
+    def resources(self, set_id: int, uris: Sequence[str]) -> dict[str, Resource]:
+        """The stored rows of those of ``uris`` the set holds: one round trip, a key lookup per uri."""
+        if not uris:
+            return {}
+        cols = ", ".join(f"r.{c}" for c in ("id", *_RES_COLS))
+        with self._read() as c:
+            rows = c.execute(
+                f"SELECT {cols} FROM unnest(%s::text[]) AS u(uri) CROSS JOIN LATERAL "
+                "(SELECT * FROM resources WHERE set_id = %s AND uri = u.uri) AS r",
+                (list(dict.fromkeys(uris)), set_id),
+            ).fetchall()
+        return {r[_R_URI]: _resource(r) for r in rows}
+
     def iter_resources(
         self,
         set_id: int | None = None,

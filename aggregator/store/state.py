@@ -1047,6 +1047,17 @@ class State:
             row = self.conn.execute(_SELECT_RES + " WHERE set_id = ? AND uri = ?", (set_id, uri)).fetchone()
         return _resource(row) if row else None
 
+    def resources(self, set_id: int, uris: Sequence[str]) -> dict[str, Resource]:
+        """The stored rows of those of ``uris`` the set holds (one query; json_each: no variable limit)."""
+        if not uris:
+            return {}
+        with self._lock:
+            rows = self.conn.execute(
+                _SELECT_RES + " WHERE set_id = ? AND uri IN (SELECT value FROM json_each(?))",
+                (set_id, json.dumps(list(uris))),
+            ).fetchall()
+        return {r[_R_URI]: _resource(r) for r in rows}
+
     def iter_resources(
         self,
         set_id: int | None = None,
