@@ -16,6 +16,7 @@ from . import __version__
 from .commands._common import LOG_LEVELS, OperatorError, add_global_arguments
 from .config import ConfigError
 from .daemon import ListenError
+from .store.interface import StateUnavailable
 from .store.lock import StoreLocked
 
 #: Sub-command -> module in aggregator.commands with ``add_arguments(parser)`` and ``run(args) -> int``.
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _expected(exc: BaseException) -> BaseException | None:
     """The operator's mistake an exception (or a group, from trio's nurseries) is about, else None."""
-    if isinstance(exc, ConfigError | OperatorError | StoreLocked | ListenError):
+    if isinstance(exc, ConfigError | OperatorError | StoreLocked | ListenError | StateUnavailable):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:

@@ -119,6 +119,13 @@ _RedirectLifetime = Annotated[
 _Synchronous = Annotated[
     Str, _rule(lambda v: v.upper() in ("NORMAL", "FULL"), lambda v: f"must be NORMAL or FULL, not {v!r}")
 ]
+_StateLocation = Annotated[
+    Str,
+    _rule(
+        lambda v: not v or (v.split("://", 1)[0].lower() in ("postgresql", "postgres") and "://" in v),
+        lambda v: "must be empty (the SQLite file in store.path) or a postgresql://USER@HOST:PORT/DB URL",
+    ),
+]
 _Fraction = Annotated[Float, _rule(lambda v: 0 <= v < 1, lambda v: "must be in [0, 1)")]
 _HeaderValue = Annotated[
     Str,
@@ -191,6 +198,10 @@ class ServerConfig:
 @dataclass(frozen=True, config=_STRICT)
 class StoreConfig:
     path: Str = "./data"
+    #: Where the state lives: "" = the SQLite file ``state.db`` in ``path``; or a PostgreSQL database,
+    #: "postgresql://USER@HOST:PORT/DB" (store/postgres.py). The password comes from PGPASSWORD or a
+    #: PGPASSFILE (or the URL); rsagg never shows it. Blobs, caches and the lock stay in ``path``.
+    state: _StateLocation = ""
     #: SQLite synchronous mode: NORMAL survives a process crash; FULL also a power loss (slower).
     synchronous: _Synchronous = "NORMAL"
     #: SQLite page cache of the harvester's writing connection, MiB (its reader uses 8). It fills up as the

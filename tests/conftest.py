@@ -9,6 +9,8 @@ import pytest
 
 from aggregator.store.blobs import FileBlobStore
 
+from . import pgserver
+
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[FileBlobStore]:
@@ -16,3 +18,13 @@ def store(tmp_path: Path) -> Iterator[FileBlobStore]:
     s = FileBlobStore(tmp_path / "blobs")
     yield s
     s.close()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[pgserver.PgServer]:
+    """One private PostgreSQL server for the session (tests/pgserver.py), started by the first test that
+    asks; ``pg_server.fresh_url()`` gives each test an empty schema of its own."""
+    if not pgserver.available():
+        pytest.fail(f"PostgreSQL 15 is not installed ({pgserver.BIN}): apt-get install -y postgresql-15")
+    with pgserver.running() as server:
+        yield server

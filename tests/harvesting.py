@@ -15,23 +15,27 @@ from aggregator.compose import open_context
 from aggregator.config import Config, parse_config
 from aggregator.harvest.audit import Difference, audit_source
 from aggregator.harvest.source import SourceResult
-from aggregator.store.state import State
+from aggregator.store.state import open_state
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _env() -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {
         **os.environ,
+        **(extra or {}),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
 
 
-def rsagg(*args: str, config: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``rsagg ARGS -c CONFIG`` as an operator runs it: its own process, in the config's folder."""
+def rsagg(
+    *args: str, config: Path, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``rsagg ARGS -c CONFIG`` as an operator runs it: its own process, in the config's folder (with
+    ``env`` added to the environment)."""
     return subprocess.run(
         [sys.executable, "-m", "aggregator", *args, "-c", str(config)],
-        cwd=config.parent, env=_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=config.parent, env=_env(env), capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
@@ -43,7 +47,9 @@ async def start_daemon(config: Path, log: BinaryIO) -> trio.Process:
 
 
 #: Extra ``[store]`` keys for every config the tests make: the S3 tests set a backend here to run the
-#: harvester and publisher scenarios unchanged on another blob store (tests/test_s3store.py).
+#: harvester and publisher scenarios unchanged on another blob store (tests/test_s3store.py), the
+#: PostgreSQL tests a state (tests/test_state_postgres.py). A callable value is called for each config
+#: (a fresh database each).
 STORE: dict[str, Any] = {}
 
 
@@ -52,7 +58,7 @@ def make_config(store: Path, sources: dict[str, str], **harvest: Any) -> Config:
     settings = {"retries": 2, "backoff_base": 0.01, "backoff_max": 0.05, "timeout": 10, **harvest}
     return parse_config(
         {
-            "store": {"path": str(store), **STORE},
+            "store": {"path": str(store), **{k: v() if callable(v) else v for k, v in STORE.items()}},
             "harvest": settings,
             "sources": [{"name": n, "url": u} for n, u in sources.items()],
         },
@@ -74,11 +80,11 @@ async def audit(config: Config) -> list[Difference]:
 
 def changelog(config: Config) -> list[tuple[str, str, str | None]]:
     """(uri, change, sha256) of every record rsagg logged, in order."""
-    with State(config.store_path / "state.db") as state:
+    with open_state(config) as state:
         return [(r.uri, r.change, r.sha256) for r in state.iter_changelog()]
 
 
 def held(config: Config) -> dict[str, str]:
     """uri -> sha256 of every live resource in the store."""
-    with State(config.store_path / "state.db") as state:
+    with open_state(config) as state:
         return {r.uri: r.sha256 for r in state.iter_resources()}

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from aggregator.rs.model import Link
 from aggregator.store import state as state_mod
+from aggregator.store.interface import StateStore
 from aggregator.store.rows import DocumentRow
 from aggregator.store.state import MIGRATIONS, Change, Cursor, LogRecord, State, format_dt, parse_dt
 
@@ -42,8 +45,28 @@ def db_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def st(db_path: Path, clock: Clock):
-    s = State(db_path, clock=clock)
+def reopen(db_path: Path) -> Callable[..., StateStore]:
+    """Opens the state under test (again, for the tests that reopen it): the backend's one part in these
+    tests; tests/test_state_postgres.py runs them all again with a PostgreSQL one."""
+    return lambda **kw: State(db_path, **kw)
+
+
+#: What a backend raises for a broken constraint (a foreign key).
+INTEGRITY_ERRORS = (sqlite3.IntegrityError, psycopg.IntegrityError)
+
+
+@pytest.fixture
+def fail_changelog_insert(st: State) -> Callable[[str], None]:
+    """Makes the state fail (``disk says no``) to insert a changelog record for one uri."""
+    return lambda uri: st.conn.execute(
+        f"CREATE TEMP TRIGGER fail_log BEFORE INSERT ON changelog WHEN NEW.uri = '{uri}' "
+        "BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
+    )
+
+
+@pytest.fixture
+def st(reopen: Callable[..., StateStore], clock: Clock):
+    s = reopen(clock=clock)
     s.upsert_source("src", "https://example.org/.well-known/resourcesync")
     yield s
     s.close()
@@ -161,7 +184,7 @@ def test_apply_rejects_bad_input_before_writing(st: State, set_id: int) -> None:
 
 
 def test_changelog_seq_and_datetime_are_monotonic(
-    st: State, set_id: int, clock: Clock, db_path: Path
+    st: State, set_id: int, clock: Clock, reopen: Callable[..., StateStore]
 ) -> None:
     st.apply(set_id, [ch("a", "created", A)])
     t1 = clock.now
@@ -173,14 +196,14 @@ def test_changelog_seq_and_datetime_are_monotonic(
     assert [r.seq for r in recs] == [1, 2, 3]
     assert [r.datetime for r in recs] == [t1, t1, T0 + timedelta(microseconds=1)]
     assert all(r.datetime.tzinfo is not None for r in recs)
-    # stored text sorts like the times it stands for
-    texts = [row[0] for row in st.conn.execute("SELECT datetime FROM changelog ORDER BY seq")]
-    assert texts == sorted(texts)
-    assert all(len(t) == 27 and t.endswith("Z") for t in texts)
+    if isinstance(st, State):  # stored text sorts like the times it stands for
+        texts = [row[0] for row in st.conn.execute("SELECT datetime FROM changelog ORDER BY seq")]
+        assert texts == sorted(texts)
+        assert all(len(t) == 27 and t.endswith("Z") for t in texts)
     # and the clock floor survives a restart
     st.close()
     clock.now = T0 - timedelta(days=1)
-    s2 = State(db_path, clock=clock)
+    s2 = reopen(clock=clock)
     s2.apply(set_id, [ch("d", "created", A)])
     [rec] = s2.iter_changelog(3)
     assert (rec.uri, rec.datetime) == ("d", T0 + timedelta(microseconds=1))
@@ -225,28 +248,27 @@ def test_failure_while_moving_cursor_rolls_back_everything(
             Cursor(list_index=4),
         )
     assert _snapshot(st, set_id) == before
-    assert not st.conn.in_transaction
+    assert not isinstance(st, State) or not st.conn.in_transaction
     monkeypatch.undo()
     st.apply(set_id, [ch("new", "created", C)], Cursor(list_index=2))  # the connection still works
     assert st.cursor(set_id).list_index == 2
     assert [r.seq for r in st.iter_changelog()] == [1, 2, 3]
 
 
-def test_sql_failure_in_the_middle_rolls_back_everything(st: State, set_id: int) -> None:
+def test_sql_failure_in_the_middle_rolls_back_everything(
+    st: State, set_id: int, fail_changelog_insert: Callable[[str], None]
+) -> None:
     st.apply(set_id, [ch("keep", "created", A)], Cursor(list_index=1))
     before = _snapshot(st, set_id)
     # resources are written before the changelog: fail the changelog insert of one record
-    st.conn.execute(
-        "CREATE TEMP TRIGGER fail_log BEFORE INSERT ON changelog WHEN NEW.uri = 'poison' "
-        "BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
-    )
-    with pytest.raises(sqlite3.IntegrityError, match="disk says no"):
+    fail_changelog_insert("poison")
+    with pytest.raises(Exception, match="disk says no"):
         st.apply(set_id, [ch("keep", "updated", B), ch("poison", "created", C)], Cursor(list_index=2))
     assert _snapshot(st, set_id) == before
     assert st.resource(set_id, "poison") is None
 
 
-def test_cursor_round_trip(st: State, set_id: int, db_path: Path, clock: Clock) -> None:
+def test_cursor_round_trip(st: State, set_id: int, reopen: Callable[..., StateStore], clock: Clock) -> None:
     assert st.cursor(set_id) is None
     cur = Cursor(
         baseline_at=datetime(2024, 1, 2, 3, 4, 5, 678901, tzinfo=UTC),
@@ -259,7 +281,7 @@ def test_cursor_round_trip(st: State, set_id: int, db_path: Path, clock: Clock) 
     st.apply(set_id, [], cur)
     assert st.cursor(set_id) == cur
     st.close()
-    with State(db_path, clock=clock) as s2:
+    with reopen(clock=clock) as s2:
         assert s2.cursor(set_id) == cur
 
 
@@ -345,6 +367,17 @@ def test_iter_resources_paging(st: State, set_id: int, monkeypatch: pytest.Monke
     assert list(st.iter_resources(set_id, limit=0)) == []
 
 
+def test_resources_of_a_batch_of_uris(st: State, set_id: int) -> None:
+    other = st.ensure_set("src", "https://example.org/cl2.xml")
+    st.apply(set_id, [ch("a", "created", A), ch("b", "created", B), ch("gone", "created", C)])
+    st.apply(set_id, [ch("gone", "deleted")])
+    st.apply(other, [ch("elsewhere", "created", A)])
+    got = st.resources(set_id, ["b", "nope", "a", "gone", "elsewhere", "a"])
+    assert set(got) == {"a", "b", "gone"}  # this set's rows only, tombstones too, each once
+    assert got == {u: st.resource(set_id, u) for u in ("a", "b", "gone")}
+    assert got["gone"].deleted and st.resources(set_id, []) == {}
+
+
 def test_counts(st: State, set_id: int) -> None:
     st.upsert_source("other", "https://other.example/")
     s2 = st.ensure_set("src", "https://example.org/cl2.xml")
@@ -361,7 +394,9 @@ def test_counts(st: State, set_id: int) -> None:
     assert st.count_resources(source="nobody") == 0
 
 
-def test_resource_metadata_round_trip(st: State, set_id: int, db_path: Path, clock: Clock) -> None:
+def test_resource_metadata_round_trip(
+    st: State, set_id: int, reopen: Callable[..., StateStore], clock: Clock
+) -> None:
     links = [
         Link(
             rel="describedby", href="https://example.org/meta/1.xml", pri=1,
@@ -387,7 +422,7 @@ def test_resource_metadata_round_trip(st: State, set_id: int, db_path: Path, clo
     )
     st.apply(set_id, [change])
     st.close()
-    with State(db_path, clock=clock) as s2:
+    with reopen(clock=clock) as s2:
         r = s2.resource(set_id, change.uri)
         assert r.links == links
         assert r.md_extra == change.md_extra and r.entry_extra == change.entry_extra
@@ -410,7 +445,8 @@ def test_referenced_hashes(st: State, set_id: int) -> None:
         "https://example.org/cl.xml", "src", "capabilitylist", etag=None, last_modified=None, sha256=d
     )
     assert list(st.referenced_hashes()) == [A, B, C, d]
-    assert st.conn.execute("SELECT name FROM temp.sqlite_master").fetchall() == []  # temp table dropped
+    if isinstance(st, State):  # its temp table is dropped
+        assert st.conn.execute("SELECT name FROM temp.sqlite_master").fetchall() == []
 
 
 # -- sources, documents, sets ---------------------------------------------------------------------
@@ -456,7 +492,7 @@ def test_documents(st: State, clock: Clock) -> None:
         url="https://example.org/cl.xml", source="src", capability="capabilitylist",
         etag='"y"', last_modified="Wed", sha256=B, fetched_at=T0 + timedelta(seconds=5),
     )  # fmt: skip
-    with pytest.raises(sqlite3.IntegrityError):  # foreign keys are on
+    with pytest.raises(INTEGRITY_ERRORS):  # foreign keys are on
         st.put_document("https://x/", "unknown-source", None, etag=None, last_modified=None, sha256=None)
 
 

@@ -31,9 +31,13 @@ def test_protocol_lists_the_methods_callers_use() -> None:
 @pytest.mark.parametrize("name", PROTOCOL_METHODS)
 def test_state_implements_every_protocol_method_alike(name: str) -> None:
     """Structural conformance, checked the way a second backend would be: same parameter names, kinds
-    and defaults, same return type."""
-    assert hasattr(State, name), f"State lacks StateStore.{name}"
-    want, got = getattr(StateStore, name), getattr(State, name)
+    and defaults, same return type (tests/test_state_postgres.py checks PostgresState so)."""
+    assert_implements(State, name)
+
+
+def assert_implements(cls: type, name: str) -> None:
+    assert hasattr(cls, name), f"{cls.__name__} lacks StateStore.{name}"
+    want, got = getattr(StateStore, name), getattr(cls, name)
     want_sig, got_sig = inspect.signature(want), inspect.signature(got)
     shape = [(p.name, p.kind, p.default) for p in want_sig.parameters.values()]
     assert [(p.name, p.kind, p.default) for p in got_sig.parameters.values()] == shape, name
@@ -56,9 +60,9 @@ def test_rows_are_frozen_values(tmp_path: Path) -> None:
 
 #: Modules that still open the state by path themselves: none (the WebSub tables are behind the seam).
 STILL_BY_PATH: set[str] = set()
-#: Modules that may speak SQL: the SQLite backend, and the audit's scratch set of URIs seen (a temporary
-#: file of its own, not the state).
-SQL_SPEAKERS = {"store/state.py", "harvest/audit.py"}
+#: Modules that may speak SQL: the SQLite and PostgreSQL backends, and the audit's scratch set of URIs seen (a
+#: temporary file of its own, not the state).
+SQL_SPEAKERS = {"store/state.py", "store/postgres.py", "harvest/audit.py"}
 SQL_MARKS = ("import sqlite3", "sqlite_utils import", ".execute(")
 
 
@@ -84,7 +88,7 @@ def test_only_the_backend_speaks_sql() -> None:
 
 
 def test_the_factory_names_a_location_it_cannot_open(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="no state backend for postgresql://"):
-        connect("postgresql://rsagg@db.example.org/rsagg")
+    with pytest.raises(ValueError, match="no state backend for mysql://"):
+        connect("mysql://rsagg@db.example.org/rsagg")
     with connect(tmp_path / STATE_FILE) as st:  # a path: the SQLite file, created and migrated
         assert isinstance(st, State) and st.sources() == []

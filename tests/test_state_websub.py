@@ -4,6 +4,7 @@ methods, one version counter, and stores made by the previous release upgrading 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -183,12 +184,29 @@ def test_a_fresh_store_has_the_same_tables_as_an_upgraded_one(tmp_path: Path) ->
 
 
 @pytest.fixture
-def st(tmp_path: Path):
-    with connect(tmp_path / "state.db") as s:
+def location(tmp_path: Path) -> Path | str:
+    """Where the state under test lives (tests/test_state_postgres.py runs these tests on PostgreSQL)."""
+    return tmp_path / "state.db"
+
+
+@pytest.fixture
+def count_rows(location: Path | str) -> Callable[[str], int]:
+    """Rows of one table of the state, read behind the store's back."""
+
+    def count(table: str) -> int:
+        with sqlite3.connect(location) as c:
+            return c.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+    return count
+
+
+@pytest.fixture
+def st(location: Path | str):
+    with connect(location) as s:
         yield s
 
 
-def test_hub_verification_subscription_delivery_round(st: State) -> None:
+def test_hub_verification_subscription_delivery_round(st: State, count_rows: Callable[[str], int]) -> None:
     req = HubVerification(0, "subscribe", "https://agg/t", "https://cb/1", "s", 60, None)
     before = st.hub_request_state("https://agg/t", "https://cb/1")
     assert (before.waiting, before.pending, before.subscribed) == (0, False, False)
@@ -226,8 +244,7 @@ def test_hub_verification_subscription_delivery_round(st: State) -> None:
     assert st.hub_finish_delivery(d, "ok", T0, "") == "ok" and st.hub_backlog().deliveries == 0
     assert st.hub_expire(T0) == 0 and st.hub_expire(T0 + timedelta(minutes=1)) == 1
     assert st.hub_subscriptions() == [] and st.hub_next_lease_end() is None
-    with sqlite3.connect(st.path) as c:  # every payload went with its deliveries
-        assert c.execute("SELECT count(*) FROM hub_payloads").fetchone()[0] == 0
+    assert count_rows("hub_payloads") == 0  # every payload went with its deliveries
 
 
 def test_notify_channels_and_subscriptions(st: State) -> None:
@@ -285,8 +302,8 @@ def test_retries_are_written_with_the_batch_as_data(st: State) -> None:
     assert st.retry_uris(sid) == {"https://up/a"}
 
 
-def test_version_grows_with_every_commit_from_anyone(tmp_path: Path) -> None:
-    with connect(tmp_path / "state.db") as writer, connect(tmp_path / "state.db", readonly=True) as reader:
+def test_version_grows_with_every_commit_from_anyone(location: Path | str) -> None:
+    with connect(location) as writer, connect(location, readonly=True) as reader:
         w0, r0 = writer.version(), reader.version()
         assert writer.version() == w0 and reader.version() == r0  # nothing committed: unchanged
         writer.upsert_source("src", "https://up/sd.xml")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..harvest.context import check_store
 from ..status import one_line
@@ -33,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     check_store(config)  # a store path that cannot work is an error
-    if not state_path(config).exists():
+    db = state_path(config)
+    if isinstance(db, Path) and not db.exists():  # a SQLite state not made yet (a server's is always there)
         rows: list[dict] = []
         cleared = 0
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..harvest.context import check_store
 from ..status import collect, table, unharvested
@@ -29,11 +30,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     check_store(config)  # a store path that cannot work is an error
     db = state_path(config)
-    if not db.exists():
+    if isinstance(db, Path) and not db.exists():  # a SQLite state not made yet (a server's is always there)
         status = unharvested(config)
     else:
         with open_state(config) as state:
-            status = collect(state, config, running=harvester_running(db.parent))
+            status = collect(state, config, running=harvester_running(config.store_path))
     if args.json:
         json.dump(status, sys.stdout, indent=2)
         print()

@@ -282,11 +282,13 @@ class Pipeline:
     def _stored(self, batch: list[Work]) -> list[tuple[Resource | None, bool]]:
         """(stored row, True when it already is what the entry announces) per change; in a thread."""
         out: list[tuple[Resource | None, bool]] = []
+        wanted = [w.entry.loc for w in batch if w.change != DELETED and w.blob is None]
+        stored = self.ctx.reader.resources(self.set_id, wanted) if wanted else {}  # one read for all
         for w in batch:
             if w.change == DELETED or w.blob is not None:
                 out.append((None, False))
                 continue
-            existing = self.ctx.reader.resource(self.set_id, w.entry.loc)
+            existing = stored.get(w.entry.loc)
             out.append((existing, unchanged(existing, w.entry, self.ctx.blobs.exists)))
         return out
 

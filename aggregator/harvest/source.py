@@ -15,6 +15,7 @@ from ..config import SourceConfig
 from ..metrics import current_source
 from ..rs.model import CHANGELIST
 from ..rs.w3cdt import format_w3c, utcnow
+from ..store.interface import StateUnavailable
 from .audit import still_listed
 from .baseline import run_baseline
 from .context import HarvestContext
@@ -116,6 +117,9 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     try:
         with collecting(Deviations(src.name, ctx.metrics.deviation)) as deviations:
             return await _sync_source(ctx, src, deviations)
+    except StateUnavailable as exc:  # the state's server is away: nothing to record it in; try next time
+        log.error("source=%s sync failed: %s", src.name, exc)
+        return SourceResult(src.name, ok=False, error=str(exc))
     finally:
         current_source.reset(token)
 

@@ -58,7 +58,7 @@ from ..plugins import Plugins
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
-from ..store.interface import StateStore
+from ..store.interface import StateStore, StateUnavailable
 from ..store.state import Resource, connect
 from . import documents, status_page
 from .doccache import CacheWriter, DocumentCache, fingerprint
@@ -116,7 +116,7 @@ class ReaderPool:
     """
 
     def __init__(
-        self, path: Path, *, max_idle: int = POOL_IDLE, max_open: int = 32, wait: float | None = None
+        self, path: Path | str, *, max_idle: int = POOL_IDLE, max_open: int = 32, wait: float | None = None
     ) -> None:
         self.path = path
         self.max_idle = max_idle
@@ -177,7 +177,8 @@ _busy_logged = [0.0]  # monotonic time of the last "busy" log line: one a minute
 
 
 async def busy(request: Request, exc: Exception) -> Response:
-    """503 for ``ServerBusy``: a crawler should come back a little later (RFC 9110 §15.6.4)."""
+    """503 for ``ServerBusy`` (and ``StateUnavailable``): a crawler should come back a little later (RFC
+    9110 §15.6.4)."""
     if time.monotonic() - _busy_logged[0] >= 60:
         _busy_logged[0] = time.monotonic()
         log.warning("%s %s: %s (503; said once a minute, see rsagg_http_requests_total)", request.method,
@@ -192,7 +193,7 @@ class Publisher:
         self,
         config: Config,
         blobs: BlobStore,
-        state_path: Path,
+        state_path: Path | str,
         dumps_available: DumpsAvailable | None = None,
         plugins: Plugins | None = None,
         extra_capabilities: ExtraCapabilities | None = None,
@@ -209,7 +210,9 @@ class Publisher:
             config.server.base_url, config.sets, config.publish, config.plugins,
             [s.plugins for s in config.sources], documents.MAX_ENTRIES, RENDERING,
         )  # fmt: skip
-        self.documents = DocumentCache(state_path.parent / "cache" / "documents", self.fingerprint)
+        # Renderings are cached beside a state file, else (a state in a server) in the store folder.
+        folder = state_path.parent if isinstance(state_path, Path) else Path(config.store_path)
+        self.documents = DocumentCache(folder / "cache" / "documents", self.fingerprint)
         self.pool = ReaderPool(state_path, max_open=config.server.max_readers)
         #: Short calls (``run``) in flight: no more than the pool keeps idle, since more meant a connection
         #: opened and closed per call under load (~0.3 ms each); document streams are not counted here.
@@ -524,7 +527,7 @@ def create_app(
     config: Config,
     *,
     blobs: BlobStore,
-    state_path: Path,
+    state_path: Path | str,
     extra_routes: Sequence[BaseRoute] = (),
     dumps_available: DumpsAvailable | None = None,
     plugins: Plugins | None = None,
@@ -536,8 +539,9 @@ def create_app(
     ``metrics``: where served requests are counted and what ``/metrics`` shows (the daemon passes its
     harvest context's; default: the process-wide ``default_metrics()``).
     """
-    state_path = Path(state_path)
-    state_path.parent.mkdir(parents=True, exist_ok=True)
+    if not (isinstance(state_path, str) and "://" in state_path):  # a file, not a server's URL
+        state_path = Path(state_path)
+        state_path.parent.mkdir(parents=True, exist_ok=True)
     connect(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
     publisher = Publisher(config, blobs, state_path, dumps_available, plugins, extra_capabilities, metrics)
 
@@ -575,14 +579,16 @@ def create_app(
     served = Middleware(ServedMetrics, metrics=publisher.metrics)  # by route template (metrics.py)
 
     def hot(inner: Any) -> ResourceFastPath:
-        fast.append(ResourceFastPath(inner, publisher, resource_route, (ServerBusy, busy)))
+        fast.append(
+            ResourceFastPath(inner, publisher, resource_route, ((ServerBusy, StateUnavailable), busy))
+        )
         return fast[-1]
 
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
         middleware=[served, Middleware(hot)],
-        exception_handlers={ServerBusy: busy},
+        exception_handlers={ServerBusy: busy, StateUnavailable: busy},  # the state's server away: 503 too
     )
     app.state.publisher = publisher
     # Built now rather than at the first request, so that the server finds the hot route's fast lane

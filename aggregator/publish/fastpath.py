@@ -160,7 +160,9 @@ class ResourceFastPath:
         app: ASGIApp,
         publisher: Publisher,
         route: object,
-        busy: tuple[type[Exception], Callable[[Request, Exception], Awaitable[Response]]],
+        busy: tuple[
+            type[Exception] | tuple[type[Exception], ...], Callable[[Request, Exception], Awaitable[Response]]
+        ],
     ) -> None:
         self.app = app
         self.pub = publisher

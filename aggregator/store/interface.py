@@ -62,6 +62,12 @@ _Text = str | None
 ListingRow = tuple[int, str, _Text, int | None, _Text, _Text, _Text, _Text, _Text, _Text, str]
 
 
+class StateUnavailable(Exception):
+    """The state cannot be reached (a server backend's server is down, refuses the login, ...): a sync
+    that meets it fails and the next one tries again; at start-up rsagg stops with this one line (exit 1).
+    Its message names the state's location without secrets."""
+
+
 class StateStore(Protocol):
     """Sources, their documents and sets, the resources held, the changelog and the cursors."""
 
@@ -165,6 +171,12 @@ class StateStore(Protocol):
     # -- reads ------------------------------------------------------------------------------------
 
     def resource(self, set_id: int, uri: str) -> Resource | None: ...
+
+    def resources(self, set_id: int, uris: Sequence[str]) -> dict[str, Resource]:
+        """The stored rows (tombstones too) of those of ``uris`` the set holds, by uri: ``resource`` for
+        a batch in one read (the pipeline looks up every change it is given; a server backend would
+        otherwise pay a round trip for each)."""
+        ...
 
     def iter_resources(
         self,
@@ -429,4 +441,5 @@ __all__ = [
     "SetRow",
     "SourceRow",
     "StateStore",
+    "StateUnavailable",
 ]

@@ -62,6 +62,7 @@ from .rows import (
 
 if TYPE_CHECKING:
     from ..config import Config
+    from .interface import StateStore
 
 #: The state database's file name inside ``[store] path``: spelled here only (``state_path``).
 STATE_FILE = "state.db"
@@ -409,6 +410,75 @@ _INSERT_LOG = (
     "INSERT INTO changelog (set_id, resource_id, uri, change, datetime, sha256, length, type) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
+
+
+def plan_batch(
+    set_id: int,
+    changes: Sequence[Change],
+    current: dict[str, list],
+    open_generation: int | None,
+    now: Any,
+    new_id: Callable[[], int],
+    when: Callable[[datetime | None], Any],
+) -> tuple[dict[str, list], dict[int, tuple], dict[int, int], list[tuple], list[Change]]:
+    """What a batch does, change by change, against the rows as they stand (``State.apply`` says the
+    rules): one place for them, whatever the backend writes with.
+
+    ``current``: uri -> [id, sha256, live, stored] of the batch's stored rows (the ``_C_*`` positions;
+    updated as the batch goes); ``now`` the batch's changelog time and ``when`` a time as the backend
+    stores it; ``new_id()`` an id for a new row. Returns (rows: uri -> the ``_RES_COLS`` values and the
+    id, the final row per uri; tombstones: stored row id -> (generation, upstream_datetime); seen: id ->
+    generation of no-ops during a baseline; log: changelog rows without seq; applied: the changes that
+    changed state, each with the logged kind).
+    """
+    # Collapse to the final row per uri; keep the log in order.
+    rows: dict[str, list] = {}  # uri -> column values (_RES_COLS order) + [id] (the _W_* positions)
+    tombstones: dict[int, tuple] = {}  # id of a stored row -> (generation, upstream_datetime)
+    seen: dict[int, int] = {}  # id -> generation, for no-ops during a baseline
+    log: list[tuple] = []  # changelog rows
+    applied: list[Change] = []
+    for ch in changes:
+        gen = ch.generation if ch.generation is not None else open_generation
+        cur = current.get(ch.uri)
+        live = cur is not None and cur[_C_LIVE]
+        if ch.change == DELETED:
+            if not live:
+                continue
+            cur[_C_LIVE] = False
+            row = rows.get(ch.uri)
+            if row is not None:  # created/updated earlier in this batch: write it as a tombstone
+                row[_W_DELETED] = True
+                if gen is not None:
+                    row[_W_GENERATION] = gen
+                if ch.upstream_datetime is not None:
+                    row[_W_UPSTREAM] = when(ch.upstream_datetime)
+            else:
+                tombstones[cur[_C_ID]] = (gen, when(ch.upstream_datetime))
+            log.append((set_id, cur[_C_ID], ch.uri, DELETED, now, None, None, None))
+            applied.append(ch)
+            continue
+        if live and cur[_C_SHA256] == ch.sha256:
+            if gen is not None:
+                if ch.uri in rows:
+                    rows[ch.uri][_W_GENERATION] = gen
+                else:
+                    seen[cur[_C_ID]] = gen
+            continue
+        kind = UPDATED if live else CREATED
+        if cur is None:
+            cur = current[ch.uri] = [new_id(), ch.sha256, True, False]
+        else:
+            cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
+            tombstones.pop(cur[_C_ID], None)
+        h = ch.hashes
+        rows[ch.uri] = [
+            set_id, ch.uri, ch.sha256, ch.length, ch.type, ch.encoding, h.get("md5"), h.get("sha-1"),
+            when(ch.lastmod), when(ch.upstream_datetime), _links_json(ch.links),
+            _json(ch.md_extra), _json(ch.entry_extra), False, gen, now, cur[_C_ID],
+        ]  # fmt: skip
+        log.append((set_id, cur[_C_ID], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
+        applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
+    return rows, tombstones, seen, log, applied
 
 
 @contextlib.contextmanager
@@ -774,57 +844,18 @@ class State:
                 (set_id, json.dumps(uris)),
             ):
                 current[uri] = [rid, sha, not deleted, True]
-        next_id = 0
-        if len(current) < len(uris):
-            next_id = c.execute("SELECT coalesce(max(id), 0) FROM resources").fetchone()[0]
-        # 2. Decide, change by change; collapse to the final row per uri; keep the log in order.
-        rows: dict[str, list] = {}  # uri -> column values (_RES_COLS order) + [id] (the _W_* positions)
-        tombstones: dict[int, tuple] = {}  # id of a stored row -> (generation, upstream_datetime)
-        seen: dict[int, int] = {}  # id -> generation, for no-ops during a baseline
-        log: list[tuple] = []  # changelog rows
-        applied: list[Change] = []
-        for ch in changes:
-            gen = ch.generation if ch.generation is not None else open_generation
-            cur = current.get(ch.uri)
-            live = cur is not None and cur[_C_LIVE]
-            if ch.change == DELETED:
-                if not live:
-                    continue
-                cur[_C_LIVE] = False
-                row = rows.get(ch.uri)
-                if row is not None:  # created/updated earlier in this batch: write it as a tombstone
-                    row[_W_DELETED] = 1
-                    if gen is not None:
-                        row[_W_GENERATION] = gen
-                    if ch.upstream_datetime is not None:
-                        row[_W_UPSTREAM] = format_dt(ch.upstream_datetime)
-                else:
-                    tombstones[cur[_C_ID]] = (gen, format_dt(ch.upstream_datetime))
-                log.append((set_id, cur[_C_ID], ch.uri, DELETED, now, None, None, None))
-                applied.append(ch)
-                continue
-            if live and cur[_C_SHA256] == ch.sha256:
-                if gen is not None:
-                    if ch.uri in rows:
-                        rows[ch.uri][_W_GENERATION] = gen
-                    else:
-                        seen[cur[_C_ID]] = gen
-                continue
-            kind = UPDATED if live else CREATED
-            if cur is None:
-                next_id += 1
-                cur = current[ch.uri] = [next_id, ch.sha256, True, False]
-            else:
-                cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
-                tombstones.pop(cur[_C_ID], None)
-            h = ch.hashes
-            rows[ch.uri] = [
-                set_id, ch.uri, ch.sha256, ch.length, ch.type, ch.encoding, h.get("md5"), h.get("sha-1"),
-                format_dt(ch.lastmod), format_dt(ch.upstream_datetime), _links_json(ch.links),
-                _json(ch.md_extra), _json(ch.entry_extra), 0, gen, now, cur[_C_ID],
-            ]  # fmt: skip
-            log.append((set_id, cur[_C_ID], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
-            applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
+        top: list[int] = []  # max(id), read once a new row needs an id
+
+        def new_id() -> int:
+            if not top:
+                top.append(c.execute("SELECT coalesce(max(id), 0) FROM resources").fetchone()[0])
+            top[0] += 1
+            return top[0]
+
+        # 2. Decide, change by change (plan_batch: the rules, shared by every backend).
+        rows, tombstones, seen, log, applied = plan_batch(
+            set_id, changes, current, open_generation, now, new_id, format_dt
+        )
         # 3. Write: no-op marks, tombstones, new rows, changed rows, then the log.
         if seen:
             c.executemany(
@@ -1021,6 +1052,17 @@ class State:
         with self._lock:
             row = self.conn.execute(_SELECT_RES + " WHERE set_id = ? AND uri = ?", (set_id, uri)).fetchone()
         return _resource(row) if row else None
+
+    def resources(self, set_id: int, uris: Sequence[str]) -> dict[str, Resource]:
+        """The stored rows of those of ``uris`` the set holds (one query; json_each: no variable limit)."""
+        if not uris:
+            return {}
+        with self._lock:
+            rows = self.conn.execute(
+                _SELECT_RES + " WHERE set_id = ? AND uri IN (SELECT value FROM json_each(?))",
+                (set_id, json.dumps(list(uris))),
+            ).fetchall()
+        return {r[_R_URI]: _resource(r) for r in rows}
 
     def iter_resources(
         self,
@@ -1819,23 +1861,33 @@ def _resource(r: tuple) -> Resource:
 # Where the state lives: the one place that knows (callers never build the path themselves).
 
 
-def state_path(config: Config) -> Path:
-    """The state database of a configured rsagg: ``STATE_FILE`` in the store folder."""
-    return Path(config.store_path) / STATE_FILE
+def state_path(config: Config) -> Path | str:
+    """The state database of a configured rsagg: ``[store] state`` when it names one (a ``postgresql://``
+    URL), else ``STATE_FILE`` in the store folder."""
+    return config.store.state or Path(config.store_path) / STATE_FILE
 
 
-def open_state(config: Config, *, readonly: bool = False, **options: Any) -> State:
+def open_state(config: Config, *, readonly: bool = False, **options: Any) -> StateStore:
     """Open the configured state (created and migrated unless ``readonly``) with ``[store]
     synchronous``; ``options`` are ``State``'s other keyword arguments (``cache_mib``, ``clock``...)."""
     options.setdefault("synchronous", config.store.synchronous)
     return connect(state_path(config), readonly=readonly, **options)
 
 
-def connect(location: Path | str, *, readonly: bool = False, **options: Any) -> State:
+def connect(location: Path | str, *, readonly: bool = False, **options: Any) -> StateStore:
     """The state at ``location`` (what ``state_path`` gives): the one factory every opener goes through,
-    so the backend is chosen here, from the location (the SQLite file; another backend would be named by
-    a URL such as ``postgresql://...``)."""
+    so the backend is chosen here, from the location: a ``postgresql://`` URL is a PostgreSQL database
+    (store/postgres.py, the ``rsagg[postgresql]`` extra), anything else the SQLite file."""
     if isinstance(location, str) and "://" in location:
-        scheme = location.split("://", 1)[0]
-        raise ValueError(f"no state backend for {scheme}:// locations (the state is a SQLite file)")
+        scheme = location.split("://", 1)[0].lower()
+        if scheme not in ("postgresql", "postgres"):
+            raise ValueError(f"no state backend for {scheme}:// locations (a SQLite file or postgresql://)")
+        try:
+            from .postgres import PostgresState
+        except ImportError as exc:  # the optional extra is missing: one line, exit 1 (cli.py)
+            from .interface import StateUnavailable
+
+            need = "pip install 'rsagg[postgresql]'"
+            raise StateUnavailable(f"a postgresql:// state needs psycopg ({need}): {exc}") from None
+        return PostgresState(location, readonly=readonly, **options)
     return State(location, readonly=readonly, **options)
