@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -122,6 +123,20 @@ class Assembly:
         """Who runs the sources whose notification channels rsagg follows (``poll_source``'s ``follow``)."""
         return self.notifications.subscriber if self.notifications is not None else None
 
+    def roles(self) -> dict[str, Callable[[], Awaitable[Any]]]:
+        """What one node of a cluster at a time does (cluster.py): build the dumps, send the hub's
+        deliveries and rsagg's notifications."""
+        from .publish.schedule import run_dumps
+
+        roles: dict[str, Callable[[], Awaitable[Any]]] = {
+            "@dumps": partial(
+                run_dumps, self.dumps, lambda: self.config, self.harvest.plugins, trio.sleep_forever
+            )
+        }
+        if self.notifications is not None:
+            roles["@hub"] = self.notifications.run_publishing
+        return roles
+
     def app(self, config: Config) -> ASGIApp:
         """The publishing app for ``config`` (imported lazily: harvest-only commands do not need it)."""
         from .publish.app import create_app
@@ -149,11 +164,14 @@ def assemble(
     from .websub.service import prepare_notifications
 
     dumps = open_dump_builder(ctx.config, ctx.blobs)
+    # A cluster node (cluster.py) does not follow upstream channels: their callbacks could reach any node,
+    # and the subscriber keeps its subscriptions in this process; it polls its sources instead.
+    follow = harvest and not ctx.config.cluster.enabled
     notes = prepare_notifications(
         lambda: ctx.config,
         ctx.blobs,
         policy=ctx.fetcher.policy,
-        harvester=NotifiedHarvest(ctx) if harvest else None,
+        harvester=NotifiedHarvest(ctx) if follow else None,
         dumps=dumps,
         hub_limits=hub_limits,
         settings=settings,
@@ -169,12 +187,16 @@ async def run_assembly(
     nursery: trio.Nursery, parts: Assembly, stop_when: Callable[[], Awaitable[Any]]
 ) -> None:
     """Start the background workers of ``parts`` in ``nursery``: notifications (hub, notifier,
-    subscriber) and the dump schedule; they stop when ``stop_when()`` returns (the daemon's shutdown)."""
+    subscriber) and the dump schedule; they stop when ``stop_when()`` returns (the daemon's shutdown).
+    On a cluster node the hub's deliveries, rsagg's notifications and the dumps are roles that one node
+    at a time holds (``Assembly.roles``, run by cluster.py), not started here."""
     from .publish.schedule import run_dumps
     from .websub.service import run_notifications
 
-    await run_notifications(nursery, parts.notifications, stop_when=stop_when)
-    nursery.start_soon(run_dumps, parts.dumps, lambda: parts.config, parts.harvest.plugins, stop_when)
+    node = parts.config.cluster.enabled
+    await run_notifications(nursery, parts.notifications, stop_when=stop_when, publishing=not node)
+    if not node:
+        nursery.start_soon(run_dumps, parts.dumps, lambda: parts.config, parts.harvest.plugins, stop_when)
 
 
 __all__ = ["Assembly", "assemble", "open_context", "run_assembly"]

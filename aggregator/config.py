@@ -296,6 +296,28 @@ class OutboundConfig:
     allow: Annotated[tuple[str, ...] | None, BeforeValidator(_networks)] = None
 
 
+_NodeName = Annotated[
+    Str,
+    _rule(
+        lambda v: len(v) <= 100 and not any(ord(c) <= 32 or ord(c) == 127 for c in v),
+        lambda v: f"must be at most 100 characters without spaces or control characters, not {v!r}",
+    ),
+]
+
+
+@dataclass(frozen=True, config=_STRICT)
+class ClusterConfig:
+    """Many ``rsagg run`` nodes sharing one state and one blob store (``cluster.py``, docs/cluster.md)."""
+
+    #: Take sources by lease instead of harvesting them all: every node of a cluster sets it.
+    enabled: Bool = False
+    #: This node's name in the state (``rsagg status``, metrics); "" = hostname-pid (a new name per start).
+    node: _NodeName = ""
+    #: Seconds a lease (and a node's heartbeat) lasts; renewed every third of it. A dead node's sources
+    #: are taken over within about 1.3 lease times; a node paused longer than this loses its sources.
+    lease_seconds: Annotated[StrictFloat, Field(ge=1)] = 30.0
+
+
 @dataclass(frozen=True, config=_STRICT)
 class SetConfig:
     """A published set grouping the state sets of several sources under one Capability List (§9)."""
@@ -318,6 +340,7 @@ class Config:
     plugins: dict[str, Table] = field(default_factory=dict)
     notifications: NotificationsConfig = field(default_factory=NotificationsConfig)
     outbound: OutboundConfig = field(default_factory=OutboundConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def store_path(self) -> Path:

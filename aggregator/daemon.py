@@ -40,6 +40,7 @@ from .hotswap import HotSwapApp
 from .rs import parse
 from .serverguard import ServerLimits
 from .serving import serve
+from .store.interface import Fence, LeaseLost, fenced
 from .workers import Workers
 
 log = logging.getLogger("rsagg.daemon")
@@ -64,6 +65,9 @@ RESTART_KEYS = (
     "harvest.backoff_max",
     "harvest.max_document_bytes",
     "harvest.max_resource_bytes",
+    "cluster.enabled",
+    "cluster.node",
+    "cluster.lease_seconds",
 )
 
 AppFactory = Callable[[Config, Assembly], ASGIApp]
@@ -97,6 +101,7 @@ class _SourceTask:
     settings: tuple[Any, ...]
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     done: trio.Event = field(default_factory=trio.Event)
+    fence: Fence | None = None  # the lease it harvests under (cluster nodes only)
 
 
 class _Daemon:
@@ -116,6 +121,10 @@ class _Daemon:
         self.config_path = config_path
         self.app_factory = app_factory
         self.tasks: dict[str, _SourceTask] = {}
+        self._ending: dict[str, trio.Event] = {}  # source -> end of its stopped task
+        #: This process as a cluster node (``cluster.py``), when ``[cluster] enabled``.
+        self.node: Any = None
+        self._node_scope = trio.CancelScope()
         self.shutdown = trio.Event()
         self.app = HotSwapApp(app_factory(parts.config, parts), nursery)
         self.bound = ""
@@ -130,30 +139,63 @@ class _Daemon:
 
     # ------------------------------------------------------------------ sources
 
-    def start_source(self, src: SourceConfig, *, after: trio.Event | None = None) -> None:
-        task = _SourceTask(src, source_settings(self.config, src))
+    def start_source(
+        self, src: SourceConfig, *, after: trio.Event | None = None, fence: Fence | None = None
+    ) -> None:
+        if after is None and src.name in self.tasks:  # e.g. a new grant while the old task still ends
+            after = self.stop_source(src.name)
+        if after is None:
+            after = self._ending.get(src.name)
+        task = _SourceTask(src, source_settings(self.config, src), fence=fence)
         self.tasks[src.name] = task
         self.nursery.start_soon(self._run_source, task, after, name=f"source {src.name}")
 
     async def _run_source(self, task: _SourceTask, after: trio.Event | None) -> None:
         try:
-            with task.scope:
+            with task.scope, fenced(task.fence):
                 if after is not None:
                     await after.wait()  # the previous task of this source has finished its last commit
                 await poll_source(self.ctx, task.src, self.parts.followed)
+        except LeaseLost as exc:  # another node holds the source now: nothing of ours was written
+            log.error("%s", exc)
+            if self.node is not None and task.fence is not None:
+                self.ctx.metrics.cluster_fenced_writes.labels(self.node.name, task.src.name).inc()
+                self.node.lost(task.fence, "write refused")
         finally:
             task.done.set()
+            if self._ending.get(task.src.name) is task.done:
+                del self._ending[task.src.name]
 
     def stop_source(self, name: str) -> trio.Event:
-        task = self.tasks.pop(name)
+        """Cancel a source's task; the event is set once it has finished its last commit."""
+        task = self.tasks.pop(name, None)
+        if task is None:
+            done = self._ending.get(name)
+            if done is None:
+                done = trio.Event()
+                done.set()
+            return done
         task.scope.cancel()
+        if not task.done.is_set():
+            self._ending[name] = task.done
         return task.done
 
     def start_sources(self) -> None:
-        if self.harvest:
-            for src in self.config.sources:
-                if src.enabled:
-                    self.start_source(src)
+        if not self.harvest:
+            return
+        if self.config.cluster.enabled:  # the node claims leases and starts what it holds
+            from .cluster import Node
+
+            self.node = Node(
+                self.config, metrics=self.ctx.metrics, fetcher=self.ctx.fetcher,
+                start=lambda src, fence: self.start_source(src, fence=fence), stop=self.stop_source,
+                roles=self.parts.roles(),
+            )  # fmt: skip
+            self.nursery.start_soon(_scoped, self._node_scope, self.node.run)
+            return
+        for src in self.config.sources:
+            if src.enabled:
+                self.start_source(src)
 
     # ------------------------------------------------------------------ reload (SIGHUP)
 
@@ -210,10 +252,19 @@ class _Daemon:
             server=replace(new.server, listen=old.server.listen),
             store=old.store,
             harvest=replace(new.harvest, **fetch),
+            cluster=old.cluster,
         )
 
     def _apply_sources(self, new: Config) -> None:
         wanted = {s.name: s for s in new.sources if s.enabled}
+        if self.node is not None:  # a node: it releases what went away and claims what came at its beat
+            self.node.config = new
+            for name, task in list(self.tasks.items()):
+                src = wanted.get(name)
+                if src is not None and (task.settings != source_settings(new, src) or task.src != src):
+                    self.start_source(src, after=self.stop_source(name), fence=task.fence)
+                    log.info("source=%s url or settings changed: restarted", name)
+            return
         for name in [n for n in self.tasks if n not in wanted]:
             self.stop_source(name)
             log.info("source=%s removed from the configuration (or disabled): stopped", name)
@@ -231,6 +282,7 @@ class _Daemon:
     def stop(self) -> None:
         sdnotify.stopping()
         self.shutdown.set()  # hypercorn stops accepting; open requests get their graceful timeout
+        self._node_scope.cancel()  # a node releases its leases once its tasks have finished
         for name in list(self.tasks):
             self.stop_source(name)
         self.nursery.cancel_scope.deadline = trio.current_time() + STOP_GRACE

@@ -131,6 +131,13 @@ FAMILIES: dict[str, str] = {
     "rsagg_notifications_rejected": "counter",
     "rsagg_notifications_processed": "counter",
     "rsagg_upstream_subscriptions": "counter",
+    # cluster (cluster.py): labelled with this process's node name
+    "rsagg_cluster_node_info": "gauge",
+    "rsagg_cluster_nodes_live": "gauge",
+    "rsagg_cluster_leases_held": "gauge",
+    "rsagg_cluster_lease_grants": "counter",
+    "rsagg_cluster_leases_lost": "counter",
+    "rsagg_cluster_fenced_writes": "counter",
 }
 
 
@@ -395,6 +402,33 @@ class Metrics:
         #: (route, method, code) -> its labelled children: ``labels()`` cost more than a hot resource GET's
         #: own work (a few routes x methods x codes: small).
         self._served: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
+        # -- cluster nodes (cluster.py); a node label, so one dashboard shows every node of a cluster
+        self.cluster_node_info = Gauge(
+            "rsagg_cluster_node_info", "This process is a cluster node (always 1)", ["node"], registry=r
+        )
+        self.cluster_nodes_live = Gauge(
+            "rsagg_cluster_nodes_live", "Live nodes of the cluster as this node last saw them", ["node"],
+            registry=r,
+        )  # fmt: skip
+        self.cluster_leases_held = Gauge(
+            "rsagg_cluster_leases_held", "Source leases this node holds", ["node"], registry=r
+        )
+        self.cluster_lease_grants = Counter(
+            "rsagg_cluster_lease_grants", "Source leases granted to this node", ["node"], registry=r
+        )
+        self.cluster_leases_lost = Counter(
+            "rsagg_cluster_leases_lost",
+            "Source leases this node lost before releasing them (renewal refused, write refused)",
+            ["node", "reason"],
+            registry=r,
+        )
+        self.cluster_fenced_writes = Counter(
+            "rsagg_cluster_fenced_writes",
+            "State writes refused because this node's lease of the source was no longer current",
+            ["node", "source"],
+            registry=r,
+        )
 
         # -- read when scraped
         self._plugins: list[Any] = []  # every Plugins of the process (harvest's, each publisher app's)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from .cluster import alive
 from .config import Config
 from .harvest.progress import describe, figures, format_duration
 from .publish.sets import published_sets
@@ -142,18 +143,68 @@ def _interrupted(rows: list[dict], running: bool | None) -> list[dict]:
     return rows
 
 
+def cluster_rows(state: StateStore, *, now: datetime | None = None) -> dict[str, Any] | None:
+    """The nodes of a cluster (``cluster.py``) and who holds which source; None when no node ever ran."""
+    now = now or utcnow()
+    nodes, leases = state.nodes(), state.leases()
+    if not nodes and not leases:
+        return None
+    live = {n.name for n in alive(nodes, now)}
+    held = [le for le in leases if le.node and le.expires_at and le.expires_at > now]
+    return {
+        "nodes": [
+            {
+                "name": n.name,
+                "alive": n.name in live,
+                "host": n.host,
+                "pid": n.pid,
+                "url": n.url,
+                "started_at": _time(n.started_at),
+                "heartbeat_at": _time(n.heartbeat_at),
+                "stopped_at": _time(n.stopped_at),
+                "sources": sorted(le.source for le in held if le.node == n.name),
+            }
+            for n in nodes
+        ],
+        "leases": [
+            {
+                "source": le.source,
+                "node": le.node if le in held else None,
+                "epoch": le.epoch,
+                "granted_at": _time(le.granted_at),
+                "expires_at": _time(le.expires_at),
+            }
+            for le in leases
+        ],
+    }
+
+
 def collect(
     state: StateStore, config: Config, *, now: datetime | None = None, running: bool | None = None
 ) -> dict[str, Any]:
     """Everything the status displays show (``rsagg status --json`` prints exactly this). ``running``:
-    whether a harvesting process holds the store (``store/lock.py``; None: not known)."""
+    whether a harvesting process holds the store (``store/lock.py``; None: not known). In a cluster each
+    source row names the node harvesting it (``node``), and ``cluster`` lists the nodes and leases."""
     now = now or utcnow()
-    return {
+    rows = source_rows(state, [s.name for s in config.sources], now=now)
+    cluster = cluster_rows(state, now=now)
+    if cluster is not None:
+        holder = {le["source"]: le["node"] for le in cluster["leases"]}
+        for r in rows:
+            r["node"] = holder.get(r["name"])
+            if r["state"] == "syncing" and r["node"] is None:  # its node died: the next holder resumes it
+                r["state"], r["progress"] = "interrupted", None
+        if any(n["alive"] for n in cluster["nodes"]):
+            running = None  # nodes on other machines do not show in this machine's lock: trust the leases
+    out = {
         "time": format_w3c(now),
-        "sources": _interrupted(source_rows(state, [s.name for s in config.sources], now=now), running),
+        "sources": _interrupted(rows, running),
         "sets": set_rows(state, config),
         "changelog_last_seq": state.last_seq(),
     }
+    if cluster is not None:
+        out["cluster"] = cluster
+    return out
 
 
 def unharvested(config: Config) -> dict[str, Any]:
@@ -238,6 +289,16 @@ def table(status: dict[str, Any]) -> str:
         for name, d in tolerated:
             where = f"{d['url']}:{d['line']}" if d.get("line") else d.get("url") or "-"
             lines.append(f"{name:<20} {d['rule']:<24} {d['count']:>7} {where}: {d['message']}")
+    cluster = status.get("cluster")
+    if cluster:
+        lines += ["", "{:<24} {:<8} {:<22} {:>7} {}".format("NODE", "STATE", "HEARTBEAT", "SOURCES", "HOLDS")]
+        for n in cluster["nodes"]:
+            state = "alive" if n["alive"] else "stopped" if n["stopped_at"] else "dead"
+            held, beat = ", ".join(n["sources"]) or "-", short_time(n["heartbeat_at"])
+            lines.append(f"{n['name']:<24} {state:<8} {beat:<22} {len(n['sources']):>7} {held}")
+        free = [le["source"] for le in cluster["leases"] if le["node"] is None]
+        if free:
+            lines.append(f"not held by any node (taken at the next heartbeat): {', '.join(free)}")
     if status["sets"]:
         lines += ["", "{:<20} {:>10} {:<30} {}".format("SET", "RESOURCES", "SOURCES", "CAPABILITY LIST")]
         for s in status["sets"]:
@@ -248,6 +309,7 @@ def table(status: dict[str, Any]) -> str:
 
 __all__ = [
     "ERROR_CELL",
+    "cluster_rows",
     "collect",
     "lag_since",
     "lag_text",

@@ -149,7 +149,7 @@ def test_a_store_of_the_previous_release_upgrades_in_place(tmp_path: Path) -> No
     path = tmp_path / "state.db"
     _old_store(path)
     with State(path) as st:
-        assert st.schema_version == len(MIGRATIONS) == 8
+        assert st.schema_version == len(MIGRATIONS) >= 8
         (sub,) = st.hub_subscriptions()
         assert (sub.topic, sub.callback, sub.secret, sub.lease_expires) == (
             "https://agg/t", "https://cb/1", "s3cret", T0 + timedelta(minutes=1),

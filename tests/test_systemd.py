@@ -25,7 +25,11 @@ ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed")
 
 #: (unit file, name of the copy that is checked)
-CASES = [("rsagg.service", "rsagg.service"), ("rsagg@.service", "rsagg@test.service")]
+CASES = [
+    ("rsagg.service", "rsagg.service"),
+    ("rsagg@.service", "rsagg@test.service"),
+    ("rsagg-node@.service", "rsagg-node@1.service"),
+]
 
 HARDENING = {
     "Type": "notify",
@@ -121,22 +125,34 @@ def test_hardening_and_protocol_settings(unit: str, name: str) -> None:
         assert service.get(key) == [value], key
     assert int(service["WatchdogSec"][0]) > 0
     assert service["SystemCallFilter"][0] == "@system-service"
-    state_dir = {"rsagg.service": "rsagg", "rsagg@.service": "rsagg/%i"}[unit]
+    state_dir = {
+        "rsagg.service": "rsagg",
+        "rsagg@.service": "rsagg/%i",
+        "rsagg-node@.service": "rsagg-cluster",
+    }[unit]
     assert service["StateDirectory"] == [state_dir]
 
 
 def test_units_differ_only_in_paths() -> None:
     single = parse_unit((UNITS / "rsagg.service").read_text())
     template = parse_unit((UNITS / "rsagg@.service").read_text())
-    for unit in (single, template):
+    node = parse_unit((UNITS / "rsagg-node@.service").read_text())
+    assert node["Service"].pop("User") == ["rsagg-node"]  # the instances share the store
+    for unit in (single, template, node):
         for key in ("ExecStart", "StateDirectory"):
             unit["Service"].pop(key)
         unit["Unit"].pop("Description")
-    assert single == template
+    assert single == template == node
 
 
-@pytest.mark.parametrize(("unit", "config"), [("rsagg.service", "/etc/rsagg/rsagg.toml"),
-                                              ("rsagg@.service", "/etc/rsagg/%i.toml")])  # fmt: skip
+EXEC_CONFIGS = [
+    ("rsagg.service", "/etc/rsagg/rsagg.toml"),
+    ("rsagg@.service", "/etc/rsagg/%i.toml"),
+    ("rsagg-node@.service", "/etc/rsagg/node-%i.toml"),
+]
+
+
+@pytest.mark.parametrize(("unit", "config"), EXEC_CONFIGS)
 def test_execstart_is_a_valid_rsagg_command(unit: str, config: str) -> None:
     (exec_start,) = parse_unit((UNITS / unit).read_text())["Service"]["ExecStart"]
     argv = shlex.split(exec_start)

@@ -29,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     root = prepare_store(config)
     # Serving alone may run beside a harvesting process (e.g. ``harvest --once`` from a timer).
-    lock = contextlib.nullcontext() if args.no_harvest else store_lock(root, "rsagg run")
+    # The nodes of a cluster share the store (cluster.py); a plain harvester has it to itself.
+    shared = config.cluster.enabled
+    lock = contextlib.nullcontext() if args.no_harvest else store_lock(root, "rsagg run", shared=shared)
     try:
         with lock:
             trio.run(lambda: run_daemon(config, config_path=args.config, harvest=not args.no_harvest))

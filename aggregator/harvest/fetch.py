@@ -609,6 +609,9 @@ class Fetcher:
         self.metrics_hook = metrics_hook
         self.request_hook = request_hook
         self._limiters: dict[str, trio.CapacityLimiter] = {}
+        #: Cluster nodes sharing each host (``set_host_shares``): a host's ``per_host`` is split among them.
+        self._sharers: dict[str, int] = {}
+        self._default_sharers = 1
         # pool=None: waiting for a free connection is not a failure; our own limiters bound the waits.
         timeouts = httpx.Timeout(timeout, pool=None)
         transport = transport or _ShardedTransport(max_connections, policy=policy)
@@ -643,8 +646,22 @@ class Fetcher:
     def _limiter(self, host: str) -> trio.CapacityLimiter:
         lim = self._limiters.get(host)
         if lim is None:
-            lim = self._limiters[host] = trio.CapacityLimiter(self.per_host)
+            lim = self._limiters[host] = trio.CapacityLimiter(self.host_limit(host))
         return lim
+
+    def host_limit(self, host: str) -> int:
+        """Requests this process may have open to ``host`` at once: its share of ``per_host``."""
+        sharers = self._sharers.get(host.lower(), self._default_sharers)
+        return max(1, self.per_host // max(1, sharers))
+
+    def set_host_shares(self, sharers: dict[str, int], default: int) -> None:
+        """Split each host's ``per_host`` among the cluster nodes harvesting it (``cluster.py``):
+        ``sharers`` maps a host to how many nodes hold a source on it, ``default`` is used for other
+        hosts (every live node may reach them). Applies at once to requests not yet started."""
+        self._sharers = {h.lower(): n for h, n in sharers.items()}
+        self._default_sharers = default
+        for host, lim in self._limiters.items():
+            lim.total_tokens = self.host_limit(host)
 
     def _report(self, host: str, status: int | None, start: float, nbytes: int) -> None:
         if self.metrics_hook is None:

@@ -15,7 +15,7 @@ from ..config import SourceConfig
 from ..metrics import current_source
 from ..rs.model import CHANGELIST
 from ..rs.w3cdt import format_w3c, utcnow
-from ..store.interface import StateUnavailable
+from ..store.interface import LeaseLost, StateUnavailable
 from .audit import still_listed
 from .baseline import run_baseline
 from .context import HarvestContext
@@ -185,7 +185,7 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
             if retried is not None:
                 await end_unlisted_retries(ctx, info, set_id, src.name, retried, waiting)
                 result.stats.append(retried)
-    except trio.Cancelled:
+    except (trio.Cancelled, LeaseLost):  # LeaseLost: another cluster node holds the source now
         raise
     except Exception as exc:  # an upstream problem must never take the daemon down
         stopped_by = exc

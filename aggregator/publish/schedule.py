@@ -17,6 +17,7 @@ import trio
 
 from ..config import Config
 from ..plugins import Plugins
+from ..rs.w3cdt import utcnow
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore
 from ..store.state import open_state
@@ -81,8 +82,24 @@ async def run_dumps(
         nursery.cancel_scope.cancel()
 
 
+def first_due(builder: DumpBuilder, config: Config, plugins: Plugins) -> float:
+    """Seconds until the next Resource Dumps are due: none built yet, at once; else an interval after
+    the newest run, so a process that starts (or a cluster node that takes the dumps over, cluster.py)
+    does not build again what another process has just built."""
+    try:
+        runs = [builder.latest_run(name) for name in _site(config, plugins, builder.state).sets]
+    except Exception:  # a state that cannot say: build now, as before
+        return 0.0
+    if not runs or any(r is None for r in runs):
+        return 0.0
+    newest = max(r.created for r in runs if r is not None)
+    age = (utcnow() - newest).total_seconds()
+    return max(0.0, config.publish.dump_interval - age)
+
+
 async def _build_forever(builder: DumpBuilder, get_config: Callable[[], Config], plugins: Plugins) -> None:
-    next_resource_dump = trio.current_time()
+    first = await trio.to_thread.run_sync(first_due, builder, get_config(), plugins)
+    next_resource_dump = trio.current_time() + first
     while True:
         due = trio.current_time() >= next_resource_dump
         try:

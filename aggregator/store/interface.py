@@ -22,11 +22,20 @@ The rules every backend keeps (docs/architecture.md invariants 1-3):
 - Ids (``id`` of hub subscriptions, verifications, deliveries, notify subscriptions, dump runs and
   packages) are assigned by the backend, grow, and are never reused (SQLite ``AUTOINCREMENT``;
   PostgreSQL ``GENERATED ALWAYS AS IDENTITY`` / a sequence).
+- Fencing (many ``rsagg run`` nodes on one state, ``cluster.py``): while a ``Fence`` is current
+  (``fenced(fence)``, a context variable, so it follows the call into ``trio.to_thread`` worker threads),
+  EVERY write method checks, inside its own transaction and before it writes, that the fence's lease is
+  still granted to its node with its epoch and not expired, and raises ``LeaseLost`` otherwise, writing
+  nothing. A node that stalled past its lease (SIGSTOP, a long GC pause, a partition) and lost the source
+  to another node can therefore never overwrite the newer holder's rows, changelog or cursor. In
+  PostgreSQL the check reads the lease row ``FOR SHARE``, so a concurrent grant waits for the write.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -39,12 +48,16 @@ from .rows import (
     DumpPart,
     DumpRun,
     FailedChange,
+    Fence,
     HubBacklog,
     HubDelivery,
     HubRequestState,
     HubSubscription,
     HubVerification,
+    LeaseGrant,
+    LeaseRow,
     LogRecord,
+    NodeRow,
     NotifyChannel,
     NotifySubscription,
     Resource,
@@ -66,6 +79,32 @@ class StateUnavailable(Exception):
     """The state cannot be reached (a server backend's server is down, refuses the login, ...): a sync
     that meets it fails and the next one tries again; at start-up rsagg stops with this one line (exit 1).
     Its message names the state's location without secrets."""
+
+
+#: The lease the current task writes under (None: not in a cluster, or not a source's task).
+FENCE: ContextVar[Fence | None] = ContextVar("rsagg_fence", default=None)
+
+
+class LeaseLost(Exception):
+    """A write under a fence whose lease is no longer current: another node holds the source now (or the
+    lease expired). Nothing was written; the node must drop the source."""
+
+    def __init__(self, fence: Fence, holder: str | None, epoch: int | None, why: str) -> None:
+        super().__init__(
+            f"source={fence.source}: node {fence.node} lost its lease (epoch {fence.epoch}): {why}; "
+            f"the lease is now epoch {epoch} held by {holder or 'nobody'}: write refused"
+        )
+        self.fence, self.holder, self.epoch = fence, holder, epoch
+
+
+@contextlib.contextmanager
+def fenced(fence: Fence | None) -> Iterator[None]:
+    """Run the block's state writes under ``fence`` (see the module docstring)."""
+    token = FENCE.set(fence)
+    try:
+        yield
+    finally:
+        FENCE.reset(token)
 
 
 class StateStore(Protocol):
@@ -419,8 +458,45 @@ class StateStore(Protocol):
         ``referenced_hashes``."""
         ...
 
+    # -- cluster: nodes and source leases (cluster.py); these never run under a fence ---------------
+
+    def node_heartbeat(
+        self, node: str, *, lease_seconds: float, pid: int | None, host: str | None, url: str | None
+    ) -> None:
+        """Record that ``node`` is alive for ``lease_seconds`` more (created on first beat)."""
+        ...
+
+    def node_stopped(self, node: str) -> None:
+        """A clean stop: the node is no longer alive (its leases are released separately)."""
+        ...
+
+    def nodes(self) -> list[NodeRow]: ...
+
+    def claim_leases(
+        self, node: str, sources: Sequence[str], *, want: int, lease_seconds: float
+    ) -> list[Fence]:
+        """Grant ``node`` up to ``want`` of ``sources`` whose lease is free or expired (each grant: a new
+        epoch and a lease history row; an expired grant's history row ends at its expiry). Concurrent
+        claimers never get the same source (PostgreSQL: ``FOR UPDATE SKIP LOCKED``)."""
+        ...
+
+    def renew_leases(self, fences: Sequence[Fence], *, lease_seconds: float) -> list[Fence]:
+        """Extend the fences still current and unexpired; returns those (the others are lost)."""
+        ...
+
+    def release_lease(self, fence: Fence) -> bool:
+        """Give the source up now (if ``fence`` is still current): another node may claim it at once."""
+        ...
+
+    def leases(self) -> list[LeaseRow]: ...
+
+    def lease_history(self, source: str | None = None) -> list[LeaseGrant]:
+        """Every grant (of one source), by source and epoch."""
+        ...
+
 
 __all__ = [
+    "FENCE",
     "Change",
     "Cursor",
     "DocumentRow",
@@ -428,12 +504,17 @@ __all__ = [
     "DumpPart",
     "DumpRun",
     "FailedChange",
+    "Fence",
     "HubBacklog",
     "HubDelivery",
     "HubRequestState",
     "HubSubscription",
     "HubVerification",
+    "LeaseGrant",
+    "LeaseLost",
+    "LeaseRow",
     "LogRecord",
+    "NodeRow",
     "NotifyChannel",
     "NotifySubscription",
     "Resource",
@@ -442,4 +523,5 @@ __all__ = [
     "SourceRow",
     "StateStore",
     "StateUnavailable",
+    "fenced",
 ]

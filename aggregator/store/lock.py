@@ -23,16 +23,18 @@ class StoreLocked(Exception):
     """Another process holds the store's lock; ``str()`` names the store and that process."""
 
 
-#: Seconds a starting process keeps trying: ``harvester_running`` holds the lock shared for an instant.
+#: Seconds a starting process keeps trying: ``harvester_running`` holds the lock for an instant.
 WAIT_SECONDS = 2.0
 
 
 @contextmanager
-def store_lock(root: Path, what: str, *, wait: float = WAIT_SECONDS) -> Iterator[None]:
+def store_lock(root: Path, what: str, *, wait: float = WAIT_SECONDS, shared: bool = False) -> Iterator[None]:
     """Hold the store's lock for the block; raise StoreLocked when another process holds it (after
     ``wait`` seconds of trying, so that a status probe at the same instant does not refuse a start).
 
     ``what`` (e.g. ``"rsagg run"``) is written to the lock file so the refused process can name it.
+    ``shared``: the nodes of a cluster (``cluster.py``) hold it shared, beside each other; a plain
+    harvester or ``gc`` (exclusive) is refused while any of them runs, and they while it runs.
     """
     path = root / LOCK_NAME
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -40,7 +42,7 @@ def store_lock(root: Path, what: str, *, wait: float = WAIT_SECONDS) -> Iterator
         deadline = time.monotonic() + wait
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() < deadline:
@@ -49,10 +51,13 @@ def store_lock(root: Path, what: str, *, wait: float = WAIT_SECONDS) -> Iterator
                 holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
                 raise StoreLocked(
                     f"store.path {root} is in use by {holder}: only one harvesting process per store "
-                    "(stop it first, or let it do the harvesting)"
+                    "(stop it first, or let it do the harvesting; several nodes need [cluster] enabled)"
                 ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{what} (pid {os.getpid()})\n".encode(), 0)
+        if not shared:  # the nodes of a cluster keep the name the first of them wrote
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{what} (pid {os.getpid()})\n".encode(), 0)
+        elif os.fstat(fd).st_size == 0:
+            os.pwrite(fd, f"{what} (cluster nodes)\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
@@ -61,14 +66,14 @@ def store_lock(root: Path, what: str, *, wait: float = WAIT_SECONDS) -> Iterator
 def harvester_running(root: Path) -> bool | None:
     """Whether a process holds the store's lock (a harvest, ``run``, ``gc``), this one included: a
     source still marked "syncing" while none does was interrupted (``status.py``). None when no process
-    ever locked this store (harvests run in-process by a program of its own). Takes the lock shared for
-    an instant, never waits."""
+    ever locked this store (harvests run in-process by a program of its own). Takes the lock for
+    an instant, never waits (exclusive, so that cluster nodes holding it shared are seen too)."""
     try:
         fd = os.open(root / LOCK_NAME, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:

@@ -49,7 +49,7 @@ from ..rs.parse import parse_bytes
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from . import state as sqlite_state
-from .interface import ListingRow, StateUnavailable
+from .interface import FENCE, LeaseLost, ListingRow, StateUnavailable
 from .rows import (
     Change,
     Cursor,
@@ -57,12 +57,16 @@ from .rows import (
     DumpPackage,
     DumpPart,
     DumpRun,
+    Fence,
     HubBacklog,
     HubDelivery,
     HubRequestState,
     HubSubscription,
     HubVerification,
+    LeaseGrant,
+    LeaseRow,
     LogRecord,
+    NodeRow,
     NotifyChannel,
     NotifySubscription,
     Resource,
@@ -325,6 +329,34 @@ MIGRATIONS: list[tuple[str, ...]] = [
             next_attempt TIMESTAMPTZ
         )""",
     ),
+    (  # 9: cluster nodes, source leases and the lease history (cluster.py)
+        """CREATE TABLE nodes (
+            name TEXT PRIMARY KEY,
+            pid INTEGER,
+            host TEXT,
+            url TEXT,
+            started_at TIMESTAMPTZ NOT NULL,
+            heartbeat_at TIMESTAMPTZ NOT NULL,
+            expires_at TIMESTAMPTZ NOT NULL,
+            stopped_at TIMESTAMPTZ
+        )""",
+        """CREATE TABLE leases (
+            source TEXT PRIMARY KEY,
+            node TEXT,
+            epoch BIGINT NOT NULL DEFAULT 0,
+            granted_at TIMESTAMPTZ,
+            expires_at TIMESTAMPTZ
+        )""",
+        """CREATE TABLE lease_history (
+            source TEXT NOT NULL,
+            epoch BIGINT NOT NULL,
+            node TEXT NOT NULL,
+            granted_at TIMESTAMPTZ NOT NULL,
+            ended_at TIMESTAMPTZ,
+            end_reason TEXT,
+            PRIMARY KEY (source, epoch)
+        )""",
+    ),
 ]
 
 _RES_COLS = sqlite_state._RES_COLS
@@ -492,11 +524,18 @@ class PostgresState:
         return len(MIGRATIONS)
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[psycopg.Connection]:
+    def _write(self, *, fence: bool = True) -> Iterator[psycopg.Connection]:
         """One transaction on a pooled connection: COMMIT, or ROLLBACK on any exception; once committed,
-        ``version()`` moves (after the commit, so a reader never caches what it could not see yet)."""
+        ``version()`` moves (after the commit, so a reader never caches what it could not see yet).
+
+        Under a fence (``interface.FENCE``, a cluster node's source task) the lease row is read first,
+        ``FOR SHARE``: a grant (an UPDATE of that row) waits for this transaction, and this one refuses to
+        write (``LeaseLost``) unless the fence's grant is current and unexpired by the server's clock."""
+        current = FENCE.get() if fence else None
         with self._unavailable(), self.pool.connection() as conn:
             with conn.transaction():
+                if current is not None:
+                    _check_fence(conn, current)
                 yield conn
             conn.execute("SELECT nextval('state_version')")
 
@@ -1575,6 +1614,118 @@ class PostgresState:
         for (sha,) in self._server_side(sql, ()):
             yield sha
 
+    # -- cluster: nodes and source leases (cluster.py) ----------------------------------------------
+    # Lease times are the server's clock (now()): nodes on many machines agree on one clock. Claims
+    # lock the candidate rows FOR UPDATE SKIP LOCKED: concurrent claimers skip what another is granting.
+
+    def node_heartbeat(
+        self, node: str, *, lease_seconds: float, pid: int | None, host: str | None, url: str | None
+    ) -> None:
+        with self._write(fence=False) as c:
+            c.execute(
+                "INSERT INTO nodes (name, pid, host, url, started_at, heartbeat_at, expires_at) "
+                "VALUES (%s, %s, %s, %s, now(), now(), now() + make_interval(secs => %s)) "
+                "ON CONFLICT (name) DO UPDATE SET pid = excluded.pid, host = excluded.host, "
+                "url = excluded.url, heartbeat_at = excluded.heartbeat_at, expires_at = excluded.expires_at, "
+                "stopped_at = NULL",
+                (node, pid, host, url, lease_seconds),
+            )
+            c.execute("DELETE FROM nodes WHERE expires_at < now() - interval '1 day'")
+
+    def node_stopped(self, node: str) -> None:
+        with self._write(fence=False) as c:
+            c.execute("UPDATE nodes SET stopped_at = now(), expires_at = now() WHERE name = %s", (node,))
+
+    def nodes(self) -> list[NodeRow]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT name, pid, host, url, started_at, heartbeat_at, expires_at, stopped_at FROM nodes "
+                "ORDER BY name"
+            ).fetchall()
+        return [NodeRow(*r) for r in rows]
+
+    def claim_leases(
+        self, node: str, sources: Sequence[str], *, want: int, lease_seconds: float
+    ) -> list[Fence]:
+        if want <= 0 or not sources:
+            return []
+        names = sorted(set(sources))
+        with self._write(fence=False) as c:
+            c.execute(
+                "INSERT INTO leases (source, epoch) SELECT unnest(%s::text[]), 0 "
+                "ON CONFLICT (source) DO NOTHING",
+                (names,),
+            )
+            free = c.execute(
+                "SELECT source, node, epoch, expires_at FROM leases WHERE source = ANY(%s) "
+                "AND (node IS NULL OR expires_at <= now()) ORDER BY source LIMIT %s FOR UPDATE SKIP LOCKED",
+                (names, want),
+            ).fetchall()
+            out = []
+            for source, old_node, epoch, expired_at in free:
+                if old_node is not None:
+                    c.execute(
+                        "UPDATE lease_history SET ended_at = %s, end_reason = 'expired' "
+                        "WHERE source = %s AND epoch = %s AND ended_at IS NULL",
+                        (expired_at, source, epoch),
+                    )
+                c.execute(
+                    "UPDATE leases SET node = %s, epoch = %s, granted_at = now(), "
+                    "expires_at = now() + make_interval(secs => %s) WHERE source = %s",
+                    (node, epoch + 1, lease_seconds, source),
+                )
+                c.execute(
+                    "INSERT INTO lease_history (source, epoch, node, granted_at) VALUES (%s, %s, %s, now())",
+                    (source, epoch + 1, node),
+                )
+                out.append(Fence(source, node, epoch + 1))
+        return out
+
+    def renew_leases(self, fences: Sequence[Fence], *, lease_seconds: float) -> list[Fence]:
+        kept = []
+        with self._write(fence=False) as c:
+            for f in fences:
+                cur = c.execute(
+                    "UPDATE leases SET expires_at = now() + make_interval(secs => %s) "
+                    "WHERE source = %s AND node = %s AND epoch = %s AND expires_at > now()",
+                    (lease_seconds, f.source, f.node, f.epoch),
+                )
+                if cur.rowcount:
+                    kept.append(f)
+        return kept
+
+    def release_lease(self, fence: Fence) -> bool:
+        with self._write(fence=False) as c:
+            cur = c.execute(
+                "UPDATE leases SET node = NULL, expires_at = now() "
+                "WHERE source = %s AND node = %s AND epoch = %s AND expires_at > now()",
+                (fence.source, fence.node, fence.epoch),
+            )
+            released = bool(cur.rowcount)
+            if released:
+                c.execute(
+                    "UPDATE lease_history SET ended_at = now(), end_reason = 'released' "
+                    "WHERE source = %s AND epoch = %s AND ended_at IS NULL",
+                    (fence.source, fence.epoch),
+                )
+        return released
+
+    def leases(self) -> list[LeaseRow]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT source, node, epoch, granted_at, expires_at FROM leases ORDER BY source"
+            ).fetchall()
+        return [LeaseRow(*r) for r in rows]
+
+    def lease_history(self, source: str | None = None) -> list[LeaseGrant]:
+        sql = "SELECT source, node, epoch, granted_at, ended_at, end_reason FROM lease_history"
+        with self._read() as c:
+            if source is None:
+                rows = c.execute(sql + " ORDER BY source, epoch").fetchall()
+            else:
+                rows = c.execute(sql + " WHERE source = %s ORDER BY epoch", (source,)).fetchall()
+        return [LeaseGrant(*r) for r in rows]
+
 
 # ---------------------------------------------------------------------------------------------------
 
@@ -1589,6 +1740,18 @@ _PKG_COLS = (
     'id, set_name, kind, run, part, "window", first_seq, last_seq, sha256, length, manifest_sha256, '
     "manifest_length, at, completed, from_, until, entries, bytes, created"
 )
+
+
+def _check_fence(c: psycopg.Connection, fence: Fence) -> None:
+    row = c.execute(
+        "SELECT node, epoch, expires_at, expires_at > now() FROM leases WHERE source = %s FOR SHARE",
+        (fence.source,),
+    ).fetchone()
+    node, epoch, expires, valid = row if row else (None, None, None, False)
+    if node != fence.node or epoch != fence.epoch:
+        raise LeaseLost(fence, node, epoch, "another grant is current")
+    if not valid:
+        raise LeaseLost(fence, node, epoch, f"it expired at {expires}")
 
 
 def _schema_version(conn: psycopg.Connection) -> int:

@@ -317,8 +317,57 @@ class DumpPackage:
     created: datetime
 
 
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """A source's lease as one node holds it: every state write for the source carries it, and the
+    backend refuses the write (``LeaseLost``) unless this grant is still the current one (its epoch)."""
+
+    source: str
+    node: str
+    epoch: int  # grows by one at every grant of the source's lease, never reused
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    """A ``rsagg run`` process of a cluster, as its heartbeats left it in the state."""
+
+    name: str
+    pid: int | None
+    host: str | None  # the machine's hostname
+    url: str | None  # where it serves (server.base_url)
+    started_at: datetime
+    heartbeat_at: datetime
+    expires_at: datetime  # alive while heartbeat_at + cluster.lease_seconds has not passed
+    stopped_at: datetime | None  # set by a clean stop
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRow:
+    """Who may harvest a source now (``node`` None: nobody; an expired lease may be taken over)."""
+
+    source: str
+    node: str | None
+    epoch: int
+    granted_at: datetime | None
+    expires_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """One grant of a source's lease (the lease history): from ``granted_at`` to ``ended_at`` (None:
+    still held); ``end_reason`` is released, expired or lost. Grants of a source never overlap."""
+
+    source: str
+    node: str
+    epoch: int
+    granted_at: datetime
+    ended_at: datetime | None
+    end_reason: str | None
+
+
 __all__ = [
-    "Change", "Cursor", "DocumentRow", "DumpPackage", "DumpPart", "DumpRun", "FailedChange", "HubBacklog",
-    "HubDelivery", "HubRequestState", "HubSubscription", "HubVerification", "LogRecord", "NotifyChannel",
-    "NotifySubscription", "Resource", "RetryChanges", "SetRow", "SourceRow",
+    "Change", "Cursor", "DocumentRow", "DumpPackage", "DumpPart", "DumpRun", "FailedChange", "Fence",
+    "HubBacklog", "HubDelivery", "HubRequestState", "HubSubscription", "HubVerification", "LeaseGrant",
+    "LeaseRow", "LogRecord", "NodeRow", "NotifyChannel", "NotifySubscription", "Resource", "RetryChanges",
+    "SetRow", "SourceRow",
 ]  # fmt: skip

@@ -28,7 +28,7 @@ import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,7 @@ from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Head, Link
 from ..rs.parse import parse_bytes
 from ..rs.w3cdt import parse_w3c, utcnow
 from ..rs.write import iter_document_bytes
-from .interface import ListingRow
+from .interface import FENCE, LeaseLost, ListingRow
 from .rows import (
     Change,
     Cursor,
@@ -46,12 +46,16 @@ from .rows import (
     DumpPackage,
     DumpPart,
     DumpRun,
+    Fence,
     HubBacklog,
     HubDelivery,
     HubRequestState,
     HubSubscription,
     HubVerification,
+    LeaseGrant,
+    LeaseRow,
     LogRecord,
+    NodeRow,
     NotifyChannel,
     NotifySubscription,
     Resource,
@@ -363,6 +367,35 @@ MIGRATIONS: list[tuple[str, ...]] = [
         next_attempt TEXT
     )""",
     ),
+    (  # 9: many `rsagg run` nodes on one state (cluster.py): their heartbeats, the source leases, and
+        # every grant ever made (the lease history: who held which source when, under which epoch).
+        """CREATE TABLE IF NOT EXISTS nodes (
+            name TEXT PRIMARY KEY,
+            pid INTEGER,
+            host TEXT,
+            url TEXT,
+            started_at TEXT NOT NULL,
+            heartbeat_at TEXT NOT NULL,
+            expires_at TEXT NOT NULL,   -- alive until then (heartbeat + cluster.lease_seconds)
+            stopped_at TEXT
+        )""",
+        """CREATE TABLE IF NOT EXISTS leases (
+            source TEXT PRIMARY KEY,    -- a source name (no FK: the lease comes before its first sync)
+            node TEXT,                  -- NULL: free
+            epoch INTEGER NOT NULL DEFAULT 0,   -- +1 at every grant: the fence of every write
+            granted_at TEXT,
+            expires_at TEXT
+        )""",
+        """CREATE TABLE IF NOT EXISTS lease_history (
+            source TEXT NOT NULL,
+            epoch INTEGER NOT NULL,
+            node TEXT NOT NULL,
+            granted_at TEXT NOT NULL,
+            ended_at TEXT,              -- NULL while held; an expired grant ends at its expiry
+            end_reason TEXT,            -- released | expired | lost
+            PRIMARY KEY (source, epoch)
+        )""",
+    ),
 ]
 
 SOURCE_STATUS_FIELDS = frozenset(
@@ -546,7 +579,6 @@ class State:
                     "(open it once read-write to create or migrate it)"
                 )
             conn.execute("PRAGMA query_only = ON")
-            self._last_log_time = None
             return
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal" and str(self.path) != ":memory:":
@@ -559,8 +591,6 @@ class State:
         conn.execute(f"PRAGMA cache_size = {-cache_mib * 1024}")
         conn.execute(f"PRAGMA wal_autocheckpoint = {wal_autocheckpoint}")
         self._migrate()
-        row = conn.execute("SELECT datetime FROM changelog ORDER BY seq DESC LIMIT 1").fetchone()
-        self._last_log_time: datetime | None = parse_dt(row[0]) if row else None
 
     def close(self) -> None:
         with self._lock:
@@ -580,7 +610,7 @@ class State:
             return self.conn.execute("PRAGMA user_version").fetchone()[0]
 
     def _migrate(self) -> None:
-        with self._write():
+        with self._write(fence=False):
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
             if version > len(MIGRATIONS):
                 raise RuntimeError(
@@ -592,11 +622,17 @@ class State:
                 self.conn.execute(f"PRAGMA user_version = {i + 1}")
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
+    def _write(self, *, fence: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction: BEGIN IMMEDIATE (take the write lock now, not at the first write,
-        so concurrent writers wait in busy_timeout instead of failing on lock upgrade) ... COMMIT."""
+        so concurrent writers wait in busy_timeout instead of failing on lock upgrade) ... COMMIT.
+
+        Under a fence (``interface.FENCE``) the lease is checked first, inside the transaction: the
+        write lock is held from the check to the commit, so no grant can come in between."""
+        current = FENCE.get() if fence else None
         with self._lock:
             with immediate_transaction(self.conn) as conn:
+                if current is not None:
+                    self._check_fence(conn, current)
                 yield conn
             self._commits += 1
 
@@ -607,14 +643,28 @@ class State:
         with self._lock:
             return self.conn.execute("PRAGMA data_version").fetchone()[0] + self._commits
 
+    def _check_fence(self, c: sqlite3.Connection, fence: Fence) -> None:
+        row = c.execute(
+            "SELECT node, epoch, expires_at FROM leases WHERE source = ?", (fence.source,)
+        ).fetchone()
+        node, epoch, expires = row if row else (None, None, None)
+        if node != fence.node or epoch != fence.epoch:
+            raise LeaseLost(fence, node, epoch, "another grant is current")
+        if expires is None or expires <= format_dt(self._now()):
+            raise LeaseLost(fence, node, epoch, f"it expired at {expires}")
+
     def _now(self) -> datetime:
         return self._clock().astimezone(UTC)
 
-    def _log_time(self) -> datetime:
-        """rsagg's changelog clock: wall clock, but never before the last record (clock steps back)."""
+    def _log_time(self, c: sqlite3.Connection) -> datetime:
+        """rsagg's changelog clock: wall clock, but never before the last record (clock steps back).
+        The last record is read inside the write transaction: other processes (cluster nodes) append
+        to the same changelog, so this process's memory of it is not enough."""
         now = self._now()
-        if self._last_log_time is not None and now < self._last_log_time:
-            now = self._last_log_time
+        row = c.execute("SELECT datetime FROM changelog ORDER BY seq DESC LIMIT 1").fetchone()
+        last = parse_dt(row[0]) if row else None
+        if last is not None and now < last:
+            now = last
         return now
 
     def _pages(
@@ -815,15 +865,13 @@ class State:
             if row is None:
                 raise KeyError(f"unknown set {set_id}")
             open_generation = row[0]
-            log_time = self._log_time()
+            log_time = self._log_time(c)
             now = format_dt(log_time)
             applied = self._apply(c, set_id, changes, open_generation, now)
             if cursor is not None:
                 self._put_cursor(c, set_id, cursor, now)
             if retries is not None:  # bookkeeping that must commit with the changes
                 self._put_retries(c, now, set_id, retries)
-        if applied:
-            self._last_log_time = log_time
         return applied
 
     def _apply(
@@ -922,7 +970,7 @@ class State:
                 "AND (generation IS NULL OR generation < ?) ORDER BY id",
                 (set_id, generation),
             ).fetchall()
-            log_time = self._log_time()
+            log_time = self._log_time(c)
             now = format_dt(log_time)
             if gone:
                 c.executemany(
@@ -936,8 +984,6 @@ class State:
             c.execute("UPDATE sets SET baseline_generation = NULL WHERE id = ?", (set_id,))
             if retries is not None:
                 self._put_retries(c, now, set_id, retries)
-        if gone:
-            self._last_log_time = log_time
         return [Change(uri, DELETED, generation=generation) for _, uri in gone]
 
     # -- retries ---------------------------------------------------------------------------------
@@ -1786,6 +1832,126 @@ class State:
             rows = self.conn.execute(sql).fetchall()
         for (sha,) in rows:
             yield sha
+
+    # -- cluster: nodes and source leases (cluster.py) ----------------------------------------------
+    # Plain SQL both backends speak: SQLite serialises these transactions (BEGIN IMMEDIATE), PostgreSQL
+    # claims with SELECT ... FOR UPDATE SKIP LOCKED. Lease times are the claimer's clock here (one
+    # machine shares one SQLite file); PostgreSQL uses the server's now().
+
+    def node_heartbeat(
+        self, node: str, *, lease_seconds: float, pid: int | None, host: str | None, url: str | None
+    ) -> None:
+        now = self._now()
+        t, until = format_dt(now), format_dt(now + timedelta(seconds=lease_seconds))
+        with self._write(fence=False) as c:
+            c.execute(
+                "INSERT INTO nodes (name, pid, host, url, started_at, heartbeat_at, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET pid = excluded.pid, "
+                "host = excluded.host, url = excluded.url, heartbeat_at = excluded.heartbeat_at, "
+                "expires_at = excluded.expires_at, stopped_at = NULL",
+                (node, pid, host, url, t, t, until),
+            )
+            # Nodes silent for a day are forgotten (their leases expired long ago).
+            c.execute("DELETE FROM nodes WHERE expires_at < ?", (format_dt(now - timedelta(days=1)),))
+
+    def node_stopped(self, node: str) -> None:
+        t = format_dt(self._now())
+        with self._write(fence=False) as c:
+            c.execute("UPDATE nodes SET stopped_at = ?, expires_at = ? WHERE name = ?", (t, t, node))
+
+    def nodes(self) -> list[NodeRow]:
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT name, pid, host, url, started_at, heartbeat_at, expires_at, stopped_at FROM nodes "
+                "ORDER BY name"
+            ).fetchall()
+        return [NodeRow(r[0], r[1], r[2], r[3], *(parse_dt(x) for x in r[4:])) for r in rows]  # type: ignore[arg-type]
+
+    def claim_leases(
+        self, node: str, sources: Sequence[str], *, want: int, lease_seconds: float
+    ) -> list[Fence]:
+        if want <= 0 or not sources:
+            return []
+        now = self._now()
+        t, until = format_dt(now), format_dt(now + timedelta(seconds=lease_seconds))
+        names = json.dumps(list(dict.fromkeys(sources)))
+        with self._write(fence=False) as c:
+            c.execute(
+                "INSERT INTO leases (source, epoch) SELECT value, 0 FROM json_each(?) WHERE true "
+                "ON CONFLICT (source) DO NOTHING",
+                (names,),
+            )
+            free = c.execute(
+                "SELECT source, node, epoch, expires_at FROM leases "
+                "WHERE source IN (SELECT value FROM json_each(?)) AND (node IS NULL OR expires_at <= ?) "
+                "ORDER BY source LIMIT ?",
+                (names, t, want),
+            ).fetchall()
+            out = []
+            for source, old_node, epoch, expired_at in free:
+                if old_node is not None:  # taken over: the old grant ended when it expired
+                    c.execute(
+                        "UPDATE lease_history SET ended_at = ?, end_reason = 'expired' "
+                        "WHERE source = ? AND epoch = ? AND ended_at IS NULL",
+                        (expired_at, source, epoch),
+                    )
+                c.execute(
+                    "UPDATE leases SET node = ?, epoch = ?, granted_at = ?, expires_at = ? WHERE source = ?",
+                    (node, epoch + 1, t, until, source),
+                )
+                c.execute(
+                    "INSERT INTO lease_history (source, epoch, node, granted_at) VALUES (?, ?, ?, ?)",
+                    (source, epoch + 1, node, t),
+                )
+                out.append(Fence(source, node, epoch + 1))
+        return out
+
+    def renew_leases(self, fences: Sequence[Fence], *, lease_seconds: float) -> list[Fence]:
+        now = self._now()
+        t, until = format_dt(now), format_dt(now + timedelta(seconds=lease_seconds))
+        kept = []
+        with self._write(fence=False) as c:
+            for f in fences:
+                cur = c.execute(
+                    "UPDATE leases SET expires_at = ? WHERE source = ? AND node = ? AND epoch = ? "
+                    "AND expires_at > ?",
+                    (until, f.source, f.node, f.epoch, t),
+                )
+                if cur.rowcount:
+                    kept.append(f)
+        return kept
+
+    def release_lease(self, fence: Fence) -> bool:
+        t = format_dt(self._now())
+        with self._write(fence=False) as c:
+            cur = c.execute(
+                "UPDATE leases SET node = NULL, expires_at = ? WHERE source = ? AND node = ? AND epoch = ? "
+                "AND expires_at > ?",
+                (t, fence.source, fence.node, fence.epoch, t),
+            )
+            if cur.rowcount:
+                c.execute(
+                    "UPDATE lease_history SET ended_at = ?, end_reason = 'released' "
+                    "WHERE source = ? AND epoch = ? AND ended_at IS NULL",
+                    (t, fence.source, fence.epoch),
+                )
+        return bool(cur.rowcount)
+
+    def leases(self) -> list[LeaseRow]:
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT source, node, epoch, granted_at, expires_at FROM leases ORDER BY source"
+            ).fetchall()
+        return [LeaseRow(r[0], r[1], r[2], parse_dt(r[3]), parse_dt(r[4])) for r in rows]
+
+    def lease_history(self, source: str | None = None) -> list[LeaseGrant]:
+        sql = "SELECT source, node, epoch, granted_at, ended_at, end_reason FROM lease_history"
+        with self._lock:
+            if source is None:
+                rows = self.conn.execute(sql + " ORDER BY source, epoch").fetchall()
+            else:
+                rows = self.conn.execute(sql + " WHERE source = ? ORDER BY epoch", (source,)).fetchall()
+        return [LeaseGrant(r[0], r[1], r[2], parse_dt(r[3]), parse_dt(r[4]), r[5]) for r in rows]  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -193,6 +193,9 @@ class Notifier:
         self._last_framework = float("-inf")
         self._last_open_k: int | None = None
         self._store = StoreCalls(state)
+        #: False on a cluster node that does not hold the publishing role (cluster.py, "@hub"): another
+        #: node runs the rounds, so a topic answers with the channel as the state holds it now.
+        self.publishing = True
         self._load()
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -200,6 +203,10 @@ class Notifier:
     def _load(self) -> None:
         for ch in self._store.call(self.state.notify_channels):
             self._channels[ch.topic] = ch
+
+    def _stored(self, topic: str) -> Channel | None:
+        """A channel as the state holds it (blocking): what another node's rounds last saved."""
+        return next((ch for ch in self.state.notify_channels() if ch.topic == topic), None)
 
     def _save(self, channels: Sequence[Channel], drop: Sequence[Channel] = ()) -> None:
         self.state.put_notify_channels(channels, [ch.topic for ch in drop])
@@ -255,7 +262,7 @@ class Notifier:
         async def endpoint(request: Request) -> Response:
             set_name = request.path_params["set"]
             topic = self.topic(set_name, kind)
-            ch = self._channels.get(topic)
+            ch = self._channels.get(topic) if self.publishing else await self._store.run(self._stored, topic)
             if ch is None and set_name not in self._set_names:
                 # The Capability List naming this topic is a view of the state, which may be newer than
                 # the last round: a published set's topic answers from the moment it is advertised.

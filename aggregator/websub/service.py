@@ -77,6 +77,20 @@ class Notifications:
             out.update({f"subscriber.{k}": v for k, v in self.subscriber.counters.items()})
         return out
 
+    async def run_publishing(self) -> None:
+        """The hub's deliveries and the notifier's rounds, for as long as this cluster node holds the
+        "@hub" role (``cluster.py``): exactly one node sends them. Every node serves the hub endpoint
+        and the topics; what they record is in the shared state, which the holder polls."""
+        self.notifier._load()  # the rounds start from what the last holder saved
+        self.notifier.publishing = True
+        try:
+            async with trio.open_nursery() as inner:
+                if self.hub is not None:
+                    await inner.start(self.hub.run)
+                await inner.start(self.notifier.run)
+        finally:
+            self.notifier.publishing = False
+
     def stop(self) -> None:
         """Stop the workers (the daemon is shutting down); their connections close when they have."""
         self._scope.cancel()
@@ -185,25 +199,32 @@ async def run_notifications(
     notes: Notifications | None,
     *,
     stop_when: Callable[[], Awaitable[Any]] | None = None,
+    publishing: bool = True,
 ) -> None:
     """Start the workers of ``notes`` (if any) in ``nursery``. They stop when the nursery is cancelled,
     on ``Notifications.stop()``, or when ``stop_when()`` returns (the daemon's shutdown), and then close
-    their state handles and HTTP client."""
+    their state handles and HTTP client. ``publishing=False`` (a cluster node): the hub's deliveries and
+    the notifier's rounds are left to ``Notifications.run_publishing``, run by the one node holding the
+    "@hub" role."""
     if notes is not None:
-        await nursery.start(_run, notes, stop_when)
+        if not publishing:
+            notes.notifier.publishing = False
+        await nursery.start(_run, notes, stop_when, publishing)
 
 
 async def _run(
     notes: Notifications,
     stop_when: Callable[[], Awaitable[Any]] | None,
+    publishing: bool = True,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     try:
         with notes._scope:
             async with trio.open_nursery() as inner:
-                if notes.hub is not None:
-                    await inner.start(notes.hub.run)
-                await inner.start(notes.notifier.run)
+                if publishing:
+                    if notes.hub is not None:
+                        await inner.start(notes.hub.run)
+                    await inner.start(notes.notifier.run)
                 if notes.subscriber is not None:
                     await inner.start(notes.subscriber.run)
                 if stop_when is not None:
