@@ -54,6 +54,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from . import __version__
+from .errors import CountedError
+from .rs.parse import DocumentError
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -751,16 +753,10 @@ class Metrics:
 
 def error_kind(exc: BaseException) -> str:
     """The ``rsagg_errors_total`` kind of an exception that stopped a sync."""
-    from .harvest.dumps import DumpError
-    from .harvest.fetch import FetchError
-    from .rs.parse import DocumentError
-
-    if isinstance(exc, FetchError):
+    if isinstance(exc, CountedError):
         return exc.kind
     if isinstance(exc, DocumentError):
         return "parse"
-    if isinstance(exc, DumpError):
-        return "dump"
     return "sync"
 
 

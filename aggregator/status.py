@@ -16,9 +16,9 @@ from typing import Any
 
 from .cluster import alive
 from .config import Config
-from .harvest.progress import describe, figures, format_duration
-from .publish.sets import published_sets
+from .progress_text import describe, figures, format_duration
 from .rs.w3cdt import format_w3c, utcnow
+from .sets import published_sets
 from .store.interface import StateStore
 from .store.rows import SourceRow
 
@@ -117,7 +117,7 @@ def source_rows(state: StateStore, names: Sequence[str], *, now: datetime | None
 
 
 def set_rows(state: StateStore, config: Config) -> list[dict]:
-    """The published sets (``publish/sets.py``) with their resources, sources and Capability List."""
+    """The published sets (``sets.py``) with their resources, sources and Capability List."""
     state_sets = state.sets()
     source_of = {s.id: s.source for s in state_sets}
     base = config.server.base_url

@@ -112,6 +112,24 @@ def test_the_store_is_a_floor() -> None:
     _check(_violations("aggregator.store", above), "store/")
 
 
+#: Code every layer may use, or that shows the state to operators (status, metrics, the cluster's node
+#: loop, published sets, the errors module): it stands on the floors, so publish/ (the status page) and the
+#: daemon alike may import it, and it never reaches into a stage.
+SHARED = (
+    "aggregator.status", "aggregator.metrics", "aggregator.cluster", "aggregator.sets", "aggregator.errors",
+    "aggregator.progress_text", "aggregator.retry", "aggregator.outbound",
+)  # fmt: skip
+
+
+def test_shared_code_stands_on_the_floors() -> None:
+    """status, metrics and the other shared modules import only rs/, store/, config, plugins and each
+    other: never harvest/, publish/, websub/ or the composition."""
+    stages = ("aggregator.harvest", "aggregator.publish", "aggregator.websub", *COMPOSITION)
+    for module in SHARED:
+        assert module in MODULES, f"{module} is gone: update SHARED"
+        _check(_violations(module, stages), module)
+
+
 def test_the_hub_stands_alone() -> None:
     """The embedded WebSub hub serves any subscriber: it uses neither harvest/ nor publish/ (the Link
     header parser it shares with discovery lives in rs/)."""

@@ -14,10 +14,10 @@ import pytest
 from aggregator.publish import documents
 from aggregator.publish.links import LinkPolicy
 from aggregator.publish.listing import ListingWriter, _text_time
-from aggregator.publish.sets import PublishedSet
 from aggregator.rs.model import Link
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.write import _dt, iter_document_bytes
+from aggregator.sets import PublishedSet
 from aggregator.store.state import Change, State, format_dt
 
 BASE = "http://rsagg.example/pub"

@@ -24,7 +24,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from aggregator import status
+from aggregator import progress_text, status
 from aggregator.cli import main
 from aggregator.commands.harvest import harvest_once
 from aggregator.compose import open_context
@@ -303,10 +303,8 @@ def test_progress_line_and_helpers():
     assert "b: 3 so far (total not known yet)" in out.getvalue()
     line.clear()
     assert out.getvalue().endswith("\r\x1b[K")
-    assert (
-        harvest_progress.format_duration(3725) == "1h02m" and harvest_progress.format_duration(65) == "1m05s"
-    )
-    p = harvest_progress.figures(25, 100, 5.0)
+    assert progress_text.format_duration(3725) == "1h02m" and progress_text.format_duration(65) == "1m05s"
+    p = progress_text.figures(25, 100, 5.0)
     assert (p["percent"], p["rate"], p["eta_seconds"]) == (25.0, 5.0, 15.0)
     assert [status_class(s) for s in (200, 304, 404, 503, None)] == ["2xx", "3xx", "4xx", "5xx", "error"]
 

@@ -22,12 +22,12 @@ from aggregator.harvest.fetch import Fetcher
 from aggregator.publish import documents
 from aggregator.publish.dumps import DumpBuilder, DumpBuildError, PackageInfo, dump_routes, referenced_hashes
 from aggregator.publish.links import LinkPolicy
-from aggregator.publish.sets import PublishedSet
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.model import Link
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import ERROR, validate_source
 from aggregator.rs.write import iter_document_bytes
+from aggregator.sets import PublishedSet
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.state import Change, State
 

@@ -26,6 +26,7 @@ from typing import IO
 
 import trio
 
+from ..errors import CountedError
 from ..rs import model
 from ..rs.fixity import mismatches
 from ..rs.model import Entry, Head
@@ -46,8 +47,10 @@ MANIFEST_KINDS = frozenset({model.RESOURCEDUMP_MANIFEST, model.CHANGEDUMP_MANIFE
 _DRIVE = re.compile(r"[A-Za-z]:")
 
 
-class DumpError(Exception):
+class DumpError(CountedError):
     """A package that cannot be used; names the package URL, the member/path and the problem."""
+
+    kind = "dump"
 
     def __init__(self, url: str, reason: str, path: str | None = None) -> None:
         self.url = url

@@ -43,6 +43,7 @@ import httpx
 import trio
 
 from .. import __version__, outbound
+from ..errors import CountedError
 from ..retry import backoff, retry_after, retryable_status
 from ..rs import parse
 from ..rs.fixity import Hasher, mismatches
@@ -69,7 +70,7 @@ MetricsHook = Callable[[str, int | None, float, int], None]
 RequestHook = Callable[[httpx.Request], Awaitable[None]]
 
 
-class FetchError(Exception):
+class FetchError(CountedError):
     """A fetch that failed for good (after retries); ``str()`` names the URL and the problem.
 
     ``kind`` is one of "http", "timeout", "network", "fixity", "size", "parse", "patch", "refused"

@@ -3,7 +3,8 @@
 Why here and not in the pipeline: the pipeline only says "n more done" (its ``progress`` callback); a
 source's ``Progress`` adds up its sets, logs a line every LOG_EVERY seconds, and hands the numbers to
 ``HarvestContext.progress_update`` (kept in memory for ``harvest --once``'s progress line, saved in the
-sources table for ``rsagg status`` and the status page). ``describe`` is the one wording of all three.
+sources table for ``rsagg status`` and the status page). ``progress_text.describe`` is the one
+wording of all three.
 """
 
 from __future__ import annotations
@@ -16,48 +17,12 @@ from typing import TextIO
 
 import trio
 
+from ..progress_text import describe, figures
+
 log = logging.getLogger("rsagg.harvest")
 
 #: Seconds between two progress lines in the log.
 LOG_EVERY = 10.0
-
-
-def format_duration(seconds: float | None) -> str:
-    """``1h02m``, ``3m05s``, ``42s``; "?" when unknown."""
-    if seconds is None or seconds != seconds or seconds < 0:
-        return "?"
-    s = round(seconds)
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
-
-
-def figures(done: int, total: int | None, elapsed: float | None) -> dict:
-    """done, total, percent, rate (per second) and eta_seconds (None when unknown)."""
-    rate = done / elapsed if elapsed and elapsed > 0 and done else None
-    left = max(0, total - done) if total else None
-    return {
-        "done": done,
-        "total": total,
-        "percent": round(100.0 * min(done, total) / total, 1) if total else None,
-        "rate": round(rate, 2) if rate is not None else None,
-        "eta_seconds": round(left / rate, 1) if rate and left is not None else None,
-    }
-
-
-def describe(p: dict) -> str:
-    """``1234/5000 (24.7%), 120.0/s, ETA 31s`` from ``figures``; ``1234 so far (total not known yet),
-    120.0/s`` while a plain Resource List is still being read (it is counted once read)."""
-    text = f"{p['done']}/{p['total']}" if p.get("total") else f"{p['done']} so far (total not known yet)"
-    if p.get("percent") is not None:
-        text += f" ({p['percent']:.1f}%)"
-    if p.get("rate"):
-        text += f", {p['rate']:.1f}/s"
-    if p.get("eta_seconds") is not None:
-        text += f", ETA {format_duration(p['eta_seconds'])}"
-    return text
 
 
 class Progress:
@@ -171,4 +136,4 @@ class ProgressLine:
             self.clear()
 
 
-__all__ = ["LOG_EVERY", "Progress", "ProgressLine", "describe", "figures", "format_duration"]
+__all__ = ["LOG_EVERY", "Progress", "ProgressLine"]

@@ -1,6 +1,6 @@
 """rsagg as a ResourceSync Source: the ASGI app (starlette, served by hypercorn's trio worker).
 
-URL layout (SET = published set name, see ``publish/sets.py``; ``publish/documents.py`` builds the
+URL layout (SET = published set name, see ``aggregator/sets.py``; ``publish/documents.py`` builds the
 documents, ``publish/resources.py`` serves the resources, ``publish/uris.py`` maps the URIs)::
 
     /                                   HTML home page: live status of sources and sets (``status_page.py``)
@@ -57,6 +57,7 @@ from ..metrics import Metrics, ServedMetrics, default_metrics
 from ..plugins import Plugins
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
+from ..sets import PublishedSet
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore, StateUnavailable
 from ..store.state import Resource, connect
@@ -75,7 +76,6 @@ from .documents import (
 )
 from .fastpath import ResourceFastPath
 from .resources import LiteRequest, gone, http_date, remote_response, resource_answer, validators_match
-from .sets import PublishedSet
 from .site import build_site, link_policy, publish_filter
 from .uris import split_resource_path
 

@@ -43,11 +43,11 @@ from ..rs.model import (
     Link,
     Md,
 )
+from ..sets import PublishedSet
 from ..store.interface import StateStore
 from ..store.state import LogRecord, Resource
 from . import listing
 from .links import LinkPolicy, PluginLinks
-from .sets import PublishedSet
 from .uris import rsagg_uri
 
 #: §7: at most 50,000 entries per <urlset> (the Sitemap limit). Above it a Resource List is an index;

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from ..rs.write import _dt, _esc, _special
+from ..sets import PublishedSet
 from ..store.interface import ListingRow, StateStore
 from ..store.state import Resource, parse_dt
 from .links import LinkPolicy, PluginLinks
-from .sets import PublishedSet
 from .uris import _SCHEME, RESOURCES, SAFE, rsagg_path
 
 T = TypeVar("T")

@@ -11,11 +11,11 @@ from collections.abc import Callable
 
 from ..config import Config
 from ..plugins import Plugins
+from ..sets import published_sets
 from ..store.interface import StateStore
 from ..store.state import Resource
 from .documents import DumpsAvailable, ExtraCapabilities, Site, no_dumps, no_extra_capabilities, show_all
 from .links import LinkPolicy, PluginLinks
-from .sets import published_sets
 
 
 def publish_filter(plugins: Plugins) -> Callable[[str, Resource], bool]:

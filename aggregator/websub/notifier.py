@@ -67,7 +67,6 @@ from starlette.routing import Route
 from ..config import Config
 from ..plugins import Plugins
 from ..publish.documents import Site, UriOf, Windows, capability_list, change_entry, no_dumps
-from ..publish.sets import PublishedSet, published_sets
 from ..publish.site import build_site, link_policy, publish_filter
 from ..retry import backoff, retry_after, retryable_status, transient_error
 from ..rs.model import (
@@ -86,6 +85,7 @@ from ..rs.model import (
 )
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
+from ..sets import PublishedSet, published_sets
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore
 from ..store.rows import NotifyChannel

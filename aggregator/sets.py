@@ -5,6 +5,9 @@ URL-safe ``name``). By default every state set is published under its own name; 
 of the configuration groups all state sets of some sources under one name (one Capability List for a
 museum and a gallery, say). Configured groups are published even before anything was harvested, so
 their URLs are stable from the start.
+
+Shared by publish/, websub/ (the notifier's topics) and the status view, so it stands on config and
+store only (tests/test_imports.py).
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..config import Config
-from ..store.rows import SetRow
+from .config import Config
+from .store.rows import SetRow
 
 log = logging.getLogger("rsagg.publish")
 _warned: set[tuple[str, str]] = set()
