@@ -30,9 +30,11 @@ pages, whatever the size of the repository.
 
 from __future__ import annotations
 
+import html
 import io
 import logging
-from collections.abc import AsyncGenerator
+import re
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from urllib.parse import quote, urlencode
@@ -104,6 +106,36 @@ class _Stored:
     done: trio.Event = field(default_factory=trio.Event)
     works: list[Work] = field(default_factory=list)
     error: Exception | None = None
+
+
+class _Ahead:
+    """One request sent ahead of its turn (``peek_token``): its answer, or its FetchError, is handed over
+    only if the walk asks for that very URL; otherwise it is cancelled and nothing of it is used."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+        self._data: bytes | None = None
+        self._error: FetchError | None = None
+
+    async def run(self, fetch: Callable[[str], Awaitable[bytes]]) -> None:
+        with self._scope:
+            try:
+                self._data = await fetch(self.url)
+            except FetchError as exc:  # raised where the walk takes the answer, as if fetched then
+                self._error = exc
+        self._done.set()
+
+    async def result(self) -> bytes:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._data is not None  # only a cancelled request has neither
+        return self._data
+
+    def cancel(self) -> None:
+        self._scope.cancel()
 
 
 def _datestamp(text: str | None) -> datetime | None:
@@ -181,6 +213,30 @@ def _read_record(el: etree._Element, page: Page) -> None:
     page.records.append(Record(identifier, datestamp, False, content))
 
 
+#: How far from a page's end ``peek_token`` looks: the token is the last element but the closing tags.
+_PEEK_BYTES = 16384
+_PEEK = re.compile(
+    rb"<(?:[\w.-]+:)?resumptionToken\b[^>]*?(?:/>|>([^<]*)</(?:[\w.-]+:)?resumptionToken\s*>)"
+)
+
+
+def peek_token(data: bytes) -> str | None:
+    """The resumption token at the end of a response, found without parsing it: the next request can
+    go out while this page is parsed (§3.5: the token is the list's last element). Only a guess, for
+    the request ahead; the parsed page decides (a wrong guess costs a request whose answer is dropped).
+    None: no token there, or one not worth guessing (markup inside, a CDATA section)."""
+    found = None
+    for found in _PEEK.finditer(data, max(0, len(data) - _PEEK_BYTES)):  # noqa: B007 (the last one)
+        pass
+    if found is None or found.group(1) is None:
+        return None
+    try:
+        token = html.unescape(found.group(1).decode("utf-8")).strip()
+    except UnicodeDecodeError:
+        return None
+    return token or None
+
+
 def format_from(dt: datetime, granularity: str) -> str:
     """``from``/``until`` at the repository's granularity (§3.3.2), in UTC."""
     dt = dt.astimezone(UTC) if dt.tzinfo else dt.replace(tzinfo=UTC)
@@ -214,8 +270,14 @@ class OaiHarvest:
         self._get_record += "&identifier="
 
     async def _get(self, url: str) -> Page:
+        return await self._parse(await self._fetch(url), url)
+
+    async def _fetch(self, url: str) -> bytes:
         got = await self.ctx.fetcher.get_bytes(url, max_bytes=self.ctx.config.harvest.max_document_bytes)
-        page = await trio.to_thread.run_sync(parse_page, got.content, url)
+        return got.content
+
+    async def _parse(self, data: bytes, url: str) -> Page:
+        page = await trio.to_thread.run_sync(parse_page, data, url)
         for problem in page.problems:  # lenient in, truthful out: logged and counted, never silent
             log.warning("source=%s url=%s %s", self.src.name, url, problem)
             self.ctx.metrics.error(self.src.name, "parse")
@@ -267,11 +329,23 @@ class OaiHarvest:
     ) -> None:  # fmt: skip
         """Fetch and parse the walk's pages ahead of their consumer, and start storing each one's records
         at once (``_store``); errors travel in the channel, in walk order."""
+        ahead: _Ahead | None = None  # the next page, asked for before this one is parsed
         async with send:
             try:
                 while True:
                     url = self._list_url(token, walk_from)
-                    page = await self._get(url)
+                    if ahead is not None and ahead.url == url:
+                        data = await ahead.result()
+                    else:
+                        if ahead is not None:
+                            ahead.cancel()  # a wrong guess: its answer is not used
+                        data = await self._fetch(url)
+                    ahead = None
+                    guess = peek_token(data)
+                    if guess and guess != token:
+                        ahead = _Ahead(self._list_url(guess, walk_from))
+                        nursery.start_soon(ahead.run, self._fetch)
+                    page = await self._parse(data, url)
                     refused = any(code == "badResumptionToken" for code, _ in page.errors)
                     if refused and token and not restarted:
                         # Expired or unknown (e.g. the repository restarted): the walk again, from its start.
@@ -293,6 +367,9 @@ class OaiHarvest:
                         return
             except (OaiError, FetchError) as exc:
                 await send.send(("error", exc))
+            finally:
+                if ahead is not None:
+                    ahead.cancel()
 
     async def _store(self, job: _Stored, generation: int | None) -> None:
         """Make the page's records works and their blobs durable, in a worker thread, while the pages

@@ -51,9 +51,6 @@ FSYNC_THREADS = 16
 #: Smaller batches keep per-file fsyncs (syncfs also flushes unrelated dirty data of the filesystem).
 SYNCFS_MIN_BATCH = 16
 _TMP_PREFIX = "blob-"
-#: ``commit(parallel)``: threads that put a big batch's blobs in place, and the least batch that does so.
-PLACE_THREADS = 8
-PLACE_MIN_BATCH = 64
 
 
 def _load_syncfs():  # -> Callable[[int], int] | None
@@ -449,14 +446,11 @@ class FileBlobStore:
         return put_bytes(self, data)
 
     def commit(self, writers: Sequence[BlobWriter]) -> None:
-        """Make every finished writer's blob durable and visible (see ``commit_steps``); blocking (a
-        worker thread's call: a big batch puts its blobs in place from several threads at once)."""
-        for slow in self.commit_steps(writers, parallel=True):
+        """Make every finished writer's blob durable and visible (see ``commit_steps``); blocking."""
+        for slow in self.commit_steps(writers):
             slow()
 
-    def commit_steps(
-        self, writers: Sequence[BlobWriter], *, parallel: bool = False
-    ) -> Iterator[Callable[[], None]]:
+    def commit_steps(self, writers: Sequence[BlobWriter]) -> Iterator[Callable[[], None]]:
         """``commit`` as a generator: quick steps run as it advances, slow ones are yielded to the caller.
 
         The caller must run each yielded step (blocking: a syncfs or a batch of fsyncs) before advancing.
@@ -472,11 +466,6 @@ class FileBlobStore:
         Only then is the blob durable: a crash before step 3 may lose the name, never expose a partial
         file, since a name only ever points at fsynced bytes. Big batches do steps 1 and 3 with one
         ``syncfs`` each (see SYNCFS_MIN_BATCH): same order, same guarantee, the whole filesystem at once.
-
-        ``parallel`` (for a caller that is a worker thread, not an event loop): such a big batch does
-        step 2 from PLACE_THREADS threads, each with its own top-level fan-out directories. Why: on a
-        fresh store nearly every blob also creates its fan-out directory, an inode allocation that waits
-        on the disk (0.1-1 ms each on a busy ext4), and waits in different directories overlap.
         """
         todo, first = pending_writers(writers)
         if not todo:
@@ -491,24 +480,8 @@ class FileBlobStore:
                 yield self._syncfs
         elif to_sync:
             yield functools.partial(self._fsync_files, [w.tmp_path for w in to_sync])
-        syncing = set(map(id, to_sync))
-        if whole_fs and parallel and len(todo) >= PLACE_MIN_BATCH:
-            # syncfs covers every directory: which ones changed does not matter here.
-            chunks: list[list[tuple[BlobWriter, BlobInfo]]] = [[] for _ in range(PLACE_THREADS)]
-            for w, info in todo:
-                chunks[int(info.sha256[0:2], 16) % PLACE_THREADS].append((w, info))
-            list(self._executor().map(lambda chunk: self._place(chunk, syncing), filter(None, chunks)))
-            dirs: set[str] = set()
-        else:
-            dirs = self._place(todo, syncing)
-        yield self._syncfs if whole_fs else functools.partial(self._fsync_dirs, sorted(dirs))
-        if self.on_commit is not None:  # durable now: count what was written vs already there (dedup)
-            new = [i for w, i in todo if id(w) in syncing]
-            self.on_commit(new, [i for w, i in todo if id(w) not in syncing])
-
-    def _place(self, todo: Sequence[tuple[BlobWriter, BlobInfo]], syncing: set[int]) -> set[str]:
-        """Step 2 of ``commit_steps`` for these blobs; returns the directories to fsync."""
         dirs: set[str] = set()
+        syncing = set(map(id, to_sync))
         root = str(self.root)
         for w, info in todo:
             sha = check_sha256(info.sha256)
@@ -530,7 +503,10 @@ class FileBlobStore:
                     w.tmp_path.unlink(missing_ok=True)
             dirs.add(f"{root}/{leaf}")
             w._committed()
-        return dirs
+        yield self._syncfs if whole_fs else functools.partial(self._fsync_dirs, sorted(dirs))
+        if self.on_commit is not None:  # durable now: count what was written vs already there (dedup)
+            new = [i for w, i in todo if id(w) in syncing]
+            self.on_commit(new, [i for w, i in todo if id(w) not in syncing])
 
     def _syncfs(self) -> None:
         """Flush the store's filesystem (data and metadata) and wait; raises on a writeback error.
