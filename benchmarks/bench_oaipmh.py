@@ -163,6 +163,7 @@ def main() -> None:
                     "to take the disk out of the figures")  # fmt: skip
     args = ap.parse_args()
     rows = []
+    load = [os.getloadavg()[0]]
     for ms in [float(x) for x in args.latencies.split(",")]:
         proc, url = start_server(args.records, args.page, ms / 1000)
         try:
@@ -175,8 +176,10 @@ def main() -> None:
             proc.wait()
         assert s_n == args.records and r_n == args.records, (s_n, r_n)
         rows.append((ms, pages, s_n / s_took, r_n / r_took, served))
+        load.append(os.getloadavg()[0])
     print(
-        f"\nOAI-PMH harvest, {args.records:,} oai_dc records in pages of {args.page} (PyPI oaipmh server)\n"
+        f"\nOAI-PMH harvest, {args.records:,} oai_dc records in pages of {args.page} (PyPI oaipmh server); "
+        f"load average {min(load):.1f}-{max(load):.1f} (the machine's other jobs slow both harvesters)\n"
     )
     print(
         "| latency | pages | sickle 0.7 records/s | rsagg records/s (harvest + store) | ratio | target "

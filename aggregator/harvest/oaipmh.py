@@ -23,9 +23,14 @@ of a half-committed batch is read again and its committed records are no-ops, so
 duplicate. Resumption tokens are idempotent (OAI-PMH §3.5) but may expire: ``badResumptionToken``
 restarts the walk from ``last_datetime``, once per sync.
 
-Pages are fetched one ahead of the pipeline (the next token is at the end of a page) and parsed in a
-worker thread with lxml's incremental parser, each record cleared once read: memory is bounded by two
-pages, whatever the size of the repository.
+A walk is a pipeline of pages. The next page is asked for as soon as a page has arrived, with the
+token read from its last bytes (``peek_token``; the parsed page confirms it, or that answer is dropped):
+one request ahead, never more. Each page is parsed in a worker thread with lxml's incremental parser,
+each record cleared once read; then, in another worker thread, its records become works whose blobs are
+made durable as one batch, while the pages before it commit their state transactions in walk order
+(``Pipeline.run_batches``; pages already stored join one transaction, up to ``harvest.batch_size``
+records). A page that cannot be fetched, parsed or stored stops the walk after the pages before it
+have committed. Memory is bounded by PREFETCH pages and the one ahead, whatever the repository's size.
 """
 
 from __future__ import annotations
@@ -57,9 +62,9 @@ OAI = "http://www.openarchives.org/OAI/2.0/"
 CONTENT_TYPE = "application/xml"
 DAY = "YYYY-MM-DD"
 SECONDS = "YYYY-MM-DDThh:mm:ssZ"
-#: Pages fetched and parsed ahead of the pipeline: the network and the parser keep going while a batch
-#: commits (memory: this many pages, plus the pipeline's bounded in-flight records).
-PREFETCH = 8
+#: Pages fetched, parsed and stored ahead of their state transaction: the network, the parser and the
+#: disk keep going while a batch commits (memory: this many pages, plus the one being fetched).
+PREFETCH = 3
 #: The elements the page parser stops at (Clark notation -> local name).
 _TAGS = {f"{{{OAI}}}{t}": t for t in ("responseDate", "error", "record", "resumptionToken", "Identify")}
 
@@ -215,9 +220,7 @@ def _read_record(el: etree._Element, page: Page) -> None:
 
 #: How far from a page's end ``peek_token`` looks: the token is the last element but the closing tags.
 _PEEK_BYTES = 16384
-_PEEK = re.compile(
-    rb"<(?:[\w.-]+:)?resumptionToken\b[^>]*?(?:/>|>([^<]*)</(?:[\w.-]+:)?resumptionToken\s*>)"
-)
+_PEEK = re.compile(rb"<(?:[\w.-]+:)?resumptionToken\b[^>]*?(?:/>|>([^<]*)</(?:[\w.-]+:)?resumptionToken\s*>)")
 
 
 def peek_token(data: bytes) -> str | None:
@@ -480,7 +483,7 @@ class OaiHarvest:
                     state["started"], state["committed"] = None, 0
                     continue
                 assert isinstance(value, _Stored)
-                batch = works(value)
+                batch = [*works(value)]
                 while len(batch) < ctx.config.harvest.batch_size:
                     try:
                         held = recv.receive_nowait()

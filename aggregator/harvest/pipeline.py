@@ -153,10 +153,7 @@ class Pipeline:
         source: str,
         *,
         progress: Callable[[int], None] | None = None,
-        ahead: int = 0,
     ):
-        """``ahead``: changes that may be in flight beyond the default bound, so that a producer whose
-        content is already here (OAI-PMH records) fills the next batch while one commits."""
         self.ctx = ctx
         self.set_id = set_id
         self.source = source
@@ -166,7 +163,7 @@ class Pipeline:
         self._workers = hc.workers
         self._batch_size = hc.batch_size
         # Bounds everything issued but not yet committed (docs/architecture.md invariant 4: bounded queues).
-        self._inflight = trio.Semaphore(hc.workers * 4 + hc.batch_size + ahead)
+        self._inflight = trio.Semaphore(hc.workers * 4 + hc.batch_size)
         plugins = ctx.plugins
         self._filtering = bool(plugins.pm.hook.rsagg_filter_harvest.get_hookimpls())
         self._events = any(
