@@ -216,26 +216,20 @@ class Pipeline:
         Why: ``run`` moves every change through three tasks and channels, which for content already in
         memory cost more of the event loop's time than the rest of the work; here a batch goes straight
         to its commit (blobs durable, then one state transaction), in the order given, exactly as
-        ``run`` commits it. With an ``rsagg_filter_harvest`` plugin, the changes take ``run``'s way (the
-        plugins decide per entry, concurrently).
+        ``run`` commits it. ``rsagg_filter_harvest`` plugins decide per entry, as in ``run`` (one entry
+        after the other here).
         """
-        if self._filtering:
-
-            async def each() -> AsyncGenerator[Work, None]:
-                async with aclosing(batches):
-                    async for works in batches:
-                        for work in works:
-                            yield work
-
-            return await self.run(each())
         current_source.set(self.source)
         async with aclosing(batches):
             async for works in batches:
                 results: list[_Result] = []
-                for work in works:
-                    if work.entry.loc in self._waiting:
-                        self._listed.add(work.entry.loc)
-                    if work.change == DELETED:
+                for listed in works:
+                    if listed.entry.loc in self._waiting:
+                        self._listed.add(listed.entry.loc)
+                    work = await self._filtered(listed) if self._filtering else listed
+                    if work is None:
+                        results.append(_Result(listed, None))
+                    elif work.change == DELETED:
                         results.append(_Result(work, change_from(work, None)))
                     elif work.blob is not None:
                         results.append(_Result(work, change_from(work, work.info), work.blob))
@@ -267,18 +261,27 @@ class Pipeline:
         filter also drops copies that are unchanged upstream."""
         async with recv, send, done:
             async for seq, work in recv:
-                if work.change != DELETED:
-                    answers = await self.ctx.plugins.acall(
-                        "rsagg_filter_harvest", source=self.source, entry=work.entry, metadata=self._metadata
-                    )
-                    if any(answer is False for answer in answers):
-                        if work.blob is not None:
-                            work.blob.abort()
-                        if work.generation is not None:
-                            await done.send((seq, _Result(work, None)))
-                            continue
-                        work = Work(work.entry, DELETED, work.cursor_after)
-                await send.send((seq, work))
+                kept = await self._filtered(work)
+                if kept is None:
+                    await done.send((seq, _Result(work, None)))
+                else:
+                    await send.send((seq, kept))
+
+    async def _filtered(self, work: Work) -> Work | None:
+        """The change as ``rsagg_filter_harvest`` leaves it: itself, a deletion (refused in incremental
+        sync), or None (refused in a baseline: not marked seen)."""
+        if work.change == DELETED:
+            return work
+        answers = await self.ctx.plugins.acall(
+            "rsagg_filter_harvest", source=self.source, entry=work.entry, metadata=self._metadata
+        )
+        if not any(answer is False for answer in answers):
+            return work
+        if work.blob is not None:
+            work.blob.abort()
+        if work.generation is not None:
+            return None
+        return Work(work.entry, DELETED, work.cursor_after)
 
     async def _look_up(
         self, recv: trio.MemoryReceiveChannel, work: trio.MemorySendChannel, done: trio.MemorySendChannel
