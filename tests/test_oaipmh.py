@@ -511,3 +511,26 @@ async def test_a_page_that_fails_stops_the_walk_after_the_pages_before_it(tmp_pa
 
 def temp_files_left(cfg) -> list[str]:
     return sorted(p.name for p in (cfg.store_path / "blobs" / "tmp").iterdir() if p.name != ".lock")
+
+
+async def test_filter_plugin_decides_per_record(tmp_path: Path):
+    """Records come a page at a time, yet ``rsagg_filter_harvest`` (here the resourcefilter plugin, by
+    identifier) still decides per record: refused in the baseline, a record is not held; refused later
+    (the filter narrowed), an update of a held record deletes it."""
+    repo = Repository()
+    repo.bulk_add(0, 200)
+    app = OaiApp(repo, page_size=50)
+    async with serve_app(app) as base:
+        repo.base_url = f"{base}/oai"
+        cfg = oai_config(tmp_path, f"{base}/oai", plugins={"resourcefilter": {"exclude": ["5$"]}})
+        assert (await harvest(cfg))["oai"].ok
+        assert set(held(cfg)) == {u for u in repo.live() if not u.endswith("5")}
+        await change(repo, added=range(0, 0), updated=range(3, 5), deleted=range(0, 0))
+        cfg = oai_config(tmp_path, f"{base}/oai", plugins={"resourcefilter": {"exclude": ["[45]$"]}})
+        assert (await harvest(cfg))["oai"].ok
+        # ``from`` is inclusive: the records of the baseline's second are listed again with the updates,
+        # so every held record the narrowed filter refuses goes, not only the updated one.
+        log = changelog(cfg)[180:]
+        assert [u for u, c, _ in log if c == "updated"] == [repo.ident(3)]
+        assert {u for u, c, _ in log if c == "deleted"} == {repo.ident(i) for i in range(4, 200, 10)}
+        assert len(log) == 21 and set(held(cfg)) == {u for u in repo.live() if u[-1] not in "45"}
