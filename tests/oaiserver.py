@@ -4,8 +4,8 @@
 errors such as noRecordsMatch, badResumptionToken, cannotDisseminateFormat); this module only holds the
 records (``Repository``, the ``IBatchingOAI`` interface it asks for) and serves its bytes over HTTP, with
 knobs the tests need: a delay per request, an authentication check, a redirect, the headers of every
-request recorded, and ``expire_tokens()`` (tokens issued before it are refused, as after a repository
-restart: the server's own badResumptionToken answers them).
+request recorded, ListRecords answers tampered with (``tamper``), and ``expire_tokens()`` (tokens issued
+before it are refused, as after a repository restart: the server's own badResumptionToken answers them).
 """
 
 from __future__ import annotations
@@ -163,6 +163,9 @@ class OaiApp:
     hold_after: int | None = None
     holding: trio.Event = field(default_factory=trio.Event)
     release: trio.Event = field(default_factory=trio.Event)
+    #: (request args, response) -> (status, body) actually sent, for every ListRecords answer: a broken
+    #: page, a failing request, markup the parser must see through.
+    tamper: Callable[[dict[str, str], bytes], tuple[int, bytes]] | None = None
     server: BatchingServer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -213,7 +216,10 @@ class OaiApp:
             args["resumptionToken"] = inner if epoch == str(self.epoch) else "expired"
         xml = self.server.handleRequest(args)
         xml = _TOKEN.sub(lambda m: m[1] + f"{self.epoch}.".encode() + m[2] + m[3], xml)
-        await self._answer(send, 200, xml, [(b"content-type", b"text/xml; charset=utf-8")])
+        status = 200
+        if self.tamper is not None and args.get("verb") == "ListRecords":
+            status, xml = self.tamper(args, xml)
+        await self._answer(send, status, xml, [(b"content-type", b"text/xml; charset=utf-8")])
 
     @staticmethod
     async def _answer(send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:

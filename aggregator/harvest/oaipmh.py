@@ -23,16 +23,23 @@ of a half-committed batch is read again and its committed records are no-ops, so
 duplicate. Resumption tokens are idempotent (OAI-PMH §3.5) but may expire: ``badResumptionToken``
 restarts the walk from ``last_datetime``, once per sync.
 
-Pages are fetched one ahead of the pipeline (the next token is at the end of a page) and parsed in a
-worker thread with lxml's incremental parser, each record cleared once read: memory is bounded by two
-pages, whatever the size of the repository.
+A walk is a pipeline of pages. The next page is asked for as soon as a page has arrived, with the
+token read from its last bytes (``peek_token``; the parsed page confirms it, or that answer is dropped):
+one request ahead, never more. Each page is parsed in a worker thread with lxml's incremental parser,
+each record cleared once read; then, in another worker thread, its records become works whose blobs are
+made durable as one batch, while the pages before it commit their state transactions in walk order
+(``Pipeline.run_batches``; pages already stored join one transaction, up to ``harvest.batch_size``
+records). A page that cannot be fetched, parsed or stored stops the walk after the pages before it
+have committed. Memory is bounded by PREFETCH pages and the one ahead, whatever the repository's size.
 """
 
 from __future__ import annotations
 
+import html
 import io
 import logging
-from collections.abc import AsyncGenerator
+import re
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from urllib.parse import quote, urlencode
@@ -55,8 +62,8 @@ OAI = "http://www.openarchives.org/OAI/2.0/"
 CONTENT_TYPE = "application/xml"
 DAY = "YYYY-MM-DD"
 SECONDS = "YYYY-MM-DDThh:mm:ssZ"
-#: Pages fetched and parsed ahead of the pipeline: the network and the parser keep going while a batch
-#: commits (memory: this many pages, plus the pipeline's bounded in-flight records).
+#: Pages fetched, parsed and stored ahead of their state transaction: the network, the parser and the
+#: disk keep going while a batch commits (memory: this many pages, plus the one being fetched).
 PREFETCH = 3
 #: The elements the page parser stops at (Clark notation -> local name).
 _TAGS = {f"{{{OAI}}}{t}": t for t in ("responseDate", "error", "record", "resumptionToken", "Identify")}
@@ -93,6 +100,47 @@ class Page:
     errors: list[tuple[str, str]] = field(default_factory=list)  # (code, message)
     identify: dict[str, str] = field(default_factory=dict)  # Identify's simple child elements
     problems: list[str] = field(default_factory=list)  # records skipped, with why
+
+
+@dataclass(eq=False)
+class _Stored:
+    """A page of a walk whose records are being made works with durable blobs (``OaiHarvest._store``)."""
+
+    page: Page
+    started: datetime | None  # the responseDate of the walk's first response
+    done: trio.Event = field(default_factory=trio.Event)
+    works: list[Work] = field(default_factory=list)
+    error: Exception | None = None
+
+
+class _Ahead:
+    """One request sent ahead of its turn (``peek_token``): its answer, or its FetchError, is handed over
+    only if the walk asks for that very URL; otherwise it is cancelled and nothing of it is used."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+        self._data: bytes | None = None
+        self._error: FetchError | None = None
+
+    async def run(self, fetch: Callable[[str], Awaitable[bytes]]) -> None:
+        with self._scope:
+            try:
+                self._data = await fetch(self.url)
+            except FetchError as exc:  # raised where the walk takes the answer, as if fetched then
+                self._error = exc
+        self._done.set()
+
+    async def result(self) -> bytes:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._data is not None  # only a cancelled request has neither
+        return self._data
+
+    def cancel(self) -> None:
+        self._scope.cancel()
 
 
 def _datestamp(text: str | None) -> datetime | None:
@@ -170,6 +218,28 @@ def _read_record(el: etree._Element, page: Page) -> None:
     page.records.append(Record(identifier, datestamp, False, content))
 
 
+#: How far from a page's end ``peek_token`` looks: the token is the last element but the closing tags.
+_PEEK_BYTES = 16384
+_PEEK = re.compile(rb"<(?:[\w.-]+:)?resumptionToken\b[^>]*?(?:/>|>([^<]*)</(?:[\w.-]+:)?resumptionToken\s*>)")
+
+
+def peek_token(data: bytes) -> str | None:
+    """The resumption token at the end of a response, found without parsing it: the next request can
+    go out while this page is parsed (§3.5: the token is the list's last element). Only a guess, for
+    the request ahead; the parsed page decides (a wrong guess costs a request whose answer is dropped).
+    None: no token there, or one not worth guessing (markup inside, a CDATA section)."""
+    found = None
+    for found in _PEEK.finditer(data, max(0, len(data) - _PEEK_BYTES)):  # noqa: B007 (the last one)
+        pass
+    if found is None or found.group(1) is None:
+        return None
+    try:
+        token = html.unescape(found.group(1).decode("utf-8")).strip()
+    except UnicodeDecodeError:
+        return None
+    return token or None
+
+
 def format_from(dt: datetime, granularity: str) -> str:
     """``from``/``until`` at the repository's granularity (§3.3.2), in UTC."""
     dt = dt.astimezone(UTC) if dt.tzinfo else dt.replace(tzinfo=UTC)
@@ -203,8 +273,14 @@ class OaiHarvest:
         self._get_record += "&identifier="
 
     async def _get(self, url: str) -> Page:
+        return await self._parse(await self._fetch(url), url)
+
+    async def _fetch(self, url: str) -> bytes:
         got = await self.ctx.fetcher.get_bytes(url, max_bytes=self.ctx.config.harvest.max_document_bytes)
-        page = await trio.to_thread.run_sync(parse_page, got.content, url)
+        return got.content
+
+    async def _parse(self, data: bytes, url: str) -> Page:
+        page = await trio.to_thread.run_sync(parse_page, data, url)
         for problem in page.problems:  # lenient in, truthful out: logged and counted, never silent
             log.warning("source=%s url=%s %s", self.src.name, url, problem)
             self.ctx.metrics.error(self.src.name, "parse")
@@ -252,14 +328,27 @@ class OaiHarvest:
 
     async def _pages(
         self, send: trio.MemorySendChannel, walk_from: datetime | None, token: str | None,
-        started: datetime | None, restarted: list[bool],
+        started: datetime | None, restarted: list[bool], generation: int | None, nursery: trio.Nursery,
     ) -> None:  # fmt: skip
-        """Fetch and parse the walk's pages ahead of their consumer; errors travel in the channel."""
+        """Fetch and parse the walk's pages ahead of their consumer, and start storing each one's records
+        at once (``_store``); errors travel in the channel, in walk order."""
+        ahead: _Ahead | None = None  # the next page, asked for before this one is parsed
         async with send:
             try:
                 while True:
                     url = self._list_url(token, walk_from)
-                    page = await self._get(url)
+                    if ahead is not None and ahead.url == url:
+                        data = await ahead.result()
+                    else:
+                        if ahead is not None:
+                            ahead.cancel()  # a wrong guess: its answer is not used
+                        data = await self._fetch(url)
+                    ahead = None
+                    guess = peek_token(data)
+                    if guess and guess != token:
+                        ahead = _Ahead(self._list_url(guess, walk_from))
+                        nursery.start_soon(ahead.run, self._fetch)
+                    page = await self._parse(data, url)
                     refused = any(code == "badResumptionToken" for code, _ in page.errors)
                     if refused and token and not restarted:
                         # Expired or unknown (e.g. the repository restarted): the walk again, from its start.
@@ -273,12 +362,41 @@ class OaiHarvest:
                     self._check_progress(page, token, url)
                     if started is None:
                         started = page.response_date
-                    await send.send(("page", (page, started)))
+                    job = _Stored(page, started)
+                    nursery.start_soon(self._store, job, generation)
+                    await send.send(("page", job))
                     token = page.token
                     if not token:
                         return
             except (OaiError, FetchError) as exc:
                 await send.send(("error", exc))
+            finally:
+                if ahead is not None:
+                    ahead.cancel()
+
+    async def _store(self, job: _Stored, generation: int | None) -> None:
+        """Make the page's records works and their blobs durable, in a worker thread, while the pages
+        before it commit (blobs before state: the state rows that name them come after, in walk order;
+        until then a blob is named by nothing, and ``rsagg gc`` removes it if the walk never commits it).
+        Why: creating a file per record costs more than anything else in a walk (inode allocation waits
+        on the disk), and here it overlaps with the fetches, the parsing and the state transactions."""
+        try:
+            job.works = await trio.to_thread.run_sync(self._store_records, job.page.records, generation)
+        except Exception as exc:  # raised by the consumer in walk order, after the pages before commit
+            job.error = exc
+        finally:
+            job.done.set()
+
+    def _store_records(self, records: list[Record], generation: int | None) -> list[Work]:
+        works = [self._work(rec, generation) for rec in records]
+        writers = [w.blob for w in works if w.blob is not None]
+        try:
+            self.ctx.blobs.commit(writers)
+        except BaseException:
+            for w in writers:
+                w.abort()  # its temp file goes now (a committed blob stays)
+            raise
+        return works
 
     async def records(self) -> AsyncGenerator[Record, None]:
         """Every record of a full walk, in list order (``rsagg audit``); nothing is stored."""
@@ -328,8 +446,35 @@ class OaiHarvest:
         failure: list[BaseException] = []
         state = {"started": started, "committed": committed}
 
-        async def items() -> AsyncGenerator[Work, None]:
-            async for what, value in recv:
+        def works(job: _Stored) -> list[Work]:
+            """The page's works, the last one carrying the cursor that continues the walk after it."""
+            page, page_started = job.page, job.started
+            state["started"] = page_started
+            if self.progress is not None and page.complete_size is not None:
+                # records of this walk still to come: the list's size less where this walk began
+                state.setdefault("offset", (page.cursor or 0) - self.progress.done)
+                self.progress.set_total(max(0, page.complete_size - state["offset"]))
+            state["committed"] += len(job.works)
+            if job.works and page.token:
+                cursor = Cursor(baseline_at, page.token, walk_from, 0, state["committed"], page_started)
+                job.works[-1].cursor_after = cursor
+            return job.works
+
+        async def batches() -> AsyncGenerator[list[Work], None]:
+            """Pages in walk order once stored; those stored already join the batch, up to ``batch_size``
+            records (a busy state store commits fewer, bigger transactions; an idle one each page)."""
+            held: tuple[str, object] | None = None
+            while True:
+                try:
+                    what, value = held or await recv.receive()
+                except trio.EndOfChannel:
+                    return
+                held = None
+                if what == "page":
+                    assert isinstance(value, _Stored)
+                    await value.done.wait()
+                    if value.error is not None:
+                        what, value = "error", value.error
                 if what == "error":
                     assert isinstance(value, BaseException)
                     failure.append(value)
@@ -337,29 +482,28 @@ class OaiHarvest:
                 if what == "restart":
                     state["started"], state["committed"] = None, 0
                     continue
-                page, page_started = value  # type: ignore[misc]
-                state["started"] = page_started
-                if self.progress is not None and page.complete_size is not None:
-                    # records of this walk still to come: the list's size less where this walk began
-                    state.setdefault("offset", (page.cursor or 0) - self.progress.done)
-                    self.progress.set_total(max(0, page.complete_size - state["offset"]))
-                last = len(page.records) - 1
-                for i, rec in enumerate(page.records):
-                    state["committed"] += 1
-                    after = None
-                    if i == last and page.token:
-                        after = Cursor(
-                            baseline_at, page.token, walk_from, 0, state["committed"], page_started
-                        )
-                    yield self._work(rec, generation, after)
+                assert isinstance(value, _Stored)
+                batch = [*works(value)]
+                while len(batch) < ctx.config.harvest.batch_size:
+                    try:
+                        held = recv.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    job = held[1]
+                    if not (isinstance(job, _Stored) and job.done.is_set() and job.error is None):
+                        break
+                    batch += works(job)
+                    held = None
+                yield batch
 
         restarted: list[bool] = []
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._pages, send, walk_from, token, started, restarted)
+            nursery.start_soon(self._pages, send, walk_from, token, started, restarted, generation, nursery)
             add = self.progress.add if self.progress is not None else None
-            pipeline = Pipeline(ctx, self.set_id, src.name, progress=add, ahead=ctx.config.harvest.batch_size)
-            stats = await pipeline.run(items())
+            pipeline = Pipeline(ctx, self.set_id, src.name, progress=add)
+            stats = await pipeline.run_batches(batches())
             await recv.aclose()
+            nursery.cancel_scope.cancel()  # pages fetched or stored after a failure: not needed
         if failure:
             raise failure[0]
         # The walk is complete and every record committed: the next walk starts where this one began
@@ -385,18 +529,18 @@ class OaiHarvest:
         )  # fmt: skip
         return stats
 
-    def _work(self, rec: Record, generation: int | None, after: Cursor | None) -> Work:
+    def _work(self, rec: Record, generation: int | None) -> Work:
         via = Link("via", self._get_record + quote(rec.identifier, safe=""), modified=rec.datestamp)
         md = Md(change=DELETED if rec.deleted else UPDATED, datetime=rec.datestamp,
                 type=None if rec.deleted else CONTENT_TYPE)  # fmt: skip
         entry = Entry(rec.identifier, lastmod=rec.datestamp, md=md, links=[via])
         if rec.deleted:
-            return Work(entry, DELETED, after, generation)
+            return Work(entry, DELETED, None, generation)
         assert rec.content is not None
         blob = _begin(self.ctx.blobs, frozenset({"md5"}))
         blob.write(rec.content)
         info = blob.finish()
-        return Work(entry, CREATED if generation is not None else UPDATED, after, generation, blob, info)
+        return Work(entry, CREATED if generation is not None else UPDATED, None, generation, blob, info)
 
 
 async def sync_oaipmh(

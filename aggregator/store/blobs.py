@@ -314,8 +314,10 @@ class TempArea:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
-        # Names of spooled blobs' temp files: unique in this process, O_EXCL against any other.
-        self._names = (f"{folder}/{_TMP_PREFIX}{secrets.token_hex(6)}-{n}" for n in itertools.count())
+        # Names of spooled blobs' temp files: unique in this process, O_EXCL against any other. A count,
+        # not a generator: commits run in several threads at once (a generator raises "already executing").
+        self._prefix = f"{folder}/{_TMP_PREFIX}{secrets.token_hex(6)}-"
+        self._numbers = itertools.count()
         #: Open while the store is: its flock, and the fd ``syncfs`` flushes the filesystem through.
         self.lock_fd: int | None = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -341,7 +343,7 @@ class TempArea:
 
     def next_name(self) -> str:
         """A fresh temp file name (for ``SpooledBlobWriter._write_temp``)."""
-        return next(self._names)
+        return f"{self._prefix}{next(self._numbers)}"
 
     def close(self) -> None:
         if self.lock_fd is not None:
