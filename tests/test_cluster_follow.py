@@ -64,13 +64,14 @@ def _live_subs(db: SharedState) -> list:
         return [s for s in st.notify_subscriptions() if s.live(now)]
 
 
-def _polls_over(db: SharedState, node: NodeProcess) -> bool:
-    """The holder's first-notification poll and catch-up poll have finished: the source's last success
-    is after the start of its last sync (log times are local, ms)."""
+def _polls_over(db: SharedState, node: NodeProcess, *after: str) -> bool:
+    """The node's syncs of the source are over (once its log shows every one of ``after``): the source's
+    last success is after the start of its last sync (log times are local, ms)."""
     text = node.log_text()
-    if "first notification" not in text or "syncing (catch-up)" not in text:
+    syncs = [line for line in text.splitlines() if "rsagg.subscriber: source=s syncing (" in line]
+    if not syncs or not all(word in text for word in after):
         return False
-    last = [line for line in text.splitlines() if "rsagg.subscriber: source=s syncing (" in line][-1]
+    last = syncs[-1]
     started = datetime.strptime(last[:23], "%Y-%m-%d %H:%M:%S,%f").astimezone()
     with db.open() as st:
         row = st.source("s")
@@ -101,6 +102,9 @@ async def test_a_callback_at_any_node_reaches_the_holders_pipeline(
         """The load balancer in front of the nodes: every request to the node NOT holding the source."""
         holder = _holder(db)
         name = "B" if holder == "A" else "A"
+        proc = nodes[name].proc
+        if proc is not None and proc.returncode is not None:  # killed: the survivor gets everything
+            name = "A" if name == "B" else "B"
         forwarded[name] += request.url.path.startswith(CALLBACK_PREFIX)
         content = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
@@ -156,7 +160,10 @@ async def test_a_callback_at_any_node_reaches_the_holders_pipeline(
 
                 await wait_for(arrived, f"n{i}.txt, notified through node {other}", timeout=60)
                 if i == 0:
-                    await wait_for(lambda: _polls_over(db, nodes[holder]), "the first polls over")
+                    await wait_for(
+                        lambda: _polls_over(db, nodes[holder], "first notification", "syncing (catch-up)"),
+                        "the first polls over",
+                    )
             with db.open() as st:
                 records = [r for r in st.iter_changelog() if r.seq > seq]
             assert sorted(r.uri for r in records) == sorted(up.url(f"n{i}.txt", "only") for i in range(4))
@@ -202,6 +209,25 @@ async def test_a_callback_at_any_node_reaches_the_holders_pipeline(
                 assert st.last_seq() == seq
                 assert st.notify_notices("s") == []
                 assert not any(r.uri == target for r in st.iter_resources())
+
+            # The holder dies: the other node takes the source over with its subscriptions (their
+            # continuity included) and applies the next notice from its payload.
+            applied = _metric(other_metrics, "rsagg_notifications_processed_total", "applied")
+            await nodes[holder].kill()
+            await wait_for(lambda: _holder(db) == other, f"node {other}'s takeover", timeout=60)
+            await wait_for(lambda: _polls_over(db, nodes[other]), f"node {other}'s first sync")
+            up.create("after.txt", b"after the takeover\n", set_name="only")
+            uri = up.url("after.txt", "only")
+
+            def taken_over() -> bool:
+                with db.open() as st:
+                    return any(r.uri == uri for r in st.iter_resources())
+
+            await wait_for(taken_over, "after.txt through the new holder", timeout=60)
+            with db.open() as st:
+                assert [r.uri for r in st.iter_changelog() if r.seq > seq] == [uri]
+            text = (await nodes[other].get("/metrics")).text
+            assert _metric(text, "rsagg_notifications_processed_total", "applied") > applied, text
         finally:
             for n in nodes.values():
                 await n.kill()
