@@ -390,8 +390,9 @@ class StateStore(Protocol):
 
     # -- rsagg's subscriptions to upstream channels (websub/subscriber.py) ----------------------------
 
-    def notify_subscriptions(self) -> list[NotifySubscription]:
-        """Every subscription, by id (a few per configured source: a list)."""
+    def notify_subscriptions(self, token: str | None = None) -> list[NotifySubscription]:
+        """Every subscription, by id (a few per configured source: a list); or the one of ``token`` (a
+        callback that reached a cluster node: an indexed read)."""
         ...
 
     def add_notify_subscription(self, subscription: NotifySubscription) -> int:

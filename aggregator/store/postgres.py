@@ -1490,10 +1490,11 @@ class PostgresState:
 
     # -- rsagg's subscriptions to upstream channels (websub/subscriber.py; migration 8) ----------
 
-    def notify_subscriptions(self) -> list[NotifySubscription]:
+    def notify_subscriptions(self, token: str | None = None) -> list[NotifySubscription]:
+        where, args = ("WHERE token = %s", (token,)) if token is not None else ("", ())
         with self._read() as c:
             rows = c.execute(
-                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions ORDER BY id"
+                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions {where} ORDER BY id", args
             ).fetchall()
         return [NotifySubscription(*r) for r in rows]
 

@@ -1688,10 +1688,11 @@ class State:
 
     # -- rsagg's subscriptions to upstream channels (websub/subscriber.py; migration 8) --------------
 
-    def notify_subscriptions(self) -> list[NotifySubscription]:
+    def notify_subscriptions(self, token: str | None = None) -> list[NotifySubscription]:
+        where, args = ("WHERE token = ?", (token,)) if token is not None else ("", ())
         with self._lock:
             rows = self.conn.execute(
-                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions ORDER BY id"
+                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions {where} ORDER BY id", args
             ).fetchall()
         out = []
         for row in rows:

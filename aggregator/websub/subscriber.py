@@ -50,6 +50,15 @@ The subscriber drives harvests but does not know how they are done: the composit
 State: the subscriptions (``StateStore.notify_subscriptions``, migration 8), through a state handle of
 the subscriber's own, mirrored in memory (one process owns them). Counters: ``Subscriber.counters``
 (keys listed at ``COUNTERS``).
+
+On a cluster node (``[cluster] enabled``, ``Subscriber.shared``) a hub may call back any node, so the
+memory is only a cache: a callback reads its subscription from the shared state, a verification is
+answered from it, a signed and parsed delivery goes to the shared inbox (``add_notify_notice``,
+migration 10: bounded, deduplicated) instead of the in-memory one. The source's task, which runs on the
+node holding the source's lease and under its fence, reads its subscriptions back and maintains them
+(``_follow_shared``, every ``inbox_poll``: requests, renewals, retries — fenced, so a node that lost the
+lease renews nothing, and a new holder takes the subscriptions over), and hands the inbox's notices to the
+same ``_take`` as above (docs/architecture.md, "Many nodes, one state").
 """
 
 from __future__ import annotations
@@ -285,8 +294,15 @@ class Subscriber:
             self._subs[token] = sub
 
     async def _lookup(self, token: str) -> Subscription | None:
+        """The subscription a callback names; on a cluster node as the shared state has it now."""
         if self.shared:
-            await self._refresh()
+            rows = await self._db(self.state.notify_subscriptions, token)
+            if rows is None:
+                return None
+            if not rows:
+                self._subs.pop(token, None)
+                return None
+            self._subs[token] = rows[0]
         return self._subs.get(token)
 
     # -- reads (status, tests) -------------------------------------------------------------------
