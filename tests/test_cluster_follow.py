@@ -130,7 +130,7 @@ async def test_a_callback_at_any_node_reaches_the_holders_pipeline(
         )
         for n in nodes.values():
             n.configure(
-                body, base_url=lb_url, lease_seconds=2.0, store_extra=db.store_extra, notifications=True
+                body, base_url=lb_url, lease_seconds=3.0, store_extra=db.store_extra, notifications=True
             )
         try:
             for n in nodes.values():
