@@ -86,7 +86,7 @@ from ..retry import backoff, retry_after
 from ..rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
 from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
-from ..store.interface import StateStore
+from ..store.interface import LeaseLost, StateStore
 from ..store.rows import NotifySubscription
 from ..store.state import format_dt
 from .storecalls import Closed, StoreCalls
@@ -723,7 +723,7 @@ class Subscriber:
                 try:
                     if await self._take(src, item):
                         why = "notification"
-                except trio.Cancelled:
+                except (trio.Cancelled, LeaseLost):  # a cluster node lost the source: its task ends
                     raise
                 except Exception:  # never take the daemon down: the Change List has the same changes
                     log.exception(
@@ -738,6 +738,8 @@ class Subscriber:
         if discovered:
             try:
                 await self.ensure(src, discovered)
+            except LeaseLost:
+                raise
             except Exception:
                 log.exception("source=%s could not update its subscriptions", src.name)
 
