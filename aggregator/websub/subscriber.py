@@ -672,27 +672,35 @@ class Subscriber:
         and the notices waiting in the shared inbox go to the source's task in arrival order. A notice
         is deleted once handed over: one lost with a crashing node leaves a gap the next notice shows
         (``from`` after the last ``until``), which polls the Change List."""
-        box = self._box(src.name)
         while True:
-            await self._refresh(src.name)
-            await self._maintain([s for s in self._subs.values() if s.source == src.name])
-            rows = await self._db(self.state.notify_notices, src.name, self.settings.inbox_size) or []
-            for row in rows:
-                sub = self._subs.get(row.token)
-                if not row.token:
-                    self._poll_wanted(src.name)
-                    continue
-                if sub is None or not sub.wanted:
-                    continue
-                try:
-                    notice = self._parse(sub, row.body)
-                except DocumentError:
-                    self._poll_wanted(src.name)
-                    continue
-                await box.send.send(notice)
-            if rows:
-                await self._db(self.state.delete_notify_notices, [r.id for r in rows])
+            try:
+                await self._refresh(src.name)
+                await self._maintain([s for s in self._subs.values() if s.source == src.name])
+                await self._take_shared(src)
+            except (trio.Cancelled, LeaseLost):
+                raise
+            except Exception as exc:  # the state out of reach for a moment: look again; the poll is the net
+                log.error("source=%s shared inbox: %s: %s", src.name, type(exc).__name__, exc)
             await trio.sleep(self.settings.inbox_poll)
+
+    async def _take_shared(self, src: SourceConfig) -> None:
+        box = self._box(src.name)
+        rows = await self._db(self.state.notify_notices, src.name, self.settings.inbox_size) or []
+        for row in rows:
+            sub = self._subs.get(row.token)
+            if not row.token:  # a delivery some node could not record or use
+                self._poll_wanted(src.name)
+                continue
+            if sub is None or not sub.wanted:
+                continue
+            try:
+                notice = self._parse(sub, row.body)
+            except DocumentError:
+                self._poll_wanted(src.name)
+                continue
+            await box.send.send(notice)
+        if rows:
+            await self._db(self.state.delete_notify_notices, [r.id for r in rows])
 
     async def _run_source(self, src: SourceConfig) -> None:
         box = self._box(src.name)
