@@ -164,9 +164,9 @@ def assemble(
     from .websub.service import prepare_notifications
 
     dumps = open_dump_builder(ctx.config, ctx.blobs)
-    # A cluster node (cluster.py) does not follow upstream channels: their callbacks could reach any node,
-    # and the subscriber keeps its subscriptions in this process; it polls its sources instead.
-    follow = harvest and not ctx.config.cluster.enabled
+    # On a cluster node (cluster.py) the subscriber keeps its subscriptions and its inbox in the shared
+    # state: a callback may reach any node, the holder of the source's lease applies it.
+    follow = harvest
     notes = prepare_notifications(
         lambda: ctx.config,
         ctx.blobs,

@@ -167,7 +167,7 @@ current_source: ContextVar[str] = ContextVar("rsagg_metrics_source", default="")
 # outcomes exposed with 0 before they first happen, so dashboards and alerts see the series.
 HUB_DELIVERY = ("ok", "retry", "failed", "gone", "dropped")
 HUB_VERIFICATION = ("subscribed", "unsubscribed", "failed", "denied")
-NOTIFICATION_ACCEPTED = ("accepted", "overflow", "parse_error")  # signature verified (or none needed)
+NOTIFICATION_ACCEPTED = ("accepted", "duplicate", "overflow", "parse_error")  # signature verified
 NOTIFICATION_REJECTED = ("unsigned", "bad_signature", "too_large", "unknown_callback")
 NOTICE_OUTCOMES = ("applied", "duplicate", "known", "gap", "unplaceable", "framework")
 SUBSCRIPTION_OUTCOMES = {

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from aggregator.rs.model import Entry, Md
+from aggregator.store.interface import LeaseLost, fenced
 from aggregator.store.rows import (
     DumpPart,
     FailedChange,
@@ -264,6 +265,30 @@ def test_notify_channels_and_subscriptions(st: State) -> None:
     assert st.notify_subscriptions() == [sub]
     st.delete_notify_subscription(sub.id)
     assert st.notify_subscriptions() == []
+
+
+def test_the_shared_inbox_is_bounded_deduplicated_and_fenced_for_the_holder(st: State) -> None:
+    """Any node records (never fenced: it need not hold the source); the holder takes and deletes under
+    its fence, which a node that lost the lease cannot do."""
+    assert st.add_notify_notice("src", "tok", b"<a/>", limit=2) == "added"
+    assert st.add_notify_notice("src", "tok", b"<a/>", limit=2) == "duplicate"  # a hub's retry
+    assert st.add_notify_notice("other", "tok2", b"<a/>", limit=2) == "added"
+    assert st.add_notify_notice("src", "tok", b"<b/>", limit=2) == "added"
+    assert st.add_notify_notice("src", "tok", b"<c/>", limit=2) == "full"
+    assert st.add_notify_notice("src", "tok", b"<d/>", limit=2) == "full"  # one poll request only
+    waiting = st.notify_notices("src")
+    assert [(n.token, n.body) for n in waiting] == [("tok", b"<a/>"), ("tok", b"<b/>"), ("", b"")]
+    (fence,) = st.claim_leases("n1", ["src"], want=1, lease_seconds=60)
+    assert st.release_lease(fence)
+    (newer,) = st.claim_leases("n2", ["src"], want=1, lease_seconds=60)
+    with fenced(fence), pytest.raises(LeaseLost):
+        st.delete_notify_notices([n.id for n in waiting])
+    with fenced(fence):  # recording stays open to every node
+        assert st.add_notify_notice("src", "tok", b"<e/>", limit=5) == "added"
+    with fenced(newer):
+        st.delete_notify_notices([n.id for n in waiting])
+    assert [n.body for n in st.notify_notices("src")] == [b"<e/>"]
+    assert [n.body for n in st.notify_notices("other")] == [b"<a/>"]
 
 
 def test_dump_runs_and_packages(st: State) -> None:

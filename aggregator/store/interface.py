@@ -59,6 +59,7 @@ from .rows import (
     LogRecord,
     NodeRow,
     NotifyChannel,
+    NotifyNotice,
     NotifySubscription,
     Resource,
     RetryChanges,
@@ -389,8 +390,9 @@ class StateStore(Protocol):
 
     # -- rsagg's subscriptions to upstream channels (websub/subscriber.py) ----------------------------
 
-    def notify_subscriptions(self) -> list[NotifySubscription]:
-        """Every subscription, by id (a few per configured source: a list)."""
+    def notify_subscriptions(self, token: str | None = None) -> list[NotifySubscription]:
+        """Every subscription, by id (a few per configured source: a list); or the one of ``token`` (a
+        callback that reached a cluster node: an indexed read)."""
         ...
 
     def add_notify_subscription(self, subscription: NotifySubscription) -> int:
@@ -402,6 +404,23 @@ class StateStore(Protocol):
         ...
 
     def delete_notify_subscription(self, subscription_id: int) -> None: ...
+
+    # -- the shared inbox of upstream notifications (a cluster: websub/subscriber.py) ----------------
+    # Any node's callback records a verified delivery; the node holding the source's lease takes it.
+
+    def add_notify_notice(self, source: str, token: str, body: bytes, *, limit: int) -> str:
+        """Record a delivery for ``source`` (never fenced: any node answers the hub). Deduplicated by
+        (token, SHA-256 of body); at most ``limit`` rows per source: a full inbox records one poll
+        request (token "") instead. Returns "added", "duplicate" or "full"."""
+        ...
+
+    def notify_notices(self, source: str, limit: int = 100) -> list[NotifyNotice]:
+        """The oldest waiting notices of ``source``, in arrival order."""
+        ...
+
+    def delete_notify_notices(self, ids: Sequence[int]) -> None:
+        """Taken by the source's holder (fenced like its other writes)."""
+        ...
 
     # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py) -------------------------------
     # A Resource Dump run has numbered packages (part 1..n); a Change Dump has one package per Change

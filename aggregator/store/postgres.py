@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import heapq
 import json
 import threading
@@ -68,6 +69,7 @@ from .rows import (
     LogRecord,
     NodeRow,
     NotifyChannel,
+    NotifyNotice,
     NotifySubscription,
     Resource,
     RetryChanges,
@@ -356,6 +358,19 @@ MIGRATIONS: list[tuple[str, ...]] = [
             end_reason TEXT,
             PRIMARY KEY (source, epoch)
         )""",
+    ),
+    (  # 10: the shared inbox of upstream notifications (websub/subscriber.py in a cluster): any node's
+        # callback records a verified delivery, the node holding the source's lease takes it.
+        """CREATE TABLE IF NOT EXISTS notify_inbox (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            source TEXT NOT NULL,
+            token TEXT NOT NULL,        -- the subscription's callback token; '' asks for a poll
+            digest TEXT NOT NULL,       -- SHA-256 of body: a hub's retry is recorded once
+            body BYTEA NOT NULL,
+            received_at TIMESTAMPTZ NOT NULL,
+            UNIQUE (token, digest)
+        )""",
+        "CREATE INDEX IF NOT EXISTS notify_inbox_source ON notify_inbox (source, id)",
     ),
 ]
 
@@ -1475,10 +1490,11 @@ class PostgresState:
 
     # -- rsagg's subscriptions to upstream channels (websub/subscriber.py; migration 8) ----------
 
-    def notify_subscriptions(self) -> list[NotifySubscription]:
+    def notify_subscriptions(self, token: str | None = None) -> list[NotifySubscription]:
+        where, args = ("WHERE token = %s", (token,)) if token is not None else ("", ())
         with self._read() as c:
             rows = c.execute(
-                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions ORDER BY id"
+                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions {where} ORDER BY id", args
             ).fetchall()
         return [NotifySubscription(*r) for r in rows]
 
@@ -1501,6 +1517,37 @@ class PostgresState:
     def delete_notify_subscription(self, subscription_id: int) -> None:
         with self._write() as c:
             c.execute("DELETE FROM notify_subscriptions WHERE id = %s", (subscription_id,))
+
+    # -- the shared inbox of upstream notifications (websub/subscriber.py; migration 10) -------------
+
+    def add_notify_notice(self, source: str, token: str, body: bytes, *, limit: int) -> str:
+        digest = hashlib.sha256(body).hexdigest()
+        with self._write(fence=False) as c:
+            (waiting,) = c.execute(
+                "SELECT count(*) FROM notify_inbox WHERE source = %s", (source,)
+            ).fetchone()
+            full = waiting >= limit
+            if full:  # one poll request instead (deduplicated like any notice)
+                token, body, digest = "", b"", "poll:" + source
+            cur = c.execute(
+                "INSERT INTO notify_inbox (source, token, digest, body, received_at) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                (source, token, digest, body, self._now()),
+            )
+            return "full" if full else "added" if cur.rowcount else "duplicate"
+
+    def notify_notices(self, source: str, limit: int = 100) -> list[NotifyNotice]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT id, source, token, body FROM notify_inbox WHERE source = %s ORDER BY id LIMIT %s",
+                (source, limit),
+            ).fetchall()
+        return [NotifyNotice(r[0], r[1], r[2], bytes(r[3])) for r in rows]
+
+    def delete_notify_notices(self, ids: Sequence[int]) -> None:
+        with self._write() as c:
+            for i in ids:
+                c.execute("DELETE FROM notify_inbox WHERE id = %s", (i,))
 
     # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py; migration 5) ---------------
 

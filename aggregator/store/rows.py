@@ -229,6 +229,18 @@ class NotifyChannel:
     snapshot: dict[str, list[Any]] = field(default_factory=dict)  # framework: url -> JSON-able list
 
 
+@dataclass(frozen=True, slots=True)
+class NotifyNotice:
+    """A verified delivery on an upstream channel waiting in the shared inbox (migration 10) for the node
+    that holds its source: ``token`` names the subscription, ``body`` is the payload as received; a row
+    with ``token`` "" and no body asks that node for a poll (a dropped or unusable delivery)."""
+
+    id: int
+    source: str
+    token: str
+    body: bytes
+
+
 @dataclass
 class NotifySubscription:
     """A subscription of rsagg to one upstream channel of one set of one source (a working copy);
@@ -368,6 +380,6 @@ class LeaseGrant:
 __all__ = [
     "Change", "Cursor", "DocumentRow", "DumpPackage", "DumpPart", "DumpRun", "FailedChange", "Fence",
     "HubBacklog", "HubDelivery", "HubRequestState", "HubSubscription", "HubVerification", "LeaseGrant",
-    "LeaseRow", "LogRecord", "NodeRow", "NotifyChannel", "NotifySubscription", "Resource", "RetryChanges",
-    "SetRow", "SourceRow",
+    "LeaseRow", "LogRecord", "NodeRow", "NotifyChannel", "NotifyNotice", "NotifySubscription", "Resource",
+    "RetryChanges", "SetRow", "SourceRow",
 ]  # fmt: skip

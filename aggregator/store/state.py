@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import heapq
 import json
 import re
@@ -57,6 +58,7 @@ from .rows import (
     LogRecord,
     NodeRow,
     NotifyChannel,
+    NotifyNotice,
     NotifySubscription,
     Resource,
     RetryChanges,
@@ -395,6 +397,19 @@ MIGRATIONS: list[tuple[str, ...]] = [
             end_reason TEXT,            -- released | expired | lost
             PRIMARY KEY (source, epoch)
         )""",
+    ),
+    (  # 10: the shared inbox of upstream notifications (websub/subscriber.py in a cluster): any node's
+        # callback records a verified delivery, the node holding the source's lease takes it.
+        """CREATE TABLE IF NOT EXISTS notify_inbox (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            source TEXT NOT NULL,
+            token TEXT NOT NULL,        -- the subscription's callback token; '' asks for a poll
+            digest TEXT NOT NULL,       -- SHA-256 of body: a hub's retry is recorded once
+            body BLOB NOT NULL,
+            received_at TEXT NOT NULL,
+            UNIQUE (token, digest)
+        )""",
+        "CREATE INDEX IF NOT EXISTS notify_inbox_source ON notify_inbox (source, id)",
     ),
 ]
 
@@ -1673,10 +1688,11 @@ class State:
 
     # -- rsagg's subscriptions to upstream channels (websub/subscriber.py; migration 8) --------------
 
-    def notify_subscriptions(self) -> list[NotifySubscription]:
+    def notify_subscriptions(self, token: str | None = None) -> list[NotifySubscription]:
+        where, args = ("WHERE token = ?", (token,)) if token is not None else ("", ())
         with self._lock:
             rows = self.conn.execute(
-                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions ORDER BY id"
+                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions {where} ORDER BY id", args
             ).fetchall()
         out = []
         for row in rows:
@@ -1705,6 +1721,35 @@ class State:
     def delete_notify_subscription(self, subscription_id: int) -> None:
         with self._write() as c:
             c.execute("DELETE FROM notify_subscriptions WHERE id = ?", (subscription_id,))
+
+    # -- the shared inbox of upstream notifications (websub/subscriber.py; migration 10) -------------
+
+    def add_notify_notice(self, source: str, token: str, body: bytes, *, limit: int) -> str:
+        digest = hashlib.sha256(body).hexdigest()
+        with self._write(fence=False) as c:
+            (waiting,) = c.execute("SELECT count(*) FROM notify_inbox WHERE source = ?", (source,)).fetchone()
+            full = waiting >= limit
+            if full:  # one poll request instead (deduplicated like any notice)
+                token, body, digest = "", b"", "poll:" + source
+            cur = c.execute(
+                "INSERT OR IGNORE INTO notify_inbox (source, token, digest, body, received_at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (source, token, digest, body, format_dt(self._now())),
+            )
+            return "full" if full else "added" if cur.rowcount else "duplicate"
+
+    def notify_notices(self, source: str, limit: int = 100) -> list[NotifyNotice]:
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT id, source, token, body FROM notify_inbox WHERE source = ? ORDER BY id LIMIT ?",
+                (source, limit),
+            ).fetchall()
+        return [NotifyNotice(r[0], r[1], r[2], bytes(r[3])) for r in rows]
+
+    def delete_notify_notices(self, ids: Sequence[int]) -> None:
+        with self._write() as c:
+            for i in ids:
+                c.execute("DELETE FROM notify_inbox WHERE id = ?", (i,))
 
     # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py; migration 5) ------------------
 

@@ -50,6 +50,15 @@ The subscriber drives harvests but does not know how they are done: the composit
 State: the subscriptions (``StateStore.notify_subscriptions``, migration 8), through a state handle of
 the subscriber's own, mirrored in memory (one process owns them). Counters: ``Subscriber.counters``
 (keys listed at ``COUNTERS``).
+
+On a cluster node (``[cluster] enabled``, ``Subscriber.shared``) a hub may call back any node, so the
+memory is only a cache: a callback reads its subscription from the shared state, a verification is
+answered from it, a signed and parsed delivery goes to the shared inbox (``add_notify_notice``,
+migration 10: bounded, deduplicated) instead of the in-memory one. The source's task, which runs on the
+node holding the source's lease and under its fence, reads its subscriptions back and maintains them
+(``_follow_shared``, every ``inbox_poll``: requests, renewals, retries — fenced, so a node that lost the
+lease renews nothing, and a new holder takes the subscriptions over), and hands the inbox's notices to the
+same ``_take`` as above (docs/architecture.md, "Many nodes, one state").
 """
 
 from __future__ import annotations
@@ -77,7 +86,7 @@ from ..retry import backoff, retry_after
 from ..rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
 from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
-from ..store.interface import StateStore
+from ..store.interface import LeaseLost, StateStore
 from ..store.rows import NotifySubscription
 from ..store.state import format_dt
 from .storecalls import Closed, StoreCalls
@@ -108,6 +117,7 @@ COUNTERS = (
     "delivery.too_large",  # 413
     "delivery.parse_error",  # dropped, poll asked for
     "delivery.overflow",  # inbox full: dropped, poll asked for
+    "delivery.duplicate",  # in a cluster: the same delivery is in the shared inbox already
     "notice.applied",  # change notifications taken through the pipeline
     "notice.duplicate",  # until not after the last one taken
     "notice.known",  # every entry was applied already (by a poll): nothing to do
@@ -136,6 +146,8 @@ class SubscriberSettings:
     #: A channel that goes live gets a catch-up poll this much later: a hub records a subscription
     #: only after our answer to its verification, and what it published meanwhile never reaches us.
     settle: float = 1.0
+    #: In a cluster: how often a source's holder looks at the shared inbox and its subscriptions.
+    inbox_poll: float = 0.5
 
 
 #: One channel of one set of one source: the working copy of what the state keeps
@@ -255,6 +267,43 @@ class Subscriber:
 
     def wake(self) -> None:
         self._wake.set()
+
+    @property
+    def shared(self) -> bool:
+        """A cluster node (``[cluster] enabled``): the subscriptions and the inbox live in the shared state,
+        any node answers the callbacks, the holder of a source's lease does the rest (``_follow_shared``)."""
+        return self.get_config().cluster.enabled
+
+    async def _refresh(self, source: str | None = None) -> None:
+        """The subscriptions (of ``source``) as the shared state has them now: another node may have
+        answered a verification, or held the source before. A channel that went live here gets the
+        catch-up poll its verification would have scheduled."""
+        rows = await self._db(self.state.notify_subscriptions)
+        if rows is None:
+            return
+        now = self._now()
+        fresh = {s.token: s for s in rows if source is None or s.source == source}
+        for token, old in list(self._subs.items()):
+            if (source is None or old.source == source) and token not in fresh:
+                del self._subs[token]
+        for token, sub in fresh.items():
+            old = self._subs.get(token)
+            if old is not None and not old.live(now) and sub.live(now) and sub.kind == CHANGE_NOTIFICATION:
+                self._box(sub.source).poll_at = trio.current_time() + self.settings.settle
+                self._nudge(sub.source)
+            self._subs[token] = sub
+
+    async def _lookup(self, token: str) -> Subscription | None:
+        """The subscription a callback names; on a cluster node as the shared state has it now."""
+        if self.shared:
+            rows = await self._db(self.state.notify_subscriptions, token)
+            if rows is None:
+                return None
+            if not rows:
+                self._subs.pop(token, None)
+                return None
+            self._subs[token] = rows[0]
+        return self._subs.get(token)
 
     # -- reads (status, tests) -------------------------------------------------------------------
 
@@ -396,11 +445,17 @@ class Subscriber:
     async def maintain(self) -> float:
         """One look at every subscription; returns the seconds until the next thing is due."""
         s = self.settings
+        if self.shared:  # each source's holder maintains its subscriptions (``_follow_shared``)
+            return s.tick
+        return await self._maintain(list(self._subs.values()))
+
+    async def _maintain(self, subs: list[Subscription]) -> float:
+        s = self.settings
         now = self._now()
         config = self.get_config()
         followed = {src.name for src in config.sources if src.enabled and config.notifications_on(src)}
         due = now + timedelta(seconds=s.tick)
-        for sub in list(self._subs.values()):
+        for sub in subs:
             if sub.wanted and sub.source not in followed:
                 await self._retire(sub, "source removed, disabled or not followed")
                 continue
@@ -445,7 +500,7 @@ class Subscriber:
 
     async def verify(self, request: Request) -> Response:
         """WebSub §5.3 verification of intent, §5.2 denial: only for a pending request of ours."""
-        sub = self._subs.get(request.path_params["token"])
+        sub = await self._lookup(request.path_params["token"])
         q = request.query_params
         mode, topic = q.get("hub.mode"), q.get("hub.topic")
         if sub is None or topic != sub.topic or mode is None:
@@ -491,7 +546,7 @@ class Subscriber:
 
     async def deliver(self, request: Request) -> Response:
         """WebSub §7 content distribution: checks, then the source's inbox; 202 at once."""
-        sub = self._subs.get(request.path_params["token"])
+        sub = await self._lookup(request.path_params["token"])
         if sub is None or not sub.wanted:
             self.counters["delivery.unknown_callback"] += 1
             return PlainTextResponse("gone\n", status_code=410)  # §7: the hub drops the subscription
@@ -511,7 +566,15 @@ class Subscriber:
             log.warning(
                 "source=%s notification on %s unusable (%s): polling instead", sub.source, sub.topic, exc
             )
-            self._poll_wanted(sub.source)
+            if self.shared:
+                await self._db(self.state.add_notify_notice, sub.source, "", b"", self.settings.inbox_size)
+            else:
+                self._poll_wanted(sub.source)
+            return PlainTextResponse("accepted\n", status_code=202)
+        if self.shared:  # the holder of the source's lease takes it from the shared inbox
+            done = await self._db(self._put_shared, sub, body)
+            self.counters[{"added": "delivery.accepted", "duplicate": "delivery.duplicate"}.get(
+                done or "", "delivery.overflow")] += 1  # fmt: skip
             return PlainTextResponse("accepted\n", status_code=202)
         box = self._box(sub.source)
         try:
@@ -521,6 +584,9 @@ class Subscriber:
             self.counters["delivery.overflow"] += 1
             self._poll_wanted(sub.source)
         return PlainTextResponse("accepted\n", status_code=202)
+
+    def _put_shared(self, sub: Subscription, body: bytes) -> str:
+        return self.state.add_notify_notice(sub.source, sub.token, body, limit=self.settings.inbox_size)
 
     def _signature_problem(self, sub: Subscription, header: str | None, body: bytes) -> str | None:
         if not header:
@@ -589,7 +655,54 @@ class Subscriber:
         return config.interval(src)
 
     async def run_source(self, src: SourceConfig) -> None:
-        """A followed source's task: syncs and notices, one at a time, until cancelled."""
+        """A followed source's task: syncs and notices, one at a time, until cancelled. On a cluster node
+        (which runs it under the source's lease) a second task feeds it from the shared state."""
+        if not self.shared:
+            await self._run_source(src)
+            return
+        await self._refresh(src.name)  # what the previous holder subscribed to is ours now
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._follow_shared, src)
+            await self._run_source(src)
+
+    async def _follow_shared(self, src: SourceConfig) -> None:
+        """The holder's side of a cluster: every ``inbox_poll`` the source's subscriptions are read back
+        from the state and maintained (renewals, retries, time-outs: written under this task's fence,
+        so a node that lost the lease writes nothing, and a task cancelled with its lease renews nothing),
+        and the notices waiting in the shared inbox go to the source's task in arrival order. A notice
+        is deleted once handed over: one lost with a crashing node leaves a gap the next notice shows
+        (``from`` after the last ``until``), which polls the Change List."""
+        while True:
+            try:
+                await self._refresh(src.name)
+                await self._maintain([s for s in self._subs.values() if s.source == src.name])
+                await self._take_shared(src)
+            except (trio.Cancelled, LeaseLost):
+                raise
+            except Exception as exc:  # the state out of reach for a moment: look again; the poll is the net
+                log.error("source=%s shared inbox: %s: %s", src.name, type(exc).__name__, exc)
+            await trio.sleep(self.settings.inbox_poll)
+
+    async def _take_shared(self, src: SourceConfig) -> None:
+        box = self._box(src.name)
+        rows = await self._db(self.state.notify_notices, src.name, self.settings.inbox_size) or []
+        for row in rows:
+            sub = self._subs.get(row.token)
+            if not row.token:  # a delivery some node could not record or use
+                self._poll_wanted(src.name)
+                continue
+            if sub is None or not sub.wanted:
+                continue
+            try:
+                notice = self._parse(sub, row.body)
+            except DocumentError:
+                self._poll_wanted(src.name)
+                continue
+            await box.send.send(notice)
+        if rows:
+            await self._db(self.state.delete_notify_notices, [r.id for r in rows])
+
+    async def _run_source(self, src: SourceConfig) -> None:
         box = self._box(src.name)
         jitter = self.get_config().harvest.jitter
         why: str | None = "start"
@@ -618,7 +731,7 @@ class Subscriber:
                 try:
                     if await self._take(src, item):
                         why = "notification"
-                except trio.Cancelled:
+                except (trio.Cancelled, LeaseLost):  # a cluster node lost the source: its task ends
                     raise
                 except Exception:  # never take the daemon down: the Change List has the same changes
                     log.exception(
@@ -633,13 +746,15 @@ class Subscriber:
         if discovered:
             try:
                 await self.ensure(src, discovered)
+            except LeaseLost:
+                raise
             except Exception:
                 log.exception("source=%s could not update its subscriptions", src.name)
 
     async def _take(self, src: SourceConfig, notice: Notice) -> bool:
         """Apply one notice; True when the source must be polled instead (see the module docstring)."""
-        sub = notice.sub
-        if not sub.wanted or sub.token not in self._subs:
+        sub = self._subs.get(notice.sub.token) if self.shared else notice.sub
+        if sub is None or not sub.wanted or sub.token not in self._subs:
             return False
         if sub.kind == FRAMEWORK_NOTIFICATION:
             self.counters["notice.framework"] += 1
