@@ -157,8 +157,12 @@ class HotCache:
             self._seen = await trio.to_thread.run_sync(reader.version, limiter=self._limiter)
             self._seen_at = started
         except Exception as exc:
+            log.debug("hot cache: state version unreadable: %s", exc)
             self._seen, self._seen_at = None, float("-inf")
-            return self._unreadable(exc)
+            if self._reader is reader:  # closing a pool joins its threads: not in the event loop either
+                self._reader, self._limiter = None, None
+                await trio.to_thread.run_sync(reader.close)
+            return None
         finally:
             self._reading.set()
             self._reading = None
