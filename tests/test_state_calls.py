@@ -10,7 +10,7 @@ import time
 import psycopg
 import trio
 
-from aggregator.publish.fastpath import HotCache
+from aggregator.publish.fastpath import Hot, HotCache
 from aggregator.store.calls import limiter_of, state_call
 from aggregator.store.state import State, connect
 
@@ -81,3 +81,23 @@ async def test_sqlite_calls_are_direct(tmp_path) -> None:
         assert await state_call(st, st.sources) == []
     finally:
         st.close()
+
+
+async def test_hot_cache_on_postgresql_drops_its_answers_once_the_version_is_read_again(
+    pg_server: PgServer,
+) -> None:
+    """A server backend's version is read again once ``remote_age`` has passed: a commit of another
+    handle (another node) then drops the cached answers; within ``remote_age`` the last version stands."""
+    url = pg_server.fresh_url()
+    writer = connect(url)
+    cache = HotCache(lambda: connect(url, readonly=True), remote_age=3600)
+    try:
+        assert await cache.fresh()
+        cache.put(b"/s/r/x", Hot(404, None))
+        writer.upsert_source("up", "http://up.example/")
+        assert await cache.fresh() and cache.get(b"/s/r/x") is not None  # within remote_age: kept
+        cache.remote_age = 0
+        assert await cache.fresh() and cache.get(b"/s/r/x") is None  # read again: the commit shows
+    finally:
+        cache.close()
+        writer.close()
