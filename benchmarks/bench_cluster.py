@@ -18,7 +18,10 @@ PostgreSQL 15 server (``[store] state = "postgresql://..."``) started for the ru
 with fsync and full-page writes ON (as in production). Both use ``[store] synchronous = "NORMAL"``
 (SQLite: WAL, no fsync per commit; PostgreSQL: ``synchronous_commit = off``). Runs alternate (SQLite,
 PostgreSQL, ...) ``--repeat`` times on one upstream; each run's state is checked to hold every resource.
-Target: PostgreSQL >= 0.7x SQLite's resources/s.
+Target: PostgreSQL >= 0.7x SQLite's resources/s. After each run, the Resource List of the harvested
+set is rendered from that state as the publisher does (``documents.resource_list_part`` with
+``lines=True``, bytes out): entries/s per backend; for PostgreSQL also from whole rows (``iter_live``
+in place of ``iter_live_listing``: the path before it gave ``ListingRow`` tuples).
 
     python benchmarks/bench_cluster.py                 # both parts (~4 min)
     python benchmarks/bench_cluster.py --part nodes [--sources 20] [--per-source 60] [--latency 0.05]
@@ -47,7 +50,11 @@ import bench_harvest  # noqa: E402 - the upstream site and its server
 import psutil  # noqa: E402
 import trio  # noqa: E402
 
+from aggregator.publish import documents  # noqa: E402
+from aggregator.publish.links import LinkPolicy  # noqa: E402
 from aggregator.rs.w3cdt import utcnow  # noqa: E402
+from aggregator.rs.write import iter_document_bytes  # noqa: E402
+from aggregator.sets import PublishedSet  # noqa: E402
 from aggregator.store.state import connect  # noqa: E402
 from aggregator.testing.upstream import Upstream  # noqa: E402
 from tests import pgserver  # noqa: E402
@@ -66,6 +73,8 @@ class Run:
     code: int
     cpu: float = 0.0  # CPU seconds of the rsagg process
     db_cpu: float = 0.0  # CPU seconds of the PostgreSQL server during the run
+    listing: float = 0.0  # Resource List entries/s rendered from this state
+    listing_whole: float = 0.0  # the same from whole rows (PostgreSQL only)
 
     @property
     def rate(self) -> float:
@@ -106,10 +115,33 @@ def harvest(folder: Path, base: str, n: int, state: str) -> Run:
         held = st.count_resources()
     run = Run("postgresql" if state else "sqlite", n, wall, held, os.waitstatus_to_exitcode(status))
     run.cpu = usage.ru_utime + usage.ru_stime
+    run.listing = listing_rate(state or folder / "data" / "state.db")
+    if state:
+        run.listing_whole = listing_rate(state, whole=True)
     if state:
         time.sleep(1.0)  # the postmaster reaps the ended backends (a zombie's CPU time is not readable)
         run.db_cpu = server_cpu() - server_before
     return run
+
+
+def listing_rate(location: str | Path, *, whole: bool = False, rounds: int = 3) -> float:
+    """Resource List entries/s rendered from the state at ``location`` (the best of ``rounds``);
+    ``whole``: from ``iter_live``'s whole rows instead of ``iter_live_listing``'s tuples."""
+    with connect(location, readonly=True) as st:
+        if whole:
+            st.iter_live_listing = st.iter_live  # type: ignore[method-assign]
+        [row] = st.sets("bench")
+        ps = PublishedSet("bench", (row.id,))
+        site = documents.Site("http://rsagg.example/pub", {"bench": ps}, LinkPolicy(), 10)
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            head, entries = documents.resource_list_part(site, st, ps, 0, None, utcnow(), lines=True)
+            size = sum(len(b) for b in iter_document_bytes(head, entries, flush_head=True))
+            best = min(best, time.perf_counter() - start)
+        count = st.count_resources()
+    assert size > count * 100, "the list is not whole"
+    return count / best
 
 
 def server_cpu() -> float:
@@ -172,6 +204,18 @@ def main_pg(argv: list[str] | None = None) -> int:
         print(f"{backend:<12} {len(mine):>5} {n:>10,} {wall:>9.1f} {rate[backend]:>12,.0f} {ratio:>6.2f}x"
               f" {cpu:>12.1f} {db_cpu:>13.1f}")  # fmt: skip
     print("(medians; CPU s: of the rsagg process, and of the PostgreSQL server during the run)")
+    print("\nResource List rendering (documents.resource_list_part, lines=True, bytes out), entries/s")
+    head = f"{'state':<26} {'entries':>8} {'entries/s':>11} {'vs SQLite':>10}"
+    print(head + "\n" + "-" * len(head))
+    sqlite_list = statistics.median([r.listing for r in runs if r.backend == "sqlite" and r.ok] or [0])
+    pg_ok = [r for r in runs if r.backend == "postgresql" and r.ok]
+    for label, value in (
+        ("sqlite", sqlite_list),
+        ("postgresql (ListingRow)", statistics.median([r.listing for r in pg_ok] or [0])),
+        ("postgresql (whole rows)", statistics.median([r.listing_whole for r in pg_ok] or [0])),
+    ):
+        vs = f"{value / sqlite_list:.2f}x" if sqlite_list else "-"
+        print(f"{label:<26} {n:>8,} {value:>11,.0f} {vs:>10}")
     ok = all(r.ok for r in runs)
     if len(rate) == 2:
         ratio = rate["postgresql"] / rate["sqlite"]

@@ -18,7 +18,7 @@ from aggregator.rs.model import Link
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.write import _dt, iter_document_bytes
 from aggregator.sets import PublishedSet
-from aggregator.store.state import Change, State, format_dt
+from aggregator.store.state import Change, State, connect, format_dt
 
 BASE = "http://rsagg.example/pub"
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
@@ -72,9 +72,13 @@ def ticking() -> object:
     return lambda: next(it)
 
 
-@pytest.fixture
-def state(tmp_path: Path):
-    st = State(tmp_path / "state.db", clock=ticking())
+@pytest.fixture(params=["sqlite", "postgresql"])
+def state(request: pytest.FixtureRequest, tmp_path: Path):
+    """The same rows in each backend: PostgreSQL writes the times of its ``ListingRow``s itself."""
+    if request.param == "sqlite":
+        st = State(tmp_path / "state.db", clock=ticking())
+    else:
+        st = connect(request.getfixturevalue("pg_server").fresh_url(), clock=ticking())
     st.upsert_source("up", "http://up.example/")
     set_id = st.ensure_set("up", "http://up.example/capabilitylist.xml")
     batch = changes()
@@ -101,6 +105,14 @@ def test_lines_are_the_writers_bytes(state: State):
     assert render(site, state, ps, True, 3, 12) == render(site, state, ps, False, 3, 12)
     _, lines = documents.resource_list_part(site, state, ps, 0, None, T0, lines=True)
     assert sum(e.count("<url>") for e in lines if isinstance(e, str)) >= len(URIS)
+    # the plain rows come as ListingRow tuples, their times in the fixed form SQLite stores
+    rows = list(state.iter_live_listing([row.id]))
+    plain = [r for r in rows if type(r) is tuple]
+    assert len(plain) >= len(URIS) and len(rows) == len(changes())
+    live = {r.id: r for r in state.iter_live([row.id])}
+    for r in plain:
+        res = live[r[0]]
+        assert r[8:] == (format_dt(res.lastmod), format_dt(res.upstream_datetime), format_dt(res.updated_at))
 
 
 def test_lines_with_a_publish_filter(state: State):

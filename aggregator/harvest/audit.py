@@ -8,6 +8,7 @@ are kept in a temporary SQLite table, not in memory.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import sqlite3
 import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -181,8 +182,9 @@ async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator
         raise AuditError(deviations.skipped_text())
 
 
-def _set_id(ctx: HarvestContext, source: str, set_url: str) -> int | None:
-    return next((s.id for s in ctx.reader.sets(source) if s.capabilitylist_url == set_url), None)
+async def _set_id(ctx: HarvestContext, source: str, set_url: str) -> int | None:
+    sets = await ctx.read(ctx.reader.sets, source)
+    return next((s.id for s in sets if s.capabilitylist_url == set_url), None)
 
 
 async def _compare(
@@ -191,7 +193,7 @@ async def _compare(
     """The differences between what a set holds upstream (``entries``, each URI once) and the store:
     entries compared in batches, then what the store holds beyond them ("extra": only when every list
     was read, since an unread list may hold what we hold)."""
-    set_id = _set_id(ctx, source, set_url)
+    set_id = await _set_id(ctx, source, set_url)
     with tempfile.TemporaryDirectory() as tmp:
         seen = _SeenSet(Path(tmp))
         try:
@@ -201,14 +203,16 @@ async def _compare(
                     seen.add(entry.loc)
                     batch.append(entry)
                     if len(batch) >= 1000:
-                        for d in _check(ctx, source, set_url, set_id, batch):
+                        for d in await ctx.read(_check, ctx, source, set_url, set_id, batch):
                             yield d
-            for d in _check(ctx, source, set_url, set_id, batch):
+            for d in await ctx.read(_check, ctx, source, set_url, set_id, batch):
                 yield d
             if set_id is not None and not (current() and current().skipped):
-                for held in ctx.reader.iter_resources(set_id):
-                    if held.uri not in seen:
-                        yield Difference(source, set_url, held.uri, "extra", "held but not listed upstream")
+                held = ctx.reader.iter_resources(set_id)
+                while chunk := await ctx.read(lambda: [r.uri for r in itertools.islice(held, 1000)]):
+                    for uri in chunk:
+                        if uri not in seen:
+                            yield Difference(source, set_url, uri, "extra", "held but not listed upstream")
         finally:
             seen.close()
 
@@ -216,7 +220,7 @@ async def _compare(
 async def _oai_entries(ctx: HarvestContext, src: SourceConfig, set_url: str) -> AsyncGenerator[Entry, None]:
     """An OAI-PMH source's records from a full ListRecords walk, as entries: the sha-256 of the canonical
     metadata, as ``harvest/oaipmh.py`` stores it; a deleted record as a deletion (it must not be held)."""
-    records = OaiHarvest(ctx, src, _set_id(ctx, src.name, set_url) or 0).records()
+    records = OaiHarvest(ctx, src, await _set_id(ctx, src.name, set_url) or 0).records()
     async with aclosing(records):
         async for rec in records:
             if rec.content is None:
@@ -240,10 +244,15 @@ async def _dump_entries(ctx: HarvestContext, url: str) -> AsyncGenerator[Entry, 
                 yield entry
 
 
-def _check(ctx: HarvestContext, source: str, set_url: str, set_id: int | None, batch: list[Entry]):
+def _check(
+    ctx: HarvestContext, source: str, set_url: str, set_id: int | None, batch: list[Entry]
+) -> list[Difference]:
+    """The differences of a batch of entries (state reads: called through ``HarvestContext.read``)."""
+    out = []
     for entry in batch:
         held = ctx.reader.resource(set_id, entry.loc) if set_id is not None else None
         found = compare(entry, held)
         if found:
-            yield Difference(source, set_url, entry.loc, *found)
+            out.append(Difference(source, set_url, entry.loc, *found))
     batch.clear()
+    return out

@@ -229,7 +229,7 @@ async def _baseline_from(
     swept = await ctx.write(
         ctx.writer.finish_baseline, set_id, generation, cursor, pipeline.unlisted_retries()
     )
-    pipeline.announce(swept)
+    await pipeline.announce(swept)
     ctx.metrics.committed(source, swept, ())
     for doc_url, (etag, last_modified) in (validators.pending if validators else {}).items():
         await ctx.write(ctx.writer.put_document, doc_url, source, RESOURCELIST, etag=etag,

@@ -25,6 +25,7 @@ from ..config import Config, ConfigError
 from ..metrics import Metrics
 from ..plugins import Plugins
 from ..store.blobs import BlobStore, BlobWriter
+from ..store.calls import state_call
 from ..store.interface import StateStore
 from .fetch import Fetcher
 from .patch import PatchApplier, builtin_patch_formats
@@ -60,6 +61,11 @@ class HarvestContext:
     def committed(self) -> None:
         for listener in self.commit_listeners:
             listener()
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """A read of the state from the event loop (``store/calls.py``): direct on SQLite, in a worker
+        thread under the backend's limiter on a server (PostgreSQL), so no download waits on it."""
+        return await state_call(self.reader, fn, *args)
 
     async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-writing call in a worker thread; one at a time (SQLite has one writer)."""

@@ -16,6 +16,7 @@ import logging
 import tempfile
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from functools import partial
 from pathlib import Path
 
 from ..rs.model import CHANGEDUMP, CHANGELIST, CHANGELIST_ARCHIVE, CHANGES
@@ -51,7 +52,7 @@ async def run_incremental(
         return await _several_lists(ctx, info, set_id, source, cursor, urls)
     url = urls[0]
     archives = info.urls(CHANGELIST_ARCHIVE)
-    validators = Validators(ctx.reader.document)
+    validators = Validators(partial(ctx.read, ctx.reader.document))
 
     async def items() -> AsyncGenerator[Work, None]:
         last = cursor

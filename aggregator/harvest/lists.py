@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import urljoin
@@ -44,13 +44,16 @@ class Validators:
     The caller stores ``pending`` after its pipeline succeeded.
     """
 
-    def __init__(self, known: Callable[[str], DocumentRow | None], *, conditional: bool = True) -> None:
+    def __init__(
+        self, known: Callable[[str], Awaitable[DocumentRow | None]], *, conditional: bool = True
+    ) -> None:
+        """``known``: the stored validators of a document URL (a state read, ``HarvestContext.read``)."""
         self._known = known
         self._conditional = conditional  # False: only record (a first read must not be skipped)
         self.pending: dict[str, tuple[str | None, str | None]] = {}
 
-    def of(self, url: str) -> dict[str, str | None]:
-        row = self._known(url) if self._conditional else None
+    async def of(self, url: str) -> dict[str, str | None]:
+        row = await self._known(url) if self._conditional else None
         if not row:
             return {}
         return {"etag": row.etag, "last_modified": row.last_modified}
@@ -158,7 +161,7 @@ async def resource_list_entries(
     once it has arrived, exact once everything has been read.
     """
     count = 0
-    async with fetcher.document(url, **(validators.of(url) if validators else {})) as doc:
+    async with fetcher.document(url, **(await validators.of(url) if validators else {})) as doc:
         if doc.not_modified:
             raise NotModified(url)
         head = _expect(url, doc.head, RESOURCELIST)
@@ -304,7 +307,7 @@ async def change_entries(
     archived: list[ListRef] = []
     for a in archives:
         archived += await archived_refs(fetcher, a, CHANGELIST_ARCHIVE)
-    conditional = validators.of(url) if validators else {}
+    conditional = await validators.of(url) if validators else {}
     async with fetcher.document(url, **conditional) as doc:
         if doc.not_modified:
             refs: list[ListRef] = []  # the open list is as we last read it: nothing new there
@@ -352,7 +355,7 @@ async def change_entries(
             async for item in _closed_list_changes(fetcher, ref, pos, source):
                 yield item
             continue
-        conditional = validators.of(ref.url) if validators else {}
+        conditional = await validators.of(ref.url) if validators else {}
         async with fetcher.document(ref.url, **conditional) as doc:
             if doc.not_modified:
                 continue

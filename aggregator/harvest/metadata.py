@@ -15,6 +15,7 @@ import logging
 import trio
 
 from ..rs.model import Entry
+from ..store.calls import limiter_of
 from .context import HarvestContext
 from .fetch import FetchError
 
@@ -41,7 +42,8 @@ class MetadataRecords:
         while url in self._inflight:  # one fetch per record, however many workers ask at once
             await self._inflight[url].wait()
         wanted = link.hashes.get("sha-256")
-        sha = self._held(url, link.hashes)
+        # a state read and blob lookups (an S3 request): in a worker thread, never in the event loop
+        sha = await trio.to_thread.run_sync(self._held, url, link.hashes, limiter=limiter_of(self.ctx.reader))
         if sha is None or (wanted is not None and wanted != sha):
             done = self._inflight[url] = trio.Event()
             try:

@@ -56,10 +56,9 @@ class NotifiedHarvest:
         the source's set of ``capabilitylist_url``: (entries taken, changes logged); None when they
         cannot be placed on the cursor or could not be applied (then the caller polls)."""
         resolved = [resolve(e, topic) for e in entries]  # relative <loc>: vs the topic
-        set_id = next(
-            (s.id for s in self.ctx.reader.sets(src.name) if s.capabilitylist_url == capabilitylist_url), None
-        )
-        cursor = self.ctx.reader.cursor(set_id) if set_id is not None else None
+        sets = await self.ctx.read(self.ctx.reader.sets, src.name)
+        set_id = next((s.id for s in sets if s.capabilitylist_url == capabilitylist_url), None)
+        cursor = await self.ctx.read(self.ctx.reader.cursor, set_id) if set_id is not None else None
         if set_id is None or cursor is None:
             return None  # no baseline yet: the sync does it
         pos = Position(cursor)

@@ -417,7 +417,7 @@ class OaiHarvest:
         ctx, src = self.ctx, self.src
         await self.identify()
         own_start = utcnow()
-        cursor = ctx.reader.cursor(self.set_id)
+        cursor = await ctx.read(ctx.reader.cursor, self.set_id)
         walk_from = cursor.last_datetime if cursor else None
         token = cursor.changelist_url if cursor else None
         started = cursor.list_until if cursor and token else None
@@ -432,7 +432,8 @@ class OaiHarvest:
         full = walk_from is None
         generation = None
         if full:
-            open_gen = next(s.baseline_generation for s in ctx.reader.sets(src.name) if s.id == self.set_id)
+            sets = await ctx.read(ctx.reader.sets, src.name)
+            open_gen = next(s.baseline_generation for s in sets if s.id == self.set_id)
             # A full walk resumed by its token keeps its generation: rows it already saw must not be swept.
             generation = (
                 open_gen if token and open_gen else await ctx.write(ctx.writer.begin_baseline, self.set_id)

@@ -21,6 +21,7 @@ import trio
 from ..metrics import current_source
 from ..rs.model import CREATED, DELETED, PATCH_REL, UPDATED, Entry
 from ..store.blobs import BlobInfo, BlobWriter
+from ..store.calls import limiter_of
 from ..store.rows import FailedChange, RetryChanges
 from ..store.state import Change, Cursor, Resource
 from .context import HarvestContext
@@ -170,17 +171,32 @@ class Pipeline:
             for h in ("rsagg_resource_stored", "rsagg_resource_deleted", "rsagg_change_published")
         )
         self._metadata = MetadataRecords(ctx, set_id, source)
-        self._set_name = next((s.name for s in ctx.reader.sets() if s.id == set_id), str(set_id))
+        self._set_name = str(set_id)
         # URIs with a failed change waiting to be retried (the state's retries): cleared once one applies.
-        self._retrying = ctx.reader.retry_uris(set_id)
+        self._retrying: set[str] = set()
         #: Those still to be tried (not ended), which a snapshot may supersede.
-        self._waiting = frozenset(e.loc for e, _, _ in ctx.reader.pending_retries(set_id))
+        self._waiting: frozenset[str] = frozenset()
         self._listed: set[str] = set()  # the waiting URIs this run's items listed
         # Records appended after this point are announced (rsagg_change_published).
-        self._last_seq = ctx.reader.last_seq() if self._events else 0
+        self._last_seq = 0
+        self._primed = False
+
+    async def _prime(self) -> None:
+        """What the run starts from, read from the state once (``HarvestContext.read``: not in the event
+        loop on a server backend)."""
+        if self._primed:
+            return
+        ctx, set_id = self.ctx, self.set_id
+        sets = await ctx.read(ctx.reader.sets)
+        self._set_name = next((s.name for s in sets if s.id == set_id), str(set_id))
+        self._retrying = await ctx.read(ctx.reader.retry_uris, set_id)
+        self._waiting = frozenset(e.loc for e, _, _ in await ctx.read(ctx.reader.pending_retries, set_id))
+        self._last_seq = await ctx.read(ctx.reader.last_seq) if self._events else 0
+        self._primed = True
 
     async def run(self, items: AsyncGenerator[Work, None]) -> PipelineStats:
         current_source.set(self.source)  # metrics: the tasks started below label their requests with it
+        await self._prime()
         new_send, new_recv = trio.open_memory_channel[tuple[int, Work]](LOOKUP_BATCH)
         work_send, work_recv = trio.open_memory_channel[tuple[int, Work, Resource | None]](self._workers * 2)
         result_send, result_recv = trio.open_memory_channel[tuple[int, _Result]](math.inf)
@@ -302,7 +318,9 @@ class Pipeline:
                         break
                 works = [w for _, w in batch]
                 if any(w.change != DELETED and w.blob is None for w in works):
-                    found = await trio.to_thread.run_sync(self._stored, works)
+                    found = await trio.to_thread.run_sync(
+                        self._stored, works, limiter=limiter_of(self.ctx.reader)
+                    )
                 else:  # deletions and content from dumps: nothing to look up
                     found = [(None, False)] * len(works)
                 for (seq, w), (existing, same) in zip(batch, found, strict=True):
@@ -436,7 +454,7 @@ class Pipeline:
         self._retrying.difference_update(gone)
         return RetryChanges(cleared=gone)
 
-    def announce(self, applied: list[Change]) -> None:
+    async def announce(self, applied: list[Change]) -> None:
         """Event hooks, after the transaction committed: what was stored or deleted, and each record
         that entered rsagg's change log (and so its Change Lists)."""
         if not self._events or not applied:
@@ -452,7 +470,10 @@ class Pipeline:
                     "rsagg_resource_stored", source=self.source, set_name=self._set_name, uri=ch.uri,
                     change=ch.change, sha256=ch.sha256,
                 )  # fmt: skip
-        for rec in self.ctx.reader.iter_changelog(self._last_seq, set_id=self.set_id):
+        records = await self.ctx.read(
+            lambda: list(self.ctx.reader.iter_changelog(self._last_seq, set_id=self.set_id))
+        )
+        for rec in records:
             plugins.call(
                 "rsagg_change_published", set_name=self._set_name, seq=rec.seq, uri=rec.uri,
                 change=rec.change, datetime=rec.datetime,
@@ -487,7 +508,7 @@ class Pipeline:
         if self._progress:  # before the write, so that the progress it saves counts this batch too
             self._progress(len(batch))
         applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor, retries)
-        self.announce(applied)
+        await self.announce(applied)
         if applied:
             self.ctx.committed()  # e.g. rsagg's own change notifications go out now
         for ch in applied:

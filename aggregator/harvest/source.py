@@ -7,6 +7,7 @@ import random
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import trio
@@ -59,7 +60,7 @@ async def retry_failed(ctx: HarvestContext, set_id: int, source: str, uris: set[
     """Try again the changes of a set whose fetch failed in an earlier run (the state's retries) and that
     are still waiting (``uris``: those waiting when this sync started), through the one pipeline; they
     move no cursor. A change that applies now leaves the list."""
-    waiting = [w for w in ctx.reader.pending_retries(set_id) if w[0].loc in uris]
+    waiting = [w for w in await ctx.read(ctx.reader.pending_retries, set_id) if w[0].loc in uris]
     if not waiting:
         return None
 
@@ -150,8 +151,8 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
         for info in sets:
             set_id = await ctx.write(ctx.writer.ensure_set, src.name, info.capabilitylist_url)
             # failed in earlier runs: URI -> attempts so far
-            waiting = {e.loc: n for e, _, n in ctx.reader.pending_retries(set_id)}
-            cursor = ctx.reader.cursor(set_id)
+            waiting = {e.loc: n for e, _, n in await ctx.read(ctx.reader.pending_retries, set_id)}
+            cursor = await ctx.read(ctx.reader.cursor, set_id)
             baseline = cursor is None or CHANGELIST not in info.capabilities
             if not baseline:
                 assert cursor is not None
@@ -174,7 +175,7 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
                 stats = await run_baseline(
                     ctx, info, set_id, src.name, use_dumps=ctx.config.use_dumps(src) and not polled,
                     progress=progress.add, total=progress.set_total,
-                    validators=Validators(ctx.reader.document, conditional=polled),
+                    validators=Validators(partial(ctx.read, ctx.reader.document), conditional=polled),
                 )  # fmt: skip
                 if stats is not None:
                     result.baselines += 1

@@ -4,11 +4,17 @@ A crawler or Destination fetches the same resources again and again (audits, re-
 GETs). What a resource GET needs (the row, the plugins' verdict, the Capability List link, the bytes of
 a small blob or where an offloading front end finds them, the ready-made headers of a plain GET) is
 kept in an LRU by request path (``HotCache``) until the state changes: ``StateStore.version()`` of a
-read-only state handle of our own tells, in a few microseconds and without a worker thread, that a
-writer (the harvester, ``rsagg gc``) committed since. Then the whole cache is dropped; answers
-never come from an older state than the request's.
+read-only state handle of our own tells that a writer (the harvester, ``rsagg gc``, another node)
+committed since. Then the whole cache is dropped. On SQLite that read takes a few microseconds and no
+worker thread, once per request: answers never come from an older state than the request's. On a
+server backend (PostgreSQL) each read is a round trip, made in a worker thread (``store/calls.py``)
+so the event loop never waits on the server, and at most once per ``REMOTE_VERSION_AGE``: requests
+in between (and those arriving while a read is under way) use the last version read. So there an
+answer may come from a state up to ``REMOTE_VERSION_AGE`` (plus the one round trip) older than the
+request's: the staleness is bounded, and a cluster behind a load balancer has more than that between
+its nodes anyway.
 
-A hit costs no thread hop and no query (that one version read); a miss one worker-thread call
+A hit costs no thread hop and no query (that one version read, or none); a miss one worker-thread call
 (``Publisher.run``), as the route had before. Anything the memory cannot answer (a big blob, a Range only
 starlette's FileResponse decides, a blob in a store without URLs) goes on to the ordinary route
 (``app.resource``), which answers it as before: the bytes and headers are the same either way.
@@ -37,10 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import trio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..store.calls import limiter_of
 from ..store.interface import StateStore
 from ..store.state import Resource, connect
 from .resources import (
@@ -62,6 +70,8 @@ log = logging.getLogger("rsagg.publish")
 #: Lookups kept (each a few hundred bytes plus the blob when small), and blob bytes kept in all.
 HOT_ENTRIES = 20_000
 HOT_BYTES = 32 * 1024 * 1024
+#: Seconds a server backend's state version is used before it is read again (module docstring).
+REMOTE_VERSION_AGE = 0.01
 _MARK = f"/{RESOURCES}/"
 _WANTED = frozenset(
     (b"if-none-match", b"if-modified-since", b"range", b"if-range", b"if-match", b"if-unmodified-since")
@@ -94,30 +104,78 @@ class HotCache:
     """An LRU of ``Hot`` answers bounded by count and by blob bytes, dropped when the state changes."""
 
     def __init__(
-        self, open_reader: Callable[[], StateStore], entries: int = HOT_ENTRIES, max_bytes: int = HOT_BYTES
+        self,
+        open_reader: Callable[[], StateStore],
+        entries: int = HOT_ENTRIES,
+        max_bytes: int = HOT_BYTES,
+        remote_age: float = REMOTE_VERSION_AGE,
     ) -> None:
-        """``open_reader``: opens the read-only state handle whose ``version()`` is watched."""
+        """``open_reader``: opens the read-only state handle whose ``version()`` is watched;
+        ``remote_age``: how long a server backend's version is used before it is read again."""
         self.open_reader = open_reader
-        self.entries, self.max_bytes = entries, max_bytes
+        self.entries, self.max_bytes, self.remote_age = entries, max_bytes, remote_age
         self._lru: OrderedDict[bytes, Hot] = OrderedDict()
         self._bytes = 0
         self._version: int | None = None
         self._reader: StateStore | None = None
+        self._limiter: trio.CapacityLimiter | None = None
+        self._opening: trio.Event | None = None  # the reader is being opened (in a worker thread)
+        self._seen: int | None = None  # a server backend's last version read ...
+        self._seen_at = float("-inf")  # ... and when that read started (monotonic)
+        self._reading: trio.Event | None = None  # a read of it under way: others wait for that one
 
-    def _data_version(self) -> int | None:
+    async def _data_version(self) -> int | None:
         """The state's change counter; None when it cannot be read (then nothing is cached)."""
+        if self._reader is None:
+            if self._opening is not None:
+                await self._opening.wait()
+                return None if self._reader is None else await self._data_version()
+            self._opening = trio.Event()
+            try:  # opening a server backend's reader connects: not in the event loop
+                self._reader = await trio.to_thread.run_sync(self.open_reader)
+                self._limiter = limiter_of(self._reader)
+            except Exception as exc:
+                log.debug("hot cache: state unreadable: %s", exc)
+                return None
+            finally:
+                self._opening.set()
+                self._opening = None
+        reader = self._reader
+        if self._limiter is None:  # local (SQLite): microseconds, every request
+            try:
+                return reader.version()
+            except Exception as exc:  # a backend's own error type: the hot cache just stays off meanwhile
+                return self._unreadable(exc)
+        started = time.monotonic()
+        if started - self._seen_at <= self.remote_age:
+            return self._seen
+        if self._reading is not None:
+            await self._reading.wait()
+            return self._seen
+        self._reading = trio.Event()
         try:
-            if self._reader is None:
-                self._reader = self.open_reader()
-            return self._reader.version()
-        except Exception as exc:  # a backend's own error type: the hot cache just stays off meanwhile
+            self._seen = await trio.to_thread.run_sync(reader.version, limiter=self._limiter)
+            self._seen_at = started
+        except Exception as exc:
             log.debug("hot cache: state version unreadable: %s", exc)
-            self.close()
+            self._seen, self._seen_at = None, float("-inf")
+            if self._reader is reader:  # closing a pool joins its threads: not in the event loop either
+                self._reader, self._limiter = None, None
+                await trio.to_thread.run_sync(reader.close)
             return None
+        finally:
+            self._reading.set()
+            self._reading = None
+        return self._seen
 
-    def fresh(self) -> bool:
+    def _unreadable(self, exc: Exception) -> None:
+        log.debug("hot cache: state version unreadable: %s", exc)
+        self.close()
+        return None
+
+    async def fresh(self) -> bool:
         """Drop everything when the state changed since the last call; False: do not cache now."""
-        version = self._data_version()
+        version = await self._data_version()
         if version is None or version != self._version:
             self._lru.clear()
             self._bytes = 0
@@ -149,6 +207,7 @@ class HotCache:
     def close(self) -> None:
         if self._reader is not None:
             reader, self._reader = self._reader, None
+            self._limiter, self._seen, self._seen_at = None, None, float("-inf")
             reader.close()
 
 
@@ -184,7 +243,7 @@ class ResourceFastPath:
             await self.app(scope, receive, send)
             return
         raw = scope.get("raw_path") or scope["path"].encode("utf-8")
-        cacheable = self.cache.fresh()
+        cacheable = await self.cache.fresh()
         hot = self.cache.get(raw) if cacheable else None
         if hot is None:
             try:
@@ -224,7 +283,7 @@ class ResourceFastPath:
         raw = target.partition(b"?")[0]
         if b"/r/" not in raw:
             return None
-        cacheable = self.cache.fresh()
+        cacheable = await self.cache.fresh()
         hot = self.cache.get(raw) if cacheable else None
         if hot is None:
             try:

@@ -376,6 +376,14 @@ MIGRATIONS: list[tuple[str, ...]] = [
 
 _RES_COLS = sqlite_state._RES_COLS
 _SELECT_RES = "SELECT id, " + ", ".join(_RES_COLS) + " FROM resources"
+#: A time as SQLite stores it (state.format_dt: ``YYYY-MM-DDThh:mm:ss.ffffffZ``, UTC), written by the server.
+_W3C = """to_char({} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')"""
+#: iter_live_listing: interface.ListingRow's columns, then whether the row has more than those.
+_LISTING_COLS = (
+    "id, uri, sha256, length, type, encoding, md5, sha1, "
+    + ", ".join(_W3C.format(c) for c in ("lastmod", "upstream_datetime", "updated_at"))
+    + ", (links IS NOT NULL OR md_extra IS NOT NULL OR entry_extra IS NOT NULL)"
+)
 _COPY_RES = "COPY {table} (id, " + ", ".join(_RES_COLS) + ") FROM STDIN"
 #: Stored rows changed by a batch are copied into this temporary table, then updated in one statement.
 _BATCH = "rsagg_changed_rows"
@@ -1188,8 +1196,36 @@ class PostgresState:
     def iter_live_listing(
         self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None
     ) -> Iterator[ListingRow | Resource]:
-        """Whole rows: the list writer's general path (``ListingRow`` is SQLite's stored text form)."""
-        return self.iter_live(set_ids, after_id=after_id, until_id=until_id)
+        """``iter_live`` for list writers (``interface.ListingRow``): the server writes the times as the
+        fixed-width UTC text SQLite stores, so a plain row goes out without a ``Resource`` or a datetime;
+        the rows with links or extras are read whole, a page at a time."""
+        top = _MAX_BIGINT if until_id is None else until_id
+        sql = f"SELECT {_LISTING_COLS} FROM resources "
+        sql += "WHERE set_id = %s AND NOT deleted AND id <= %s AND id > %s ORDER BY id LIMIT %s"
+        iters = [self._listing_pages(sql, sid, top, after_id) for sid in dict.fromkeys(set_ids)]
+        if len(iters) == 1:
+            yield from iters[0]
+        else:
+            yield from heapq.merge(*iters, key=lambda r: r[0] if type(r) is tuple else r.id)
+
+    def _listing_pages(self, sql: str, set_id: int, top: int, after: int) -> Iterator[ListingRow | Resource]:
+        page = sqlite_state.PAGE_SIZE
+        while True:
+            with self._read() as c:
+                rows = c.execute(sql, (set_id, top, after, page)).fetchall()
+                rich = [r[0] for r in rows if r[-1]]
+                if rich:
+                    full = c.execute(f"{_SELECT_RES} WHERE id = ANY(%s)", (rich,)).fetchall()
+            if rich:
+                whole = {r[0]: _resource(r) for r in full}
+                for r in rows:
+                    yield whole[r[0]] if r[-1] else r[:-1]
+            else:
+                for r in rows:
+                    yield r[:-1]
+            if len(rows) < page:
+                return
+            after = rows[-1][0]
 
     def live_part_boundary(self, set_id: int, after_id: int, size: int) -> int | None:
         if size < 1:
