@@ -529,12 +529,13 @@ class Subscriber:
         sub.pending, sub.failures, sub.next_attempt = None, 0, None
         sub.lease_seconds, sub.verified = lease, now
         sub.lease_expires = now + timedelta(seconds=lease)
+        # The catch-up poll is due from the moment the channel is live (the save below waits on a worker
+        # thread, and whoever sees the live channel meanwhile must also see the poll it calls for).
+        if not was_live and sub.kind == CHANGE_NOTIFICATION:
+            self._box(sub.source).poll_at = trio.current_time() + self.settings.settle
         await self._save(sub)
         self.counters["verify.subscribed"] += 1
         log.info("source=%s subscribed to %s %s (lease %d s)", sub.source, sub.kind, sub.topic, lease)
-        if not was_live and sub.kind == CHANGE_NOTIFICATION:
-            box = self._box(sub.source)
-            box.poll_at = trio.current_time() + self.settings.settle
         self._nudge(sub.source)
         self.wake()
         return PlainTextResponse(challenge)
