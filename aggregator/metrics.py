@@ -56,6 +56,7 @@ from prometheus_client.registry import Collector
 from . import __version__
 from .errors import CountedError
 from .rs.parse import DocumentError
+from .store.inline import INLINE_FILE, inline_totals
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -207,7 +208,8 @@ class _Callback(Collector):
 
 
 class StoreSize:
-    """Objects and bytes in a FileBlobStore: a walk of its folders now and then, plus writes since.
+    """Objects and bytes in a FileBlobStore: a walk of its folders and its small.db now and then, plus
+    writes since (an inline blob with a file for a front end counts twice).
 
     Why not walk at every scrape: a store of millions of blobs takes seconds to walk. Blobs another
     process deletes (``rsagg gc``) are noticed at the next walk.
@@ -272,6 +274,8 @@ class StoreSize:
                                 except FileNotFoundError:
                                     continue
                                 objects += 1
+            rows, row_bytes = inline_totals(os.path.join(root, INLINE_FILE))
+            objects, nbytes = objects + rows, nbytes + row_bytes
         except OSError as exc:
             log.warning("store size: cannot walk %s: %s", root, exc)
         else:

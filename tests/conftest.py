@@ -20,6 +20,14 @@ def store(tmp_path: Path) -> Iterator[FileBlobStore]:
     s.close()
 
 
+@pytest.fixture
+def file_store(tmp_path: Path) -> Iterator[FileBlobStore]:
+    """A FileBlobStore that writes every blob as a file (``inline_bytes=0``): for the file mechanics."""
+    s = FileBlobStore(tmp_path / "blobs", inline_bytes=0)
+    yield s
+    s.close()
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[pgserver.PgServer]:
     """One private PostgreSQL server for the session (tests/pgserver.py), started by the first test that

@@ -21,19 +21,19 @@ def spooled(store: FileBlobStore, data: bytes, limit: int = 1024) -> SpooledBlob
     return w
 
 
-def test_spooled_blob_touches_the_disk_only_at_commit(store: FileBlobStore) -> None:
+def test_spooled_blob_touches_the_disk_only_at_commit(file_store: FileBlobStore) -> None:
     data = b"small resource"
-    w = spooled(store, data)
+    w = spooled(file_store, data)
     info = w.finish()
     assert info.sha256 == hashlib.sha256(data).hexdigest()
     assert info.hashes["md5"] == hashlib.md5(data).hexdigest() and info.length == len(data)
-    assert temp_files(store) == [] and w.tmp_path is None
-    assert not store.exists(info.sha256)
-    store.commit([w])
+    assert temp_files(file_store) == [] and w.tmp_path is None
+    assert not file_store.exists(info.sha256)
+    file_store.commit([w])
     assert w.state == "committed"
-    assert store.open(info.sha256).read() == data
-    assert oct(os.stat(store.local_path(info.sha256)).st_mode & 0o777) == oct(blobs.BLOB_MODE)
-    assert temp_files(store) == []
+    assert file_store.open(info.sha256).read() == data
+    assert oct(os.stat(file_store.local_path(info.sha256)).st_mode & 0o777) == oct(blobs.BLOB_MODE)
+    assert temp_files(file_store) == []
 
 
 def test_spooled_blob_spills_to_a_temp_file_when_it_grows(store: FileBlobStore) -> None:
@@ -74,20 +74,22 @@ def test_spooled_duplicate_of_a_stored_blob_is_never_written(
     assert list(store.iter_hashes()) == [info.sha256] and temp_files(store) == []
 
 
-def test_commit_steps_yield_the_syncs_in_order(store: FileBlobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_commit_steps_yield_the_syncs_in_order(
+    file_store: FileBlobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Quick work happens as the generator advances; nothing is visible before the first sync ran."""
-    monkeypatch.setattr(store, "_use_syncfs", True)
+    monkeypatch.setattr(file_store, "_use_syncfs", True)
     synced: list[str] = []
-    monkeypatch.setattr(store, "_syncfs", lambda: synced.append("syncfs"))
-    writers = [spooled(store, f"blob {n}".encode()) for n in range(SYNCFS_MIN_BATCH)]
+    monkeypatch.setattr(file_store, "_syncfs", lambda: synced.append("syncfs"))
+    writers = [spooled(file_store, f"blob {n}".encode()) for n in range(SYNCFS_MIN_BATCH)]
     infos = [w.finish() for w in writers]
-    steps = store.commit_steps(writers)
+    steps = file_store.commit_steps(writers)
     first = next(steps)
-    assert len(temp_files(store)) == SYNCFS_MIN_BATCH  # data written, to be synced by the caller
-    assert not any(store.exists(i.sha256) for i in infos)  # no name before its bytes are durable
+    assert len(temp_files(file_store)) == SYNCFS_MIN_BATCH  # data written, to be synced by the caller
+    assert not any(file_store.exists(i.sha256) for i in infos)  # no name before its bytes are durable
     first()
     second = next(steps)
-    assert all(store.exists(i.sha256) for i in infos) and temp_files(store) == []
+    assert all(file_store.exists(i.sha256) for i in infos) and temp_files(file_store) == []
     second()
     with pytest.raises(StopIteration):
         next(steps)
@@ -95,36 +97,40 @@ def test_commit_steps_yield_the_syncs_in_order(store: FileBlobStore, monkeypatch
     assert all(w.state == "committed" for w in writers)
 
 
-def test_small_batches_keep_per_file_fsyncs(store: FileBlobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_batches_keep_per_file_fsyncs(
+    file_store: FileBlobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(store, "_syncfs", lambda: calls.append("syncfs"))
+    monkeypatch.setattr(file_store, "_syncfs", lambda: calls.append("syncfs"))
     real = blobs._fsync_path
     monkeypatch.setattr(
         blobs, "_fsync_path", lambda p, flags=os.O_RDONLY: (calls.append("fsync"), real(p, flags))
     )
-    writers = [spooled(store, f"few {n}".encode()) for n in range(SYNCFS_MIN_BATCH - 1)]
+    writers = [spooled(file_store, f"few {n}".encode()) for n in range(SYNCFS_MIN_BATCH - 1)]
     for w in writers:
         w.finish()
-    store.commit(writers)
+    file_store.commit(writers)
     assert "syncfs" not in calls and calls.count("fsync") >= len(writers)
 
 
 @pytest.mark.skipif(blobs._SYNCFS is None, reason="syncfs needs Linux >= 5.8")
-def test_syncfs_failure_reaches_the_caller(store: FileBlobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_syncfs_failure_reaches_the_caller(
+    file_store: FileBlobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def failing(fd: int) -> int:
         ctypes.set_errno(errno.EIO)
         return -1
 
     monkeypatch.setattr(blobs, "_SYNCFS", failing)
-    writers = [spooled(store, f"doomed {n}".encode()) for n in range(SYNCFS_MIN_BATCH)]
+    writers = [spooled(file_store, f"doomed {n}".encode()) for n in range(SYNCFS_MIN_BATCH)]
     infos = [w.finish() for w in writers]
     with pytest.raises(OSError) as ei:
-        store.commit(writers)
+        file_store.commit(writers)
     assert ei.value.errno == errno.EIO
-    assert not any(store.exists(i.sha256) for i in infos)  # the first sync failed: nothing renamed
+    assert not any(file_store.exists(i.sha256) for i in infos)  # the first sync failed: nothing renamed
     for w in writers:
         w.abort()
-    assert temp_files(store) == []
+    assert temp_files(file_store) == []
 
 
 @pytest.mark.skipif(blobs._SYNCFS is None, reason="syncfs needs Linux >= 5.8")
@@ -138,12 +144,12 @@ def test_big_batch_through_real_syncfs(store: FileBlobStore) -> None:
     assert temp_files(store) == []
 
 
-def test_fanout_directory_removed_behind_our_back_is_made_again(store: FileBlobStore) -> None:
-    first = store.put_bytes(b"one")
-    leaf = store.local_path(first.sha256).parent
-    store.delete(first.sha256)
-    leaf.rmdir()  # the store remembers it existed
-    w = spooled(store, b"one")
+def test_fanout_directory_removed_behind_our_back_is_made_again(file_store: FileBlobStore) -> None:
+    first = file_store.put_bytes(b"one")
+    leaf = file_store.local_path(first.sha256).parent
+    file_store.delete(first.sha256)
+    leaf.rmdir()  # the file_store remembers it existed
+    w = spooled(file_store, b"one")
     w.finish()
-    store.commit([w])
-    assert store.open(first.sha256).read() == b"one"
+    file_store.commit([w])
+    assert file_store.open(first.sha256).read() == b"one"

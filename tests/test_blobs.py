@@ -21,21 +21,21 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def test_round_trip(store: FileBlobStore) -> None:
+def test_round_trip(file_store: FileBlobStore) -> None:
     data = b"hello, resourcesync\n" * 100
-    info = store.put_bytes(data)
+    info = file_store.put_bytes(data)
     assert info == BlobInfo(sha(data), len(data), {"sha-256": sha(data)})
-    assert store.exists(info.sha256)
-    assert store.size(info.sha256) == len(data)
-    with store.open(info.sha256) as f:
+    assert file_store.exists(info.sha256)
+    assert file_store.size(info.sha256) == len(data)
+    with file_store.open(info.sha256) as f:
         assert f.read() == data
         f.seek(7)
         assert f.read(5) == b"resou"
-    path = store.local_path(info.sha256)
-    assert path == store.root / info.sha256[:2] / info.sha256[2:4] / info.sha256
+    path = file_store.local_path(info.sha256)
+    assert path == file_store.root / info.sha256[:2] / info.sha256[2:4] / info.sha256
     assert path.read_bytes() == data
-    assert list(store.iter_hashes()) == [info.sha256]
-    assert temp_files(store) == []
+    assert list(file_store.iter_hashes()) == [info.sha256]
+    assert temp_files(file_store) == []
 
 
 def test_streamed_write_with_extra_algorithms(store: FileBlobStore) -> None:
@@ -76,18 +76,18 @@ def test_blob_visible_only_after_commit(store: FileBlobStore) -> None:
     assert w.state == "committed"
 
 
-def test_dedup_same_content_twice(store: FileBlobStore) -> None:
-    first = store.put_bytes(b"same bytes")
-    w = store.begin()
+def test_dedup_same_content_twice(file_store: FileBlobStore) -> None:
+    first = file_store.put_bytes(b"same bytes")
+    w = file_store.begin()
     w.write(b"same bytes")
     assert w.finish() == first
     assert w.tmp_path.exists()
-    store.commit([w])
+    file_store.commit([w])
     assert not w.tmp_path.exists()  # the second temp file was dropped, not renamed
     assert w.state == "committed"
-    assert list(store.iter_hashes()) == [first.sha256]
-    files = [p for p in store.root.rglob("*") if p.is_file() and p.parent != store.tmp]
-    assert files == [store.local_path(first.sha256)]
+    assert list(file_store.iter_hashes()) == [first.sha256]
+    files = [p for p in file_store.root.rglob("*") if p.is_file() and p.parent != file_store.tmp]
+    assert files == [file_store.local_path(first.sha256)]
 
 
 def test_dedup_within_one_batch(store: FileBlobStore) -> None:
@@ -104,12 +104,12 @@ def test_dedup_within_one_batch(store: FileBlobStore) -> None:
     store.commit(ws)  # committing again is harmless
 
 
-def test_damaged_existing_blob_is_replaced(store: FileBlobStore) -> None:
-    info = store.put_bytes(b"0123456789")
-    path = store.local_path(info.sha256)
+def test_damaged_existing_blob_is_replaced(file_store: FileBlobStore) -> None:
+    info = file_store.put_bytes(b"0123456789")
+    path = file_store.local_path(info.sha256)
     path.chmod(0o644)
     path.write_bytes(b"01234")  # truncated by some accident
-    store.put_bytes(b"0123456789")
+    file_store.put_bytes(b"0123456789")
     assert path.read_bytes() == b"0123456789"
 
 

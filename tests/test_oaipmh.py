@@ -62,12 +62,12 @@ def write_config(tmp_path: Path, url: str, extra: str = "") -> Path:
 def titles(cfg) -> dict[str, str]:
     """identifier -> dc:title of every live record rsagg holds (read back from its blob store)."""
     out = {}
-    blobs = cfg.store_path / "blobs"
-    for uri, sha in held(cfg).items():
-        files = list(blobs.glob(f"{sha[:2]}/{sha[2:4]}/{sha}"))
-        root = etree.fromstring(files[0].read_bytes())
-        assert root.tag == OAI_DC
-        out[uri] = root.findtext("{http://purl.org/dc/elements/1.1/}title")
+    with FileBlobStore(cfg.store_path / "blobs") as blobs:
+        for uri, sha in held(cfg).items():
+            with blobs.open(sha) as f:
+                root = etree.fromstring(f.read())
+            assert root.tag == OAI_DC
+            out[uri] = root.findtext("{http://purl.org/dc/elements/1.1/}title")
     return out
 
 
@@ -124,8 +124,8 @@ async def test_oai_harvest_changes_and_resync(tmp_path: Path):
         async with httpx.AsyncClient() as client:
             got = parse_page((await client.get(via.href)).content, via.href)
         assert got.records[0].identifier == repo.ident(7)
-        blob = cfg.store_path / "blobs" / row.sha256[:2] / row.sha256[2:4] / row.sha256
-        assert got.records[0].content == blob.read_bytes()
+        with FileBlobStore(cfg.store_path / "blobs") as blobs:
+            assert got.records[0].content == blobs.read_inline(row.sha256)  # a record: a row of small.db
 
         # Additions, updates, deletions: exactly those enter the changelog; an unchanged walk logs nothing
         # (``from`` is inclusive: the records of the previous walk's last second come again, as no-ops).
@@ -407,6 +407,31 @@ def test_parse_page_is_lenient_and_hostile_proof(tmp_path: Path):
 
     with pytest.raises(OaiError, match="http://h/oai"):
         parse_page(b"<OAI-PMH><ListRecords><record>", "http://h/oai")
+
+
+def test_parse_page_reads_records_in_any_order_of_their_parts():
+    """The schema's order is read by position, any other by name: both give the same records."""
+    meta = '<metadata><dc xmlns="http://www.openarchives.org/OAI/2.0/oai_dc/">t</dc></metadata>'
+    doc = f"""<OAI-PMH xmlns="http://www.openarchives.org/OAI/2.0/"><ListRecords>
+    <record><header><identifier> oai:x:1 </identifier><datestamp>2026-01-01</datestamp></header>
+      {meta}</record>
+    <record><header><datestamp>2026-01-01</datestamp><setSpec>s</setSpec><identifier>oai:x:2</identifier>
+      </header><about><x/></about>{meta}</record>
+    <record>{meta}<header><identifier>oai:x:3</identifier><identifier>second</identifier></header></record>
+    </ListRecords></OAI-PMH>""".encode()
+    page = parse_page(doc, "http://h/oai")
+    assert [r.identifier for r in page.records] == ["oai:x:1", "oai:x:2", "oai:x:3"] and not page.problems
+    assert len({r.content for r in page.records}) == 1
+    assert [r.datestamp for r in page.records] == [datetime(2026, 1, 1, tzinfo=UTC)] * 2 + [None]
+
+
+def test_get_record_urls_quote_identifiers_as_urllib_does():
+    from urllib.parse import quote
+
+    from aggregator.harvest.oaipmh import _quote_all
+
+    for text in ("oai:arXiv.org:cs/0112017", "".join(map(chr, range(128))), "oai:x:é 日本/%", ""):
+        assert _quote_all(text) == quote(text, safe="")
 
 
 async def test_day_granularity_overlap_is_idempotent(tmp_path: Path):

@@ -211,6 +211,9 @@ class NoLocalPath:
     def local_path(self, sha256: str) -> None:
         return None
 
+    def read_inline(self, sha256: str) -> None:
+        return None
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sqlite3
 import zipfile
 from contextlib import aclosing
 from datetime import UTC, datetime, timedelta
@@ -248,15 +249,15 @@ def test_emptied_set_gets_an_empty_resource_dump(env: Env) -> None:
 def test_damaged_blob_fails_the_run_and_publishes_nothing(env: Env) -> None:
     env.put(env.set_a, "https://up.example/a/good", b"good bytes")
     [ch] = env.put(env.set_a, "https://up.example/a/bad", b"bad bytes!")
-    path = env.blobs.local_path(ch.sha256)
-    os.chmod(path, 0o644)
-    path.write_bytes(b"BAD bytes!")  # same length, other content
+    key = bytes.fromhex(ch.sha256)  # a small blob: a row of small.db
+    with sqlite3.connect(env.blobs.root / "small.db") as db:  # same length, other content
+        db.execute("UPDATE blobs SET data = ? WHERE sha256 = ?", (b"BAD bytes!", key))
     b = env.builder(max_entries=1)
     with pytest.raises(DumpBuildError, match="damaged"):
         b.build_resource_dump("art", [env.set_a])
     assert b.resource_dump_packages("art") == [] and b.available("art") == {}
     assert [p.name for p in env.blobs.tmp.iterdir() if p.name != ".lock"] == []  # temp ZIPs aborted
-    path.unlink()
+    env.blobs.delete(ch.sha256)
     with pytest.raises(DumpBuildError, match="missing"):
         b.build_resource_dump("art", [env.set_a])
 

@@ -44,17 +44,16 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def filled(tmp_path: Path) -> Config:
-    """A store holding BLOBS in set "up" ("gone.txt" deleted, "missing.txt" without its blob)."""
+def filled(tmp_path: Path, inline_bytes: int = 0) -> Config:
+    """A store holding BLOBS in set "up" ("gone.txt" deleted, "missing.txt" without its blob): files,
+    or rows of small.db up to ``inline_bytes``."""
     cfg = make_config(tmp_path / "data", {"up": UP + ".well-known/resourcesync"})
     cfg.store_path.mkdir(parents=True, exist_ok=True)
-    blobs = FileBlobStore(cfg.store_path / "blobs")
+    blobs = FileBlobStore(cfg.store_path / "blobs", inline_bytes=inline_bytes)
     try:
         for data, _, _ in BLOBS.values():
             blobs.put_bytes(data)
-        missing = blobs.local_path(sha(BLOBS["missing.txt"][0]))
-        assert missing is not None
-        missing.unlink()
+        blobs.delete(sha(BLOBS["missing.txt"][0]))
     finally:
         blobs.close()
     with State(cfg.store_path / "state.db") as st:
@@ -68,10 +67,10 @@ def filled(tmp_path: Path) -> Config:
 
 @asynccontextmanager
 async def served(
-    tmp_path: Path, *, local: bool = True
+    tmp_path: Path, *, local: bool = True, inline_bytes: int = 0
 ) -> AsyncIterator[tuple[Callable[[str], str], httpx.AsyncClient]]:
     """(url of an upstream name, client) over the filled store, local files or not."""
-    cfg = filled(tmp_path)
+    cfg = filled(tmp_path, inline_bytes)
     blobs = None if local else NoLocalPath(FileBlobStore(cfg.store_path / "blobs"))
     async with publishing(cfg, blobs=blobs) as (base, client):
         yield (lambda name: rsagg_uri(base, "up", UP + name)), client
@@ -147,6 +146,50 @@ async def test_small_blob_from_memory(tmp_path: Path, file_responses: list[str])
         assert r.headers["content-type"] == "application/octet-stream"
         assert (await client.get(url("edge.bin"))).content == BLOBS["edge.bin"][0]
     assert file_responses == []
+
+
+async def test_inline_blobs_from_memory(tmp_path: Path, file_responses: list[str], monkeypatch):
+    """Blobs kept as rows of small.db answer as files do: from memory, hot, and through a file written
+    then for the Range forms only FileResponse decides (several ranges, 416, 400)."""
+    calls: list[Any] = []
+    run_sync = trio.to_thread.run_sync
+
+    async def counted(fn: Any, *args: Any, **kw: Any) -> Any:
+        calls.append(fn)
+        return await run_sync(fn, *args, **kw)
+
+    async with (
+        served(tmp_path / "files") as (file_url, client),
+        served(tmp_path / "rows", inline_bytes=SMALL_BLOB) as (url, _),
+    ):
+        for name in ("small.txt", "enc.json", "empty", "edge.bin"):
+            data = BLOBS[name][0]
+            u = url(name)
+            r = await client.head(u)
+            etag, lm = r.headers["etag"], r.headers["last-modified"]
+            for method, headers in [
+                ("GET", {}), ("HEAD", {}), ("GET", {"range": "bytes=2-5"}), ("GET", {"range": "bytes=-3"}),
+                ("HEAD", {"range": "bytes=2-5"}), ("GET", {"range": "bytes=2-5", "if-range": etag}),
+                ("GET", {"range": "bytes=2-5", "if-range": '"stale"'}), ("GET", {"if-none-match": etag}),
+                ("GET", {"if-modified-since": lm}), ("GET", {"if-match": '"x"'}),
+                # the forms FileResponse decides: from a file written for it (as for nginx)
+                ("GET", {"range": "bytes=0-0,2-3"}), ("GET", {"range": f"bytes={len(data)}-"}),
+                ("GET", {"range": "bytes=5-2"}),
+            ]:  # fmt: skip
+                mine = answer(await client.request(method, u, headers=headers))
+                theirs = answer(await client.request(method, file_url(name), headers=headers))
+                assert mine[0] == theirs[0] and mine[2] == theirs[2], (name, method, headers)
+                # the same headers in the same order; Link (another server) and Last-Modified aside
+                assert [(k, v if k not in ("link", "last-modified") else k) for k, v in mine[1]] == [
+                    (k, v if k not in ("link", "last-modified") else k) for k, v in theirs[1]
+                ], (name, method, headers)
+        monkeypatch.setattr(trio.to_thread, "run_sync", counted)
+        for _ in range(3):  # hot: answered without a thread call
+            assert (await client.get(url("small.txt"))).content == BLOBS["small.txt"][0]
+    assert calls == []
+    # FileResponse where it decides (the same requests for both stores), never for the other forms
+    rows = [f for f in file_responses if "/rows/" in f]
+    assert 0 < len(rows) == len(file_responses) - len(rows)
 
 
 async def test_big_blobs_and_odd_ranges_go_through_file_response(tmp_path: Path, file_responses: list[str]):

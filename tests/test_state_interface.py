@@ -60,9 +60,10 @@ def test_rows_are_frozen_values(tmp_path: Path) -> None:
 
 #: Modules that still open the state by path themselves: none (the WebSub tables are behind the seam).
 STILL_BY_PATH: set[str] = set()
-#: Modules that may speak SQL: the SQLite and PostgreSQL backends, and the audit's scratch set of URIs seen (a
-#: temporary file of its own, not the state).
-SQL_SPEAKERS = {"store/state.py", "store/postgres.py", "harvest/audit.py"}
+#: Modules that may speak SQL: the SQLite and PostgreSQL backends, the audit's scratch set of URIs seen (a
+#: temporary file of its own, not the state) and the filesystem blob store's small blobs (a database of
+#: the blob store, not the state).
+SQL_SPEAKERS = {"store/state.py", "store/postgres.py", "harvest/audit.py", "store/inline.py"}
 SQL_MARKS = ("import sqlite3", "sqlite_utils import", ".execute(")
 
 

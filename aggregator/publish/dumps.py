@@ -700,6 +700,9 @@ async def _blob_response(
     headers["Cache-Control"] = CACHE_CLOSED  # a package never changes (content-addressed)
     if _not_modified(request, etag, created):
         return Response(status_code=304, headers=headers)
+    inline = await run_in_threadpool(blobs.read_inline, sha256)
+    if inline is not None:  # a small manifest
+        return Response(inline, media_type=media_type, headers=headers)
     path = blobs.local_path(sha256)
     if path is not None:
         exists = await run_in_threadpool(path.is_file)

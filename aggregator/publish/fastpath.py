@@ -346,6 +346,12 @@ class ResourceFastPath:
         if row.deleted or not row.sha256:
             return self._with_plain(Hot(410, link))
         hot = Hot(200, link, row, resource_headers(row, link))
+        # Small blobs kept inline are answered from memory, but under x-accel: nginx reads a file then
+        # (``blob_name`` writes it) and keeps rsagg's decision, so it never asks rsagg again meanwhile.
+        inline = pub.blobs.read_inline(row.sha256) if self.offload != "x-accel" else None
+        if inline is not None:
+            hot.size, hot.body = len(inline), inline
+            return self._with_plain(hot)
         if self.offload == "x-accel":
             hot.target = self.location + pub.blobs.blob_name(row.sha256)
         elif self.offload == "redirect":

@@ -167,6 +167,14 @@ def resource_answer(request: Request, r: Resource, blobs: BlobStore, link: str) 
     early = conditional_answer(request, r, headers)
     if early is not None:
         return early
+    inline = blobs.read_inline(r.sha256)
+    if inline is not None:
+        answer = memory_response(request, headers, inline)
+        if answer is not None:
+            return answer
+        # Several ranges, a malformed or unsatisfiable one: FileResponse decides those, from the file
+        # the store writes for whoever reads its blobs as files (``blob_name``), as for any local blob.
+        blobs.blob_name(r.sha256)
     path = blobs.local_path(r.sha256)
     if path is None:
         return None

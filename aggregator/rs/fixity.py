@@ -8,6 +8,9 @@ import re
 #: Token names used by ResourceSync (note the hyphens) mapped to hashlib names.
 ALGORITHMS: dict[str, str] = {"md5": "md5", "sha-1": "sha1", "sha-256": "sha256", "sha-512": "sha512"}
 _HEX_LEN = {"md5": 32, "sha-1": 40, "sha-256": 64, "sha-512": 128}
+#: The constructors themselves: ``hashlib.new(name)`` looks the name up on every call (a Hasher is
+#: made per resource, and per record of an OAI-PMH page).
+_NEW = {"md5": hashlib.md5, "sha-1": hashlib.sha1, "sha-256": hashlib.sha256, "sha-512": hashlib.sha512}
 _HEX = re.compile(r"[0-9a-fA-F]+\Z")
 
 
@@ -48,7 +51,10 @@ class Hasher:
     __slots__ = ("_h", "length")
 
     def __init__(self, algorithms: set[str] | frozenset[str] = frozenset()) -> None:
-        self._h = {a: hashlib.new(ALGORITHMS[a]) for a in {"sha-256", *algorithms} if a in ALGORITHMS}
+        self._h = {"sha-256": hashlib.sha256()}
+        for a in algorithms:
+            if a in _NEW and a not in self._h:
+                self._h[a] = _NEW[a]()
         self.length = 0
 
     def update(self, chunk: bytes) -> None:

@@ -3,7 +3,8 @@
 Why content addressing: the same bytes harvested twice (from two Sources, or unchanged between two
 baselines) are stored once, and a state row only has to name a hash. ``BlobStore`` is the interface the
 rest of rsagg uses (a plugin may provide another backend later); ``FileBlobStore`` keeps blobs on the
-local filesystem under ``root/ab/cd/<sha256>``.
+local filesystem under ``root/ab/cd/<sha256>``, and small ones as rows of ``root/small.db``
+(``store/inline.py``).
 
 docs/architecture.md invariant 2 ("blob before state"): ``commit`` returns only once every blob it names is
 durable (data fsynced, renamed into place, directory fsynced); callers commit blobs first and then the
@@ -16,6 +17,8 @@ import ctypes
 import errno
 import fcntl
 import functools
+import heapq
+import io
 import itertools
 import logging
 import os
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
 
 from ..rs.fixity import Hasher
+from .inline import INLINE_FILE, InlineBlobs
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,10 @@ FSYNC_THREADS = 16
 #: ~670 fsyncs (~80 ms on the ext4 dev VM; 250 ms with a busy disk) against ~10 ms for two syncfs.
 #: Smaller batches keep per-file fsyncs (syncfs also flushes unrelated dirty data of the filesystem).
 SYNCFS_MIN_BATCH = 16
+#: Blobs up to this many bytes, when they reach ``commit`` in memory, are stored as rows of the store's
+#: ``small.db`` (store/inline.py) rather than as a file each (``[store.settings] inline_bytes``). Every
+#: blob this small is also answered from memory when served, so nothing offloads it to a front end.
+INLINE_BYTES = 16 * 1024
 _TMP_PREFIX = "blob-"
 
 
@@ -135,7 +143,8 @@ class BlobWriter:
             os.fchmod(f.fileno(), BLOB_MODE)
         finally:
             f.close()
-        self._info = BlobInfo(self._hasher.sha256, self._hasher.length, self._hasher.hexdigests())
+        hashes = self._hasher.hexdigests()
+        self._info = BlobInfo(hashes["sha-256"], self._hasher.length, hashes)
         self._state = "finished"
         return self._info
 
@@ -196,7 +205,8 @@ class SpooledBlobWriter(BlobWriter):
     def finish(self) -> BlobInfo:
         if self._parts is None or self._state != "open":
             return super().finish()
-        self._info = BlobInfo(self._hasher.sha256, self._hasher.length, self._hasher.hexdigests())
+        hashes = self._hasher.hexdigests()
+        self._info = BlobInfo(hashes["sha-256"], self._hasher.length, hashes)
         self._state = "finished"
         return self._info
 
@@ -218,16 +228,23 @@ class SpooledBlobWriter(BlobWriter):
         """Give a finished in-memory blob its read-only temp file (called by ``commit``, blocking)."""
         if self._parts is None:
             return
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, BLOB_MODE)
-        self.tmp_path = Path(path)  # set at once: abort() removes it whatever happens next
-        try:
-            for part in self._parts:
-                view = memoryview(part)
-                while view:
-                    view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
+        self.tmp_path = Path(path)  # set before it exists: abort() removes it whatever happens next
+        _write_new(path, self._parts)
         self._parts = None
+
+
+def _write_new(path: str, parts: Sequence[bytes], *, sync: bool = False) -> None:
+    """Write a new read-only file (O_EXCL: never one that exists), optionally fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, BLOB_MODE)
+    try:
+        for part in parts:
+            view = memoryview(part)
+            while view:
+                view = view[os.write(fd, view) :]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def pending_writers(
@@ -276,6 +293,11 @@ class BlobStore(Protocol):
     def iter_hashes(self) -> Iterator[str]: ...
 
     def local_path(self, sha256: str) -> Path | None: ...
+
+    def read_inline(self, sha256: str) -> bytes | None:
+        """The bytes of a blob the store keeps inline (small, in a database of its own: one quick read);
+        None for every other blob. Callers serving a blob ask this first, then ``local_path``."""
+        ...
 
     def blob_name(self, sha256: str) -> str:
         """The blob's name inside the store, ``ab/cd/<sha256>``: where a front end offloading the bytes
@@ -375,20 +397,32 @@ def put_bytes(store: BlobStore, data: bytes) -> BlobInfo:
 
 
 class FileBlobStore:
-    """Blobs as read-only files ``root/ab/cd/<sha256>`` (two fan-out levels keep directories small).
+    """Blobs as read-only files ``root/ab/cd/<sha256>`` (two fan-out levels keep directories small), and
+    those of at most ``inline_bytes`` that reach ``commit`` in memory as rows of ``root/small.db``.
 
     Temp files live in ``root/tmp/`` (same filesystem, so the final ``rename`` is atomic), a TempArea:
     stale ones of a crashed process are removed at start-up when no other process uses the store.
+    A blob may be in both places (a small file written before ``small.db`` existed, stored again inline):
+    readers take the row, ``delete`` removes both, ``iter_hashes`` names it once.
     """
 
     #: ``on_commit(written, deduplicated)``: BlobInfos of each commit, for metrics (``metrics.py``).
     on_commit: Callable[[list[BlobInfo], list[BlobInfo]], None] | None = None
 
     def __init__(
-        self, root: Path | str, *, fsync_threads: int = FSYNC_THREADS, syncfs: bool | None = None
+        self,
+        root: Path | str,
+        *,
+        fsync_threads: int = FSYNC_THREADS,
+        syncfs: bool | None = None,
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
-        """``syncfs``: None = use it for big batches where the OS supports it; False = never."""
+        """``syncfs``: None = use it for big batches where the OS supports it; False = never.
+        ``inline_bytes``: 0 = a file for every new blob (rows stored earlier are still read)."""
+        if inline_bytes < 0:
+            raise ValueError(f"inline_bytes must be 0 or more, not {inline_bytes}")
         self.root = Path(root)
+        self.inline_bytes = inline_bytes
         self.tmp = self.root / "tmp"
         self._fsync_threads = max(1, fsync_threads)
         #: Fan-out directories known to exist ("ab", "ab/cd"): no mkdir per blob once seen (never removed;
@@ -400,6 +434,8 @@ class FileBlobStore:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._temp = TempArea(self.tmp)
+        small = self.root / INLINE_FILE
+        self._inline = InlineBlobs(small) if inline_bytes or small.exists() else None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -408,6 +444,8 @@ class FileBlobStore:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._inline is not None:
+            self._inline.close()
         self._temp.close()
 
     def __enter__(self) -> FileBlobStore:
@@ -423,11 +461,56 @@ class FileBlobStore:
         return self.root / sha256[0:2] / sha256[2:4] / sha256
 
     def local_path(self, sha256: str) -> Path | None:
-        """Where the blob is (or would be) on disk, for serving it with sendfile; not checked to exist."""
+        """Where the blob is (or would be) on disk, for serving it with sendfile; not checked to exist
+        (an inline blob has no file: ``read_inline`` first)."""
         return self._path(sha256)
 
+    def read_inline(self, sha256: str) -> bytes | None:
+        check_sha256(sha256)
+        return None if self._inline is None else self._inline.get(sha256)
+
     def blob_name(self, sha256: str) -> str:
-        return blob_name(sha256)
+        """``ab/cd/<sha256>``; an inline blob first gets a file there (``_file_copy``): a front end
+        offloading the bytes reads files (``server.offload = "x-accel"``)."""
+        name = blob_name(sha256)
+        if self._inline is not None:
+            try:
+                self._file_copy(sha256)
+            except OSError as exc:  # the front end finds no file, and hands the request to rsagg
+                log.warning("blob %s: cannot write its file for the front end: %s", sha256, exc)
+        return name
+
+    def _file_copy(self, sha256: str) -> None:
+        """Write an inline blob's file, once (the row stays the blob; ``delete`` removes both).
+
+        Written as any blob file (read-only temp, fsync, rename), so a front end never reads a partial
+        one. Not durable by itself: a name lost in a crash is written again on the next request.
+        """
+        target = self._path(sha256)
+        if target.exists():
+            return
+        data = self._inline.get(sha256) if self._inline is not None else None
+        if data is None:
+            return
+        tmp = self._temp.next_name()
+        try:
+            _write_new(tmp, [data], sync=True)
+            self._place(tmp, f"{sha256[0:2]}/{sha256[2:4]}", str(target))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _place(self, tmp: Path | str, leaf: str, target: str) -> list[str]:
+        """Rename a temp file to its blob name, in fan-out directories made as needed; returns the
+        directories whose entries changed besides the leaf's own (to fsync)."""
+        changed = self._ensure_dirs(leaf)
+        try:
+            os.replace(tmp, target)
+        except FileNotFoundError:  # a fan-out directory we knew is gone: make it again
+            self._dirs_known.clear()
+            changed += self._ensure_dirs(leaf)
+            os.replace(tmp, target)
+        return changed
 
     def url(self, sha256: str, lifetime: float, content_type: str | None = None) -> str | None:
         return None  # clients cannot reach a local file by URL: use x-accel offload instead
@@ -443,7 +526,11 @@ class FileBlobStore:
         return self._temp.begin(algorithms, spool)
 
     def put_bytes(self, data: bytes) -> BlobInfo:
-        return put_bytes(self, data)
+        with self.begin(spool=self.inline_bytes) as w:  # small ones stay in memory: inline
+            w.write(data)
+            info = w.finish()
+            self.commit([w])
+        return info
 
     def commit(self, writers: Sequence[BlobWriter]) -> None:
         """Make every finished writer's blob durable and visible (see ``commit_steps``); blocking."""
@@ -466,15 +553,23 @@ class FileBlobStore:
         Only then is the blob durable: a crash before step 3 may lose the name, never expose a partial
         file, since a name only ever points at fsynced bytes. Big batches do steps 1 and 3 with one
         ``syncfs`` each (see SYNCFS_MIN_BATCH): same order, same guarantee, the whole filesystem at once.
+
+        Small blobs held in memory skip all that: one transaction of ``small.db`` stores them, durable
+        when it commits (store/inline.py), before any file of the batch is touched.
         """
         todo, first = pending_writers(writers)
         if not todo:
             return
-        to_sync = [w for w, info in todo if first[info.sha256] is w and not self._exists_ok(info)]
+        inline = self._inline_candidates(first)
+        added: list[bool] = []
+        if inline:
+            yield functools.partial(self._put_inline, inline, added)
+        files = [(w, info) for w, info in todo if info.sha256 not in inline]
+        to_sync = [w for w, info in files if first[info.sha256] is w and not self._exists_ok(info)]
         for w in to_sync:
             if isinstance(w, SpooledBlobWriter):
                 w._write_temp(self._temp.next_name())
-        whole_fs = self._use_syncfs and self._temp.lock_fd is not None and len(todo) >= SYNCFS_MIN_BATCH
+        whole_fs = self._use_syncfs and self._temp.lock_fd is not None and len(files) >= SYNCFS_MIN_BATCH
         if whole_fs:
             if to_sync:
                 yield self._syncfs
@@ -482,20 +577,20 @@ class FileBlobStore:
             yield functools.partial(self._fsync_files, [w.tmp_path for w in to_sync])
         dirs: set[str] = set()
         syncing = set(map(id, to_sync))
+        syncing.update(id(inline[sha]) for sha, new in zip(inline, added, strict=True) if new)
         root = str(self.root)
         for w, info in todo:
             sha = check_sha256(info.sha256)
+            if sha in inline:  # stored by the transaction above (a duplicate's temp file, if any, goes)
+                if w.tmp_path is not None:
+                    w.tmp_path.unlink(missing_ok=True)
+                w._committed()
+                continue
             leaf = f"{sha[0:2]}/{sha[2:4]}"
             target = f"{root}/{leaf}/{sha}"  # self._path(), without pathlib's cost per blob
             if id(w) in syncing:
                 assert w.tmp_path is not None
-                dirs.update(self._ensure_dirs(leaf))
-                try:
-                    os.replace(w.tmp_path, target)
-                except FileNotFoundError:  # a fan-out directory we knew is gone: make it again
-                    self._dirs_known.clear()
-                    dirs.update(self._ensure_dirs(leaf))
-                    os.replace(w.tmp_path, target)
+                dirs.update(self._place(w.tmp_path, leaf, target))
             else:
                 # Dedup: the blob is already there. Its directory entry may come from a concurrent
                 # commit that has not fsynced it yet, so its directory is synced here too.
@@ -503,10 +598,32 @@ class FileBlobStore:
                     w.tmp_path.unlink(missing_ok=True)
             dirs.add(f"{root}/{leaf}")
             w._committed()
-        yield self._syncfs if whole_fs else functools.partial(self._fsync_dirs, sorted(dirs))
+        if dirs:
+            yield self._syncfs if whole_fs else functools.partial(self._fsync_dirs, sorted(dirs))
         if self.on_commit is not None:  # durable now: count what was written vs already there (dedup)
             new = [i for w, i in todo if id(w) in syncing]
             self.on_commit(new, [i for w, i in todo if id(w) not in syncing])
+
+    def _inline_candidates(self, first: dict[str, BlobWriter]) -> dict[str, SpooledBlobWriter]:
+        """The blobs of a batch to store inline: small, and still in memory (per content, its writer)."""
+        if not self.inline_bytes or self._inline is None:
+            return {}
+        return {
+            sha: w
+            for sha, w in first.items()
+            if isinstance(w, SpooledBlobWriter) and w.info is not None
+            and w.info.length <= self.inline_bytes and w.held() is not None
+        }  # fmt: skip
+
+    def _put_inline(self, inline: dict[str, SpooledBlobWriter], added: list[bool]) -> None:
+        """Store the batch's inline blobs in one durable transaction; ``added`` says which were new."""
+        assert self._inline is not None
+        items = []
+        for sha, w in inline.items():
+            data = w.held()
+            assert data is not None
+            items.append((sha, data))
+        added[:] = self._inline.put_many(items)
 
     def _syncfs(self) -> None:
         """Flush the store's filesystem (data and metadata) and wait; raises on a writeback error.
@@ -577,13 +694,22 @@ class FileBlobStore:
     # -- reading ---------------------------------------------------------------------------------
 
     def exists(self, sha256: str) -> bool:
+        if self._inline is not None and self._inline.length(check_sha256(sha256)) is not None:
+            return True
         return self._path(sha256).is_file()
 
     def open(self, sha256: str) -> BinaryIO:
         """A seekable read-only binary file; FileNotFoundError when the blob is not stored."""
+        data = self.read_inline(sha256)
+        if data is not None:
+            return io.BytesIO(data)
         return open(self._path(sha256), "rb")  # the caller owns (and closes) the file
 
     def size(self, sha256: str) -> int:
+        if self._inline is not None:
+            length = self._inline.length(check_sha256(sha256))
+            if length is not None:
+                return length
         return os.stat(self._path(sha256)).st_size
 
     def delete(self, sha256: str) -> None:
@@ -591,10 +717,24 @@ class FileBlobStore:
 
         The caller (gc) must make sure no state row names it and no commit races with it.
         """
+        if self._inline is not None:
+            self._inline.delete(check_sha256(sha256))
         self._path(sha256).unlink(missing_ok=True)
 
     def iter_hashes(self) -> Iterator[str]:
-        """Every committed blob's SHA-256, by walking the fan-out directories (temp files excluded)."""
+        """Every committed blob's SHA-256 once, ascending: the rows of ``small.db`` merged with the files."""
+        files = self._iter_files()
+        if self._inline is None:
+            yield from files
+            return
+        last = None
+        for sha in heapq.merge(self._inline.iter_hashes(), files):
+            if sha != last:
+                yield sha
+            last = sha
+
+    def _iter_files(self) -> Iterator[str]:
+        """Every blob file's SHA-256, ascending, by walking the fan-out directories (temp files excluded)."""
         for top in _scandir_sorted(self.root):
             if not (top.is_dir(follow_symlinks=False) and _HEX2.match(top.name)):
                 continue
