@@ -36,6 +36,7 @@ import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -43,8 +44,8 @@ import trio
 
 from .config import Config, SourceConfig
 from .rs.w3cdt import utcnow
+from .store.calls import in_thread
 from .store.interface import Fence, LeaseLost, NodeRow, StateStore, fenced
-from .store.state import open_state
 
 log = logging.getLogger("rsagg.cluster")
 
@@ -72,25 +73,26 @@ StopSource = Callable[[str], trio.Event]
 
 
 class Node:
-    """This process as a cluster node: it decides which sources the daemon harvests (``run``)."""
+    """This process as a cluster node: it decides which sources the daemon harvests (``run``).
+
+    ``state`` is the node's own handle, opened and closed by whoever built it (compose.py's
+    ``start_node``): not the harvester's, so beats never queue behind this process's harvest writes."""
 
     def __init__(
         self,
         config: Config,
         *,
+        state: StateStore,
         start: StartSource,
         stop: StopSource,
         metrics: Any = None,
         fetcher: Any = None,
-        state: StateStore | None = None,
         roles: Mapping[str, Callable[[], Awaitable[Any]]] | None = None,
     ) -> None:
         self.config = config
         self.name = node_name(config)
         self.lease_seconds = config.cluster.lease_seconds
-        #: Its own connection: beats never queue behind this process's harvest writes.
-        self.state: StateStore = state if state is not None else open_state(config, cache_mib=1)
-        self._own_state = state is None
+        self.state = state
         self.held: dict[str, Fence] = {}
         self._start, self._stop = start, stop
         self._stopping: dict[str, trio.Event] = {}  # source -> its task's end, while being released
@@ -111,12 +113,15 @@ class Node:
         return self.lease_seconds / 3
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+        """A state call in a worker thread (on SQLite too: a lease write may wait for another handle's
+        commit), never abandoned: a claim or release started is finished."""
+        return await in_thread(partial(fn, *args, **kwargs))
 
     # ------------------------------------------------------------------ the loop
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Beat until cancelled; then release every lease held (after each task's last commit)."""
+        """Beat until cancelled; then release every lease held (after each task's last commit). The state
+        handle stays open: its owner closes it after this returns."""
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -132,8 +137,6 @@ class Node:
             with trio.move_on_after(RELEASE_WAIT + 5) as cleanup:
                 cleanup.shield = True
                 await self._leave()
-            if self._own_state:
-                self.state.close()
 
     async def _leave(self) -> None:
         """A clean stop: stop every task, release its lease once it has finished, mark the node stopped."""

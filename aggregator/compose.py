@@ -14,6 +14,8 @@ this module, the daemon and the commands sit above them.
   a state handle of its own; the subscriber gets a ``Harvester`` of ``ctx``, the notifier the dump
   builder, the harvest context the notifier's wake-up as a commit listener, the metrics the counters).
   ``Assembly.app(config)`` builds the publisher for a configuration (start and every reload) from them.
+- ``start_node(parts, ...)``: on a cluster node (``[cluster] enabled``), this process as a ``cluster.Node``
+  with a state handle of its own, opened here and closed here once the node has left the cluster.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from . import outbound
+from .cluster import Node, StartSource, StopSource
 from .config import Config
 from .harvest.access import Access, user_agent
 from .harvest.context import HarvestContext, open_blob_store, prepare_store
@@ -199,4 +202,35 @@ async def run_assembly(
         nursery.start_soon(run_dumps, parts.dumps, lambda: parts.config, parts.harvest.plugins, stop_when)
 
 
-__all__ = ["Assembly", "assemble", "open_context", "run_assembly"]
+def start_node(
+    parts: Assembly, nursery: trio.Nursery, scope: trio.CancelScope, *, start: StartSource, stop: StopSource
+) -> Node:
+    """This process as a cluster node (cluster.py), run in ``nursery`` until ``scope`` is cancelled: it
+    then releases its leases, and the state handle opened for it here is closed.
+
+    The handle is the node's own, not ``ctx.writer``: heartbeats and lease renewals never queue behind
+    this process's harvest writes (a beat held up by a long harvest batch would let the leases lapse and
+    stop every task of the node)."""
+    config = parts.config
+    state = open_state(config, cache_mib=1)
+    try:
+        node = Node(
+            config, state=state, start=start, stop=stop, metrics=parts.metrics, fetcher=parts.harvest.fetcher,
+            roles=parts.roles(),
+        )  # fmt: skip
+    except BaseException:
+        state.close()
+        raise
+
+    async def run() -> None:
+        try:
+            with scope:
+                await node.run()
+        finally:
+            state.close()
+
+    nursery.start_soon(run, name=f"cluster node {node.name}")
+    return node
+
+
+__all__ = ["Assembly", "assemble", "open_context", "run_assembly", "start_node"]

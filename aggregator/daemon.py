@@ -33,7 +33,8 @@ import trio
 from starlette.types import ASGIApp
 
 from . import outbound, sdnotify
-from .compose import Assembly, assemble, open_context, run_assembly
+from .cluster import Node
+from .compose import Assembly, assemble, open_context, run_assembly, start_node
 from .config import Config, ConfigError, SourceConfig, load_config
 from .harvest.source import poll_source
 from .hotswap import HotSwapApp
@@ -123,7 +124,7 @@ class _Daemon:
         self.tasks: dict[str, _SourceTask] = {}
         self._ending: dict[str, trio.Event] = {}  # source -> end of its stopped task
         #: This process as a cluster node (``cluster.py``), when ``[cluster] enabled``.
-        self.node: Any = None
+        self.node: Node | None = None
         self._node_scope = trio.CancelScope()
         self.shutdown = trio.Event()
         self.app = HotSwapApp(app_factory(parts.config, parts), nursery)
@@ -184,14 +185,10 @@ class _Daemon:
         if not self.harvest:
             return
         if self.config.cluster.enabled:  # the node claims leases and starts what it holds
-            from .cluster import Node
-
-            self.node = Node(
-                self.config, metrics=self.ctx.metrics, fetcher=self.ctx.fetcher,
+            self.node = start_node(
+                self.parts, self.nursery, self._node_scope,
                 start=lambda src, fence: self.start_source(src, fence=fence), stop=self.stop_source,
-                roles=self.parts.roles(),
             )  # fmt: skip
-            self.nursery.start_soon(_scoped, self._node_scope, self.node.run)
             return
         for src in self.config.sources:
             if src.enabled:

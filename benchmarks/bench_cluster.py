@@ -35,7 +35,6 @@ import contextlib
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
+import _harness  # noqa: E402 - rsagg harvest --once, configured and run
 import bench_harvest  # noqa: E402 - the upstream site and its server
 import psutil  # noqa: E402
 import trio  # noqa: E402
@@ -61,7 +61,6 @@ from tests import pgserver  # noqa: E402
 from tests.clustering import NodeProcess, SharedState, free_port, sources_toml, wait_for  # noqa: E402
 
 TARGET_PG_VS_SQLITE = 0.7
-PER_HOST = 64
 
 
 @dataclass
@@ -87,34 +86,12 @@ class Run:
 
 def harvest(folder: Path, base: str, n: int, state: str) -> Run:
     """``rsagg harvest --once`` into a fresh store folder with the state at ``state`` ("" = SQLite)."""
-    folder.mkdir(parents=True)
-    line = f'state = "{state}"\n' if state else ""
-    (folder / "rsagg.toml").write_text(
-        f'[store]\npath = "data"\n{line}\n[harvest]\nper_host = {PER_HOST}\nworkers = {PER_HOST}\n\n'
-        f'[[sources]]\nname = "bench"\nurl = "{base}/"\n'
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "aggregator",
-        "harvest",
-        "--once",
-        "-c",
-        "rsagg.toml",
-        "--log-level",
-        "warning",
-    ]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     server_before = server_cpu()
-    with (folder / "rsagg.out").open("wb") as out, (folder / "rsagg.err").open("wb") as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=folder, stdout=out, stderr=err, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
+    done = _harness.harvest_once(folder, base, state=state)
     with connect(state or folder / "data" / "state.db") as st:
         held = st.count_resources()
-    run = Run("postgresql" if state else "sqlite", n, wall, held, os.waitstatus_to_exitcode(status))
-    run.cpu = usage.ru_utime + usage.ru_stime
+    run = Run("postgresql" if state else "sqlite", n, done.wall, held, done.code)
+    run.cpu = done.cpu
     run.listing = listing_rate(state or folder / "data" / "state.db")
     if state:
         run.listing_whole = listing_rate(state, whole=True)
@@ -384,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--part", choices=("all", "nodes", "pg"), default="all")
     known, rest = p.parse_known_args(argv)
+    if known.part == "all" and {"-h", "--help"} & set(rest):  # the parts' own parsers never see it here
+        print(__doc__)
+        return 0
     code = 0
     if known.part in ("all", "nodes"):
         nodes_args = [

@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _harness import PER_HOST, ROOT, harvest_once, run_child
+
 TARGETS = {"ratio_latency": 20.0, "ratio_loopback": 1.0, "big_rss_mb": 150.0}
 FILES_PER_DIR = 100  # the sample for resync is made of whole folders
-PER_HOST = 64
 
 
 # -- the upstream: a static file server with optional latency (child process) ---------------------------
@@ -235,39 +235,11 @@ class Run:
         return self.resources / self.wall if self.wall else float("inf")
 
 
-def run_child(cmd: list[str], cwd: Path, name: str) -> tuple[float, float, int]:
-    """Run a tool; (wall seconds, peak RSS MB, exit code). Output goes to NAME.out / NAME.err in cwd."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    with (cwd / f"{name}.out").open("wb") as out, (cwd / f"{name}.err").open("wb") as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return wall, usage.ru_maxrss / 1024, proc.returncode  # Linux: ru_maxrss in KiB
-
-
 def run_rsagg(case: str, base: str, n: int, folder: Path) -> Run:
-    folder.mkdir(parents=True)
-    (folder / "rsagg.toml").write_text(
-        f'[store]\npath = "data"\n\n[harvest]\nper_host = {PER_HOST}\nworkers = {PER_HOST}\n\n'
-        f'[[sources]]\nname = "bench"\nurl = "{base}/"\n'
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "aggregator",
-        "harvest",
-        "--once",
-        "-c",
-        "rsagg.toml",
-        "--log-level",
-        "warning",
-    ]
-    wall, rss, code = run_child(cmd, folder, "rsagg")
-    run = Run(case, "rsagg", n, wall, rss)
-    if code != 0:
-        run.problems.append(f"exit code {code} (see {folder}/rsagg.err)")
+    done = harvest_once(folder, base)
+    run = Run(case, "rsagg", n, done.wall, done.rss_mb)
+    if done.code != 0:
+        run.problems.append(f"exit code {done.code} (see {folder}/rsagg.err)")
     status = subprocess.run(
         [sys.executable, "-m", "aggregator", "status", "-c", "rsagg.toml", "--json"],
         cwd=folder, capture_output=True, text=True,
@@ -286,7 +258,7 @@ def run_rsagg(case: str, base: str, n: int, folder: Path) -> Run:
 def resync_startup(folder: Path) -> float:
     """Wall time of resync-sync starting and exiting (interpreter + imports): not per resource."""
     folder.mkdir(parents=True, exist_ok=True)
-    return min(run_child([tool("resync-sync"), "--help"], folder, "startup")[0] for _ in range(3))
+    return min(run_child([tool("resync-sync"), "--help"], folder, "startup").wall for _ in range(3))
 
 
 def run_resync(case: str, base: str, n: int, folder: Path, sample: int = 0, startup: float = 0.0) -> Run:
@@ -297,12 +269,13 @@ def run_resync(case: str, base: str, n: int, folder: Path, sample: int = 0, star
         cmd += ["--sitemap", f"{base}/sample-resourcelist.xml"]
         expected = sample
     cmd += [base, "dst"]
-    wall, rss, code = run_child(cmd, folder, "resync")
+    done = run_child(cmd, folder, "resync")
+    wall, code = done.wall, done.code
     text = (folder / "resync.out").read_text(errors="replace") + (folder / "resync.err").read_text(
         errors="replace"
     )
     held = sum(len(files) for _, _, files in os.walk(folder / "dst"))
-    run = Run(case, "resync", expected, wall, rss)
+    run = Run(case, "resync", expected, wall, done.rss_mb)
     if code != 0 or "FatalError" in text or f"created={expected}," not in text:
         run.problems.append(f"resync did not report {expected:,} created (see {folder}/resync.err)")
     if held != expected:

@@ -17,7 +17,7 @@ from aggregator.config import parse_config
 from aggregator.rs.model import CREATED
 from aggregator.store.interface import LeaseLost, fenced
 from aggregator.store.rows import Change, Cursor, Fence
-from aggregator.store.state import State, connect
+from aggregator.store.state import State, connect, open_state
 
 from .clustering import assert_no_overlap
 from .pgserver import PgServer
@@ -179,7 +179,10 @@ async def test_nodes_balance_their_leases(tmp_path: Path) -> None:
             done.set()
             return done
 
-        return Node(config, start=lambda src, f: running[name].__setitem__(src.name, f), stop=stop)
+        return Node(
+            config, state=open_state(config, cache_mib=1), stop=stop,
+            start=lambda src, f: running[name].__setitem__(src.name, f),
+        )  # fmt: skip
 
     a, b = make("A"), make("B")
     async with trio.open_nursery() as nursery:

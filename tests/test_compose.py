@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import sqlite3
 import typing
 from pathlib import Path
 
-from aggregator.compose import assemble, open_context
+import pytest
+import trio
+
+from aggregator.compose import assemble, open_context, start_node
 from aggregator.config import Config, parse_config
 from aggregator.harvest.context import HarvestContext
 from aggregator.harvest.notices import NotifiedHarvest
@@ -57,3 +61,33 @@ async def test_assemble_without_harvest_or_dumps_or_notifications(tmp_path: Path
     async with open_context(config) as ctx:
         parts = assemble(ctx)
         assert parts.notifications is None and parts.followed is None and ctx.commit_listeners == []
+
+
+async def test_a_cluster_node_gets_a_state_handle_of_its_own_closed_once_it_left(tmp_path: Path) -> None:
+    """compose.py opens the node's handle (not the harvester's: beats never queue behind a harvest batch)
+    and closes it after the node has left the cluster (released its leases, marked itself stopped)."""
+    config = _config(
+        tmp_path,
+        cluster={"enabled": True, "node": "A"},
+        publish={"dump_interval": 0},
+        notifications={"enabled": False},
+    )
+    async with open_context(config) as ctx:
+        parts = assemble(ctx)
+        scope = trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            node = start_node(
+                parts, nursery, scope, start=lambda src, fence: None, stop=lambda name: trio.Event()
+            )
+            assert node.state is not ctx.writer and node.state is not ctx.reader
+            with trio.fail_after(60):
+                while node.beats < 1 or not node.roles_held:
+                    await trio.sleep(0.01)
+            assert [n.name for n in node.state.nodes()] == ["A"]
+            scope.cancel()
+        (row,) = ctx.reader.nodes()
+        assert row.name == "A" and row.stopped_at is not None  # it left before its handle closed
+        leases = ctx.reader.leases()  # the "@dumps" role's
+        assert leases and all(lease.node is None for lease in leases)  # released
+        with pytest.raises(sqlite3.ProgrammingError):  # closed
+            node.state.nodes()

@@ -2,8 +2,15 @@
 
 Why: the hub, the notifier and the subscriber each own a state handle of their own (the composition opens
 one per component, so their writes never queue behind a harvest batch on the harvester's handle) and call
-it from the trio loop; a state call blocks, so it runs in a worker thread, one at a time, never
-abandoned on cancellation (a write started is a write finished), and refused once the component closed.
+it from the trio loop; a state call blocks, so it runs in a worker thread (``store/calls.py``'s
+``in_thread``: never abandoned on cancellation, a write started is a write finished), and refused once
+the component closed.
+
+Why always a thread, even on SQLite where ``state_call`` calls directly: these are mostly writes, and a
+write waits for SQLite's one write lock while another handle (the harvester's) commits. Why one at a
+time, on every backend: a call is often a component's own function doing several state calls and
+updating the component's in-memory tables (e.g. the hub's ``_queue_verification``, the notifier's
+``_plan``); serialised, no two of them interleave, and no call runs on a handle ``close`` is closing.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from ..store.calls import in_thread
 from ..store.interface import StateStore
 
 T = TypeVar("T")
@@ -40,9 +48,7 @@ class StoreCalls:
             return fn(*args)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await trio.to_thread.run_sync(
-            lambda: self.call(fn, *args), limiter=self._limiter, abandon_on_cancel=False
-        )
+        return await in_thread(self.call, fn, *args, limiter=self._limiter)
 
     def close(self) -> None:
         """Refuse further calls and close the state handle (the component owned it)."""

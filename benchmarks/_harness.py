@@ -1,0 +1,63 @@
+"""What the harvest benchmarks share: ``rsagg harvest --once`` of one Source, configured and run as a child
+process in a fresh folder, timed from start to exit, with the child's resource usage from ``os.wait4``.
+
+Used by bench_harvest.py (rsagg next to resync) and bench_cluster.py (SQLite next to PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: rsagg's ``per_host`` and ``workers`` in these runs: its polite defaults (8 requests at a time per host)
+#: would cap a 50 ms upstream at 160 resources/s.
+PER_HOST = 64
+HARVEST_ONCE = [sys.executable, "-m", "aggregator", "harvest", "--once", "-c", "rsagg.toml",
+                "--log-level", "warning"]  # fmt: skip
+
+
+@dataclass
+class Finished:
+    """A child process that ran to its end."""
+
+    wall: float  # seconds from start to exit
+    code: int  # exit code
+    usage: resource.struct_rusage
+
+    @property
+    def rss_mb(self) -> float:
+        return self.usage.ru_maxrss / 1024  # Linux: ru_maxrss in KiB
+
+    @property
+    def cpu(self) -> float:
+        return self.usage.ru_utime + self.usage.ru_stime
+
+
+def run_child(cmd: list[str], cwd: Path, name: str) -> Finished:
+    """Run ``cmd`` in ``cwd``, this checkout first on PYTHONPATH; output goes to NAME.out / NAME.err there."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with (cwd / f"{name}.out").open("wb") as out, (cwd / f"{name}.err").open("wb") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return Finished(wall, proc.returncode, usage)
+
+
+def harvest_once(folder: Path, base: str, *, state: str = "") -> Finished:
+    """``rsagg harvest --once`` of the Source at ``base`` into a fresh store folder ``folder``
+    (``rsagg.toml``, the store in ``data``); ``state``: a ``[store] state`` location ("": SQLite)."""
+    folder.mkdir(parents=True)
+    line = f'state = "{state}"\n' if state else ""
+    (folder / "rsagg.toml").write_text(
+        f'[store]\npath = "data"\n{line}\n[harvest]\nper_host = {PER_HOST}\nworkers = {PER_HOST}\n\n'
+        f'[[sources]]\nname = "bench"\nurl = "{base}/"\n'
+    )
+    return run_child(HARVEST_ONCE, folder, "rsagg")
