@@ -25,9 +25,9 @@ restarts the walk from ``last_datetime``, once per sync.
 
 A walk is a pipeline of pages. The next page is asked for as soon as a page has arrived, with the
 token read from its last bytes (``peek_token``; the parsed page confirms it, or that answer is dropped):
-one request ahead, never more. Each page is parsed in a worker thread with lxml's incremental parser,
-each record cleared once read; then, in another worker thread, its records become works whose blobs are
-made durable as one batch, while the pages before it commit their state transactions in walk order
+one request ahead, never more. Each page is parsed with lxml's incremental parser, each record cleared
+once read, and its records become works whose blobs are made durable as one batch, in one worker-thread
+call (``OaiHarvest._read``), while the pages before it commit their state transactions in walk order
 (``Pipeline.run_batches``; pages already stored join one transaction, up to ``harvest.batch_size``
 records). A page that cannot be fetched, parsed or stored stops the walk after the pages before it
 have committed. Memory is bounded by PREFETCH pages and the one ahead, whatever the repository's size.
@@ -107,11 +107,11 @@ class Page:
 
 @dataclass(eq=False)
 class _Stored:
-    """A page of a walk whose records are being made works with durable blobs (``OaiHarvest._store``)."""
+    """A page of a walk, parsed, its records made works with durable blobs (``OaiHarvest._read``); or
+    the error that stopped storing them, raised in walk order after the pages before it commit."""
 
     page: Page
     started: datetime | None  # the responseDate of the walk's first response
-    done: trio.Event = field(default_factory=trio.Event)
     works: list[Work] = field(default_factory=list)
     error: Exception | None = None
 
@@ -300,7 +300,9 @@ class OaiHarvest:
         return got.content
 
     async def _parse(self, data: bytes, url: str) -> Page:
-        page = await trio.to_thread.run_sync(parse_page, data, url)
+        return self._noted(await trio.to_thread.run_sync(parse_page, data, url), url)
+
+    def _noted(self, page: Page, url: str) -> Page:
         for problem in page.problems:  # lenient in, truthful out: logged and counted, never silent
             log.warning("source=%s url=%s %s", self.src.name, url, problem)
             self.ctx.metrics.error(self.src.name, "parse")
@@ -350,8 +352,8 @@ class OaiHarvest:
         self, send: trio.MemorySendChannel, walk_from: datetime | None, token: str | None,
         started: datetime | None, restarted: list[bool], generation: int | None, nursery: trio.Nursery,
     ) -> None:  # fmt: skip
-        """Fetch and parse the walk's pages ahead of their consumer, and start storing each one's records
-        at once (``_store``); errors travel in the channel, in walk order."""
+        """Fetch, parse and store the walk's pages ahead of their consumer (``_read``); errors travel in
+        the channel, in walk order."""
         ahead: _Ahead | None = None  # the next page, asked for before this one is parsed
         async with send:
             try:
@@ -368,7 +370,8 @@ class OaiHarvest:
                     if guess and guess != token:
                         ahead = _Ahead(self._list_url(guess, walk_from))
                         nursery.start_soon(ahead.run, self._fetch)
-                    page = await self._parse(data, url)
+                    job = await trio.to_thread.run_sync(self._read, data, url, generation)
+                    page = self._noted(job.page, url)
                     refused = any(code == "badResumptionToken" for code, _ in page.errors)
                     if refused and token and not restarted:
                         # Expired or unknown (e.g. the repository restarted): the walk again, from its start.
@@ -382,8 +385,7 @@ class OaiHarvest:
                     self._check_progress(page, token, url)
                     if started is None:
                         started = page.response_date
-                    job = _Stored(page, started)
-                    nursery.start_soon(self._store, job, generation)
+                    job.started = started
                     await send.send(("page", job))
                     token = page.token
                     if not token:
@@ -394,18 +396,25 @@ class OaiHarvest:
                 if ahead is not None:
                     ahead.cancel()
 
-    async def _store(self, job: _Stored, generation: int | None) -> None:
-        """Make the page's records works and their blobs durable, in a worker thread, while the pages
-        before it commit (blobs before state: the state rows that name them come after, in walk order;
-        until then a blob is named by nothing, and ``rsagg gc`` removes it if the walk never commits it).
-        Why: creating a file per record costs more than anything else in a walk (inode allocation waits
-        on the disk), and here it overlaps with the fetches, the parsing and the state transactions."""
+    def _read(self, data: bytes, url: str, generation: int | None) -> _Stored:
+        """Parse a page, then make its records works with durable blobs: one worker-thread call per page
+        (blocking), while the next page is fetched and the pages before it commit their state (blobs
+        before state: the rows that name them come after, in walk order; until then a blob is named by
+        nothing, and ``rsagg gc`` removes it if the walk never commits it).
+
+        Why one call: each thread hop, and each more thread wanting the GIL at once (a parse, stores of
+        several pages), cost the walk more CPU than the work it moved (a 20,000-record walk took half
+        again as much CPU with parse and stores in threads of their own as with all of it inline).
+        """
+        page = parse_page(data, url)
+        job = _Stored(page, None)
+        if page.errors:  # an OAI-PMH error answer: no records to store
+            return job
         try:
-            job.works = await trio.to_thread.run_sync(self._store_records, job.page.records, generation)
+            job.works = self._store_records(page.records, generation)
         except Exception as exc:  # raised by the consumer in walk order, after the pages before commit
             job.error = exc
-        finally:
-            job.done.set()
+        return job
 
     def _store_records(self, records: list[Record], generation: int | None) -> list[Work]:
         works = [self._work(rec, generation) for rec in records]
@@ -493,7 +502,6 @@ class OaiHarvest:
                 held = None
                 if what == "page":
                     assert isinstance(value, _Stored)
-                    await value.done.wait()
                     if value.error is not None:
                         what, value = "error", value.error
                 if what == "error":
@@ -511,7 +519,7 @@ class OaiHarvest:
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
                     job = held[1]
-                    if not (isinstance(job, _Stored) and job.done.is_set() and job.error is None):
+                    if not (isinstance(job, _Stored) and job.error is None):
                         break
                     batch += works(job)
                     held = None
