@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -153,7 +154,7 @@ def test_a_killed_writer_leaves_committed_rows_and_no_partial_one(tmp_path: Path
         from aggregator.store.blobs import FileBlobStore
         store = FileBlobStore({str(root)!r})
         store.put_bytes(b"committed")
-        conn = store._inline._conn()
+        conn = store._inline._conn().__enter__()
         conn.execute("BEGIN IMMEDIATE")
         conn.execute("INSERT INTO blobs VALUES (?, ?)", (bytes(32), b"never committed"))
         os.kill(os.getpid(), signal.SIGKILL)
@@ -170,7 +171,8 @@ def test_a_killed_writer_leaves_committed_rows_and_no_partial_one(tmp_path: Path
 
 def test_a_refused_write_is_an_os_error_naming_the_database(store: FileBlobStore) -> None:
     store.put_bytes(b"first")
-    store._inline._conn().execute("PRAGMA query_only = 1")  # as a read-only store, for this connection
+    with store._inline._conn() as conn:  # the pool's one connection: as a read-only store
+        conn.execute("PRAGMA query_only = 1")
     with pytest.raises(OSError) as caught:
         store.put_bytes(os.urandom(400))
     assert caught.value.errno == errno.EROFS and "small.db" in str(caught.value)
@@ -213,3 +215,14 @@ def test_filesystem_settings_reach_the_store(tmp_path: Path) -> None:
     finally:
         store.close()
     assert INLINE_BYTES == FileBlobStore(tmp_path / "other").inline_bytes
+
+
+def test_connections_are_pooled_not_kept_per_thread(store: FileBlobStore) -> None:
+    """A daemon's worker threads come and go for months: their reads reuse the idle connections."""
+    info = store.put_bytes(b"read from many threads")
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):  # one thread after the other, as trio's thread cache replaces idle ones
+        t = threading.Thread(target=store.read_inline, args=(info.sha256,))
+        t.start()
+        t.join()
+    assert store._inline._idle.qsize() == 1 and len(os.listdir("/proc/self/fd")) <= fds

@@ -55,8 +55,8 @@ FSYNC_THREADS = 16
 #: Smaller batches keep per-file fsyncs (syncfs also flushes unrelated dirty data of the filesystem).
 SYNCFS_MIN_BATCH = 16
 #: Blobs up to this many bytes, when they reach ``commit`` in memory, are stored as rows of the store's
-#: ``small.db`` (store/inline.py) rather than as a file each (``[store.settings] inline_bytes``). Every
-#: blob this small is also answered from memory when served, so nothing offloads it to a front end.
+#: ``small.db`` (store/inline.py) rather than as a file each (``[store.settings] inline_bytes``). Served
+#: from memory; a front end that reads files (x-accel) gets a file copy written on demand (``blob_name``).
 INLINE_BYTES = 16 * 1024
 _TMP_PREFIX = "blob-"
 
@@ -228,8 +228,12 @@ class SpooledBlobWriter(BlobWriter):
         """Give a finished in-memory blob its read-only temp file (called by ``commit``, blocking)."""
         if self._parts is None:
             return
-        self.tmp_path = Path(path)  # set before it exists: abort() removes it whatever happens next
-        _write_new(path, self._parts)
+        self.tmp_path = Path(path)  # set at once: abort() removes it whatever happens next
+        try:
+            _write_new(path, self._parts)
+        except FileExistsError:  # not ours (O_EXCL created nothing): abort() must leave it alone
+            self.tmp_path = None
+            raise
         self._parts = None
 
 

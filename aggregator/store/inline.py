@@ -21,6 +21,7 @@ import contextlib
 import errno
 import functools
 import os
+import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,8 @@ BUSY_TIMEOUT_MS = 60_000
 #: caller may delete rows as it goes (gc).
 PAGE = 1000
 _SCHEMA = "CREATE TABLE IF NOT EXISTS blobs (sha256 BLOB PRIMARY KEY, data BLOB NOT NULL)"
+_GET = "SELECT data FROM blobs WHERE sha256 = ?"
+_KEYS_AFTER = "SELECT sha256 FROM blobs WHERE sha256 > ? ORDER BY sha256 LIMIT ?"
 #: Keys per query asking which of a batch's blobs are stored already (well under SQLite's variable limit).
 _HELD_CHUNK = 500
 #: SQLite result codes -> the OSError a file store would raise (callers handle OSError: full disk etc.)
@@ -55,43 +58,55 @@ def _as_os_error(fn: Callable) -> Callable:
 
 
 class InlineBlobs:
-    """Content-addressed rows ``(sha256 as 32 bytes, data)``; every method blocks (worker threads)."""
+    """Content-addressed rows ``(sha256 as 32 bytes, data)``; every method blocks (worker threads).
+
+    Connections are pooled, not per thread: trio's worker threads come and go (an idle one exits), and a
+    connection per thread would stay open after its thread for as long as the daemon runs.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._local = threading.local()
-        self._lock = threading.Lock()
+        self._idle: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._writing = threading.Lock()
-        self._connections: list[sqlite3.Connection] = []
+        self._closed = False
         self.check()
 
     @_as_os_error
     def check(self) -> None:
-        """Open this thread's connection (creating the database): a bad store path fails at start-up."""
-        self._conn()
+        """Open a connection (creating the database): a bad store path fails at start-up."""
+        with self._conn():
+            pass
 
-    def _conn(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is None:
+    @contextlib.contextmanager
+    def _conn(self) -> Iterator[sqlite3.Connection]:
+        try:
+            conn = self._idle.get_nowait()
+        except queue.Empty:
             conn = sqlite3.connect(
                 self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
             )
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = FULL")  # see the module docstring: blob before state
-            conn.execute(_SCHEMA)
-            self._local.conn = conn
-            with self._lock:
-                self._connections.append(conn)
-        return conn
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA synchronous = FULL")  # see the module docstring: blob before state
+                conn.execute(_SCHEMA)
+            except BaseException:
+                conn.close()
+                raise
+        try:
+            yield conn
+        finally:
+            if self._closed:
+                conn.close()
+            else:
+                self._idle.put(conn)
 
     @_as_os_error
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         """Store ``(sha256, data)`` pairs in one durable transaction; per pair, True when it was new."""
-        conn = self._conn()
         keys = [bytes.fromhex(sha) for sha, _ in items]
         # Writers of this process queue here rather than in SQLite's busy handler, which sleeps up to
         # 100 ms between tries; other processes (gc, a node on the same host) still meet the busy timeout.
-        with self._writing:
+        with self._writing, self._conn() as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 held: set[bytes] = set()
@@ -116,23 +131,24 @@ class InlineBlobs:
 
     @_as_os_error
     def get(self, sha256: str) -> bytes | None:
-        row = self._conn().execute("SELECT data FROM blobs WHERE sha256 = ?", (bytes.fromhex(sha256),))
-        found = row.fetchone()
+        with self._conn() as conn:
+            found = conn.execute(
+                "SELECT data FROM blobs WHERE sha256 = ?", (bytes.fromhex(sha256),)
+            ).fetchone()
         return None if found is None else found[0]
 
     @_as_os_error
     def length(self, sha256: str) -> int | None:
-        row = (
-            self._conn()
-            .execute("SELECT length(data) FROM blobs WHERE sha256 = ?", (bytes.fromhex(sha256),))
-            .fetchone()
-        )
+        with self._conn() as conn:
+            row = conn.execute(
+                "SELECT length(data) FROM blobs WHERE sha256 = ?", (bytes.fromhex(sha256),)
+            ).fetchone()
         return None if row is None else row[0]
 
     @_as_os_error
     def delete(self, sha256: str) -> None:
-        with self._writing:
-            self._conn().execute("DELETE FROM blobs WHERE sha256 = ?", (bytes.fromhex(sha256),))
+        with self._writing, self._conn() as conn:
+            conn.execute("DELETE FROM blobs WHERE sha256 = ?", (bytes.fromhex(sha256),))
 
     def iter_hashes(self) -> Iterator[str]:
         """Every hash, ascending (raw bytes sort as their lowercase hex does), a page at a time."""
@@ -147,17 +163,20 @@ class InlineBlobs:
 
     @_as_os_error
     def _keys_after(self, after: bytes) -> list[bytes]:
-        rows = self._conn().execute(
-            "SELECT sha256 FROM blobs WHERE sha256 > ? ORDER BY sha256 LIMIT ?", (after, PAGE)
-        )
-        return [key for (key,) in rows]
+        with self._conn() as conn:
+            rows = conn.execute(
+                "SELECT sha256 FROM blobs WHERE sha256 > ? ORDER BY sha256 LIMIT ?", (after, PAGE)
+            )
+            return [key for (key,) in rows]
 
     def close(self) -> None:
-        with self._lock:
-            connections, self._connections = self._connections, []
-        for conn in connections:
-            conn.close()
-        self._local = threading.local()
+        """Close the idle connections; one in use closes when it is handed back."""
+        self._closed = True
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
 
 
 def inline_totals(path: str | Path) -> tuple[int, int]:

@@ -103,6 +103,11 @@ def parse_dt(text: str | None) -> datetime | None:
     return parse_w3c(text)
 
 
+#: ``json.dumps(value, ensure_ascii=False, separators=(",", ":"))`` without building an encoder per call
+#: (dumps does for any argument but the defaults: a fifth of writing a resource row's links).
+_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def _links_json(links: Sequence[Link]) -> str | None:
     if not links:
         return None
@@ -118,7 +123,7 @@ def _links_json(links: Sequence[Link]) -> str | None:
         if ln.extra:
             d["extra"] = ln.extra
         out.append(d)
-    return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
+    return _compact(out)
 
 
 def _links_from(text: str | None) -> list[Link]:
@@ -133,7 +138,7 @@ def _links_from(text: str | None) -> list[Link]:
 
 
 def _json(value: Any) -> str | None:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")) if value else None
+    return _compact(value) if value else None
 
 
 # ---------------------------------------------------------------------------------------------------
