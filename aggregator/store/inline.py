@@ -26,6 +26,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 #: The database's name in a filesystem blob store's root.
 INLINE_FILE = "small.db"
@@ -35,8 +36,6 @@ BUSY_TIMEOUT_MS = 60_000
 #: caller may delete rows as it goes (gc).
 PAGE = 1000
 _SCHEMA = "CREATE TABLE IF NOT EXISTS blobs (sha256 BLOB PRIMARY KEY, data BLOB NOT NULL)"
-_GET = "SELECT data FROM blobs WHERE sha256 = ?"
-_KEYS_AFTER = "SELECT sha256 FROM blobs WHERE sha256 > ? ORDER BY sha256 LIMIT ?"
 #: Keys per query asking which of a batch's blobs are stored already (well under SQLite's variable limit).
 _HELD_CHUNK = 500
 #: SQLite result codes -> the OSError a file store would raise (callers handle OSError: full disk etc.)
@@ -129,20 +128,17 @@ class InlineBlobs:
                 raise
         return new
 
-    @_as_os_error
     def get(self, sha256: str) -> bytes | None:
-        with self._conn() as conn:
-            found = conn.execute(
-                "SELECT data FROM blobs WHERE sha256 = ?", (bytes.fromhex(sha256),)
-            ).fetchone()
-        return None if found is None else found[0]
+        return self._one("SELECT data FROM blobs WHERE sha256 = ?", sha256)
+
+    def length(self, sha256: str) -> int | None:
+        return self._one("SELECT length(data) FROM blobs WHERE sha256 = ?", sha256)
 
     @_as_os_error
-    def length(self, sha256: str) -> int | None:
+    def _one(self, sql: str, sha256: str) -> Any:
+        """The one value ``sql`` selects for a blob, or None when it is not stored."""
         with self._conn() as conn:
-            row = conn.execute(
-                "SELECT length(data) FROM blobs WHERE sha256 = ?", (bytes.fromhex(sha256),)
-            ).fetchone()
+            row = conn.execute(sql, (bytes.fromhex(sha256),)).fetchone()
         return None if row is None else row[0]
 
     @_as_os_error
