@@ -104,6 +104,46 @@ async def test_hook_rsagg_blob_stores(tmp_path: Path, monkeypatch):
         assert all(chosen.exists(h) for h in hashes)
     default_dir = cfg.store_path / "blobs"
     assert not any(p.name in hashes for p in default_dir.rglob("*")), "blobs went to the default store"
+    assert not (default_dir / "small.db").exists(), "blobs went to the default store"
+
+
+class OldStore:
+    """A backend written before ``read_inline`` joined the blob store interface."""
+
+    def __init__(self, inner: FileBlobStore) -> None:
+        self.inner = inner
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "read_inline":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def test_a_backend_lacking_part_of_the_interface_is_refused_by_name(tmp_path: Path, monkeypatch):
+    from aggregator.config import ConfigError
+    from aggregator.harvest.context import open_blob_store
+    from aggregator.plugins import Plugins
+
+    made: list[OldStore] = []
+
+    class Old:
+        @hookimpl
+        def rsagg_blob_stores(self):
+            return {
+                "old": lambda settings, root: made.append(OldStore(FileBlobStore(root / "b"))) or made[-1]
+            }
+
+    add_plugin(monkeypatch, "old", Old())
+    cfg = parse_config({"store": {"path": str(tmp_path), "backend": "old"}}, str(tmp_path / "rsagg.toml"))
+    with pytest.raises(ConfigError) as caught:
+        open_blob_store(cfg, Plugins.from_config(cfg))
+    assert "store.backend" in str(caught.value) and "lacks read_inline" in str(caught.value)
+    assert made and made[0].closed  # what it opened is closed again
 
 
 class RecordingJsonPatch:

@@ -24,7 +24,7 @@ import trio
 from ..config import Config, ConfigError
 from ..metrics import Metrics
 from ..plugins import Plugins
-from ..store.blobs import BlobStore, BlobWriter
+from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
 from ..store.calls import state_call
 from ..store.interface import StateStore
 from .fetch import Fetcher
@@ -174,7 +174,7 @@ def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:
         known = ", ".join(sorted(factories))
         raise ConfigError(config.file, "store.backend", f"no storage backend {name!r} (registered: {known})")
     try:
-        return factories[name](dict(config.store.settings), config.store_path)
+        store = factories[name](dict(config.store.settings), config.store_path)
     except (ValueError, TypeError, ImportError) as exc:  # a missing library, a missing or wrong setting
         key = (
             "store.backend"
@@ -186,3 +186,14 @@ def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:
         raise ConfigError(
             config.file, "store.path", f"backend {name!r} cannot use {str(config.store_path)!r}: {exc}"
         ) from None
+    # A backend written for an older interface fails here, by name, not at its first request.
+    missing = [m for m in BLOB_STORE_METHODS if not callable(getattr(store, m, None))]
+    if missing:
+        close = getattr(store, "close", None)
+        if callable(close):
+            close()
+        raise ConfigError(
+            config.file, "store.backend",
+            f"backend {name!r} lacks {', '.join(missing)} of the blob store interface (docs/plugins.md)",
+        )  # fmt: skip
+    return store

@@ -315,6 +315,10 @@ class BlobStore(Protocol):
         ...
 
 
+#: What a backend must have: the protocol's methods (checked when a store is opened).
+BLOB_STORE_METHODS = tuple(name for name in vars(BlobStore) if not name.startswith("_"))
+
+
 def blob_name(sha256: str) -> str:
     """``ab/cd/<sha256>``: the two fan-out levels every store names its blobs by."""
     check_sha256(sha256)
