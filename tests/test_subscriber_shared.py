@@ -67,11 +67,11 @@ async def test_renewals_follow_the_lease(tmp_path: Path) -> None:
         stale, holder = nodes
         with fenced(old), pytest.raises(LeaseLost):
             await stale._refresh("src")
-            await stale._maintain(stale.subscriptions("src"))
+            await stale._maintain(stale.subscriptions("src"), None)
         assert posts == []  # the pending mark is written before the request: refused, nothing sent
         with fenced(new):
             await holder._refresh("src")
-            await holder._maintain(holder.subscriptions("src"))
+            await holder._maintain(holder.subscriptions("src"), None)
         assert [(p["hub.mode"], p["hub.callback"]) for p in posts] == [
             ("subscribe", "http://agg.example/_websub/tok")
         ]

@@ -69,7 +69,7 @@ import logging
 import random
 import secrets
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
@@ -81,6 +81,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from ..cluster import followed_by_live
 from ..config import Config, SourceConfig
 from ..retry import backoff, retry_after
 from ..rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
@@ -447,16 +448,18 @@ class Subscriber:
         s = self.settings
         if self.shared:  # each source's holder maintains its subscriptions (``_follow_shared``)
             return s.tick
-        return await self._maintain(list(self._subs.values()))
-
-    async def _maintain(self, subs: list[Subscription]) -> float:
-        s = self.settings
-        now = self._now()
         config = self.get_config()
         followed = {src.name for src in config.sources if src.enabled and config.notifications_on(src)}
+        return await self._maintain(list(self._subs.values()), followed)
+
+    async def _maintain(self, subs: list[Subscription], followed: Container[str] | None) -> float:
+        """``followed``: the sources whose subscriptions stay (the others' are retired); None: all of them
+        (a cluster's holder: whether a source is still followed is the "@orphans" role's call)."""
+        s = self.settings
+        now = self._now()
         due = now + timedelta(seconds=s.tick)
         for sub in subs:
-            if sub.wanted and sub.source not in followed:
+            if sub.wanted and followed is not None and sub.source not in followed:
                 await self._retire(sub, "source removed, disabled or not followed")
                 continue
             if sub.pending is not None:
@@ -676,13 +679,51 @@ class Subscriber:
         while True:
             try:
                 await self._refresh(src.name)
-                await self._maintain([s for s in self._subs.values() if s.source == src.name])
+                await self._maintain([s for s in self._subs.values() if s.source == src.name], None)
                 await self._take_shared(src)
             except (trio.Cancelled, LeaseLost):
                 raise
             except Exception as exc:  # the state out of reach for a moment: look again; the poll is the net
                 log.error("source=%s shared inbox: %s: %s", src.name, type(exc).__name__, exc)
             await trio.sleep(self.settings.inbox_poll)
+
+    async def run_orphans(self) -> None:
+        """The "@orphans" role of a cluster (compose.py ``Assembly.roles``): one node at a time, under the
+        role's fence, looks every ``tick`` for subscriptions no holder will ever maintain again and ends
+        them (``sweep_orphans``)."""
+        while True:
+            try:
+                await self.sweep_orphans()
+            except (trio.Cancelled, LeaseLost):
+                raise
+            except Exception as exc:  # the state out of reach for a moment: look again
+                log.error("orphaned subscriptions: %s: %s", type(exc).__name__, exc)
+            await trio.sleep(self.settings.tick)
+
+    async def sweep_orphans(self) -> list[str]:
+        """In a cluster, the sources no live node follows any more (removed from every node's configuration,
+        disabled, notifications off: each node's heartbeat names what it follows, cluster.py) have no
+        holder following them, so nobody would unsubscribe their channels: this does, as a single process
+        does for a source that went away (retire, retry, forget after ``unsubscribe_attempts``), and empties
+        their shared inbox. A source some live node still follows (a rolling change that has not reached
+        it) is left to its holder. Returns the orphaned sources that had subscriptions."""
+        nodes = await self._db(self.state.nodes)
+        followed = None if nodes is None else followed_by_live(nodes, self._now())
+        rows = None if followed is None else await self._db(self.state.notify_subscriptions)
+        if followed is None or rows is None:
+            return []
+        orphans = sorted({r.source for r in rows} - followed)
+        fresh = {r.token: r for r in rows if r.source in orphans}
+        for token, old in list(self._subs.items()):
+            if old.source in orphans and token not in fresh:
+                del self._subs[token]
+        self._subs.update(fresh)
+        await self._maintain([self._subs[t] for t in fresh if t in self._subs], followed)
+        for source in orphans:  # nobody takes what is waiting for them
+            waiting = await self._db(self.state.notify_notices, source, self.settings.inbox_size) or []
+            if waiting:
+                await self._db(self.state.delete_notify_notices, [n.id for n in waiting])
+        return orphans
 
     async def _take_shared(self, src: SourceConfig) -> None:
         box = self._box(src.name)
