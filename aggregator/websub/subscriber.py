@@ -357,9 +357,12 @@ class Subscriber:
             sub = have.get(key)
             if sub is not None and (sub.topic, sub.hub) == (topic, hub):
                 continue
+            # Stored as pending already: on a cluster node, the holder's ``_follow_shared`` may read the
+            # row back before ``_request`` marks it, and must not take it for one to request itself.
             sub = Subscription(
-                0, secrets.token_urlsafe(32), secrets.token_hex(32), src.name, key[0], key[1], topic, hub
-            )
+                0, secrets.token_urlsafe(32), secrets.token_hex(32), src.name, key[0], key[1], topic, hub,
+                pending="subscribe", requested=self._now(),
+            )  # fmt: skip
             sub.id = await self._db(self.state.add_notify_subscription, sub) or 0
             self._subs[sub.token] = sub
             log.info("source=%s subscribing to %s %s at hub %s", src.name, key[1], topic, hub)
