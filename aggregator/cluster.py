@@ -5,8 +5,9 @@ hostname-pid). It harvests only the sources whose lease it holds; every node ser
 republished Source from the shared state, so a plain load balancer can sit in front of them.
 
 - **Heartbeat** every third of ``cluster.lease_seconds``: the node's row in ``nodes`` (alive for one
-  lease time), then its leases are renewed. A lease that could not be renewed (it expired: the node was
-  paused, or the state was out of reach) is lost: its task is cancelled, nothing of it may be written.
+  lease time, with the sources it follows: ``follows``), then its leases are renewed. A lease that could
+  not be renewed (it expired: the node was paused, or the state was out of reach) is lost: its task is
+  cancelled, nothing of it may be written.
 - **Balance**: each node aims at ``ceil(sources / live nodes)`` leases. It claims free or expired ones
   up to that share and releases what it holds beyond it (after its task's in-flight commit), so a node
   that starts takes its share from the others and a dead node's sources are taken over once its leases

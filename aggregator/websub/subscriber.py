@@ -58,7 +58,10 @@ migration 10: bounded, deduplicated) instead of the in-memory one. The source's 
 node holding the source's lease and under its fence, reads its subscriptions back and maintains them
 (``_follow_shared``, every ``inbox_poll``: requests, renewals, retries — fenced, so a node that lost the
 lease renews nothing, and a new holder takes the subscriptions over), and hands the inbox's notices to the
-same ``_take`` as above (docs/architecture.md, "Many nodes, one state").
+same ``_take`` as above (docs/architecture.md, "Many nodes, one state"). Whether a source is still
+followed is not the holder's call there (a rolling change reaches the nodes one at a time): the node
+holding the "@orphans" role unsubscribes the channels of the sources no live node follows
+(``sweep_orphans``; each heartbeat says what its node follows, cluster.py).
 """
 
 from __future__ import annotations
