@@ -333,3 +333,56 @@ async def test_nodes_say_what_they_follow_with_their_heartbeat(location: str | P
         assert followed_by_live(st.nodes(), now + timedelta(seconds=120)) == set()  # none alive
     finally:
         st.close()
+
+
+async def test_the_orphans_role_sweeps_only_what_no_live_node_follows(tmp_path: Path) -> None:
+    """``sweep_orphans`` on its own: nothing while a live node follows the source or a live node did not
+    say what it follows; else one unsubscription (under the role's fence: a stale holder sends nothing) and
+    the source's waiting notices deleted."""
+    config = _config(tmp_path)
+    posts: list[dict[str, str]] = []
+
+    def hub(request: httpx.Request) -> httpx.Response:
+        posts.append(dict(httpx.QueryParams(request.content.decode())))
+        return httpx.Response(202)
+
+    db = tmp_path / "state.db"
+    setup = State(db)
+    now = utcnow()
+    sub = NotifySubscription(
+        0, "tok", "sec", "gone", "http://up.example/cl.xml", CHANGE_NOTIFICATION, "http://up.example/cn.xml",
+        "http://hub.example/", lease_seconds=3600, verified=now, lease_expires=now + timedelta(hours=1),
+    )  # fmt: skip
+    setup.add_notify_subscription(sub)
+    assert setup.add_notify_notice("gone", "tok", b"<urlset/>", limit=10) == "added"
+    beat = {"lease_seconds": 600.0, "pid": 1, "host": "h", "url": None}
+    setup.node_heartbeat("A", follows=[], **beat)
+    setup.node_heartbeat("B", follows=["gone"], **beat)  # its configuration still has the source
+    (stale,) = setup.claim_leases("A", ["@orphans"], want=1, lease_seconds=60)
+    assert setup.release_lease(stale)
+    (role,) = setup.claim_leases("B", ["@orphans"], want=1, lease_seconds=60)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(hub)) as client:
+        sweeper = Subscriber(lambda: config, State(db), harvester=None, client=client)  # type: ignore[arg-type]
+        with fenced(role):
+            assert await sweeper.sweep_orphans() == []
+            setup.node_heartbeat("B", follows=None, **beat)  # a node that does not say
+            assert await sweeper.sweep_orphans() == []
+            setup.node_heartbeat("B", follows=["other"], **beat)
+        assert posts == [] and len(setup.notify_notices("gone")) == 1
+        with fenced(stale), pytest.raises(LeaseLost):
+            await sweeper.sweep_orphans()
+        assert posts == []  # the pending mark is written first: refused, nothing sent
+        with fenced(role):
+            assert await sweeper.sweep_orphans() == ["gone"]
+        assert [(p["hub.mode"], p["hub.callback"]) for p in posts] == [
+            ("unsubscribe", "http://agg.example/_websub/tok")
+        ]
+        (row,) = setup.notify_subscriptions()
+        assert not row.wanted and row.pending == "unsubscribe"  # until the hub verifies it
+        assert setup.notify_notices("gone") == []
+        with fenced(role):
+            await sweeper.sweep_orphans()
+        assert len(posts) == 1  # pending: not sent again
+        await sweeper.aclose()
+    setup.close()
