@@ -44,14 +44,24 @@ def _config(folder: Path) -> Config:
     )
 
 
+def _form(request: httpx.Request) -> dict[str, str]:
+    """A WebSub request's form, as the hub reads it."""
+    return dict(httpx.QueryParams(request.content.decode()))
+
+
+def _mock_hub(posts: list[dict[str, str]]) -> httpx.MockTransport:
+    """A hub that accepts every request (202) and records its form in ``posts``."""
+
+    def hub(request: httpx.Request) -> httpx.Response:
+        posts.append(_form(request))
+        return httpx.Response(202)
+
+    return httpx.MockTransport(hub)
+
+
 async def test_renewals_follow_the_lease(tmp_path: Path) -> None:
     config = _config(tmp_path)
     posts: list[dict[str, str]] = []
-
-    def hub(request: httpx.Request) -> httpx.Response:
-        posts.append(dict(httpx.QueryParams(request.content.decode())))
-        return httpx.Response(202)
-
     db = tmp_path / "state.db"
     setup = State(db)
     now = utcnow()
@@ -74,7 +84,7 @@ async def test_renewals_follow_the_lease(tmp_path: Path) -> None:
     (new,) = setup.claim_leases("n2", ["src"], want=1, lease_seconds=60)
     setup.close()
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(hub)) as client:
+    async with httpx.AsyncClient(transport=_mock_hub(posts)) as client:
         nodes = [Subscriber(lambda: config, State(db), harvester=None, client=client) for _ in range(2)]  # type: ignore[arg-type]
         stale, holder = nodes
         with fenced(old), pytest.raises(LeaseLost):
@@ -241,7 +251,7 @@ async def test_a_source_no_live_node_follows_is_unsubscribed_once(
     posts: list[dict[str, str]] = []
 
     async def record(request: httpx.Request) -> None:
-        posts.append(dict(httpx.QueryParams(request.content.decode())))
+        posts.append(_form(request))
 
     (tmp_path / "data").mkdir()
     with flask_hub(tmp_path / "hub") as hub_url:
@@ -341,11 +351,6 @@ async def test_the_orphans_role_sweeps_only_what_no_live_node_follows(tmp_path: 
     the source's waiting notices deleted."""
     config = _config(tmp_path)
     posts: list[dict[str, str]] = []
-
-    def hub(request: httpx.Request) -> httpx.Response:
-        posts.append(dict(httpx.QueryParams(request.content.decode())))
-        return httpx.Response(202)
-
     db = tmp_path / "state.db"
     setup = State(db)
     now = utcnow()
@@ -362,7 +367,7 @@ async def test_the_orphans_role_sweeps_only_what_no_live_node_follows(tmp_path: 
     assert setup.release_lease(stale)
     (role,) = setup.claim_leases("B", ["@orphans"], want=1, lease_seconds=60)
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(hub)) as client:
+    async with httpx.AsyncClient(transport=_mock_hub(posts)) as client:
         sweeper = Subscriber(lambda: config, State(db), harvester=None, client=client)  # type: ignore[arg-type]
         with fenced(role):
             assert await sweeper.sweep_orphans() == []
