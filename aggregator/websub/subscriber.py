@@ -84,7 +84,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..cluster import followed_by_live
+from ..cluster import followed_by_live, follows
 from ..config import Config, SourceConfig
 from ..retry import backoff, retry_after
 from ..rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
@@ -454,9 +454,7 @@ class Subscriber:
         s = self.settings
         if self.shared:  # each source's holder maintains its subscriptions (``_follow_shared``)
             return s.tick
-        config = self.get_config()
-        followed = {src.name for src in config.sources if src.enabled and config.notifications_on(src)}
-        return await self._maintain(list(self._subs.values()), followed)
+        return await self._maintain(list(self._subs.values()), set(follows(self.get_config())))
 
     async def _maintain(self, subs: list[Subscription], followed: Container[str] | None) -> float:
         """``followed``: the sources whose subscriptions stay (the others' are retired); None: all of them
