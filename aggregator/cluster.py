@@ -5,8 +5,9 @@ hostname-pid). It harvests only the sources whose lease it holds; every node ser
 republished Source from the shared state, so a plain load balancer can sit in front of them.
 
 - **Heartbeat** every third of ``cluster.lease_seconds``: the node's row in ``nodes`` (alive for one
-  lease time), then its leases are renewed. A lease that could not be renewed (it expired: the node was
-  paused, or the state was out of reach) is lost: its task is cancelled, nothing of it may be written.
+  lease time, with the sources it follows: ``follows``), then its leases are renewed. A lease that could
+  not be renewed (it expired: the node was paused, or the state was out of reach) is lost: its task is
+  cancelled, nothing of it may be written.
 - **Balance**: each node aims at ``ceil(sources / live nodes)`` leases. It claims free or expired ones
   up to that share and releases what it holds beyond it (after its task's in-flight commit), so a node
   that starts takes its share from the others and a dead node's sources are taken over once its leases
@@ -62,6 +63,24 @@ def node_name(config: Config) -> str:
 def alive(nodes: list[NodeRow], now: datetime) -> list[NodeRow]:
     """The nodes whose last heartbeat still holds (and that did not stop cleanly)."""
     return [n for n in nodes if n.expires_at > now and n.stopped_at is None]
+
+
+def follows(config: Config) -> list[str]:
+    """The sources whose notification channels this node follows, as its heartbeat says them
+    (``NodeRow.follows``)."""
+    return [s.name for s in config.sources if s.enabled and config.notifications_on(s)]
+
+
+def followed_by_live(nodes: list[NodeRow], now: datetime) -> set[str] | None:
+    """The sources some live node follows, as their last heartbeats said; None when a live node did not
+    say (then nothing may be taken for an orphan). A node whose configuration a rolling change has not
+    reached yet still names the source: its subscriptions stay."""
+    named: set[str] = set()
+    for node in alive(nodes, now):
+        if node.follows is None:
+            return None
+        named.update(node.follows)
+    return named
 
 
 def host_of(url: str) -> str:
@@ -176,15 +195,17 @@ class Node:
                     scope.cancel()
                     del self.roles_held[role]
                     log.error("node=%s role %s lost (epoch %d): renewal refused", self.name, role, f.epoch)
+        # Stopped before the heartbeat says this node no longer follows them: the "@orphans" role
+        # (websub/subscriber.py) never works on a subscription a task of this node still maintains.
+        for name in [n for n in self.held if n not in wanted]:  # removed from the config (reload)
+            self._release(name)
         # After the renewals, which matter more when the beat comes late (a loaded machine).
         await self._call(
             self.state.node_heartbeat, self.name, lease_seconds=self.lease_seconds, pid=os.getpid(),
-            host=socket.gethostname(), url=config.server.base_url,
+            host=socket.gethostname(), url=config.server.base_url, follows=follows(config),
         )  # fmt: skip
         self.live = alive(await self._call(self.state.nodes), utcnow())
         target = math.ceil(len(wanted) / max(1, len(self.live)))
-        for name in [n for n in self.held if n not in wanted]:  # removed from the config (reload)
-            self._release(name)
         extra = len(self.held) - target
         if extra > 0:
             for name in sorted(self.held)[-extra:]:
@@ -276,4 +297,4 @@ class Node:
             self._stopping.pop(fence.source, None)
 
 
-__all__ = ["Node", "alive", "host_of", "node_name"]
+__all__ = ["Node", "alive", "followed_by_live", "follows", "host_of", "node_name"]

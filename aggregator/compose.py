@@ -128,7 +128,8 @@ class Assembly:
 
     def roles(self) -> dict[str, Callable[[], Awaitable[Any]]]:
         """What one node of a cluster at a time does (cluster.py): build the dumps, send the hub's
-        deliveries and rsagg's notifications."""
+        deliveries and rsagg's notifications, unsubscribe from the channels of sources no live node
+        follows any more ("@orphans")."""
         from .publish.schedule import run_dumps
 
         roles: dict[str, Callable[[], Awaitable[Any]]] = {
@@ -138,6 +139,8 @@ class Assembly:
         }
         if self.notifications is not None:
             roles["@hub"] = self.notifications.run_publishing
+            if self.notifications.subscriber is not None:
+                roles["@orphans"] = self.notifications.subscriber.run_orphans
         return roles
 
     def app(self, config: Config) -> ASGIApp:

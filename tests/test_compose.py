@@ -44,6 +44,9 @@ async def test_assemble_wires_dumps_and_notifications(tmp_path: Path) -> None:
             assert parts.dumps.state is not ctx.writer
             paths = {getattr(r, "path", None) for r in parts.app(config).routes}
             assert {"/hub", "/{set}/resourcedump.xml"} <= paths
+            roles = parts.roles()  # what one cluster node at a time does
+            assert set(roles) == {"@dumps", "@hub", "@orphans"}
+            assert roles["@orphans"] == notes.subscriber.run_orphans  # unsubscribes what no node follows
         finally:
             await notes.aclose()
 
@@ -55,6 +58,7 @@ async def test_assemble_without_harvest_or_dumps_or_notifications(tmp_path: Path
         assert parts.dumps is None and parts.notifications is not None
         try:
             assert parts.notifications.subscriber is None and parts.followed is None
+            assert set(parts.roles()) == {"@dumps", "@hub"}  # no subscriber: no orphans to look for
         finally:
             await parts.notifications.aclose()
     config = _config(tmp_path, publish={"dump_interval": 0}, notifications={"enabled": False})

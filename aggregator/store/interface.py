@@ -480,9 +480,17 @@ class StateStore(Protocol):
     # -- cluster: nodes and source leases (cluster.py); these never run under a fence ---------------
 
     def node_heartbeat(
-        self, node: str, *, lease_seconds: float, pid: int | None, host: str | None, url: str | None
+        self,
+        node: str,
+        *,
+        lease_seconds: float,
+        pid: int | None,
+        host: str | None,
+        url: str | None,
+        follows: Sequence[str] | None = None,
     ) -> None:
-        """Record that ``node`` is alive for ``lease_seconds`` more (created on first beat)."""
+        """Record that ``node`` is alive for ``lease_seconds`` more (created on first beat), and the names
+        of the sources whose notification channels it follows (``NodeRow.follows``; None: not said)."""
         ...
 
     def node_stopped(self, node: str) -> None:

@@ -372,6 +372,10 @@ MIGRATIONS: list[tuple[str, ...]] = [
         )""",
         "CREATE INDEX IF NOT EXISTS notify_inbox_source ON notify_inbox (source, id)",
     ),
+    (  # 11: what each cluster node follows, with its heartbeat (cluster.py; the "@orphans" role of
+        # websub/subscriber.py unsubscribes the channels of sources no live node follows)
+        "ALTER TABLE nodes ADD COLUMN follows TEXT[]",  # source names; NULL: not said
+    ),
 ]
 
 _RES_COLS = sqlite_state._RES_COLS
@@ -1702,16 +1706,24 @@ class PostgresState:
     # lock the candidate rows FOR UPDATE SKIP LOCKED: concurrent claimers skip what another is granting.
 
     def node_heartbeat(
-        self, node: str, *, lease_seconds: float, pid: int | None, host: str | None, url: str | None
+        self,
+        node: str,
+        *,
+        lease_seconds: float,
+        pid: int | None,
+        host: str | None,
+        url: str | None,
+        follows: Sequence[str] | None = None,
     ) -> None:
+        said = None if follows is None else sorted(set(follows))
         with self._write(fence=False) as c:
             c.execute(
-                "INSERT INTO nodes (name, pid, host, url, started_at, heartbeat_at, expires_at) "
-                "VALUES (%s, %s, %s, %s, now(), now(), now() + make_interval(secs => %s)) "
+                "INSERT INTO nodes (name, pid, host, url, started_at, heartbeat_at, expires_at, follows) "
+                "VALUES (%s, %s, %s, %s, now(), now(), now() + make_interval(secs => %s), %s::text[]) "
                 "ON CONFLICT (name) DO UPDATE SET pid = excluded.pid, host = excluded.host, "
                 "url = excluded.url, heartbeat_at = excluded.heartbeat_at, expires_at = excluded.expires_at, "
-                "stopped_at = NULL",
-                (node, pid, host, url, lease_seconds),
+                "stopped_at = NULL, follows = excluded.follows",
+                (node, pid, host, url, lease_seconds, said),
             )
             c.execute("DELETE FROM nodes WHERE expires_at < now() - interval '1 day'")
 
@@ -1722,10 +1734,10 @@ class PostgresState:
     def nodes(self) -> list[NodeRow]:
         with self._read() as c:
             rows = c.execute(
-                "SELECT name, pid, host, url, started_at, heartbeat_at, expires_at, stopped_at FROM nodes "
-                "ORDER BY name"
+                "SELECT name, pid, host, url, started_at, heartbeat_at, expires_at, stopped_at, follows "
+                "FROM nodes ORDER BY name"
             ).fetchall()
-        return [NodeRow(*r) for r in rows]
+        return [NodeRow(*r[:8], None if r[8] is None else tuple(r[8])) for r in rows]
 
     def claim_leases(
         self, node: str, sources: Sequence[str], *, want: int, lease_seconds: float

@@ -351,6 +351,9 @@ class NodeRow:
     heartbeat_at: datetime
     expires_at: datetime  # alive while heartbeat_at + cluster.lease_seconds has not passed
     stopped_at: datetime | None  # set by a clean stop
+    #: The sources whose notification channels the node follows (enabled, notifications on), as its last
+    #: heartbeat said; None: it did not say (then no node may take its subscriptions for orphans).
+    follows: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

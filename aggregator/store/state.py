@@ -137,6 +137,10 @@ def _links_from(text: str | None) -> list[Link]:
     return links
 
 
+def _follows(said: str | None) -> tuple[str, ...] | None:
+    return None if said is None else tuple(json.loads(said))
+
+
 def _json(value: Any) -> str | None:
     return _compact(value) if value else None
 
@@ -415,6 +419,10 @@ MIGRATIONS: list[tuple[str, ...]] = [
             UNIQUE (token, digest)
         )""",
         "CREATE INDEX IF NOT EXISTS notify_inbox_source ON notify_inbox (source, id)",
+    ),
+    (  # 11: what each cluster node follows, with its heartbeat (cluster.py): the subscriptions of a source
+        # no live node follows are unsubscribed by the node holding the "@orphans" role (websub/).
+        "ALTER TABLE nodes ADD COLUMN follows TEXT",  # JSON list of source names; NULL: not said
     ),
 ]
 
@@ -1889,17 +1897,25 @@ class State:
     # machine shares one SQLite file); PostgreSQL uses the server's now().
 
     def node_heartbeat(
-        self, node: str, *, lease_seconds: float, pid: int | None, host: str | None, url: str | None
+        self,
+        node: str,
+        *,
+        lease_seconds: float,
+        pid: int | None,
+        host: str | None,
+        url: str | None,
+        follows: Sequence[str] | None = None,
     ) -> None:
         now = self._now()
         t, until = format_dt(now), format_dt(now + timedelta(seconds=lease_seconds))
+        said = None if follows is None else json.dumps(sorted(set(follows)))
         with self._write(fence=False) as c:
             c.execute(
-                "INSERT INTO nodes (name, pid, host, url, started_at, heartbeat_at, expires_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET pid = excluded.pid, "
+                "INSERT INTO nodes (name, pid, host, url, started_at, heartbeat_at, expires_at, follows) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET pid = excluded.pid, "
                 "host = excluded.host, url = excluded.url, heartbeat_at = excluded.heartbeat_at, "
-                "expires_at = excluded.expires_at, stopped_at = NULL",
-                (node, pid, host, url, t, t, until),
+                "expires_at = excluded.expires_at, stopped_at = NULL, follows = excluded.follows",
+                (node, pid, host, url, t, t, until, said),
             )
             # Nodes silent for a day are forgotten (their leases expired long ago).
             c.execute("DELETE FROM nodes WHERE expires_at < ?", (format_dt(now - timedelta(days=1)),))
@@ -1912,10 +1928,13 @@ class State:
     def nodes(self) -> list[NodeRow]:
         with self._lock:
             rows = self.conn.execute(
-                "SELECT name, pid, host, url, started_at, heartbeat_at, expires_at, stopped_at FROM nodes "
-                "ORDER BY name"
+                "SELECT name, pid, host, url, started_at, heartbeat_at, expires_at, stopped_at, follows "
+                "FROM nodes ORDER BY name"
             ).fetchall()
-        return [NodeRow(r[0], r[1], r[2], r[3], *(parse_dt(x) for x in r[4:])) for r in rows]  # type: ignore[arg-type]
+        return [
+            NodeRow(r[0], r[1], r[2], r[3], *(parse_dt(x) for x in r[4:8]), _follows(r[8]))  # type: ignore[arg-type]
+            for r in rows
+        ]
 
     def claim_leases(
         self, node: str, sources: Sequence[str], *, want: int, lease_seconds: float

@@ -58,7 +58,10 @@ migration 10: bounded, deduplicated) instead of the in-memory one. The source's 
 node holding the source's lease and under its fence, reads its subscriptions back and maintains them
 (``_follow_shared``, every ``inbox_poll``: requests, renewals, retries — fenced, so a node that lost the
 lease renews nothing, and a new holder takes the subscriptions over), and hands the inbox's notices to the
-same ``_take`` as above (docs/architecture.md, "Many nodes, one state").
+same ``_take`` as above (docs/architecture.md, "Many nodes, one state"). Whether a source is still
+followed is not the holder's call there (a rolling change reaches the nodes one at a time): the node
+holding the "@orphans" role unsubscribes the channels of the sources no live node follows
+(``sweep_orphans``; each heartbeat says what its node follows, cluster.py).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ import logging
 import random
 import secrets
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
@@ -81,6 +84,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from ..cluster import followed_by_live, follows
 from ..config import Config, SourceConfig
 from ..retry import backoff, retry_after
 from ..rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
@@ -356,9 +360,12 @@ class Subscriber:
             sub = have.get(key)
             if sub is not None and (sub.topic, sub.hub) == (topic, hub):
                 continue
+            # Stored as pending already: on a cluster node, the holder's ``_follow_shared`` may read the
+            # row back before ``_request`` marks it, and must not take it for one to request itself.
             sub = Subscription(
-                0, secrets.token_urlsafe(32), secrets.token_hex(32), src.name, key[0], key[1], topic, hub
-            )
+                0, secrets.token_urlsafe(32), secrets.token_hex(32), src.name, key[0], key[1], topic, hub,
+                pending="subscribe", requested=self._now(),
+            )  # fmt: skip
             sub.id = await self._db(self.state.add_notify_subscription, sub) or 0
             self._subs[sub.token] = sub
             log.info("source=%s subscribing to %s %s at hub %s", src.name, key[1], topic, hub)
@@ -447,16 +454,16 @@ class Subscriber:
         s = self.settings
         if self.shared:  # each source's holder maintains its subscriptions (``_follow_shared``)
             return s.tick
-        return await self._maintain(list(self._subs.values()))
+        return await self._maintain(list(self._subs.values()), set(follows(self.get_config())))
 
-    async def _maintain(self, subs: list[Subscription]) -> float:
+    async def _maintain(self, subs: list[Subscription], followed: Container[str] | None) -> float:
+        """``followed``: the sources whose subscriptions stay (the others' are retired); None: all of them
+        (a cluster's holder: whether a source is still followed is the "@orphans" role's call)."""
         s = self.settings
         now = self._now()
-        config = self.get_config()
-        followed = {src.name for src in config.sources if src.enabled and config.notifications_on(src)}
         due = now + timedelta(seconds=s.tick)
         for sub in subs:
-            if sub.wanted and sub.source not in followed:
+            if sub.wanted and followed is not None and sub.source not in followed:
                 await self._retire(sub, "source removed, disabled or not followed")
                 continue
             if sub.pending is not None:
@@ -676,13 +683,51 @@ class Subscriber:
         while True:
             try:
                 await self._refresh(src.name)
-                await self._maintain([s for s in self._subs.values() if s.source == src.name])
+                await self._maintain([s for s in self._subs.values() if s.source == src.name], None)
                 await self._take_shared(src)
             except (trio.Cancelled, LeaseLost):
                 raise
             except Exception as exc:  # the state out of reach for a moment: look again; the poll is the net
                 log.error("source=%s shared inbox: %s: %s", src.name, type(exc).__name__, exc)
             await trio.sleep(self.settings.inbox_poll)
+
+    async def run_orphans(self) -> None:
+        """The "@orphans" role of a cluster (compose.py ``Assembly.roles``): one node at a time, under the
+        role's fence, looks every ``tick`` for subscriptions no holder will ever maintain again and ends
+        them (``sweep_orphans``)."""
+        while True:
+            try:
+                await self.sweep_orphans()
+            except (trio.Cancelled, LeaseLost):
+                raise
+            except Exception as exc:  # the state out of reach for a moment: look again
+                log.error("orphaned subscriptions: %s: %s", type(exc).__name__, exc)
+            await trio.sleep(self.settings.tick)
+
+    async def sweep_orphans(self) -> list[str]:
+        """In a cluster, the sources no live node follows any more (removed from every node's configuration,
+        disabled, notifications off: each node's heartbeat names what it follows, cluster.py) have no
+        holder following them, so nobody would unsubscribe their channels: this does, as a single process
+        does for a source that went away (retire, retry, forget after ``unsubscribe_attempts``), and empties
+        their shared inbox. A source some live node still follows (a rolling change that has not reached
+        it) is left to its holder. Returns the orphaned sources that had subscriptions."""
+        nodes = await self._db(self.state.nodes)
+        followed = None if nodes is None else followed_by_live(nodes, self._now())
+        rows = None if followed is None else await self._db(self.state.notify_subscriptions)
+        if followed is None or rows is None:
+            return []
+        orphans = sorted({r.source for r in rows} - followed)
+        fresh = {r.token: r for r in rows if r.source in orphans}
+        for token, old in list(self._subs.items()):
+            if old.source in orphans and token not in fresh:
+                del self._subs[token]
+        self._subs.update(fresh)
+        await self._maintain([self._subs[t] for t in fresh if t in self._subs], followed)
+        for source in orphans:  # nobody takes what is waiting for them
+            waiting = await self._db(self.state.notify_notices, source, self.settings.inbox_size) or []
+            if waiting:
+                await self._db(self.state.delete_notify_notices, [n.id for n in waiting])
+        return orphans
 
     async def _take_shared(self, src: SourceConfig) -> None:
         box = self._box(src.name)
