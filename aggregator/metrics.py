@@ -21,6 +21,8 @@ Where the numbers come from (what is wired where):
 - plugins (``Plugins.failures``), hub and notifications (``Notifications.counters``: ``hub.``,
   ``notifier.``, ``subscriber.`` keys): read at scrape time from the objects that count them.
 - served requests: ``ServedMetrics``, an ASGI middleware labelling by the matched route's path template.
+  With ``server.workers``, the daemon's scrape adds what the worker processes counted
+  (``SERVED_FAMILIES``, ``worker_families``; ``workers.py``).
 
 Naming follows the Prometheus conventions: ``rsagg_`` prefix, counters end in ``_total``, base units
 (``_seconds``, ``_bytes``), timestamps as ``_timestamp_seconds``, labels of low cardinality only

@@ -15,9 +15,16 @@ hub, the notifier and the dump builder run once, in the daemon. A worker that ex
 when the daemon goes, its workers go (SIGTERM on the parent's death, and the daemon stops them).
 A reload (SIGHUP) restarts the workers with the new configuration.
 
-Caveats: ``/metrics`` counts the requests the daemon answered (each worker counts its own, unseen);
-each worker keeps its own cache of rendered documents (the same files, so a rendering one process
-made is not reused by another until it renders that version itself).
+``/metrics`` counts what every process served: a worker runs prometheus-client in multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR``, a private folder of the daemon's: ``metrics_folder``) and the daemon adds
+the workers' serving families (requests, their durations, clients refused) to its own when scraped
+(``Metrics._collect_served``). A request a worker forwards is counted once, by the daemon. The client
+address: nothing behind the server reads it; the connections-per-client cap is applied by the process
+that holds the client's connection (so per process), the loopback listener has none.
+
+Caveats: each worker keeps its own cache of rendered documents (the same files, so a rendering one
+process made is not reused by another until it renders that version itself); the counter files of
+every worker that ran stay (a few KiB each, read at each scrape) until the daemon stops.
 """
 
 from __future__ import annotations
@@ -276,7 +283,8 @@ async def serve_worker(config_path: Path, host: str, port: int, daemon_url: str)
     config = load_config(config_path)
     plugins = Plugins.from_config(config)
     blobs = open_blob_store(config, plugins)
-    # (in multiprocess mode, PROMETHEUS_MULTIPROC_DIR: the daemon's /metrics reads what this one counts)
+    # the one Metrics of this process (in multiprocess mode two would write the same series of one file);
+    # PROMETHEUS_MULTIPROC_DIR: the daemon's /metrics adds what it counts
     metrics = Metrics(process=False)
     try:
         app = create_app(config, blobs=blobs, state_path=state_path(config), plugins=plugins, metrics=metrics)
