@@ -144,9 +144,14 @@ def metrics_folder() -> tuple[Path, int]:
     # made under another name and renamed once locked: the sweep above never sees it unlocked
     new = Path(tempfile.mkdtemp(prefix="." + METRICS_PREFIX))
     fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    path = tmp / new.name[1:]
-    new.rename(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        path = tmp / new.name[1:]
+        new.rename(path)
+    except OSError:
+        os.close(fd)
+        shutil.rmtree(new, ignore_errors=True)
+        raise
     return path, fd
 
 
@@ -195,9 +200,13 @@ class Workers:
                 "--host", self.host, "--port", str(self.port), "--daemon", self.daemon_url]  # fmt: skip
 
     async def run(self, nursery: trio.Nursery, stop_when: Callable[[], Awaitable[Any]]) -> None:
-        self.metrics_dir, lock = metrics_folder()
+        lock = None
         try:
-            if self.metrics is not None:
+            self.metrics_dir, lock = metrics_folder()
+        except OSError as exc:
+            log.warning("workers: no folder for their metrics (%s): /metrics counts the daemon's only", exc)
+        try:
+            if self.metrics is not None and self.metrics_dir is not None:
                 self.metrics.count_workers(str(self.metrics_dir))
             for i in range(self.count):
                 nursery.start_soon(self._keep, i, name=f"worker {i + 1}")
@@ -206,8 +215,9 @@ class Workers:
         finally:
             if self.metrics is not None:
                 self.metrics.count_workers(None)
-            shutil.rmtree(self.metrics_dir, ignore_errors=True)
-            os.close(lock)
+            if self.metrics_dir is not None and lock is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
+                os.close(lock)
 
     async def _keep(self, i: int) -> None:
         failures = 0

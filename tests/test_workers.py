@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
@@ -15,6 +16,7 @@ import trio
 
 from aggregator.publish.uris import rsagg_uri
 from aggregator.testing.upstream import Upstream
+from aggregator.workers import metrics_folder
 
 from .harvesting import start_daemon
 
@@ -264,3 +266,19 @@ async def _count_every_process(
         log.close()
     assert daemon.returncode == 0
     assert not folder.exists()
+
+
+def test_metrics_folder_of_a_live_daemon_stays(tmp_path: Path, monkeypatch):
+    """A daemon's workers' folder is removed by the next daemon only once its lock is released (the
+    daemon is gone), never while it runs."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first, lock = metrics_folder()
+    (first / "counter_1.db").write_bytes(b"")
+    second, lock2 = metrics_folder()
+    assert first != second and first.exists() and second.exists()
+    assert not list(tmp_path.glob(".rsagg-worker-metrics-*"))  # (renamed once locked)
+    os.close(lock)  # the first daemon is gone
+    third, lock3 = metrics_folder()
+    assert not first.exists() and second.exists() and third.exists()
+    os.close(lock2)
+    os.close(lock3)
