@@ -24,7 +24,7 @@ that holds the client's connection (so per process), the loopback listener has n
 
 Caveats: each worker keeps its own cache of rendered documents (the same files, so a rendering one
 process made is not reused by another until it renders that version itself); the counter files of
-every worker that ran stay (a few KiB each, read at each scrape) until the daemon stops.
+every worker that ran stay (small sparse files, read at each scrape) until the daemon stops.
 """
 
 from __future__ import annotations
