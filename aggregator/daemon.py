@@ -380,7 +380,7 @@ async def _serve_and_harvest(
                         limits=replace(limits, max_connections_per_client=0))
             )  # fmt: skip
             bound_port = int(daemon.bound.rsplit(":", 1)[1])
-            daemon.workers = Workers(config_path, workers - 1, host, bound_port, internal)
+            daemon.workers = Workers(config_path, workers - 1, host, bound_port, internal, ctx.metrics)
             nursery.start_soon(daemon.workers.run, nursery, daemon.shutdown.wait)
             log.info("%d worker processes serve on the same port (server.workers)", workers - 1)
         log.info("document parser: %s", "compiled fast path" if parse.SPEEDUPS else "pure Python (slower)")

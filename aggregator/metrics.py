@@ -21,6 +21,8 @@ Where the numbers come from (what is wired where):
 - plugins (``Plugins.failures``), hub and notifications (``Notifications.counters``: ``hub.``,
   ``notifier.``, ``subscriber.`` keys): read at scrape time from the objects that count them.
 - served requests: ``ServedMetrics``, an ASGI middleware labelling by the matched route's path template.
+  With ``server.workers``, the daemon's scrape adds what the worker processes counted
+  (``SERVED_FAMILIES``, ``worker_families``; ``workers.py``).
 
 Naming follows the Prometheus conventions: ``rsagg_`` prefix, counters end in ``_total``, base units
 (``_seconds``, ``_bytes``), timestamps as ``_timestamp_seconds``, labels of low cardinality only
@@ -29,6 +31,8 @@ Naming follows the Prometheus conventions: ``rsagg_`` prefix, counters end in ``
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import os
 import re
@@ -51,7 +55,9 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from . import __version__
 from .errors import CountedError
@@ -73,6 +79,12 @@ STORE_SCAN_EVERY = 600.0
 STORE_SCAN_WAIT = 1.0
 #: Seconds between two counts of the resources held per source (a count reads an index).
 COUNT_EVERY = 30.0
+
+#: The families of serving (``ServedMetrics``, the fast lane, ``serverguard``): what the worker processes
+#: count too, and the daemon's ``/metrics`` sums (``Metrics._collect_served``).
+SERVED_FAMILIES = frozenset(
+    ("rsagg_http_requests", "rsagg_http_request_duration_seconds", "rsagg_server_refused")
+)
 
 STATUS_CLASSES = ("2xx", "3xx", "4xx", "5xx", "error")
 #: Error kinds always exposed (0 until they happen): the Fetcher's FetchError kinds, plugin failures,
@@ -372,7 +384,7 @@ class Metrics:
             "rsagg_server_refused",
             "Clients the server cut off or refused, by bound (serverguard.py)",
             ["reason"],
-            registry=r,
+            registry=None,  # a serving family: ``_collect_served``
         )
         for reason in SERVER_REASONS:
             self.server_refused.labels(reason)
@@ -392,18 +404,18 @@ class Metrics:
         )
         self.store_size = StoreSize()
 
-        # -- served requests
+        # -- served requests (with the worker processes' counts: ``_collect_served``)
         self.http_requests = Counter(
             "rsagg_http_requests",
             "Requests served by rsagg, by route (path template), method and code",
             ["route", "method", "code"],
-            registry=r,
+            registry=None,
         )
         self.http_duration = Histogram(
             "rsagg_http_request_duration_seconds",
             "Time to serve a request (whole body sent)",
             ["route"],
-            registry=r,
+            registry=None,
         )
         #: (route, method, code) -> its labelled children: ``labels()`` cost more than a hot resource GET's
         #: own work (a few routes x methods x codes: small).
@@ -446,6 +458,9 @@ class Metrics:
         r.register(_Callback(self._collect_notifications))
         r.register(_Callback(self._collect_state))
         r.register(_Callback(self._collect_store))
+        #: The worker processes' prometheus-client files (``count_workers``), None without workers.
+        self.workers_dir: str | None = None
+        r.register(_Callback(self._collect_served))
 
     # ------------------------------------------------------------------ wiring
 
@@ -464,6 +479,11 @@ class Metrics:
                 self.store_size.attach(store)
             if getattr(store, "on_commit", False) is None:  # FileBlobStore, not yet counted elsewhere
                 store.on_commit = self.blobs_committed
+
+    def count_workers(self, path: str | None) -> None:
+        """Add the serving families the worker processes (``workers.py``) write in ``path`` to this
+        process's own (None: this process's only)."""
+        self.workers_dir = path
 
     # ------------------------------------------------------------------ hooks (called by rsagg)
 
@@ -743,6 +763,25 @@ class Metrics:
         seq.add_metric([], snap["last_seq"])
         yield from (last_success, last_attempt, state, resources, lag, done, expected, cursor, seq)
 
+    def _collect_served(self) -> Iterator[Metric]:
+        """The serving families: this process's counts plus the workers' (summed per series, as
+        prometheus-client's multiprocess mode sums processes; the files of a worker that exited stay, so
+        a sum never goes back when a worker is started again)."""
+        own = [
+            fam for c in (self.http_requests, self.http_duration, self.server_refused) for fam in c.collect()
+        ]
+        theirs: dict[str, Metric] = {}
+        if self.workers_dir is not None:
+            try:
+                theirs = {fam.name: fam for fam in worker_families(self.workers_dir)}
+            except Exception:  # a scrape must not fail (nor lose this process's counts) for a bad file
+                log.exception("metrics: cannot read the workers' counts in %s", self.workers_dir)
+        for fam in own:
+            other = theirs.get(fam.name)
+            if other is not None:
+                fam.samples = _sum_samples(fam.samples, other.samples)
+            yield fam
+
     def _collect_store(self) -> Iterator[Metric]:
         values = self.store_size.values()
         if values is None:
@@ -753,6 +792,36 @@ class Metrics:
         size.add_metric([], values[1])
         yield objects
         yield size
+
+
+def worker_families(path: str) -> list[Metric]:
+    """The serving families of the worker processes that wrote their counters and histograms in
+    ``path`` (``PROMETHEUS_MULTIPROC_DIR``), summed over them by prometheus-client.
+
+    Why not the daemon in multiprocess mode too (one ``MultiProcessCollector`` for everything): that mode
+    is chosen once per process, for every metric of it; the daemon's own families are per ``Metrics``
+    object (several in one process in tests), its scrape-time collectors and gauges have semantics of
+    their own, and only the serving families exist in the workers."""
+    files = []
+    for pattern in ("counter_*.db", "histogram_*.db"):
+        for f in glob.glob(os.path.join(path, pattern)):
+            with contextlib.suppress(OSError):
+                if os.path.getsize(f) > 0:  # (0 bytes: a worker is creating it)
+                    files.append(f)
+    return [fam for fam in MultiProcessCollector.merge(files) if fam.name in SERVED_FAMILIES]
+
+
+def _sum_samples(ours: list[Sample], theirs: Iterable[Sample]) -> list[Sample]:
+    out = list(ours)
+    index = {(s.name, frozenset(s.labels.items())): i for i, s in enumerate(out)}
+    for s in theirs:
+        i = index.get((s.name, frozenset(s.labels.items())))
+        if i is None:
+            index[(s.name, frozenset(s.labels.items()))] = len(out)
+            out.append(s)
+        else:
+            out[i] = out[i]._replace(value=out[i].value + s.value)
+    return out
 
 
 def error_kind(exc: BaseException) -> str:
@@ -811,6 +880,7 @@ def default_metrics() -> Metrics:
 __all__ = [
     "CONTENT_TYPE",
     "FAMILIES",
+    "SERVED_FAMILIES",
     "Metrics",
     "ServedMetrics",
     "StoreSize",
@@ -819,4 +889,5 @@ __all__ = [
     "error_kind",
     "sample_names",
     "status_class",
+    "worker_families",
 ]

@@ -15,30 +15,44 @@ hub, the notifier and the dump builder run once, in the daemon. A worker that ex
 when the daemon goes, its workers go (SIGTERM on the parent's death, and the daemon stops them).
 A reload (SIGHUP) restarts the workers with the new configuration.
 
-Caveats: ``/metrics`` counts the requests the daemon answered (each worker counts its own, unseen);
-each worker keeps its own cache of rendered documents (the same files, so a rendering one process
-made is not reused by another until it renders that version itself).
+``/metrics`` counts what every process served: a worker runs prometheus-client in multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR``, a private folder of the daemon's: ``metrics_folder``) and the daemon adds
+the workers' serving families (requests, their durations, clients refused) to its own when scraped
+(``Metrics._collect_served``). A request a worker forwards is counted once, by the daemon. The client
+address: nothing behind the server reads it; the connections-per-client cap is applied by the process
+that holds the client's connection (so per process), the loopback listener has none.
+
+Caveats: each worker keeps its own cache of rendered documents (the same files, so a rendering one
+process made is not reused by another until it renders that version itself); the counter files of
+every worker that ran stay (small sparse files, read at each scrape) until the daemon stops.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import fcntl
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import trio
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
 
 log = logging.getLogger("rsagg.workers")
 
@@ -55,6 +69,8 @@ HOP = frozenset((b"connection", b"keep-alive", b"transfer-encoding", b"te", b"tr
 _NOT_BACK = (HOP - {b"content-length"}) | {b"date", b"server"}
 #: Restart delays of a worker that keeps exiting (seconds).
 BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
+#: The daemon's private folder (in the temporary folder) where its workers' metric files go.
+METRICS_PREFIX = "rsagg-worker-metrics-"
 
 
 class Forwarding:
@@ -118,34 +134,104 @@ class Forwarding:
 # -- the daemon's side -------------------------------------------------------------------------------
 
 
-class Workers:
-    """The daemon's worker processes: started, started again when one exits, stopped with the daemon."""
+def metrics_folder() -> tuple[Path, int]:
+    """A new private folder for the workers' metric files and the descriptor of its lock (held while the
+    daemon lives: ``flock``, released however the process ends). Folders whose daemon is gone (killed
+    before it could remove its own) are removed first, so files neither pile up nor count twice."""
+    tmp = Path(tempfile.gettempdir())
+    for old in tmp.glob(METRICS_PREFIX + "*"):
+        _remove_unlocked(old)
+    # made under another name and renamed once locked: the sweep above never sees it unlocked
+    new = Path(tempfile.mkdtemp(prefix="." + METRICS_PREFIX))
+    fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        path = tmp / new.name[1:]
+        new.rename(path)
+    except OSError:
+        os.close(fd)
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    return path, fd
 
-    def __init__(self, config_path: Path, count: int, host: str, port: int, daemon_url: str) -> None:
+
+def _remove_unlocked(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # another user's (0700), or gone
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a running daemon's
+        os.close(fd)
+        return
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
+class Workers:
+    """The daemon's worker processes: started, started again when one exits, stopped with the daemon.
+
+    Their serving metrics: each worker runs prometheus-client in multiprocess mode
+    (``PROMETHEUS_MULTIPROC_DIR``: a private folder of the daemon's, ``metrics_folder``), and the daemon's
+    ``/metrics`` adds what they wrote to its own counts (``Metrics.count_workers``). The counter and
+    histogram files of a worker that exited stay until the daemon stops, so no sum goes back."""
+
+    def __init__(
+        self,
+        config_path: Path,
+        count: int,
+        host: str,
+        port: int,
+        daemon_url: str,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.config_path, self.count, self.host, self.port = config_path, count, host, port
         self.daemon_url = daemon_url
+        self.metrics = metrics
         self.procs: dict[int, trio.Process] = {}
         self.stopping = False
+        self.metrics_dir: Path | None = None
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "aggregator.workers", "--config", str(self.config_path),
                 "--host", self.host, "--port", str(self.port), "--daemon", self.daemon_url]  # fmt: skip
 
     async def run(self, nursery: trio.Nursery, stop_when: Callable[[], Awaitable[Any]]) -> None:
-        for i in range(self.count):
-            nursery.start_soon(self._keep, i, name=f"worker {i + 1}")
-        await stop_when()
-        await self.stop()
+        lock = None
+        try:
+            self.metrics_dir, lock = metrics_folder()
+        except OSError as exc:
+            log.warning("workers: no folder for their metrics (%s): /metrics counts the daemon's only", exc)
+        try:
+            if self.metrics is not None and self.metrics_dir is not None:
+                self.metrics.count_workers(str(self.metrics_dir))
+            for i in range(self.count):
+                nursery.start_soon(self._keep, i, name=f"worker {i + 1}")
+            await stop_when()
+            await self.stop()
+        finally:
+            if self.metrics is not None:
+                self.metrics.count_workers(None)
+            if self.metrics_dir is not None and lock is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
+                os.close(lock)
 
     async def _keep(self, i: int) -> None:
         failures = 0
+        env = dict(os.environ)
+        if self.metrics_dir is not None:
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
         while not self.stopping:
-            proc = await trio.lowlevel.open_process(self.command(), stdin=subprocess.DEVNULL)
+            proc = await trio.lowlevel.open_process(self.command(), stdin=subprocess.DEVNULL, env=env)
             self.procs[i] = proc
             log.info("worker %d started (pid %d)", i + 1, proc.pid)
             started = trio.current_time()
             code = await proc.wait()
             self.procs.pop(i, None)
+            self._exited(proc.pid)
             if self.stopping:
                 return
             failures = 0 if trio.current_time() - started > 60 else failures + 1
@@ -153,6 +239,14 @@ class Workers:
             level = logging.INFO if code == 0 else logging.ERROR
             log.log(level, "worker %d (pid %d) exited with %s: again in %.0f s", i + 1, proc.pid, code, delay)
             await trio.sleep(delay)
+
+    def _exited(self, pid: int) -> None:
+        """What ``prometheus_client.multiprocess.mark_process_dead`` does for the "live" gauges, for all the
+        gauges of a worker (the daemon shows none of them); its counters and histograms stay."""
+        if self.metrics_dir is not None:
+            for f in self.metrics_dir.glob(f"gauge_*_{pid}.db"):
+                with contextlib.suppress(OSError):
+                    f.unlink()
 
     def restart(self) -> None:
         """SIGTERM every worker: each is started again (with the configuration file as it is now)."""
@@ -189,6 +283,7 @@ def _die_with_parent() -> None:
 async def serve_worker(config_path: Path, host: str, port: int, daemon_url: str) -> None:
     from .config import load_config
     from .harvest.context import open_blob_store
+    from .metrics import Metrics
     from .plugins import Plugins
     from .publish.app import create_app
     from .serverguard import ServerLimits
@@ -198,9 +293,15 @@ async def serve_worker(config_path: Path, host: str, port: int, daemon_url: str)
     config = load_config(config_path)
     plugins = Plugins.from_config(config)
     blobs = open_blob_store(config, plugins)
+    # the one Metrics of this process (in multiprocess mode two would write the same series of one file);
+    # PROMETHEUS_MULTIPROC_DIR: the daemon's /metrics adds what it counts
+    metrics = Metrics(process=False)
     try:
-        app = create_app(config, blobs=blobs, state_path=state_path(config), plugins=plugins)
-        limits = ServerLimits(max_connections_per_client=config.server.max_connections_per_client)
+        app = create_app(config, blobs=blobs, state_path=state_path(config), plugins=plugins, metrics=metrics)
+        limits = ServerLimits(
+            max_connections_per_client=config.server.max_connections_per_client,
+            on_refused=metrics.server_refused_hook,
+        )
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             stop = trio.Event()
 
