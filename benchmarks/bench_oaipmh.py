@@ -15,6 +15,7 @@ meet a server that answers as fast as the network allows and the figures measure
     python benchmarks/bench_oaipmh.py                      # 20,000 records, pages of 100, 0 and 50 ms
     python benchmarks/bench_oaipmh.py --records 5000       # quicker
     python benchmarks/bench_oaipmh.py --repeat 1           # one sickle/rsagg pair per latency (default 3)
+    python benchmarks/bench_oaipmh.py --inline-bytes 0     # every record a file of its own (no small.db)
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def run_sickle(url: str) -> tuple[float, int]:
     return time.perf_counter() - start, n
 
 
-def run_rsagg(url: str, folder: Path) -> tuple[float, int, float]:
+def run_rsagg(url: str, folder: Path, inline_bytes: int | None = None) -> tuple[float, int, float]:
     import httpx
     import trio
 
@@ -129,6 +130,8 @@ def run_rsagg(url: str, folder: Path) -> tuple[float, int, float]:
 
     settings: dict = {"store": {"path": str(folder / "data")},
                       "sources": [{"name": "oai", "url": url, "kind": "oai-pmh"}]}  # fmt: skip
+    if inline_bytes is not None:
+        settings["store"]["settings"] = {"inline_bytes": inline_bytes}
     # rsagg with its built-in plugins only: an installed filter plugin (the test suite's, or
     # rsagg-resourcefilter) is asked about every record even where it has no rules for the source
     installed = set(Plugins(entry_point_plugins=True).names()) - set(DEFAULT_PLUGINS)
@@ -170,6 +173,8 @@ def main() -> None:
     ap.add_argument("--latencies", default="0,50", help="ms per request, comma-separated")
     ap.add_argument("--workdir", help="where rsagg's store goes (default: a temporary folder), e.g. a tmpfs "
                     "to take the disk out of the figures")  # fmt: skip
+    ap.add_argument("--inline-bytes", type=int, help="[store.settings] inline_bytes of rsagg's store "
+                    "(default: the store's own; 0: a file per record, as before small.db)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3, help="sickle/rsagg pairs per latency, run in turn; "
                     "the table gives the medians (on a shared machine one run says little)")  # fmt: skip
     args = ap.parse_args()
@@ -183,7 +188,7 @@ def main() -> None:
             for _ in range(args.repeat):
                 s_took, s_n = run_sickle(url)
                 with tempfile.TemporaryDirectory(prefix="rsagg-bench-oaipmh-", dir=args.workdir) as d:
-                    r_took, r_n, served = run_rsagg(url, Path(d))
+                    r_took, r_n, served = run_rsagg(url, Path(d), args.inline_bytes)
                 assert s_n == args.records and r_n == args.records, (s_n, r_n)
                 pairs.append((s_n / s_took, r_n / r_took, served))
                 load.append(os.getloadavg()[0])
@@ -195,8 +200,9 @@ def main() -> None:
         rows.append((ms, pages, s, r, statistics.median(ratios), ratios, served))
     print(
         f"\nOAI-PMH harvest, {args.records:,} oai_dc records in pages of {args.page} (PyPI oaipmh server), "
-        f"medians of {args.repeat} runs each; load average {min(load):.1f}-{max(load):.1f} (the machine's "
-        "other jobs slow both harvesters)\n"
+        f"medians of {args.repeat} runs each; rsagg's store: inline_bytes "
+        f"{'default' if args.inline_bytes is None else args.inline_bytes}; load average "
+        f"{min(load):.1f}-{max(load):.1f} (the machine's other jobs slow both harvesters)\n"
     )
     print(
         "| latency | pages | sickle 0.7 records/s | rsagg records/s (harvest + store) | ratio (each run) "
