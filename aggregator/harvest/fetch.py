@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextvars
-import inspect
 import logging
 import tempfile
 import urllib.request
@@ -48,7 +47,7 @@ from ..retry import backoff, retry_after, retryable_status
 from ..rs import parse
 from ..rs.fixity import Hasher, mismatches
 from ..rs.model import Entry, Head
-from ..store.blobs import BlobInfo, BlobStore, BlobWriter
+from ..store.blobs import BlobInfo, BlobStore, BlobWriter, begin_spooled
 from .deviations import deviation
 
 log = logging.getLogger("rsagg.fetch")
@@ -463,25 +462,8 @@ class _Started:
 
 
 def _begin(store: BlobStore, algorithms: frozenset[str]) -> BlobWriter:
-    """A blob writer that holds small bodies in memory when the backend can (``spool``).
-
-    Why: a temp file per resource, created and written on the event loop, cost ~12% of the loop's
-    time in a 10,000-resource baseline (file creation also waits for the journal while a commit
-    syncs); the file store writes spooled blobs at commit, back to back (``FileBlobStore.commit_steps``).
-    """
-    kind = type(store)
-    spools = _SPOOLS.get(kind)
-    if spools is None:
-        try:
-            spools = _SPOOLS[kind] = "spool" in inspect.signature(store.begin).parameters
-        except (TypeError, ValueError):
-            spools = _SPOOLS[kind] = False
-    if spools:
-        return store.begin(algorithms, spool=SMALL_BODY)  # type: ignore[call-arg]
-    return store.begin(algorithms)
-
-
-_SPOOLS: dict[type, bool] = {}
+    """A blob writer that holds bodies up to SMALL_BODY in memory when the backend can."""
+    return begin_spooled(store, algorithms, SMALL_BODY)
 
 
 # -- connection pools ----------------------------------------------------------------------------

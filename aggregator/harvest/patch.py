@@ -22,7 +22,7 @@ import jsonpatch
 import trio
 
 from ..rs.model import Link
-from ..store.blobs import BlobStore
+from ..store.blobs import BlobStore, begin_spooled
 from .fetch import Expected, FetchedResource, Fetcher, FetchError
 
 log = logging.getLogger("rsagg.patch")
@@ -140,7 +140,7 @@ async def fetch_by_patch(
     if expected.length is not None and len(new) != expected.length:
         log.info("patch %s: result has %d bytes, %d announced", link.href, len(new), expected.length)
         return None
-    writer = store.begin(frozenset(expected.hashes))
+    writer = begin_spooled(store, frozenset(expected.hashes), len(new))  # in memory already
     try:
         writer.write(new)
         info = writer.finish()

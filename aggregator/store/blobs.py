@@ -18,6 +18,7 @@ import errno
 import fcntl
 import functools
 import heapq
+import inspect
 import io
 import itertools
 import logging
@@ -313,6 +314,29 @@ class BlobStore(Protocol):
         ``content_type`` where the store can say so), for ``server.offload = "redirect"``; None when the
         store has no such URLs (a local filesystem)."""
         ...
+
+
+def begin_spooled(store: BlobStore, algorithms: frozenset[str], limit: int) -> BlobWriter:
+    """A blob writer that holds up to ``limit`` bytes in memory when the backend can (``begin``'s
+    ``spool``); the caller bounds how many such writers are alive at once.
+
+    Why: a temp file per resource, created and written on the event loop, cost ~12% of the loop's
+    time in a 10,000-resource baseline (file creation also waits for the journal while a commit
+    syncs); the file store writes spooled blobs at commit, back to back, or as rows of its small.db.
+    """
+    kind = type(store)
+    spools = _SPOOLS.get(kind)
+    if spools is None:
+        try:
+            spools = _SPOOLS[kind] = "spool" in inspect.signature(store.begin).parameters
+        except (TypeError, ValueError):
+            spools = _SPOOLS[kind] = False
+    if spools:
+        return store.begin(algorithms, spool=limit)  # type: ignore[call-arg]
+    return store.begin(algorithms)
+
+
+_SPOOLS: dict[type, bool] = {}
 
 
 #: What a backend must have: the protocol's methods (checked when a store is opened).
