@@ -156,7 +156,7 @@ def test_a_killed_writer_leaves_committed_rows_and_no_partial_one(tmp_path: Path
         store.put_bytes(b"committed")
         conn = store._inline._conn().__enter__()
         conn.execute("BEGIN IMMEDIATE")
-        conn.execute("INSERT INTO blobs VALUES (?, ?)", (bytes(32), b"never committed"))
+        conn.execute("INSERT INTO blobs VALUES (?, ?, 0)", (bytes(32), b"never committed"))
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
