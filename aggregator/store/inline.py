@@ -176,7 +176,8 @@ class InlineBlobs:
             if stored_before is None:
                 cur = conn.execute("DELETE FROM blobs WHERE sha256 = ?", (key,))
             else:
-                cur = conn.execute("DELETE FROM blobs WHERE sha256 = ? AND stored_at < ?", (key, stored_before))
+                sql = "DELETE FROM blobs WHERE sha256 = ? AND stored_at < ?"
+                cur = conn.execute(sql, (key, stored_before))
             return cur.rowcount > 0
 
     def iter_hashes(self) -> Iterator[str]:
