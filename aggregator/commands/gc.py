@@ -81,6 +81,8 @@ def collect_garbage(
     window). With a grace period each delete is conditional (``BlobStore.delete(stored_before=)``): a
     blob a harvest stores again while gc runs stays, and counts as kept.
     """
+    # The cutoff is taken before the references are read (their snapshot is taken at the first next()):
+    # a blob older than it that a harvest names after the snapshot was stored more than ``grace`` before.
     cutoff = None if grace <= 0 else (time.time() if now is None else now) - grace
     removed = freed = kept = 0
     # Both streams come sorted ascending: a merge needs neither a set in memory nor a sha256 index.

@@ -752,10 +752,14 @@ class FileBlobStore:
             removed = self._inline.delete(sha256, stored_before)
             if not removed and stored_before is not None and self._inline.length(sha256) is not None:
                 return False  # stored again: its file copy (if any) stays with it
-        return self._delete_file(sha256, stored_before) or removed
+        file = self._delete_file(sha256, stored_before)
+        if file is False:
+            return False  # stored again as a file: the blob stays
+        return bool(file) or removed
 
-    def _delete_file(self, sha256: str, stored_before: float | None) -> bool:
-        """Unlink a blob file; with ``stored_before``, only one not touched since (``_exists_ok``).
+    def _delete_file(self, sha256: str, stored_before: float | None) -> bool | None:
+        """Unlink a blob file (True; None when there is none); with ``stored_before``, only one not
+        touched since (``_exists_ok``; False when it stays).
 
         The file is first renamed aside, then its mtime read: a commit touching it before the rename
         is seen (the file goes back, durably), one after the rename finds no file and writes it anew.
@@ -766,13 +770,13 @@ class FileBlobStore:
             try:
                 path.unlink()
             except FileNotFoundError:
-                return False
+                return None
             return True
         aside = self._temp.next_name()
         try:
             os.rename(path, aside)
         except FileNotFoundError:
-            return False
+            return None
         try:
             recent = os.stat(aside).st_mtime >= stored_before
         except BaseException:
