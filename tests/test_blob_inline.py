@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from aggregator.commands.gc import collect_garbage
+from aggregator.commands.gc import Garbage, collect_garbage
 from aggregator.config import ConfigError, parse_config
 from aggregator.harvest.context import open_blob_store
 from aggregator.plugins import Plugins
@@ -141,7 +141,7 @@ def test_collect_garbage_removes_unnamed_rows(tmp_path: Path, store: FileBlobSto
         set_id = st.ensure_set("s", "http://example.org/cl.xml")
         st.apply(set_id, [Change(uri="http://example.org/r", change="created", sha256=named.sha256,
                                  length=named.length)])  # fmt: skip
-        assert collect_garbage(st, store) == (1, len(b"unnamed"))
+        assert collect_garbage(st, store, grace=0) == Garbage(removed=1, freed=len(b"unnamed"))
     assert store.exists(named.sha256) and not store.exists(unnamed.sha256)
 
 
@@ -156,7 +156,7 @@ def test_a_killed_writer_leaves_committed_rows_and_no_partial_one(tmp_path: Path
         store.put_bytes(b"committed")
         conn = store._inline._conn().__enter__()
         conn.execute("BEGIN IMMEDIATE")
-        conn.execute("INSERT INTO blobs VALUES (?, ?)", (bytes(32), b"never committed"))
+        conn.execute("INSERT INTO blobs VALUES (?, ?, 0)", (bytes(32), b"never committed"))
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )

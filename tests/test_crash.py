@@ -335,7 +335,7 @@ def check_store(h: Harvester) -> int:
         missing = sorted(sha for sha in named if not blobs.exists(sha))
         assert not missing, f"{len(missing)} blob(s) named by the state are not stored, e.g. {missing[0]}"
         with State(h.store / "state.db") as state:
-            removed, _ = collect_garbage(state, blobs)
+            removed = collect_garbage(state, blobs, grace=0).removed
         assert set(blobs.iter_hashes()) == named
     assert h.query("SELECT name FROM sets WHERE baseline_generation IS NOT NULL") == []
     assert h.query("SELECT state FROM sources") == [("ok",)]

@@ -13,6 +13,7 @@ import os
 import sqlite3
 import uuid
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 
 import boto3
@@ -21,7 +22,9 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 from rsagg_s3 import MIN_PART_SIZE, S3BlobStore, S3StoreError, create_store
 
+from aggregator.commands.gc import Garbage, collect_garbage
 from aggregator.store.blobs import BlobInfo, BlobStore
+from aggregator.store.state import State
 from tests import harvesting, test_harvest, test_publish
 from tests.blobtesting import temp_files
 from tests.seaweedfs import SeaweedFS, run_seaweedfs
@@ -317,7 +320,10 @@ def test_delete_and_iter_hashes_sorted_over_several_pages(store: S3BlobStore, s3
 def test_out_of_order_listing_is_refused(store: S3BlobStore, monkeypatch) -> None:
     # gc merges iter_hashes with sorted state hashes: a store listing out of order must not go unnoticed.
     a, b = "a" * 64, "b" * 64
-    pages = [{"Contents": [{"Key": store.prefix + f"{h[:2]}/{h[2:4]}/{h}"} for h in (b, a)]}]
+    now = datetime.now(UTC)
+    pages = [
+        {"Contents": [{"Key": store.prefix + f"{h[:2]}/{h[2:4]}/{h}", "LastModified": now} for h in (b, a)]}
+    ]
 
     class Paginator:
         def paginate(self, **kw):
@@ -340,6 +346,31 @@ def test_empty_prefix_lists_only_blob_keys(make_store, s3) -> None:
 
 def test_satisfies_protocol(store: S3BlobStore) -> None:
     assert isinstance(store, BlobStore)
+
+
+def test_a_blob_stored_again_is_refreshed_and_kept_by_gc(store: S3BlobStore, tmp_path: Path) -> None:
+    """Dedup copies the object onto itself (a new LastModified, bytes and checksum intact); gc's age
+    is that LastModified, checked again by ``delete(stored_before=)``."""
+    kept, old = store.put_bytes(b"stored again"), store.put_bytes(b"never again")
+    requests = Requests(store)
+    assert store.put_bytes(b"stored again") == kept
+    assert requests.calls["CopyObject"] == 1 and ("PutObject", 412) in requests.statuses
+    with store.open(kept.sha256) as f:
+        assert f.read() == b"stored again"  # read whole: checked against the stored checksum
+    stored = dict(store.iter_stored())
+    head = store._client.head_object(Bucket=store.bucket, Key=store.key(kept.sha256))
+    assert stored[kept.sha256] == head["LastModified"].timestamp()
+    assert store.delete(kept.sha256, stored_before=stored[kept.sha256]) is False  # not before: stays
+    assert store.exists(kept.sha256)
+    with State(tmp_path / "state.db") as st:  # the clock set just past one blob's grace period
+        now = stored[old.sha256] + 3600 + 1
+        if stored[kept.sha256] > stored[old.sha256]:  # LastModified has whole seconds
+            assert collect_garbage(st, store, grace=3600, now=now) == Garbage(1, old.length, 1)
+            assert store.exists(kept.sha256)
+        else:
+            assert collect_garbage(st, store, grace=3600, now=now) == Garbage(2, old.length + kept.length, 0)
+    assert not store.exists(old.sha256)
+    assert store.delete(old.sha256, stored_before=now) is False  # gone: nothing to delete
 
 
 # -- reading -------------------------------------------------------------------------------------

@@ -1,9 +1,23 @@
-"""Remove blobs that no resource or changelog record references."""
+"""Remove blobs that no resource or changelog record references, once they are older than a grace period.
+
+A harvest (and a dump build) stores a blob before the state rows that name it (docs/architecture.md,
+invariant 2), so a blob nothing names yet may be named a moment later. gc therefore removes only
+unreferenced blobs last stored more than --grace seconds ago (default 3600: longer than any harvest
+batch or dump build takes between storing its blobs and naming them; a blob stored again by a harvest,
+deduplicated, counts as stored then). So gc runs beside `rsagg run`, and beside every node of a
+cluster, without stopping them. --grace 0 removes every unreferenced blob, as gc did before: it takes
+the store's lock, so it is refused while a harvester runs on this host; the lock does not reach other
+machines, so in a cluster --grace 0 is safe only with every node stopped.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
+import logging
+import time
+from dataclasses import dataclass
 
 from ..harvest.context import open_blob_store, prepare_store
 from ..plugins import Plugins
@@ -13,32 +27,85 @@ from ..store.lock import store_lock
 from ..store.state import State, open_state
 from ._common import add_config_arguments, start
 
+log = logging.getLogger(__name__)
+
+#: Default grace period (seconds): far longer than a batch (or a dump build) takes from storing its
+#: blobs to committing the state rows that name them, which is seconds to minutes.
+GRACE_SECONDS = 3600.0
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, not {text!r}")
+    return value
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    p.add_argument(
+        "--grace",
+        type=_seconds,
+        default=GRACE_SECONDS,
+        metavar="SECONDS",
+        help=(
+            f"remove only unreferenced blobs last stored more than SECONDS ago (default {GRACE_SECONDS:g}: "
+            "longer than any harvest batch or dump build takes between storing blobs and naming them, so "
+            "gc is safe beside running harvesters); 0 removes them all, and is refused while a harvester "
+            "runs on this host (unsafe in a cluster unless every node is stopped)"
+        ),
+    )
 
 
-def collect_garbage(state: State, blobs: BlobStore, *, dry_run: bool = False) -> tuple[int, int]:
-    """Delete blobs that no resource, changelog record or published dump names; returns (blobs removed,
-    bytes freed).
+@dataclass(frozen=True)
+class Garbage:
+    """What a gc did: blobs removed and their bytes, and unreferenced blobs kept as too recent."""
 
-    Run it while no harvest is writing: a harvest commits blobs before the state rows that name them
-    (invariant 2), so a concurrent gc could remove a blob in that window.
+    removed: int = 0
+    freed: int = 0
+    kept_recent: int = 0
+
+
+def collect_garbage(
+    state: State, blobs: BlobStore, *, grace: float, dry_run: bool = False, now: float | None = None
+) -> Garbage:
+    """Delete blobs that no resource, changelog record or published dump names and that were last stored
+    more than ``grace`` seconds before ``now`` (default: the clock).
+
+    ``grace`` 0 deletes every unreferenced blob: only while no harvest writes (a harvest commits blobs
+    before the state rows that name them, invariant 2, so a concurrent gc could remove a blob in that
+    window). With a grace period each delete is conditional (``BlobStore.delete(stored_before=)``): a
+    blob a harvest stores again while gc runs stays, and counts as kept.
     """
-    removed = freed = 0
+    # The cutoff is taken before the references are read (their snapshot is taken at the first next()):
+    # a blob older than it that a harvest names after the snapshot was stored more than ``grace`` before.
+    cutoff = None if grace <= 0 else (time.time() if now is None else now) - grace
+    removed = freed = kept = 0
     # Both streams come sorted ascending: a merge needs neither a set in memory nor a sha256 index.
     refs = heapq.merge(state.referenced_hashes(), dumps.referenced_hashes(state))
     ref = next(refs, None)
-    for sha in blobs.iter_hashes():
+    for sha, stored_at in blobs.iter_stored():
         while ref is not None and ref < sha:
             ref = next(refs, None)
-        if sha != ref:
-            freed += blobs.size(sha)
+        if sha == ref:
+            continue
+        if cutoff is not None and stored_at >= cutoff:
+            kept += 1
+            continue
+        try:
+            size = blobs.size(sha)
+        except FileNotFoundError:  # removed meanwhile (another gc)
+            continue
+        if dry_run or blobs.delete(sha, stored_before=cutoff):
             removed += 1
-            if not dry_run:
-                blobs.delete(sha)
-    return removed, freed
+            freed += size
+        else:
+            kept += 1  # stored again since it was listed (or removed by another gc)
+    return Garbage(removed, freed, kept)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,13 +113,25 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     root = prepare_store(config)
-    with store_lock(root, "rsagg gc"):  # never beside a harvest (see collect_garbage)
+    grace: float = args.grace
+    with contextlib.ExitStack() as stack:
+        if grace == 0:
+            # Every unreferenced blob, however new: never beside a harvest (see collect_garbage).
+            stack.enter_context(store_lock(root, "rsagg gc --grace 0"))
+            if config.cluster.enabled:
+                log.warning(
+                    "gc --grace 0 with [cluster] enabled: the store lock covers this host only; "
+                    "a node running on another machine may lose blobs it is about to name"
+                )
+        # With a grace period no lock: harvesters keep running, and two gcs at once are harmless (each
+        # delete is conditional, and deleting a blob already gone is not an error).
         blobs = open_blob_store(config, Plugins.from_config(config))
         state = open_state(config)
         try:
-            removed, freed = collect_garbage(state, blobs, dry_run=args.dry_run)
+            result = collect_garbage(state, blobs, grace=grace, dry_run=args.dry_run)
         finally:
             state.close()
     verb = "would remove" if args.dry_run else "removed"
-    print(f"{verb} {removed} unreferenced blob(s), {freed} bytes")
+    kept = f"; kept {result.kept_recent} unreferenced blob(s) stored less than {grace:g} s ago"
+    print(f"{verb} {result.removed} unreferenced blob(s), {result.freed} bytes{kept if grace else ''}")
     return 0

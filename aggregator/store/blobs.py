@@ -293,9 +293,19 @@ class BlobStore(Protocol):
 
     def size(self, sha256: str) -> int: ...
 
-    def delete(self, sha256: str) -> None: ...
+    def delete(self, sha256: str, stored_before: float | None = None) -> bool:
+        """Remove a blob; True when it was there and went. ``stored_before`` (a UNIX time): only if it
+        was last stored before then, checked as it goes, so a blob a commit stores again meanwhile
+        (and will name) stays (``rsagg gc`` with a grace period, beside running harvests)."""
+        ...
 
     def iter_hashes(self) -> Iterator[str]: ...
+
+    def iter_stored(self) -> Iterator[tuple[str, float]]:
+        """``(sha256, stored_at)`` of every blob, ascending by hash: when it was last stored (UNIX time),
+        written or found there already by a ``commit`` (dedup refreshes it: the commit's caller is
+        about to name the blob). What gc's grace period is measured against."""
+        ...
 
     def local_path(self, sha256: str) -> Path | None: ...
 
@@ -669,16 +679,26 @@ class FileBlobStore:
             raise OSError(err, f"syncfs of {self.root}: {os.strerror(err)}")
 
     def _exists_ok(self, info: BlobInfo) -> bool:
-        """True when the target already holds this blob (a wrong size means damage: replace it)."""
+        """True when the target already holds this blob (a wrong size means damage: replace it).
+
+        Its mtime is set to now: the blob is stored again (dedup) and about to be named, so gc's grace
+        period starts again. A file gc removed between the stat and the touch counts as missing (the
+        commit writes it anew); one gc sets aside after the touch it puts back (``_delete_file``).
+        """
         sha = check_sha256(info.sha256)
+        path = f"{self.root}/{sha[0:2]}/{sha[2:4]}/{sha}"  # self._path(), as a plain str
         try:
-            st = os.stat(f"{self.root}/{sha[0:2]}/{sha[2:4]}/{sha}")  # self._path(), as a plain str
+            st = os.stat(path)
         except FileNotFoundError:
             return False
         if st.st_size != info.length:
             log.warning(
                 "blob %s has %d bytes, expected %d: replacing it", info.sha256, st.st_size, info.length
             )
+            return False
+        try:
+            os.utime(path)  # a read-only file's times may still be set by its owner
+        except (FileNotFoundError, PermissionError):  # gone, or another user's: write it anew
             return False
         return True
 
@@ -744,29 +764,78 @@ class FileBlobStore:
                 return length
         return os.stat(self._path(sha256)).st_size
 
-    def delete(self, sha256: str) -> None:
-        """Remove a blob; deleting one that is not there is not an error (gc may run twice).
-
-        The caller (gc) must make sure no state row names it and no commit races with it.
+    def delete(self, sha256: str, stored_before: float | None = None) -> bool:
+        """Remove a blob (its row and its file); deleting one that is not there is not an error (gc may
+        run twice). The caller (gc) makes sure no state row names it; ``stored_before`` guards against a
+        commit storing it again meanwhile (see the protocol): a row or file stored since then stays,
+        and so does the other copy of a blob in both places.
         """
+        check_sha256(sha256)
+        removed = False
         if self._inline is not None:
-            self._inline.delete(check_sha256(sha256))
-        self._path(sha256).unlink(missing_ok=True)
+            removed = self._inline.delete(sha256, stored_before)
+            if not removed and stored_before is not None and self._inline.length(sha256) is not None:
+                return False  # stored again: its file copy (if any) stays with it
+        file = self._delete_file(sha256, stored_before)
+        if file is False:
+            return False  # stored again as a file: the blob stays
+        return bool(file) or removed
+
+    def _delete_file(self, sha256: str, stored_before: float | None) -> bool | None:
+        """Unlink a blob file (True; None when there is none); with ``stored_before``, only one not
+        touched since (``_exists_ok``; False when it stays).
+
+        The file is first renamed aside, then its mtime read: a commit touching it before the rename
+        is seen (the file goes back, durably), one after the rename finds no file and writes it anew.
+        So the check and the removal are one step as far as a concurrent commit can tell.
+        """
+        path = self._path(sha256)
+        if stored_before is None:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return None
+            return True
+        aside = self._temp.next_name()
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return None
+        try:
+            recent = os.stat(aside).st_mtime >= stored_before
+        except BaseException:
+            os.replace(aside, path)
+            raise
+        if not recent:
+            os.unlink(aside)
+            return True
+        os.replace(aside, path)  # a commit found it there and will name it: keep it, durably
+        self._fsync_dirs([path.parent])
+        return False
 
     def iter_hashes(self) -> Iterator[str]:
         """Every committed blob's SHA-256 once, ascending: the rows of ``small.db`` merged with the files."""
+        return (sha for sha, _ in self.iter_stored())
+
+    def iter_stored(self) -> Iterator[tuple[str, float]]:
+        """Every blob once, ascending, with when it was last stored: a file's mtime (when its bytes were
+        written, or when a commit last found it there), a row's ``stored_at``; for a blob in both
+        places, the later of the two."""
         files = self._iter_files()
         if self._inline is None:
             yield from files
             return
-        last = None
-        for sha in heapq.merge(self._inline.iter_hashes(), files):
-            if sha != last:
-                yield sha
-            last = sha
+        last: tuple[str, float] | None = None
+        for sha, stored_at in heapq.merge(self._inline.iter_stored(), files):
+            if last is not None and sha != last[0]:
+                yield last
+            last = (sha, stored_at) if last is None or sha != last[0] else (sha, max(stored_at, last[1]))
+        if last is not None:
+            yield last
 
-    def _iter_files(self) -> Iterator[str]:
-        """Every blob file's SHA-256, ascending, by walking the fan-out directories (temp files excluded)."""
+    def _iter_files(self) -> Iterator[tuple[str, float]]:
+        """Every blob file's SHA-256 and mtime, ascending, by walking the fan-out directories (temp files
+        excluded; a file removed while listed is skipped)."""
         for top in _scandir_sorted(self.root):
             if not (top.is_dir(follow_symlinks=False) and _HEX2.match(top.name)):
                 continue
@@ -780,7 +849,11 @@ class FileBlobStore:
                         and f.name.startswith(prefix)
                         and f.is_file(follow_symlinks=False)
                     ):
-                        yield f.name
+                        try:
+                            mtime = f.stat(follow_symlinks=False).st_mtime
+                        except FileNotFoundError:
+                            continue
+                        yield f.name, mtime
 
 
 def _scandir_sorted(path: str | Path) -> list[os.DirEntry[str]]:

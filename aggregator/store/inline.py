@@ -24,6 +24,7 @@ import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,11 @@ BUSY_TIMEOUT_MS = 60_000
 #: Keys per query when listing hashes: ``iter_hashes`` holds no cursor open between pages, so a
 #: caller may delete rows as it goes (gc).
 PAGE = 1000
-_SCHEMA = "CREATE TABLE IF NOT EXISTS blobs (sha256 BLOB PRIMARY KEY, data BLOB NOT NULL)"
+#: ``stored_at``: UNIX time the row was last stored, by its first commit or one that found it there already
+#: (dedup): ``rsagg gc`` keeps rows stored within its grace period (``commands/gc.py``).
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS blobs (sha256 BLOB PRIMARY KEY, data BLOB NOT NULL, stored_at REAL NOT NULL)"
+)
 #: Keys per query asking which of a batch's blobs are stored already (well under SQLite's variable limit).
 _HELD_CHUNK = 500
 #: SQLite result codes -> the OSError a file store would raise (callers handle OSError: full disk etc.)
@@ -72,9 +77,24 @@ class InlineBlobs:
 
     @_as_os_error
     def check(self) -> None:
-        """Open a connection (creating the database): a bad store path fails at start-up."""
-        with self._conn():
-            pass
+        """Open a connection (creating the database): a bad store path fails at start-up.
+
+        A database made before rows had ``stored_at`` gets the column, every row counted as stored now:
+        gc then keeps them for one grace period, as it would rows a running harvest just stored.
+        """
+        with self._conn() as conn:
+            if "stored_at" in {row[1] for row in conn.execute("PRAGMA table_info(blobs)")}:
+                return
+            conn.execute("BEGIN IMMEDIATE")  # another process may be adding it at the same instant
+            try:
+                if "stored_at" not in {row[1] for row in conn.execute("PRAGMA table_info(blobs)")}:
+                    conn.execute("ALTER TABLE blobs ADD COLUMN stored_at REAL NOT NULL DEFAULT 0")
+                    conn.execute("UPDATE blobs SET stored_at = ?", (time.time(),))
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
 
     @contextlib.contextmanager
     def _conn(self) -> Iterator[sqlite3.Connection]:
@@ -101,7 +121,12 @@ class InlineBlobs:
 
     @_as_os_error
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        """Store ``(sha256, data)`` pairs in one durable transaction; per pair, True when it was new."""
+        """Store ``(sha256, data)`` pairs in one durable transaction; per pair, True when it was new.
+
+        A row there already gets its ``stored_at`` refreshed: the caller is about to name it, so gc must
+        count it as recent (in the same transaction, so a gc deleting it conditionally either runs
+        before, and the row is inserted anew, or after, and sees it recent).
+        """
         keys = [bytes.fromhex(sha) for sha, _ in items]
         # Writers of this process queue here rather than in SQLite's busy handler, which sleeps up to
         # 100 ms between tries; other processes (gc, a node on the same host) still meet the busy timeout.
@@ -117,10 +142,12 @@ class InlineBlobs:
                         for (k,) in conn.execute(f"SELECT sha256 FROM blobs WHERE sha256 IN ({marks})", chunk)
                     )
                 new = [k not in held for k in keys]
+                now = time.time()
                 conn.executemany(
-                    "INSERT INTO blobs VALUES (?, ?)",
-                    [(k, data) for k, (_, data), fresh in zip(keys, items, new, strict=True) if fresh],
+                    "INSERT INTO blobs (sha256, data, stored_at) VALUES (?, ?, ?)",
+                    [(k, data, now) for k, (_, data), fresh in zip(keys, items, new, strict=True) if fresh],
                 )
+                conn.executemany("UPDATE blobs SET stored_at = ? WHERE sha256 = ?", [(now, k) for k in held])
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
@@ -142,28 +169,39 @@ class InlineBlobs:
         return None if row is None else row[0]
 
     @_as_os_error
-    def delete(self, sha256: str) -> None:
+    def delete(self, sha256: str, stored_before: float | None = None) -> bool:
+        """Remove the row (only if stored before ``stored_before``, when given); True when one went."""
+        key = bytes.fromhex(sha256)
         with self._writing, self._conn() as conn:
-            conn.execute("DELETE FROM blobs WHERE sha256 = ?", (bytes.fromhex(sha256),))
+            if stored_before is None:
+                cur = conn.execute("DELETE FROM blobs WHERE sha256 = ?", (key,))
+            else:
+                sql = "DELETE FROM blobs WHERE sha256 = ? AND stored_at < ?"
+                cur = conn.execute(sql, (key, stored_before))
+            return cur.rowcount > 0
 
     def iter_hashes(self) -> Iterator[str]:
         """Every hash, ascending (raw bytes sort as their lowercase hex does), a page at a time."""
+        return (sha for sha, _ in self.iter_stored())
+
+    def iter_stored(self) -> Iterator[tuple[str, float]]:
+        """Every ``(hash, stored_at)``, ascending by hash, a page at a time."""
         after = b""
         while True:
-            keys = self._keys_after(after)
-            for key in keys:
-                yield key.hex()
-            if len(keys) < PAGE:
+            rows = self._rows_after(after)
+            for key, stored_at in rows:
+                yield key.hex(), stored_at
+            if len(rows) < PAGE:
                 return
-            after = keys[-1]
+            after = rows[-1][0]
 
     @_as_os_error
-    def _keys_after(self, after: bytes) -> list[bytes]:
+    def _rows_after(self, after: bytes) -> list[tuple[bytes, float]]:
         with self._conn() as conn:
             rows = conn.execute(
-                "SELECT sha256 FROM blobs WHERE sha256 > ? ORDER BY sha256 LIMIT ?", (after, PAGE)
+                "SELECT sha256, stored_at FROM blobs WHERE sha256 > ? ORDER BY sha256 LIMIT ?", (after, PAGE)
             )
-            return [key for (key,) in rows]
+            return list(rows)
 
     def close(self) -> None:
         """Close the idle connections; one in use closes when it is handed back."""

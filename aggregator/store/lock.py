@@ -1,10 +1,12 @@
 """One harvesting process per store: an advisory lock (``fcntl.flock``) on ``STORE/rsagg.lock``.
 
-``rsagg run`` (unless ``--no-harvest``), ``rsagg harvest`` and ``rsagg gc`` hold it while they run: two
-harvesters on one store would fetch the same changes twice and race each other's cursors, and ``gc`` could
-delete a blob a harvest has committed but not yet recorded. The second process refuses to start with a
-message naming the holder. The kernel drops the lock when its holder exits, however it exits, so a crash
-leaves nothing to clean up (the file and the pid it holds stay, and mean nothing once unlocked).
+``rsagg run`` (unless ``--no-harvest``), ``rsagg harvest`` and ``rsagg gc --grace 0`` hold it while they
+run: two harvesters on one store would fetch the same changes twice and race each other's cursors, and
+``gc --grace 0`` could delete a blob a harvest has committed but not yet recorded. ``gc`` with a grace
+period takes no lock (``commands/gc.py``: it never removes a blob stored recently). The second process
+refuses to start with a message naming the holder. The kernel drops the lock when its holder exits,
+however it exits, so a crash leaves nothing to clean up (the file and the pid it holds stay, and mean
+nothing once unlocked).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def store_lock(root: Path, what: str, *, wait: float = WAIT_SECONDS, shared: boo
 
     ``what`` (e.g. ``"rsagg run"``) is written to the lock file so the refused process can name it.
     ``shared``: the nodes of a cluster (``cluster.py``) hold it shared, beside each other; a plain
-    harvester or ``gc`` (exclusive) is refused while any of them runs, and they while it runs.
+    harvester or ``gc --grace 0`` (exclusive) is refused while any of them runs, and they while it runs.
     """
     path = root / LOCK_NAME
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -64,7 +66,7 @@ def store_lock(root: Path, what: str, *, wait: float = WAIT_SECONDS, shared: boo
 
 
 def harvester_running(root: Path) -> bool | None:
-    """Whether a process holds the store's lock (a harvest, ``run``, ``gc``), this one included: a
+    """Whether a process holds the store's lock (a harvest, ``run``, ``gc --grace 0``), this one included: a
     source still marked "syncing" while none does was interrupted (``status.py``). None when no process
     ever locked this store (harvests run in-process by a program of its own). Takes the lock for
     an instant, never waits (exclusive, so that cluster nodes holding it shared are seen too)."""

@@ -27,6 +27,9 @@ Semantics mirrored from ``FileBlobStore``:
 - ``iter_hashes`` lists keys in ascending order (S3 lists keys in UTF-8 binary order, and the fan-out
   prefix is derived from the hash, so key order is hash order); an out-of-order listing raises instead
   of feeding gc's sorted merge a wrong stream.
+- ``iter_stored`` gives each blob's ``LastModified`` from the same listing; a commit that finds a blob
+  stored already (dedup) copies the object onto itself, so that ``LastModified`` says it was stored again
+  (``rsagg gc``'s grace period, ``commands/gc.py``); ``delete(stored_before=)`` checks it by a HEAD.
 - ``local_path`` is None: callers stream from ``open``; ``url`` gives clients a presigned GET URL, or
   ``public_url`` + key for a public bucket (``server.offload = "redirect"``).
 
@@ -97,6 +100,7 @@ DEFAULT_MULTIPART_THRESHOLD = 8 * MiB
 DEFAULT_PART_SIZE = 8 * MiB
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last (SeaweedFS enforces it too)
 MAX_PARTS = 10_000  # S3's maximum part count: the part size grows for huge blobs
+MAX_COPY_BYTES = 5 * 1024 * MiB  # the largest object one CopyObject request may copy
 DEFAULT_UPLOAD_THREADS = 8
 READ_BUFFER = 256 * 1024
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
@@ -339,7 +343,9 @@ class S3BlobStore:
         if info.length > self.multipart_threshold:
             stored = self._head_length(key)  # skip sending a big blob that is already there
             if stored == info.length:
-                return
+                if self._touch(key, stored):
+                    return
+                stored = None  # removed (gc) since the HEAD: store it anew
             if stored is not None:
                 log.warning("%s: object %s has %d bytes, expected %d: replacing it",
                             self._where, key, stored, info.length)  # fmt: skip
@@ -349,11 +355,36 @@ class S3BlobStore:
         if self._put(source, key, checksum, write_once=True):
             return
         stored = self._head_length(key)  # there already: dedup, unless it is damaged
-        if stored == info.length:
+        if stored == info.length and self._touch(key, stored):
             return
-        log.warning("%s: object %s has %s bytes, expected %d: replacing it",
-                    self._where, key, stored, info.length)  # fmt: skip
-        self._put(source, key, checksum, write_once=False)
+        if stored is not None and stored != info.length:
+            log.warning("%s: object %s has %s bytes, expected %d: replacing it",
+                        self._where, key, stored, info.length)  # fmt: skip
+        self._put(source, key, checksum, write_once=False)  # damaged, or removed (gc) meanwhile
+
+    def _touch(self, key: str, size: int) -> bool:
+        """Give an object a new ``LastModified`` (copied onto itself), as a blob stored again (dedup) that
+        the caller is about to name: gc's grace period starts again. False when it is gone (gc).
+
+        S3 copies an object onto itself only with something changed: its metadata, replaced by the same.
+        The copy gets a new whole-object SHA-256 checksum (S3 computes it: the same as a single PUT's).
+        """
+        source = {"Bucket": self.bucket, "Key": key}
+        extra = {"MetadataDirective": "REPLACE", "ContentType": "application/octet-stream"}
+        try:
+            if size <= MAX_COPY_BYTES:
+                self._client.copy_object(
+                    Bucket=self.bucket, Key=key, CopySource=source, ChecksumAlgorithm="SHA256", **extra
+                )
+            else:  # CopyObject's limit: a multipart copy (boto3's managed transfer)
+                self._client.copy(source, self.bucket, key, ExtraArgs=extra)
+        except ClientError as exc:
+            if _code(exc) in _NOT_FOUND:
+                return False
+            raise self._error(exc, "refreshing a blob", key) from exc
+        except BotoCoreError as exc:
+            raise self._error(exc, "refreshing a blob", key) from exc
+        return True
 
     def _put(self, source: Path | bytes, key: str, checksum: str, *, write_once: bool) -> bool:
         """One PUT from the temp file or from memory; False when ``write_once`` and the key exists."""
@@ -445,9 +476,27 @@ class S3BlobStore:
         raw = _RangeReader(self, key, int(response["ContentLength"]), response["Body"])
         return io.BufferedReader(raw, buffer_size=READ_BUFFER)  # type: ignore[return-value]
 
-    def delete(self, sha256: str) -> None:
-        """Remove a blob; deleting one that is not there is not an error (gc may run twice)."""
+    def delete(self, sha256: str, stored_before: float | None = None) -> bool:
+        """Remove a blob; deleting one that is not there is not an error (gc may run twice).
+
+        ``stored_before``: only if its ``LastModified`` (refreshed on dedup, ``_touch``) is before then,
+        read by a HEAD just before the DELETE. S3 has no delete conditional on the date, so a commit
+        refreshing the object between those two requests (milliseconds) is not seen; the filesystem
+        store closes that window. True when the blob went (S3 does not say whether an unconditional
+        DELETE found the object: True).
+        """
         key = self.key(sha256)
+        if stored_before is not None:
+            try:
+                head = self._client.head_object(Bucket=self.bucket, Key=key)
+            except ClientError as exc:
+                if _code(exc) in _NOT_FOUND:
+                    return False
+                raise self._error(exc, "looking up a blob", key) from exc
+            except BotoCoreError as exc:
+                raise self._error(exc, "looking up a blob", key) from exc
+            if head["LastModified"].timestamp() >= stored_before:
+                return False
         try:
             self._client.delete_object(Bucket=self.bucket, Key=key)
         except ClientError as exc:
@@ -455,9 +504,15 @@ class S3BlobStore:
                 raise self._error(exc, "deleting a blob", key) from exc
         except BotoCoreError as exc:
             raise self._error(exc, "deleting a blob", key) from exc
+        return True
 
     def iter_hashes(self) -> Iterator[str]:
         """Every stored blob's SHA-256 in ascending order (keys not shaped like blobs are skipped)."""
+        return (sha for sha, _ in self.iter_stored())
+
+    def iter_stored(self) -> Iterator[tuple[str, float]]:
+        """Every stored blob's SHA-256 and ``LastModified`` (UNIX time, S3's clock; in the listing,
+        free), ascending."""
         paginator = self._client.get_paginator("list_objects_v2")
         n = len(self.prefix)
         previous = ""
@@ -479,7 +534,7 @@ class S3BlobStore:
                             errno.EIO, f"{self._where}: listing not in ascending key order at {key!r}"
                         )
                     previous = sha
-                    yield sha
+                    yield sha, obj["LastModified"].timestamp()
         except ClientError as exc:
             raise self._error(exc, "listing blobs") from exc
         except BotoCoreError as exc:
