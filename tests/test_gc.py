@@ -197,3 +197,19 @@ def test_gc_runs_beside_a_running_daemon(tmp_path: Path) -> None:
             daemon.kill()
             daemon.wait(timeout=30)
         log.close()
+
+
+def test_a_file_a_killed_gc_set_aside_is_put_back_at_start(tmp_path: Path) -> None:
+    """gc renames a blob file aside before it decides (a commit may have just stored it again); killed
+    in between, the next process to open the store alone puts it back, or drops it when stored anew."""
+    root = tmp_path / "blobs"
+    with FileBlobStore(root, inline_bytes=0) as store:
+        kept, again = store.put_bytes(b"set aside by a killed gc"), store.put_bytes(b"stored anew")
+        for info in (kept, again):
+            os.rename(store.local_path(info.sha256), store.tmp / f"gc-{info.sha256}.0badcafe")
+        store.put_bytes(b"stored anew")  # a commit meanwhile: its own file
+        assert not store.exists(kept.sha256)
+    with FileBlobStore(root, inline_bytes=0) as store:
+        assert store.open(kept.sha256).read() == b"set aside by a killed gc"
+        assert store.open(again.sha256).read() == b"stored anew"
+        assert [p.name for p in store.tmp.iterdir() if p.name != ".lock"] == []

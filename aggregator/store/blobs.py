@@ -60,6 +60,8 @@ SYNCFS_MIN_BATCH = 16
 #: from memory; a front end that reads files (x-accel) gets a file copy written on demand (``blob_name``).
 INLINE_BYTES = 16 * 1024
 _TMP_PREFIX = "blob-"
+#: Temp name prefix of a blob file gc set aside while deciding (``FileBlobStore._delete_file``).
+_ASIDE = "gc-"
 
 
 def _load_syncfs():  # -> Callable[[int], int] | None
@@ -372,11 +374,13 @@ class TempArea:
 
     Each open store holds a shared ``flock`` on ``folder/.lock``; stale temp files of a crashed process
     are removed at start-up, but only under the exclusive lock (no other live store uses the folder),
-    so a second process (``rsagg gc`` next to the daemon) never deletes live temps.
+    so a second process (``rsagg gc`` next to the daemon) never deletes live temps. ``restore(path)``,
+    when given, is asked first about each stale file: True when it put the file back where it belongs.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, restore: Callable[[str], bool] | None = None) -> None:
         self.folder = folder
+        self._restore = restore
         folder.mkdir(parents=True, exist_ok=True)
         # Names of spooled blobs' temp files: unique in this process, O_EXCL against any other. A count,
         # not a generator: commits run in several threads at once (a generator raises "already executing").
@@ -415,10 +419,13 @@ class TempArea:
             self.lock_fd = None
 
     def _clean(self) -> None:
-        removed = 0
+        removed = restored = 0
         with os.scandir(self.folder) as it:
             for e in it:
                 if e.name == ".lock":
+                    continue
+                if self._restore is not None and self._restore(e.path):
+                    restored += 1
                     continue
                 if e.is_dir(follow_symlinks=False):
                     shutil.rmtree(e.path, ignore_errors=True)
@@ -427,6 +434,8 @@ class TempArea:
                 removed += 1
         if removed:
             log.info("removed %d stale temp file(s) from %s", removed, self.folder)
+        if restored:
+            log.info("put %d blob file(s) a killed gc had set aside back in place", restored)
 
 
 def put_bytes(store: BlobStore, data: bytes) -> BlobInfo:
@@ -475,7 +484,7 @@ class FileBlobStore:
         self._use_syncfs = _SYNCFS is not None and syncfs is not False
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        self._temp = TempArea(self.tmp)
+        self._temp = TempArea(self.tmp, restore=self._put_back)
         small = self.root / INLINE_FILE
         self._inline = InlineBlobs(small) if inline_bytes or small.exists() else None
 
@@ -796,7 +805,7 @@ class FileBlobStore:
             except FileNotFoundError:
                 return None
             return True
-        aside = self._temp.next_name()
+        aside = f"{self.tmp}/{_ASIDE}{sha256}.{secrets.token_hex(4)}"  # a killed gc's is put back
         try:
             os.rename(path, aside)
         except FileNotFoundError:
@@ -812,6 +821,22 @@ class FileBlobStore:
         os.replace(aside, path)  # a commit found it there and will name it: keep it, durably
         self._fsync_dirs([path.parent])
         return False
+
+    def _put_back(self, path: str) -> bool:
+        """A blob file a killed gc had set aside (``_delete_file``), back at its name: the gc may have
+        been about to keep it (a commit stored it again and will name it); if not, the next gc removes
+        it. False for any other temp file. Called at start-up, when no other process uses the store."""
+        name = os.path.basename(path)
+        sha = name[len(_ASIDE) :].partition(".")[0]
+        if not (name.startswith(_ASIDE) and _SHA256.match(sha)):
+            return False
+        target = self._path(sha)
+        if target.exists():  # stored anew meanwhile: the copy set aside is not needed
+            os.unlink(path)
+        else:
+            made = self._place(path, f"{sha[0:2]}/{sha[2:4]}", str(target))
+            self._fsync_dirs([*made, str(target.parent)])
+        return True
 
     def iter_hashes(self) -> Iterator[str]:
         """Every committed blob's SHA-256 once, ascending: the rows of ``small.db`` merged with the files."""
