@@ -25,7 +25,7 @@ from ..config import Config, ConfigError
 from ..metrics import Metrics
 from ..plugins import Plugins
 from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
-from ..store.calls import state_call
+from ..store.calls import in_thread, state_call
 from ..store.interface import StateStore
 from .fetch import Fetcher
 from .patch import PatchApplier, builtin_patch_formats
@@ -76,7 +76,7 @@ class HarvestContext:
                 self._save_progress(progress)
             return fn(*args, **kwargs)
 
-        return await trio.to_thread.run_sync(call, limiter=self._write_limiter, abandon_on_cancel=False)
+        return await in_thread(call, limiter=self._write_limiter)
 
     def progress_update(self, source: str, done: int, total: int | None) -> None:
         """Live progress in memory; saved in the sources table with the next state write once

@@ -40,9 +40,6 @@ CHUNK = 1 << 20
 PIECE = 64 * 1024
 #: Members finished in one thread hop at most (many small members share one hop).
 MEMBERS_PER_HOP = 512
-#: Members up to this size are held in memory until committed (the pipeline's in-flight bound caps how
-#: many): the file store keeps them as rows of its small.db (as fetched bodies, ``fetch.SMALL_BODY``).
-SPOOL = 64 * 1024
 #: §11.2 / §13.2: "must be named manifest.xml and must be located at the top level of the ZIP package".
 MANIFEST_NAME = "manifest.xml"
 MANIFEST_KINDS = frozenset({model.RESOURCEDUMP_MANIFEST, model.CHANGEDUMP_MANIFEST})
@@ -400,7 +397,7 @@ class _Copier:
             if m.writer is None:
                 # Small members stay in memory until their commit (as fetched bodies do): a dump of
                 # many small records becomes rows of the file store's small.db, not a file each.
-                m.writer = begin_spooled(self.store, frozenset(md.hashes if md is not None else ()), SPOOL)
+                m.writer = begin_spooled(self.store, frozenset(md.hashes if md is not None else ()))
                 m.file = pkg.zf.open(m.info)
             f = m.file
             assert f is not None

@@ -47,7 +47,7 @@ from ..retry import backoff, retry_after, retryable_status
 from ..rs import parse
 from ..rs.fixity import Hasher, mismatches
 from ..rs.model import Entry, Head
-from ..store.blobs import BlobInfo, BlobStore, BlobWriter, begin_spooled
+from ..store.blobs import SPOOL_BYTES, BlobInfo, BlobStore, BlobWriter, begin_spooled
 from .deviations import deviation
 
 log = logging.getLogger("rsagg.fetch")
@@ -59,9 +59,8 @@ MAX_REDIRECTS = 10
 CHUNK = 64 * 1024
 #: Document bodies up to this size stay in memory while spooled; bigger ones go to a temp file.
 SPOOL_MEMORY = 1024 * 1024
-#: Resource bodies up to this size stay in memory until their batch is committed (see ``_begin``);
-#: at most (workers x 4 + batch_size) of them are alive (the pipeline's bound), e.g. 20 MB by default.
-SMALL_BODY = 64 * 1024
+#: Resource bodies up to this size stay in memory until their batch is committed (``begin_spooled``).
+SMALL_BODY = SPOOL_BYTES
 DOCUMENT_ACCEPT = "application/xml, text/xml;q=0.9, */*;q=0.1"
 
 MetricsHook = Callable[[str, int | None, float, int], None]
@@ -459,11 +458,6 @@ class _Started:
     def set(self, *, meta: _DocMeta | None = None, error: BaseException | None = None) -> None:
         self.meta, self.error = meta, error
         self.event.set()
-
-
-def _begin(store: BlobStore, algorithms: frozenset[str]) -> BlobWriter:
-    """A blob writer that holds bodies up to SMALL_BODY in memory when the backend can."""
-    return begin_spooled(store, algorithms, SMALL_BODY)
 
 
 # -- connection pools ----------------------------------------------------------------------------
@@ -922,7 +916,7 @@ class Fetcher:
 
     async def _resource_once(self, url: str, expected: Expected, store: BlobStore) -> FetchedResource:
         # md5 always: republished lists carry it for destinations that check md5 (resync's --hash md5).
-        writer = _begin(store, frozenset(expected.hashes) | {"md5"})
+        writer = begin_spooled(store, frozenset(expected.hashes) | {"md5"})
         try:
             body = await self._raw(url, self.max_resource_bytes, expected, writer.write)
             info = writer.finish()

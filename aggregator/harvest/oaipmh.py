@@ -50,9 +50,10 @@ from lxml import etree
 from ..config import SourceConfig
 from ..rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
 from ..rs.w3cdt import parse_w3c, utcnow
+from ..store.blobs import begin_spooled
 from ..store.state import Cursor
 from .context import HarvestContext
-from .fetch import FetchError, _begin
+from .fetch import FetchError
 from .pipeline import Pipeline, PipelineStats, Work
 from .progress import Progress
 
@@ -566,7 +567,7 @@ class OaiHarvest:
         if rec.deleted:
             return Work(entry, DELETED, None, generation)
         assert rec.content is not None
-        blob = _begin(self.ctx.blobs, _MD5)
+        blob = begin_spooled(self.ctx.blobs, _MD5)
         blob.write(rec.content)
         info = blob.finish()
         return Work(entry, CREATED if generation is not None else UPDATED, None, generation, blob, info)

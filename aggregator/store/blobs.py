@@ -328,9 +328,15 @@ class BlobStore(Protocol):
         ...
 
 
-def begin_spooled(store: BlobStore, algorithms: frozenset[str], limit: int) -> BlobWriter:
+#: Bodies up to this size arriving from upstream (fetched, dump members, patch results) stay in memory
+#: until their batch commits; at most (workers x 4 + batch_size) of them are alive (the pipeline's
+#: in-flight bound), e.g. 20 MB by default.
+SPOOL_BYTES = 64 * 1024
+
+
+def begin_spooled(store: BlobStore, algorithms: frozenset[str], limit: int = SPOOL_BYTES) -> BlobWriter:
     """A blob writer that holds up to ``limit`` bytes in memory when the backend can (``begin``'s
-    ``spool``); the caller bounds how many such writers are alive at once.
+    ``spool``; 0: never); the caller bounds how many such writers are alive at once.
 
     Why: a temp file per resource, created and written on the event loop, cost ~12% of the loop's
     time in a 10,000-resource baseline (file creation also waits for the journal while a commit
@@ -343,7 +349,7 @@ def begin_spooled(store: BlobStore, algorithms: frozenset[str], limit: int) -> B
             spools = _SPOOLS[kind] = "spool" in inspect.signature(store.begin).parameters
         except (TypeError, ValueError):
             spools = _SPOOLS[kind] = False
-    if spools:
+    if spools and limit > 0:
         return store.begin(algorithms, spool=limit)  # type: ignore[call-arg]
     return store.begin(algorithms)
 
@@ -438,9 +444,10 @@ class TempArea:
             log.info("put %d blob file(s) a killed gc had set aside back in place", restored)
 
 
-def put_bytes(store: BlobStore, data: bytes) -> BlobInfo:
-    """One blob from bytes in memory, committed: ``BlobStore.put_bytes`` of every store."""
-    with store.begin() as w:
+def put_bytes(store: BlobStore, data: bytes, *, spool: int = 0) -> BlobInfo:
+    """One blob from bytes in memory, committed: ``BlobStore.put_bytes`` of every store (``spool``:
+    held in memory up to that many bytes where the store can, see ``begin_spooled``)."""
+    with begin_spooled(store, frozenset(), spool) as w:
         w.write(data)
         info = w.finish()
         store.commit([w])
@@ -577,11 +584,7 @@ class FileBlobStore:
         return self._temp.begin(algorithms, spool)
 
     def put_bytes(self, data: bytes) -> BlobInfo:
-        with self.begin(spool=self.inline_bytes) as w:  # small ones stay in memory: inline
-            w.write(data)
-            info = w.finish()
-            self.commit([w])
-        return info
+        return put_bytes(self, data, spool=self.inline_bytes)  # small ones stay in memory: inline
 
     def commit(self, writers: Sequence[BlobWriter]) -> None:
         """Make every finished writer's blob durable and visible (see ``commit_steps``); blocking."""
@@ -628,7 +631,7 @@ class FileBlobStore:
             yield functools.partial(self._fsync_files, [w.tmp_path for w in to_sync])
         dirs: set[str] = set()
         syncing = set(map(id, to_sync))
-        syncing.update(id(inline[sha]) for sha, new in zip(inline, added, strict=True) if new)
+        syncing.update(id(inline[sha][0]) for sha, new in zip(inline, added, strict=True) if new)
         root = str(self.root)
         for w, info in todo:
             sha = check_sha256(info.sha256)
@@ -655,26 +658,23 @@ class FileBlobStore:
             new = [i for w, i in todo if id(w) in syncing]
             self.on_commit(new, [i for w, i in todo if id(w) not in syncing])
 
-    def _inline_candidates(self, first: dict[str, BlobWriter]) -> dict[str, SpooledBlobWriter]:
-        """The blobs of a batch to store inline: small, and still in memory (per content, its writer)."""
+    def _inline_candidates(self, first: dict[str, BlobWriter]) -> dict[str, tuple[BlobWriter, bytes]]:
+        """The blobs of a batch to store inline: small, and still in memory (per content, its writer
+        and its bytes)."""
         if not self.inline_bytes or self._inline is None:
             return {}
-        return {
-            sha: w
-            for sha, w in first.items()
-            if isinstance(w, SpooledBlobWriter) and w.info is not None
-            and w.info.length <= self.inline_bytes and w.held() is not None
-        }  # fmt: skip
+        inline = {}
+        for sha, w in first.items():
+            if isinstance(w, SpooledBlobWriter) and w.info is not None and w.info.length <= self.inline_bytes:
+                data = w.held()
+                if data is not None:
+                    inline[sha] = (w, data)
+        return inline
 
-    def _put_inline(self, inline: dict[str, SpooledBlobWriter], added: list[bool]) -> None:
+    def _put_inline(self, inline: dict[str, tuple[BlobWriter, bytes]], added: list[bool]) -> None:
         """Store the batch's inline blobs in one durable transaction; ``added`` says which were new."""
         assert self._inline is not None
-        items = []
-        for sha, w in inline.items():
-            data = w.held()
-            assert data is not None
-            items.append((sha, data))
-        added[:] = self._inline.put_many(items)
+        added[:] = self._inline.put_many([(sha, data) for sha, (_, data) in inline.items()])
 
     def _syncfs(self) -> None:
         """Flush the store's filesystem (data and metadata) and wait; raises on a writeback error.

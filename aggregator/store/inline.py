@@ -44,7 +44,7 @@ _SCHEMA = (
 #: Keys per query asking which of a batch's blobs are stored already (well under SQLite's variable limit).
 _HELD_CHUNK = 500
 #: SQLite result codes -> the OSError a file store would raise (callers handle OSError: full disk etc.)
-_ERRNO = {13: errno.ENOSPC, 3: errno.EACCES, 8: errno.EROFS, 14: errno.EACCES, 10: errno.EIO}
+_ERRNO = {13: errno.ENOSPC, 3: errno.EACCES, 8: errno.EROFS, 14: errno.EACCES}
 
 
 def _as_os_error(fn: Callable) -> Callable:
