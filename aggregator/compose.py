@@ -32,9 +32,10 @@ from . import outbound
 from .cluster import Node, StartSource, StopSource
 from .config import Config
 from .harvest.access import Access, user_agent
-from .harvest.context import HarvestContext, open_blob_store, prepare_store
+from .harvest.context import HarvestContext, open_blob_store, prepare_store, store_recipe
 from .harvest.fetch import Fetcher
 from .harvest.notices import NotifiedHarvest
+from .harvest.offload import Offload
 from .harvest.source import FollowedSources
 from .metrics import Metrics, current_source
 from .plugins import Plugins
@@ -84,6 +85,7 @@ async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
         ctx = HarvestContext(
             config, fetcher, blobs, reader, writer,
             patch_formats=plugins.merged("rsagg_patch_formats"), plugins=plugins, metrics=metrics,
+            offload=Offload(blobs, store_recipe(config, plugins), hc.processes),
         )  # fmt: skip
         access.follow(lambda: ctx.config)  # a reloaded config's credentials and rates apply at once
         yield ctx

@@ -231,6 +231,9 @@ class HarvestConfig:
     max_resource_bytes: NonNegInt = 16 * 1024**3
     use_dumps: Bool = True  # baseline from a Resource Dump when one is advertised
     batch_size: AtLeastOne = 256  # changes committed per state transaction
+    #: Worker processes for CPU-bound page work (OAI-PMH pages: parse, canonicalise, hash, store);
+    #: 0 = in the daemon's own threads (``harvest/offload.py``).
+    processes: NonNegInt = 2
     #: Sent on every request; "" = ``harvest/access.py`` DEFAULT_USER_AGENT (rsagg/VERSION (+project URL)).
     user_agent: _HeaderValue = ""
     max_rate: NonNegFloat = 0.0  # requests per second per source (0 = no limit besides per_host)

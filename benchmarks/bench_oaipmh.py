@@ -118,7 +118,9 @@ def run_sickle(url: str) -> tuple[float, int]:
     return time.perf_counter() - start, n
 
 
-def run_rsagg(url: str, folder: Path, inline_bytes: int | None = None) -> tuple[float, int, float]:
+def run_rsagg(
+    url: str, folder: Path, inline_bytes: int | None = None, processes: int | None = None
+) -> tuple[float, int, float]:
     import httpx
     import trio
 
@@ -133,6 +135,8 @@ def run_rsagg(url: str, folder: Path, inline_bytes: int | None = None) -> tuple[
                       "sources": [{"name": "oai", "url": url, "kind": "oai-pmh"}]}  # fmt: skip
     if inline_bytes is not None:
         settings["store"]["settings"] = {"inline_bytes": inline_bytes}
+    if processes is not None:
+        settings["harvest"] = {"processes": processes}
     # rsagg with its built-in plugins only: an installed filter plugin (the test suite's, or
     # rsagg-resourcefilter) is asked about every record even where it has no rules for the source
     installed = set(Plugins(entry_point_plugins=True).names()) - set(DEFAULT_PLUGINS)
@@ -176,6 +180,8 @@ def main() -> None:
                     "to take the disk out of the figures")  # fmt: skip
     ap.add_argument("--inline-bytes", type=int, help="[store.settings] inline_bytes of rsagg's store "
                     "(default: the store's own; 0: a file per record, as before small.db)")  # fmt: skip
+    ap.add_argument("--processes", type=int, help="harvest.processes of rsagg (default: the config's "
+                    "default; 0: page work in the daemon's threads)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3, help="sickle/rsagg pairs per latency, run in turn; "
                     "the table gives the medians (on a shared machine one run says little)")  # fmt: skip
     args = ap.parse_args()
@@ -190,11 +196,11 @@ def main() -> None:
             # (requests' first connections and imports), which made the first pair's ratio look better.
             run_sickle(url)
             with tempfile.TemporaryDirectory(prefix="rsagg-bench-oaipmh-", dir=args.workdir) as d:
-                run_rsagg(url, Path(d), args.inline_bytes)
+                run_rsagg(url, Path(d), args.inline_bytes, args.processes)
             for _ in range(args.repeat):
                 s_took, s_n = run_sickle(url)
                 with tempfile.TemporaryDirectory(prefix="rsagg-bench-oaipmh-", dir=args.workdir) as d:
-                    r_took, r_n, served = run_rsagg(url, Path(d), args.inline_bytes)
+                    r_took, r_n, served = run_rsagg(url, Path(d), args.inline_bytes, args.processes)
                 assert s_n == args.records and r_n == args.records, (s_n, r_n)
                 pairs.append((s_n / s_took, r_n / r_took, served))
                 load.append(os.getloadavg()[0])

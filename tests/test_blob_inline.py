@@ -226,3 +226,41 @@ def test_connections_are_pooled_not_kept_per_thread(store: FileBlobStore) -> Non
         t.start()
         t.join()
     assert store._inline._idle.qsize() == 1 and len(os.listdir("/proc/self/fd")) <= fds
+
+
+def _waiting_flocks(pid: int) -> bool:
+    """Whether ``pid`` waits for an flock (``/proc/locks`` marks a blocked request with ``->``)."""
+    with open("/proc/locks") as f:
+        return any(
+            "->" in line and "FLOCK" in line and line.split("->")[1].split()[3] == str(pid) for line in f
+        )
+
+
+def test_writers_of_every_process_queue_on_one_lock_file(store: FileBlobStore) -> None:
+    """A write of another process (the harvest's worker processes, gc) waits while this one holds the
+    store's write lock, and goes on, not failing, the moment it is let go: they queue on an flock of
+    ``small.db.lock``, not in SQLite's busy handler, whose sleeps cost processes storing pages at once a
+    third of their time."""
+    store.put_bytes(b"opens the database")
+    child = textwrap.dedent(
+        f"""
+        from aggregator.store.blobs import FileBlobStore
+        with FileBlobStore({str(store.root)!r}) as store:
+            store.put_bytes(b"from the other process")
+        """
+    )
+    with store._inline._write_lock():
+        proc = subprocess.Popen([sys.executable, "-c", child], cwd=Path(__file__).parent.parent)
+        try:
+            for _ in range(1200):  # at most 2 minutes for the child to start and ask for the lock
+                if _waiting_flocks(proc.pid) or proc.poll() is not None:
+                    break
+                threading.Event().wait(0.1)
+            assert proc.poll() is None and _waiting_flocks(proc.pid), "the other process did not wait"
+            assert store.read_inline(sha(b"from the other process")) is None
+        except BaseException:
+            proc.kill()
+            raise
+    assert proc.wait(timeout=120) == 0
+    assert store.read_inline(sha(b"from the other process")) == b"from the other process"
+    assert (store.root / "small.db.lock").is_file()

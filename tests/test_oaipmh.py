@@ -5,7 +5,6 @@ resync (the reference ResourceSync client) in sync with what rsagg republishes, 
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import sqlite3
@@ -26,22 +25,24 @@ from aggregator.harvest.oaipmh import parse_page, peek_token
 from aggregator.publish.dumps import DumpBuilder
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.validate import ERROR, validate_source
-from aggregator.store.blobs import FileBlobStore, SpooledBlobWriter
+from aggregator.store.blobs import FileBlobStore
 from aggregator.store.state import State
 
+from .faultystores import FaultyStores
 from .harvesting import audit, changelog, harvest, held
 from .httpserver import serve_app
 from .oaiserver import OaiApp, Repository
+from .plugintesting import add_plugin
 from .test_publish import local_files, publishing, resync, walk
 
 RSAGG = str(Path(sys.executable).parent / "rsagg")
 OAI_DC = "{http://www.openarchives.org/OAI/2.0/oai_dc/}dc"
 
 
-def oai_config(tmp_path: Path, url: str, **source):
+def oai_config(tmp_path: Path, url: str, store: dict | None = None, **source):
     return parse_config(
         {
-            "store": {"path": str(tmp_path / "data")},
+            "store": {"path": str(tmp_path / "data"), **(store or {})},
             "harvest": {"retries": 2, "backoff_base": 0.01, "backoff_max": 0.05, "timeout": 10},
             "sources": [{"name": "oai", "url": url, "kind": "oai-pmh", **source}],
         },
@@ -425,12 +426,45 @@ def test_parse_page_reads_records_in_any_order_of_their_parts():
     assert [r.datestamp for r in page.records] == [datetime(2026, 1, 1, tzinfo=UTC)] * 2 + [None]
 
 
+def test_a_page_too_big_for_a_tree_is_parsed_incrementally_with_the_same_result(monkeypatch):
+    """Pages up to TREE_BYTES are parsed whole, bigger ones a record at a time: the same Page either way,
+    problems, errors and the token included."""
+    import aggregator.harvest.oaipmh as oaipmh
+
+    def record(i: int) -> str:
+        status = ' status="deleted"' if i % 7 == 0 else ""
+        meta = (
+            ""
+            if i % 7 == 0 or i % 11 == 0
+            else f"<metadata><dc xmlns='urn:dc'><t>{i} &amp; é</t></dc></metadata>"
+        )
+        head = f"<identifier>oai:x:{i}</identifier><datestamp>2026-01-0{1 + i % 9}</datestamp>"
+        return f"<record><header{status}>{head}</header>{meta}</record>"
+
+    records = "".join(record(i) for i in range(300))
+    doc = (f'<OAI-PMH xmlns="http://www.openarchives.org/OAI/2.0/"><responseDate>2026-01-02T03:04:05Z'
+           f"</responseDate><ListRecords>{records}<resumptionToken cursor='0' completeListSize='900'>t-2"
+           "</resumptionToken></ListRecords></OAI-PMH>").encode()  # fmt: skip
+    whole = parse_page(doc, "http://h/oai")
+    monkeypatch.setattr(oaipmh, "TREE_BYTES", len(doc) - 1)
+    assert parse_page(doc, "http://h/oai") == whole
+    assert len(whole.records) == 300 - 24 and len(whole.problems) == 24 and whole.token == "t-2"
+    error = (
+        b'<OAI-PMH xmlns="http://www.openarchives.org/OAI/2.0/"><error code="badVerb">no</error></OAI-PMH>'
+    )
+    assert parse_page(error, "u").errors == [("badVerb", "no")]
+    monkeypatch.setattr(oaipmh, "TREE_BYTES", 0)
+    assert parse_page(error, "u").errors == [("badVerb", "no")]
+
+
 def test_get_record_urls_quote_identifiers_as_urllib_does():
     from urllib.parse import quote
 
     from aggregator.harvest.oaipmh import _quote_all
 
-    for text in ("oai:arXiv.org:cs/0112017", "".join(map(chr, range(128))), "oai:x:é 日本/%", ""):
+    heads = ("oai:arXiv.org:", "oai:x:é 日本/%:", "", ":", "a b:", "oai:x")
+    tails = ("cs/0112017", "".join(map(chr, range(128))), "1234", "abc", "é1", "", ":")
+    for text in [h + t for h in heads for t in tails] * 2:  # the second time from the quoted heads
         assert _quote_all(text) == quote(text, safe="")
 
 
@@ -503,22 +537,18 @@ async def test_a_page_that_fails_stops_the_walk_after_the_pages_before_it(tmp_pa
     def tamper(args, xml):
         return (500, b"down") if broken["http"] and fourth in xml else (200, xml)
 
-    real_commit = FileBlobStore.commit
-
-    def full_disk(self, writers):
-        if any(b"Record 300<" in (w.held() or b"") for w in writers if isinstance(w, SpooledBlobWriter)):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_commit(self, writers)
-
     app = OaiApp(repo, page_size=100, tamper=tamper)
     async with serve_app(app) as base:
         repo.base_url = f"{base}/oai"
         for name, error in (("http", "500"), ("disk", "No space left on device")):
             cfg = oai_config(tmp_path / name, f"{base}/oai")
-            if name == "disk":
+            if name == "disk":  # in the harvest's worker processes: a backend that fails on page 4
                 broken["http"] = False
-                monkeypatch.setattr(FileBlobStore, "commit", full_disk)
-            result = (await harvest(cfg))["oai"]
+                add_plugin(monkeypatch, "faulty", FaultyStores())
+                full = {"backend": "full-disk", "settings": {"fail_on": "Record 300<"}}
+                result = (await harvest(oai_config(tmp_path / name, f"{base}/oai", store=full)))["oai"]
+            else:
+                result = (await harvest(cfg))["oai"]
             assert not result.ok and error in result.error, result.error
             assert len(held(cfg)) == 300  # pages 1-3 committed, nothing of page 4
             assert cursor_token(cfg.store_path / "state.db")  # the walk goes on after page 3

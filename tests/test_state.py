@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import psycopg
@@ -590,3 +590,57 @@ def test_datetime_text_form() -> None:
     assert parse_dt(format_dt(t)) == t
     assert parse_dt("2024-01-02T04:04:05+01:00") == t  # any W3C form is accepted back
     assert format_dt(t) < format_dt(t.replace(microsecond=1))  # fixed width: text order is time order
+
+
+def test_links_column_is_the_json_of_every_link_shape() -> None:
+    """The common links (rel, href, modified) are written without the JSON encoder: byte for byte what
+    it writes, for any text, and every other shape still through it; and read back as they were."""
+    import json
+    import random
+
+    def encoded(links: list[Link]) -> str:
+        out = []
+        for ln in links:
+            d: dict = {"rel": ln.rel, "href": ln.href}
+            for k in ("pri", "hash", "length", "type", "encoding", "path"):
+                if getattr(ln, k) is not None:
+                    d[k] = getattr(ln, k)
+            if ln.modified is not None:
+                d["modified"] = format_dt(ln.modified)
+            if ln.extra:
+                d["extra"] = ln.extra
+            out.append(d)
+        return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
+
+    texts = ["via", 'é"\\\n\x01', "http://x/?a=b&c=<d>", "\u2028x", "😀", ""]
+    times = [
+        None,
+        datetime(2020, 1, 1, tzinfo=UTC),
+        datetime(2020, 1, 1, 5, tzinfo=timezone(timedelta(hours=2))),
+    ]
+    pick = random.Random(7).choice
+    for _ in range(3000):
+        links = [
+            Link(
+                pick(texts),
+                pick(texts),
+                pri=pick([None, 1]),
+                modified=pick(times),
+                hash=pick([None, "md5:ab"]),
+                type=pick([None, "text/xml"]),
+                extra=pick([{}, {"k": "v"}]),
+            )
+            for _ in range(pick([1, 2, 3]))
+        ]
+        written = state_mod._links_json(links)
+        assert written == encoded(links)
+        assert state_mod._links_from(written) == [
+            Link(**{**vars_of(ln), "modified": ln.modified.astimezone(UTC) if ln.modified else None})
+            for ln in links
+        ]
+
+
+def vars_of(link: Link) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(link, f.name) for f in dataclasses.fields(link)}

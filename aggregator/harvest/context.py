@@ -28,6 +28,7 @@ from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
 from ..store.calls import in_thread, state_call
 from ..store.interface import StateStore
 from .fetch import Fetcher
+from .offload import Offload, StoreRecipe
 from .patch import PatchApplier, builtin_patch_formats
 
 T = TypeVar("T")
@@ -55,8 +56,15 @@ class HarvestContext:
     commit_listeners: list[Callable[[], None]] = field(default_factory=list)
     #: This process's metrics (``metrics.py``); the pipeline and ``sync_source`` report to it.
     metrics: Metrics = field(default_factory=Metrics)
+    #: Where CPU-bound page work runs (``harvest/offload.py``): worker processes when the composition
+    #: gives them (``harvest.processes``), else worker threads with ``blobs``.
+    offload: Offload | None = None
     _progress_unsaved: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     _progress_saved_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.offload is None:
+            self.offload = Offload(self.blobs)
 
     def committed(self) -> None:
         for listener in self.commit_listeners:
@@ -165,16 +173,24 @@ def check_store(config: Config) -> Path:
     return root
 
 
-def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:
-    """The blob store ``[store] backend`` names, built by the plugin that registered it; a ConfigError
-    naming ``store.backend`` or ``store.settings`` when the backend cannot be built with its settings."""
+def store_recipe(config: Config, plugins: Plugins) -> StoreRecipe:
+    """How ``[store] backend`` is built: the factory the plugin registered, the settings, the path; a
+    ConfigError naming ``store.backend`` when no plugin registered that backend."""
     factories = plugins.merged("rsagg_blob_stores")
     name = config.store.backend
     if name not in factories:
         known = ", ".join(sorted(factories))
         raise ConfigError(config.file, "store.backend", f"no storage backend {name!r} (registered: {known})")
+    return StoreRecipe(factories[name], dict(config.store.settings), config.store_path)
+
+
+def open_blob_store(config: Config, plugins: Plugins) -> BlobStore:
+    """The blob store ``[store] backend`` names, built by the plugin that registered it; a ConfigError
+    naming ``store.backend`` or ``store.settings`` when the backend cannot be built with its settings."""
+    recipe = store_recipe(config, plugins)
+    name = config.store.backend
     try:
-        store = factories[name](dict(config.store.settings), config.store_path)
+        store = recipe.factory(dict(recipe.settings), recipe.path)
     except (ValueError, TypeError, ImportError) as exc:  # a missing library, a missing or wrong setting
         key = (
             "store.backend"

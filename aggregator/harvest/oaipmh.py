@@ -23,14 +23,17 @@ of a half-committed batch is read again and its committed records are no-ops, so
 duplicate. Resumption tokens are idempotent (OAI-PMH §3.5) but may expire: ``badResumptionToken``
 restarts the walk from ``last_datetime``, once per sync.
 
-A walk is a pipeline of pages. The next page is asked for as soon as a page has arrived, with the
-token read from its last bytes (``peek_token``; the parsed page confirms it, or that answer is dropped):
-one request ahead, never more. Each page is parsed with lxml's incremental parser, each record cleared
-once read, and its records become works whose blobs are made durable as one batch, in one worker-thread
-call (``OaiHarvest._read``), while the pages before it commit their state transactions in walk order
+A walk is a pipeline of pages. Requests run ahead of the walk, up to PREFETCH pages: each next one is
+asked for as soon as a page has arrived, with the token read from its last bytes (``peek_token``); the
+parsed page confirms that guess, or the requests ahead are cancelled and the walk goes on from the
+token it read. Each page is parsed and its records' content made durable blobs in one call
+(``store_page``), in a worker process (``harvest.processes``, ``harvest/offload.py``: the parse, the
+canonical form and the hashes are the walk's CPU-bound part, and the event loop keeps fetching and
+committing meanwhile), while the pages before it commit their state transactions in walk order
 (``Pipeline.run_batches``; pages already stored join one transaction, up to ``harvest.batch_size``
-records). A page that cannot be fetched, parsed or stored stops the walk after the pages before it
-have committed. Memory is bounded by PREFETCH pages and the one ahead, whatever the repository's size.
+records). A page up to TREE_BYTES is parsed whole, a bigger one incrementally, each record cleared once
+read. A page that cannot be fetched, parsed or stored stops the walk after the pages before it have
+committed. Memory is bounded by a few times PREFETCH pages, whatever the repository's size.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 import html
 import io
 import logging
+import pickle
 import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -50,10 +54,11 @@ from lxml import etree
 from ..config import SourceConfig
 from ..rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
 from ..rs.w3cdt import parse_w3c, utcnow
-from ..store.blobs import begin_spooled
+from ..store.blobs import BlobInfo, BlobStore, BlobWriter, begin_spooled
 from ..store.state import Cursor
 from .context import HarvestContext
 from .fetch import FetchError
+from .offload import OffloadError
 from .pipeline import Pipeline, PipelineStats, Work
 from .progress import Progress
 
@@ -108,8 +113,8 @@ class Page:
 
 @dataclass(eq=False)
 class _Stored:
-    """A page of a walk, parsed, its records made works with durable blobs (``OaiHarvest._read``); or
-    the error that stopped storing them, raised in walk order after the pages before it commit."""
+    """A page of a walk, parsed, its records made works with durable blobs (``store_page``); or the
+    error that stopped storing them, raised in walk order after the pages before it commit."""
 
     page: Page
     started: datetime | None  # the responseDate of the walk's first response
@@ -117,34 +122,60 @@ class _Stored:
     error: Exception | None = None
 
 
-class _Ahead:
-    """One request sent ahead of its turn (``peek_token``): its answer, or its FetchError, is handed over
-    only if the walk asks for that very URL; otherwise it is cancelled and nothing of it is used."""
+@dataclass
+class _Position:
+    """Where a walk is: the token that continues it, the responseDate of its first response, whether
+    it was restarted after a refused token (once per sync)."""
+
+    token: str | None
+    started: datetime | None
+    restarted: bool = False
+
+
+class _Request:
+    """One page of a walk: fetched, then parsed with its blobs stored (``store_page``). A request sent
+    ahead of its turn (``peek_token``) is used only if the walk asks for that very URL; otherwise it is
+    cancelled with the requests after it and nothing of it is used (a blob it stored is named by
+    nothing: ``rsagg gc`` removes it). A FetchError, the OaiError of a page that is not XML, or the
+    OffloadError of a worker process that died is raised where the walk takes the page."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self._scope = trio.CancelScope()
+        self._fetched = trio.Event()
         self._done = trio.Event()
         self._data: bytes | None = None
-        self._error: FetchError | None = None
+        self._stored: tuple[Page, list[StoredRecord], Exception | None] | None = None
+        self._error: FetchError | OaiError | OffloadError | None = None
 
-    async def run(self, fetch: Callable[[str], Awaitable[bytes]]) -> None:
-        with self._scope:
-            try:
-                self._data = await fetch(self.url)
-            except FetchError as exc:  # raised where the walk takes the answer, as if fetched then
-                self._error = exc
+    async def run(
+        self,
+        fetch: Callable[[str], Awaitable[bytes]],
+        store: Callable[[bytes, str], Awaitable[tuple[Page, list[StoredRecord], Exception | None]]],
+    ) -> None:
+        try:
+            self._data = await fetch(self.url)
+            self._fetched.set()
+            self._stored = await store(self._data, self.url)
+        except (FetchError, OaiError, OffloadError) as exc:  # raised where the walk takes the page
+            self._error = exc
+        self._fetched.set()
         self._done.set()
 
-    async def result(self) -> bytes:
+    async def fetched(self) -> bytes:
+        """The page's bytes, as soon as they have arrived (the token ahead is read from them)."""
+        await self._fetched.wait()
+        if self._data is None:
+            assert self._error is not None
+            raise self._error
+        return self._data
+
+    async def stored(self) -> tuple[Page, list[StoredRecord], Exception | None]:
+        """``store_page``'s answer: the parsed page, its records stored, the error that stopped that."""
         await self._done.wait()
         if self._error is not None:
             raise self._error
-        assert self._data is not None  # only a cancelled request has neither
-        return self._data
-
-    def cancel(self) -> None:
-        self._scope.cancel()
+        assert self._stored is not None
+        return self._stored
 
 
 def _datestamp(text: str | None) -> datetime | None:
@@ -160,39 +191,62 @@ def _count(text: str | None) -> int | None:
     return int(text) if text is not None and text.strip().isdigit() else None
 
 
-def parse_page(data: bytes, url: str) -> Page:
-    """Parse one response incrementally (blocking: run it in a worker thread).
+#: Pages up to this size are parsed whole (``etree.fromstring``: libxml2 builds the tree without the GIL,
+#: and a third cheaper than feeding an incremental parser); bigger ones incrementally, a record at a time,
+#: so memory stays a small multiple of the page's bytes whatever a repository sends.
+TREE_BYTES = 4 * 1024 * 1024
+#: Entities are not resolved and nothing is fetched from the network (hostile documents).
+_SAFE = {"resolve_entities": False, "no_network": True, "huge_tree": False, "remove_blank_text": False}
+_PARSER = etree.XMLParser(**_SAFE)
 
-    Each record is serialised and cleared once read, so the tree never holds more than one record.
-    Entities are not resolved and nothing is fetched from the network (hostile documents).
+
+def parse_page(data: bytes, url: str) -> Page:
+    """Parse one response (blocking: run it in a worker thread).
+
+    A page bigger than TREE_BYTES is parsed incrementally, each record serialised and cleared once
+    read, so the tree never holds more than one record. Both ways read the same elements in document
+    order and give the same Page (tests/test_oaipmh.py compares them).
     """
     page = Page()
-    events = etree.iterparse(
-        io.BytesIO(data), events=("end",), tag=list(_TAGS), resolve_entities=False, no_network=True,
-        huge_tree=False, remove_blank_text=False,
-    )  # fmt: skip
     try:
-        for _, el in events:
-            tag = _TAGS[el.tag]
-            if tag == "record":
-                _read_record(el, page)
-                el.clear(keep_tail=False)
-                parent = el.getparent()
-                while parent is not None and el.getprevious() is not None:
-                    del parent[0]
-            elif tag == "resumptionToken":
-                page.token = (el.text or "").strip() or None
-                page.complete_size, page.cursor = _count(el.get("completeListSize")), _count(el.get("cursor"))
-            elif tag == "responseDate":
-                page.response_date = _datestamp(el.text)
-            elif tag == "error":
-                page.errors.append((el.get("code", "unknown"), (el.text or "").strip()))
-            elif tag == "Identify":
-                page.identify = {etree.QName(c).localname: (c.text or "").strip() for c in el
-                                 if isinstance(c.tag, str) and len(c) == 0}  # fmt: skip
+        if len(data) <= TREE_BYTES:
+            root = etree.fromstring(data, _PARSER)
+            elements = root.iter(*_TAGS) if root.tag not in _TAGS else (root,)
+            for el in elements:
+                _read_element(el, page)
+        else:
+            for _, el in etree.iterparse(io.BytesIO(data), events=("end",), tag=list(_TAGS), **_SAFE):
+                if _read_element(el, page):
+                    el.clear(keep_tail=False)
+                    parent = el.getparent()
+                    while parent is not None and el.getprevious() is not None:
+                        del parent[0]
     except etree.XMLSyntaxError as exc:
-        raise OaiError(url, "parse", f"not well-formed XML: {exc}") from None
-    return page
+        problem = f"not well-formed XML: {exc}"
+    else:
+        return page
+    # Raised outside the handler: the parser's error (its error log cannot be pickled) is not this one's
+    # context, so it travels back from a worker process (``store_page``).
+    raise OaiError(url, "parse", problem)
+
+
+def _read_element(el: etree._Element, page: Page) -> bool:
+    """Read one element the parser stopped at into ``page``; True for a record (which may go now)."""
+    tag = _TAGS[el.tag]
+    if tag == "record":
+        _read_record(el, page)
+        return True
+    if tag == "resumptionToken":
+        page.token = (el.text or "").strip() or None
+        page.complete_size, page.cursor = _count(el.get("completeListSize")), _count(el.get("cursor"))
+    elif tag == "responseDate":
+        page.response_date = _datestamp(el.text)
+    elif tag == "error":
+        page.errors.append((el.get("code", "unknown"), (el.text or "").strip()))
+    elif tag == "Identify":
+        page.identify = {etree.QName(c).localname: (c.text or "").strip() for c in el
+                         if isinstance(c.tag, str) and len(c) == 0}  # fmt: skip
+    return False
 
 
 def _read_record(el: etree._Element, page: Page) -> None:
@@ -255,9 +309,27 @@ _MD5 = frozenset({"md5"})
 _QUOTED = {c: f"%{c:02X}" for c in range(128) if not (chr(c).isalnum() or chr(c) in "_.-~")}
 
 
+#: Quoted identifier heads (``oai:repository.org:``): identifiers of one repository share theirs.
+_HEADS: dict[str, str] = {}
+
+
 def _quote_all(text: str) -> str:
-    """``urllib.parse.quote(text, safe="")``; an ASCII identifier (nearly all) by one ``translate``:
-    quote's loop per character cost a quarter of making a record's change."""
+    """``urllib.parse.quote(text, safe="")``. Why not quote itself: its loop per character cost a
+    quarter of making a record's change. An identifier ``head:tail`` with an alphanumeric ASCII tail
+    (nearly all: ``oai:repository.org:1234``) reuses its quoted head; other ASCII ones are quoted by one
+    ``translate``."""
+    head, colon, tail = text.rpartition(":")
+    if colon and tail.isascii() and tail.isalnum():
+        quoted = _HEADS.get(head)
+        if quoted is None:
+            if len(_HEADS) >= 1024:  # bounded: a repository has a few heads, a hostile one many
+                _HEADS.clear()
+            quoted = _HEADS[head] = _quote_text(head) + "%3A"
+        return quoted + tail
+    return _quote_text(text)
+
+
+def _quote_text(text: str) -> str:
     return text.translate(_QUOTED) if text.isascii() else quote(text, safe="")
 
 
@@ -332,6 +404,9 @@ class OaiHarvest:
             args["from"] = format_from(walk_from, self.granularity)
         return request_url(self.src.url, **args)
 
+    async def _store_page(self, data: bytes, url: str) -> tuple[Page, list[StoredRecord], Exception | None]:
+        return await self.ctx.offload.run(store_page, data, url)
+
     def _check(self, page: Page, url: str) -> None:
         """Raise the page's OAI-PMH error (§3.6), but noRecordsMatch: an empty list, not a failure."""
         errors = [(c, m) for c, m in page.errors if c != "noRecordsMatch"]
@@ -351,82 +426,84 @@ class OaiHarvest:
 
     async def _pages(
         self, send: trio.MemorySendChannel, walk_from: datetime | None, token: str | None,
-        started: datetime | None, restarted: list[bool], generation: int | None, nursery: trio.Nursery,
+        started: datetime | None, generation: int | None,
     ) -> None:  # fmt: skip
-        """Fetch, parse and store the walk's pages ahead of their consumer (``_read``); errors travel in
-        the channel, in walk order."""
-        ahead: _Ahead | None = None  # the next page, asked for before this one is parsed
-        async with send:
-            try:
-                while True:
-                    url = self._list_url(token, walk_from)
-                    if ahead is not None and ahead.url == url:
-                        data = await ahead.result()
-                    else:
-                        if ahead is not None:
-                            ahead.cancel()  # a wrong guess: its answer is not used
-                        data = await self._fetch(url)
-                    ahead = None
-                    guess = peek_token(data)
-                    if guess and guess != token:
-                        ahead = _Ahead(self._list_url(guess, walk_from))
-                        nursery.start_soon(ahead.run, self._fetch)
-                    job = await trio.to_thread.run_sync(self._read, data, url, generation)
-                    page = self._noted(job.page, url)
-                    refused = any(code == "badResumptionToken" for code, _ in page.errors)
-                    if refused and token and not restarted:
-                        # Expired or unknown (e.g. the repository restarted): the walk again, from its start.
-                        log.warning("source=%s resumption token refused (%s); restarting the walk from %s",
-                                    self.src.name, page.errors[0][1], walk_from)  # fmt: skip
-                        restarted.append(True)
-                        token, started = None, None
-                        await send.send(("restart", None))
-                        continue
-                    self._check(page, url)
-                    self._check_progress(page, token, url)
-                    if started is None:
-                        started = page.response_date
-                    job.started = started
-                    await send.send(("page", job))
-                    token = page.token
-                    if not token:
-                        return
-            except (OaiError, FetchError) as exc:
-                await send.send(("error", exc))
-            finally:
-                if ahead is not None:
-                    ahead.cancel()
+        """The walk's pages, parsed and their blobs stored, in walk order, ahead of their state
+        transactions; errors travel in the channel, in walk order.
 
-    def _read(self, data: bytes, url: str, generation: int | None) -> _Stored:
-        """Parse a page, then make its records works with durable blobs: one worker-thread call per page
-        (blocking), while the next page is fetched and the pages before it commit their state (blobs
-        before state: the rows that name them come after, in walk order; until then a blob is named by
-        nothing, and ``rsagg gc`` removes it if the walk never commits it).
-
-        Why one call: each thread hop, and each more thread wanting the GIL at once (a parse, stores of
-        several pages), cost the walk more CPU than the work it moved (a 20,000-record walk took half
-        again as much CPU with parse and stores in threads of their own as with all of it inline).
+        Requests follow the tokens ``peek_token`` guesses (``_ahead``); each page parsed confirms the
+        next request, or the requests after it are cancelled and the walk goes on from its token.
         """
-        page = parse_page(data, url)
-        job = _Stored(page, None)
-        if page.errors:  # an OAI-PMH error answer: no records to store
-            return job
-        try:
-            job.works = self._store_records(page.records, generation)
-        except Exception as exc:  # raised by the consumer in walk order, after the pages before commit
-            job.error = exc
-        return job
+        at = _Position(token, started)
+        async with send:
+            while True:
+                failed: Exception | None = None
+                async with trio.open_nursery() as nursery:
+                    ahead, requests = trio.open_memory_channel[_Request](PREFETCH)
+                    nursery.start_soon(self._ahead, ahead, at.token, walk_from, nursery)
+                    try:
+                        done = await self._follow(requests, send, walk_from, at, generation)
+                    except (OaiError, FetchError, OffloadError) as exc:
+                        failed, done = exc, True
+                    nursery.cancel_scope.cancel()  # requests ahead: nothing more of them is used
+                if failed is not None:
+                    await send.send(("error", failed))
+                if done:
+                    return
 
-    def _store_records(self, records: list[Record], generation: int | None) -> list[Work]:
-        works = [self._work(rec, generation) for rec in records]
-        writers = [w.blob for w in works if w.blob is not None]
-        try:
-            self.ctx.blobs.commit(writers)
-        except BaseException:
-            for w in writers:
-                w.abort()  # its temp file goes now (a committed blob stays)
-            raise
-        return works
+    async def _follow(
+        self, requests: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
+        walk_from: datetime | None, at: _Position, generation: int | None,
+    ) -> bool:  # fmt: skip
+        """Take the requested pages while they are the walk's next ones; True once the walk is complete,
+        False when it goes on from ``at.token`` (a wrong guess, a token refused, no guess ahead)."""
+        async with requests:
+            async for this in requests:
+                if this.url != self._list_url(at.token, walk_from):
+                    return False
+                page, stored, error = await this.stored()
+                page = self._noted(page, this.url)
+                refused = any(code == "badResumptionToken" for code, _ in page.errors)
+                if refused and at.token and not at.restarted:
+                    # Expired or unknown (e.g. the repository restarted): the walk again, from its start.
+                    log.warning("source=%s resumption token refused (%s); restarting the walk from %s",
+                                self.src.name, page.errors[0][1], walk_from)  # fmt: skip
+                    at.token, at.started, at.restarted = None, None, True
+                    await send.send(("restart", None))
+                    return False
+                self._check(page, this.url)
+                self._check_progress(page, at.token, this.url)
+                if at.started is None:
+                    at.started = page.response_date
+                job = _Stored(page, at.started, error=error)
+                if error is None:
+                    job.works = [self._work(rec, generation) for rec in stored]
+                await send.send(("page", job))
+                at.token = page.token
+                if not at.token:
+                    return True
+        return False
+
+    async def _ahead(
+        self, send: trio.MemorySendChannel, token: str | None, walk_from: datetime | None,
+        nursery: trio.Nursery,
+    ) -> None:  # fmt: skip
+        """Request the page of ``token``, then the page of the token read from its end (``peek_token``),
+        and so on: up to PREFETCH pages fetched, parsed and stored ahead of the walk (which judges each
+        guess). Stops at a page without a token to read, or one whose request failed."""
+        async with send:
+            while True:
+                request = _Request(self._list_url(token, walk_from))
+                nursery.start_soon(request.run, self._fetch, self._store_page)
+                await send.send(request)
+                try:
+                    data = await request.fetched()
+                except (FetchError, OaiError, OffloadError):
+                    return  # raised by the walk when it takes that page
+                guess = peek_token(data)
+                if not guess or guess == token:
+                    return
+                token = guess
 
     async def records(self) -> AsyncGenerator[Record, None]:
         """Every record of a full walk, in list order (``rsagg audit``); nothing is stored."""
@@ -526,9 +603,8 @@ class OaiHarvest:
                     held = None
                 yield batch
 
-        restarted: list[bool] = []
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._pages, send, walk_from, token, started, restarted, generation, nursery)
+            nursery.start_soon(self._pages, send, walk_from, token, started, generation)
             add = self.progress.add if self.progress is not None else None
             pipeline = Pipeline(ctx, self.set_id, src.name, progress=add)
             stats = await pipeline.run_batches(batches())
@@ -559,18 +635,69 @@ class OaiHarvest:
         )  # fmt: skip
         return stats
 
-    def _work(self, rec: Record, generation: int | None) -> Work:
-        via = Link("via", self._get_record + _quote_all(rec.identifier), modified=rec.datestamp)
-        md = Md(change=DELETED if rec.deleted else UPDATED, datetime=rec.datestamp,
-                type=None if rec.deleted else CONTENT_TYPE)  # fmt: skip
-        entry = Entry(rec.identifier, lastmod=rec.datestamp, md=md, links=[via])
-        if rec.deleted:
+    def _work(self, rec: StoredRecord, generation: int | None) -> Work:
+        identifier, stamp, deleted, sha256, length, md5 = rec
+        via = Link("via", self._get_record + _quote_all(identifier), modified=stamp)
+        md = Md(
+            change=DELETED if deleted else UPDATED, datetime=stamp, type=None if deleted else CONTENT_TYPE
+        )
+        entry = Entry(identifier, lastmod=stamp, md=md, links=[via])
+        if deleted:
             return Work(entry, DELETED, None, generation)
-        assert rec.content is not None
-        blob = begin_spooled(self.ctx.blobs, _MD5)
-        blob.write(rec.content)
-        info = blob.finish()
-        return Work(entry, CREATED if generation is not None else UPDATED, None, generation, blob, info)
+        assert sha256 is not None and md5 is not None
+        info = BlobInfo(sha256, length, {"sha-256": sha256, "md5": md5})
+        return Work(entry, CREATED if generation is not None else UPDATED, None, generation, info=info)
+
+
+#: A record once its content is a durable blob (``store_page``): identifier, datestamp, deleted, and the
+#: blob's sha-256, length and md5 (None when deleted). A plain tuple: a worker process sends a page of
+#: them back pickled, and dataclasses cost five times as much to unpickle.
+StoredRecord = tuple[str, datetime | None, bool, str | None, int, str | None]
+
+
+def store_page(blobs: BlobStore, data: bytes, url: str) -> tuple[Page, list[StoredRecord], Exception | None]:
+    """Parse a page and make its records' content durable blobs, in one call: in a worker process
+    (``harvest/offload.py``), while the daemon fetches the next pages and commits the pages before it
+    (blobs before state: the rows that name them come after, in walk order; until then a blob is named
+    by nothing, and ``rsagg gc`` removes it if the walk never commits it).
+
+    Returns the page without its records (``Page.records`` is emptied: their content stays here), the
+    records stored, in page order, and the error that stopped storing them (the walk raises it in walk
+    order, after the pages before it commit). Raises OaiError for a page that is not well-formed.
+    """
+    page = parse_page(data, url)
+    records, page.records = page.records, []
+    if page.errors:  # an OAI-PMH error answer: no records to store
+        return page, [], None
+    stored: list[StoredRecord] = []
+    writers: list[BlobWriter] = []
+    try:
+        for rec in records:
+            if rec.content is None:
+                stored.append((rec.identifier, rec.datestamp, True, None, 0, None))
+                continue
+            writer = begin_spooled(blobs, _MD5)
+            writers.append(writer)
+            writer.write(rec.content)
+            info = writer.finish()
+            stored.append(
+                (rec.identifier, rec.datestamp, False, info.sha256, info.length, info.hashes["md5"])
+            )
+        blobs.commit(writers)
+    except Exception as exc:
+        for writer in writers:
+            writer.abort()  # its temp file goes now (a committed blob stays)
+        return page, [], _portable(exc)
+    return page, stored, None
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc``, or an OSError saying the same when it cannot travel back from a worker process."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return OSError(f"{type(exc).__name__}: {exc}")
+    return exc
 
 
 async def sync_oaipmh(
@@ -581,4 +708,13 @@ async def sync_oaipmh(
     return await OaiHarvest(ctx, src, set_id, progress).run()
 
 
-__all__ = ["OaiError", "OaiHarvest", "Page", "Record", "format_from", "parse_page", "sync_oaipmh"]
+__all__ = [
+    "OaiError",
+    "OaiHarvest",
+    "Page",
+    "Record",
+    "format_from",
+    "parse_page",
+    "store_page",
+    "sync_oaipmh",
+]

@@ -47,6 +47,8 @@ class Work:
     generation: int | None = None
     #: Content that already arrived (e.g. from a dump package): verified, finished, not committed.
     blob: BlobWriter | None = None
+    #: What ``blob`` holds; or, without a writer, content already durable in the store (an OAI-PMH
+    #: record stored by a worker process: ``harvest/offload.py``).
     info: BlobInfo | None = None
 
 
@@ -126,20 +128,21 @@ def unchanged(existing: Resource | None, entry: Entry, blob_exists: Callable[[st
 
 def change_from(work: Work, info: BlobInfo | None, content_type: str | None = None) -> Change:
     e, md = work.entry, work.entry.md
+    # Positional, in Change's field order, and no copies of empty containers: this runs per record.
     return Change(
-        uri=e.loc,
-        change=work.change,
-        sha256=info.sha256 if info else None,
-        length=info.length if info else None,
-        type=(md.type if md and md.type else content_type),
-        encoding=md.encoding if md else None,
-        hashes=dict(info.hashes) if info else {},
-        lastmod=e.lastmod,
-        upstream_datetime=md.datetime if md else None,
-        links=list(e.links),
-        md_extra=dict(md.extra) if md else {},
-        entry_extra=list(e.extra),
-        generation=work.generation,
+        e.loc,
+        work.change,
+        info.sha256 if info else None,
+        info.length if info else None,
+        md.type if md and md.type else content_type,
+        md.encoding if md else None,
+        dict(info.hashes) if info else {},
+        e.lastmod,
+        md.datetime if md else None,
+        list(e.links),
+        dict(md.extra) if md and md.extra else {},
+        list(e.extra) if e.extra else [],
+        work.generation,
     )
 
 
@@ -238,15 +241,16 @@ class Pipeline:
         async with aclosing(batches):
             async for works in batches:
                 results: list[_Result] = []
+                waiting = self._waiting
                 for listed in works:
-                    if listed.entry.loc in self._waiting:
+                    if waiting and listed.entry.loc in waiting:
                         self._listed.add(listed.entry.loc)
                     work = await self._filtered(listed) if self._filtering else listed
                     if work is None:
                         results.append(_Result(listed, None))
                     elif work.change == DELETED:
                         results.append(_Result(work, change_from(work, None)))
-                    elif work.blob is not None:
+                    elif work.blob is not None or work.info is not None:
                         results.append(_Result(work, change_from(work, work.info), work.blob))
                     else:
                         raise ValueError(f"{work.entry.loc}: run_batches takes content that arrived")
@@ -431,6 +435,8 @@ class Pipeline:
     def _retry_bookkeeping(self, batch: list[_Result]) -> RetryChanges | None:
         """What the state must record and clear for this batch, in the transaction that applies it.
         Within a batch the last change of a URI decides (a stale entry followed by a good one)."""
+        if not self._retrying and all(r.failure is None for r in batch):
+            return None  # nothing failed and nothing waits for a retry: the common batch
         last: dict[str, _Result] = {r.work.entry.loc: r for r in batch}
         failed = [
             FailedChange(r.work.entry, r.work.change, r.failure.kind, r.failure.message)
@@ -514,15 +520,18 @@ class Pipeline:
         for ch in applied:
             self.stats.applied[ch.change] = self.stats.applied.get(ch.change, 0) + 1
         self.ctx.metrics.committed(self.source, applied, [r.failure for r in batch if r.failure])
-        for r in batch:
-            uri = r.work.entry.loc
-            if r.failure is not None:
-                self.stats.failed[uri] = r.failure
-            else:
-                self.stats.failed.pop(uri, None)
+        if self.stats.failed or any(r.failure is not None for r in batch):
+            for r in batch:
+                uri = r.work.entry.loc
+                if r.failure is not None:
+                    self.stats.failed[uri] = r.failure
+                else:
+                    self.stats.failed.pop(uri, None)
+        for r in reversed(batch):
             dt = r.work.entry.md.datetime if r.work.entry.md else None
             if dt is not None:
                 self.stats.last_datetime = dt
+                break
         if release:
             for _ in batch:
                 self._inflight.release()

@@ -25,7 +25,7 @@ from .discovery import SetInfo, discover
 from .incremental import run_incremental
 from .lists import GapError, Validators
 from .oaipmh import sync_oaipmh
-from .pipeline import Failure, Pipeline, PipelineStats, Work
+from .pipeline import Failure, Pipeline, PipelineStats, Work, first_error
 from .progress import Progress
 
 log = logging.getLogger("rsagg.harvest")
@@ -189,6 +189,11 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
     except (trio.Cancelled, LeaseLost):  # LeaseLost: another cluster node holds the source now
         raise
     except Exception as exc:  # an upstream problem must never take the daemon down
+        if isinstance(exc, ExceptionGroup):  # a nursery's: its error names the problem, not the group
+            leaf = first_error(exc)
+            if isinstance(leaf, LeaseLost):
+                raise leaf from None
+            exc = leaf if isinstance(leaf, Exception) else exc
         stopped_by = exc
         result.ok = False
         result.error = f"{type(exc).__name__}: {exc}"

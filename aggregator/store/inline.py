@@ -9,16 +9,17 @@ with one WAL append and one fsync. SQLite measured the same for blobs of a few K
 Durability (docs/architecture.md invariant 2, "blob before state"): the database is in WAL mode with
 ``synchronous = FULL``, so a ``put_many`` that returned is durable even across a power loss, whatever the
 state store's own ``synchronous`` setting; only then does the caller commit the state rows that name the
-blobs. Several threads and processes (the daemon, ``rsagg gc``, the nodes of a cluster on one host) share
-the file through SQLite's locking; each thread has its own connection. A network filesystem does not
-give SQLite the locks it needs: a store shared by several machines uses an object store (the S3 plugin)
-or sets ``inline_bytes = 0``.
+blobs. Several threads and processes (the daemon and its harvest worker processes, ``rsagg gc``, the
+nodes of a cluster on one host) share the file through SQLite's locking, writers queueing on a lock file
+beside it (``small.db.lock``). A network filesystem does not give SQLite the locks it needs: a store
+shared by several machines uses an object store (the S3 plugin) or sets ``inline_bytes = 0``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import os
 import queue
@@ -36,6 +37,8 @@ BUSY_TIMEOUT_MS = 60_000
 #: Keys per query when listing hashes: ``iter_hashes`` holds no cursor open between pages, so a
 #: caller may delete rows as it goes (gc).
 PAGE = 1000
+#: Beside the database: writers of every process take it (``flock``) before they write.
+LOCK_SUFFIX = ".lock"
 #: ``stored_at``: UNIX time the row was last stored, by its first commit or one that found it there already
 #: (dedup): ``rsagg gc`` keeps rows stored within its grace period (``commands/gc.py``).
 _SCHEMA = (
@@ -72,6 +75,7 @@ class InlineBlobs:
         self.path = path
         self._idle: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._writing = threading.Lock()
+        self._lock_fd: int | None = None  # the lock file, opened at the first write
         self._closed = False
         self.check()
 
@@ -119,6 +123,27 @@ class InlineBlobs:
             else:
                 self._idle.put(conn)
 
+    @contextlib.contextmanager
+    def _write_lock(self) -> Iterator[None]:
+        """Writers queue here, those of this process on a mutex and those of every process (the
+        harvest's worker processes, ``rsagg gc``, cluster nodes on one host) on an ``flock`` of the lock
+        file: the lock's holder hands it on the instant it is done. Queued in SQLite's busy handler
+        instead, a writer sleeps up to 100 ms between tries, and two processes storing pages at once lost
+        a third of their time to those sleeps."""
+        with self._writing:
+            if self._lock_fd is None:
+                lock_path = self.path.with_name(self.path.name + LOCK_SUFFIX)
+                flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+                try:
+                    self._lock_fd = os.open(lock_path, flags, 0o644)
+                except OSError as exc:
+                    raise OSError(exc.errno, f"{lock_path}: {exc.strerror}") from None
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
     @_as_os_error
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         """Store ``(sha256, data)`` pairs in one durable transaction; per pair, True when it was new.
@@ -128,9 +153,7 @@ class InlineBlobs:
         before, and the row is inserted anew, or after, and sees it recent).
         """
         keys = [bytes.fromhex(sha) for sha, _ in items]
-        # Writers of this process queue here rather than in SQLite's busy handler, which sleeps up to
-        # 100 ms between tries; other processes (gc, a node on the same host) still meet the busy timeout.
-        with self._writing, self._conn() as conn:
+        with self._write_lock(), self._conn() as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 held: set[bytes] = set()
@@ -172,7 +195,7 @@ class InlineBlobs:
     def delete(self, sha256: str, stored_before: float | None = None) -> bool:
         """Remove the row (only if stored before ``stored_before``, when given); True when one went."""
         key = bytes.fromhex(sha256)
-        with self._writing, self._conn() as conn:
+        with self._write_lock(), self._conn() as conn:
             if stored_before is None:
                 cur = conn.execute("DELETE FROM blobs WHERE sha256 = ?", (key,))
             else:
@@ -206,6 +229,10 @@ class InlineBlobs:
     def close(self) -> None:
         """Close the idle connections; one in use closes when it is handed back."""
         self._closed = True
+        with self._writing:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
         while True:
             try:
                 self._idle.get_nowait().close()
