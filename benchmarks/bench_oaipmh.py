@@ -97,7 +97,8 @@ def start_server(records: int, page: int, latency: float) -> tuple[subprocess.Po
 def warm_up(url: str) -> int:
     import httpx
 
-    from aggregator.harvest.oaipmh import parse_page, request_url
+    from aggregator.harvest.oaipage import parse_page
+    from aggregator.harvest.oaipmh import request_url
 
     pages = 0
     with httpx.Client(timeout=60) as client:

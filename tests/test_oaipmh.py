@@ -21,7 +21,7 @@ import trio
 from lxml import etree
 
 from aggregator.config import parse_config
-from aggregator.harvest.oaipmh import parse_page, peek_token
+from aggregator.harvest.oaipage import parse_page, peek_token
 from aggregator.publish.dumps import DumpBuilder
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.validate import ERROR, validate_source
@@ -404,7 +404,7 @@ def test_parse_page_is_lenient_and_hostile_proof(tmp_path: Path):
     # exclusive C14N: the prefix is the document's, the bytes are stable and self-contained XML
     dc = b'<b:dc xmlns:b="http://www.openarchives.org/OAI/2.0/oai_dc/"><b:t></b:t></b:dc>'
     assert page.records[1].content == dc
-    from aggregator.harvest.oaipmh import OaiError
+    from aggregator.harvest.oaipage import OaiError
 
     with pytest.raises(OaiError, match="http://h/oai"):
         parse_page(b"<OAI-PMH><ListRecords><record>", "http://h/oai")
@@ -429,7 +429,7 @@ def test_parse_page_reads_records_in_any_order_of_their_parts():
 def test_a_page_too_big_for_a_tree_is_parsed_incrementally_with_the_same_result(monkeypatch):
     """Pages up to TREE_BYTES are parsed whole, bigger ones a record at a time: the same Page either way,
     problems, errors and the token included."""
-    import aggregator.harvest.oaipmh as oaipmh
+    import aggregator.harvest.oaipage as oaipage
 
     def record(i: int) -> str:
         status = ' status="deleted"' if i % 7 == 0 else ""
@@ -446,14 +446,14 @@ def test_a_page_too_big_for_a_tree_is_parsed_incrementally_with_the_same_result(
            f"</responseDate><ListRecords>{records}<resumptionToken cursor='0' completeListSize='900'>t-2"
            "</resumptionToken></ListRecords></OAI-PMH>").encode()  # fmt: skip
     whole = parse_page(doc, "http://h/oai")
-    monkeypatch.setattr(oaipmh, "TREE_BYTES", len(doc) - 1)
+    monkeypatch.setattr(oaipage, "TREE_BYTES", len(doc) - 1)
     assert parse_page(doc, "http://h/oai") == whole
     assert len(whole.records) == 300 - 24 and len(whole.problems) == 24 and whole.token == "t-2"
     error = (
         b'<OAI-PMH xmlns="http://www.openarchives.org/OAI/2.0/"><error code="badVerb">no</error></OAI-PMH>'
     )
     assert parse_page(error, "u").errors == [("badVerb", "no")]
-    monkeypatch.setattr(oaipmh, "TREE_BYTES", 0)
+    monkeypatch.setattr(oaipage, "TREE_BYTES", 0)
     assert parse_page(error, "u").errors == [("badVerb", "no")]
 
 

@@ -38,77 +38,34 @@ committed. Memory is bounded by a few times PREFETCH pages, whatever the reposit
 
 from __future__ import annotations
 
-import html
-import io
 import logging
-import pickle
-import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from urllib.parse import quote, urlencode
 
 import trio
-from lxml import etree
 
 from ..config import SourceConfig
 from ..rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
-from ..rs.w3cdt import parse_w3c, utcnow
-from ..store.blobs import BlobInfo, BlobStore, BlobWriter, begin_spooled
+from ..rs.w3cdt import utcnow
+from ..store.blobs import BlobInfo
 from ..store.state import Cursor
 from .context import HarvestContext
 from .fetch import FetchError
+from .oaipage import OaiError, Page, Record, StoredRecord, parse_page, peek_token, store_page
 from .offload import OffloadError
 from .pipeline import Pipeline, PipelineStats, Work
 from .progress import Progress
 
 log = logging.getLogger("rsagg.harvest")
 
-OAI = "http://www.openarchives.org/OAI/2.0/"
 CONTENT_TYPE = "application/xml"
 DAY = "YYYY-MM-DD"
 SECONDS = "YYYY-MM-DDThh:mm:ssZ"
 #: Pages fetched, parsed and stored ahead of their state transaction: the network, the parser and the
 #: disk keep going while a batch commits (memory: this many pages, plus the one being fetched).
 PREFETCH = 3
-#: The elements the page parser stops at (Clark notation -> local name).
-_TAGS = {f"{{{OAI}}}{t}": t for t in ("responseDate", "error", "record", "resumptionToken", "Identify")}
-_HEADER, _IDENTIFIER, _DATESTAMP, _METADATA = (
-    f"{{{OAI}}}{t}" for t in ("header", "identifier", "datestamp", "metadata")
-)
-
-
-class OaiError(Exception):
-    """An OAI-PMH error response (§3.6) or a response that is not OAI-PMH; names the request."""
-
-    def __init__(self, url: str, code: str, message: str) -> None:
-        super().__init__(url, code, message)
-        self.url, self.code, self.message = url, code, message
-
-    def __str__(self) -> str:
-        return f"{self.url}: OAI-PMH {self.code}: {self.message}"
-
-
-@dataclass(slots=True)
-class Record:
-    identifier: str
-    datestamp: datetime | None
-    deleted: bool
-    content: bytes | None  # the metadata element, exclusive C14N; None when deleted
-
-
-@dataclass
-class Page:
-    """One OAI-PMH response: records in document order, the token after them, errors."""
-
-    records: list[Record] = field(default_factory=list)
-    token: str | None = None  # None or "": the list is complete (§3.5)
-    complete_size: int | None = None  # resumptionToken's completeListSize, when given
-    cursor: int | None = None  # resumptionToken's cursor: the list position of this page's first record
-    response_date: datetime | None = None
-    errors: list[tuple[str, str]] = field(default_factory=list)  # (code, message)
-    identify: dict[str, str] = field(default_factory=dict)  # Identify's simple child elements
-    problems: list[str] = field(default_factory=list)  # records skipped, with why
 
 
 @dataclass(eq=False)
@@ -178,133 +135,6 @@ class _Request:
         return self._stored
 
 
-def _datestamp(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    try:
-        return parse_w3c(text.strip())
-    except ValueError:
-        return None
-
-
-def _count(text: str | None) -> int | None:
-    return int(text) if text is not None and text.strip().isdigit() else None
-
-
-#: Pages up to this size are parsed whole (``etree.fromstring``: libxml2 builds the tree without the GIL,
-#: and a third cheaper than feeding an incremental parser); bigger ones incrementally, a record at a time,
-#: so memory stays a small multiple of the page's bytes whatever a repository sends.
-TREE_BYTES = 4 * 1024 * 1024
-#: Entities are not resolved and nothing is fetched from the network (hostile documents).
-_SAFE = {"resolve_entities": False, "no_network": True, "huge_tree": False, "remove_blank_text": False}
-_PARSER = etree.XMLParser(**_SAFE)
-
-
-def parse_page(data: bytes, url: str) -> Page:
-    """Parse one response (blocking: run it in a worker thread).
-
-    A page bigger than TREE_BYTES is parsed incrementally, each record serialised and cleared once
-    read, so the tree never holds more than one record. Both ways read the same elements in document
-    order and give the same Page (tests/test_oaipmh.py compares them).
-    """
-    page = Page()
-    try:
-        if len(data) <= TREE_BYTES:
-            root = etree.fromstring(data, _PARSER)
-            elements = root.iter(*_TAGS) if root.tag not in _TAGS else (root,)
-            for el in elements:
-                _read_element(el, page)
-        else:
-            for _, el in etree.iterparse(io.BytesIO(data), events=("end",), tag=list(_TAGS), **_SAFE):
-                if _read_element(el, page):
-                    el.clear(keep_tail=False)
-                    parent = el.getparent()
-                    while parent is not None and el.getprevious() is not None:
-                        del parent[0]
-    except etree.XMLSyntaxError as exc:
-        problem = f"not well-formed XML: {exc}"
-    else:
-        return page
-    # Raised outside the handler: the parser's error (its error log cannot be pickled) is not this one's
-    # context, so it travels back from a worker process (``store_page``).
-    raise OaiError(url, "parse", problem)
-
-
-def _read_element(el: etree._Element, page: Page) -> bool:
-    """Read one element the parser stopped at into ``page``; True for a record (which may go now)."""
-    tag = _TAGS[el.tag]
-    if tag == "record":
-        _read_record(el, page)
-        return True
-    if tag == "resumptionToken":
-        page.token = (el.text or "").strip() or None
-        page.complete_size, page.cursor = _count(el.get("completeListSize")), _count(el.get("cursor"))
-    elif tag == "responseDate":
-        page.response_date = _datestamp(el.text)
-    elif tag == "error":
-        page.errors.append((el.get("code", "unknown"), (el.text or "").strip()))
-    elif tag == "Identify":
-        page.identify = {etree.QName(c).localname: (c.text or "").strip() for c in el
-                         if isinstance(c.tag, str) and len(c) == 0}  # fmt: skip
-    return False
-
-
-def _read_record(el: etree._Element, page: Page) -> None:
-    # The schema's order (header, metadata; identifier, datestamp) is looked at first, by position:
-    # ``find`` by name cost a third of the parse of a page. Any other order is still read.
-    header = el[0] if len(el) and el[0].tag == _HEADER else el.find(_HEADER)
-    identifier = stamp = None
-    if header is not None:
-        for child in header:
-            if child.tag == _IDENTIFIER and identifier is None:
-                identifier = child.text
-            elif child.tag == _DATESTAMP and stamp is None:
-                stamp = child.text
-    identifier = identifier.strip() if identifier else None
-    if header is None or not identifier:
-        page.problems.append(f"line {el.sourceline}: a record without header/identifier (skipped)")
-        return
-    datestamp = _datestamp(stamp)
-    if header.get("status") == "deleted":
-        page.records.append(Record(identifier, datestamp, True, None))
-        return
-    metadata = el[1] if len(el) > 1 and el[1].tag == _METADATA else el.find(_METADATA)
-    child = next((c for c in metadata if isinstance(c.tag, str)), None) if metadata is not None else None
-    if child is None:
-        page.problems.append(f"record {identifier}: no metadata element (skipped)")
-        return
-    try:
-        content = etree.tostring(child, method="c14n", exclusive=True)
-    except etree.C14NError:  # e.g. an unresolved entity reference (entities are never resolved)
-        page.problems.append(f"record {identifier}: metadata cannot be canonicalised (skipped)")
-        return
-    page.records.append(Record(identifier, datestamp, False, content))
-
-
-#: How far from a page's end ``peek_token`` looks: the token is the last element but the closing tags.
-_PEEK_BYTES = 16384
-_PEEK = re.compile(rb"<(?:[\w.-]+:)?resumptionToken\b[^>]*?(?:/>|>([^<]*)</(?:[\w.-]+:)?resumptionToken\s*>)")
-
-
-def peek_token(data: bytes) -> str | None:
-    """The resumption token at the end of a response, found without parsing it: the next request can
-    go out while this page is parsed (§3.5: the token is the list's last element). Only a guess, for
-    the request ahead; the parsed page decides (a wrong guess costs a request whose answer is dropped).
-    None: no token there, or one not worth guessing (markup inside, a CDATA section)."""
-    found = None
-    for found in _PEEK.finditer(data, max(0, len(data) - _PEEK_BYTES)):  # noqa: B007 (the last one)
-        pass
-    if found is None or found.group(1) is None:
-        return None
-    try:
-        token = html.unescape(found.group(1).decode("utf-8")).strip()
-    except UnicodeDecodeError:
-        return None
-    return token or None
-
-
-#: Hashes of a record besides sha-256: md5 is what resync compares by default.
-_MD5 = frozenset({"md5"})
 #: ``quote(s, safe="")`` of each ASCII character: all but RFC 3986's unreserved ones escaped.
 _QUOTED = {c: f"%{c:02X}" for c in range(128) if not (chr(c).isalnum() or chr(c) in "_.-~")}
 
@@ -649,57 +479,6 @@ class OaiHarvest:
         return Work(entry, CREATED if generation is not None else UPDATED, None, generation, info=info)
 
 
-#: A record once its content is a durable blob (``store_page``): identifier, datestamp, deleted, and the
-#: blob's sha-256, length and md5 (None when deleted). A plain tuple: a worker process sends a page of
-#: them back pickled, and dataclasses cost five times as much to unpickle.
-StoredRecord = tuple[str, datetime | None, bool, str | None, int, str | None]
-
-
-def store_page(blobs: BlobStore, data: bytes, url: str) -> tuple[Page, list[StoredRecord], Exception | None]:
-    """Parse a page and make its records' content durable blobs, in one call: in a worker process
-    (``harvest/offload.py``), while the daemon fetches the next pages and commits the pages before it
-    (blobs before state: the rows that name them come after, in walk order; until then a blob is named
-    by nothing, and ``rsagg gc`` removes it if the walk never commits it).
-
-    Returns the page without its records (``Page.records`` is emptied: their content stays here), the
-    records stored, in page order, and the error that stopped storing them (the walk raises it in walk
-    order, after the pages before it commit). Raises OaiError for a page that is not well-formed.
-    """
-    page = parse_page(data, url)
-    records, page.records = page.records, []
-    if page.errors:  # an OAI-PMH error answer: no records to store
-        return page, [], None
-    stored: list[StoredRecord] = []
-    writers: list[BlobWriter] = []
-    try:
-        for rec in records:
-            if rec.content is None:
-                stored.append((rec.identifier, rec.datestamp, True, None, 0, None))
-                continue
-            writer = begin_spooled(blobs, _MD5)
-            writers.append(writer)
-            writer.write(rec.content)
-            info = writer.finish()
-            stored.append(
-                (rec.identifier, rec.datestamp, False, info.sha256, info.length, info.hashes["md5"])
-            )
-        blobs.commit(writers)
-    except Exception as exc:
-        for writer in writers:
-            writer.abort()  # its temp file goes now (a committed blob stays)
-        return page, [], _portable(exc)
-    return page, stored, None
-
-
-def _portable(exc: Exception) -> Exception:
-    """``exc``, or an OSError saying the same when it cannot travel back from a worker process."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return OSError(f"{type(exc).__name__}: {exc}")
-    return exc
-
-
 async def sync_oaipmh(
     ctx: HarvestContext, src: SourceConfig, progress: Progress | None = None
 ) -> PipelineStats:
@@ -708,13 +487,4 @@ async def sync_oaipmh(
     return await OaiHarvest(ctx, src, set_id, progress).run()
 
 
-__all__ = [
-    "OaiError",
-    "OaiHarvest",
-    "Page",
-    "Record",
-    "format_from",
-    "parse_page",
-    "store_page",
-    "sync_oaipmh",
-]
+__all__ = ["OaiHarvest", "format_from", "request_url", "set_key", "sync_oaipmh"]

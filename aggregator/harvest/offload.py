@@ -114,7 +114,11 @@ class Offload:
                 _run_in_worker, self._recipe, fn, args, limiter=self._limiter
             )
         except trio_parallel.BrokenWorkerError as exc:
-            raise OffloadError(f"a worker process died while it ran {fn.__name__}: {exc}") from None
+            raise OffloadError(
+                f"a worker process died while it ran {fn.__name__}: {exc} (a worker that cannot start at "
+                "all, e.g. in a sandbox that forbids new processes: harvest.processes = 0 runs page work "
+                "in the daemon's threads)"
+            ) from None
         report = getattr(self.blobs, "on_commit", None)
         if report is not None:  # as if the daemon's own store had committed them
             for written, found in tally:
