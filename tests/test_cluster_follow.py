@@ -138,6 +138,20 @@ async def test_a_callback_at_any_node_reaches_the_holders_pipeline(
             for n in nodes.values():
                 await n.wait_serving()
             await wait_for(lambda: len(_live_subs(db)) == 2, "both channels verified through the other node")
+            # and active at the upstream's hub: it records a subscription once the node's answer to its
+            # challenge is back, a moment after the node recorded it; a change made in that moment is
+            # published to nobody, and its notification never comes (the catch-up poll brings it instead)
+            assert notifier.hub is not None
+            hub = notifier.hub
+
+            async def hub_active() -> bool:
+                subs = await trio.to_thread.run_sync(hub.subscriptions)
+                return sum(s["verified"] is not None for s in subs) == 2
+
+            with trio.move_on_after(90):
+                while not await hub_active():
+                    await trio.sleep(0.1)
+            assert await hub_active(), "timed out waiting for both subscriptions at the upstream's hub"
             holder = _holder(db)
             assert holder in nodes
             other = "B" if holder == "A" else "A"
