@@ -466,17 +466,18 @@ class OaiHarvest:
         return stats
 
     def _work(self, rec: StoredRecord, generation: int | None) -> Work:
+        # Positional, in the dataclasses' field order: this runs per record, on the event loop.
         identifier, stamp, deleted, sha256, length, md5 = rec
-        via = Link("via", self._get_record + _quote_all(identifier), modified=stamp)
-        md = Md(
-            change=DELETED if deleted else UPDATED, datetime=stamp, type=None if deleted else CONTENT_TYPE
-        )
-        entry = Entry(identifier, lastmod=stamp, md=md, links=[via])
+        links = [Link("via", self._get_record + _quote_all(identifier), None, stamp)]
         if deleted:
-            return Work(entry, DELETED, None, generation)
+            return Work(
+                Entry(identifier, stamp, None, Md(None, DELETED, stamp), links), DELETED, None, generation
+            )
         assert sha256 is not None and md5 is not None
+        md = Md(None, UPDATED, stamp, None, None, None, None, None, None, CONTENT_TYPE)
         info = BlobInfo(sha256, length, {"sha-256": sha256, "md5": md5})
-        return Work(entry, CREATED if generation is not None else UPDATED, None, generation, info=info)
+        change = CREATED if generation is not None else UPDATED
+        return Work(Entry(identifier, stamp, None, md, links), change, None, generation, None, info)
 
 
 async def sync_oaipmh(
