@@ -8,15 +8,17 @@ harvester also makes one untimed walk before the timed pairs.
 
 - sickle: ``Sickle(url).ListRecords(metadataPrefix="oai_dc", ignore_deleted=False)`` iterated to the end
   (each record parsed to a Record, as its users get them), in this process.
-- rsagg: ``harvest_once`` into a fresh store, in this process: each record canonicalised, hashed, stored as
-  a blob, its row, changelog record and the cursor committed (``harvest/oaipmh.py``); then the republished
-  Resource List is streamed once from the store (``republish`` column), and the store checked to hold every
-  record.
+- rsagg: ``harvest_once`` into a fresh store, in this process: each page parsed, its records canonicalised,
+  hashed and stored as blobs in rsagg's worker processes (``harvest.processes``, kept between runs as a
+  daemon keeps them), then each record's row, changelog record and the cursor committed
+  (``harvest/oaipmh.py``); then the republished Resource List is streamed once from the store
+  (``republish`` column), and the store checked to hold every record.
 
     python benchmarks/bench_oaipmh.py                      # 20,000 records, pages of 100, 0 and 50 ms
     python benchmarks/bench_oaipmh.py --records 5000       # quicker
     python benchmarks/bench_oaipmh.py --repeat 1           # one sickle/rsagg pair per latency (default 3)
     python benchmarks/bench_oaipmh.py --inline-bytes 0     # every record a file of its own (no small.db)
+    python benchmarks/bench_oaipmh.py --processes 0        # page work in rsagg's threads, no worker process
 """
 
 from __future__ import annotations
