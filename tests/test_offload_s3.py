@@ -1,4 +1,5 @@
-"""``server.offload = "redirect"`` on the S3 blob store, against a real SeaweedFS.
+"""``server.offload = "redirect"`` on the S3 blob store, against a real SeaweedFS (and the harvest's
+worker processes storing OAI-PMH records into it).
 
 rsagg still answers 304, 404 (a resource hidden by a publish filter) and 410 itself; a resource's GET
 or HEAD is a 307 to a presigned URL of its blob, which SeaweedFS serves with the type rsagg publishes.
@@ -12,7 +13,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from lxml import etree
 
+from aggregator.compose import open_context
 from aggregator.config import ConfigError, parse_config
 from aggregator.harvest.context import open_blob_store
 from aggregator.plugins import Plugins
@@ -20,7 +23,9 @@ from aggregator.publish.uris import rsagg_uri
 from aggregator.testing.upstream import Upstream
 from tests.seaweedfs import SeaweedFS, run_seaweedfs
 
-from .harvesting import harvest
+from .harvesting import harvest, held
+from .httpserver import serve_app
+from .oaiserver import OaiApp, Repository
 from .test_publish import local_files, publishing, resync
 
 pytest.importorskip("boto3")
@@ -120,3 +125,43 @@ async def test_public_url_gives_unsigned_urls(tmp_path: Path, seaweed: SeaweedFS
     bad = s3_config(tmp_path / "x", seaweed, "http://upstream.invalid/", public_url="ftp://nope")
     with pytest.raises(ConfigError, match=r"store\.settings: .*public_url is not an http"):
         open_blob_store(bad, Plugins.from_config(bad))
+
+
+async def test_oai_records_are_stored_in_s3_by_the_harvests_worker_processes(
+    tmp_path: Path, seaweed: SeaweedFS
+):
+    """An OAI-PMH page's records are stored by a worker process (``harvest.processes``), which opens the
+    S3 store from the plugin's factory: every record the state names is in the bucket, its bytes
+    the record's metadata."""
+    repo = Repository()
+    repo.bulk_add(0, 300)
+    app = OaiApp(repo, page_size=100)
+    async with serve_app(app) as base:
+        repo.base_url = f"{base}/oai"
+        settings = seaweed.settings(f"rsagg-{uuid.uuid4().hex[:12]}", create_bucket=True)
+        cfg = parse_config(
+            {
+                "store": {"path": str(tmp_path / "data"), "backend": "s3", "settings": settings},
+                "harvest": {"processes": 2, "retries": 2, "backoff_base": 0.01, "timeout": 10},
+                "sources": [{"name": "oai", "url": f"{base}/oai", "kind": "oai-pmh"}],
+            },
+            str(tmp_path / "rsagg.toml"),
+        )
+        async with open_context(cfg) as ctx:
+            assert ctx.offload is not None and ctx.offload.processes == 2  # the S3 factory travels
+        result = (await harvest(cfg))["oai"]
+        assert result.ok, result.error
+        assert result.stats[0].applied == {"created": 300}
+    names = held(cfg)
+    assert len(names) == 300
+    blobs = open_blob_store(cfg, Plugins.from_config(cfg))
+    try:
+        titles = {}
+        for uri, sha in names.items():
+            with blobs.open(sha) as f:
+                data = f.read()
+            assert hashlib.sha256(data).hexdigest() == sha
+            titles[uri] = etree.fromstring(data).findtext("{http://purl.org/dc/elements/1.1/}title")
+        assert titles == repo.live()
+    finally:
+        getattr(blobs, "close", lambda: None)()
