@@ -38,6 +38,7 @@ committed. Memory is bounded by a few times PREFETCH pages, whatever the reposit
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -63,8 +64,8 @@ log = logging.getLogger("rsagg.harvest")
 CONTENT_TYPE = "application/xml"
 DAY = "YYYY-MM-DD"
 SECONDS = "YYYY-MM-DDThh:mm:ssZ"
-#: Pages fetched, parsed and stored ahead of their state transaction: the network, the parser and the
-#: disk keep going while a batch commits (memory: this many pages, plus the one being fetched).
+#: Pages requested ahead of the walk, and pages stored waiting for their state transaction: the network,
+#: the workers and the disk keep going while a batch commits (memory: a few times this many pages).
 PREFETCH = 3
 
 
@@ -139,10 +140,6 @@ class _Request:
 _QUOTED = {c: f"%{c:02X}" for c in range(128) if not (chr(c).isalnum() or chr(c) in "_.-~")}
 
 
-#: Quoted identifier heads (``oai:repository.org:``): identifiers of one repository share theirs.
-_HEADS: dict[str, str] = {}
-
-
 def _quote_all(text: str) -> str:
     """``urllib.parse.quote(text, safe="")``. Why not quote itself: its loop per character cost a
     quarter of making a record's change. An identifier ``head:tail`` with an alphanumeric ASCII tail
@@ -150,13 +147,13 @@ def _quote_all(text: str) -> str:
     ``translate``."""
     head, colon, tail = text.rpartition(":")
     if colon and tail.isascii() and tail.isalnum():
-        quoted = _HEADS.get(head)
-        if quoted is None:
-            if len(_HEADS) >= 1024:  # bounded: a repository has a few heads, a hostile one many
-                _HEADS.clear()
-            quoted = _HEADS[head] = _quote_text(head) + "%3A"
-        return quoted + tail
+        return _quoted_head(head) + tail
     return _quote_text(text)
+
+
+@functools.lru_cache(maxsize=1024)  # bounded: a repository has a few heads, a hostile one many
+def _quoted_head(head: str) -> str:
+    return _quote_text(head) + "%3A"
 
 
 def _quote_text(text: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import heapq
 import json
@@ -31,7 +32,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from sqlite_utils import Database
 
@@ -108,15 +109,13 @@ def parse_dt(text: str | None) -> datetime | None:
 _compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
-T = TypeVar("T")
-
 #: A JSON string literal as ``_compact`` writes one (json's C escaper, ensure_ascii off).
 _json_str = json.encoder.encode_basestring
 
 
 def _links_json(links: Sequence[Link], when: Callable[[datetime], str | None] = format_dt) -> str | None:
     """``links`` as the JSON the ``links`` column holds; ``when`` formats ``modified`` (format_dt, or a
-    batch's memo of it)."""
+    batch's cache of it)."""
     if not links:
         return None
     out = []
@@ -139,21 +138,6 @@ def _links_json(links: Sequence[Link], when: Callable[[datetime], str | None] = 
             d["extra"] = ln.extra
         out.append(_compact(d))
     return f"[{','.join(out)}]"
-
-
-def _memo(fn: Callable[[Any], T]) -> Callable[[Any], T]:
-    """``fn`` remembered per argument for one batch: records of a batch share a few datestamps, and
-    formatting one cost more than the rest of its row."""
-    known: dict[Any, T] = {}
-
-    def memo(value: Any) -> T:
-        try:
-            return known[value]
-        except KeyError:
-            out = known[value] = fn(value)
-            return out
-
-    return memo
 
 
 def _links_from(text: str | None) -> list[Link]:
@@ -522,7 +506,8 @@ def plan_batch(
     generation of no-ops during a baseline; log: changelog rows without seq; applied: the changes that
     changed state, each with the logged kind).
     """
-    when, stamp = _memo(when), _memo(format_dt)
+    # Records of a batch share a few datestamps, and formatting one cost more than the rest of its row.
+    when, stamp = functools.cache(when), functools.cache(format_dt)
     # Collapse to the final row per uri; keep the log in order.
     rows: dict[str, list] = {}  # uri -> column values (_RES_COLS order) + [id] (the _W_* positions)
     tombstones: dict[int, tuple] = {}  # id of a stored row -> (generation, upstream_datetime)
