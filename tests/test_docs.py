@@ -180,5 +180,5 @@ def test_mkdocs_build_strict(tmp_path: Path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "WARNING" not in done.stderr, done.stderr
-    page = (tmp_path / "site" / "configuration" / "index.html").read_text(encoding="utf-8")
+    page = (tmp_path / "site" / "configuration.html").read_text(encoding="utf-8")
     assert "notifications.notified_interval" in page and ref.MARKER not in page
