@@ -169,21 +169,26 @@ def _networks(value: Any) -> tuple[str, ...] | None:
 
 @dataclass(frozen=True, config=_STRICT)
 class ServerConfig:
+    #: Where the daemon serves, HOST:PORT.
     listen: _Listen = "127.0.0.1:8080"
+    #: rsagg's public URL, used in everything it republishes (a trailing "/" is dropped).
     base_url: Annotated[Url, AfterValidator(lambda v: v.rstrip("/"))] = "http://127.0.0.1:8080"
     #: Database connections serving requests at once (each document stream holds one while it streams);
-    #: more requests wait a little, then get 503 + Retry-After. Bounds the server's memory under a crawl.
+    #: past it a request waits up to 10 s, then gets 503 + Retry-After. Bounds the server's memory under
+    #: a crawl.
     max_readers: AtLeastOne = 32
     #: Connections one client address may hold open at once (serverguard.py); 0 = no cap. Behind a reverse
     #: proxy every client is the proxy: raise it or set 0, and let the proxy limit per client.
     max_connections_per_client: NonNegInt = 256
     #: Who sends a resource's bytes: "none" (rsagg), "x-accel" (nginx in front, through an internal
-    #: location, see ``config/nginx.conf``) or "redirect" (a blob store with URLs, e.g. S3: presigned or
-    #: public). rsagg still decides visibility, 404/410, 304 and the headers in every mode.
+    #: location named by ``X-Accel-Redirect``, see ``config/nginx.conf``) or "redirect" (307 to a URL of
+    #: the blob store, e.g. S3: presigned, or its ``public_url``). rsagg still decides visibility,
+    #: 404/410, 304 and the headers in every mode.
     offload: Offload = "none"
     #: "x-accel": the internal nginx location mapped onto the blob store's root (ends with "/").
     offload_location: _OffloadLocation = "/_rsagg_blobs/"
-    #: "redirect": seconds a presigned URL stays valid (a public bucket URL does not expire).
+    #: "redirect": seconds a presigned URL stays valid, 1 s to 7 days (rsagg reuses one for half of it; a
+    #: public bucket URL does not expire).
     redirect_lifetime: _RedirectLifetime = 3600.0
     #: Serving processes: the daemon itself and ``workers - 1`` more on the same port (SO_REUSEPORT),
     #: answering resources and lists; the harvester, hub, notifier and dump builder run once, in the
@@ -197,20 +202,25 @@ class ServerConfig:
 
 @dataclass(frozen=True, config=_STRICT)
 class StoreConfig:
+    #: Folder of the state database (``state.db``) and the blob store (``blobs/``), caches and the store
+    #: lock; relative to the configuration file.
     path: Str = "./data"
     #: Where the state lives: "" = the SQLite file ``state.db`` in ``path``; or a PostgreSQL database,
     #: "postgresql://USER@HOST:PORT/DB" (store/postgres.py). The password comes from PGPASSWORD or a
     #: PGPASSFILE (or the URL); rsagg never shows it. Blobs, caches and the lock stay in ``path``.
     state: _StateLocation = ""
-    #: SQLite synchronous mode: NORMAL survives a process crash; FULL also a power loss (slower).
+    #: Durability: NORMAL survives a crash of rsagg; FULL also a power loss (SQLite, slower) or a crash of
+    #: the server (PostgreSQL: ``synchronous_commit`` off / on).
     synchronous: _Synchronous = "NORMAL"
     #: SQLite page cache of the harvester's writing connection, MiB (its reader uses 8). It fills up as the
     #: database grows: 64 MiB took a 200,000-resource baseline to 156 MB RSS (target < 150), 32 MiB to
     #: 119 MB, with no measurable change in the time spent writing state (benchmarks/bench_harvest.py).
     cache_mib: NonNegInt = 32
-    #: Blob store backend, registered by a plugin (``rsagg_blob_stores``): "filesystem" or e.g. "s3".
+    #: Blob store backend, registered by a plugin (``rsagg_blob_stores``): "filesystem" or e.g. "s3"
+    #: (``pip install ./plugins/rsagg-s3``).
     backend: Str = "filesystem"
-    #: The backend's own settings (``[store.settings]``).
+    #: The backend's own settings (``[store.settings]``; for "filesystem": ``path``, ``inline_bytes``; for
+    #: "s3": the plugin's keys; see "Blob store settings").
     settings: Table = field(default_factory=dict)
 
 
@@ -220,34 +230,46 @@ class HarvestConfig:
 
     interval: NonNegFloat = 300.0  # seconds between polls (per source)
     jitter: _Fraction = 0.1  # +- fraction of the interval, so sources do not poll in lockstep
-    per_host: AtLeastOne = 8  # concurrent requests per upstream host
-    max_connections: AtLeastOne = 64
+    #: Concurrent requests per upstream host (polite: a host 50 ms away then gives at most 160
+    #: resources/s; raise it, with ``workers``, for a Source that welcomes it).
+    per_host: AtLeastOne = 8
+    max_connections: AtLeastOne = 64  # HTTP connections in all
     workers: AtLeastOne = 16  # concurrent resource fetches per set
-    timeout: NonNegFloat = 30.0
+    timeout: NonNegFloat = 30.0  # seconds per HTTP request
+    #: Retries on network errors, timeouts, 408, 429, 500, 502, 503 and 504 (exponential backoff, full
+    #: jitter, Retry-After honoured; the same policy, ``aggregator/retry.py``, paces hub deliveries and
+    #: subscription requests).
     retries: NonNegInt = 4
-    backoff_base: NonNegFloat = 0.5
-    backoff_max: NonNegFloat = 60.0
-    max_document_bytes: NonNegInt = 256 * 1024 * 1024
-    max_resource_bytes: NonNegInt = 16 * 1024**3
+    backoff_base: NonNegFloat = 0.5  # seconds: the first backoff's bound
+    backoff_max: NonNegFloat = 60.0  # seconds: the longest backoff
+    max_document_bytes: NonNegInt = 256 * 1024 * 1024  # cap on one ResourceSync document, bytes
+    max_resource_bytes: NonNegInt = 16 * 1024**3  # cap on one resource or dump package, bytes
     use_dumps: Bool = True  # baseline from a Resource Dump when one is advertised
     batch_size: AtLeastOne = 256  # changes committed per state transaction
     #: Worker processes for CPU-bound page work (OAI-PMH pages: parse, canonicalise, hash, store);
-    #: 0 = in the daemon's own threads (``harvest/offload.py``).
+    #: 0 = in the daemon's own threads (``harvest/offload.py``). Read at start; a blob store backend whose
+    #: factory cannot be pickled always uses threads.
     processes: NonNegInt = 2
-    #: Sent on every request; "" = ``harvest/access.py`` DEFAULT_USER_AGENT (rsagg/VERSION (+project URL)).
+    #: The User-Agent of every request; "" = ``harvest/access.py`` DEFAULT_USER_AGENT,
+    #: "rsagg/VERSION (+https://pypi.org/project/rsagg/)". Name a contact, e.g.
+    #: "mirror-bot/2 (+mailto:ops@example.org)".
     user_agent: _HeaderValue = ""
     max_rate: NonNegFloat = 0.0  # requests per second per source (0 = no limit besides per_host)
 
 
 @dataclass(frozen=True, config=_STRICT)
 class SourceConfig:
-    name: Name
+    name: Name  # short URL-safe name ([a-z0-9_-]), unique; the published set's name by default
+    #: A well-known URI, Source Description, Capability List, Resource List or a bare site root (for
+    #: ``kind = "oai-pmh"``: the OAI-PMH base URL).
     url: Url
-    interval: NonNegFloat | None = None
-    use_dumps: Bool | None = None
-    enabled: Bool = True
+    interval: NonNegFloat | None = None  # seconds between polls of this source (default harvest.interval)
+    use_dumps: Bool | None = None  # baseline from a Resource Dump (default harvest.use_dumps)
+    enabled: Bool = True  # a disabled source keeps its state but is not polled
     notifications: Bool | None = None  # subscribe to its notification channels (default: [notifications])
-    notified_interval: Positive | None = None  # poll interval while notifications are live (safety net)
+    #: Seconds between polls while the source's channels are live (a safety net: the Change List stays
+    #: the truth); default ``notifications.notified_interval``.
+    notified_interval: Positive | None = None
     #: Per-source plugin settings, ``plugins.NAME = {...}``: overlaid on ``[plugins.NAME]``.
     plugins: dict[str, Table] = field(default_factory=dict)
     #: "resourcesync" (default) or "oai-pmh" (``harvest/oaipmh.py``: ``url`` is the base URL).
@@ -264,17 +286,19 @@ class SourceConfig:
 
 @dataclass(frozen=True, config=_STRICT)
 class PublishConfig:
-    """How rsagg republishes what it holds (spec §6-§14; issue text "Publish contracts")."""
+    """How rsagg republishes what it holds (spec §6-§14)."""
 
     changelist_size: AtLeastOne = 10_000  # changes per Change List window (global changelog seq)
-    dump_interval: NonNegFloat = 86_400.0  # seconds between Resource Dumps (0 = off)
+    #: Seconds between Resource Dumps; Change Dump packages are built as Change List windows close. 0 = no
+    #: dumps.
+    dump_interval: NonNegFloat = 86_400.0
     keep_collection_links: Bool = False  # §14.8: collection links may not fit the aggregator's copy
     keep_canonical_links: Bool = False  # §14.8: same for canonical
 
 
 @dataclass(frozen=True, config=_STRICT)
 class NotificationsConfig:
-    """Change and Framework Notification over WebSub, both ways (spec/NOTES.md, ``websub/``).
+    """Change and Framework Notification over WebSub, both ways (``websub/``).
 
     ``hub`` empty: rsagg's embedded hub at ``hub_path`` carries rsagg's own channels; else that external
     hub (generic WebSub publishing: ``hub.mode=publish`` ping, the hub fetches the topic).
@@ -325,8 +349,8 @@ class ClusterConfig:
 class SetConfig:
     """A published set grouping the state sets of several sources under one Capability List (§9)."""
 
-    name: Name
-    sources: Annotated[tuple[str, ...], BeforeValidator(_source_names)]
+    name: Name  # the published set's name (``/NAME/capabilitylist.xml``)
+    sources: Annotated[tuple[str, ...], BeforeValidator(_source_names)]  # the sources it groups
     describedby: Url | None = None  # §8/§9: a document about the set
 
 
@@ -339,7 +363,8 @@ class Config:
     sources: tuple[SourceConfig, ...] = ()
     publish: PublishConfig = field(default_factory=PublishConfig)
     sets: tuple[SetConfig, ...] = ()
-    #: ``[plugins.NAME]`` tables: ``enabled = false`` turns a plugin off, the rest are its settings.
+    #: ``[plugins.NAME]`` tables: ``enabled = false`` turns a plugin off, the rest are its settings (a
+    #: source's ``plugins.NAME`` overlays them for that source); an unknown NAME is an error.
     plugins: dict[str, Table] = field(default_factory=dict)
     notifications: NotificationsConfig = field(default_factory=NotificationsConfig)
     outbound: OutboundConfig = field(default_factory=OutboundConfig)

@@ -70,7 +70,7 @@ CASES = [
 ]
 COMMANDS = [["harvest", "--once"], ["run"], ["audit"], ["status"], ["gc"], ["retries"]]
 #: Where a command has nothing wrong to report: gc works on a store whose sources were all removed
-#: (README) and exits 0.
+#: (docs/operations.md) and exits 0.
 FINE = {("no sources", "gc"), ("empty file", "gc")}
 #: Only ``run`` listens: the other commands are not run against a busy port.
 NOT_CONCERNED = {("port in use", c[0]) for c in COMMANDS if c != ["run"]}
@@ -247,9 +247,11 @@ def test_sync_left_by_a_dead_process_shows_as_interrupted(
         pass
 
 
-def test_readme_documents_every_command_and_its_options() -> None:
-    """Each command and each of its options appears in README.md (the operator's reference)."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+def test_docs_document_every_command_and_its_options() -> None:
+    """Each command and each of its options appears in the operator's reference (docs/operations.md, the
+    demo's options in docs/install.md)."""
+    docs = Path(__file__).parent.parent / "docs"
+    readme = (docs / "operations.md").read_text() + (docs / "install.md").read_text()
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     for name, p in sub.choices.items():
@@ -263,6 +265,11 @@ def test_readme_documents_every_command_and_its_options() -> None:
                 "--log-format",
                 "--max-lines",
             ):
-                assert longest in readme, f"rsagg {name} {longest} is not in README.md"
-    for phrase in ("--port 0", "-c CONFIG` is always needed", "Lag.", "One harvesting process per store"):
+                assert longest in readme, f"rsagg {name} {longest} is not in docs/operations.md"
+    for phrase in (
+        "--port 0",
+        "-c CONFIG` is always needed",
+        "## Lag",
+        "## One harvesting process per store",
+    ):
         assert phrase in readme, phrase

@@ -45,7 +45,7 @@ def start(args: argparse.Namespace, *, sources_needed: bool = True) -> Config | 
     if sources_needed and not config.sources:
         print(
             f"rsagg {args.command}: config error: {config.file}: sources: no [[sources]] configured "
-            "(add a [[sources]] table with name and url; see README.md)",
+            "(add a [[sources]] table with name and url; see docs/configuration.md)",
             file=sys.stderr,
         )
         return None

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("rsagg.harvest")
 
-#: The rules rsagg tolerates (rule id -> what was seen and why it is read anyway). README lists them.
+#: The rules rsagg tolerates (rule id -> what was seen and why it is read anyway); listed in
+#: docs/harvesting.md.
 RULES: dict[str, str] = {
     "relative-loc": "a relative <loc> or href (§7: absolute URIs); resolved against the document's URL",
     "rel-case": "a relation type not in lower case (RFC 8288 §2.1.1: compared case-insensitively)",

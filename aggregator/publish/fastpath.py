@@ -19,7 +19,7 @@ A hit costs no thread hop and no query (that one version read, or none); a miss 
 starlette's FileResponse decides, a blob in a store without URLs) goes on to the ordinary route
 (``app.resource``), which answers it as before: the bytes and headers are the same either way.
 
-``server.offload`` (see ``config/nginx.conf`` and the README):
+``server.offload`` (see ``config/nginx.conf`` and docs/install.md):
 
 - ``x-accel``: 200 with ``X-Accel-Redirect: <offload_location><ab/cd/sha256>`` and every header of
   the answer (ETag, Last-Modified, Content-Type, Content-Encoding, Link); nginx sends the bytes from
