@@ -194,11 +194,10 @@ async def system_resolver(host: str, port: int) -> list[str]:
 class OutboundRefused(httpx.ConnectError):
     """A connection the policy refused; ``str()`` names the host, the address and the rule."""
 
-    def __init__(self, host: str, port: int, address: str, rule: str, note: str = "") -> None:
-        super().__init__(
-            f"outbound policy refused {host}:{port} (address {address} is {rule}{note}; "
-            f"open it with [outbound] allow if it is meant to be reached)"
-        )
+    def __init__(self, host: str, port: int, address: str, rule: str, note: str = "", hint: str = "") -> None:
+        hint = hint or "open it with [outbound] allow if it is meant to be reached"
+        what = f"address {address}" if address else "the URL"
+        super().__init__(f"outbound policy refused {host}:{port} ({what} is {rule}{note}; {hint})")
         self.host, self.port, self.address, self.rule = host, port, address, rule
 
 
@@ -307,28 +306,36 @@ class AddressPolicy:
         by the embedded hub for its own topics."""
         if self.own_url(url) and self.requester() != OWN_TOPICS:
             o = origin(url) or ("", 0)
-            raise self.refused(o[0], o[1], url, "self", " (rsagg's own server.base_url)")
+            note, hint = ", under rsagg's own server.base_url", "rsagg does not request its own URLs"
+            raise self.refused(o[0], o[1], "", "self", note, hint)
 
-    def refused(self, host: str, port: int, address: str, rule: str, note: str = "") -> OutboundRefused:
-        log.warning("outbound: refused %s:%s (address %s, rule %s%s)", host, port, address, rule, note)
+    def refused(
+        self, host: str, port: int, address: str, rule: str, note: str = "", hint: str = ""
+    ) -> OutboundRefused:
+        log.warning("outbound: refused %s:%s (address %s, rule %s%s)", host, port, address or "-", rule, note)
         if self.on_refused is not None:
             try:
                 self.on_refused(rule)
             except Exception:
                 log.exception("outbound: refusal hook failed")
-        return OutboundRefused(host, port, address, rule, note)
+        return OutboundRefused(host, port, address, rule, note, hint)
 
-    def refusal_note(self, host: str, port: int, requester: str) -> str:
-        """Why an origin's pins did not help (named in the error): another requester's origin, or a
-        name that moved away from the addresses trusted for it."""
+    def refusal_note(self, host: str, port: int, requester: str) -> tuple[str, str]:
+        """Why an origin's pins did not help, and what the operator may do (named in the error):
+        another requester's origin, or a name that moved away from the addresses trusted for it."""
         by = self.pins.get((_host_key(host), port)) or {}
         mine = by.get(requester)
         if mine:
             nets = ", ".join(str(n) for n in mine)
-            return f", not among the addresses trusted for {_who(requester)} ({nets}): the name moved"
+            hint = (
+                f"if the move is meant, add the address to [[sources]] addresses of {requester!r}"
+                if not requester.startswith("<")
+                else "open it with [outbound] allow if the move is meant"
+            )
+            return f", not among the addresses trusted for {_who(requester)} ({nets}): the name moved", hint
         if any(by.values()):
-            return ", and the origin of another source"
-        return ""
+            return ", and the origin of another source", ""
+        return "", ""
 
 
 def _who(requester: str) -> str:
@@ -391,8 +398,11 @@ class PolicedBackend(httpcore.AsyncNetworkBackend):
                 first_refusal = (address, rule)
         if not allowed:
             assert first_refusal is not None
-            note = policy.refusal_note(name, port, requester) if first_refusal[1] != "self" else ""
-            raise policy.refused(name, port, *first_refusal, note)
+            if first_refusal[1] == "self":
+                note, hint = ", rsagg's own server.listen", "rsagg does not request its own server"
+            else:
+                note, hint = policy.refusal_note(name, port, requester)
+            raise policy.refused(name, port, *first_refusal, note, hint)
         error: Exception | None = None
         for address in allowed:  # in the resolver's order; each one checked above
             try:
