@@ -30,7 +30,10 @@ oldest are dropped, §7 "self-imposed limits"), pending verifications (503 when 
 Security (docs/security.md): a payload POST makes the hub sign and send whatever it is given to every
 subscriber, so it needs ``Authorization: Bearer <publish_token>`` (refused when no token is configured);
 the generic ping is harmless (the hub fetches the topic itself). Topics are limited by ``allowed_topic``
-(by default, with ``topics_under``, rsagg's own URLs: a hub relaying anything is an open relay).
+(the daemon's, ``channel_topics``: rsagg's own notification channels only; a hub relaying anything is
+an open relay, and one fetching any URL under rsagg's base URL hands ``/metrics`` to anyone). A topic
+fetch is the one request rsagg makes to its own URLs (``outbound.OWN_TOPICS``); a callback there is
+refused.
 Verification GETs and deliveries go wherever a subscriber points, so every request obeys the outbound
 address policy (``policy``, outbound.py: no loopback, private, link-local... addresses, checked on the
 address connected to), and a callback naming such an address literally is refused at once (403).
