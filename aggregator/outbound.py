@@ -282,7 +282,9 @@ class AddressPolicy:
         except ValueError:
             return False
         for base in self.own_urls:
-            if origin(base) != o:
+            b = origin(base)
+            # Same host; the same port, or the other default one (http://BASE reaches the proxy too).
+            if b is None or b[0] != o[0] or (b[1] != o[1] and {b[1], o[1]} != {80, 443}):
                 continue
             root = _own_path(urlsplit(base).path).rstrip("/")
             if not root or path == root or path.startswith(root + "/"):

@@ -547,6 +547,18 @@ def _calls(tree: ast.AST) -> set[tuple[str, str]]:
     return found & _CONSTRUCTORS
 
 
+def test_own_urls_however_spelt() -> None:
+    """``own_url``: at or below the base URL, by path segment, whatever the spelling or default port."""
+    policy = outbound.AddressPolicy(own_urls=("https://agg.example.org/rs",))
+    for url in ("https://agg.example.org/rs", "https://agg.example.org/rs/metrics", "http://agg.example.org/rs/x",
+                "https://AGG.example.org./rs/status.json", "https://agg.example.org:443/a/../rs/x",
+                "https://agg.example.org/%72s/metrics", "https://agg.example.org//rs/x"):  # fmt: skip
+        assert policy.own_url(url), url
+    for url in ("https://agg.example.org/rsx", "https://agg.example.org/other/rs", "https://agg.example.org:8443/rs",
+                "https://other.example.org/rs", "ftp://agg.example.org/rs"):  # fmt: skip
+        assert not policy.own_url(url), url
+
+
 def test_no_module_builds_its_own_client() -> None:
     """Every outbound connection goes through ``outbound.py``: no other module builds an HTTP client,
     a connection pool or a socket connection (a new one must be policed, or listed here with why)."""
