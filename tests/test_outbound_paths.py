@@ -37,7 +37,7 @@ from aggregator.store.rows import NotifySubscription
 from aggregator.store.state import open_state
 
 from .harvesting import harvest, held
-from .test_outbound import Internal, _NoStore, _port
+from .test_outbound import Internal, _NoStore, _port, hub_server, internal
 
 ROOT = Path(__file__).resolve().parent.parent / "aggregator"
 
@@ -396,6 +396,40 @@ async def test_a_name_moving_out_and_back_is_checked_on_every_connection(
                     current_source.reset(token)
             await parts.harvest.fetcher.aclose()
     assert {a for a, _ in Spy.connects} == {"127.0.0.1"}
+
+
+async def test_a_callback_verified_outside_then_re_pointed_inside_gets_no_delivery(
+    tmp_path: Path, names: Names
+) -> None:
+    """Hub deliveries: a callback name verified on an allowed address (127.0.0.2, opened by the
+    allow-list) then re-pointed at an internal one (127.0.0.1): the delivery POST is refused and counted,
+    the internal service on the same port sees nothing."""
+
+    refused: list[str] = []
+    outside = Internal()
+    async with internal() as (svc, ibase), serving(outside, host="127.0.0.2", port=_port(ibase)):
+        port = _port(ibase)
+        names.table["cb.test"] = ["127.0.0.2"]
+        policy = outbound.AddressPolicy(
+            allow=outbound.parse_networks(["127.0.0.2/32"]), on_refused=refused.append
+        )
+        async with hub_server(tmp_path, policy) as (hub, base), httpx.AsyncClient() as client:
+            topic = f"{base}/t"
+            form = {"hub.mode": "subscribe", "hub.topic": topic, "hub.callback": f"http://cb.test:{port}/cb"}
+            assert (await client.post(f"{base}/hub", data=form)).status_code == 202
+            with trio.fail_after(30):
+                while not await trio.to_thread.run_sync(hub.subscriptions):
+                    await trio.sleep(0.02)
+            names.table["cb.test"] = ["127.0.0.1"]  # the callback's name moves inside
+            await hub._http().aclose()  # hub clients pool: a new connection resolves the name again
+            hub._client = hub._owned = None
+            assert await hub.publish(topic, b"<urlset/>", "application/xml") == 1
+            with trio.fail_after(30):
+                while "loopback" not in refused:
+                    await trio.sleep(0.02)
+    assert len(outside.hits) == 1 and "hub.challenge=" in outside.hits[0]  # the verification only
+    assert svc.hits == []
+    assert ("127.0.0.1", port) not in Spy.connects
 
 
 # -- rsagg's own URLs --------------------------------------------------------------------------
