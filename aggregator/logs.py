@@ -16,7 +16,10 @@ import re
 import sys
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Config
 
 #: Libraries whose DEBUG (or INFO) output holds request headers or whole requests: kept at WARNING.
 #: httpx logs every request at INFO (too chatty for a harvester fetching millions of resources).
@@ -79,6 +82,12 @@ def secret_settings(table: Mapping[str, Any]) -> list[str]:
         elif isinstance(value, str) and _SECRET_KEY.search(str(key)):
             out.append(value)
     return out
+
+
+def config_secrets(config: Config) -> list[str]:
+    """The secret values a configuration holds itself (not the ``env:``/``file:`` references, read
+    where they are used): secret-looking keys of ``[store.settings]`` and of the plugin tables."""
+    return secret_settings(config.store.settings) + secret_settings(config.plugins)
 
 
 def redact(text: str) -> str:

@@ -150,3 +150,26 @@ def test_redact_keeps_ordinary_lines() -> None:
     for line in ("source=up synced 10 resources", "hub: subscribe for http://cb.example/x -> subscribed",
                  "a payload POST needs Authorization: Bearer <token>"[:26]):  # fmt: skip
         assert logs.redact(line) == line
+
+
+def test_secret_values_of_the_configuration_are_scrubbed() -> None:
+    """``[store.settings]`` keys that look secret (the S3 plugin's ``secret_key``, ``access_key``) are
+    registered by the composition and the serving workers (``config_secrets``): scrubbed wherever
+    they appear, whatever logged them; ordinary settings are not."""
+    from aggregator.config import parse_config
+
+    config = parse_config(
+        {
+            "store": {
+                "settings": {
+                    "secret_key": "Zq8-not-an-aws-shape",
+                    "access_key": "plainid42",
+                    "bucket": "rsagg",
+                }
+            }
+        }
+    )
+    assert sorted(logs.config_secrets(config)) == ["Zq8-not-an-aws-shape", "plainid42"]
+    logs.add_secrets(logs.config_secrets(config))
+    out = logs.redact("boto said key=plainid42 secret Zq8-not-an-aws-shape for bucket rsagg")
+    assert "plainid42" not in out and "Zq8-not-an-aws-shape" not in out and "bucket rsagg" in out
