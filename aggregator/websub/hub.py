@@ -487,7 +487,7 @@ class Hub:
             if not self.allowed_topic(t):
                 if self.policy is not None and self.policy.own_url(t):  # e.g. BASE/metrics: never fetched
                     host, port = outbound.origin(t) or ("", 0)
-                    self.policy.refused(host, port, t, "self", ", not one of rsagg's own topics")
+                    self.policy.refused(host, port, "", "self", f" ({t} is not one of rsagg's own topics)")
                 raise _Refusal(403, f"topic {t} is not published through this hub")
         fetched = [await self._fetch_topic(t) for t in topics]
         queued = 0
