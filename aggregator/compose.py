@@ -37,6 +37,7 @@ from .harvest.fetch import Fetcher
 from .harvest.notices import NotifiedHarvest
 from .harvest.offload import Offload
 from .harvest.source import FollowedSources
+from .logs import add_secrets, config_secrets
 from .metrics import Metrics, current_source
 from .plugins import Plugins
 from .store.blobs import BlobStore
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
 async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
     """Open the store, the state (reader + writer handles) and the one HTTP client for a run."""
     hc = config.harvest
+    # Secret values of the backend's and the plugins' settings (S3 keys...) never reach a log line.
+    add_secrets(config_secrets(config))
     access = Access(config)  # reads the sources' secrets: a missing one stops here (a ConfigError)
     prepare_store(config)  # the store folder exists and is writable (a ConfigError otherwise)
     plugins = Plugins.from_config(config)

@@ -154,7 +154,8 @@ def _source_names(value: Any) -> tuple[str, ...]:
 
 
 def _networks(value: Any) -> tuple[str, ...] | None:
-    """``outbound.allow``: networks exactly as named (host bits set are an error), kept as strings."""
+    """``outbound.allow``, ``sources.addresses``: networks exactly as named (host bits set are an error),
+    kept as strings."""
     if value is None:
         return None
     if not isinstance(value, list | tuple) or not all(isinstance(a, str) for a in value):
@@ -282,6 +283,12 @@ class SourceConfig:
     #: Credentials sent to the source's own origin only, read from files or the environment
     #: (``AUTH_KEYS``): checked for shape here, read by ``harvest/access.py`` when a harvest starts.
     auth: Table = field(default_factory=dict)
+    #: Networks (CIDR; a bare address is one host) this source's own origin, the host and port of ``url``,
+    #: may be reached at although the outbound policy refuses them: how an intranet source configured by
+    #: host name is trusted, e.g. ["10.0.0.5/32"]. Checked on the address of every connection to that
+    #: origin made for this source only; a name that moves elsewhere is refused (docs/security.md). A
+    #: literal address in ``url`` (or ``localhost``) is trusted without it.
+    addresses: Annotated[tuple[str, ...], BeforeValidator(_networks)] = ()
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -233,7 +233,7 @@ class _Daemon:
         outbound.update_policy(self.ctx.fetcher.policy, new)  # new sources' origins, a changed allow-list
         notes = self.parts.notifications
         if notes is not None and notes.hub is not None:
-            outbound.update_policy(notes.hub.policy, new, trust_sources=False)
+            outbound.update_policy(notes.hub.policy, new, hub=True)
         if self.harvest:
             self._apply_sources(new)
         log.info("reloaded %s: %d source(s) harvested", new.file, len(self.tasks))

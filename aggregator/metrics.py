@@ -94,7 +94,7 @@ ERROR_KINDS = (
     "fixity", "parse", "http", "timeout", "network", "size", "patch", "dump", "plugin", "sync", "refused",
 )  # fmt: skip
 #: The rules of ``outbound.REASONS`` (not imported: metrics imports no network code).
-OUTBOUND_REASONS = ("loopback", "private", "link-local", "unspecified", "multicast", "reserved")
+OUTBOUND_REASONS = ("loopback", "private", "link-local", "unspecified", "multicast", "reserved", "self")
 #: ``serverguard.REASONS``: why the server cut a client off.
 SERVER_REASONS = ("connections", "head_size", "head_time", "body_size", "body_time", "slow_reader")
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

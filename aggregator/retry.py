@@ -25,6 +25,8 @@ from datetime import UTC, datetime
 import httpx
 import trio
 
+from .outbound import refusal_of
+
 #: Statuses worth another try: the server is busy or a gateway failed (RFC 9110 §15.5.9, §15.6, RFC 6585).
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -52,6 +54,8 @@ def transient_error(exc: BaseException) -> bool:
     """A transport failure that may heal by itself: timeouts and network errors, but not a URL or
     protocol the client cannot use (the same request would fail the same way)."""
     if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL | httpx.LocalProtocolError):
+        return False
+    if refusal_of(exc) is not None:  # the outbound policy refuses the same address on every try
         return False
     return isinstance(exc, httpx.TransportError | trio.TooSlowError)
 

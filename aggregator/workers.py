@@ -283,6 +283,7 @@ def _die_with_parent() -> None:
 async def serve_worker(config_path: Path, host: str, port: int, daemon_url: str) -> None:
     from .config import load_config
     from .harvest.context import open_blob_store
+    from .logs import add_secrets, config_secrets
     from .metrics import Metrics
     from .plugins import Plugins
     from .publish.app import create_app
@@ -291,6 +292,7 @@ async def serve_worker(config_path: Path, host: str, port: int, daemon_url: str)
     from .store.state import state_path
 
     config = load_config(config_path)
+    add_secrets(config_secrets(config))  # never in this process's log lines either (logs.py)
     plugins = Plugins.from_config(config)
     blobs = open_blob_store(config, plugins)
     # the one Metrics of this process (in multiprocess mode two would write the same series of one file);

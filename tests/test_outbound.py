@@ -158,8 +158,8 @@ def test_config_defaults_and_errors(tmp_path: Path) -> None:
             "sources": [{"name": "a", "url": "http://10.0.0.5:81/x"}],
         }
     )
-    assert ("10.0.0.5", 81) in outbound.policy_for(cfg).trusted
-    assert ("10.0.0.5", 81) not in outbound.policy_for(cfg, trust_sources=False).trusted
+    assert outbound.policy_for(cfg).pins[("10.0.0.5", 81)] == {"a": parse_networks(["10.0.0.5/32"])}
+    assert ("10.0.0.5", 81) not in outbound.policy_for(cfg, hub=True).pins
 
 
 # -- the fetcher ---------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ async def test_fetcher_refuses_names_literals_and_redirects_to_refused_addresses
 
         async with serving(Starlette(routes=[Route("/go", redirect)])) as origin_base:
             policy = AddressPolicy(
-                trusted=frozenset({outbound.origin(origin_base)}),  # type: ignore[arg-type]
+                pins={outbound.origin(origin_base): {"": outbound.LOOPBACK}},  # type: ignore[dict-item]
                 resolver=resolver({"internal.test": ["127.0.0.1"], "mixed.test": ["127.0.0.1", "10.0.0.9"]}),
                 on_refused=lambda rule: refused.update([rule]),
             )

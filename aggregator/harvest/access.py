@@ -26,6 +26,7 @@ import trio
 
 from .. import PROJECT_URL, __version__
 from ..config import Config, ConfigError, SourceConfig
+from ..logs import add_secrets
 from ..metrics import current_source
 
 DEFAULT_USER_AGENT = f"rsagg/{__version__} (+{PROJECT_URL})"
@@ -71,6 +72,7 @@ def resolve_headers(config: Config, index: int, src: SourceConfig) -> dict[str, 
         ref = auth.get(f"basic_password_{how}")
         if ref:
             password = _read_secret(config, f"{prefix}.basic_password_{how}", ref, how)
+            add_secrets([password])
             pair = f"{auth['basic_username']}:{password}".encode()
             out["Authorization"] = "Basic " + base64.b64encode(pair).decode("ascii")
     for name, ref in auth.get("headers", {}).items():
@@ -79,6 +81,8 @@ def resolve_headers(config: Config, index: int, src: SourceConfig) -> dict[str, 
         if any(ord(c) < 32 for c in value):
             raise ConfigError(config.file, f"{prefix}.headers.{name}", "the value holds control characters")
         out[name] = value
+    # Never in a log line, whoever logs it (logs.py): the header values, the password, the token alone.
+    add_secrets([*out.values(), *(v.split(" ", 1)[-1] for v in out.values())])
     return out
 
 

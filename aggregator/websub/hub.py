@@ -30,7 +30,10 @@ oldest are dropped, §7 "self-imposed limits"), pending verifications (503 when 
 Security (docs/security.md): a payload POST makes the hub sign and send whatever it is given to every
 subscriber, so it needs ``Authorization: Bearer <publish_token>`` (refused when no token is configured);
 the generic ping is harmless (the hub fetches the topic itself). Topics are limited by ``allowed_topic``
-(by default, with ``topics_under``, rsagg's own URLs: a hub relaying anything is an open relay).
+(the daemon's, ``channel_topics``: rsagg's own notification channels only; a hub relaying anything is
+an open relay, and one fetching any URL under rsagg's base URL hands ``/metrics`` to anyone). A topic
+fetch is the one request rsagg makes to its own URLs (``outbound.OWN_TOPICS``); a callback there is
+refused.
 Verification GETs and deliveries go wherever a subscriber points, so every request obeys the outbound
 address policy (``policy``, outbound.py: no loopback, private, link-local... addresses, checked on the
 address connected to), and a callback naming such an address literally is refused at once (403).
@@ -130,6 +133,30 @@ def topics_under(base_url: str) -> TopicPolicy:
         if any(seg in (".", "..") for seg in path.split("/")):
             return False
         return path == root or path.startswith(root + "/")
+
+    return allowed
+
+
+def channel_topics(base_url: str, files: Sequence[str]) -> TopicPolicy:
+    """A topic policy: the notification channels of ``base_url``, ``BASE/<set>/<file>`` for one of
+    ``files`` (rsagg's own topics), and nothing else under it. Why not every URL under ``base_url``: a
+    generic ping makes the hub GET the topic and POST it to every subscriber, so ``BASE/metrics`` or
+    ``BASE/status.json`` as a topic would hand them to anyone, around the operator's access control."""
+    under = topics_under(base_url)
+    root = urlsplit(base_url.rstrip("/")).path
+    names = frozenset(files)
+
+    def allowed(topic: str) -> bool:
+        if not under(topic):
+            return False
+        try:
+            t = urlsplit(topic)
+        except ValueError:
+            return False
+        if t.query or t.fragment or "%" in t.path:
+            return False
+        rest = t.path[len(root) :].split("/")
+        return len(rest) == 3 and rest[0] == "" and bool(rest[1]) and rest[2] in names
 
     return allowed
 
@@ -368,9 +395,8 @@ class Hub:
         if self.policy is not None and rule is not None:
             host, port = outbound.origin(callback) or ("", 0)
             self.policy.refused(host, port, host, rule)  # logged and counted like a refused connection
-            raise _Refusal(
-                403, f"hub.callback {callback} is refused: its address is {rule} (outbound policy)"
-            )
+            what = "it is rsagg's own URL" if rule == "self" else f"its address is {rule}"
+            raise _Refusal(403, f"hub.callback {callback} is refused: {what} (outbound policy)")
         self._check_rate(callback)
         secret = _one(form, "hub.secret") or None  # an empty secret signs nothing: treated as none
         if secret is not None and len(secret.encode("utf-8")) >= MAX_SECRET_BYTES:
@@ -459,6 +485,9 @@ class Hub:
         for t in topics:
             _url(t, "hub.topic")
             if not self.allowed_topic(t):
+                if self.policy is not None and self.policy.own_url(t):  # e.g. BASE/metrics: never fetched
+                    host, port = outbound.origin(t) or ("", 0)
+                    self.policy.refused(host, port, "", "self", f" ({t} is not one of rsagg's own topics)")
                 raise _Refusal(403, f"topic {t} is not published through this hub")
         fetched = [await self._fetch_topic(t) for t in topics]
         queued = 0
@@ -474,7 +503,8 @@ class Hub:
         if waiting.cancelled_caught:
             raise _Refusal(503, "the hub is busy fetching topics; try again", {"Retry-After": "5"})
         try:
-            with trio.fail_after(lim.request_timeout):
+            # One of rsagg's own topics (``allowed_topic`` checked it): the only request to its own URLs.
+            with trio.fail_after(lim.request_timeout), outbound.acting_for(outbound.OWN_TOPICS):
                 headers = {"Accept-Encoding": "identity"}
                 async with self._http().stream("GET", topic, headers=headers, follow_redirects=False) as r:
                     if r.status_code != 200:
@@ -785,4 +815,4 @@ def _with_query(url: str, params: list[tuple[str, str]]) -> str:
     return base + sep + urlencode(params)
 
 
-__all__ = ["FORM", "Hub", "HubLimits", "MetricsHook", "signature", "topics_under"]
+__all__ = ["FORM", "Hub", "HubLimits", "MetricsHook", "channel_topics", "signature", "topics_under"]

@@ -64,6 +64,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from .. import outbound
 from ..config import Config
 from ..plugins import Plugins
 from ..publish.documents import Site, UriOf, Windows, capability_list, change_entry, no_dumps
@@ -346,7 +347,8 @@ class Notifier:
         for attempt in range(PING_ATTEMPTS):
             wait: float | None = None
             try:
-                r = await self.client.post(self.hub_url, data={"hub.mode": "publish", "hub.topic": topic})
+                with outbound.acting_for(outbound.NOTIFIER):  # the configured external hub, as configured
+                    r = await self.client.post(self.hub_url, data={"hub.mode": "publish", "hub.topic": topic})
                 if 200 <= r.status_code < 300:
                     return True
                 error = f"status {r.status_code}: {r.text[:200]!r}"

@@ -133,8 +133,8 @@ def prepare_notifications(
     nc = config.notifications
     if not nc.enabled:
         return None
-    from .hub import Hub, topics_under
-    from .notifier import Notifier
+    from .hub import Hub, channel_topics
+    from .notifier import TOPICS, Notifier
     from .subscriber import Subscriber
 
     base = config.server.base_url
@@ -155,10 +155,10 @@ def prepare_notifications(
         hub = Hub(
             open_state(config, cache_mib=SMALL_CACHE_MIB),
             # Anyone names the callbacks: source origins are not trusted here (outbound.py).
-            policy=outbound.policy_for(config, trust_sources=False, on_refused=refused),
+            policy=outbound.policy_for(config, hub=True, on_refused=refused),
             hub_url=hub_url,
             path=nc.hub_path,
-            allowed_topic=topics_under(base),
+            allowed_topic=channel_topics(base, list(TOPICS.values())),  # rsagg's own topics only
             limits=hub_limits,
             metrics=count,
         )

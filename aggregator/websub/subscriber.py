@@ -84,6 +84,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from .. import outbound
 from ..cluster import followed_by_live, follows
 from ..config import Config, SourceConfig
 from ..retry import backoff, retry_after
@@ -392,7 +393,9 @@ class Subscriber:
         error = ""
         wait: float | None = None
         try:
-            with trio.fail_after(self.settings.request_timeout):
+            # For this source: a hub on its own origin is trusted as the source is, nothing else is
+            # (a hostile source naming another source's origin as its hub gets no form posted there).
+            with trio.fail_after(self.settings.request_timeout), outbound.acting_for(sub.source):
                 r = await self.client.post(sub.hub, data=form)
             if 200 <= r.status_code < 300:
                 self.counters[f"{mode}.requested"] += 1
