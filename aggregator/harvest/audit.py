@@ -28,6 +28,7 @@ from ..rs.model import (
     Md,
 )
 from ..store.state import Cursor, Resource
+from .access import for_source
 from .baseline import dump_packages, with_archived_snapshots
 from .context import HarvestContext
 from .deviations import Deviations, collecting, current, skip
@@ -93,6 +94,7 @@ def _raise(url: str, reason: str) -> None:
     raise SyncError(f"{url}: {reason}")
 
 
+@for_source
 async def expected_entries(
     ctx: HarvestContext, info: SetInfo, source: str, on_unread: Callable[[str, str], None] = _raise
 ) -> AsyncGenerator[Entry, None]:
@@ -146,6 +148,7 @@ async def expected_entries(
             on_unread(url, str(exc))
 
 
+@for_source
 async def still_listed(ctx: HarvestContext, info: SetInfo, source: str, uris: set[str]) -> set[str]:
     """Which of ``uris`` the set still lists upstream (not as deleted). Streams the lists; holds only
     ``uris``; raises SyncError or FetchError when a list cannot be read (then nothing can be told)."""
@@ -158,6 +161,7 @@ async def still_listed(ctx: HarvestContext, info: SetInfo, source: str, uris: se
     return listed
 
 
+@for_source
 async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator[Difference, None]:
     """Yield every difference between the store and the upstream, set by set.
 

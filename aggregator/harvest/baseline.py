@@ -28,6 +28,7 @@ from ..rs.model import (
     Entry,
 )
 from ..store.state import Cursor
+from .access import for_source
 from .context import HarvestContext
 from .deviations import skip
 from .discovery import Capability, SetInfo
@@ -132,6 +133,7 @@ async def _dump_items(
                 yield Work(entry, CREATED, None, generation, blob=item.blob, info=item.info)
 
 
+@for_source
 async def run_baseline(
     ctx: HarvestContext,
     info: SetInfo,

@@ -52,6 +52,7 @@ from ..rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
 from ..rs.w3cdt import utcnow
 from ..store.blobs import BlobInfo
 from ..store.state import Cursor
+from .access import for_source
 from .context import HarvestContext
 from .fetch import FetchError
 from .oaipage import OaiError, Page, Record, StoredRecord, parse_page, peek_token, store_page
@@ -209,6 +210,7 @@ class OaiHarvest:
         self.skipped += len(page.problems)
         return page
 
+    @for_source
     async def identify(self) -> None:
         url = request_url(self.src.url, verb="Identify")
         page = await self._get(url)
@@ -332,6 +334,7 @@ class OaiHarvest:
                     return
                 token = guess
 
+    @for_source
     async def records(self) -> AsyncGenerator[Record, None]:
         """Every record of a full walk, in list order (``rsagg audit``); nothing is stored."""
         await self.identify()
@@ -347,6 +350,7 @@ class OaiHarvest:
             if not token:
                 return
 
+    @for_source
     async def run(self) -> PipelineStats:
         ctx, src = self.ctx, self.src
         await self.identify()
@@ -477,6 +481,7 @@ class OaiHarvest:
         return Work(Entry(identifier, stamp, None, md, links), change, None, generation, None, info)
 
 
+@for_source
 async def sync_oaipmh(
     ctx: HarvestContext, src: SourceConfig, progress: Progress | None = None
 ) -> PipelineStats:
