@@ -51,9 +51,11 @@ from ..config import SourceConfig
 from ..rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
 from ..rs.w3cdt import utcnow
 from ..store.blobs import BlobInfo
+from ..store.interface import EmptySnapshot
 from ..store.state import Cursor
 from .access import for_source
 from .context import HarvestContext
+from .deviations import skip
 from .fetch import FetchError
 from .oaipage import OaiError, Page, Record, StoredRecord, parse_page, peek_token, store_page
 from .offload import OffloadError
@@ -453,7 +455,12 @@ class OaiHarvest:
         done = Cursor(new_from if full else baseline_at, None, new_from, 0, 0, None)
         if full:
             assert generation is not None
-            swept = await ctx.write(ctx.writer.finish_baseline, self.set_id, generation, done)
+            try:
+                swept = await ctx.write(ctx.writer.finish_baseline, self.set_id, generation, done)
+            except EmptySnapshot as exc:  # a walk that listed nothing never deletes everything held
+                log.warning("source=%s OAI-PMH walk not finished: %s", src.name, exc)
+                skip(src.url, f"the full walk listed no record: {exc}")
+                return stats
             ctx.metrics.committed(src.name, swept, ())
             for ch in swept:
                 stats.applied[ch.change] = stats.applied.get(ch.change, 0) + 1
