@@ -231,11 +231,12 @@ class FollowedSources(Protocol):
     async def run_source(self, src: SourceConfig) -> None: ...
 
 
-@for_source
 async def poll_source(ctx: HarvestContext, src: SourceConfig, follow: FollowedSources | None = None) -> None:
     """The daemon's per-source task: sync, sleep the interval with jitter, forever (until cancelled).
 
     A source ``follow`` follows is run by it instead: the same syncs, plus notifications in between.
+    Not wrapped in ``for_source``: the syncs act for the source themselves, and the subscriber's own
+    requests (to a hub) are made for no source (outbound.py ``AddressPolicy.current_source``).
     """
     if follow is not None and follow.follows(src):
         await follow.run_source(src)
