@@ -17,8 +17,6 @@ import pytest
 
 from aggregator.config import Config
 from aggregator.rs.model import DELETED
-from aggregator.store.interface import EmptySnapshot
-from aggregator.store.state import Cursor, State
 from tests.harvesting import audit, changelog, harvest, held, make_config
 from tests.httpserver import serve_app
 from tests.test_interop import Site, doc, ln, md5, package, sha256, status_of, url
@@ -165,26 +163,3 @@ async def test_an_empty_or_failed_snapshot_deletes_nothing(tmp_path: Path, shape
         else:
             list_only(site, {"a": b"alpha"}, at=AT[2])
         await poll_ok(cfg, site, {"a": b"alpha"})
-
-
-def test_the_state_refuses_to_sweep_a_set_with_a_baseline_that_saw_nothing(tmp_path: Path) -> None:
-    """The last line of defence, whoever calls it: ``finish_baseline`` of a generation that saw no
-    resource, while the set holds some, raises and changes nothing (the baseline stays open)."""
-    from aggregator.store.rows import Change
-
-    with State(tmp_path / "state.db") as st:
-        st.upsert_source("s", "http://s/")
-        set_id = st.ensure_set("s", "http://s/cl.xml")
-        gen = st.begin_baseline(set_id)
-        st.apply(
-            set_id, [Change(f"http://s/{i}", "created", sha256=f"{i:064x}", generation=gen) for i in range(3)]
-        )
-        st.finish_baseline(set_id, gen, Cursor())
-        empty = st.begin_baseline(set_id)
-        with pytest.raises(EmptySnapshot):
-            st.finish_baseline(set_id, empty, Cursor(list_index=7))
-        assert len(list(st.iter_resources())) == 3
-        assert st.cursor(set_id).list_index == 0
-        # A baseline that saw one of them sweeps the others, as always.
-        st.apply(set_id, [Change("http://s/1", "created", sha256=f"{1:064x}", generation=empty)])
-        assert {c.uri for c in st.finish_baseline(set_id, empty, Cursor())} == {"http://s/0", "http://s/2"}
