@@ -51,19 +51,23 @@ def acting_for(source: str) -> Iterator[None]:
         current_source.reset(token)
 
 
-def _source_of(sig: inspect.Signature, args: tuple, kwargs: dict) -> str:
-    """The source a call works for: its ``src`` (a SourceConfig) or ``source`` (a name) argument, else
-    its object's ``source`` or ``src``."""
-    given = sig.bind_partial(*args, **kwargs).arguments
-    if "src" in given:
-        return given["src"].name
-    if "source" in given:
-        return given["source"]
-    owner = given.get("self")
-    name = getattr(owner, "source", None)
-    if isinstance(name, str):
-        return name
-    return owner.src.name  # type: ignore[union-attr]
+def _source_getter(fn: Callable[..., Any]) -> Callable[[tuple, dict], str]:
+    """How a call of ``fn`` names the source it works for: its ``src`` (a SourceConfig) or ``source`` (a
+    name) argument, else its object's (``self``) ``source`` or ``src``. Decided once per function: the
+    call itself only indexes its arguments."""
+    names = list(inspect.signature(fn).parameters)
+    for param, of in (("src", lambda v: v.name), ("source", lambda v: v)):
+        if param in names:
+            at = names.index(param)
+            return lambda args, kwargs: of(kwargs[param] if param in kwargs else args[at])
+    if names and names[0] == "self":
+
+        def of_self(args: tuple, kwargs: dict) -> str:
+            name = getattr(args[0], "source", None)
+            return name if isinstance(name, str) else args[0].src.name
+
+        return of_self
+    raise TypeError(f"{fn.__qualname__}: names no source (src, source, self.source or self.src)")
 
 
 def for_source(fn: F) -> F:
@@ -73,21 +77,24 @@ def for_source(fn: F) -> F:
     set in its caller after it returns, and in an async generator it changes the context of whoever
     iterates it. Here the source is set around each step of the work only (an async generator's body
     runs with it, its consumer between two items does not), and nested entry points for the same source
-    compose."""
-    sig = inspect.signature(fn)
+    compose. Cost: about a microsecond per item or call (benchmarks/bench_for_source.py)."""
+    source_of = _source_getter(fn)
     if inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
         async def steps(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
-            name = _source_of(sig, args, kwargs)
+            name = source_of(args, kwargs)
             inner = fn(*args, **kwargs)
+            step = inner.__anext__
             try:
                 while True:
-                    with acting_for(name):
-                        try:
-                            item = await inner.__anext__()
-                        except StopAsyncIteration:
-                            return
+                    token = current_source.set(name)
+                    try:
+                        item = await step()
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        current_source.reset(token)
                     yield item
             finally:
                 with acting_for(name):
@@ -98,8 +105,11 @@ def for_source(fn: F) -> F:
 
         @functools.wraps(fn)
         async def call(*args: Any, **kwargs: Any) -> Any:
-            with acting_for(_source_of(sig, args, kwargs)):
+            token = current_source.set(source_of(args, kwargs))
+            try:
                 return await fn(*args, **kwargs)
+            finally:
+                current_source.reset(token)
 
         wrapper = call
     else:

@@ -499,9 +499,10 @@ async def read_manifest(
     audit`` of a dump whose packages have no ``rel="contents"`` link, which §11.1 makes optional)."""
     limits = limits or DumpLimits()
     pkg = await trio.to_thread.run_sync(_open, Path(path), url, limits)
-    stream = _ManifestStream(pkg, count=False)
+    stream: _ManifestStream | None = None
     head: Head | None = None
     try:
+        stream = _ManifestStream(pkg, count=False)
         while not stream.done:
             for item in await stream.step():
                 if isinstance(item, Head):
@@ -512,7 +513,8 @@ async def read_manifest(
                 else:
                     yield head, item
     finally:
-        stream.close()
+        if stream is not None:
+            stream.close()
         pkg.zf.close()
 
 
