@@ -163,3 +163,29 @@ async def test_an_empty_or_failed_snapshot_deletes_nothing(tmp_path: Path, shape
         else:
             list_only(site, {"a": b"alpha"}, at=AT[2])
         await poll_ok(cfg, site, {"a": b"alpha"})
+
+
+async def test_a_full_oai_pmh_walk_that_lists_nothing_deletes_nothing(tmp_path: Path) -> None:
+    """The same rule for an OAI-PMH source's full walk (its baseline): a repository that suddenly lists
+    no record (``noRecordsMatch``) while records are held deletes nothing and is not "ok"; once it lists
+    records again, the walk sweeps what it no longer has."""
+    from tests.oaiserver import OaiApp, Repository
+    from tests.test_oaipmh import oai_config
+
+    repo = Repository(deleted_record="no")
+    repo.bulk_add(0, 6)
+    async with serve_app(OaiApp(repo, page_size=4)) as base:
+        cfg = oai_config(tmp_path, f"{base}/oai", full_harvest_interval=0.001)  # every walk is full
+        assert (await harvest(cfg))["oai"].ok and len(held(cfg)) == 6
+        kept = held(cfg)
+        hidden = dict(repo.items)
+        repo.items.clear()
+        repo._order = None
+        result = (await harvest(cfg))["oai"]
+        assert not result.ok and "listed no record" in (result.error or ""), result.error
+        assert held(cfg) == kept
+        assert status_of(cfg, "oai")["state"] == "degraded"
+        repo.items.update({k: v for k, v in hidden.items() if k != repo.ident(2)})
+        repo._order = None
+        assert (await harvest(cfg))["oai"].ok
+        assert set(held(cfg)) == set(repo.live())
