@@ -20,7 +20,7 @@ this module, the daemon and the commands sit above them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -53,12 +53,17 @@ if TYPE_CHECKING:
 
 
 @asynccontextmanager
-async def open_context(config: Config) -> AsyncIterator[HarvestContext]:
-    """Open the store, the state (reader + writer handles) and the one HTTP client for a run."""
+async def open_context(
+    config: Config, sources: Collection[str] | None = None
+) -> AsyncIterator[HarvestContext]:
+    """Open the store, the state (reader + writer handles) and the one HTTP client for a run.
+
+    ``sources``: the names of the sources the run works on (``--source``), whose secrets must be there
+    now; None: every configured source's (a daemon, which a reload may set to work on any of them)."""
     hc = config.harvest
     # Secret values of the backend's and the plugins' settings (S3 keys...) never reach a log line.
     add_secrets(config_secrets(config))
-    access = Access(config)  # reads the sources' secrets: a missing one stops here (a ConfigError)
+    access = Access(config, sources)  # reads those secrets: a missing one stops here (a ConfigError)
     prepare_store(config)  # the store folder exists and is writable (a ConfigError otherwise)
     plugins = Plugins.from_config(config)
     blobs = open_blob_store(config, plugins)

@@ -245,7 +245,9 @@ class HarvestConfig:
     backoff_max: NonNegFloat = 60.0  # seconds: the longest backoff
     max_document_bytes: NonNegInt = 256 * 1024 * 1024  # cap on one ResourceSync document, bytes
     max_resource_bytes: NonNegInt = 16 * 1024**3  # cap on one resource or dump package, bytes
-    use_dumps: Bool = True  # baseline from a Resource Dump when one is advertised
+    #: Baseline from a Resource Dump when one is advertised; false prefers the Resource List (a set that
+    #: offers only a Resource Dump is read from it either way).
+    use_dumps: Bool = True
     batch_size: AtLeastOne = 256  # changes committed per state transaction
     #: Worker processes for CPU-bound page work (OAI-PMH pages: parse, canonicalise, hash, store);
     #: 0 = in the daemon's own threads (``harvest/offload.py``). Read at start; a blob store backend whose

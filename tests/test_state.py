@@ -13,7 +13,7 @@ import pytest
 
 from aggregator.rs.model import Link
 from aggregator.store import state as state_mod
-from aggregator.store.interface import StateStore
+from aggregator.store.interface import EmptySnapshot, StateStore
 from aggregator.store.rows import DocumentRow
 from aggregator.store.state import MIGRATIONS, Change, Cursor, LogRecord, State, format_dt, parse_dt
 
@@ -333,9 +333,30 @@ def test_abandoned_baseline(st: State, set_id: int) -> None:
     assert [c.uri for c in swept] == ["seen-in-g1"]
 
 
+def test_a_baseline_that_saw_nothing_sweeps_nothing(st: State, set_id: int) -> None:
+    """The last line of defence, whoever calls it: ``finish_baseline`` of a generation that saw no
+    resource while the set holds some raises EmptySnapshot and changes nothing (the baseline stays
+    open); one that saw any of them sweeps the others, as always."""
+    gen = st.begin_baseline(set_id)
+    st.apply(set_id, [ch(u, "created", A, generation=gen) for u in ("a", "b", "c")])
+    st.finish_baseline(set_id, gen, Cursor())
+    empty = st.begin_baseline(set_id)
+    before = _snapshot(st, set_id)
+    with pytest.raises(EmptySnapshot):
+        st.finish_baseline(set_id, empty, Cursor(list_index=7))
+    assert _snapshot(st, set_id) == before
+    assert st.sets("src")[0].baseline_generation == empty
+    st.apply(set_id, [ch("b", "created", A, generation=empty)])
+    assert sorted(c.uri for c in st.finish_baseline(set_id, empty, Cursor())) == ["a", "c"]
+    # An empty set finishes an empty baseline (nothing to sweep).
+    other = st.ensure_set("src", "https://example.org/empty.xml")
+    st.finish_baseline(other, st.begin_baseline(other), Cursor())
+
+
 def test_finish_baseline_is_one_transaction(st: State, set_id: int, monkeypatch: pytest.MonkeyPatch) -> None:
     st.apply(set_id, [ch("vanished", "created", A)])
     gen = st.begin_baseline(set_id)
+    st.apply(set_id, [ch("seen", "created", B, generation=gen)])  # a baseline that saw something
     before = _snapshot(st, set_id)
     monkeypatch.setattr(st, "_put_cursor", lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
     with pytest.raises(RuntimeError):

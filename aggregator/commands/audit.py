@@ -30,7 +30,8 @@ async def _audit(
     shown: dict[str, list[Difference]] = {}
     counts: dict[str, int] = {}
     errors: dict[str, str] = {}
-    async with open_context(config) as ctx:
+    chosen = [s.name for s in config.sources if not names or s.name in names]
+    async with open_context(config, chosen) as ctx:  # only their secrets are needed
         for src in config.sources:
             if names and src.name not in names:
                 continue

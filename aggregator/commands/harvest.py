@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def harvest_once(config, names: list[str], *, progress_to: TextIO | None = None) -> list[SourceResult]:
     """Sync the sources once; ``progress_to``: a terminal to draw the baselines' progress line on."""
     results: list[SourceResult] = []
-    async with open_context(config) as ctx:
+    async with open_context(config, _selected(config, names)) as ctx:
         line = ProgressLine(progress_to or sys.stderr, ctx.progress, width=shutil.get_terminal_size().columns)
         with line.while_shown() if progress_to else contextlib.nullcontext():
             async with trio.open_nursery() as nursery:
@@ -49,8 +49,14 @@ async def harvest_once(config, names: list[str], *, progress_to: TextIO | None =
     return results
 
 
+def _selected(config, names: list[str]) -> list[str]:
+    """The sources a harvest runs: enabled, and named by ``--source`` when it is given (only their
+    secrets are needed)."""
+    return [s.name for s in config.sources if s.enabled and (not names or s.name in names)]
+
+
 async def _poll_forever(config, names: list[str]) -> None:
-    async with open_context(config) as ctx, trio.open_nursery() as nursery:
+    async with open_context(config, _selected(config, names)) as ctx, trio.open_nursery() as nursery:
         for src in config.sources:
             if src.enabled and (not names or src.name in names):
                 nursery.start_soon(poll_source, ctx, src)

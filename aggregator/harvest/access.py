@@ -1,8 +1,12 @@
 """Per-source access: credentials, the User-Agent and a request rate, applied to every request hop.
 
 Why a hook on the one Fetcher rather than a client per source: the per-host limits, retries and metrics
-stay in one place, and a request learns its source from ``metrics.current_source`` (set by each sync
-and carried into the Fetcher's download tasks).
+stay in one place, and a request learns its source from ``metrics.current_source``. Every entry point of
+harvest/ that works for a source (a sync, an audit, a retry, a check of what is still listed, a
+notification's changes...) is wrapped in ``for_source``, which sets it for exactly the work done inside
+(and the Fetcher carries it into its download tasks): whoever calls an entry point — the daemon, ``rsagg
+audit``, a subscriber — its requests carry that source's credentials, rate and address rules
+(tests/test_source_context.py holds every public entry point of harvest/ to that).
 
 Rules (secrets never leak):
 - secrets are read from a file or an environment variable that the config names (``[sources.auth]``),
@@ -17,9 +21,13 @@ Rules (secrets never leak):
 from __future__ import annotations
 
 import base64
+import functools
+import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import trio
@@ -30,6 +38,85 @@ from ..logs import add_secrets
 from ..metrics import current_source
 
 DEFAULT_USER_AGENT = f"rsagg/{__version__} (+{PROJECT_URL})"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextmanager
+def acting_for(source: str) -> Iterator[None]:
+    """The requests made inside are made for ``source`` (its credentials, rate, metrics label)."""
+    token = current_source.set(source)
+    try:
+        yield
+    finally:
+        current_source.reset(token)
+
+
+def _source_getter(fn: Callable[..., Any]) -> Callable[[tuple, dict], str]:
+    """How a call of ``fn`` names the source it works for: its ``src`` (a SourceConfig) or ``source`` (a
+    name) argument, else its object's (``self``) ``source`` or ``src``. Decided once per function: the
+    call itself only indexes its arguments."""
+    names = list(inspect.signature(fn).parameters)
+    for param, of in (("src", lambda v: v.name), ("source", lambda v: v)):
+        if param in names:
+            at = names.index(param)
+            return lambda args, kwargs: of(kwargs[param] if param in kwargs else args[at])
+    if names and names[0] == "self":
+
+        def of_self(args: tuple, kwargs: dict) -> str:
+            name = getattr(args[0], "source", None)
+            return name if isinstance(name, str) else args[0].src.name
+
+        return of_self
+    raise TypeError(f"{fn.__qualname__}: names no source (src, source, self.source or self.src)")
+
+
+def for_source(fn: F) -> F:
+    """Run the coroutine or async generator function ``fn`` as work for the source its arguments name.
+
+    Why a wrapper, not a ``current_source.set`` at the top of each: a bare ``set`` in a coroutine stays
+    set in its caller after it returns, and in an async generator it changes the context of whoever
+    iterates it. Here the source is set around each step of the work only (an async generator's body
+    runs with it, its consumer between two items does not), and nested entry points for the same source
+    compose. Cost: about a microsecond per item or call (benchmarks/bench_for_source.py)."""
+    source_of = _source_getter(fn)
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def steps(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+            name = source_of(args, kwargs)
+            inner = fn(*args, **kwargs)
+            step = inner.__anext__
+            try:
+                while True:
+                    token = current_source.set(name)
+                    try:
+                        item = await step()
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        current_source.reset(token)
+                    yield item
+            finally:
+                with acting_for(name):
+                    await inner.aclose()
+
+        wrapper: Any = steps
+    elif inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            token = current_source.set(source_of(args, kwargs))
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                current_source.reset(token)
+
+        wrapper = call
+    else:
+        raise TypeError(f"{fn.__qualname__}: for_source wraps coroutine or async generator functions")
+    wrapper.__for_source__ = True
+    return wrapper
 
 
 def user_agent(config: Config) -> str:
@@ -132,11 +219,15 @@ class Access:
     are read again at its next request, and an added or changed source gets its credentials and rate.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, sources: Collection[str] | None = None) -> None:
+        """Reads the secrets of ``sources`` (names; None: every source) now, so that a missing one stops
+        the start; a command working on some sources (``--source``) needs only theirs. Any other
+        source's are read at its first request."""
         self._config: Callable[[], Config] = lambda: config
         self._by_source: dict[str, tuple[Config, SourceAccess]] = {}
-        for src in config.sources:  # read every secret now: a missing one stops the start
-            self._access(config, src)
+        for src in config.sources:
+            if sources is None or src.name in sources:
+                self._access(config, src)
 
     def follow(self, config: Callable[[], Config]) -> None:
         self._config = config

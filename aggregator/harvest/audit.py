@@ -28,12 +28,14 @@ from ..rs.model import (
     Md,
 )
 from ..store.state import Cursor, Resource
+from .access import for_source
 from .baseline import dump_packages, with_archived_snapshots
 from .context import HarvestContext
 from .deviations import Deviations, collecting, current, skip
 from .discovery import SetInfo, discover
-from .fetch import FetchError
-from .lists import Snapshot, SyncError, change_entries, resolved, resource_list_entries
+from .dumps import DumpError, DumpLimits, read_manifest
+from .fetch import Expected, FetchError
+from .lists import Snapshot, SyncError, change_entries, resolve, resolved, resource_list_entries
 from .oaipmh import OaiHarvest, set_key
 
 
@@ -93,6 +95,7 @@ def _raise(url: str, reason: str) -> None:
     raise SyncError(f"{url}: {reason}")
 
 
+@for_source
 async def expected_entries(
     ctx: HarvestContext, info: SetInfo, source: str, on_unread: Callable[[str, str], None] = _raise
 ) -> AsyncGenerator[Entry, None]:
@@ -146,6 +149,7 @@ async def expected_entries(
             on_unread(url, str(exc))
 
 
+@for_source
 async def still_listed(ctx: HarvestContext, info: SetInfo, source: str, uris: set[str]) -> set[str]:
     """Which of ``uris`` the set still lists upstream (not as deleted). Streams the lists; holds only
     ``uris``; raises SyncError or FetchError when a list cannot be read (then nothing can be told)."""
@@ -158,6 +162,7 @@ async def still_listed(ctx: HarvestContext, info: SetInfo, source: str, uris: se
     return listed
 
 
+@for_source
 async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator[Difference, None]:
     """Yield every difference between the store and the upstream, set by set.
 
@@ -231,17 +236,45 @@ async def _oai_entries(ctx: HarvestContext, src: SourceConfig, set_url: str) -> 
 
 
 async def _dump_entries(ctx: HarvestContext, url: str) -> AsyncGenerator[Entry, None]:
-    """The resources of a Resource Dump (or its index) as its packages' manifests list them (§11.2),
-    read through each package's ``rel="contents"`` link; a package without one cannot be audited."""
+    """The resources of a Resource Dump (or its index) as its packages' manifests list them (§11.2):
+    read through each package's ``rel="contents"`` link, or, since §11.1 makes that link optional, out
+    of the package itself (downloaded, verified against the dump's hash/length for it, its manifest
+    read; nothing stored)."""
+    limits = DumpLimits(max_package_bytes=ctx.config.harvest.max_resource_bytes)
     for pkg in await dump_packages(ctx, url, Snapshot()):
         links = pkg.links_by_rel("contents")
         if not links:
-            raise SyncError(f'{pkg.loc}: package has no rel="contents" manifest link (§11.1): cannot audit')
+            async with aclosing(_packaged_manifest(ctx, pkg, limits)) as entries:
+                async for entry in entries:
+                    yield entry
+            continue
         async with ctx.fetcher.document(links[0].href) as doc:
             if doc.head is None or doc.head.capability != RESOURCEDUMP_MANIFEST:
                 raise SyncError(f"{links[0].href}: not a Resource Dump Manifest")
             async for entry in resolved(doc.entries, doc.url or links[0].href):
                 yield entry
+
+
+async def _packaged_manifest(
+    ctx: HarvestContext, pkg: Entry, limits: DumpLimits
+) -> AsyncGenerator[Entry, None]:
+    """The manifest inside a Resource Dump package, its ``loc``s resolved against the package's URL (as
+    the baseline reads them)."""
+    with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) as tmp:
+        path = Path(tmp) / "package.zip"
+        with path.open("wb") as f:
+            await ctx.fetcher.download(
+                pkg.loc, f, max_bytes=limits.max_package_bytes,
+                expected=Expected(pkg.hashes, pkg.md.length if pkg.md else None),
+            )  # fmt: skip
+        try:
+            async with aclosing(read_manifest(path, pkg.loc, limits=limits)) as entries:
+                async for head, entry in entries:
+                    if head.capability != RESOURCEDUMP_MANIFEST:
+                        raise SyncError(f"{pkg.loc}: its manifest is not a Resource Dump Manifest")
+                    yield resolve(entry, pkg.loc)
+        except DumpError as exc:
+            raise SyncError(str(exc)) from None
 
 
 def _check(

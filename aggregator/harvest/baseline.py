@@ -27,7 +27,9 @@ from ..rs.model import (
     RESOURCELIST_ARCHIVE,
     Entry,
 )
+from ..store.interface import EmptySnapshot
 from ..store.state import Cursor
+from .access import for_source
 from .context import HarvestContext
 from .deviations import skip
 from .discovery import Capability, SetInfo
@@ -95,18 +97,25 @@ async def with_archived_snapshots(ctx: HarvestContext, info: SetInfo) -> SetInfo
     return dataclasses.replace(info, capabilities=caps, lists=lists)
 
 
-async def dump_packages(ctx: HarvestContext, url: str, snap: Snapshot) -> list[Entry]:
+async def dump_packages(
+    ctx: HarvestContext, url: str, snap: Snapshot, validators: Validators | None = None
+) -> list[Entry]:
     """The packages of a Resource Dump, or of every part of a Resource Dump Index (§11.1), resolved
     against their documents' URLs. Bounded: §7 caps a document at 50,000 entries, an index at 50,000
-    parts; only the package entries are held, never their contents."""
-    async with ctx.fetcher.document(url) as doc:
+    parts; only the package entries are held, never their contents. With ``validators``, an unchanged
+    Resource Dump (304) raises NotModified before any package is named."""
+    async with ctx.fetcher.document(url, **(await validators.of(url) if validators else {})) as doc:
+        if doc.not_modified:
+            raise NotModified(url)
         head = doc.head
-        assert head is not None
-        if head.capability != RESOURCEDUMP:
-            raise SyncError(f"{url}: expected a Resource Dump, got capability {head.capability!r}")
+        if head is None or head.capability != RESOURCEDUMP:
+            got = head.capability if head else None
+            raise SyncError(f"{url}: expected a Resource Dump, got capability {got!r}")
         snap.at = head.md.at if head.md else None
         is_index, entries = await open_list(url, doc, RESOURCEDUMP)
         found = [e async for e in entries]
+        if validators and not is_index:  # as for a Resource List: an index is always read again
+            validators.read(url, doc.etag, doc.last_modified)
     if not is_index:
         return found
     packages: list[Entry] = []
@@ -119,10 +128,15 @@ async def dump_packages(ctx: HarvestContext, url: str, snap: Snapshot) -> list[E
 
 
 async def _dump_items(
-    ctx: HarvestContext, url: str, generation: int, snap: Snapshot, tmpdir: Path
+    ctx: HarvestContext,
+    url: str,
+    generation: int,
+    snap: Snapshot,
+    tmpdir: Path,
+    validators: Validators | None = None,
 ) -> AsyncGenerator[Work, None]:
     """Packages of a Resource Dump (§11.1), each verified against its manifest (§11.2) by dumps.py."""
-    packages = await dump_packages(ctx, url, snap)
+    packages = await dump_packages(ctx, url, snap, validators)
     limits = DumpLimits(max_package_bytes=ctx.config.harvest.max_resource_bytes)
     for pkg in packages:
         items = fetch_package(ctx.fetcher, pkg, ctx.blobs, tmpdir, limits=limits)
@@ -132,6 +146,7 @@ async def _dump_items(
                 yield Work(entry, CREATED, None, generation, blob=item.blob, info=item.info)
 
 
+@for_source
 async def run_baseline(
     ctx: HarvestContext,
     info: SetInfo,
@@ -146,13 +161,22 @@ async def run_baseline(
     """Synchronize one set from a snapshot; returns the pipeline's figures.
 
     With ``validators`` (a set already baselined and without Change List, re-read on every poll) an
-    unchanged Resource List returns None without touching the store.
+    unchanged Resource List (or Resource Dump) returns None without touching the store.
+
+    ``use_dumps`` False prefers the Resource List; a set that offers only a Resource Dump (§11.1 does
+    not require a list beside it) is read from its dump whatever ``use_dumps`` says, on every poll.
     """
     info = await with_archived_snapshots(ctx, info)
     caps = info.capabilities
     if RESOURCELIST not in caps and RESOURCEDUMP not in caps:
         raise SyncError(f"{info.capabilitylist_url}: advertises neither a Resource List nor a Resource Dump")
     set_total = total or (lambda n: None)
+    if RESOURCELIST not in caps:  # the dump is the only snapshot
+        try:
+            return await _baseline_from(ctx, info, set_id, source, "dump", progress, set_total, validators)
+        except NotModified:
+            log.debug("source=%s set=%s resource dump not modified", source, info.capabilitylist_url)
+            return None
     # With several lists per capability, the dumps must be as many as the lists: fewer may cover only
     # some of them, and a baseline sweeps what it did not see.
     dumps_cover = RESOURCELIST not in caps or len(info.urls(RESOURCEDUMP)) >= len(info.urls(RESOURCELIST))
@@ -181,9 +205,13 @@ async def _baseline_from(
     total: Callable[[int], None],
     validators: Validators | None,
 ) -> PipelineStats:
+    urls = info.urls(RESOURCEDUMP if how == "dump" else RESOURCELIST)
+    if not urls:  # never a generation without a snapshot to fill it: its sweep would empty the set
+        raise SyncError(
+            f"{info.capabilitylist_url}: no Resource {'Dump' if how == 'dump' else 'List'} to read"
+        )
     generation = await ctx.write(ctx.writer.begin_baseline, set_id)
     pipeline = Pipeline(ctx, set_id, source, progress=progress)
-    urls = info.urls(RESOURCEDUMP if how == "dump" else RESOURCELIST)
     snaps = [Snapshot() for _ in urls]
     skipped: list[str] = []
     if len(urls) > 1:
@@ -195,7 +223,7 @@ async def _baseline_from(
         # are harvested, but the baseline is not finished, so nothing the skipped list holds is swept.
         for url, snap in zip(urls, snaps, strict=True):
             if how == "dump":
-                one = _dump_items(ctx, url, generation, snap, tmp)
+                one = _dump_items(ctx, url, generation, snap, tmp, validators)
             else:
                 one = _resource_list_items(ctx, url, generation, snap, total, validators)
             try:
@@ -226,13 +254,21 @@ async def _baseline_from(
         list_index=0,
         list_until=None,
     )
-    swept = await ctx.write(
-        ctx.writer.finish_baseline, set_id, generation, cursor, pipeline.unlisted_retries()
-    )
+    try:
+        swept = await ctx.write(
+            ctx.writer.finish_baseline, set_id, generation, cursor, pipeline.unlisted_retries()
+        )
+    except EmptySnapshot as exc:  # lenient in, truthful out: the source is degraded, nothing is deleted
+        log.warning("source=%s set=%s baseline from %s not finished: %s", source, info.capabilitylist_url,
+                    how, exc)  # fmt: skip
+        for url in urls:
+            skip(url, f"the snapshot lists no resource: {exc}")
+        return stats
     await pipeline.announce(swept)
     ctx.metrics.committed(source, swept, ())
     for doc_url, (etag, last_modified) in (validators.pending if validators else {}).items():
-        await ctx.write(ctx.writer.put_document, doc_url, source, RESOURCELIST, etag=etag,
+        kind = RESOURCEDUMP if how == "dump" else RESOURCELIST
+        await ctx.write(ctx.writer.put_document, doc_url, source, kind, etag=etag,
                         last_modified=last_modified, sha256=None)  # fmt: skip
     for ch in swept:
         stats.applied[ch.change] = stats.applied.get(ch.change, 0) + 1

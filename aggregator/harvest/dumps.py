@@ -491,6 +491,33 @@ async def read_package(
         pkg.zf.close()
 
 
+async def read_manifest(
+    path: Path, url: str, *, limits: DumpLimits | None = None
+) -> AsyncIterator[tuple[Head, Entry]]:
+    """The entries of a downloaded package's ``manifest.xml`` (§11.2, §13.2), streamed, with its head;
+    no bitstream is read. For whoever must know what a package holds without storing it (``rsagg
+    audit`` of a dump whose packages have no ``rel="contents"`` link, which §11.1 makes optional)."""
+    limits = limits or DumpLimits()
+    pkg = await trio.to_thread.run_sync(_open, Path(path), url, limits)
+    stream: _ManifestStream | None = None
+    head: Head | None = None
+    try:
+        stream = _ManifestStream(pkg, count=False)
+        while not stream.done:
+            for item in await stream.step():
+                if isinstance(item, Head):
+                    _check_head(pkg, item)
+                    head = item
+                elif head is None:
+                    raise pkg.error("manifest entries before its <rs:md>", MANIFEST_NAME)
+                else:
+                    yield head, item
+    finally:
+        if stream is not None:
+            stream.close()
+        pkg.zf.close()
+
+
 async def fetch_package(
     fetcher, package: Entry, store: BlobStore, folder: Path, *, limits: DumpLimits
 ) -> AsyncIterator[DumpItem]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..rs.model import CHANGEDUMP, CHANGELIST, CHANGELIST_ARCHIVE, CHANGES
 from ..store.state import Cursor
+from .access import for_source
 from .context import HarvestContext
 from .deviations import skip
 from .discovery import SetInfo
@@ -43,6 +44,7 @@ from .pipeline import Pipeline, PipelineStats, Work
 log = logging.getLogger("rsagg.harvest")
 
 
+@for_source
 async def run_incremental(
     ctx: HarvestContext, info: SetInfo, set_id: int, source: str, cursor: Cursor, *, use_dumps: bool = True
 ) -> PipelineStats:

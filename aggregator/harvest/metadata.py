@@ -16,6 +16,7 @@ import trio
 
 from ..rs.model import Entry
 from ..store.calls import limiter_of
+from .access import for_source
 from .context import HarvestContext
 from .fetch import FetchError
 
@@ -33,6 +34,7 @@ class MetadataRecords:
         self._inflight: dict[str, trio.Event] = {}
         self._fresh: set[str] = set()  # cached records fetched again in this run
 
+    @for_source
     async def __call__(self, entry: Entry) -> bytes | None:
         links = entry.links_by_rel("describedby")
         if not links:

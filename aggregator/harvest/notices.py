@@ -25,6 +25,7 @@ import trio
 
 from ..config import SourceConfig
 from ..rs.model import CHANGES, Entry
+from .access import for_source
 from .context import HarvestContext
 from .discovery import SetInfo
 from .lists import ListRef, Position, resolve, when
@@ -40,10 +41,12 @@ class NotifiedHarvest:
     def __init__(self, ctx: HarvestContext) -> None:
         self.ctx = ctx
 
+    @for_source
     async def sync(self, src: SourceConfig) -> list[SetInfo]:
         """One sync of the source (as its poll task would); the sets it discovered (their channels)."""
         return (await sync_source(self.ctx, src)).discovered
 
+    @for_source
     async def apply_notice(
         self,
         src: SourceConfig,

@@ -51,8 +51,11 @@ from ..config import SourceConfig
 from ..rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
 from ..rs.w3cdt import utcnow
 from ..store.blobs import BlobInfo
+from ..store.interface import EmptySnapshot
 from ..store.state import Cursor
+from .access import for_source
 from .context import HarvestContext
+from .deviations import skip
 from .fetch import FetchError
 from .oaipage import OaiError, Page, Record, StoredRecord, parse_page, peek_token, store_page
 from .offload import OffloadError
@@ -209,6 +212,7 @@ class OaiHarvest:
         self.skipped += len(page.problems)
         return page
 
+    @for_source
     async def identify(self) -> None:
         url = request_url(self.src.url, verb="Identify")
         page = await self._get(url)
@@ -332,6 +336,7 @@ class OaiHarvest:
                     return
                 token = guess
 
+    @for_source
     async def records(self) -> AsyncGenerator[Record, None]:
         """Every record of a full walk, in list order (``rsagg audit``); nothing is stored."""
         await self.identify()
@@ -347,6 +352,7 @@ class OaiHarvest:
             if not token:
                 return
 
+    @for_source
     async def run(self) -> PipelineStats:
         ctx, src = self.ctx, self.src
         await self.identify()
@@ -449,7 +455,12 @@ class OaiHarvest:
         done = Cursor(new_from if full else baseline_at, None, new_from, 0, 0, None)
         if full:
             assert generation is not None
-            swept = await ctx.write(ctx.writer.finish_baseline, self.set_id, generation, done)
+            try:
+                swept = await ctx.write(ctx.writer.finish_baseline, self.set_id, generation, done)
+            except EmptySnapshot as exc:  # a walk that listed nothing never deletes everything held
+                log.warning("source=%s OAI-PMH walk not finished: %s", src.name, exc)
+                skip(src.url, f"the full walk listed no record: {exc}")
+                return stats
             ctx.metrics.committed(src.name, swept, ())
             for ch in swept:
                 stats.applied[ch.change] = stats.applied.get(ch.change, 0) + 1
@@ -477,6 +488,7 @@ class OaiHarvest:
         return Work(Entry(identifier, stamp, None, md, links), change, None, generation, None, info)
 
 
+@for_source
 async def sync_oaipmh(
     ctx: HarvestContext, src: SourceConfig, progress: Progress | None = None
 ) -> PipelineStats:

@@ -18,12 +18,12 @@ from datetime import datetime
 
 import trio
 
-from ..metrics import current_source
 from ..rs.model import CREATED, DELETED, PATCH_REL, UPDATED, Entry
 from ..store.blobs import BlobInfo, BlobWriter
 from ..store.calls import limiter_of
 from ..store.rows import FailedChange, RetryChanges
 from ..store.state import Change, Cursor, Resource
+from .access import for_source
 from .context import HarvestContext
 from .fetch import Expected, FetchedResource, FetchError
 from .metadata import MetadataRecords
@@ -197,8 +197,8 @@ class Pipeline:
         self._last_seq = await ctx.read(ctx.reader.last_seq) if self._events else 0
         self._primed = True
 
+    @for_source  # the tasks started below make their requests for the source
     async def run(self, items: AsyncGenerator[Work, None]) -> PipelineStats:
-        current_source.set(self.source)  # metrics: the tasks started below label their requests with it
         await self._prime()
         new_send, new_recv = trio.open_memory_channel[tuple[int, Work]](LOOKUP_BATCH)
         work_send, work_recv = trio.open_memory_channel[tuple[int, Work, Resource | None]](self._workers * 2)
@@ -226,6 +226,7 @@ class Pipeline:
             raise first_error(group) from None
         return self.stats
 
+    @for_source
     async def run_batches(self, batches: AsyncGenerator[list[Work], None]) -> PipelineStats:
         """Like ``run``, for changes that need neither a fetch nor a lookup: each carries its content,
         finished (``Work.blob``, committed already or not), or is a deletion; a producer that has them
@@ -237,7 +238,6 @@ class Pipeline:
         ``run`` commits it. ``rsagg_filter_harvest`` plugins decide per entry, as in ``run`` (one entry
         after the other here).
         """
-        current_source.set(self.source)
         async with aclosing(batches):
             async for works in batches:
                 results: list[_Result] = []
@@ -460,6 +460,7 @@ class Pipeline:
         self._retrying.difference_update(gone)
         return RetryChanges(cleared=gone)
 
+    @for_source
     async def announce(self, applied: list[Change]) -> None:
         """Event hooks, after the transaction committed: what was stored or deleted, and each record
         that entered rsagg's change log (and so its Change Lists)."""

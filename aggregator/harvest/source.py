@@ -13,10 +13,10 @@ from typing import Protocol
 import trio
 
 from ..config import SourceConfig
-from ..metrics import current_source
 from ..rs.model import CHANGELIST
 from ..rs.w3cdt import format_w3c, utcnow
 from ..store.interface import LeaseLost, StateUnavailable
+from .access import for_source
 from .audit import still_listed
 from .baseline import run_baseline
 from .context import HarvestContext
@@ -56,6 +56,7 @@ class SourceResult:
         return [f for s in self.stats for f in s.failures]
 
 
+@for_source
 async def retry_failed(ctx: HarvestContext, set_id: int, source: str, uris: set[str]) -> PipelineStats | None:
     """Try again the changes of a set whose fetch failed in an earlier run (the state's retries) and that
     are still waiting (``uris``: those waiting when this sync started), through the one pipeline; they
@@ -75,6 +76,7 @@ async def retry_failed(ctx: HarvestContext, set_id: int, source: str, uris: set[
     return stats
 
 
+@for_source
 async def end_unlisted_retries(
     ctx: HarvestContext,
     info: SetInfo,
@@ -112,17 +114,15 @@ async def end_unlisted_retries(
     return len(gone)
 
 
+@for_source
 async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     """Bring one source up to date; never raises for upstream problems (they are the result)."""
-    token = current_source.set(src.name)  # labels this sync's upstream requests (metrics.py)
     try:
         with collecting(Deviations(src.name, ctx.metrics.deviation)) as deviations:
             return await _sync_source(ctx, src, deviations)
     except StateUnavailable as exc:  # the state's server is away: nothing to record it in; try next time
         log.error("source=%s sync failed: %s", src.name, exc)
         return SourceResult(src.name, ok=False, error=str(exc))
-    finally:
-        current_source.reset(token)
 
 
 async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Deviations) -> SourceResult:
@@ -235,6 +235,8 @@ async def poll_source(ctx: HarvestContext, src: SourceConfig, follow: FollowedSo
     """The daemon's per-source task: sync, sleep the interval with jitter, forever (until cancelled).
 
     A source ``follow`` follows is run by it instead: the same syncs, plus notifications in between.
+    Not wrapped in ``for_source``: the syncs act for the source themselves, and the subscriber's own
+    requests (to a hub) are made for no source (outbound.py ``AddressPolicy.current_source``).
     """
     if follow is not None and follow.follows(src):
         await follow.run_source(src)

@@ -76,6 +76,12 @@ _Text = str | None
 ListingRow = tuple[int, str, _Text, int | None, _Text, _Text, _Text, _Text, _Text, _Text, str]
 
 
+class EmptySnapshot(Exception):
+    """``finish_baseline`` of a baseline that saw no resource while the set holds some: refused, nothing
+    is swept. A snapshot that lists nothing (an empty or failed export, a list read as something else)
+    must never delete everything held; the caller reports the source degraded."""
+
+
 class StateUnavailable(Exception):
     """The state cannot be reached (a server backend's server is down, refuses the login, ...): a sync
     that meets it fails and the next one tries again; at start-up rsagg stops with this one line (exit 1).
@@ -181,7 +187,8 @@ class StateStore(Protocol):
         self, set_id: int, generation: int, cursor: Cursor, retries: RetryChanges | None = None
     ) -> list[Change]:
         """Tombstone what the baseline did not see, store the cursor, close the baseline and write
-        ``retries``, in one transaction. ``retries``: ``failed`` rows are upserted by (set_id,
+        ``retries``, in one transaction; raises EmptySnapshot (and changes nothing) when the baseline saw
+        no resource of the set while it holds live ones. ``retries``: ``failed`` rows are upserted by (set_id,
         ``entry.loc``) — a new row has attempts 1, first_at = last_at = the batch's changelog time; an
         existing one gets attempts + 1 and the new change, entry, kind, message and last_at — then the
         rows of the ``cleared`` URIs of the set are deleted."""
@@ -530,6 +537,7 @@ __all__ = [
     "DumpPackage",
     "DumpPart",
     "DumpRun",
+    "EmptySnapshot",
     "FailedChange",
     "Fence",
     "HubBacklog",

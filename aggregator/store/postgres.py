@@ -50,7 +50,7 @@ from ..rs.parse import parse_bytes
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from . import state as sqlite_state
-from .interface import FENCE, LeaseLost, ListingRow, StateUnavailable
+from .interface import FENCE, EmptySnapshot, LeaseLost, ListingRow, StateUnavailable
 from .rows import (
     Change,
     Cursor,
@@ -916,6 +916,14 @@ class PostgresState:
                 "AND (generation IS NULL OR generation < %s) ORDER BY id",
                 (set_id, generation),
             ).fetchall()
+            if (
+                gone
+                and not c.execute(
+                    "SELECT 1 FROM resources WHERE set_id = %s AND generation = %s LIMIT 1",
+                    (set_id, generation),
+                ).fetchone()
+            ):
+                raise EmptySnapshot(f"it saw no resource, {len(gone)} held: none deleted")
             with c.cursor() as cur:
                 if gone:
                     cur.execute(

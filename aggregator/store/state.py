@@ -40,7 +40,7 @@ from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Head, Link
 from ..rs.parse import parse_bytes
 from ..rs.w3cdt import parse_w3c, utcnow
 from ..rs.write import iter_document_bytes
-from .interface import FENCE, LeaseLost, ListingRow
+from .interface import FENCE, EmptySnapshot, LeaseLost, ListingRow
 from .rows import (
     Change,
     Cursor,
@@ -1014,6 +1014,14 @@ class State:
                 "AND (generation IS NULL OR generation < ?) ORDER BY id",
                 (set_id, generation),
             ).fetchall()
+            if (
+                gone
+                and not c.execute(
+                    "SELECT 1 FROM resources WHERE set_id = ? AND generation = ? LIMIT 1",
+                    (set_id, generation),
+                ).fetchone()
+            ):
+                raise EmptySnapshot(f"it saw no resource, {len(gone)} held: none deleted")
             log_time = self._log_time(c)
             now = format_dt(log_time)
             if gone:
