@@ -1,0 +1,383 @@
+"""The units under a real systemd: docs/deploy.md followed verbatim in a booted container.
+
+The container is the machine's own root under an overlay (a tmpfs upper layer, in a mount namespace of
+its own: nothing on the machine changes, and the mounts vanish with the test), booted with
+``systemd-nspawn --boot`` into a minimal target (sysinit only: no nginx, database or getty of the
+machine's is started). It shares the machine's network, so the test's Source on 127.0.0.1 is reachable
+and rsagg's HTTP server is asked from here. Commands run inside with ``nsenter`` (no machined needed).
+
+rsagg itself must be installed in /opt/rsagg as docs/deploy.md section 1 says (``.ci/run`` does it; the
+overlay shows it in the container); everything after that — the user, the units, the configuration,
+``systemctl enable --now`` — is the documentation's own blocks, run as they stand.
+
+What it shows: ``systemctl start`` returns once rsagg serves (READY=1); ``systemctl reload`` takes a new
+source without a restart; the group rsagg (nginx's user joins it) reads a blob and not the state; the gc
+timer starts ``rsagg gc`` (a missed daily run caught up, ``Persistent=true``); the watchdog restarts a
+hung event loop (a test-only plugin blocks the loop on SIGUSR2, tests/hang_plugin); ``systemctl stop``
+ends with exit status 0 within ``TimeoutStopSec`` (systemd records ``Result=timeout`` otherwise).
+
+Skipped without root, systemd-nspawn or /opt/rsagg; ``RSAGG_REQUIRE_SYSTEMD=1`` (``.ci/run``) makes
+those a failure instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.deploydocs import REPO, RSAGG, block
+
+REQUIRE = os.environ.get("RSAGG_REQUIRE_SYSTEMD") == "1"
+#: Generous bounds for conditions on a loaded machine (never an assertion about speed).
+BOOT_BOUND = 120.0
+BOUND = 90.0
+#: The test's watchdog (a drop-in, as an operator would shorten it): the shipped 60 s is too long to wait.
+WATCHDOG_SEC = 10
+
+
+def missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (mounts, systemd-nspawn)"
+    for tool in ("systemd-nspawn", "nsenter", "unshare", "mount"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (Debian: systemd-container, util-linux)"
+    if not Path(RSAGG).exists():
+        return f"{RSAGG} is missing: install rsagg as docs/deploy.md section 1 says (.ci/run does)"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _possible() -> None:
+    why = missing()
+    if why and REQUIRE:
+        pytest.fail(f"RSAGG_REQUIRE_SYSTEMD=1 but {why}")
+    if why:
+        pytest.skip(why)
+
+
+# -- the machine ------------------------------------------------------------------------------------
+
+BOOT_SCRIPT = r"""
+B="$1"; NAME="$2"
+mount -t tmpfs -o mode=0755 tmpfs "$B"
+mkdir "$B/upper" "$B/work" "$B/root"
+mount -t overlay overlay -o "lowerdir=/,upperdir=$B/upper,workdir=$B/work" "$B/root"
+mkdir -p "$B/root/etc/systemd/system"
+printf '%s\n' '[Unit]' 'Description=rsagg test boot' 'Requires=sysinit.target' 'After=sysinit.target' \
+    'AllowIsolate=yes' > "$B/root/etc/systemd/system/rsagg-test.target"
+exec systemd-nspawn -q -D "$B/root" --boot --register=no --keep-unit -M "$NAME" -- \
+    systemd.unit=rsagg-test.target
+"""
+
+
+class Machine:
+    """A booted container; ``sh`` runs a shell command in it as root."""
+
+    def __init__(self, base: Path, log: Path) -> None:
+        self.name = f"rsaggtest{os.getpid()}"
+        base.mkdir()
+        self._log = log.open("wb")
+        # unshare: the tmpfs and the overlay live in a mount namespace of their own (gone with it).
+        self.proc = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private",
+             "bash", "-euc", BOOT_SCRIPT, "boot", str(base), self.name],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self.leader = 0
+        try:
+            self.leader = int(wait_for(self._find_leader, BOOT_BOUND, "the container's PID 1", log))
+            # Until systemd listens on its private socket, systemctl cannot connect ("Failed to connect").
+            state = wait_for(self._booted, BOOT_BOUND, "the end of the boot", log)
+            assert state in ("running", "degraded"), log.read_text(errors="replace")[-3000:]
+        except BaseException:
+            self.close()  # no machine left running when the boot fails
+            raise
+
+    def _booted(self) -> str | None:
+        r = self.sh("systemctl is-system-running --wait", check=False, timeout=BOOT_BOUND)
+        return None if "Failed to connect" in r.stderr else r.stdout.strip()
+
+    def _find_leader(self) -> int | None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"systemd-nspawn ended with {self.proc.returncode}")
+        with contextlib.suppress(OSError):
+            # unshare execs bash, bash execs systemd-nspawn: its child is the container's systemd.
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+            for pid in children:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "systemd":
+                    return int(pid)
+        return None
+
+    def sh(
+        self, command: str, *, check: bool = True, timeout: float = BOUND, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(
+            ["nsenter", "-t", str(self.leader), "-a", "--", "bash", "-euo", "pipefail", "-c", command],
+            input=stdin, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if check:
+            assert r.returncode == 0, f"{command!r} -> {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        out = self.sh(f"systemctl show {unit} " + " ".join(f"-p {p}" for p in props)).stdout
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def journal(self, unit: str) -> str:
+        return self.sh(f"journalctl -u {unit} -o cat --no-pager", check=False).stdout
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                if self.leader:
+                    self.sh("systemctl poweroff --no-block", check=False, timeout=30)
+                else:
+                    self.proc.terminate()  # systemd-nspawn halts its container on SIGTERM
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log.close()
+        # systemd-nspawn leaves this empty folder behind when the machine's /run is not a tmpfs.
+        shutil.rmtree(f"/run/systemd/nspawn/propagate/{self.name}", ignore_errors=True)
+
+
+def wait_for(probe: Callable[[], object], bound: float, what: str, log: Path | None = None) -> object:
+    """Poll ``probe`` until it returns something truthy; fail after ``bound`` seconds (a generous bound)."""
+    deadline = time.monotonic() + bound
+    while True:
+        got = probe()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+            raise AssertionError(f"no {what} within {bound:.0f} s\n{tail}")
+        time.sleep(0.2)
+
+
+# -- the Source and the configuration -----------------------------------------------------------------
+
+NS = 'xmlns="http://www.sitemaps.org/schemas/sitemap/0.9" xmlns:rs="http://www.openarchives.org/rs/terms/"'
+#: The Sources: name -> number of resources. "b" is added by the reload.
+SOURCES = {"a": 5, "b": 3}
+
+
+def write_source(root: Path, base: str, name: str, n: int) -> None:
+    """A static ResourceSync Source: a Capability List naming a Resource List of ``n`` text files."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    urls = []
+    for i in range(n):
+        data = f"source {name}, resource {i}\n".encode()
+        (folder / f"r{i}.txt").write_bytes(data)
+        digest = hashlib.sha256(data).hexdigest()
+        md = f'<rs:md hash="sha-256:{digest}" length="{len(data)}" type="text/plain"/>'
+        urls.append(
+            f"<url><loc>{base}/{name}/r{i}.txt</loc><lastmod>2026-01-01T00:00:00Z</lastmod>{md}</url>"
+        )
+    at = 'at="2026-01-01T00:00:00Z" completed="2026-01-01T00:00:00Z"'
+    (folder / "resourcelist.xml").write_text(
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<urlset {NS}><rs:md capability="resourcelist" {at}/>'
+        + "".join(urls)
+        + "</urlset>\n"
+    )
+    (folder / "capabilitylist.xml").write_text(
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<urlset {NS}><rs:md capability="capabilitylist"/>'
+        f'<url><loc>{base}/{name}/resourcelist.xml</loc><rs:md capability="resourcelist"/></url></urlset>\n'
+    )
+
+
+@contextlib.contextmanager
+def source_server(root: Path) -> Iterator[str]:
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root)))
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    for name, n in SOURCES.items():
+        write_source(root, base, name, n)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield base
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(port: int, upstream: str, names: list[str]) -> str:
+    sources = "".join(
+        f'\n[[sources]]\nname = "{n}"\nurl = "{upstream}/{n}/capabilitylist.xml"\n' for n in names
+    )
+    return (
+        f'[server]\nlisten = "127.0.0.1:{port}"\nbase_url = "http://127.0.0.1:{port}"\noffload = "x-accel"\n'
+        f'\n[store]\npath = "/var/lib/rsagg"\n{sources}'
+    )
+
+
+def get(url: str) -> tuple[int, dict[str, str], bytes]:
+    """status, headers (names in lower case), body."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def resources_of(port: int) -> dict[str, int]:
+    """Source name -> resources, from /status.json; {} while rsagg does not answer."""
+    try:
+        status, _, body = get(f"http://127.0.0.1:{port}/status.json")
+    except OSError:
+        return {}
+    if status != 200:
+        return {}
+    return {r["name"]: r["resources"] for r in json.loads(body)["sources"]}
+
+
+# -- the test ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
+    tmp = tmp_path_factory.mktemp("systemd-boot")
+    m = Machine(tmp / "machine", tmp / "console.log")
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def test_deploy_under_systemd(machine: Machine, tmp_path: Path) -> None:
+    m = machine
+    port = free_port()
+    with source_server(tmp_path / "www") as upstream:
+        # docs/deploy.md sections 2 and 3, as they stand, in a checkout (the overlay shows this one).
+        m.sh(f"cd {shlex.quote(str(REPO))}\n" + "\n".join(block("units")))
+        m.sh(f"cd {shlex.quote(str(REPO))}\n" + "\n".join(block("config")))
+        # "Then edit /etc/rsagg/rsagg.toml" (the file keeps its owner and mode).
+        m.sh("cat > /etc/rsagg/rsagg.toml", stdin=config(port, upstream, ["a"]))
+        assert m.sh("stat -c '%U:%G %a' /etc/rsagg/rsagg.toml").stdout.split() == ["root:rsagg", "640"]
+        # Test-only: the plugin that hangs the loop on SIGUSR2, and a watchdog short enough to wait for.
+        pip = "/opt/rsagg/bin/pip install -q --no-deps"
+        m.sh(f"{pip} {REPO}/tests/hang_plugin")
+        m.sh(
+            "mkdir -p /etc/systemd/system/rsagg.service.d && printf '[Service]\\nWatchdogSec=%d\\n' "
+            f"{WATCHDOG_SEC} > /etc/systemd/system/rsagg.service.d/test-watchdog.conf"
+        )
+
+        # Section 4: enable --now. For Type=notify, start returns once READY=1 came: rsagg serves now.
+        started = m.sh(
+            f"cd {shlex.quote(str(REPO))}\n" + "\n".join(block("start")), check=False, timeout=BOOT_BOUND
+        )
+        assert started.returncode == 0, started.stderr + m.journal("rsagg")
+        st = m.show("rsagg", "ActiveState", "SubState", "MainPID", "User", "NRestarts")
+        assert (st["ActiveState"], st["SubState"], st["User"], st["NRestarts"]) == (
+            "active",
+            "running",
+            "rsagg",
+            "0",
+        )
+        status, _, _ = get(f"http://127.0.0.1:{port}/status.json")
+        assert status == 200
+        pid = st["MainPID"]
+        assert m.sh(f"stat -c %U /proc/{pid}").stdout.strip() == "rsagg"
+        wait_for(lambda: resources_of(port).get("a") == SOURCES["a"], BOUND, "harvest of source a")
+
+        # Blobs: the group rsagg reads them (nginx's user joins it), the state stays private.
+        check_blob_permissions(m, port)
+
+        # reload: the new source is taken without a restart.
+        m.sh("cat > /etc/rsagg/rsagg.toml", stdin=config(port, upstream, ["a", "b"]))
+        m.sh("systemctl reload rsagg")
+        wait_for(lambda: resources_of(port).get("b") == SOURCES["b"], BOUND, "source b after the reload")
+        assert m.show("rsagg", "MainPID", "NRestarts") == {"MainPID": pid, "NRestarts": "0"}
+
+        # The gc timer: a daily run missed (the timer last fired two days ago) is caught up at start.
+        # A drop-in takes the random delay (up to an hour, added to a catch-up too) away for the test.
+        m.sh(
+            "mkdir -p /etc/systemd/system/rsagg-gc.timer.d && printf '[Timer]\\nRandomizedDelaySec=0\\n' "
+            "> /etc/systemd/system/rsagg-gc.timer.d/test-now.conf && systemctl daemon-reload"
+        )
+        m.sh("touch -d '2 days ago' /var/lib/systemd/timers/stamp-rsagg-gc.timer")
+        m.sh("systemctl restart rsagg-gc.timer")
+        exited = "ExecMainExitTimestampMonotonic"
+        wait_for(
+            lambda: m.show("rsagg-gc.service", exited)[exited] not in ("", "0"), BOUND, "a run of rsagg-gc"
+        )
+        gc = m.show("rsagg-gc.service", "Result", "ExecMainStatus")
+        assert gc == {"Result": "success", "ExecMainStatus": "0"}
+        gc_log = m.sh("journalctl -u rsagg-gc.service -o cat --no-pager").stdout
+        assert re.search(r"removed \d+ unreferenced blob", gc_log), gc_log
+        assert m.show("rsagg-gc.timer", "LastTriggerUSec")["LastTriggerUSec"] not in ("", "n/a", "0")
+
+        # The watchdog: SIGUSR2 blocks the event loop; its pings stop, systemd kills and restarts rsagg.
+        m.sh("systemctl kill -s USR2 --kill-who=main rsagg")
+        wait_for(
+            lambda: (s := m.show("rsagg", "NRestarts", "SubState", "MainPID"))["NRestarts"] == "1"
+            and s["SubState"] == "running" and s["MainPID"] not in (pid, "0"),
+            BOUND + WATCHDOG_SEC, "a restart by the watchdog",
+        )  # fmt: skip
+        journal = m.sh("journalctl -u rsagg.service -o cat --no-pager").stdout
+        assert "Watchdog timeout" in journal, journal[-3000:]
+        wait_for(lambda: resources_of(port) == SOURCES, BOUND, "both sources served after the restart")
+
+        # stop: SIGTERM, exit status 0 within TimeoutStopSec (systemd would say Result=timeout and SIGKILL).
+        m.sh("systemctl stop rsagg")
+        st = m.show("rsagg", "ActiveState", "Result", "ExecMainCode", "ExecMainStatus")
+        assert st == {
+            "ActiveState": "inactive",
+            "Result": "success",
+            "ExecMainCode": "1",
+            "ExecMainStatus": "0",
+        }
+
+
+def check_blob_permissions(m: Machine, port: int) -> None:
+    """A resource GET makes rsagg name its blob file (X-Accel-Redirect); www-data reads it once in the
+    group rsagg, never the state."""
+    _, _, capabilitylist = get(f"http://127.0.0.1:{port}/a/capabilitylist.xml")
+    (listing,) = re.findall(r"<loc>([^<]*resourcelist[^<]*)</loc>", capabilitylist.decode())
+    _, _, body = get(listing)
+    first = re.findall(r"<loc>([^<]*)</loc>", body.decode())[0]
+    status, headers, _ = get(first)
+    assert status == 200 and headers.get("x-accel-redirect", "").startswith("/_rsagg_blobs/"), headers
+    blob = "/var/lib/rsagg/blobs/" + headers["x-accel-redirect"].removeprefix("/_rsagg_blobs/")
+    assert m.sh("stat -c '%U:%G %a' /var/lib/rsagg").stdout.split() == ["rsagg:rsagg", "750"]
+    assert m.sh(f"stat -c %a {blob} $(dirname {blob}) /var/lib/rsagg/blobs").stdout.split() == [
+        "444",
+        "755",
+        "755",
+    ]
+    read = f"runuser -u www-data -- cat {blob}"
+    assert "Permission denied" in m.sh(read, check=False).stderr  # not in the group yet
+    m.sh("usermod -a -G rsagg www-data")
+    assert m.sh(read).stdout.startswith("source a, resource ")
+    private = m.sh("runuser -u www-data -- cat /var/lib/rsagg/state.db", check=False)
+    assert private.returncode != 0 and "Permission denied" in private.stderr
