@@ -235,3 +235,12 @@ def test_no_dangling_references(path: Path) -> None:
     """Every file a unit's comments name (docs/..., systemd/..., config/..., tests/...) exists."""
     for ref in re.findall(r"\b((?:docs|systemd|config|tests)/[\w.@-]+\.\w+)", path.read_text()):
         assert (REPO / ref).exists(), f"{path.name} names {ref}, which does not exist"
+
+
+def test_every_shipped_unit_is_verified() -> None:
+    """A unit added to systemd/ is verified too (the list above, .ci/run and docs/deploy.md name them)."""
+    files = {p.name for p in UNITS.iterdir() if p.suffix in (".service", ".timer", ".socket", ".path")}
+    checked = {re.sub(r"@[^.]+\.", "@.", name) for name in SHIPPED}
+    assert files == checked
+    ci = (REPO / ".ci" / "run").read_text()
+    assert all(f"systemd/{name}" in ci for name in SHIPPED)

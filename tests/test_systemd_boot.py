@@ -76,14 +76,15 @@ def _possible() -> None:
 # -- the machine ------------------------------------------------------------------------------------
 
 BOOT_SCRIPT = r"""
-B="$1"; NAME="$2"
+B="$1"; NAME="$2"; REPO="$3"
 mount -t tmpfs -o mode=0755 tmpfs "$B"
 mkdir "$B/upper" "$B/work" "$B/root"
 mount -t overlay overlay -o "lowerdir=/,upperdir=$B/upper,workdir=$B/work" "$B/root"
 mkdir -p "$B/root/etc/systemd/system"
 printf '%s\n' '[Unit]' 'Description=rsagg test boot' 'Requires=sysinit.target' 'After=sysinit.target' \
     'AllowIsolate=yes' > "$B/root/etc/systemd/system/rsagg-test.target"
-exec systemd-nspawn -q -D "$B/root" --boot --register=no --keep-unit -M "$NAME" -- \
+# The checkout at its own path, read-only (the overlay has it too unless it is on another file system).
+exec systemd-nspawn -q -D "$B/root" --boot --register=no --keep-unit -M "$NAME" --bind-ro="$REPO" -- \
     systemd.unit=rsagg-test.target
 """
 
@@ -98,7 +99,7 @@ class Machine:
         # unshare: the tmpfs and the overlay live in a mount namespace of their own (gone with it).
         self.proc = subprocess.Popen(
             ["unshare", "-m", "--propagation", "private",
-             "bash", "-euc", BOOT_SCRIPT, "boot", str(base), self.name],
+             "bash", "-euc", BOOT_SCRIPT, "boot", str(base), self.name, str(REPO)],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         self.leader = 0
@@ -264,8 +265,9 @@ def resources_of(port: int) -> dict[str, int]:
 # -- the test ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
+    """A freshly booted machine for each test (a boot takes a second or two)."""
     tmp = tmp_path_factory.mktemp("systemd-boot")
     m = Machine(tmp / "machine", tmp / "console.log")
     try:
@@ -286,7 +288,7 @@ def test_deploy_under_systemd(machine: Machine, tmp_path: Path) -> None:
         assert m.sh("stat -c '%U:%G %a' /etc/rsagg/rsagg.toml").stdout.split() == ["root:rsagg", "640"]
         # Test-only: the plugin that hangs the loop on SIGUSR2, and a watchdog short enough to wait for.
         pip = "/opt/rsagg/bin/pip install -q --no-deps"
-        m.sh(f"{pip} {REPO}/tests/hang_plugin")
+        m.sh(f"cp -r {REPO}/tests/hang_plugin /root/hang_plugin && {pip} /root/hang_plugin")
         m.sh(
             "mkdir -p /etc/systemd/system/rsagg.service.d && printf '[Service]\\nWatchdogSec=%d\\n' "
             f"{WATCHDOG_SEC} > /etc/systemd/system/rsagg.service.d/test-watchdog.conf"
@@ -362,13 +364,7 @@ def test_deploy_under_systemd(machine: Machine, tmp_path: Path) -> None:
 def check_blob_permissions(m: Machine, port: int) -> None:
     """A resource GET makes rsagg name its blob file (X-Accel-Redirect); www-data reads it once in the
     group rsagg, never the state."""
-    _, _, capabilitylist = get(f"http://127.0.0.1:{port}/a/capabilitylist.xml")
-    (listing,) = re.findall(r"<loc>([^<]*resourcelist[^<]*)</loc>", capabilitylist.decode())
-    _, _, body = get(listing)
-    first = re.findall(r"<loc>([^<]*)</loc>", body.decode())[0]
-    status, headers, _ = get(first)
-    assert status == 200 and headers.get("x-accel-redirect", "").startswith("/_rsagg_blobs/"), headers
-    blob = "/var/lib/rsagg/blobs/" + headers["x-accel-redirect"].removeprefix("/_rsagg_blobs/")
+    blob = blob_of_a_resource(port)
     assert m.sh("stat -c '%U:%G %a' /var/lib/rsagg").stdout.split() == ["rsagg:rsagg", "750"]
     assert m.sh(f"stat -c %a {blob} $(dirname {blob}) /var/lib/rsagg/blobs").stdout.split() == [
         "444",
@@ -381,3 +377,59 @@ def check_blob_permissions(m: Machine, port: int) -> None:
     assert m.sh(read).stdout.startswith("source a, resource ")
     private = m.sh("runuser -u www-data -- cat /var/lib/rsagg/state.db", check=False)
     assert private.returncode != 0 and "Permission denied" in private.stderr
+
+
+def blob_of_a_resource(port: int) -> str:
+    """GET the first resource of set a; rsagg answers with its blob's name (x-accel) and writes the file
+    of a blob kept as a row of small.db. Returns the blob file's path."""
+    _, _, capabilitylist = get(f"http://127.0.0.1:{port}/a/capabilitylist.xml")
+    (listing,) = re.findall(r"<loc>([^<]*resourcelist[^<]*)</loc>", capabilitylist.decode())
+    _, _, body = get(listing)
+    first = re.findall(r"<loc>([^<]*)</loc>", body.decode())[0]
+    status, headers, _ = get(first)
+    assert status == 200 and headers.get("x-accel-redirect", "").startswith("/_rsagg_blobs/"), headers
+    return "/var/lib/rsagg/blobs/" + headers["x-accel-redirect"].removeprefix("/_rsagg_blobs/")
+
+
+def old_unit() -> str:
+    """rsagg.service as it was before the user rsagg: a dynamic user, its state under /var/lib/private."""
+    text = (REPO / "systemd" / "rsagg.service").read_text()
+    for line in ("User=rsagg\n", "Group=rsagg\n", "StateDirectoryMode=0750\n"):
+        assert line in text
+        text = text.replace(line, "DynamicUser=yes\n" if line.startswith("User=") else "")
+    return text
+
+
+def test_upgrade_from_dynamic_user_units(machine: Machine, tmp_path: Path) -> None:
+    """docs/deploy.md's upgrade from the DynamicUser units keeps the store and makes it the user rsagg's."""
+    m = machine
+    port = free_port()
+    with source_server(tmp_path / "www") as upstream:
+        m.sh("cat > /etc/systemd/system/rsagg.service && systemctl daemon-reload", stdin=old_unit())
+        m.sh("mkdir -p /etc/rsagg && cat > /etc/rsagg/rsagg.toml", stdin=config(port, upstream, ["a"]))
+        m.sh("systemctl start rsagg")
+        wait_for(lambda: resources_of(port).get("a") == SOURCES["a"], BOUND, "harvest of source a")
+        assert m.sh("readlink /var/lib/rsagg").stdout.strip() == "private/rsagg"
+        blob = blob_of_a_resource(port).replace("/var/lib/rsagg/", "/var/lib/private/rsagg/")
+        m.sh("systemctl stop rsagg")
+        # The blob folders as an older rsagg left them under UMask=0077.
+        m.sh("find /var/lib/private/rsagg/blobs -maxdepth 2 -type d ! -name tmp -exec chmod 0700 {} +")
+
+        upgraded = m.sh(f"cd {shlex.quote(str(REPO))}\n" + "\n".join(block("from-dynamic-user")), check=False)
+        assert upgraded.returncode == 0, upgraded.stderr + m.journal("rsagg")
+        assert m.show("rsagg", "ActiveState", "User") == {"ActiveState": "active", "User": "rsagg"}
+        # The store moved back out of private/, now the user rsagg's, with everything in it.
+        assert (
+            m.sh("test ! -L /var/lib/rsagg && test ! -e /var/lib/private/rsagg && echo moved").stdout
+            == "moved\n"
+        )
+        assert m.sh("stat -c '%U:%G %a' /var/lib/rsagg").stdout.split() == ["rsagg:rsagg", "750"]
+        assert m.sh("find /var/lib/rsagg ! -user rsagg | wc -l").stdout.strip() == "0"
+        assert resources_of(port) == {"a": SOURCES["a"]}  # the state came along: no harvest needed to say so
+        folders = m.sh("find /var/lib/rsagg/blobs -maxdepth 2 -type d ! -name tmp -printf '%m\\n' | sort -u")
+        assert folders.stdout.split() == ["755"]
+        moved = blob.replace("/var/lib/private/rsagg/", "/var/lib/rsagg/")
+        assert (
+            m.sh(f"stat -c %a $(dirname {moved}) $(dirname $(dirname {moved}))").stdout.split() == ["755"] * 2
+        )
+        assert m.sh("stat -c '%G %a' /etc/rsagg/rsagg.toml").stdout.split() == ["rsagg", "640"]
