@@ -314,7 +314,7 @@ def test_deploy_under_systemd(machine: Machine, tmp_path: Path) -> None:
         assert m.sh(f"stat -c %U /proc/{pid}").stdout.strip() == "rsagg"
         wait_for(lambda: resources_of(port).get("a") == SOURCES["a"], BOUND, "harvest of source a")
 
-        # Blobs: the group rsagg reads them (nginx's user joins it), the state stays private.
+        # Blobs: nginx in front reads them once its user is in the group rsagg; the state stays private.
         check_blob_permissions(m, port)
 
         # reload: the new source is taken without a restart.
@@ -365,34 +365,68 @@ def test_deploy_under_systemd(machine: Machine, tmp_path: Path) -> None:
         }
 
 
+def nginx_conf(rsagg_port: int, nginx_port: int) -> str:
+    """config/nginx.conf as shipped (its user www-data, the blob root /var/lib/rsagg/blobs), with the two
+    marked ports set and one worker."""
+    text = (REPO / "config" / "nginx.conf").read_text()
+    for old, new in (
+        ("server 127.0.0.1:8080;", f"server 127.0.0.1:{rsagg_port};"),
+        ("listen 127.0.0.1:8000;", f"listen 127.0.0.1:{nginx_port};"),
+        ("worker_processes auto;", "worker_processes 1;"),
+    ):
+        assert old in text, old
+        text = text.replace(old, new)
+    assert "\nuser www-data;\n" in text and "root /var/lib/rsagg/blobs;" in text
+    return text
+
+
 def check_blob_permissions(m: Machine, port: int) -> None:
-    """A resource GET makes rsagg name its blob file (X-Accel-Redirect); www-data reads it once in the
-    group rsagg, never the state."""
-    blob = blob_of_a_resource(port)
+    """nginx (config/nginx.conf, workers as www-data) in front of rsagg with x-accel offload: it can send a
+    blob file itself only once www-data is in the group rsagg; never can it read the state."""
+    nport = free_port()
+    m.sh("cat > /etc/rsagg/nginx.conf", stdin=nginx_conf(port, nport))
+    nginx = "nginx -p /var/lib/rsagg-nginx -c /etc/rsagg/nginx.conf"  # the README's command
+    m.sh(f"mkdir -p /var/lib/rsagg-nginx && {nginx}")
+    url, blob = resource_and_blob(port)
+    front = re.sub(r"^http://[^/]+", f"http://127.0.0.1:{nport}", url)
     assert m.sh("stat -c '%U:%G %a' /var/lib/rsagg").stdout.split() == ["rsagg:rsagg", "750"]
-    assert m.sh(f"stat -c %a {blob} $(dirname {blob}) /var/lib/rsagg/blobs").stdout.split() == [
-        "444",
-        "755",
-        "755",
-    ]
-    read = f"runuser -u www-data -- cat {blob}"
-    assert "Permission denied" in m.sh(read, check=False).stderr  # not in the group yet
-    m.sh("usermod -a -G rsagg www-data")
-    assert m.sh(read).stdout.startswith("source a, resource ")
+    modes = m.sh(f"stat -c %a {blob} $(dirname {blob}) $(dirname $(dirname {blob})) /var/lib/rsagg/blobs")
+    assert modes.stdout.split() == ["444", "755", "755", "755"]
+
+    def denials() -> int:
+        return m.sh("cat /var/lib/rsagg-nginx/error.log").stdout.count("Permission denied")
+
+    # Not in the group: nginx cannot open the blob file (its error log says so) and answers 403.
+    status, _, _ = get(front)
+    assert status == 403 and denials() > 0
+    assert "Permission denied" in m.sh(f"runuser -u www-data -- cat {blob}", check=False).stderr
+
+    # docs/deploy.md: www-data joins the group rsagg; nginx's new workers take it up (initgroups).
+    m.sh(f"usermod -a -G rsagg www-data && {nginx} -s reload")
+
+    def nginx_sends_it() -> bool:  # (an old worker may answer the first requests after the reload)
+        status, _, body = get(front)
+        return status == 200 and body.startswith(b"source a, resource ")
+
+    wait_for(nginx_sends_it, BOUND, "nginx reading the blob file after the group change")
+    before = denials()
+    assert nginx_sends_it() and denials() == before
+    assert m.sh(f"runuser -u www-data -- cat {blob}").stdout.startswith("source a, resource ")
     private = m.sh("runuser -u www-data -- cat /var/lib/rsagg/state.db", check=False)
     assert private.returncode != 0 and "Permission denied" in private.stderr
+    m.sh(f"{nginx} -s quit")
 
 
-def blob_of_a_resource(port: int) -> str:
-    """GET the first resource of set a; rsagg answers with its blob's name (x-accel) and writes the file
-    of a blob kept as a row of small.db. Returns the blob file's path."""
+def resource_and_blob(port: int) -> tuple[str, str]:
+    """GET the first resource of set a from rsagg; it answers with its blob's name (x-accel) and writes
+    the file of a blob kept as a row of small.db. Returns the resource's URL and the blob file's path."""
     _, _, capabilitylist = get(f"http://127.0.0.1:{port}/a/capabilitylist.xml")
     (listing,) = re.findall(r"<loc>([^<]*resourcelist[^<]*)</loc>", capabilitylist.decode())
     _, _, body = get(listing)
     first = re.findall(r"<loc>([^<]*)</loc>", body.decode())[0]
     status, headers, _ = get(first)
     assert status == 200 and headers.get("x-accel-redirect", "").startswith("/_rsagg_blobs/"), headers
-    return "/var/lib/rsagg/blobs/" + headers["x-accel-redirect"].removeprefix("/_rsagg_blobs/")
+    return first, "/var/lib/rsagg/blobs/" + headers["x-accel-redirect"].removeprefix("/_rsagg_blobs/")
 
 
 def old_unit() -> str:
@@ -414,7 +448,7 @@ def test_upgrade_from_dynamic_user_units(machine: Machine, tmp_path: Path) -> No
         m.sh("systemctl start rsagg")
         wait_for(lambda: resources_of(port).get("a") == SOURCES["a"], BOUND, "harvest of source a")
         assert m.sh("readlink /var/lib/rsagg").stdout.strip() == "private/rsagg"
-        blob = blob_of_a_resource(port).replace("/var/lib/rsagg/", "/var/lib/private/rsagg/")
+        blob = resource_and_blob(port)[1].replace("/var/lib/rsagg/", "/var/lib/private/rsagg/")
         m.sh("systemctl stop rsagg")
         # The blob folders as an older rsagg left them under UMask=0077.
         m.sh("find /var/lib/private/rsagg/blobs -maxdepth 2 -type d ! -name tmp -exec chmod 0700 {} +")
