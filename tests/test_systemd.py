@@ -53,6 +53,8 @@ HARDENING = {
     "NotifyAccess": "main",
     "ExecReload": "/bin/kill -HUP $MAINPID",
     "TimeoutStopSec": "15",
+    "Restart": "on-failure",
+    "RestartPreventExitStatus": "2",
     "User": "rsagg",
     "Group": "rsagg",
     "StateDirectoryMode": "0750",
@@ -180,7 +182,7 @@ def test_execstart_is_a_valid_rsagg_command(unit: str, config: str) -> None:
 
 #: What only the long-running units have: the notify protocol, the watchdog, restarts.
 RUN_ONLY = {"Type", "NotifyAccess", "ExecReload", "WatchdogSec", "TimeoutStopSec", "Restart", "RestartSec",
-            "LimitNOFILE"}  # fmt: skip
+            "RestartPreventExitStatus", "LimitNOFILE"}  # fmt: skip
 
 
 def test_gc_service_has_the_same_user_store_and_sandbox() -> None:

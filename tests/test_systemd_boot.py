@@ -285,6 +285,20 @@ def test_deploy_under_systemd(machine: Machine, tmp_path: Path) -> None:
         # docs/deploy.md sections 2 and 3, as they stand, in a checkout (the overlay shows this one).
         m.sh(f"cd {shlex.quote(str(REPO))}\n" + "\n".join(block("units")))
         m.sh(f"cd {shlex.quote(str(REPO))}\n" + "\n".join(block("config")))
+        # A configuration mistake: the start fails with rsagg's one line in the journal, and no restart
+        # loop (exit status 2 is RestartPreventExitStatus=: the unit is "failed", not "auto-restart").
+        bad = config(port, upstream, ["a"]).replace(f'listen = "127.0.0.1:{port}"', 'listen = "nonsense"')
+        m.sh("cat > /etc/rsagg/rsagg.toml", stdin=bad)
+        m.sh("systemctl daemon-reload")
+        assert m.sh("systemctl start rsagg", check=False).returncode != 0
+        failed = m.show("rsagg", "ActiveState", "SubState", "Result", "ExecMainStatus", "NRestarts")
+        assert failed == {
+            "ActiveState": "failed", "SubState": "failed", "Result": "exit-code", "ExecMainStatus": "2",
+            "NRestarts": "0",
+        }  # fmt: skip
+        said = [ln for ln in m.journal("rsagg").splitlines() if "rsagg run:" in ln]
+        assert said == ["rsagg run: config error: /etc/rsagg/rsagg.toml: server.listen: must be HOST:PORT, "
+                        "not 'nonsense'"], m.journal("rsagg")  # fmt: skip
         # "Then edit /etc/rsagg/rsagg.toml" (the file keeps its owner and mode).
         m.sh("cat > /etc/rsagg/rsagg.toml", stdin=config(port, upstream, ["a"]))
         assert m.sh("stat -c '%U:%G %a' /etc/rsagg/rsagg.toml").stdout.split() == ["root:rsagg", "640"]
