@@ -485,3 +485,65 @@ def test_upgrade_from_dynamic_user_units(machine: Machine, tmp_path: Path) -> No
             m.sh(f"stat -c %a $(dirname {moved}) $(dirname $(dirname {moved}))").stdout.split() == ["755"] * 2
         )
         assert m.sh("stat -c '%G %a' /etc/rsagg/rsagg.toml").stdout.split() == ["rsagg", "640"]
+
+
+def status_of(port: int) -> dict | None:
+    try:
+        status, _, body = get(f"http://127.0.0.1:{port}/status.json")
+    except OSError:
+        return None
+    return json.loads(body) if status == 200 else None
+
+
+def test_cluster_nodes_under_systemd(machine: Machine, tmp_path: Path) -> None:
+    """Two rsagg-node@ instances (docs/cluster.md) share /var/lib/rsagg-cluster as the user rsagg, divide
+    the sources, and a stopped node's sources go to the other at once (it releases its leases)."""
+    m = machine
+    ports = {1: free_port(), 2: free_port()}
+    with source_server(tmp_path / "www") as upstream:
+        m.sh(f"cd {shlex.quote(str(REPO))}\n" + "\n".join(block("units")))
+        m.sh(f"install -m 0644 {shlex.quote(str(REPO))}/systemd/rsagg-node@.service /etc/systemd/system/")
+        for n, port in ports.items():
+            text = config(port, upstream, list(SOURCES)).replace(
+                '"/var/lib/rsagg"', '"/var/lib/rsagg-cluster"'
+            )
+            text = text.replace(
+                f'base_url = "http://127.0.0.1:{port}"', f'base_url = "http://127.0.0.1:{ports[1]}"'
+            )
+            text += f'\n[cluster]\nenabled = true\nnode = "n{n}"\n'
+            m.sh(f"install -m 0640 -g rsagg /dev/stdin /etc/rsagg/node-{n}.toml", stdin=text)
+        started = m.sh(
+            "systemctl daemon-reload && systemctl enable --now rsagg-node@1 rsagg-node@2", check=False
+        )
+        assert started.returncode == 0, started.stderr + m.journal("rsagg-node@1") + m.journal("rsagg-node@2")
+        for n in ports:
+            st = m.show(f"rsagg-node@{n}", "ActiveState", "User", "MainPID")
+            assert (st["ActiveState"], st["User"]) == ("active", "rsagg")
+            assert m.sh(f"stat -c %U /proc/{st['MainPID']}").stdout.strip() == "rsagg"
+
+        def everything_harvested(port: int, nodes: set[str]) -> bool:
+            """Exactly ``nodes`` alive, every source harvested and held by one of them."""
+            s = status_of(port)
+            if not s or "cluster" not in s:
+                return False
+            alive = {n["name"] for n in s["cluster"]["nodes"] if n["alive"]}
+            rows = {r["name"]: r for r in s["sources"]}
+            return alive == nodes and all(
+                name in rows and rows[name]["resources"] == count and rows[name].get("node") in nodes
+                for name, count in SOURCES.items()
+            )
+
+        wait_for(lambda: everything_harvested(ports[1], {"n1", "n2"}), BOUND, "both nodes harvesting")
+        assert m.sh("stat -c '%U:%G %a' /var/lib/rsagg-cluster").stdout.split() == ["rsagg:rsagg", "750"]
+
+        m.sh("systemctl stop rsagg-node@1")
+        assert m.show("rsagg-node@1", "Result", "ExecMainStatus") == {
+            "Result": "success",
+            "ExecMainStatus": "0",
+        }
+        wait_for(lambda: everything_harvested(ports[2], {"n2"}), BOUND, "node 2 holding every source")
+        m.sh("systemctl stop rsagg-node@2")
+        assert m.show("rsagg-node@2", "Result", "ExecMainStatus") == {
+            "Result": "success",
+            "ExecMainStatus": "0",
+        }
