@@ -343,6 +343,7 @@ def start_nginx_with(servers: Servers, conf_text: str, work: Path) -> subprocess
         return None
     work.mkdir(parents=True, exist_ok=True)
     conf = work / "nginx.conf"
+    conf_text = re.sub(r"(?m)^user [^;\n]*;\n", "", conf_text)  # config/nginx.conf names www-data
     conf.write_text(("user root;\n" if os.geteuid() == 0 else "") + conf_text)  # workers read our files
     return servers.start(
         [nginx, "-p", str(work), "-c", str(conf), "-g", "daemon off;"], stderr=subprocess.DEVNULL

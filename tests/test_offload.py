@@ -64,8 +64,10 @@ def nginx_conf(folder: Path, port: int, upstream_port: int, blobs: Path) -> Path
     ):
         assert old in text, old
         text = text.replace(old, new)
-    if os.geteuid() == 0:  # the workers would run as nobody, who cannot enter the test's folders
-        text = "user root;\n" + text
+    # The workers as root, who can enter the test's folders (www-data cannot); a non-root nginx keeps its
+    # own user (the directive would only be warned about).
+    assert "\nuser www-data;\n" in text
+    text = text.replace("\nuser www-data;\n", "\nuser root;\n" if os.geteuid() == 0 else "\n")
     conf = folder / "nginx.conf"
     conf.write_text(text)
     return conf

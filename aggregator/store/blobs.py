@@ -27,6 +27,7 @@ import platform
 import re
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -45,6 +46,11 @@ _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 _HEX2 = re.compile(r"[0-9a-f]{2}\Z")
 #: Committed blobs are immutable: nothing may write into a file that other rows may name.
 BLOB_MODE = 0o444
+#: The blob folders (the store's root and its two fan-out levels), whatever the process's umask (systemd
+#: units run with UMask=0077): a web server reading the blob files (``server.offload = "x-accel"``) must
+#: traverse them. Who may reach the store at all is decided by the folder above it (the units'
+#: ``StateDirectoryMode=0750``: owner and group rsagg, which nginx's user joins; docs/deploy.md).
+FOLDER_MODE = 0o755
 #: Threads used to fsync a batch: concurrent fsyncs on ext4/xfs share journal commits, so a batch of
 #: 500 small blobs costs a few journal flushes instead of 500 (on the ext4 dev VM: 500 x 2 KiB files,
 #: sequential fsync ~120 ms, 16 threads ~40 ms; 32 or 64 threads were no better).
@@ -244,6 +250,7 @@ def _write_new(path: str, parts: Sequence[bytes], *, sync: bool = False) -> None
     """Write a new read-only file (O_EXCL: never one that exists), optionally fsynced."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, BLOB_MODE)
     try:
+        os.fchmod(fd, BLOB_MODE)  # open's mode is masked by the umask (0400 under UMask=0077)
         for part in parts:
             view = memoryview(part)
             while view:
@@ -454,6 +461,37 @@ def put_bytes(store: BlobStore, data: bytes, *, spool: int = 0) -> BlobInfo:
     return info
 
 
+def _make_folder(path: str) -> bool:
+    """``mkdir`` with exactly FOLDER_MODE (mkdir's own mode is masked by the umask); False if it existed."""
+    try:
+        os.mkdir(path, FOLDER_MODE)
+    except FileExistsError:
+        return False
+    os.chmod(path, FOLDER_MODE)
+    return True
+
+
+def _repair_folder_modes(root: Path) -> None:
+    """Give every blob folder FOLDER_MODE when the root has another mode (a store written under an older
+    unit with UMask=0077 has 0700 folders): one ``stat`` when all is well, the root is set last."""
+    try:
+        if stat.S_IMODE(os.stat(root).st_mode) == FOLDER_MODE:
+            return
+        fixed = 0
+        for top in os.scandir(root):
+            if not (_HEX2.match(top.name) and top.is_dir(follow_symlinks=False)):
+                continue
+            for folder in [top.path, *(e.path for e in os.scandir(top.path) if _HEX2.match(e.name))]:
+                if stat.S_IMODE(os.stat(folder, follow_symlinks=False).st_mode) != FOLDER_MODE:
+                    os.chmod(folder, FOLDER_MODE)
+                    fixed += 1
+        os.chmod(root, FOLDER_MODE)
+    except PermissionError as exc:  # another user's store (a gc run as root sets them, the owner too)
+        log.warning("blob folders of %s keep their mode (%s): a web server may not read them", root, exc)
+        return
+    log.info("blob folders of %s: mode set to %o (%d fan-out folders changed)", root, FOLDER_MODE, fixed)
+
+
 class FileBlobStore:
     """Blobs as read-only files ``root/ab/cd/<sha256>`` (two fan-out levels keep directories small), and
     those of at most ``inline_bytes`` that reach ``commit`` in memory as rows of ``root/small.db``.
@@ -480,6 +518,9 @@ class FileBlobStore:
         if inline_bytes < 0:
             raise ValueError(f"inline_bytes must be 0 or more, not {inline_bytes}")
         self.root = Path(root)
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        _make_folder(str(self.root))
+        _repair_folder_modes(self.root)
         self.inline_bytes = inline_bytes
         self.tmp = self.root / "tmp"
         self._fsync_threads = max(1, fsync_threads)
@@ -719,11 +760,7 @@ class FileBlobStore:
         for rel in (leaf[0:2], leaf):
             if rel in self._dirs_known:
                 continue
-            try:
-                os.mkdir(f"{root}/{rel}", 0o755)
-            except FileExistsError:
-                pass
-            else:
+            if _make_folder(f"{root}/{rel}"):
                 changed.append(os.path.dirname(f"{root}/{rel}"))
             self._dirs_known.add(rel)
         return changed
