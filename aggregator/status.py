@@ -10,7 +10,7 @@ the progress and the time the sync began (``last_attempt``) and last saved it (`
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -180,13 +180,25 @@ def cluster_rows(state: StateStore, *, now: datetime | None = None) -> dict[str,
 
 
 def collect(
-    state: StateStore, config: Config, *, now: datetime | None = None, running: bool | None = None
+    state: StateStore,
+    config: Config,
+    *,
+    now: datetime | None = None,
+    running: bool | None = None,
+    unrecorded: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Everything the status displays show (``rsagg status --json`` prints exactly this). ``running``:
     whether a harvesting process holds the store (``store/lock.py``; None: not known). In a cluster each
-    source row names the node harvesting it (``node``), and ``cluster`` lists the nodes and leases."""
+    source row names the node harvesting it (``node``), and ``cluster`` lists the nodes and leases.
+    ``unrecorded``: source -> a store failure this process met that the state could not record (the
+    daemon's ``Metrics.unrecorded_failures``): shown as the source's error, saying so."""
     now = now or utcnow()
     rows = source_rows(state, [s.name for s in config.sources], now=now)
+    for r in rows:
+        line = (unrecorded or {}).get(r["name"])
+        if line:
+            r["state"], r["progress"] = "error", None
+            r["last_error"] = f"{line} [not recorded in the state: it could not be written]"
     cluster = cluster_rows(state, now=now)
     if cluster is not None:
         holder = {le["source"]: le["node"] for le in cluster["leases"]}

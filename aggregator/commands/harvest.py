@@ -98,5 +98,10 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     if failed:
         print(f"rsagg: failed sources: {', '.join(sorted(r.name for r in failed))}", file=sys.stderr)
+    # The store's failure is the machine's, the same for every source: said once, last (errors.py).
+    store = next((r.store_failure for r in results if r.store_failure), None)
+    if store:
+        print(f"rsagg harvest: {store}", file=sys.stderr)
+    if failed:
         return 1
     return 0

@@ -54,7 +54,12 @@ td.lag, td.success, td.progress { white-space: nowrap; }
 
 
 def _status(pub: Publisher, state: StateStore) -> dict[str, Any]:
-    return status.collect(state, pub.config, running=harvester_running(pub.config.store_path))
+    return status.collect(
+        state,
+        pub.config,
+        running=harvester_running(pub.config.store_path),
+        unrecorded=pub.metrics.unrecorded_failures,
+    )
 
 
 async def status_json(request: Request) -> Response:

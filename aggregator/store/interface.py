@@ -39,6 +39,7 @@ from contextvars import ContextVar
 from datetime import datetime
 from typing import Any, Protocol
 
+from ..errors import StoreFailure
 from ..rs.model import Entry
 from .rows import (
     Change,
@@ -76,7 +77,7 @@ _Text = str | None
 ListingRow = tuple[int, str, _Text, int | None, _Text, _Text, _Text, _Text, _Text, _Text, str]
 
 
-class StateUnavailable(Exception):
+class StateUnavailable(StoreFailure):
     """The state cannot be reached (a server backend's server is down, refuses the login, ...): a sync
     that meets it fails and the next one tries again; at start-up rsagg stops with this one line (exit 1).
     Its message names the state's location without secrets."""
