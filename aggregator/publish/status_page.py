@@ -212,7 +212,7 @@ for a set read from its Resource List alone, the time since the last successful 
 {sets}
 </ul>
 <p class="muted">Status at <span id="updated">{_e(st["time"])}</span>, refreshed every {REFRESH_SECONDS} s
-· <a href="status.json">status.json</a> · <a href="metrics">metrics</a></p>
+· <a href="{_e(site.home)}status.json">status.json</a> · <a href="{_e(site.home)}metrics">metrics</a></p>
 <script>{script}</script>
 </body></html>
 """
