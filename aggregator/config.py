@@ -260,6 +260,9 @@ class SourceConfig:
     #: Credentials sent to the source's own origin only, read from files or the environment
     #: (``AUTH_KEYS``): checked for shape here, read by ``harvest/access.py`` when a harvest starts.
     auth: Table = field(default_factory=dict)
+    #: A line shown with the source on the home page and in ``rsagg status`` (what it is, what its
+    #: counts hold: e.g. "each record comes with its metadata record, so twice as many resources").
+    note: NonEmptyStr | None = None
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -16,7 +16,7 @@ from typing import Any
 
 from .cluster import alive
 from .config import Config
-from .progress_text import describe, figures, format_duration
+from .progress_text import describe, figures, format_duration, saved_rate
 from .rs.w3cdt import format_w3c, utcnow
 from .sets import published_sets
 from .store.interface import StateStore
@@ -38,7 +38,7 @@ def _progress(s: SourceRow | None) -> dict | None:
         if isinstance(start, datetime) and isinstance(saved, datetime)
         else None
     )
-    p = figures(s.progress_done, s.progress_total, elapsed)
+    p = figures(s.progress_done, s.progress_total, elapsed, rate=saved_rate(s.progress_what))
     p["text"] = describe(p)
     return p
 
@@ -194,6 +194,9 @@ def collect(
     daemon's ``Metrics.unrecorded_failures``): shown as the source's error, saying so."""
     now = now or utcnow()
     rows = source_rows(state, [s.name for s in config.sources], now=now)
+    said = {s.name: s.note for s in config.sources if s.note}
+    for r in rows:
+        r["note"] = said.get(r["name"])
     for r in rows:
         line = (unrecorded or {}).get(r["name"])
         if line:
@@ -259,9 +262,11 @@ ERROR_CELL = 100
 
 
 def notes(row: dict) -> list[str]:
-    """What a source row needs said besides its cells: lists skipped (the source cannot be in sync),
-    deviations tolerated, the URL harvested when discovery led elsewhere, retries waiting or ended."""
-    out = [f"SKIPPED, so not in sync: {k['url']}: {k['reason']}" for k in row.get("skipped") or []]
+    """What a source row needs said besides its cells: the configured note, lists skipped (the source
+    cannot be in sync), deviations tolerated, the URL harvested when discovery led elsewhere, retries
+    waiting or ended."""
+    out = [row["note"]] if row.get("note") else []  # the operator's own line ([[sources]] note)
+    out += [f"SKIPPED, so not in sync: {k['url']}: {k['reason']}" for k in row.get("skipped") or []]
     tolerated = ", ".join(f"{d['rule']} x{d['count']}" for d in row.get("deviations") or [])
     if tolerated:
         out.append(f"tolerated: {tolerated}")

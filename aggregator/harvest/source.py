@@ -144,7 +144,7 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
     await ctx.write(ctx.writer.upsert_source, src.name, src.url)
     await ctx.write(
         ctx.writer.set_source_status, src.name, state="syncing", last_attempt=format_w3c(utcnow()),
-        progress_done=0, progress_total=None,
+        progress_done=0, progress_total=None, progress_what=None,
     )  # fmt: skip
     ctx.progress.pop(src.name, None)
     progress = Progress(src.name, ctx.progress_update)
