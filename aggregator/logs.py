@@ -6,6 +6,8 @@ import json
 import logging
 import sys
 
+from .errors import environmental_leaf, operator_line
+
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -15,9 +17,21 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if record.exc_info:
+        line = _machine_failure(record)
+        if line is not None:
+            out["message"] += f": {line}"
+        elif record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)
+
+
+def _machine_failure(record: logging.LogRecord) -> str | None:
+    """The one line of a machine failure (errors.operator_line) a record logs with its traceback
+    (``log.exception`` in a loop that survives it: the notifier, the hub, the dump schedule), else None:
+    a full disk is said in one line wherever it is met, a bug keeps its traceback."""
+    exc = record.exc_info[1] if record.exc_info else None
+    leaf = environmental_leaf(exc) if exc is not None else None
+    return operator_line(leaf) if leaf is not None else None
 
 
 class OneLineFormatter(logging.Formatter):
@@ -28,6 +42,14 @@ class OneLineFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         text = super().formatMessage(record)
         return " ".join(text.split()) if "\n" in text else text
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = _machine_failure(record)
+        if line is None:
+            return super().format(record)
+        record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+        record.msg, record.args = f"{record.getMessage()}: {line}", None
+        return super().format(record)
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:

@@ -414,6 +414,9 @@ async def test_runtime_failures_are_one_line(case: str, tmp_path: Path) -> None:
                             code, text, command[0], str(data / "state.db"), ("readonly", "read-only")
                         )
                         assert "writable by the user rsagg runs as" in text
+                    for command in (["status"], ["audit"]):  # what only reads works on a read-only copy
+                        code, text = await trio.to_thread.run_sync(partial(_rsagg, *command, config=config))
+                        assert code == 0, text
                 return
             code, text = await trio.to_thread.run_sync(harvest)
     named, what = {
@@ -475,3 +478,56 @@ async def test_the_daemon_keeps_serving_through_a_full_disk(tmp_path: Path) -> N
     assert status.status_code == 200, text  # the failure is what the status shows for the source
     (source,) = [s for s in status.json()["sources"] if s["name"] == "a"]
     assert source["state"] == "error" and str(data) in (source["last_error"] or ""), source
+
+
+def _machine_failures(where: str) -> list[BaseException]:
+    """Every failure errors.py knows how to say, as the OS, SQLite and trio raise them."""
+    import sqlite3
+
+    from aggregator import errors
+
+    found: list[BaseException] = [OSError(n, os.strerror(n), f"{where}/blobs/x") for n in errors._OS_FIXES]
+    found += [OSError(n, os.strerror(n)) for n in errors._OS_FIXES]  # a write() names no file
+    found += [sqlite3.OperationalError(pattern) for pattern, _ in errors._SQLITE_FIXES]
+    found += [BaseExceptionGroup("nursery", [ValueError("beside"), e]) for e in list(found)]
+    return found
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_every_machine_failure_is_one_line_wherever_it_is_met(
+    fmt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The class, not the cases: each errno and SQLite message errors.py maps, bare or in an exception
+    group, is one line naming the file (or the place given) with its fix, in the CLI's last resort and
+    in a log record written with its traceback (``log.exception`` in a loop that survives it)."""
+    import json
+    import logging
+
+    from aggregator import cli
+    from aggregator.errors import environmental_leaf, operator_line
+    from aggregator.logs import setup_logging
+
+    where = str(tmp_path / "store")
+    setup_logging("info", fmt)
+    for exc in _machine_failures(where):
+        leaf = environmental_leaf(exc)
+        assert leaf is not None, exc
+        line = operator_line(leaf, where)
+        assert "\n" not in line and where in line and "(" in line, line  # the place and the fix
+        assert cli._expected(exc) is leaf
+        try:
+            raise exc
+        except BaseException:
+            logging.getLogger("rsagg.test").exception("round failed")
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        text = json.loads(err)["message"] if fmt == "json" else err
+        assert "round failed: " in text and line.split(": ", 1)[-1] in text, text
+        if getattr(leaf, "filename", None):  # a record names the file when the error does
+            assert where in text, text
+    # a bug keeps its traceback
+    try:
+        raise ValueError("a bug")
+    except ValueError:
+        logging.getLogger("rsagg.test").exception("round failed")
+    assert "Traceback" in capsys.readouterr().err or fmt == "json"

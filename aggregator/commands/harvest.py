@@ -17,6 +17,7 @@ from ..harvest.context import prepare_store
 from ..harvest.progress import ProgressLine
 from ..harvest.source import SourceResult, poll_source, sync_source
 from ..store.lock import store_lock
+from ..store.state import check_writable
 from ._common import add_config_arguments, start
 
 
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     tty = sys.stderr if sys.stderr.isatty() else None  # a progress line only where someone watches
     try:
         with store_lock(prepare_store(config), "rsagg harvest"):
+            check_writable(config)  # a read-only state.db: one line now, not at the first write
             if not args.once:
                 trio.run(_poll_forever, config, args.source)
                 return 0

@@ -642,9 +642,6 @@ class State:
             conn.execute(f"PRAGMA cache_size = {-cache_mib * 1024}")
             conn.execute(f"PRAGMA wal_autocheckpoint = {wal_autocheckpoint}")
             self._migrate()
-            if str(self.path) != ":memory:":
-                with self._write(fence=False) as c:  # a file rsagg cannot write says so now, not mid-sync
-                    c.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
 
     def close(self) -> None:
         with self._lock:
@@ -700,6 +697,14 @@ class State:
             if not is_environmental(exc):
                 raise
             raise StateUnavailable(f"state {operator_line(exc, str(self.path))}") from exc
+
+    def check_writable(self) -> None:
+        """Write once (the schema version, unchanged): a file rsagg cannot write (read-only, its folder
+        not writable) says so now, as ``StateUnavailable`` naming it, rather than in the middle of a sync.
+        Opening does not write when there is nothing to migrate, and the commands that only read
+        (``status``, ``audit``) must keep working on a read-only copy."""
+        with self._write(fence=False) as c:
+            c.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
 
     def version(self) -> int:
         """Grows whenever anyone commits to the state: ``PRAGMA data_version`` (commits of other
@@ -2144,6 +2149,15 @@ def open_state(config: Config, *, readonly: bool = False, **options: Any) -> Sta
     synchronous``; ``options`` are ``State``'s other keyword arguments (``cache_mib``, ``clock``...)."""
     options.setdefault("synchronous", config.store.synchronous)
     return connect(state_path(config), readonly=readonly, **options)
+
+
+def check_writable(config: Config) -> None:
+    """Before harvesting: the configured SQLite state can be written, else ``StateUnavailable`` naming
+    the file (one line, exit 1: cli.py). A PostgreSQL state says so at its first write."""
+    location = state_path(config)
+    if isinstance(location, Path) and location.exists():
+        with State(location, synchronous=config.store.synchronous) as st:
+            st.check_writable()
 
 
 def connect(location: Path | str, *, readonly: bool = False, **options: Any) -> StateStore:
