@@ -379,6 +379,7 @@ async def test_runtime_failures_are_one_line(case: str, tmp_path: Path) -> None:
     data = tmp_path / "data"
     up = Upstream(resource_dump=False, change_dump=False)
     up.bulk_create(60, size=64 * 1024)  # 3.8 MB: more than the small filesystem holds
+    up.create("big.bin", bytes(2 * 2**20))  # and one file more than the file size limit allows
     stack = contextlib.ExitStack()
     options: dict = {}
     state = ""
@@ -439,6 +440,7 @@ async def test_the_daemon_keeps_serving_through_a_full_disk(tmp_path: Path) -> N
     data = tmp_path / "data"
     up = Upstream(resource_dump=False, change_dump=False)
     up.bulk_create(60, size=64 * 1024)
+    up.create("big.bin", bytes(2 * 2**20))
     port = _free_port()
     log_path = tmp_path / "daemon.log"
     with _small_filesystem(data, "1m") as options:
