@@ -285,7 +285,7 @@ async def test_progress_of_a_long_baseline(tmp_path: Path, monkeypatch, caplog):
     assert prog["rate"] is not None and prog["rate"] > 0 and prog["eta_seconds"] is not None
     assert 0 < _value(scraped, "rsagg_sync_progress_done", source="up") < n
     assert _value(scraped, "rsagg_sync_progress_expected", source="up") == n
-    assert re.fullmatch(rf"up: \d+/{n} \(\d+\.\d%\).*", line_text), line_text
+    assert re.fullmatch(rf"up: \[[#.]{{12}}\] \d+/{n} \(\d+\.\d%\).*", line_text), line_text
     # the index of 6 parts first counts as 6 full lists (§10.2), then by the parts read
     assert seen[0][1] in (6 * 50_000, n) and seen[-1][1] == n
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
@@ -299,7 +299,7 @@ def test_progress_line_and_helpers():
     out = io.StringIO()
     line = ProgressLine(out, {"a": (5, 10), "b": (3, None)}, width=200)
     line.draw()
-    assert out.getvalue().startswith("\r\x1b[K") and "a: 5/10 (50.0%)" in out.getvalue()
+    assert out.getvalue().startswith("\r\x1b[K") and "a: [######......] 5/10 (50.0%)" in out.getvalue()
     assert "b: 3 so far (total not known yet)" in out.getvalue()
     line.clear()
     assert out.getvalue().endswith("\r\x1b[K")
@@ -409,7 +409,7 @@ async def test_harvest_once_draws_a_progress_line(tmp_path: Path):
         (result,) = await harvest_once(load_config(path), [], progress_to=err)
     assert result.ok
     drawn = err.getvalue()
-    assert re.search(r"\r\x1b\[Kup: \d+/", drawn), drawn
+    assert re.search(r"\r\x1b\[Kup: (\[[#.]{12}\] )?\d+/", drawn), drawn
     assert drawn.endswith("\r\x1b[K")  # cleared before the results are printed
 
 

@@ -87,6 +87,14 @@ class Progress:
         return figures(self.done, self.total, self._clock() - self.started, rate=self.rate())
 
 
+def bar(p: dict, width: int = 12) -> str:
+    """``[#####.......] `` once the total is known (the terminal's progress bar), else nothing."""
+    if p.get("percent") is None:
+        return ""
+    filled = round(width * min(100.0, p["percent"]) / 100)
+    return f"[{'#' * filled}{'.' * (width - filled)}] "
+
+
 class ProgressLine:
     """``harvest --once`` on a terminal: one line, redrawn in place, with every source's progress.
 
@@ -107,7 +115,7 @@ class ProgressLine:
         for name, (done, total, *rate) in sorted(self.live.items()):
             started = self._first.setdefault(name, now)
             p = figures(done, total, now - started, rate=rate[0] if rate else None)
-            parts.append(f"{name}: {describe(p)}")
+            parts.append(f"{name}: {bar(p)}{describe(p)}")
         return " | ".join(parts)
 
     def draw(self) -> None:
@@ -154,4 +162,4 @@ class ProgressLine:
             self.clear()
 
 
-__all__ = ["LOG_EVERY", "RATE_WINDOW", "Progress", "ProgressLine"]
+__all__ = ["LOG_EVERY", "RATE_WINDOW", "Progress", "ProgressLine", "bar"]
