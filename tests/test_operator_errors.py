@@ -422,7 +422,7 @@ async def test_runtime_failures_are_one_line(case: str, tmp_path: Path) -> None:
             code, text = await trio.to_thread.run_sync(harvest)
     named, what = {
         "full disk": (str(data), ("ENOSPC", "EFBIG", "disk is full")),
-        "store disappears": (str(data), ("ENOENT",)),
+        "store disappears": (str(data), ("ENOENT", "disk I/O error", "unable to open")),
         "postgresql goes away": (f"127.0.0.1:{pg.port}" if state else "", ("unavailable",)),
     }[case]
     _says_it_in_one_line(code, text, "harvest", named, what)
