@@ -80,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     failed = [r for r in results if not r.ok]
     for r in sorted(results, key=lambda r: r.name):
+        if r.store_failure:  # said once, last (below): no counts, the sync did not get to report them
+            print(f"{r.name}: FAILED: stopped by the store (the last line says why)")
+            continue
         applied: dict[str, int] = {}
         for s in r.stats:
             for k, v in s.applied.items():
