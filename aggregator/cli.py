@@ -16,6 +16,7 @@ from . import __version__
 from .commands._common import LOG_LEVELS, OperatorError, add_global_arguments
 from .config import ConfigError
 from .daemon import ListenError
+from .errors import environmental_leaf, is_environmental, operator_line
 from .store.interface import StateUnavailable
 from .store.lock import StoreLocked
 
@@ -65,12 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _expected(exc: BaseException) -> BaseException | None:
-    """The operator's mistake an exception (or a group, from trio's nurseries) is about, else None."""
+    """The operator's mistake an exception (or a group, from trio's nurseries) is about, else None: a
+    mistake rsagg names itself, else the machine's failure (disk full, read-only or vanished store, the
+    state's database away: errors.environmental_leaf), which ``errors.operator_line`` says in one line."""
+    found = _named(exc)
+    return found if found is not None else environmental_leaf(exc)
+
+
+def _named(exc: BaseException) -> BaseException | None:
     if isinstance(exc, ConfigError | OperatorError | StoreLocked | ListenError | StateUnavailable):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            found = _expected(inner)
+            found = _named(inner)
             if found is not None:
                 return found
     return None
@@ -96,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(found, ConfigError):
             print(f"rsagg {args.command}: config error: {found}", file=sys.stderr)
             return 2
-        print(f"rsagg {args.command}: {found}", file=sys.stderr)
+        text = operator_line(found) if is_environmental(found) else " ".join(str(found).split())
+        print(f"rsagg {args.command}: {text}", file=sys.stderr)
         return 1
 
 

@@ -291,6 +291,9 @@ class SourceConfig:
     #: origin made for this source only; a name that moves elsewhere is refused (docs/security.md). A
     #: literal address in ``url`` (or ``localhost``) is trusted without it.
     addresses: Annotated[tuple[str, ...], BeforeValidator(_networks)] = ()
+    #: A line shown with the source on the home page and in ``rsagg status`` (what it is, what its
+    #: counts hold: e.g. "each record comes with its metadata record, so twice as many resources").
+    note: NonEmptyStr | None = None
 
 
 @dataclass(frozen=True, config=_STRICT)

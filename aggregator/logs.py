@@ -18,6 +18,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .errors import environmental_leaf, operator_line
+
 if TYPE_CHECKING:
     from .config import Config
 
@@ -119,9 +121,39 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": redact(record.getMessage()),
         }
-        if record.exc_info:
+        line = _machine_failure(record)
+        if line is not None:
+            out["message"] += f": {redact(line)}"
+        elif record.exc_info:
             out["exception"] = redact(self.formatException(record.exc_info))
         return json.dumps(out, ensure_ascii=False)
+
+
+def _machine_failure(record: logging.LogRecord) -> str | None:
+    """The one line of a machine failure (errors.operator_line) a record logs with its traceback
+    (``log.exception`` in a loop that survives it: the notifier, the hub, the dump schedule), else None:
+    a full disk is said in one line wherever it is met, a bug keeps its traceback."""
+    exc = record.exc_info[1] if record.exc_info else None
+    leaf = environmental_leaf(exc) if exc is not None else None
+    return operator_line(leaf) if leaf is not None else None
+
+
+class OneLineFormatter(logging.Formatter):
+    """The text format, each event on one line: a driver's message that spans lines (libpq's "connection
+    refused\n\tIs the server running...") is joined; a traceback (a bug, never an operator's mistake)
+    stays as Python prints it."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        return " ".join(text.split()) if "\n" in text else text
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = _machine_failure(record)
+        if line is None:
+            return super().format(record)
+        record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+        record.msg, record.args = f"{record.getMessage()}: {line}", None
+        return super().format(record)
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
@@ -130,10 +162,13 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())  # redacts its fields itself
     else:
-        text = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        text = OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
         handler.setFormatter(RedactingFormatter(text))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    # psycopg's pool warns at every reconnection attempt while the state's server is away; rsagg says
+    # the outage itself, once per sync that meets it, with the server's own reason (store/postgres.py).
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)

@@ -90,8 +90,11 @@ STATUS_CLASSES = ("2xx", "3xx", "4xx", "5xx", "error")
 #: Error kinds always exposed (0 until they happen): the Fetcher's FetchError kinds, plugin failures,
 #: and "sync" for a sync that failed for another reason (discovery, a malformed Capability List...).
 #: "refused": the outbound address policy refused the connection (outbound.py).
+#: "store": the machine's store could not be written or read (errors.StoreFailure: disk full, read-only
+#: state, the store folder gone, the state's server away).
 ERROR_KINDS = (
     "fixity", "parse", "http", "timeout", "network", "size", "patch", "dump", "plugin", "sync", "refused",
+    "store",
 )  # fmt: skip
 #: The rules of ``outbound.REASONS`` (not imported: metrics imports no network code).
 OUTBOUND_REASONS = ("loopback", "private", "link-local", "unspecified", "multicast", "reserved", "self")
@@ -311,6 +314,8 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
         r = self.registry = registry if registry is not None else CollectorRegistry()
+        #: source -> the one line of a store failure the state could not record (``failure_not_recorded``).
+        self.unrecorded_failures: dict[str, str] = {}
         if process:  # process_* (CPU, memory, fds), python_gc_*, python_info
             ProcessCollector(registry=r)
             r.register(PLATFORM_COLLECTOR)
@@ -548,6 +553,14 @@ class Metrics:
         self.sync_duration.labels(source).observe(seconds)
         if exc is not None:
             self.error(source, error_kind(exc))
+        if ok or degraded:
+            self.unrecorded_failures.pop(source, None)
+
+    def failure_not_recorded(self, source: str, line: str) -> None:
+        """A sync failed on the store and the state could not take the failure either (a full disk, a
+        read-only file): kept here, in this process, so that its status pages say it instead of the
+        state's stale "syncing" (``status.collect``'s ``unrecorded``). The next sync that ends clears it."""
+        self.unrecorded_failures[source] = line
 
     def blobs_committed(self, written: Sequence[Any], deduplicated: Sequence[Any]) -> None:
         """``FileBlobStore.on_commit``: BlobInfos written now, and those the store already had."""

@@ -5,6 +5,8 @@ numbers, so every layer may import them (tests/test_imports.py).
 
 from __future__ import annotations
 
+import json
+
 
 def format_duration(seconds: float | None) -> str:
     """``1h02m``, ``3m05s``, ``42s``; "?" when unknown."""
@@ -18,9 +20,11 @@ def format_duration(seconds: float | None) -> str:
     return f"{s}s"
 
 
-def figures(done: int, total: int | None, elapsed: float | None) -> dict:
-    """done, total, percent, rate (per second) and eta_seconds (None when unknown)."""
-    rate = done / elapsed if elapsed and elapsed > 0 and done else None
+def figures(done: int, total: int | None, elapsed: float | None, *, rate: float | None = None) -> dict:
+    """done, total, percent, rate (per second) and eta_seconds (None when unknown). ``rate``: what the
+    harvester measured over its last seconds (harvest/progress.py), else the average since ``elapsed``."""
+    if rate is None:
+        rate = done / elapsed if elapsed and elapsed > 0 and done else None
     left = max(0, total - done) if total else None
     return {
         "done": done,
@@ -44,4 +48,19 @@ def describe(p: dict) -> str:
     return text
 
 
-__all__ = ["describe", "figures", "format_duration"]
+def progress_figures(rate: float | None) -> str | None:
+    """What the harvester saves beside done/total (the sources table's ``progress_what``): a JSON object
+    of its live figures, so that a status read from the state shows the rate the harvester measures."""
+    return json.dumps({"rate": round(rate, 2)}) if rate is not None else None
+
+
+def saved_rate(text: str | None) -> float | None:
+    """The rate ``progress_figures`` saved; None for anything else (older rows, other text)."""
+    try:
+        rate = json.loads(text)["rate"] if text else None
+    except (ValueError, TypeError, KeyError):
+        return None
+    return float(rate) if isinstance(rate, int | float) else None
+
+
+__all__ = ["describe", "figures", "format_duration", "progress_figures", "saved_rate"]

@@ -10,13 +10,13 @@ the progress and the time the sync began (``last_attempt``) and last saved it (`
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from .cluster import alive
 from .config import Config
-from .progress_text import describe, figures, format_duration
+from .progress_text import describe, figures, format_duration, saved_rate
 from .rs.w3cdt import format_w3c, utcnow
 from .sets import published_sets
 from .store.interface import StateStore
@@ -38,7 +38,7 @@ def _progress(s: SourceRow | None) -> dict | None:
         if isinstance(start, datetime) and isinstance(saved, datetime)
         else None
     )
-    p = figures(s.progress_done, s.progress_total, elapsed)
+    p = figures(s.progress_done, s.progress_total, elapsed, rate=saved_rate(s.progress_what))
     p["text"] = describe(p)
     return p
 
@@ -180,13 +180,28 @@ def cluster_rows(state: StateStore, *, now: datetime | None = None) -> dict[str,
 
 
 def collect(
-    state: StateStore, config: Config, *, now: datetime | None = None, running: bool | None = None
+    state: StateStore,
+    config: Config,
+    *,
+    now: datetime | None = None,
+    running: bool | None = None,
+    unrecorded: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Everything the status displays show (``rsagg status --json`` prints exactly this). ``running``:
     whether a harvesting process holds the store (``store/lock.py``; None: not known). In a cluster each
-    source row names the node harvesting it (``node``), and ``cluster`` lists the nodes and leases."""
+    source row names the node harvesting it (``node``), and ``cluster`` lists the nodes and leases.
+    ``unrecorded``: source -> a store failure this process met that the state could not record (the
+    daemon's ``Metrics.unrecorded_failures``): shown as the source's error, saying so."""
     now = now or utcnow()
     rows = source_rows(state, [s.name for s in config.sources], now=now)
+    said = {s.name: s.note for s in config.sources if s.note}
+    for r in rows:
+        r["note"] = said.get(r["name"])
+    for r in rows:
+        line = (unrecorded or {}).get(r["name"])
+        if line:
+            r["state"], r["progress"] = "error", None
+            r["last_error"] = f"{line} [not recorded in the state: it could not be written]"
     cluster = cluster_rows(state, now=now)
     if cluster is not None:
         holder = {le["source"]: le["node"] for le in cluster["leases"]}
@@ -247,9 +262,11 @@ ERROR_CELL = 100
 
 
 def notes(row: dict) -> list[str]:
-    """What a source row needs said besides its cells: lists skipped (the source cannot be in sync),
-    deviations tolerated, the URL harvested when discovery led elsewhere, retries waiting or ended."""
-    out = [f"SKIPPED, so not in sync: {k['url']}: {k['reason']}" for k in row.get("skipped") or []]
+    """What a source row needs said besides its cells: the configured note, lists skipped (the source
+    cannot be in sync), deviations tolerated, the URL harvested when discovery led elsewhere, retries
+    waiting or ended."""
+    out = [row["note"]] if row.get("note") else []  # the operator's own line ([[sources]] note)
+    out += [f"SKIPPED, so not in sync: {k['url']}: {k['reason']}" for k in row.get("skipped") or []]
     tolerated = ", ".join(f"{d['rule']} x{d['count']}" for d in row.get("deviations") or [])
     if tolerated:
         out.append(f"tolerated: {tolerated}")

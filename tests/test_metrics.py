@@ -285,7 +285,7 @@ async def test_progress_of_a_long_baseline(tmp_path: Path, monkeypatch, caplog):
     assert prog["rate"] is not None and prog["rate"] > 0 and prog["eta_seconds"] is not None
     assert 0 < _value(scraped, "rsagg_sync_progress_done", source="up") < n
     assert _value(scraped, "rsagg_sync_progress_expected", source="up") == n
-    assert re.fullmatch(rf"up: \d+/{n} \(\d+\.\d%\).*", line_text), line_text
+    assert re.fullmatch(rf"up: \[[#.]{{12}}\] \d+/{n} \(\d+\.\d%\).*", line_text), line_text
     # the index of 6 parts first counts as 6 full lists (§10.2), then by the parts read
     assert seen[0][1] in (6 * 50_000, n) and seen[-1][1] == n
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
@@ -299,7 +299,7 @@ def test_progress_line_and_helpers():
     out = io.StringIO()
     line = ProgressLine(out, {"a": (5, 10), "b": (3, None)}, width=200)
     line.draw()
-    assert out.getvalue().startswith("\r\x1b[K") and "a: 5/10 (50.0%)" in out.getvalue()
+    assert out.getvalue().startswith("\r\x1b[K") and "a: [######......] 5/10 (50.0%)" in out.getvalue()
     assert "b: 3 so far (total not known yet)" in out.getvalue()
     line.clear()
     assert out.getvalue().endswith("\r\x1b[K")
@@ -307,6 +307,54 @@ def test_progress_line_and_helpers():
     p = progress_text.figures(25, 100, 5.0)
     assert (p["percent"], p["rate"], p["eta_seconds"]) == (25.0, 5.0, 15.0)
     assert [status_class(s) for s in (200, 304, 404, 503, None)] == ["2xx", "3xx", "4xx", "5xx", "error"]
+
+
+def test_progress_rate_is_what_arrives_now_not_the_average_since_the_start():
+    """A dump baseline counts nothing while its package downloads: then ~1,000/s arrive. The rate says
+    ~1,000/s (over RATE_WINDOW), not the whole run's average (which said 9.6/s)."""
+    now = [0.0]
+    reports: list[tuple] = []
+    p = harvest_progress.Progress("a", lambda *r: reports.append(r), clock=lambda: now[0])
+    now[0] = 100.0  # discovery, the download and the manifest's first pass: nothing counted
+    p.set_total(10_000)
+    p.add(256)
+    assert p.rate() is None  # one batch spans no time
+    for _ in range(8):
+        now[0] += 0.256
+        p.add(256)
+    assert p.rate() == pytest.approx(1000.0)
+    assert p.figures()["rate"] == pytest.approx(1000.0) and p.figures()["eta_seconds"] is not None
+    assert reports[-1] == ("a", 9 * 256, 10_000, pytest.approx(1000.0))
+    for _ in range(200):  # slower later: the window forgets the fast start
+        now[0] += 1.0
+        p.add(100)
+    assert p.rate() == pytest.approx(100.0, rel=0.05)
+    # what the harvester saves beside done/total, and what the status reads back
+    assert progress_text.saved_rate(progress_text.progress_figures(123.456)) == 123.46
+    assert progress_text.saved_rate(None) is None and progress_text.saved_rate("a URL") is None
+
+
+async def test_a_dump_baseline_counts_towards_its_manifests(tmp_path: Path, monkeypatch):
+    """The total of a baseline from a Resource Dump is known once its package's manifest is read."""
+    n = 300
+    up = Upstream(change_dump=False)
+    up.bulk_create(n)
+    reports: list[tuple] = []
+    async with up.serving() as ubase:
+        path = _write_config(tmp_path, {"up": f"{ubase}/.well-known/resourcesync"}, _free_port())
+        path.write_text(
+            path.read_text().replace("use_dumps = false\n", "use_dumps = true\nbatch_size = 10\n")
+        )
+        config = load_config(path)
+        async with open_context(config) as ctx:
+            update = ctx.progress_update
+            monkeypatch.setattr(ctx, "progress_update", lambda *r: (reports.append(r), update(*r)))
+            result = await sync_source(ctx, config.sources[0])
+    assert result.ok and result.baselines == 1, result.error
+    assert sum(s.seen for s in result.stats) == n and not any(s.fetched for s in result.stats)  # the dump
+    early = [r for r in reports if r[1] < n]
+    assert early and all(total == n for _, _, total, _ in early), reports[:5]
+    assert any(rate for *_, rate in reports)
 
 
 def test_metrics_objects_do_not_collide():
@@ -361,7 +409,7 @@ async def test_harvest_once_draws_a_progress_line(tmp_path: Path):
         (result,) = await harvest_once(load_config(path), [], progress_to=err)
     assert result.ok
     drawn = err.getvalue()
-    assert re.search(r"\r\x1b\[Kup: \d+/", drawn), drawn
+    assert re.search(r"\r\x1b\[Kup: (\[[#.]{12}\] )?\d+/", drawn), drawn
     assert drawn.endswith("\r\x1b[K")  # cleared before the results are printed
 
 
@@ -448,6 +496,11 @@ async def test_demo_serves_a_valid_source(tmp_path: Path):
                     await trio.sleep(0.1)
                 cap_url = re.search(rb"<loc>([^<]+capabilitylist\.xml)</loc>", r.content).group(1).decode()
                 cap = await client.get(cap_url)
+                # The home page says why the demo holds twice --resources (each has a metadata record).
+                home = await client.get(url.removesuffix("/.well-known/resourcesync") + "/")
+                assert "20 resources, each with a metadata record" in home.text, home.text
+                assert "40 resources at the start" in home.text
+        assert b"40 resources at the start" in output  # and so does its start-up message
         issues = [i for i in validate_source(r.content, url) if i.severity == ERROR]
         assert issues == [], issues
         assert [i for i in validate_source(cap.content, cap_url) if i.severity == ERROR] == []

@@ -17,6 +17,7 @@ import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -69,6 +70,17 @@ def content(ctx: HarvestContext, uri: str) -> bytes:
         row = next(r for r in st.iter_resources() if r.uri == uri)
     with ctx.blobs.open(row.sha256) as f:
         return f.read()
+
+
+def last_success(ctx: HarvestContext) -> datetime | None:
+    with State(ctx.config.store_path / "state.db", readonly=True) as st:
+        row = st.source("up")
+        return row.last_success if row else None
+
+
+def syncs(ctx: HarvestContext) -> float:
+    """Syncs of the source "up" (polls) the node ran so far."""
+    return sum(ctx.metrics.syncs.labels("up", r)._value.get() for r in ("ok", "error", "degraded"))
 
 
 def log_size(ctx: HarvestContext) -> int:
@@ -255,12 +267,18 @@ async def test_rsagg_follows_an_upstream_through_flask_websub(tmp_path: Path) ->
                 subs = subscriber(a).subscriptions()
                 assert {s.hub for s in subs} == {hub_url}
                 assert {s.kind for s in subs} == {CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION}
+                by_notice = 0
                 for i in range(4):
+                    before, polls = last_success(a), syncs(a)
                     up.create(f"n{i}.txt", f"note {i}".encode())
                     await wait_until(lambda i=i: len(held(a)) == 3 + i, f"n{i}.txt at A")
-                await quiet(a)
+                    await quiet(a)
+                    if syncs(a) == polls:  # no poll took this change: a notification did
+                        by_notice += 1  # and "last success" moved with it, as with a poll
+                        assert before is not None and last_success(a) > before
                 counters = subscriber(a).counters
                 assert counters["notice.applied"] >= 3, counters  # the first one went by polling
+                assert by_notice >= 3
                 assert counters["delivery.bad_signature"] == counters["delivery.unsigned"] == 0
             nursery.cancel_scope.cancel()
 

@@ -3,12 +3,15 @@ no traceback: each command run against each broken configuration and environment
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -273,3 +276,267 @@ def test_docs_document_every_command_and_its_options() -> None:
         "## One harvesting process per store",
     ):
         assert phrase in readme, phrase
+
+
+# ---------------------------------------------------------------------------------------------------
+# Runtime failures: the machine, not the configuration. Each is caused for real (a read-only file, a
+# full filesystem, the store folder removed, the state's server stopped) at a point of the harvest's own
+# making (the upstream's Nth resource request), never at a moment of the clock.
+
+
+class _OnNthResource:
+    """ASGI: runs ``action`` (once, in a thread, before answering) when the upstream is asked for its
+    ``n``th resource: a failure in the middle of a baseline."""
+
+    def __init__(self, app: object, n: int, action: object) -> None:
+        self.app, self.n, self.action, self.seen = app, n, action, 0
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "http" and "/res/" in scope["path"] and self.action is not None:
+            self.seen += 1
+            if self.seen == self.n:
+                import trio
+
+                action, self.action = self.action, None
+                await trio.to_thread.run_sync(action)
+        await self.app(scope, receive, send)  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def _read_only(path: Path) -> Iterator[str]:
+    """``path`` made read-only for rsagg: what a restore or a tool run as root leaves. Root writes
+    through a mode, so as root the file is made immutable (chattr +i), else its mode is 0444."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not supported on this filesystem (and root writes through a mode)")
+        try:
+            yield "chattr +i"
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+    else:
+        path.chmod(0o444)
+        try:
+            yield "chmod 0444"
+        finally:
+            path.chmod(0o644)
+
+
+@contextlib.contextmanager
+def _small_filesystem(folder: Path, size: str) -> Iterator[dict]:
+    """``folder`` on a filesystem of ``size`` (a tmpfs; root only) that a harvest fills: the options
+    for ``subprocess.run``. Where mounting is not allowed, a file size limit (RLIMIT_FSIZE: Python
+    ignores SIGXFSZ, so a write past it fails with EFBIG) on the harvesting process instead."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
+        ).returncode
+        == 0
+    )
+    if mounted:
+        try:
+            yield {}
+        finally:
+            subprocess.run(["umount", "-l", str(folder)], check=True)
+        return
+    import resource
+
+    limit = 1_000_000
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    yield {"preexec_fn": cap}
+
+
+def _rsagg(*argv: str, config: Path, timeout: float = 180, **options: object) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "COLUMNS": "200"}
+    done = subprocess.run(
+        [sys.executable, "-m", "aggregator", *argv, "-c", str(config)],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=config.parent, **options,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
+
+
+def _says_it_in_one_line(code: int, text: str, command: str, named: str, what: tuple[str, ...]) -> None:
+    """Exit 1; no traceback or exception group; every line short; the last names the file or URL and
+    what happened, as ``rsagg COMMAND: ...``."""
+    assert code == 1, text
+    assert "Traceback" not in text and "Exception Group" not in text and "\n  |" not in text, text
+    lines = text.strip().splitlines()
+    assert all(len(line) < 500 for line in lines), text  # a line each, not a dump
+    last = lines[-1]
+    assert last.startswith(f"rsagg {command}: ") and named in last, text
+    assert any(w in last for w in what), text
+
+
+RUNTIME = ["read-only state", "full disk", "store disappears", "postgresql goes away"]
+
+
+@pytest.mark.parametrize("case", RUNTIME)
+async def test_runtime_failures_are_one_line(case: str, tmp_path: Path) -> None:
+    import trio
+
+    from aggregator.serving import serving
+    from aggregator.testing.upstream import Upstream
+
+    from . import pgserver
+
+    data = tmp_path / "data"
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.bulk_create(60, size=64 * 1024)  # 3.8 MB: more than the small filesystem holds
+    up.create("big.bin", bytes(2 * 2**20))  # and one file more than the file size limit allows
+    stack = contextlib.ExitStack()
+    options: dict = {}
+    state = ""
+    action = None
+    if case == "full disk":
+        options = stack.enter_context(_small_filesystem(data, "1m"))
+    elif case == "store disappears":
+        action = partial(shutil.rmtree, data)
+    elif case == "postgresql goes away":
+        pg = stack.enter_context(pgserver.running())  # a server of its own: this test stops it
+        state = f'state = "{pg.fresh_url()}"\n'
+        action = pg.pause
+    with stack:
+        app = _OnNthResource(up.app(), 20, action)
+        async with serving(app, "127.0.0.1", 0) as base:
+            up.base_url = base
+            config = tmp_path / "rsagg.toml"
+            config.write_text(
+                f'[server]\nlisten = "127.0.0.1:{_free_port()}"\n'
+                f'[store]\npath = "{data}"\n{state}'
+                "[harvest]\nretries = 1\nbackoff_base = 0.01\ntimeout = 10\n"
+                f'[[sources]]\nname = "a"\nurl = "{base}/.well-known/resourcesync"\n'
+            )
+            harvest = partial(_rsagg, "harvest", "--once", config=config, **options)
+            if case == "read-only state":
+                app.action = None
+                code, text = await trio.to_thread.run_sync(harvest)
+                assert code == 0, text
+                with _read_only(data / "state.db"):
+                    for command in (["harvest", "--once"], ["run"]):  # refused at start, before any work
+                        code, text = await trio.to_thread.run_sync(partial(_rsagg, *command, config=config))
+                        _says_it_in_one_line(
+                            code, text, command[0], str(data / "state.db"), ("readonly", "read-only")
+                        )
+                        assert "writable by the user rsagg runs as" in text
+                    for command in (["status"], ["audit"]):  # what only reads works on a read-only copy
+                        code, text = await trio.to_thread.run_sync(partial(_rsagg, *command, config=config))
+                        assert code == 0, text
+                return
+            code, text = await trio.to_thread.run_sync(harvest)
+    named, what = {
+        "full disk": (str(data), ("ENOSPC", "EFBIG", "disk is full")),
+        "store disappears": (str(data), ("ENOENT", "disk I/O error", "unable to open")),
+        "postgresql goes away": (f"127.0.0.1:{pg.port}" if state else "", ("unavailable",)),
+    }[case]
+    _says_it_in_one_line(code, text, "harvest", named, what)
+    assert app.action is None  # the failure came mid-run, as meant
+
+
+async def test_the_daemon_keeps_serving_through_a_full_disk(tmp_path: Path) -> None:
+    """``rsagg run`` on a store that fills up: each sync that meets it fails with one line naming the
+    store; the daemon keeps running and serving what it holds (no traceback, no exit)."""
+    import httpx
+    import trio
+
+    from aggregator.testing.upstream import Upstream
+
+    data = tmp_path / "data"
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.bulk_create(60, size=64 * 1024)
+    up.create("big.bin", bytes(2 * 2**20))
+    port = _free_port()
+    log_path = tmp_path / "daemon.log"
+    with _small_filesystem(data, "1m") as options:
+        async with up.serving() as base, httpx.AsyncClient(timeout=30) as client:
+            config = tmp_path / "rsagg.toml"
+            config.write_text(
+                f'[server]\nlisten = "127.0.0.1:{port}"\n[store]\npath = "{data}"\n'
+                "[harvest]\njitter = 0\nretries = 1\nbackoff_base = 0.01\ntimeout = 10\n"
+                f'[[sources]]\nname = "a"\nurl = "{base}/.well-known/resourcesync"\ninterval = 0.5\n'
+            )
+            env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+            with log_path.open("ab") as log:
+                daemon = await trio.lowlevel.open_process(
+                    [sys.executable, "-m", "aggregator", "run", "-c", str(config)],
+                    env=env, stdout=log, stderr=log, **options,
+                )  # fmt: skip
+            try:
+                with trio.fail_after(120):  # two syncs meet the full disk: the daemon survives each
+                    while log_path.read_text().count("sync failed") < 2:
+                        assert daemon.returncode is None, log_path.read_text()
+                        await trio.sleep(0.2)
+                home = await client.get(f"http://127.0.0.1:{port}/")
+                status = await client.get(f"http://127.0.0.1:{port}/status.json")
+                assert daemon.returncode is None
+            finally:
+                daemon.terminate()
+                with trio.move_on_after(60):
+                    await daemon.wait()
+                if daemon.returncode is None:
+                    daemon.kill()
+    text = log_path.read_text()
+    assert home.status_code == 200, text
+    assert "Traceback" not in text and "Exception Group" not in text, text
+    failed = [line for line in text.splitlines() if "sync failed" in line]
+    assert all(str(data) in line and len(line) < 400 for line in failed), failed
+    assert any(w in failed[0] for w in ("ENOSPC", "EFBIG", "disk is full")), failed
+    assert status.status_code == 200, text  # the failure is what the status shows for the source
+    (source,) = [s for s in status.json()["sources"] if s["name"] == "a"]
+    assert source["state"] == "error" and str(data) in (source["last_error"] or ""), source
+
+
+def _machine_failures(where: str) -> list[BaseException]:
+    """Every failure errors.py knows how to say, as the OS, SQLite and trio raise them."""
+    import sqlite3
+
+    from aggregator import errors
+
+    found: list[BaseException] = [OSError(n, os.strerror(n), f"{where}/blobs/x") for n in errors._OS_FIXES]
+    found += [OSError(n, os.strerror(n)) for n in errors._OS_FIXES]  # a write() names no file
+    found += [sqlite3.OperationalError(pattern) for pattern, _ in errors._SQLITE_FIXES]
+    found += [BaseExceptionGroup("nursery", [ValueError("beside"), e]) for e in list(found)]
+    return found
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_every_machine_failure_is_one_line_wherever_it_is_met(
+    fmt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The class, not the cases: each errno and SQLite message errors.py maps, bare or in an exception
+    group, is one line naming the file (or the place given) with its fix, in the CLI's last resort and
+    in a log record written with its traceback (``log.exception`` in a loop that survives it)."""
+    import json
+    import logging
+
+    from aggregator import cli
+    from aggregator.errors import environmental_leaf, operator_line
+    from aggregator.logs import setup_logging
+
+    where = str(tmp_path / "store")
+    setup_logging("info", fmt)
+    for exc in _machine_failures(where):
+        leaf = environmental_leaf(exc)
+        assert leaf is not None, exc
+        line = operator_line(leaf, where)
+        assert "\n" not in line and where in line and "(" in line, line  # the place and the fix
+        assert cli._expected(exc) is leaf
+        try:
+            raise exc
+        except BaseException:
+            logging.getLogger("rsagg.test").exception("round failed")
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        text = json.loads(err)["message"] if fmt == "json" else err
+        assert "round failed: " in text and line.split(": ", 1)[-1] in text, text
+        if getattr(leaf, "filename", None):  # a record names the file when the error does
+            assert where in text, text
+    # a bug keeps its traceback
+    try:
+        raise ValueError("a bug")
+    except ValueError:
+        logging.getLogger("rsagg.test").exception("round failed")
+    assert "Traceback" in capsys.readouterr().err or fmt == "json"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import socket
 import sys
@@ -38,13 +39,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def demo_config(data: Path, port: int, upstream_url: str, interval: float) -> Config:
+def demo_note(resources: int) -> str:
+    """Why the demo's source holds about twice ``--resources``: said on its home page and status."""
+    return (
+        f"the sample Source publishes {resources} resources, each with a metadata record "
+        f'(<path>.meta.xml, linked rel="describedby"): {2 * resources} resources at the start; every '
+        "--change-every seconds it creates one more and may update two and delete one (each with its record)"
+    )
+
+
+def demo_config(data: Path, port: int, upstream_url: str, interval: float, resources: int = 300) -> Config:
     return parse_config(
         {
             "server": {"listen": f"127.0.0.1:{port}", "base_url": f"http://127.0.0.1:{port}"},
             "store": {"path": str(data)},
             "harvest": {"interval": interval, "jitter": 0.0},
-            "sources": [{"name": "demo", "url": upstream_url}],
+            "sources": [{"name": "demo", "url": upstream_url, "note": demo_note(resources)}],
         },
         str(data / "demo.toml"),
     )
@@ -77,7 +87,8 @@ async def run_demo(args: argparse.Namespace, data: Path) -> None:
     async with trio.open_nursery() as nursery:
         upstream = await nursery.start(up.serve, "127.0.0.1", args.upstream_port)
         await nursery.start(notifier.run)  # change + framework notifications through its own hub
-        config = demo_config(data, port, f"{upstream}/.well-known/resourcesync", args.interval)
+        well_known = f"{upstream}/.well-known/resourcesync"
+        config = demo_config(data, port, well_known, args.interval, args.resources)
 
         async def ready(parts: Assembly, bound: str) -> None:
             base = config.server.base_url
@@ -87,6 +98,7 @@ async def run_demo(args: argparse.Namespace, data: Path) -> None:
                 f"  rsagg home page:         {base}/\n"
                 f"  rsagg Source Description {base}/.well-known/resourcesync\n"
                 f"  status:                  rsagg status -c {data / 'demo.toml'}\n"
+                f"  counts: {demo_note(args.resources)}\n"
                 "Press Ctrl-C to stop.",
                 flush=True,
             )
@@ -94,6 +106,7 @@ async def run_demo(args: argparse.Namespace, data: Path) -> None:
         (data / "demo.toml").write_text(
             f'[server]\nlisten = "127.0.0.1:{port}"\nbase_url = "http://127.0.0.1:{port}"\n'
             f'[store]\npath = "."\n[[sources]]\nname = "demo"\nurl = "{upstream}/.well-known/resourcesync"\n'
+            f"note = {json.dumps(demo_note(args.resources))}\n"  # a TOML basic string is a JSON string
         )
 
         async def daemon(task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:

@@ -17,6 +17,7 @@ from ..harvest.context import prepare_store
 from ..harvest.progress import ProgressLine
 from ..harvest.source import SourceResult, poll_source, sync_source
 from ..store.lock import store_lock
+from ..store.state import check_writable
 from ._common import add_config_arguments, start
 
 
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     tty = sys.stderr if sys.stderr.isatty() else None  # a progress line only where someone watches
     try:
         with store_lock(prepare_store(config), "rsagg harvest"):
+            check_writable(config)  # a read-only state.db: one line now, not at the first write
             if not args.once:
                 trio.run(_poll_forever, config, args.source)
                 return 0
@@ -84,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     failed = [r for r in results if not r.ok]
     for r in sorted(results, key=lambda r: r.name):
+        if r.store_failure:  # said once, last (below): no counts, the sync did not get to report them
+            print(f"{r.name}: FAILED: stopped by the store (the last line says why)")
+            continue
         applied: dict[str, int] = {}
         for s in r.stats:
             for k, v in s.applied.items():
@@ -104,5 +109,10 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     if failed:
         print(f"rsagg: failed sources: {', '.join(sorted(r.name for r in failed))}", file=sys.stderr)
+    # The store's failure is the machine's, the same for every source: said once, last (errors.py).
+    store = next((r.store_failure for r in results if r.store_failure), None)
+    if store:
+        print(f"rsagg harvest: {store}", file=sys.stderr)
+    if failed:
         return 1
     return 0

@@ -15,6 +15,7 @@ from ..config import ConfigError
 from ..daemon import ListenError, run_daemon
 from ..harvest.context import prepare_store
 from ..store.lock import store_lock
+from ..store.state import check_writable
 from ._common import add_config_arguments, start
 
 
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     lock = contextlib.nullcontext() if args.no_harvest else store_lock(root, "rsagg run", shared=shared)
     try:
         with lock:
+            if not args.no_harvest:  # serving alone reads: a read-only state.db serves (docs/troubleshooting.md)
+                check_writable(config)
             trio.run(lambda: run_daemon(config, config_path=args.config, harvest=not args.no_harvest))
     except ListenError as exc:
         print(f"rsagg run: {exc}", file=sys.stderr)

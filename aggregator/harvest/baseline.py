@@ -134,16 +134,31 @@ async def _dump_items(
     snap: Snapshot,
     tmpdir: Path,
     validators: Validators | None = None,
+    total: Callable[[int], None] = lambda n: None,
 ) -> AsyncGenerator[Work, None]:
-    """Packages of a Resource Dump (§11.1), each verified against its manifest (§11.2) by dumps.py."""
+    """Packages of a Resource Dump (§11.1), each verified against its manifest (§11.2) by dumps.py.
+
+    Progress: a package's manifest says how many entries it holds once read (its first pass), so the
+    expected total is the manifests read so far plus, for each package not read yet, their average."""
     packages = await dump_packages(ctx, url, snap, validators)
     limits = DumpLimits(max_package_bytes=ctx.config.harvest.max_resource_bytes)
+    counted: list[int] = []
+
+    def manifest_read(n: int) -> None:
+        counted.append(n)
+        left = len(packages) - len(counted)
+        total(sum(counted) + round(left * sum(counted) / len(counted)))
+
     for pkg in packages:
-        items = fetch_package(ctx.fetcher, pkg, ctx.blobs, tmpdir, limits=limits)
+        items = fetch_package(ctx.fetcher, pkg, ctx.blobs, tmpdir, limits=limits, on_count=manifest_read)
         async with aclosing(items):
             async for item in items:
                 entry = resolve(item.entry, pkg.loc)  # a manifest's relative <loc>: against its package
                 yield Work(entry, CREATED, None, generation, blob=item.blob, info=item.info)
+
+
+def _no_total(n: int) -> None:
+    """Several dumps of one set: each one's count is not the set's (the total stays unknown)."""
 
 
 @for_source
@@ -223,7 +238,9 @@ async def _baseline_from(
         # are harvested, but the baseline is not finished, so nothing the skipped list holds is swept.
         for url, snap in zip(urls, snaps, strict=True):
             if how == "dump":
-                one = _dump_items(ctx, url, generation, snap, tmp, validators)
+                one = _dump_items(
+                    ctx, url, generation, snap, tmp, validators, total if len(urls) == 1 else _no_total
+                )
             else:
                 one = _resource_list_items(ctx, url, generation, snap, total, validators)
             try:

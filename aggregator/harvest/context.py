@@ -24,6 +24,7 @@ import trio
 from ..config import Config, ConfigError
 from ..metrics import Metrics
 from ..plugins import Plugins
+from ..progress_text import progress_figures
 from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
 from ..store.calls import in_thread, state_call
 from ..store.interface import StateStore
@@ -49,7 +50,7 @@ class HarvestContext:
     patch_formats: dict[str, PatchApplier] = field(default_factory=builtin_patch_formats)
     plugins: Plugins = field(default_factory=lambda: Plugins(entry_point_plugins=False))
     #: source -> (done, expected or None): live progress of the running baseline (``harvest/progress.py``).
-    progress: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    progress: dict[str, tuple[int, int | None, float | None]] = field(default_factory=dict)
     _write_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     #: Called on the trio thread after each state transaction that logged changes (rsagg's notifier
     #: publishes them at once instead of at its next look; the composition adds ``Notifier.wake``).
@@ -59,7 +60,7 @@ class HarvestContext:
     #: Where CPU-bound page work runs (``harvest/offload.py``): worker processes when the composition
     #: gives them (``harvest.processes``), else worker threads with ``blobs``.
     offload: Offload | None = None
-    _progress_unsaved: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    _progress_unsaved: dict[str, tuple[int, int | None, float | None]] = field(default_factory=dict)
     _progress_saved_at: float = 0.0
 
     def __post_init__(self) -> None:
@@ -86,27 +87,30 @@ class HarvestContext:
 
         return await in_thread(call, limiter=self._write_limiter)
 
-    def progress_update(self, source: str, done: int, total: int | None) -> None:
+    def progress_update(self, source: str, done: int, total: int | None, rate: float | None = None) -> None:
         """Live progress in memory; saved in the sources table with the next state write once
-        PROGRESS_SAVE_EVERY seconds have passed (no timer task, no extra thread hop per batch)."""
-        self.progress[source] = (done, total)
-        self._progress_unsaved[source] = (done, total)
+        PROGRESS_SAVE_EVERY seconds have passed (no timer task, no extra thread hop per batch). ``rate``:
+        resources per second lately (``Progress.rate``), saved with it for the status displays."""
+        self.progress[source] = (done, total, rate)
+        self._progress_unsaved[source] = (done, total, rate)
 
     def progress_finished(self, source: str) -> None:
         """The sync writes its final figures itself: nothing left to ride along."""
         self._progress_unsaved.pop(source, None)
 
-    def _progress_due(self) -> dict[str, tuple[int, int | None]]:
+    def _progress_due(self) -> dict[str, tuple[int, int | None, float | None]]:
         if not self._progress_unsaved or time.monotonic() - self._progress_saved_at < PROGRESS_SAVE_EVERY:
             return {}
         self._progress_saved_at = time.monotonic()
         due, self._progress_unsaved = self._progress_unsaved, {}
         return due
 
-    def _save_progress(self, progress: dict[str, tuple[int, int | None]]) -> None:
-        for name, (done, total) in progress.items():
+    def _save_progress(self, progress: dict[str, tuple[int, int | None, float | None]]) -> None:
+        for name, (done, total, rate) in progress.items():
             try:
-                self.writer.set_source_status(name, progress_done=done, progress_total=total)
+                self.writer.set_source_status(
+                    name, progress_done=done, progress_total=total, progress_what=progress_figures(rate)
+                )
             except Exception as exc:  # progress is a display: never fail the write it rides along with
                 log.warning("source=%s progress not saved: %s", name, exc)
 

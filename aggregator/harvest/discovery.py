@@ -100,6 +100,12 @@ class DiscoveryError(Exception):
             f"{url}: no ResourceSync Capability List or Source Description found (tried {tried})"
         )
 
+    @property
+    def root_cause(self) -> str | None:
+        """Why the configured URL (tried first) failed: what the operator acts on (a host down, a 404),
+        where "nothing found" only wraps it (errors.root_cause)."""
+        return f"{self.attempts[0][0]}: {self.attempts[0][1]}" if self.attempts else None
+
 
 # -- small parsers ---------------------------------------------------------------------------------
 

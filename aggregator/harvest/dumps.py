@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import zipfile
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,8 +302,9 @@ def _entry_member(pkg: _Package, entry: Entry, *, note: bool = False) -> tuple[s
     return "/" + name, info
 
 
-async def _pass_one(pkg: _Package) -> None:
-    """Parse the whole manifest once and check every reference before anything is yielded."""
+async def _pass_one(pkg: _Package) -> int:
+    """Parse the whole manifest once and check every reference before anything is yielded; returns how
+    many entries it has (what a baseline's progress counts towards)."""
     stream = _ManifestStream(pkg, count=True)
     state = {"entries": 0, "claimed": 0}
 
@@ -335,6 +336,7 @@ async def _pass_one(pkg: _Package) -> None:
             check(await stream.step())
     finally:
         stream.close()
+    return state["entries"]
 
 
 @dataclass
@@ -458,20 +460,28 @@ class _Copier:
 
 
 async def read_package(
-    path: Path, url: str, store: BlobStore, *, limits: DumpLimits | None = None
+    path: Path,
+    url: str,
+    store: BlobStore,
+    *,
+    limits: DumpLimits | None = None,
+    on_count: Callable[[int], None] | None = None,
 ) -> AsyncIterator[DumpItem]:
     """Yield the manifest entries of a downloaded package (§11.2, §13.2) in manifest order.
 
     Each created/updated/resource entry comes with a finished (not committed) BlobWriter verified against
     the manifest; deletions come with ``blob=None``. Raises DumpError. Use ``contextlib.aclosing`` when the
-    loop may stop early, so the unconsumed writers are aborted at once.
+    loop may stop early, so the unconsumed writers are aborted at once. ``on_count`` gets the manifest's
+    number of entries once the first pass has read it (a baseline's progress total).
     """
     limits = limits or DumpLimits()
     pkg = await trio.to_thread.run_sync(_open, Path(path), url, limits)
     copier = _Copier(pkg, store)
     stream: _ManifestStream | None = None
     try:
-        await _pass_one(pkg)
+        entries = await _pass_one(pkg)
+        if on_count is not None:
+            on_count(entries)
         stream = _ManifestStream(pkg, count=False)
         while True:
             if not copier.pending and copier.current is None:
@@ -519,7 +529,13 @@ async def read_manifest(
 
 
 async def fetch_package(
-    fetcher, package: Entry, store: BlobStore, folder: Path, *, limits: DumpLimits
+    fetcher,
+    package: Entry,
+    store: BlobStore,
+    folder: Path,
+    *,
+    limits: DumpLimits,
+    on_count: Callable[[int], None] | None = None,
 ) -> AsyncIterator[DumpItem]:
     """Download one package listed in a Resource Dump or Change Dump (verified against the dump's
     ``hash``/``length`` for it) into ``folder``, then yield its items; the file is removed afterwards."""
@@ -532,7 +548,7 @@ async def fetch_package(
                 package.loc, f, max_bytes=limits.max_package_bytes,
                 expected=Expected(package.hashes, package.md.length if package.md else None),
             )  # fmt: skip
-        items = read_package(path, package.loc, store, limits=limits)
+        items = read_package(path, package.loc, store, limits=limits, on_count=on_count)
         async with aclosing(items):
             async for item in items:
                 yield item

@@ -25,6 +25,7 @@ import trio
 
 from ..config import SourceConfig
 from ..rs.model import CHANGES, Entry
+from ..rs.w3cdt import format_w3c, utcnow
 from .access import for_source
 from .context import HarvestContext
 from .discovery import SetInfo
@@ -88,6 +89,7 @@ class NotifiedHarvest:
             log.info(
                 "source=%s %s: nothing new in the notification (%d entries)", src.name, topic, len(resolved)
             )
+            await self._succeeded(src)
             return 0, 0
 
         async def items() -> AsyncGenerator[Work, None]:
@@ -105,7 +107,15 @@ class NotifiedHarvest:
             log.warning(
                 "source=%s url=%s from a notification failed (%s): %s", src.name, f.uri, f.kind, f.message
             )
+        if not stats.failures:
+            await self._succeeded(src)
         return len(work), sum(stats.applied.values())
+
+    async def _succeeded(self, src: SourceConfig) -> None:
+        """A notice applied whole is a successful sync of what it announced: "last success" (status, the
+        home page, ``rsagg_source_last_success_timestamp_seconds``) moves with it, as with a poll. The
+        source's state is the last full sync's and stays."""
+        await self.ctx.write(self.ctx.writer.set_source_status, src.name, last_success=format_w3c(utcnow()))
 
 
 __all__ = ["NotifiedHarvest"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TextIO
@@ -23,6 +24,10 @@ log = logging.getLogger("rsagg.harvest")
 
 #: Seconds between two progress lines in the log.
 LOG_EVERY = 10.0
+#: The rate shown is the resources counted over about this many seconds (what arrives now), not since
+#: the sync began: discovery and a dump package's download and first pass count nothing, and would
+#: make the rate of a whole run read far below what arrives.
+RATE_WINDOW = 30.0
 
 
 class Progress:
@@ -43,6 +48,7 @@ class Progress:
         self._before = 0  # done when the current set began
         self._set_total: int | None = None
         self._logged = self.started
+        self._samples: deque[tuple[float, int]] = deque()  # (time, done) within RATE_WINDOW
 
     @property
     def total(self) -> int | None:
@@ -56,28 +62,47 @@ class Progress:
     def set_total(self, n: int) -> None:
         """The current set's expected resources (refined while its list is read)."""
         self._set_total = n
-        self._report(self.name, self.done, self.total)
+        self._report(self.name, self.done, self.total, self.rate())
 
     def add(self, n: int) -> None:
-        self.done += n
-        self._report(self.name, self.done, self.total)
         now = self._clock()
+        self.done += n  # the first batch only starts the clock: how long it took is not known
+        self._samples.append((now, self.done))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW:
+            self._samples.popleft()
+        self._report(self.name, self.done, self.total, self.rate())
         if now - self._logged >= LOG_EVERY:
             self._logged = now
             log.info("source=%s baseline progress: %s", self.name, describe(self.figures()))
 
+    def rate(self) -> float | None:
+        """Resources per second over the last RATE_WINDOW seconds of counting; None before a second
+        batch has come (one batch alone spans no time)."""
+        if len(self._samples) < 2:
+            return None
+        (t0, d0), (t1, d1) = self._samples[0], self._samples[-1]
+        return (d1 - d0) / (t1 - t0) if t1 > t0 else None
+
     def figures(self) -> dict:
-        return figures(self.done, self.total, self._clock() - self.started)
+        return figures(self.done, self.total, self._clock() - self.started, rate=self.rate())
+
+
+def bar(p: dict, width: int = 12) -> str:
+    """``[#####.......] `` once the total is known (the terminal's progress bar), else nothing."""
+    if p.get("percent") is None:
+        return ""
+    filled = round(width * min(100.0, p["percent"]) / 100)
+    return f"[{'#' * filled}{'.' * (width - filled)}] "
 
 
 class ProgressLine:
     """``harvest --once`` on a terminal: one line, redrawn in place, with every source's progress.
 
-    ``live`` is ``HarvestContext.progress`` (source -> (done, expected)). Log records clear the line
+    ``live`` is ``HarvestContext.progress`` (source -> (done, expected[, rate])). Log records clear the line
     before they are written (``while_shown``), and the next tick draws it again below them.
     """
 
-    def __init__(self, stream: TextIO, live: Mapping[str, tuple[int, int | None]], *, width: int = 0) -> None:
+    def __init__(self, stream: TextIO, live: Mapping[str, tuple], *, width: int = 0) -> None:
         self.stream = stream
         self.live = live
         self.width = width
@@ -87,9 +112,10 @@ class ProgressLine:
     def text(self, now: float | None = None) -> str:
         now = time.monotonic() if now is None else now
         parts = []
-        for name, (done, total) in sorted(self.live.items()):
+        for name, (done, total, *rate) in sorted(self.live.items()):
             started = self._first.setdefault(name, now)
-            parts.append(f"{name}: {describe(figures(done, total, now - started))}")
+            p = figures(done, total, now - started, rate=rate[0] if rate else None)
+            parts.append(f"{name}: {bar(p)}{describe(p)}")
         return " | ".join(parts)
 
     def draw(self) -> None:
@@ -136,4 +162,4 @@ class ProgressLine:
             self.clear()
 
 
-__all__ = ["LOG_EVERY", "Progress", "ProgressLine"]
+__all__ = ["LOG_EVERY", "RATE_WINDOW", "Progress", "ProgressLine", "bar"]

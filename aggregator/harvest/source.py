@@ -13,9 +13,10 @@ from typing import Protocol
 import trio
 
 from ..config import SourceConfig
+from ..errors import StoreFailure, environmental_leaf, leading_line, operator_line, store_failure
 from ..rs.model import CHANGELIST
 from ..rs.w3cdt import format_w3c, utcnow
-from ..store.interface import LeaseLost, StateUnavailable
+from ..store.interface import LeaseLost
 from .access import for_source
 from .audit import still_listed
 from .baseline import run_baseline
@@ -45,6 +46,8 @@ class SourceResult:
     #: Tolerated deviations (``Note.as_dict``) and lists that could not be read (URL -> reason).
     deviations: list[dict] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    #: The store could not be written (errors.StoreFailure): its one line. Not the upstream's fault.
+    store_failure: str | None = None
 
     @property
     def degraded(self) -> bool:
@@ -120,9 +123,18 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     try:
         with collecting(Deviations(src.name, ctx.metrics.deviation)) as deviations:
             return await _sync_source(ctx, src, deviations)
-    except StateUnavailable as exc:  # the state's server is away: nothing to record it in; try next time
-        log.error("source=%s sync failed: %s", src.name, exc)
-        return SourceResult(src.name, ok=False, error=str(exc))
+    except StoreFailure as exc:
+        # The machine's problem (disk full, state read-only or away, store folder gone), not the
+        # upstream's: one line, recorded where the state still takes it; the next sync tries again.
+        line = operator_line(exc)
+        log.error("source=%s sync failed: %s", src.name, line)
+        ctx.progress_finished(src.name)
+        try:
+            await ctx.write(ctx.writer.set_source_status, src.name, state="error", last_error=line)
+        except StoreFailure:
+            ctx.metrics.failure_not_recorded(src.name, line)
+        ctx.metrics.sync_finished(src.name, False, 0.0, exc)
+        return SourceResult(src.name, ok=False, error=line, store_failure=line)
 
 
 async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Deviations) -> SourceResult:
@@ -132,7 +144,7 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
     await ctx.write(ctx.writer.upsert_source, src.name, src.url)
     await ctx.write(
         ctx.writer.set_source_status, src.name, state="syncing", last_attempt=format_w3c(utcnow()),
-        progress_done=0, progress_total=None,
+        progress_done=0, progress_total=None, progress_what=None,
     )  # fmt: skip
     ctx.progress.pop(src.name, None)
     progress = Progress(src.name, ctx.progress_update)
@@ -194,9 +206,12 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
             if isinstance(leaf, LeaseLost):
                 raise leaf from None
             exc = leaf if isinstance(leaf, Exception) else exc
+        env = environmental_leaf(exc)
+        if env is not None:  # the store, not the upstream: sync_source reports it (one line)
+            raise store_failure(env, str(ctx.config.store_path)) from None
         stopped_by = exc
         result.ok = False
-        result.error = f"{type(exc).__name__}: {exc}"
+        result.error = leading_line(exc)  # the root cause first (errors.root_cause)
         log.error("source=%s url=%s sync failed: %s", src.name, src.url, result.error)
     if result.ok and result.failures:
         result.ok = False

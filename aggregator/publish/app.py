@@ -77,7 +77,7 @@ from .documents import (
 from .fastpath import ResourceFastPath
 from .resources import LiteRequest, gone, http_date, remote_response, resource_answer, validators_match
 from .site import build_site, link_policy, publish_filter
-from .uris import split_resource_path
+from .uris import BasePath, base_path, split_resource_path
 
 log = logging.getLogger("rsagg.publish")
 #: Bump when a change of the code changes what a document renders to: cached renderings are dropped.
@@ -584,10 +584,12 @@ def create_app(
         )
         return fast[-1]
 
+    # Outermost: a request under base_url's path is routed without it (a proxy that passes it on).
+    prefix = Middleware(BasePath, prefix=base_path(config.server.base_url))
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[served, Middleware(hot)],
+        middleware=[prefix, served, Middleware(hot)],
         exception_handlers={ServerBusy: busy, StateUnavailable: busy},  # the state's server away: 503 too
     )
     app.state.publisher = publisher

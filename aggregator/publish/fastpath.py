@@ -60,7 +60,7 @@ from .resources import (
     memory_response,
     resource_headers,
 )
-from .uris import RESOURCES, split_resource_path
+from .uris import RESOURCES, base_path, split_resource_path, strip_base_path
 
 if TYPE_CHECKING:
     from .app import Publisher
@@ -237,6 +237,7 @@ class ResourceFastPath:
         self.lifetime = publisher.config.server.redirect_lifetime
         self.cache_seconds = publisher.config.server.offload_cache_seconds
         self._no_url_logged = False
+        self.prefix = base_path(publisher.config.server.base_url).encode("utf-8")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD") or _MARK not in scope["path"]:
@@ -280,7 +281,7 @@ class ResourceFastPath:
         target) for the server's fast lane (``serverguard._FastLane``): status, headers and body as
         ``__call__`` sends them, or None for anything else (the ordinary path answers it)."""
         start = time.perf_counter()
-        raw = target.partition(b"?")[0]
+        raw = strip_base_path(target.partition(b"?")[0], self.prefix)  # uris.BasePath, for this lane
         if b"/r/" not in raw:
             return None
         cacheable = await self.cache.fresh()

@@ -54,7 +54,12 @@ td.lag, td.success, td.progress { white-space: nowrap; }
 
 
 def _status(pub: Publisher, state: StateStore) -> dict[str, Any]:
-    return status.collect(state, pub.config, running=harvester_running(pub.config.store_path))
+    return status.collect(
+        state,
+        pub.config,
+        running=harvester_running(pub.config.store_path),
+        unrecorded=pub.metrics.unrecorded_failures,
+    )
 
 
 async def status_json(request: Request) -> Response:
@@ -207,7 +212,7 @@ for a set read from its Resource List alone, the time since the last successful 
 {sets}
 </ul>
 <p class="muted">Status at <span id="updated">{_e(st["time"])}</span>, refreshed every {REFRESH_SECONDS} s
-· <a href="status.json">status.json</a> · <a href="metrics">metrics</a></p>
+· <a href="{_e(site.home)}status.json">status.json</a> · <a href="{_e(site.home)}metrics">metrics</a></p>
 <script>{script}</script>
 </body></html>
 """

@@ -32,7 +32,8 @@ percent-encoding still reach the resource.
 from __future__ import annotations
 
 import re
-from urllib.parse import quote, unquote
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit
 
 #: RFC 3986 pchar minus "%" (plus "/"): kept as is in the rsagg path; everything else is escaped.
 SAFE = "-._~!$&'()*+,;=:@/"
@@ -104,4 +105,48 @@ def split_resource_path(raw_path: str) -> tuple[str, str] | None:
         return None
 
 
-__all__ = ["NotAResourcePath", "rsagg_path", "rsagg_uri", "split_resource_path", "upstream_uri"]
+def base_path(base_url: str) -> str:
+    """The path of ``server.base_url`` without its trailing slash: ``""`` for ``http://host``,
+    ``"/rsagg"`` for ``http://host/rsagg/`` (a reverse proxy publishing rsagg under a prefix)."""
+    return urlsplit(base_url).path.rstrip("/")
+
+
+def strip_base_path(path: bytes, prefix: bytes) -> bytes:
+    """A request path with ``server.base_url``'s path taken off, when it carries it (a reverse proxy
+    that passes the prefix on); as it came when it does not (a proxy that strips the prefix, or a
+    client talking to rsagg directly). ``/rsagg`` alone is the home page."""
+    if prefix and path.startswith(prefix) and (len(path) == len(prefix) or path[len(prefix)] in b"/?"):
+        rest = path[len(prefix) :]
+        return rest if rest[:1] == b"/" else b"/" + rest
+    return path
+
+
+class BasePath:
+    """ASGI middleware, outermost: a request under ``server.base_url``'s path is routed as if the path
+    were not there (``strip_base_path``). Every URL rsagg writes is absolute, from ``base_url``, so
+    nothing needs ``root_path``."""
+
+    def __init__(self, app: Any, prefix: str) -> None:
+        self.app = app
+        self.prefix = prefix.encode("utf-8")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if self.prefix and scope["type"] == "http":
+            raw = scope.get("raw_path") or scope["path"].encode("utf-8")
+            stripped = strip_base_path(raw, self.prefix)
+            if stripped is not raw:
+                path = strip_base_path(scope["path"].encode("utf-8"), self.prefix).decode("utf-8")
+                scope = {**scope, "raw_path": stripped, "path": path}
+        await self.app(scope, receive, send)
+
+
+__all__ = [
+    "BasePath",
+    "NotAResourcePath",
+    "base_path",
+    "rsagg_path",
+    "rsagg_uri",
+    "split_resource_path",
+    "strip_base_path",
+    "upstream_uri",
+]

@@ -39,6 +39,7 @@ from contextvars import ContextVar
 from datetime import datetime
 from typing import Any, Protocol
 
+from ..errors import StoreFailure
 from ..rs.model import Entry
 from .rows import (
     Change,
@@ -82,7 +83,7 @@ class EmptySnapshot(Exception):
     must never delete everything held; the caller reports the source degraded."""
 
 
-class StateUnavailable(Exception):
+class StateUnavailable(StoreFailure):
     """The state cannot be reached (a server backend's server is down, refuses the login, ...): a sync
     that meets it fails and the next one tries again; at start-up rsagg stops with this one line (exit 1).
     Its message names the state's location without secrets."""

@@ -431,6 +431,10 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
+#: What an operator does about a state server that went away (said with it).
+_AWAY_FIX = "(start the server or correct store.state)"
+
+
 def _scrub(text: str, url: str) -> str:
     """``text`` (a driver's message) with the URL redacted and its password blanked, wherever they occur."""
     password = None
@@ -467,6 +471,8 @@ class PostgresState:
         self.readonly = readonly
         self._clock = clock
         self._closed = False
+        self._away = False  # the server was seen gone (``_unavailable``)
+        self._connect_timeout = max(1, int(connect_timeout))
         settings = ["SET TIME ZONE 'UTC'", f"SET synchronous_commit = {'off' if sync == 'NORMAL' else 'on'}"]
         if readonly:
             settings.append("SET default_transaction_read_only = on")
@@ -569,14 +575,28 @@ class PostgresState:
     @contextlib.contextmanager
     def _unavailable(self) -> Iterator[None]:
         """The server gone, restarting or out of connections (psycopg's OperationalError, a pool timeout)
-        is ``StateUnavailable``: one line naming the redacted URL, which the harvester survives."""
+        is ``StateUnavailable``: one line naming the redacted URL, which the harvester survives.
+
+        Once the server was seen away, each call first tries one connection of its own (at most
+        ``connect_timeout``): while the server is down a call fails at once with the server's own reason
+        (connection refused, ...) instead of waiting out the pool's timeout to say "couldn't get a
+        connection"; once it answers again, the pool is used as before."""
+        if self._away:
+            try:
+                with psycopg.connect(self.url, connect_timeout=self._connect_timeout):
+                    self._away = False
+            except psycopg.Error as exc:
+                raise StateUnavailable(
+                    f"state {self.location} unavailable: {_scrub(str(exc), self.url)} {_AWAY_FIX}"
+                ) from None
         try:
             yield
         except (psycopg.OperationalError, PoolTimeout) as exc:
+            self._away = True
             with contextlib.suppress(Exception):  # the pool's other dead connections go now, not one per call
                 self.pool.check()
             raise StateUnavailable(
-                f"state {self.location} unavailable: {_scrub(str(exc), self.url)}"
+                f"state {self.location} unavailable: {_scrub(str(exc), self.url)} {_AWAY_FIX}"
             ) from None
 
     def version(self) -> int:

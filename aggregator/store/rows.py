@@ -98,7 +98,7 @@ class SourceRow:
     failures: int  # consecutive failures
     progress_done: int | None
     progress_total: int | None
-    progress_what: str | None  # what the progress counts, e.g. a Resource List URL
+    progress_what: str | None  # the harvester's live figures as JSON (progress_text.progress_figures)
     created_at: datetime
     updated_at: datetime
     using_url: str | None  # the URL discovery used when the configured one failed

@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 from sqlite_utils import Database
 
+from ..errors import is_environmental, operator_line
 from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Head, Link
 from ..rs.parse import parse_bytes
 from ..rs.w3cdt import parse_w3c, utcnow
 from ..rs.write import iter_document_bytes
-from .interface import FENCE, EmptySnapshot, LeaseLost, ListingRow
+from .interface import FENCE, EmptySnapshot, LeaseLost, ListingRow, StateUnavailable
 from .rows import (
     Change,
     Cursor,
@@ -608,7 +609,12 @@ class State:
         self._clock = clock
         self._lock = threading.RLock()
         self._commits = 0  # own committed write transactions (version())
-        conn = sqlite3.connect(str(self.path), timeout=busy_timeout, check_same_thread=False)
+        try:
+            conn = sqlite3.connect(str(self.path), timeout=busy_timeout, check_same_thread=False)
+        except sqlite3.Error as exc:
+            if not is_environmental(exc):
+                raise
+            raise StateUnavailable(f"state {operator_line(exc, str(self.path))}") from exc
         self.db = Database(conn)
         self.conn = conn
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
@@ -624,17 +630,18 @@ class State:
                 )
             conn.execute("PRAGMA query_only = ON")
             return
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(mode).lower() != "wal" and str(self.path) != ":memory:":
-            raise RuntimeError(f"could not switch {self.path} to WAL (journal_mode={mode})")
-        conn.execute(f"PRAGMA synchronous = {sync}")
-        conn.execute("PRAGMA foreign_keys = ON")
-        # A batch of 1,000 changes dirties a few MB of pages (random sha256 index positions): a
-        # 64 MiB page cache keeps them from spilling, and checkpointing every ~40 MB of WAL instead
-        # of 4 MB halves the fsyncs that checkpoints cost (measured: ~2x apply throughput).
-        conn.execute(f"PRAGMA cache_size = {-cache_mib * 1024}")
-        conn.execute(f"PRAGMA wal_autocheckpoint = {wal_autocheckpoint}")
-        self._migrate()
+        with self._unwritable():
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal" and str(self.path) != ":memory:":
+                raise RuntimeError(f"could not switch {self.path} to WAL (journal_mode={mode})")
+            conn.execute(f"PRAGMA synchronous = {sync}")
+            conn.execute("PRAGMA foreign_keys = ON")
+            # A batch of 1,000 changes dirties a few MB of pages (random sha256 index positions): a
+            # 64 MiB page cache keeps them from spilling, and checkpointing every ~40 MB of WAL instead
+            # of 4 MB halves the fsyncs that checkpoints cost (measured: ~2x apply throughput).
+            conn.execute(f"PRAGMA cache_size = {-cache_mib * 1024}")
+            conn.execute(f"PRAGMA wal_autocheckpoint = {wal_autocheckpoint}")
+            self._migrate()
 
     def close(self) -> None:
         with self._lock:
@@ -673,12 +680,31 @@ class State:
         Under a fence (``interface.FENCE``) the lease is checked first, inside the transaction: the
         write lock is held from the check to the commit, so no grant can come in between."""
         current = FENCE.get() if fence else None
-        with self._lock:
+        with self._lock, self._unwritable():
             with immediate_transaction(self.conn) as conn:
                 if current is not None:
                     self._check_fence(conn, current)
                 yield conn
             self._commits += 1
+
+    @contextlib.contextmanager
+    def _unwritable(self) -> Iterator[None]:
+        """The machine's failures (read-only file, full disk, the file gone) as ``StateUnavailable``: one line
+        naming this file and the fix (errors.operator_line), which a sync reports and the daemon survives."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            if not is_environmental(exc):
+                raise
+            raise StateUnavailable(f"state {operator_line(exc, str(self.path))}") from exc
+
+    def check_writable(self) -> None:
+        """Write once (the schema version, unchanged): a file rsagg cannot write (read-only, its folder
+        not writable) says so now, as ``StateUnavailable`` naming it, rather than in the middle of a sync.
+        Opening does not write when there is nothing to migrate, and the commands that only read
+        (``status``, ``audit``) must keep working on a read-only copy."""
+        with self._write(fence=False) as c:
+            c.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
 
     def version(self) -> int:
         """Grows whenever anyone commits to the state: ``PRAGMA data_version`` (commits of other
@@ -2131,6 +2157,15 @@ def open_state(config: Config, *, readonly: bool = False, **options: Any) -> Sta
     synchronous``; ``options`` are ``State``'s other keyword arguments (``cache_mib``, ``clock``...)."""
     options.setdefault("synchronous", config.store.synchronous)
     return connect(state_path(config), readonly=readonly, **options)
+
+
+def check_writable(config: Config) -> None:
+    """Before harvesting: the configured SQLite state can be written, else ``StateUnavailable`` naming
+    the file (one line, exit 1: cli.py). A PostgreSQL state says so at its first write."""
+    location = state_path(config)
+    if isinstance(location, Path) and location.exists():
+        with State(location, synchronous=config.store.synchronous) as st:
+            st.check_writable()
 
 
 def connect(location: Path | str, *, readonly: bool = False, **options: Any) -> StateStore:
