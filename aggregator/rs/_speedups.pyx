@@ -310,6 +310,8 @@ cdef object _entry(xmlNode* node):
                     return MISS
             elif _eq(c.ns.href, RS):
                 if _eq(c.name, b"md") and md is MISS:
+                    if loc is MISS:
+                        return MISS  # <rs:md> before <loc>: the Python path notes the deviation
                     md = _md(c)
                     if md is MISS:
                         return MISS
