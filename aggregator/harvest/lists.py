@@ -216,6 +216,12 @@ def _expect(url: str, head: Head | None, capability: str, index_ok: bool = True)
 ESTIMATE_EVERY = 256
 
 
+def _note_at(url: str, head: Head) -> None:
+    if head.md is None or head.md.at is None:
+        deviation("at-missing", url, head.line, "Resource List without rs:md at (§10.1: mandatory); "
+                  "changes are read from the start of every Change List")  # fmt: skip
+
+
 def _may_be_list(entry: Entry) -> bool:
     """An entry whose metadata is a document's, not a resource's: ``at``, ``completed``, ``from``,
     ``until`` or ``capability`` without ``change`` (§7 Table 3). POD's 2020 Resource List "index" is a
@@ -246,6 +252,7 @@ async def _as_lists(fetcher: Fetcher, url: str, entries: AsyncIterator[Entry]) -
                     continue
                 deviation("list-in-urlset", url, entry.line,
                           f"entry {entry.loc} is a Resource List: followed as a part of {url}")  # fmt: skip
+                _note_at(entry.loc, head)
                 part = doc.url or entry.loc
                 pages = Pages(part, head)
                 async for e in resolved(doc.entries, part):
@@ -271,6 +278,8 @@ async def _page_chain(fetcher: Fetcher, url: str, capability: str) -> AsyncGener
     while nxt is not None:
         async with fetcher.document(nxt) as doc:
             head = _expect(nxt, doc.head, capability, index_ok=False)
+            if pages is None and capability == RESOURCELIST:
+                _note_at(url, head)
             pages = pages or Pages(url, head)
             async for entry in resolved(doc.entries, doc.url or nxt):
                 yield entry
@@ -315,9 +324,7 @@ async def _resource_list(
         head = _expect(url, doc.head, RESOURCELIST)
         is_index, entries = await open_list(url, doc, RESOURCELIST)
         snap.at = head.md.at if head.md else None
-        if snap.at is None:
-            deviation("at-missing", url, head.line, "Resource List without rs:md at (§10.1: mandatory); "
-                      "changes are read from the start of every Change List")  # fmt: skip
+        _note_at(url, head)
         if not is_index:
             pages = Pages(url, head)
             estimate = getattr(doc.entries, "estimate", None) if on_count else None
