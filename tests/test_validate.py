@@ -564,7 +564,9 @@ def t(s: str) -> datetime:
 
 def test_validate_stream_model_objects() -> None:
     head = Head(
-        md=Md(capability="changelist", from_=t("2013-01-03T00:00:00")), links=[Link("up", "http://e.com/cl")], line=1
+        md=Md(capability="changelist", from_=t("2013-01-03T00:00:00")),
+        links=[Link("up", "http://e.com/cl")],
+        line=1,
     )
     entries = [
         Entry("http://e.com/a", md=Md(change="created", datetime=t("2013-01-03T10:00:00")), line=5),
@@ -577,7 +579,10 @@ def test_validate_stream_model_objects() -> None:
 
 def test_validate_stream_is_lazy_and_needs_head_first() -> None:
     def items():
-        yield Head(md=Md(capability="resourcelist", at=t("2013-01-03T00:00:00")), links=[Link("up", "http://e.com/cl")])
+        yield Head(
+            md=Md(capability="resourcelist", at=t("2013-01-03T00:00:00")),
+            links=[Link("up", "http://e.com/cl")],
+        )
         while True:  # an endless list: the validator must not try to hold it
             yield Entry("http://e.com/a", changefreq="often", line=3)
 

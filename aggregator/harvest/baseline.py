@@ -28,8 +28,9 @@ from ..rs.model import (
     Entry,
 )
 from ..store.state import Cursor
+from . import deviations as _deviations
 from .context import HarvestContext
-from .deviations import current, skip
+from .deviations import skip
 from .discovery import Capability, SetInfo
 from .dumps import DumpError, DumpLimits, fetch_package
 from .fetch import FetchError
@@ -208,7 +209,7 @@ async def _baseline_from(
                 skipped.append(url)
                 skip(url, str(exc))
 
-    notes = current()
+    notes = _deviations.current()
     before = dict(notes.skipped) if notes is not None else {}
     with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) as d:
         async with aclosing(items(Path(d))) as stream:
