@@ -413,6 +413,11 @@ PERTURBATIONS = {
             "</urlset>", url("BASE/cl-old.xml", f'from="{T0}"') + "</urlset>")),
         s.pages.__setitem__("/cl-old.xml", doc(f'capability="changelist" from="{T0}"', "")),
     ),
+    "Resource List entry that is a list but does not say so": lambda s: (
+        s.pages.__setitem__("/rl-2.xml", s.pages["/rl-2.xml"].replace("</urlset>", url("BASE/hidden.xml")
+                                                                      + "</urlset>")),
+        s.pages.__setitem__("/hidden.xml", doc(f'capability="resourcelist" at="{T0}"', url("BASE/e"))),
+    ),
     "Resource List entry whose list cannot be read": lambda s: s.pages.__setitem__(
         "/rl-2.xml", s.pages["/rl-2.xml"].replace("</urlset>", url("BASE/gone.xml", f'at="{T0}"')
                                                   + "</urlset>")),
