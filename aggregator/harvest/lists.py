@@ -55,7 +55,7 @@ PAGING_RELS = frozenset({"next", "prev", "previous", "first", "last"})
 DESCRIBING_RELS = frozenset(
     {"up", "index", "describedby", "describes", "self", "resourcesync", "hub", "license", "author",
      "collection", "via", "canonical", "alternate", "archives", "memento", "original", "timegate",
-     "timemap", "help", "related"}
+     "timemap", "help", "related", "profile"}
 )  # fmt: skip
 
 
@@ -572,7 +572,12 @@ async def _paged_changes(
     newer than the first page's ``until`` appeared on a later page, and no change already read fell
     before a later page's ``from``. Until then every change goes with the position the read started
     from, so a torn or interrupted read is read again from there (applied by content, idempotently).
+    The changes at the position's own datetime are always read again (see below).
     """
+    # Ties at the position are read again (applied by content): offset pages order the changes of one
+    # second by another key (Heratio: the record's id), so a change made since may come before the ones
+    # of that second already applied, and skipping "the first N" of them would skip it.
+    pos.to_skip = 0
     start = pos.start
     first_until = ref.until
     oldest: datetime | None = None

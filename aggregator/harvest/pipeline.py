@@ -118,16 +118,10 @@ def list_document(blob: BlobWriter) -> str | None:
     <urlset> of Resource Lists) would otherwise be stored as a resource while what it lists is never
     read: such a body is refused (a named failure, never "ok"). The harvester follows the entries that
     say they are documents (``lists._as_lists``); this catches the ones that do not. Read from the first
-    bytes of a finished blob held in memory or in its temp file (other writers are not checked).
+    bytes of the finished blob (``BlobWriter.peek``).
     """
-    held = getattr(blob, "held", None)
-    head = held() if held is not None else None
-    if head is None and blob.tmp_path is not None:
-        try:
-            with open(blob.tmp_path, "rb") as f:
-                head = f.read(_SNIFF)
-        except OSError:
-            return None
+    peek = getattr(blob, "peek", None)  # a plugin's writer may not have it: then not checked
+    head = peek(_SNIFF) if peek is not None else None
     if not head:
         return None
     head = bytes(head[:_SNIFF])
