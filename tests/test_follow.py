@@ -267,6 +267,26 @@ async def test_heratio_shaped_source_paged_lists_across_a_baseline_and_changes(t
         assert row["state"] == "ok" and row["skipped"] == [], row
 
 
+async def test_heratio_a_change_in_the_second_of_the_position_is_not_skipped(tmp_path: Path) -> None:
+    """Heratio orders the changes of one second by record id: a change made in the second the position
+    is at may come before the ones of that second already applied, and must not be skipped as one."""
+    h = Heratio(page_size=2)
+    for n in range(1, 6):
+        h.create(n)
+    async with serve_app(h.app) as base:
+        h.base = base
+        cfg = make_config(tmp_path / "data", {"heratio": f"{base}/.well-known/resourcesync"})
+        assert (await harvest(cfg))["heratio"].ok
+        second = datetime.now(UTC).replace(microsecond=0)
+        h.update(4, second)
+        h.update(5, second)
+        assert (await harvest(cfg))["heratio"].ok  # the position: two changes of `second` applied
+        h.update(3, second)  # listed before 4 and 5 (same second, lower id)
+        assert (await harvest(cfg))["heratio"].ok
+        assert held(cfg) == h.expected()
+        assert await audit(cfg) == []
+
+
 async def test_heratio_tombstone_names_a_uri_the_record_never_had(tmp_path: Path) -> None:
     """What Heratio really does: the tombstone's ``<loc>`` is ``/informationobject/by-oai/<id>`` while the
     record was listed (and held) at its slug URL, so the Change List never says the held URI is gone.
