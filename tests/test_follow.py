@@ -420,6 +420,8 @@ PERTURBATIONS = {
     "unknown rel on a later page": lambda s: _add_link(s, "/rl-2.xml", ln("successor", "BASE/rl-3.xml")),
     "unknown rel on the Change List": lambda s: _add_link(s, "/cl.xml", ln("more", "BASE/cl-2.xml")),
     "page loop": lambda s: _add_link(s, "/rl-2.xml", ln("next", "BASE/rl.xml")),
+    "Resource List entry listed as deleted": lambda s: s.pages.__setitem__(
+        "/rl.xml", s.pages["/rl.xml"].replace("</urlset>", url("BASE/d", 'change="deleted"') + "</urlset>")),
     "Change List page loop": lambda s: _add_link(s, "/cl.xml", ln("next", "BASE/cl.xml")),
     "page not reachable": lambda s: _add_link(s, "/rl-2.xml", ln("next", "BASE/rl-3.xml")),
     "page of another capability": lambda s: (

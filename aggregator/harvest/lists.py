@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import urljoin
 
-from ..rs.model import CHANGELIST, CHANGELIST_ARCHIVE, CHANGES, RESOURCELIST, Entry, Head, kind_name
+from ..rs.model import (
+    CHANGELIST,
+    CHANGELIST_ARCHIVE,
+    CHANGES,
+    DELETED,
+    RESOURCELIST,
+    Entry,
+    Head,
+    kind_name,
+)
 from ..store.rows import DocumentRow
 from ..store.state import Cursor
 from .deviations import deviation, skip
@@ -240,6 +249,14 @@ async def _as_lists(fetcher: Fetcher, url: str, entries: AsyncIterator[Entry]) -
     not yielded as a resource. An entry that is another kind of ResourceSync document is named as not
     read (the source is degraded); one that is no ResourceSync document is a resource."""
     async for entry in entries:
+        if entry.change == DELETED:
+            # A Resource List lists what exists (§10.1): an entry it calls deleted is neither a resource
+            # to hold nor one to drop on its word. Not read, and named.
+            skip(
+                url,
+                f"line {entry.line}: {entry.loc} is listed as deleted in a Resource List (§10.1): not read",
+            )
+            continue
         if not _may_be_list(entry):
             yield entry
             continue
