@@ -260,8 +260,10 @@ async def _as_lists(fetcher: Fetcher, url: str, entries: AsyncIterator[Entry]) -
         if not _may_be_list(entry):
             yield entry
             continue
+        opened = False
         try:
             async with fetcher.document(entry.loc) as doc:
+                opened = True
                 head = doc.head
                 if head is None or head.capability != RESOURCELIST or head.is_index:
                     what = kind_name(head) if head is not None else "document"
@@ -276,9 +278,13 @@ async def _as_lists(fetcher: Fetcher, url: str, entries: AsyncIterator[Entry]) -
                     yield e
                 nxt = pages.after(part, head, part)
         except FetchError as exc:
-            if exc.kind != "parse":
-                raise
-            yield entry  # not a ResourceSync document: a resource (its fetch decides the rest)
+            if opened:
+                raise  # a Resource List that broke off while read: the list is not read to its end
+            if exc.kind == "parse":
+                yield entry  # not a ResourceSync document: a resource (its fetch decides the rest)
+            else:  # it may be a list: nothing is swept for it (docs/truth.md)
+                skip(entry.loc, f"listed in Resource List {url} with a document's metadata, could not be "
+                     f"read: {exc}")  # fmt: skip
             continue
         while nxt is not None:
             async with fetcher.document(nxt) as doc:
