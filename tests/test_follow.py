@@ -38,6 +38,7 @@ from starlette.routing import Route
 
 from aggregator.harvest.audit import AuditError
 from aggregator.harvest.lists import Cursor, ListRef, Position
+from aggregator.harvest.pipeline import list_document
 from aggregator.status import lag_since
 from tests.harvesting import audit, harvest, held, make_config
 from tests.httpserver import serve_app
@@ -631,3 +632,43 @@ async def test_lag_does_not_grow_while_polls_of_an_undated_change_list_succeed(t
         # years after the snapshot's `at`, but counted from the last poll, which read everything
         assert row["lag_seconds"] is not None and row["lag_seconds"] < 24 * 3600, row
         assert "change-without-datetime" not in {d["rule"] for d in row["deviations"]}
+
+
+# -- a list document fetched as a resource -----------------------------------------------------------
+
+RS_DOC = (
+    f'<urlset {NS}><rs:md capability="resourcelist" at="{T0}"/><url><loc>http://e.com/a</loc></url></urlset>'
+)
+
+
+class _Peek:
+    tmp_path = None
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def peek(self, n: int) -> bytes:
+        return self.body[:n]
+
+
+@pytest.mark.parametrize(
+    ("body", "capability"),
+    [
+        (RS_DOC.encode(), "resourcelist"),
+        (b'<?xml version="1.0" encoding="UTF-8"?>\n' + RS_DOC.encode(), "resourcelist"),
+        (b"\xef\xbb\xbf <!-- made by hand -->\n" + RS_DOC.replace("resourcelist", "changelist").encode(),
+         "changelist"),
+        (RS_DOC.replace("<urlset", "<sitemapindex").replace("</urlset>", "</sitemapindex>").encode(),
+         "resourcelist"),
+        (b'<sm:urlset xmlns:sm="http://www.sitemaps.org/schemas/sitemap/0.9" '
+         b'xmlns:rs="http://www.openarchives.org/rs/terms/"><rs:md capability="capabilitylist"/>',
+         "capabilitylist"),
+        (b'<urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9"><url><loc>x</loc></url>', None),
+        (b'<feed xmlns:rs="http://www.openarchives.org/rs/terms/"><urlset><rs:md capability="x"/>', None),
+        (b"<html><body>urlset rs:md capability</body></html>", None),
+        (b"\x00\x01marc record", None),
+        (b"", None),
+    ],
+)  # fmt: skip
+def test_a_fetched_body_that_is_a_resourcesync_document_is_told(body: bytes, capability: str | None) -> None:
+    assert list_document(_Peek(body)) == capability
