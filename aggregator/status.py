@@ -50,12 +50,20 @@ def lag_since(cur: Any, last_success: datetime | None) -> tuple[datetime | None,
     Read from its Resource List alone (no Change List: the cursor never names one): the upstream cannot
     say when it changed, so rsagg is as fresh as its last successful read of that list, which each poll
     does (a conditional GET that finds it unchanged counts too). The list's own ``at`` would make the
-    lag grow forever while the store and the upstream agree."""
+    lag grow forever while the store and the upstream agree. Followed through a Change List whose
+    changes carry no ``datetime`` (§7, §12.1: it *may* be given; the position then stays at the
+    snapshot's ``at``): likewise the last poll that read every list completely (a degraded or failed
+    poll is no success), basis "change list read"."""
     if cur is None:
         return None, None
     pos = cur.last_datetime or cur.baseline_at
     if cur.changelist_url is None and isinstance(last_success, datetime):
         return (max(pos, last_success) if pos else last_success), "resource list"
+    undated = cur.changelist_url is not None and (
+        cur.last_datetime is None or cur.last_datetime == cur.baseline_at
+    )
+    if undated and isinstance(last_success, datetime):
+        return (max(pos, last_success) if pos else last_success), "change list read"
     return pos, "change list" if pos else None
 
 

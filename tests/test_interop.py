@@ -212,7 +212,8 @@ async def test_weko3_shaped_source(tmp_path: Path) -> None:
         assert held(cfg) == {site.url(f"/records/{n}"): sha256(d) for n, d in want.items()}
         kinds = [(u.rsplit("/", 1)[1], c) for u, c, _ in changelog(cfg)[4:]]
         assert sorted(kinds) == [("1", "updated"), ("2", "deleted"), ("5", "created")]
-        assert rules(row) >= {"capability-repeated", "index-as-urlset", "change-without-datetime"}
+        assert rules(row) >= {"capability-repeated", "index-as-urlset"}
+        assert "change-without-datetime" not in rules(row)  # §7, §12.1: datetime *may* be given
 
         # Read again: applied by content (no hash announced: fetched and compared), nothing changes.
         before = changelog(cfg)
@@ -383,7 +384,7 @@ async def test_dspace_shaped_source(tmp_path: Path) -> None:
                 for h in items
             },
         }
-        assert "change-without-datetime" in rules(row)
+        assert "change-without-datetime" not in rules(row)  # §7, §12.1: datetime *may* be given
 
 
 # -- the rule: never "ok" or "in sync" with a list skipped -------------------------------------------

@@ -133,6 +133,10 @@ ODD = [
     "<url><loc>http://e.org/31</loc><lastmod>2024-01-01T00:00:00Z<b/></lastmod></url>",
     "<url><loc>http://e.org/32</loc><changefreq>daily<b/></changefreq></url>",
     '<url><loc>http://e.org/33</loc><rs:md hash="a&#10;b" length="&#49;"/></url>',
+    # POD (2020): <rs:md> before <loc>, and <url>URI</url>; a document's rs:ln after the entries
+    '<url><rs:md hash="md5:00" length="3"/><loc>http://e.org/34</loc><lastmod>2024-01-01T00:00:00Z</lastmod></url>',
+    "<url>http://e.org/35</url>",
+    f"<rs:ln xmlns:rs='{RS_NS}' rel='next' href='http://e.org/page-2'/>",
 ]
 
 

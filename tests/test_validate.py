@@ -297,6 +297,25 @@ CASES = [
         <rs:md capability="description"/>
         <url><loc>//e.com/capabilitylist.xml</loc><rs:md capability="capabilitylist"/></url>
     """)),
+    # An rs:ln href is a URI like <loc> (§7): relative is an error, on the document and on an entry.
+    ("href-relative", ERROR, 1, doc(f'{RL}<rs:ln rel="up" href="capabilitylist.xml"/>')),
+    ("href-relative", ERROR, 3, doc(f"""
+        {RL}
+        <url><loc>http://e.com/a</loc><rs:ln rel="duplicate" href="/mirror/a"/></url>
+    """)),
+    ("capability-on-entry", WARNING, 3, doc(f"""
+        {RL}{UP}
+        <url><loc>http://e.com/rl-2.xml</loc><rs:md capability="resourcelist"/></url>
+    """)),
+    # What a harvester tolerates is still an error of the document (POD 2020 shapes).
+    ("loc-missing", ERROR, 3, doc(f"""
+        {RL}{UP}
+        <url>http://e.com/a</url>
+    """)),
+    ("element-order", ERROR, 3, doc(f"""
+        {RL}{UP}
+        <url><rs:md length="3"/><loc>http://e.com/a</loc></url>
+    """)),
 ]  # fmt: skip
 
 
@@ -545,7 +564,9 @@ def t(s: str) -> datetime:
 
 def test_validate_stream_model_objects() -> None:
     head = Head(
-        md=Md(capability="changelist", from_=t("2013-01-03T00:00:00")), links=[Link("up", "u")], line=1
+        md=Md(capability="changelist", from_=t("2013-01-03T00:00:00")),
+        links=[Link("up", "http://e.com/cl")],
+        line=1,
     )
     entries = [
         Entry("http://e.com/a", md=Md(change="created", datetime=t("2013-01-03T10:00:00")), line=5),
@@ -558,7 +579,10 @@ def test_validate_stream_model_objects() -> None:
 
 def test_validate_stream_is_lazy_and_needs_head_first() -> None:
     def items():
-        yield Head(md=Md(capability="resourcelist", at=t("2013-01-03T00:00:00")), links=[Link("up", "u")])
+        yield Head(
+            md=Md(capability="resourcelist", at=t("2013-01-03T00:00:00")),
+            links=[Link("up", "http://e.com/cl")],
+        )
         while True:  # an endless list: the validator must not try to hold it
             yield Entry("http://e.com/a", changefreq="often", line=3)
 

@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     lock = contextlib.nullcontext() if args.no_harvest else store_lock(root, "rsagg run", shared=shared)
     try:
         with lock:
-            if not args.no_harvest:  # serving alone reads: a read-only state.db serves (docs/troubleshooting.md)
+            # Serving alone only reads: a read-only state.db serves (docs/troubleshooting.md).
+            if not args.no_harvest:
                 check_writable(config)
             trio.run(lambda: run_daemon(config, config_path=args.config, harvest=not args.no_harvest))
     except ListenError as exc:

@@ -29,6 +29,7 @@ from ..rs.model import (
 )
 from ..store.interface import EmptySnapshot
 from ..store.state import Cursor
+from . import deviations as _deviations
 from .access import for_source
 from .context import HarvestContext
 from .deviations import skip
@@ -253,12 +254,20 @@ async def _baseline_from(
                 skipped.append(url)
                 skip(url, str(exc))
 
+    notes = _deviations.current()
+    before = dict(notes.skipped) if notes is not None else {}
     with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) as d:
         async with aclosing(items(Path(d))) as stream:
             stats = await pipeline.run(stream)
     if skipped:
         log.warning("source=%s set=%s baseline from %s not finished: %d of %d lists unreadable",
                     source, info.capabilitylist_url, how, len(skipped), len(urls))  # fmt: skip
+        return stats
+    if notes is not None and notes.skipped != before:
+        # Something of the snapshot was not read (a page, a linked list, an entry): what it holds must
+        # not be swept, so the baseline is not finished (docs/truth.md).
+        log.warning("source=%s set=%s baseline from %s not finished: not read: %s",
+                    source, info.capabilitylist_url, how, notes.skipped_text())  # fmt: skip
         return stats
     ats = [s.at for s in snaps]
     # The oldest snapshot of the set: changes after it are read again and applied by content.

@@ -32,7 +32,12 @@ RULES: dict[str, str] = {
     "§12.2); read as an index",
     "list-as-sitemapindex": "a Change List written as <sitemapindex> of changes; read as a list",
     "capability-repeated": "several entries for one capability in a Capability List (§9: one); all read",
-    "change-without-datetime": "a change without rs:md datetime (§12.1: mandatory); applied by content",
+    "loc-as-text": "<url>URI</url>: the URI as the entry's text, no <loc> (§7: mandatory); read as its <loc>",
+    "md-before-loc": "<rs:md> before <loc> in an entry (§7 and the sitemap schema: <loc> first); read anyway",
+    "late-head-link": "a document's <rs:ln> after its first entry (§7: before them); read as the document's",
+    "at-missing": "a Resource List without rs:md at (§10.1: mandatory); the baseline has no start time",
+    "list-in-urlset": "a <urlset> entry that is itself a Resource List (§10.2 wants a <sitemapindex>); "
+    "found by fetching it and followed as a part",
     "unknown-capability": "a capability rsagg does not know (another specification's, §9); not read",
     "value": "a value that is not what §7 allows (a bad date, an unknown attribute...); ignored",
 }
@@ -79,9 +84,11 @@ class Deviations:
 
     def skip(self, url: str, reason: str) -> None:
         """A list that could not be read: the source cannot be in sync."""
-        if url not in self.skipped:
+        seen = self.skipped.get(url)
+        if seen is None or reason not in seen:
             log.error("source=%s url=%s list skipped: %s", self.source, url, reason)
-        self.skipped[url] = reason
+        # Several things not read in one list are all named.
+        self.skipped[url] = reason if seen is None or reason in seen else f"{seen}; {reason}"
 
     def skipped_text(self) -> str | None:
         if not self.skipped:

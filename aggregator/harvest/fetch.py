@@ -543,6 +543,11 @@ class _ShardedTransport(httpx.AsyncBaseTransport):
 # -- the fetcher ---------------------------------------------------------------------------------
 
 
+def _tolerated(url: str, rule: str, line: int | None, message: str) -> None:
+    """A deviation the document parser read past on purpose, under its own rule."""
+    deviation(rule, url, line, message)
+
+
 def _problem_logger(url: str) -> Callable[[int | None, str], None]:
     def problem(line: int | None, message: str) -> None:
         deviation("value", url, line, f"{message} (value ignored)")  # logged once, counted, shown
@@ -785,8 +790,9 @@ class Fetcher:
         # Lenient on values (an unknown attribute or one bad date must not cost the whole document):
         # each problem is logged with its line; structural problems still raise DocumentError.
         reader = parse.DocumentReader(
-            meta.url, max_bytes=cap, on_problem=_problem_logger(meta.url), require=True
-        )
+            meta.url, max_bytes=cap, on_problem=_problem_logger(meta.url), require=True,
+            on_tolerated=partial(_tolerated, meta.url),
+        )  # fmt: skip
         entries = _Entries(spool, reader, meta.url)
         try:
             head = await entries.head()

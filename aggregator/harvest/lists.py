@@ -8,14 +8,24 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import urljoin
 
-from ..rs.model import CHANGELIST, CHANGELIST_ARCHIVE, CHANGES, RESOURCELIST, Entry, Head
+from ..rs.model import (
+    CHANGELIST,
+    CHANGELIST_ARCHIVE,
+    CHANGES,
+    DELETED,
+    RESOURCELIST,
+    Entry,
+    Head,
+    kind_name,
+)
 from ..store.rows import DocumentRow
 from ..store.state import Cursor
-from .deviations import deviation
+from .deviations import deviation, skip
 from .fetch import DocumentStream, Fetcher, FetchError
 
 #: An absolute URI has a scheme (RFC 3986 §3.1); anything else is resolved against the document.
@@ -34,6 +44,76 @@ class NotModified(Exception):
 
 class GapError(SyncError):
     """The upstream no longer offers the changes between our position and its oldest Change List."""
+
+
+class Unfollowed(SyncError):
+    """Part of a list rsagg could not read to its end (a page loop, too many pages...): what was read
+    before it is used, the list is named as skipped (docs/truth.md), and nothing is swept for it."""
+
+
+#: Pages of one paged list (``rel="next"``) read at most, beside "a page seen twice": the guard against
+#: a Source whose pages never end. At up to 50,000 entries a page (§7) it is far beyond any real list.
+MAX_PAGES = 10_000
+
+#: Relation types on a list document that rsagg follows itself: paging (RFC 8288 registered types).
+PAGING_RELS = frozenset({"next", "prev", "previous", "first", "last"})
+
+#: Relation types on a list document that describe it and lead to nothing rsagg must read to hold the
+#: right set (§7 Table 3, §9, §10.2, §12.2, Archives draft, RFC 8288 registered types). Any other
+#: ``rs:ln`` on a list is structure rsagg would read past: the source is degraded, naming it.
+DESCRIBING_RELS = frozenset(
+    {"up", "index", "describedby", "describes", "self", "resourcesync", "hub", "license", "author",
+     "collection", "via", "canonical", "alternate", "archives", "memento", "original", "timegate",
+     "timemap", "help", "related", "profile"}
+)  # fmt: skip
+
+
+def unfollowed_links(url: str, head: Head) -> None:
+    """Name (``skip``: the source is degraded) every ``rs:ln`` of a list that rsagg neither follows nor
+    knows to only describe it: what it links might hold resources rsagg would then never read."""
+    for ln in head.links:
+        rels = (ln.rel or "").lower().split()
+        if any(r in PAGING_RELS or r in DESCRIBING_RELS for r in rels):
+            continue
+        skip(
+            url,
+            f'<rs:ln rel="{ln.rel}" href="{ln.href}"> on the list is not followed: what it links is not read',
+        )
+
+
+class Pages:
+    """Following one list's ``rel="next"`` pages to the end, with a loop guard (a page seen twice, or more
+    than ``MAX_PAGES``). Heratio pages its Resource List and Change List this way."""
+
+    def __init__(self, url: str, head: Head | None) -> None:
+        self.url = url
+        self.seen = {url}
+        if head is not None and (head.link("prev") or head.link("previous")):
+            skip(url, 'rel="prev" on the page a Capability List names: the pages before it are not read')
+
+    @property
+    def paged(self) -> bool:
+        return len(self.seen) > 1
+
+    def after(self, page: str, head: Head | None, base: str) -> str | None:
+        """The page after ``page`` (read, ``head`` its head, links complete), or None at the end. Raises
+        Unfollowed naming a loop or the cap; names any link of the page it does not follow."""
+        if head is None:
+            return None
+        unfollowed_links(page, head)
+        link = head.link("next")
+        if link is None or not link.href:
+            return None
+        href = urljoin(base, link.href)
+        if href in self.seen:
+            raise Unfollowed(
+                f'{self.url}: rel="next" of page {page} leads back to {href}, a page already read '
+                f"(a loop after {len(self.seen)} pages): the pages after it are not read"
+            )
+        if len(self.seen) >= MAX_PAGES:
+            raise Unfollowed(f'{self.url}: more than {MAX_PAGES} pages (rel="next"): the rest is not read')
+        self.seen.add(href)
+        return href
 
 
 class Validators:
@@ -145,6 +225,90 @@ def _expect(url: str, head: Head | None, capability: str, index_ok: bool = True)
 ESTIMATE_EVERY = 256
 
 
+def _note_at(url: str, head: Head) -> None:
+    if head.md is None or head.md.at is None:
+        deviation("at-missing", url, head.line, "Resource List without rs:md at (§10.1: mandatory); "
+                  "changes are read from the start of every Change List")  # fmt: skip
+
+
+def _may_be_list(entry: Entry) -> bool:
+    """An entry whose metadata is a document's, not a resource's: ``at``, ``completed``, ``from``,
+    ``until`` or ``capability`` without ``change`` (§7 Table 3). POD's 2020 Resource List "index" is a
+    <urlset> of such entries (``<rs:md at=...>`` only). Only fetching it tells what it is."""
+    md = entry.md
+    return (
+        md is not None
+        and md.change is None
+        and (md.at or md.completed or md.from_ or md.until or md.capability) is not None
+    )
+
+
+async def _as_lists(fetcher: Fetcher, url: str, entries: AsyncIterator[Entry]) -> AsyncGenerator[Entry, None]:
+    """The entries of a Resource List, where an entry that turns out to be a Resource List itself (by its
+    content: a ResourceSync document of capability resourcelist) is followed as a part of the list and
+    not yielded as a resource. An entry that is another kind of ResourceSync document is named as not
+    read (the source is degraded); one that is no ResourceSync document is a resource."""
+    async for entry in entries:
+        if entry.change == DELETED:
+            # A Resource List lists what exists (§10.1): an entry it calls deleted is neither a resource
+            # to hold nor one to drop on its word. Not read, and named.
+            skip(
+                url,
+                f"line {entry.line}: {entry.loc} is listed as deleted in a Resource List (§10.1): not read",
+            )
+            continue
+        if not _may_be_list(entry):
+            yield entry
+            continue
+        opened = False
+        try:
+            async with fetcher.document(entry.loc) as doc:
+                opened = True
+                head = doc.head
+                if head is None or head.capability != RESOURCELIST or head.is_index:
+                    what = kind_name(head) if head is not None else "document"
+                    skip(entry.loc, f"listed in Resource List {url} but is a {what}: not read")
+                    continue
+                deviation("list-in-urlset", url, entry.line,
+                          f"entry {entry.loc} is a Resource List: followed as a part of {url}")  # fmt: skip
+                _note_at(entry.loc, head)
+                part = doc.url or entry.loc
+                pages = Pages(part, head)
+                async for e in resolved(doc.entries, part):
+                    yield e
+                nxt = pages.after(part, head, part)
+        except FetchError as exc:
+            if opened:
+                raise  # a Resource List that broke off while read: the list is not read to its end
+            if exc.kind == "parse":
+                yield entry  # not a ResourceSync document: a resource (its fetch decides the rest)
+            else:  # it may be a list: nothing is swept for it (docs/truth.md)
+                skip(entry.loc, f"listed in Resource List {url} with a document's metadata, could not be "
+                     f"read: {exc}")  # fmt: skip
+            continue
+        while nxt is not None:
+            async with fetcher.document(nxt) as doc:
+                h = _expect(nxt, doc.head, RESOURCELIST, index_ok=False)
+                async for e in resolved(doc.entries, doc.url or nxt):
+                    yield e
+                nxt = pages.after(nxt, h, doc.url or nxt)
+
+
+async def _page_chain(fetcher: Fetcher, url: str, capability: str) -> AsyncGenerator[Entry, None]:
+    """The entries of a part of an index and of the pages it links with ``rel="next"``."""
+    nxt: str | None = url
+    pages: Pages | None = None
+    while nxt is not None:
+        async with fetcher.document(nxt) as doc:
+            head = _expect(nxt, doc.head, capability, index_ok=False)
+            if pages is None and capability == RESOURCELIST:
+                _note_at(url, head)
+            pages = pages or Pages(url, head)
+            async for entry in resolved(doc.entries, doc.url or nxt):
+                yield entry
+            nxt = pages.after(nxt, head, doc.url or nxt)
+
+
 async def resource_list_entries(
     fetcher: Fetcher,
     url: str,
@@ -160,39 +324,65 @@ async def resource_list_entries(
     index (the average part so far times the parts), for a plain list from the share of its bytes read
     once it has arrived, exact once everything has been read.
     """
+    try:
+        async for entry in _resource_list(fetcher, url, snap, on_parts, validators, on_count):
+            yield entry
+    except Unfollowed as exc:  # what was read is used; the list is named, nothing is swept for it
+        skip(url, str(exc))
+
+
+async def _resource_list(
+    fetcher: Fetcher,
+    url: str,
+    snap: Snapshot,
+    on_parts: Callable[[int], None] | None,
+    validators: Validators | None,
+    on_count: Callable[[int], None] | None,
+) -> AsyncGenerator[Entry, None]:
     count = 0
+    nxt: str | None = None
     async with fetcher.document(url, **(await validators.of(url) if validators else {})) as doc:
         if doc.not_modified:
             raise NotModified(url)
         head = _expect(url, doc.head, RESOURCELIST)
         is_index, entries = await open_list(url, doc, RESOURCELIST)
-        if validators and not is_index:
-            # Only a plain list: §10.2 does not promise that an index changes when one of its parts
-            # does, so an index is always read again (its parts come unconditionally too).
-            validators.read(url, doc.etag, doc.last_modified)
         snap.at = head.md.at if head.md else None
+        _note_at(url, head)
         if not is_index:
+            pages = Pages(url, head)
             estimate = getattr(doc.entries, "estimate", None) if on_count else None
-            async for entry in entries:
+            async for entry in _as_lists(fetcher, url, entries):
                 count += 1
                 if estimate is not None and count % ESTIMATE_EVERY == 1:
                     expected = estimate(count)  # known once the list has arrived (from its bytes)
                     if expected is not None:
                         on_count(expected)
                 yield entry
-            if on_count:
-                on_count(count)
-            return
-        # §10.2: an index lists at most 50,000 parts; holding their URLs is bounded.
-        parts = [e.loc async for e in entries]
+            nxt = pages.after(url, head, doc.url or url)
+            if validators and not pages.paged and nxt is None:
+                # Only a plain list of one page: a 304 of its first page says nothing of the others.
+                validators.read(url, doc.etag, doc.last_modified)
+        else:
+            unfollowed_links(url, head)
+            # §10.2: an index lists at most 50,000 parts; holding their URLs is bounded.
+            parts = [e.loc async for e in entries]
+    if not is_index:
+        while nxt is not None:
+            async with fetcher.document(nxt) as doc:
+                page_head = _expect(nxt, doc.head, RESOURCELIST, index_ok=False)
+                async for entry in _as_lists(fetcher, nxt, resolved(doc.entries, doc.url or nxt)):
+                    count += 1
+                    yield entry
+                nxt = pages.after(nxt, page_head, doc.url or nxt)
+        if on_count:
+            on_count(count)
+        return
     if on_parts:
         on_parts(len(parts))
     for i, part in enumerate(parts, 1):
-        async with fetcher.document(part) as doc:
-            _expect(part, doc.head, RESOURCELIST, index_ok=False)
-            async for entry in resolved(doc.entries, doc.url or part):
-                count += 1
-                yield entry
+        async for entry in _page_chain(fetcher, part, RESOURCELIST):
+            count += 1
+            yield entry
         if on_count:
             on_count(count * len(parts) // i)
 
@@ -333,11 +523,27 @@ async def change_entries(
                 for old in older:
                     async for item in _closed_list_changes(fetcher, old, pos, source):
                         yield item
+                pages = Pages(url, doc.head)
+                if doc.head is not None and doc.head.link("next") is not None:
+                    paged = _paged_changes(fetcher, url, doc.head, ref, entries, pos, source, pages)
+                    async with aclosing(paged):
+                        async for item in paged:
+                            yield item
+                    return
                 async for item in _list_changes(ref, entries, pos, source):
                     yield item
+                try:
+                    nxt = pages.after(url, doc.head, doc.url or url)
+                except Unfollowed as exc:
+                    skip(url, str(exc))
+                    return
+                if nxt is not None:  # a rel="next" written after the entries (late-head-link)
+                    skip(url, f'rel="next" after the entries of {url}: pages after the first are not read')
+                    return
                 if validators and ref.until is None:
                     validators.read(url, doc.etag, doc.last_modified)
                 return
+            unfollowed_links(url, doc.head)
             refs = [
                 ListRef(e.loc, e.md.from_ if e.md else None, e.md.until if e.md else None)
                 async for e in entries
@@ -359,11 +565,85 @@ async def change_entries(
         async with fetcher.document(ref.url, **conditional) as doc:
             if doc.not_modified:
                 continue
-            _expect(ref.url, doc.head, CHANGELIST, index_ok=False)
+            head = _expect(ref.url, doc.head, CHANGELIST, index_ok=False)
             async for item in _list_changes(ref, resolved(doc.entries, doc.url or ref.url), pos, source):
                 yield item
+            if head.link("next") is not None:
+                skip(ref.url, 'a part of a Change List Index paged with rel="next": its pages are not read')
+            else:
+                unfollowed_links(ref.url, head)
             if validators:
                 validators.read(ref.url, doc.etag, doc.last_modified)
+
+
+async def _paged_changes(
+    fetcher: Fetcher,
+    url: str,
+    head: Head,
+    ref: ListRef,
+    entries: AsyncIterator[Entry],
+    pos: Position,
+    source: str,
+    pages: Pages,
+) -> AsyncGenerator[tuple[Entry, Cursor]]:
+    """The changes of a Change List paged with ``rel="next"`` (Heratio: offset pages of a sliding window
+    whose ``until`` is the time of each request), read to the end.
+
+    Offset pages of a list that changes while they are read can tear: an entry that leaves the window
+    (or moves to its end when updated) shifts the later pages, so one change may be on no page read.
+    The position therefore moves only with the last change of a read that cannot have torn: no change
+    newer than the first page's ``until`` appeared on a later page, and no change already read fell
+    before a later page's ``from``. Until then every change goes with the position the read started
+    from, so a torn or interrupted read is read again from there (applied by content, idempotently).
+    The changes at the position's own datetime are always read again (see below).
+    """
+    # Ties at the position are read again (applied by content): offset pages order the changes of one
+    # second by another key (Heratio: the record's id), so a change made since may come before the ones
+    # of that second already applied, and skipping "the first N" of them would skip it.
+    pos.to_skip = 0
+    start = pos.start
+    first_until = ref.until
+    oldest: datetime | None = None
+    torn: str | None = None
+    held: tuple[Entry, Cursor] | None = None
+
+    async def page_changes(page_entries: AsyncIterator[Entry]) -> AsyncGenerator[tuple[Entry, Cursor]]:
+        nonlocal oldest, torn, held
+        async for entry, after in _list_changes(ref, page_entries, pos, source):
+            t = when(entry)
+            if t is not None:
+                oldest = t if oldest is None or t < oldest else oldest
+                if torn is None and first_until is not None and t > first_until:
+                    torn = f"a change of {t.isoformat()} appeared after the first page's until"
+            if held is not None:
+                yield held[0], start
+            held = (entry, after)
+
+    async for item in page_changes(entries):
+        yield item
+    page, page_head, base = url, head, url
+    while True:
+        try:
+            nxt = pages.after(page, page_head, base)
+        except Unfollowed as exc:
+            skip(url, str(exc))
+            torn = torn or "not read to its end"
+            break
+        if nxt is None:
+            break
+        async with fetcher.document(nxt) as doc:
+            page, page_head, base = nxt, _expect(nxt, doc.head, CHANGELIST, index_ok=False), doc.url or nxt
+            md = page_head.md
+            if torn is None and md is not None and md.from_ is not None and oldest is not None:
+                if oldest < md.from_:
+                    torn = f"the window moved past {oldest.isoformat()} while its pages were read"
+            async for item in page_changes(resolved(doc.entries, base)):
+                yield item
+    if held is not None:
+        if torn is not None:
+            log.info("source=%s url=%s paged Change List read again from the same position next time: %s",
+                     source, url, torn)  # fmt: skip
+        yield held[0], (start if torn is not None else held[1])
 
 
 def _without_from(ref: ListRef, first: Entry | None) -> ListRef:
@@ -403,16 +683,14 @@ async def _list_changes(
     index = 0
     async for entry in entries:
         index += 1
+        # A change without rs:md datetime is no deviation (§7, §12.1: it *may* be given): it is applied
+        # by content, whatever its lastmod (``Position``).
         t = when(entry)
-        if t is None:
-            deviation(
-                "change-without-datetime", ref.url, entry.line,
-                "change without rs:md datetime (§12.1); applied by content, whatever its lastmod",
-            )  # fmt: skip
         if pos.is_applied(t, ref.url, index):
             continue
         if entry.change not in CHANGES:
-            log.warning("source=%s url=%s line %s: change %r is not created/updated/deleted; skipped",
-                        source, ref.url, entry.line, entry.change)  # fmt: skip
+            # An entry rsagg cannot classify: what it says is not applied, so the source is not in sync.
+            skip(ref.url, f"line {entry.line}: change {entry.change!r} of {entry.loc} is not "
+                 "created/updated/deleted (§12.1): not applied")  # fmt: skip
             continue
         yield entry, pos.advance(t, ref, index)

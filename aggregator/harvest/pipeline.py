@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from datetime import datetime
 
 import trio
 
-from ..rs.model import CREATED, DELETED, PATCH_REL, UPDATED, Entry
+from ..rs.model import CREATED, DELETED, PATCH_REL, RS_NS, UPDATED, Entry
 from ..store.blobs import BlobInfo, BlobWriter
 from ..store.calls import limiter_of
 from ..store.rows import FailedChange, RetryChanges
@@ -99,6 +100,35 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
     walk(group)
     real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
     return real[0] if len(real) == 1 else group
+
+
+#: The start of a ResourceSync document (§7): a <urlset>/<sitemapindex> root, the rs namespace, a capability.
+_RS_ROOT = re.compile(
+    rb"^(?:\xef\xbb\xbf)?\s*(?:<\?xml[^>]*\?>\s*)?(?:<!--.*?-->\s*)*<(?:[\w.-]+:)?(?:urlset|sitemapindex)\b",
+    re.S,
+)
+_RS_CAPABILITY = re.compile(rb"""<(?:[\w.-]+:)?md\b[^>]*\bcapability\s*=\s*["']([^"']+)""")
+_SNIFF = 4096
+
+
+def list_document(blob: BlobWriter) -> str | None:
+    """The capability of a fetched body that is itself a ResourceSync document, else None.
+
+    A list that names another list as one of its resources (POD's 2020 Resource List "index" did, with a
+    <urlset> of Resource Lists) would otherwise be stored as a resource while what it lists is never
+    read: such a body is refused (a named failure, never "ok"). The harvester follows the entries that
+    say they are documents (``lists._as_lists``); this catches the ones that do not. Read from the first
+    bytes of the finished blob (``BlobWriter.peek``).
+    """
+    peek = getattr(blob, "peek", None)  # a plugin's writer may not have it: then not checked
+    head = peek(_SNIFF) if peek is not None else None
+    if not head:
+        return None
+    head = bytes(head[:_SNIFF])
+    if RS_NS.encode() not in head or not _RS_ROOT.match(head):
+        return None
+    m = _RS_CAPABILITY.search(head)
+    return m.group(1).decode("ascii", "replace") if m else None
 
 
 def expected_of(entry: Entry) -> Expected:
@@ -383,6 +413,13 @@ class Pipeline:
                 keep = Work(entry, work.change, work.cursor_after, work.generation)
                 return _Result(keep, change_from(keep, info, existing.type), failure=failure)
             return _Result(work, None, failure=failure)
+        capability = list_document(fetched.blob) if fetched.encoding is None else None
+        if capability is not None:
+            fetched.blob.abort()
+            message = (f"{entry.loc} is a ResourceSync document (capability {capability!r}), not a resource: "
+                       "not stored, and what it lists is not read")  # fmt: skip
+            log.warning("source=%s url=%s %s", self.source, entry.loc, message)
+            return _Result(work, None, failure=Failure(entry.loc, "list-document", message))
         self.stats.fetched += 1
         self.stats.bytes += fetched.info.length
         return _Result(work, change_from(work, fetched.info, fetched.content_type), fetched.blob)

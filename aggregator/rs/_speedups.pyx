@@ -273,8 +273,9 @@ cdef long _line(xmlNode* node, int depth) noexcept:
     return node.line if found == -1 or found == 65535 else found
 
 
-cdef object _entry(xmlNode* node):
-    """The Entry of a plain ``<url>``/``<sitemap>``, or MISS."""
+cdef object _entry(xmlNode* node, bint* md_first):
+    """The Entry of a plain ``<url>``/``<sitemap>``, or MISS; ``md_first``: its <rs:md> came before its
+    <loc> (POD, 2020), which the caller notes as the Python path does."""
     cdef xmlNode* c = node.children
     cdef const char* t
     loc = lastmod = changefreq = md = MISS
@@ -310,6 +311,8 @@ cdef object _entry(xmlNode* node):
                     return MISS
             elif _eq(c.ns.href, RS):
                 if _eq(c.name, b"md") and md is MISS:
+                    if loc is MISS:
+                        md_first[0] = True
                     md = _md(c)
                     if md is MISS:
                         return MISS
@@ -346,13 +349,18 @@ def read_children(reader, cetree._Element root not None, Py_ssize_t count, list 
     cdef bytes name = entry_name.encode("ascii")
     cdef const char* c_name = name
     cdef bint head_out = reader._head_emitted
+    cdef bint md_first
     while c is not NULL and seen < count:
         if cetree._isElement(c):
             seen += 1
             entry = MISS
             if c.type == tree.XML_ELEMENT_NODE and c.ns is not NULL and _eq(c.ns.href, SM) \
                     and _eq(c.name, c_name):
-                entry = _entry(c)
+                md_first = False
+                entry = _entry(c, &md_first)
+                if md_first and entry is not MISS:
+                    reader._tolerated("md-before-loc", entry.line, f"<rs:md> before <loc> in <{entry_name}> "
+                                      "(§7, sitemap schema: <loc> comes first); read in any order")
             if entry is MISS:
                 reader._read_child(cetree.elementFactory(root._doc, c), out)
                 head_out = reader._head_emitted

@@ -49,6 +49,9 @@ from .w3cdt import DatetimeError, parse_w3c
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 #: ``on_problem(line, message)``: receives recoverable value problems instead of an exception.
 Problem = Callable[[int | None, str], None]
+#: ``on_tolerated(rule, line, message)``: a known deviation read past on purpose (rule ids: the
+#: harvester's ``harvest/deviations.py`` RULES); without it such a deviation goes to ``on_problem``.
+Tolerated = Callable[[str, int | None, str], None]
 
 _HARDENED = {
     "resolve_entities": False,  # entity references stay unexpanded nodes (then refused below)
@@ -208,10 +211,12 @@ class DocumentReader:
         max_bytes: int = DEFAULT_MAX_BYTES,
         on_problem: Problem | None = None,
         require: bool = False,
+        on_tolerated: Tolerated | None = None,
     ) -> None:
         self.url = url
         self._max_bytes = max_bytes
         self._on_problem = on_problem
+        self._on_tolerated = on_tolerated
         #: A missing mandatory part (``<loc>`` of an entry, ``rel``/``href`` of an ``rs:ln``) raises even
         #: with ``on_problem``: a harvester cannot place an entry without URI, nor follow a link without
         #: target. Without it (a validator) such an item is reported and kept with None in its place.
@@ -439,11 +444,14 @@ class DocumentReader:
         if not self._head_emitted:
             out.append(self._emit_head())
         loc = lastmod = changefreq = md = None
+        md_first = False
         links: list[Link] = []
         extra: list[str] = []
         for child in el[:]:  # a list of the children: twice as fast as iterating the element
             tag = child.tag
             if tag == LOC_TAG and loc is None:
+                if md is not None:
+                    md_first = True
                 # .text stops at the first child node; entity nodes were refused before this point.
                 text = child.text
                 loc = text.strip() if text else ""
@@ -461,6 +469,14 @@ class DocumentReader:
                 changefreq = text.strip() or None if text else None
             else:
                 self._entry_child(el, child, tag, extra)
+        if loc is None and len(el) == 0 and el.text and el.text.strip():
+            # POD (2020): <url>URI</url>, the URI as the element's text. Read as its <loc>.
+            loc = el.text.strip()
+            self._tolerated("loc-as-text", el.sourceline, f"{_display(el.tag)} with text and no <loc> "
+                            f"(§7: <loc> is mandatory); its text {loc!r} read as the <loc>")  # fmt: skip
+        elif md_first:
+            self._tolerated("md-before-loc", el.sourceline, f"<rs:md> before <loc> in {_display(el.tag)} "
+                            "(§7, sitemap schema: <loc> comes first); read in any order")  # fmt: skip
         if not loc:
             self._missing(el.sourceline, f"{_display(el.tag)} without <loc> (§7: mandatory)")
             loc = None
@@ -484,12 +500,19 @@ class DocumentReader:
         if tag == self._other_entry_tag:
             self._fail(line, f"{_display(tag)} not allowed in <{self._root_name}> (§7)")
         self._check_ns(el, tag)
+        head = self._head
         if self._head_emitted:
+            if tag == LN_TAG:
+                # Kept: the head object handed out earlier gains it, so a reader that looks at the
+                # document's links after its entries (paging: rel="next") still sees it.
+                self._tolerated("late-head-link", line, "<rs:ln> of the document after its first entry "
+                                "(§7: it belongs before them); read as a link of the document")  # fmt: skip
+                head.links.append(self._ln(el))
+                return
             self._problem(
                 line, f"{_display(tag)} after the first entry is ignored (§7: it belongs before them)"
             )
             return
-        head = self._head
         if tag == MD_TAG:
             if head.md is not None:
                 self._problem(line, "more than one <rs:md> for the document; the first one is used")
@@ -591,6 +614,12 @@ class DocumentReader:
     def _fail(self, line: int | None, reason: str) -> None:
         raise DocumentError(self.url, line, reason)
 
+    def _tolerated(self, rule: str, line: int | None, message: str) -> None:
+        if self._on_tolerated is not None:
+            self._on_tolerated(rule, line, message)
+        else:
+            self._problem(line, message)
+
     def _missing(self, line: int | None, message: str) -> None:
         if self._require:
             self._fail(line, message)
@@ -622,11 +651,14 @@ def iter_document(
     max_bytes: int = DEFAULT_MAX_BYTES,
     on_problem: Problem | None = None,
     require: bool = False,
+    on_tolerated: Tolerated | None = None,
 ) -> Iterator[Head | Entry]:
     """Yield the ``Head`` and then each ``Entry`` of a document (a path, bytes or a binary file)."""
     if url is None and isinstance(source, str | os.PathLike):
         url = os.fspath(source)
-    reader = DocumentReader(url, max_bytes=max_bytes, on_problem=on_problem, require=require)
+    reader = DocumentReader(
+        url, max_bytes=max_bytes, on_problem=on_problem, require=require, on_tolerated=on_tolerated
+    )
     for chunk in _chunks(source):
         yield from reader.feed(chunk)
     yield from reader.close()

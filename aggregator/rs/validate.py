@@ -380,6 +380,10 @@ class _Rules:
                     yield _hash_issue(bad, line, "rs:ln")
             if ln.length is not None and ln.length < 0:
                 yield Issue(line, "length-range", f"rs:ln length {ln.length} is negative")
+            if ln.href and not _is_absolute(ln.href):
+                yield Issue(
+                    line, "href-relative", f"rs:ln href {ln.href.strip()[:80]!r} is not an absolute URI (§7)"
+                )
             if not self.parsed:
                 yield from _extra_attrs(ln.extra, _LN_KNOWN, "rs:ln", line)
 
@@ -464,6 +468,14 @@ class _Rules:
             yield from self._order(e)
         if p.loc_unique and e.loc:
             yield from self._duplicate(e)
+        if cap == m.RESOURCELIST and not self.head.is_index and md is not None and md.capability is not None:
+            yield Issue(
+                line,
+                "capability-on-entry",
+                f"capability {md.capability!r} on a Resource List entry: an entry is a resource (§10.1); "
+                "parts of a list belong in a <sitemapindex> (§10.2)",
+                WARNING,
+            )
         if cap == m.CAPABILITYLIST:
             yield from self._capability_entry(e)
         elif cap == m.DESCRIPTION:
@@ -842,6 +854,9 @@ class _Gunzip:
 
 #: Parser problems (``aggregator.rs.parse`` messages) that are one of our rules; all others are "value".
 #: The rules skip these checks for parsed documents so that each problem is reported once.
+#: The parser's tolerated deviations as validator rules (all errors: §7 says otherwise).
+_TOLERATED_RULES = {"loc-as-text": "loc-missing", "md-before-loc": "element-order", "late-head-link": "value"}
+
 _PROBLEM_RULES = (
     ("without <loc>", "loc-missing"),
     ("<rs:ln> without rel", "ln-rel-missing"),
@@ -868,8 +883,9 @@ class Checker:
     ) -> None:
         self._pending: list[Issue] = []
         self._reader = DocumentReader(
-            url, max_bytes=max_bytes or DEFAULT_MAX_BYTES, on_problem=self._on_problem
-        )
+            url, max_bytes=max_bytes or DEFAULT_MAX_BYTES, on_problem=self._on_problem,
+            on_tolerated=self._on_tolerated,
+        )  # fmt: skip
         self._raw = _RawScan()
         self._gunzip = _Gunzip()
         self._rules: _Rules | None = None
@@ -879,6 +895,10 @@ class Checker:
         self._hidden: dict[str, list[int]] = {}  # rule -> [count, errors]
         self._prolog: bytes | None = b""  # the first bytes, until the encoding is checked (then None)
         self.report = Report(source or url or "<document>")
+
+    def _on_tolerated(self, rule: str, line: int | None, message: str) -> None:
+        """What a harvester reads past on purpose is still an error of the document."""
+        self._pending.append(Issue(line, _TOLERATED_RULES.get(rule, rule), message))
 
     def _on_problem(self, line: int | None, message: str) -> None:
         rule = next((r for fragment, r in _PROBLEM_RULES if fragment in message), "value")

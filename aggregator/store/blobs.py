@@ -167,6 +167,16 @@ class BlobWriter:
             self.tmp_path.unlink(missing_ok=True)
         self._state = "aborted"
 
+    def peek(self, n: int) -> bytes | None:
+        """The first ``n`` bytes of a finished, uncommitted blob (to tell what it is), or None."""
+        if self._state != "finished" or self.tmp_path is None:
+            return None
+        try:
+            with open(self.tmp_path, "rb") as f:
+                return f.read(n)
+        except OSError:
+            return None
+
     def _committed(self) -> None:
         self._state = "committed"
 
@@ -222,6 +232,18 @@ class SpooledBlobWriter(BlobWriter):
     def abort(self) -> None:
         self._parts = None
         super().abort()
+
+    def peek(self, n: int) -> bytes | None:
+        if self._parts is None:
+            return super().peek(n)
+        if self._state != "finished":
+            return None
+        out = b""
+        for part in self._parts:
+            out += part[: n - len(out)]
+            if len(out) >= n:
+                break
+        return out
 
     def held(self) -> bytes | None:
         """The finished blob's bytes while they are only in memory (no temp file yet), else None."""
