@@ -1,8 +1,8 @@
 """A misbehaving client against a running daemon: does a well-behaved client still get served, and does
 the daemon's memory stay bounded?
 
-Starts ``rsagg run`` (one disabled source, public base URL, listening on 127.0.0.1) in its own process, then for
-``--seconds`` (default 20) runs, from 127.0.0.2, at once:
+Starts ``rsagg run`` (one disabled source, public base URL, listening on 127.0.0.1) in its own process,
+then for ``--seconds`` (default 20) runs, from 127.0.0.2, at once:
 
 * a subscription flood: ``--flooders`` clients POSTing ``hub.mode=subscribe`` with callbacks on distinct
   ``*.flood.invalid`` hosts (never resolvable) as fast as they are answered;

@@ -69,6 +69,7 @@ from ..store.state import LogRecord, Resource
 from .documents import CACHE_CLOSED, CACHE_OPEN, Site, UriOf, Windows, change_entry, resource_entry
 from .links import LinkPolicy
 from .resources import http_date, validators_match
+from .uris import number
 
 log = logging.getLogger("rsagg.publish.dumps")
 
@@ -750,13 +751,12 @@ def dump_routes(builder: DumpBuilder) -> list[Route]:
         return endpoint
 
     routes = []
+    get = ["GET", "HEAD"]
     for kind in (RESOURCEDUMP, CHANGEDUMP):
         routes += [
             Route(f"/{{set}}/{kind}.xml", document(kind), methods=["GET", "HEAD"]),
-            Route(f"/{{set}}/{kind}/{{number:int}}.zip", blob(kind, True), methods=["GET", "HEAD"]),
-            Route(
-                f"/{{set}}/{kind}/{{number:int}}/{MANIFEST_NAME}", blob(kind, False), methods=["GET", "HEAD"]
-            ),
+            Route(f"/{{set}}/{kind}/{number('number')}.zip", blob(kind, True), methods=get),
+            Route(f"/{{set}}/{kind}/{number('number')}/{MANIFEST_NAME}", blob(kind, False), methods=get),
         ]
     return routes
 

@@ -1725,7 +1725,8 @@ class PostgresState:
         with self._write() as c:
             row = c.execute(
                 'INSERT INTO publish_dumps (set_name, kind, part, "window", first_seq, last_seq, sha256, '
-                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created, fingerprint) "
+                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created, "
+                "fingerprint) "
                 "VALUES (%s, 'changedump', 1, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
                 f"RETURNING {_PKG_COLS}",
                 (set_name, window, first_seq, last_seq, p.sha256, p.length, p.manifest_sha256,
