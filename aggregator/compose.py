@@ -122,7 +122,8 @@ class Assembly:
             if known is config:
                 return plugins
         plugins = Plugins.from_config(config)
-        self._plugins[:] = [*self._plugins[-1:], (config, plugins)]
+        running = [pair for pair in self._plugins if pair[0] is self.config]  # kept: it runs
+        self._plugins[:] = [*running[-1:], (config, plugins)]
         return plugins
 
     @property

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
 from importlib.metadata import entry_points, version
 from pathlib import Path
 
@@ -379,6 +383,51 @@ def test_a_plugin_that_does_not_load_or_names_no_hook_stops_every_command(
     for word in named:
         assert word in err, (word, err)
     assert not (tmp_path / "data" / "state.db").exists() or command[0] in ("status", "gc")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "module,named",
+    [
+        ("import missing_dependency_of_privacy\n", ["failed to load", "missing_dependency_of_privacy"]),
+        (
+            "from aggregator.plugin_api import hookimpl\n\n@hookimpl\n"
+            "def rsagg_filter_published(set_name, resource):\n    return False\n",
+            ["rsagg_filter_published", "no rsagg hook"],
+        ),
+    ],
+)
+def test_an_installed_broken_filter_stops_rsagg_run(tmp_path: Path, module: str, named: list[str]):
+    """End to end: a plugin installed as a distribution (entry point of the ``rsagg`` group), broken or
+    misspelt, and ``rsagg run`` in a process of its own refuses to start: exit 2, one line."""
+    site = tmp_path / "site"
+    (site / "privacy-1.0.dist-info").mkdir(parents=True)
+    (site / "privacy-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: privacy\nVersion: 1.0\n"
+    )
+    (site / "privacy-1.0.dist-info" / "entry_points.txt").write_text("[rsagg]\nprivacy = rsagg_privacy\n")
+    (site / "rsagg_privacy.py").write_text(module)
+    cfg = tmp_path / "rsagg.toml"
+    cfg.write_text(
+        f'[store]\npath = "{tmp_path / "data"}"\n[server]\nlisten = "127.0.0.1:{free_port()}"\n'
+        '[[sources]]\nname = "up"\nurl = "http://127.0.0.1:9/"\n'
+    )
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(repo)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "aggregator", "run", "-c", str(cfg)], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "config error" in done.stderr and "plugin privacy" in done.stderr
+    for word in named:
+        assert word in done.stderr, (word, done.stderr)
 
 
 def test_a_refused_plugin_disabled_by_configuration_is_not_loaded(
