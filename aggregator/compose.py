@@ -13,7 +13,9 @@ this module, the daemon and the commands sit above them.
   handle; off when ``publish.dump_interval = 0``), then notifications (hub, notifier, subscriber, each with
   a state handle of its own; the subscriber gets a ``Harvester`` of ``ctx``, the notifier the dump
   builder, the harvest context the notifier's wake-up as a commit listener, the metrics the counters).
-  ``Assembly.app(config)`` builds the publisher for a configuration (start and every reload) from them.
+  ``Assembly.app(config)`` builds the publisher for a configuration (start and every reload) from them,
+  with that configuration's plugins (``Assembly.plugins_for``); the dump builder reads the running
+  configuration and its plugins through getters, so its publish filter is the lists' after a reload too.
 - ``start_node(parts, ...)``: on a cluster node (``[cluster] enabled``), this process as a ``cluster.Node``
   with a state handle of its own, opened here and closed here once the node has left the cluster.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp
 
     from .publish.dumps import DumpBuilder
+    from .publish.schedule import Wake
     from .websub.hub import HubLimits
     from .websub.service import Notifications
     from .websub.subscriber import SubscriberSettings
@@ -112,6 +115,29 @@ class Assembly:
     harvest: HarvestContext
     dumps: DumpBuilder | None = None
     notifications: Notifications | None = None
+    #: Set on a reload: the dump schedule starts a round at once (withdraws, rebuilds).
+    dumps_wake: Wake = field(default_factory=lambda: _wake())
+    #: (configuration, its plugins): the start-up pair and the newest reloaded one (``plugins_for``).
+    _plugins: list[tuple[Config, Plugins]] = field(default_factory=list)
+
+    def plugins_for(self, config: Config) -> Plugins:
+        """The plugins of ``config`` (by identity): the harvest context's for the start-up configuration,
+        a manager of its own for a reloaded one (its ``[plugins.*]`` tables, enabled or not). Raises
+        ConfigError for plugins that do not load (plugins.py: they fail closed)."""
+        if config is self.harvest.config and not self._plugins:
+            self._plugins.append((config, self.harvest.plugins))
+        for known, plugins in list(self._plugins):
+            if known is config:
+                return plugins
+        plugins = Plugins.from_config(config)
+        running = [pair for pair in self._plugins if pair[0] is self.config]  # kept: it runs
+        self._plugins[:] = [*running[-1:], (config, plugins)]
+        return plugins
+
+    @property
+    def plugins(self) -> Plugins:
+        """The running configuration's plugins: what every published view filters with."""
+        return self.plugins_for(self.config)
 
     @property
     def config(self) -> Config:
@@ -143,9 +169,7 @@ class Assembly:
         from .publish.schedule import run_dumps
 
         roles: dict[str, Callable[[], Awaitable[Any]]] = {
-            "@dumps": partial(
-                run_dumps, self.dumps, lambda: self.config, self.harvest.plugins, trio.sleep_forever
-            )
+            "@dumps": partial(run_dumps, self.dumps, lambda: self.config, trio.sleep_forever, self.dumps_wake)
         }
         if self.notifications is not None:
             roles["@hub"] = self.notifications.run_publishing
@@ -163,7 +187,14 @@ class Assembly:
         # dump_app_options: the dump documents, packages, manifests.
         options = dump_app_options(self.dumps, app_options(self.notifications))
         options["metrics"] = self.metrics  # /metrics shows this process's harvest too (metrics.py)
+        options["plugins"] = self.plugins_for(config)  # the dump builder's, once config runs
         return create_app(config, blobs=self.blobs, state_path=state_path(config), **options)
+
+
+def _wake() -> Wake:
+    from .publish.schedule import Wake
+
+    return Wake()
 
 
 def assemble(
@@ -179,7 +210,10 @@ def assemble(
     from .publish.schedule import open_dump_builder
     from .websub.service import prepare_notifications
 
-    dumps = open_dump_builder(ctx.config, ctx.blobs)
+    parts = Assembly(ctx)
+    dumps = open_dump_builder(
+        ctx.config, ctx.blobs, get_config=lambda: parts.config, get_plugins=lambda: parts.plugins
+    )
     # On a cluster node (cluster.py) the subscriber keeps its subscriptions and its inbox in the shared
     # state: a callback may reach any node, the holder of the source's lease applies it.
     follow = harvest
@@ -196,7 +230,8 @@ def assemble(
     if notes is not None:
         ctx.commit_listeners.append(notes.notifier.wake)  # rsagg's own notifications go out at once
         ctx.metrics.attach(notifications=lambda: notes)
-    return Assembly(ctx, dumps, notes)
+    parts.dumps, parts.notifications = dumps, notes
+    return parts
 
 
 async def run_assembly(
@@ -212,7 +247,7 @@ async def run_assembly(
     node = parts.config.cluster.enabled
     await run_notifications(nursery, parts.notifications, stop_when=stop_when, publishing=not node)
     if not node:
-        nursery.start_soon(run_dumps, parts.dumps, lambda: parts.config, parts.harvest.plugins, stop_when)
+        nursery.start_soon(run_dumps, parts.dumps, lambda: parts.config, stop_when, parts.dumps_wake)
 
 
 def start_node(

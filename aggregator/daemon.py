@@ -222,12 +222,18 @@ class _Daemon:
                 )  # fmt: skip
         new = self._keep_unreloadable(old, new)
         try:
-            # In a thread: create_app opens the state database, which may wait for a harvest commit.
-            await self.app.replace(await trio.to_thread.run_sync(self.app_factory, new, self.parts))
+            # In a thread: create_app opens the state database, which may wait for a harvest commit; it
+            # loads the new configuration's plugins (a plugin that does not load refuses the reload).
+            app = await trio.to_thread.run_sync(self.app_factory, new, self.parts)
+            # The running configuration first: from now on the dumps are read under the new filter's
+            # fingerprint (those of the old one are withdrawn), even while the old app finishes.
+            self.ctx.config = new
+            await self.app.replace(app)
         except Exception as exc:  # a publisher that cannot start with this config: keep the old one
+            self.ctx.config = old
             log.error("reload refused, the publisher rejects %s: %s: %s", new.file, type(exc).__name__, exc)
             return
-        self.ctx.config = new
+        self.parts.dumps_wake.set()  # withdrawn dumps are built again now, under the new filter
         if self.workers is not None:
             self.workers.restart()  # they read the configuration file again
         outbound.update_policy(self.ctx.fetcher.policy, new)  # new sources' origins, a changed allow-list

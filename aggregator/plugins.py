@@ -17,6 +17,13 @@ shim is a generator that delegates to the wrapper: a wrapper that raises before 
 is counted and the call goes on with the result it would have had without that wrapper. pluggy keeps
 the implementation's ``argnames`` from the original function, so each still receives only what it asks
 for.
+
+Plugins fail closed: a privacy filter that is silently off is worse than a daemon that does not start.
+An installed plugin that does not load (import error, a broken object), a hook implementation whose
+name is no rsagg hook (``rsagg_filter_published``: pluggy's ``check_pending``), and a function named
+``rsagg_*`` without ``@hookimpl`` (pluggy ignores it) are each a ``PluginError`` (a ``ConfigError``:
+one line, exit 2) naming the plugin and the hook. A plugin disabled by ``[plugins.NAME] enabled =
+false`` is not loaded at all: the operator's way to start without it.
 """
 
 from __future__ import annotations
@@ -62,6 +69,10 @@ class PluginContext:
         return out
 
 
+class PluginError(ConfigError):
+    """A plugin that does not load or implements what is no rsagg hook: rsagg refuses to start."""
+
+
 class Plugins:
     """The plugin manager of one rsagg process."""
 
@@ -71,6 +82,7 @@ class Plugins:
         source_settings: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
         *,
         entry_point_plugins: bool = True,
+        file: str = "(no configuration file)",
     ) -> None:
         self.pm = pluggy.PluginManager(GROUP)
         self.pm.add_hookspecs(hookspecs)
@@ -80,21 +92,29 @@ class Plugins:
         for name, module in DEFAULT_PLUGINS.items():
             self._register(importlib.import_module(module), name)
             self.versions[name] = "builtin"
+        off = {name for name, table in (global_settings or {}).items() if table.get("enabled") is False}
+        self.disabled: list[str] = []
         if entry_point_plugins:
             for ep in entry_points(group=GROUP):
-                if self.pm.get_plugin(ep.name) is not None:
+                if self.pm.get_plugin(ep.name) is not None or ep.name in self.disabled:
+                    continue
+                if ep.name in off:  # not even imported: the operator's way to start without it
+                    self.disabled.append(ep.name)
+                    log.info("plugin %s disabled by configuration", ep.name)
                     continue
                 try:
-                    self._register(ep.load(), ep.name)
-                except Exception as exc:  # a broken third-party plugin must not stop rsagg
-                    log.error("plugin %s (%s) failed to load: %s", ep.name, ep.value, exc)
-                    self.failures[ep.name] += 1
-                    continue
+                    obj = ep.load()
+                except Exception as exc:  # fail closed: a filter that did not load filters nothing
+                    raise PluginError(
+                        file, f"plugins.{ep.name}",
+                        f"plugin {ep.name} ({ep.value}) failed to load: {type(exc).__name__}: "
+                        f"{_one_line(exc)} (fix or uninstall it, or set [plugins.{ep.name}] enabled = false)",
+                    ) from None  # fmt: skip
+                self._register(obj, ep.name, file)
                 dist = ep.dist.name if ep.dist else None
                 self.versions[ep.name] = version(dist) if dist else "unknown"
-        self.disabled: list[str] = []
-        for name, table in (global_settings or {}).items():
-            if table.get("enabled") is False and self.pm.get_plugin(name) is not None:
+        for name in sorted(off):
+            if self.pm.get_plugin(name) is not None:
                 self.pm.unregister(name=name)
                 self.disabled.append(name)
                 log.info("plugin %s disabled by configuration", name)
@@ -111,6 +131,7 @@ class Plugins:
             global_settings,
             {s.name: s.plugins for s in config.sources if s.plugins},
             entry_point_plugins=entry_point_plugins,
+            file=config.file,
         )
         known = set(plugins.names()) | set(plugins.disabled)
         for key, tables in [("plugins", config.plugins)] + [
@@ -170,9 +191,34 @@ class Plugins:
             merged.update(table)
         return merged
 
-    def _register(self, plugin: object, name: str) -> None:
-        """Register with pluggy, then put an isolating shim before each of the plugin's hook functions."""
-        self.pm.register(plugin, name=name)
+    def _register(self, plugin: object, name: str, file: str = "(no configuration file)") -> None:
+        """Register with pluggy, then put an isolating shim before each of the plugin's hook functions.
+
+        Refused (``PluginError``, nothing of the plugin left registered): an implementation of no rsagg
+        hook (pluggy's ``check_pending``: a misspelt ``rsagg_filter_published`` would never be called),
+        a function named ``rsagg_*`` pluggy does not see (no ``@hookimpl``), or what pluggy refuses
+        (arguments the hook does not have)."""
+        for attr in dir(plugin):
+            if attr.startswith("rsagg_") and callable(getattr(plugin, attr, None)):
+                if not hasattr(getattr(plugin, attr), f"{GROUP}_impl"):
+                    raise PluginError(
+                        file, f"plugins.{name}",
+                        f"plugin {name}: {attr} is not marked @hookimpl, so rsagg would never call it",
+                    )  # fmt: skip
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(file, f"plugins.{name}", f"plugin {name}: {_one_line(exc)}") from None
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            self.pm.unregister(name=name)
+            hooks = _unknown_hooks(plugin)
+            raise PluginError(
+                file, f"plugins.{name}",
+                f"plugin {name} implements {', '.join(hooks) or _one_line(exc)}, which is no rsagg hook "
+                f"(misspelt? the hooks: {', '.join(hookspec_names())})",
+            ) from None  # fmt: skip
         for caller in self.pm.get_hookcallers(plugin) or []:
             for impl in caller.get_hookimpls():
                 if impl.plugin is plugin:
@@ -238,3 +284,23 @@ class Plugins:
     def _failed(self, name: str, hook: str, exc: Exception) -> None:
         self.failures[name] += 1
         log.error("plugin %s raised in %s: %s: %s", name, hook, type(exc).__name__, exc, exc_info=exc)
+
+
+def hookspec_names() -> list[str]:
+    """Every rsagg hook's name (hookspecs.py)."""
+    return sorted(n for n in dir(hookspecs) if n.startswith("rsagg_"))
+
+
+def _unknown_hooks(plugin: object) -> list[str]:
+    """The plugin's ``@hookimpl`` functions whose names are no rsagg hook."""
+    known = set(hookspec_names())
+    out = []
+    for attr in dir(plugin):
+        opts = getattr(getattr(plugin, attr, None), f"{GROUP}_impl", None)
+        if isinstance(opts, dict) and (opts.get("specname") or attr) not in known:
+            out.append(opts.get("specname") or attr)
+    return sorted(out)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -11,9 +11,14 @@ windows, ``robots.txt`` and the Source Description (``LOCAL``). Everything else 
 ``/status.json`` and ``/metrics`` (the daemon's counters), Capability Lists (they list the dumps and the
 notification channels, which the daemon knows), dumps, the WebSub hub and callbacks, other methods --
 is forwarded to the daemon over a loopback listener of its own and answered there: the harvester, the
-hub, the notifier and the dump builder run once, in the daemon. A worker that exits is started again;
-when the daemon goes, its workers go (SIGTERM on the parent's death, and the daemon stops them).
-A reload (SIGHUP) restarts the workers with the new configuration.
+hub, the notifier and the dump builder run once, in the daemon. A worker exits only when told: SIGTERM
+(the daemon stopping, or restarting it) or the daemon gone (the pipe on its standard input reaches end of
+file, however the daemon died). One that exits otherwise is logged as an error and started again. A
+reload (SIGHUP) restarts the workers with the new configuration.
+
+Why a pipe and not ``PR_SET_PDEATHSIG``: Linux sends that signal when the *thread* that started the child
+ends, not the process, and trio starts processes from its worker threads, which end after 10 s idle: a
+worker then got SIGTERM and exited with status 0 about 11 s after it started, the daemon alive and well.
 
 ``/metrics`` counts what every process served: a worker runs prometheus-client in multiprocess mode
 (``PROMETHEUS_MULTIPROC_DIR``, a private folder of the daemon's: ``metrics_folder``) and the daemon adds
@@ -31,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import fcntl
 import logging
 import os
@@ -58,10 +62,14 @@ log = logging.getLogger("rsagg.workers")
 
 #: What a worker answers itself (GET and HEAD of these paths); the rest goes to the daemon.
 LOCAL = re.compile(
-    r"/[^/]+/(r/.*|resourcelist\.xml|resourcelist/\d+-(\d+|end)\.xml|changelist\.xml|changelist/\d+\.xml)"
+    r"/[^/]+/(r/.*|resourcelist\.xml|resourcelist/[0-9]+-([0-9]+|end)\.xml|changelist\.xml|changelist/[0-9]+\.xml)"
     r"|/robots\.txt|/\.well-known/resourcesync",
     re.DOTALL,
 )
+#: A request target the daemon can be asked for over its loopback listener: origin-form (RFC 9112
+#: §3.2.1), printable ASCII, no fragment. Anything else (absolute-form, ``*``, ``#``, control bytes) is
+#: answered 400 here instead of being forwarded (it is no path of the daemon's).
+_ORIGIN_FORM = re.compile(rb"/[\x21-\x7e]*")
 #: Hop-by-hop headers (RFC 9110 §7.6.1): not forwarded either way.
 HOP = frozenset((b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
                  b"proxy-connection", b"host", b"content-length"))  # fmt: skip
@@ -105,21 +113,25 @@ class Forwarding:
             body += message.get("body", b"")
             if not message.get("more_body", False):
                 break
-        raw = scope.get("raw_path") or scope["path"].encode()
+        raw = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
         if scope.get("query_string"):
             raw += b"?" + scope["query_string"]
+        if not _ORIGIN_FORM.fullmatch(raw) or b"#" in raw:
+            await _plain(send, 400, b"bad request: the target must be a path (origin-form)\n")
+            return
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
-        request = self.client.build_request(
-            scope["method"], self.daemon.copy_with(raw_path=raw), headers=headers, content=bytes(body)
-        )
+        try:
+            request = self.client.build_request(
+                scope["method"], self.daemon.copy_with(raw_path=raw), headers=headers, content=bytes(body)
+            )
+        except (httpx.InvalidURL, UnicodeError, ValueError):  # what the check above let through
+            await _plain(send, 400, b"bad request: the target is no URL path\n")
+            return
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             log.warning("worker: forwarding %s %s failed: %s", scope["method"], scope["path"], exc)
-            text = b"bad gateway: the daemon did not answer\n"
-            head = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(text))]
-            await send({"type": "http.response.start", "status": 502, "headers": head})
-            await send({"type": "http.response.body", "body": text})
+            await _plain(send, 502, b"bad gateway: the daemon did not answer\n")
             return
         try:
             out = [(k, v) for k, v in response.headers.raw if k.lower() not in _NOT_BACK]
@@ -129,6 +141,12 @@ class Forwarding:
             await send({"type": "http.response.body", "body": b""})
         finally:
             await response.aclose()
+
+
+async def _plain(send: Send, status: int, text: bytes) -> None:
+    head = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(text))]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": text})
 
 
 # -- the daemon's side -------------------------------------------------------------------------------
@@ -193,11 +211,13 @@ class Workers:
         self.metrics = metrics
         self.procs: dict[int, trio.Process] = {}
         self.stopping = False
+        self._told: set[int] = set()  # pids asked to exit (restart): their exit is expected
         self.metrics_dir: Path | None = None
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "aggregator.workers", "--config", str(self.config_path),
-                "--host", self.host, "--port", str(self.port), "--daemon", self.daemon_url]  # fmt: skip
+                "--host", self.host, "--port", str(self.port), "--daemon", self.daemon_url,
+                "--watch-stdin"]  # fmt: skip
 
     async def run(self, nursery: trio.Nursery, stop_when: Callable[[], Awaitable[Any]]) -> None:
         lock = None
@@ -225,19 +245,33 @@ class Workers:
         if self.metrics_dir is not None:
             env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
         while not self.stopping:
-            proc = await trio.lowlevel.open_process(self.command(), stdin=subprocess.DEVNULL, env=env)
+            # stdin: a pipe whose other end only this process holds; the worker stops at its end of file
+            # (the daemon gone, however it died). Its write end is never written to.
+            proc = await trio.lowlevel.open_process(self.command(), stdin=subprocess.PIPE, env=env)
             self.procs[i] = proc
             log.info("worker %d started (pid %d)", i + 1, proc.pid)
             started = trio.current_time()
-            code = await proc.wait()
+            try:
+                code = await proc.wait()
+            finally:
+                if proc.stdin is not None:
+                    with contextlib.suppress(Exception):
+                        await proc.stdin.aclose()
             self.procs.pop(i, None)
             self._exited(proc.pid)
+            told = proc.pid in self._told
+            self._told.discard(proc.pid)
             if self.stopping:
                 return
-            failures = 0 if trio.current_time() - started > 60 else failures + 1
+            failures = 0 if told or trio.current_time() - started > 60 else failures + 1
             delay = BACKOFF[min(failures, len(BACKOFF) - 1)] if failures else 0.0
-            level = logging.INFO if code == 0 else logging.ERROR
-            log.log(level, "worker %d (pid %d) exited with %s: again in %.0f s", i + 1, proc.pid, code, delay)
+            if told:
+                log.info("worker %d (pid %d) restarted (exit status %s)", i + 1, proc.pid, code)
+            else:  # a worker exits only when told: whatever the status, this is a fault
+                log.error(
+                    "worker %d (pid %d) exited unexpectedly with status %s after %.1f s: again in %.0f s",
+                    i + 1, proc.pid, code, trio.current_time() - started, delay,
+                )  # fmt: skip
             await trio.sleep(delay)
 
     def _exited(self, pid: int) -> None:
@@ -252,6 +286,7 @@ class Workers:
         """SIGTERM every worker: each is started again (with the configuration file as it is now)."""
         for proc in list(self.procs.values()):
             if proc.returncode is None:
+                self._told.add(proc.pid)
                 proc.send_signal(signal.SIGTERM)
 
     async def stop(self) -> None:
@@ -272,15 +307,20 @@ class Workers:
 # -- a worker process --------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """SIGTERM when the daemon dies, however it dies (Linux ``PR_SET_PDEATHSIG``)."""
+async def _until_stdin_closes() -> str:
+    """Returns once standard input reaches end of file: the daemon (the pipe's only writer) is gone."""
+    stream = trio.lowlevel.FdStream(os.dup(0))
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+        while await stream.receive_some(4096):
+            pass  # nothing is ever written; read and ignore
+    finally:
+        await stream.aclose()
+    return "the daemon is gone (standard input closed)"
 
 
-async def serve_worker(config_path: Path, host: str, port: int, daemon_url: str) -> None:
+async def serve_worker(
+    config_path: Path, host: str, port: int, daemon_url: str, *, watch_stdin: bool = False
+) -> None:
     from .config import load_config
     from .harvest.context import open_blob_store
     from .logs import add_secrets, config_secrets
@@ -308,12 +348,20 @@ async def serve_worker(config_path: Path, host: str, port: int, daemon_url: str)
             stop = trio.Event()
 
             async def stop_on_signal() -> None:
-                async for _ in signals:
+                async for signum in signals:
+                    log.info("worker (pid %d): %s, stopping", os.getpid(), signal.Signals(signum).name)
                     stop.set()
                     return
 
+            async def stop_when_orphaned() -> None:
+                why = await _until_stdin_closes()
+                log.warning("worker (pid %d): %s, stopping", os.getpid(), why)
+                stop.set()
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stop_on_signal)
+                if watch_stdin:
+                    nursery.start_soon(stop_when_orphaned)
                 await nursery.start(
                     partial(serve, Forwarding(app, daemon_url), host, port, shutdown_trigger=stop.wait,
                             limits=limits, reuse_port=True)
@@ -330,12 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--daemon", required=True, help="the daemon's loopback URL for what a worker forwards")
+    p.add_argument(
+        "--watch-stdin", action="store_true", help="stop when standard input closes (the daemon's pipe)"
+    )
     args = p.parse_args(argv)
-    _die_with_parent()
     from .logs import setup_logging
 
     setup_logging(os.environ.get("RSAGG_LOG_LEVEL", "info"), os.environ.get("RSAGG_LOG_FORMAT", "text"))
-    trio.run(serve_worker, Path(args.config), args.host, args.port, args.daemon)
+    serve = partial(serve_worker, watch_stdin=args.watch_stdin)
+    trio.run(serve, Path(args.config), args.host, args.port, args.daemon)
     return 0
 
 

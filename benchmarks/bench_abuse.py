@@ -1,8 +1,8 @@
 """A misbehaving client against a running daemon: does a well-behaved client still get served, and does
 the daemon's memory stay bounded?
 
-Starts ``rsagg run`` (no sources, public base URL, listening on 127.0.0.1) in its own process, then for
-``--seconds`` (default 20) runs, from 127.0.0.2, at once:
+Starts ``rsagg run`` (one disabled source, public base URL, listening on 127.0.0.1) in its own process,
+then for ``--seconds`` (default 20) runs, from 127.0.0.2, at once:
 
 * a subscription flood: ``--flooders`` clients POSTing ``hub.mode=subscribe`` with callbacks on distinct
   ``*.flood.invalid`` hosts (never resolvable) as fast as they are answered;
@@ -54,6 +54,8 @@ async def main(args: argparse.Namespace) -> None:
     (folder / "rsagg.toml").write_text(
         f'[server]\nlisten = "127.0.0.1:{port}"\nbase_url = "https://agg.example.org"\n'
         '[store]\npath = "data"\n'
+        # `rsagg run` wants a source; a disabled one harvests nothing (serving is what is measured)
+        '[[sources]]\nname = "none"\nurl = "http://127.0.0.1:9/"\nenabled = false\n'
     )
     log = (folder / "daemon.log").open("wb")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

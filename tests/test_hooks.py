@@ -545,14 +545,9 @@ async def test_publish_filter_reaches_dump_packages(tmp_path: Path, monkeypatch)
         await ok(cfg)
     assert len(held(cfg)) == 3
     async with open_context(cfg) as ctx:
-        builder = open_dump_builder(ctx.config, ctx.blobs)
+        builder = open_dump_builder(ctx.config, ctx.blobs, get_plugins=lambda: ctx.plugins)
         assert builder is not None
-        assert (
-            await trio.to_thread.run_sync(
-                lambda: build_due(builder, ctx.config, ctx.plugins, resource_dumps=True)
-            )
-            >= 2
-        )
+        assert await trio.to_thread.run_sync(lambda: build_due(builder, resource_dumps=True)) >= 2
         with sqlite3.connect(cfg.store_path / "state.db") as c:
             rows = c.execute("SELECT kind, sha256 FROM publish_dumps").fetchall()
         assert {kind for kind, _ in rows} == {"resourcedump", "changedump"}

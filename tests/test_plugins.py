@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
 from importlib.metadata import entry_points, version
 from pathlib import Path
 
@@ -21,7 +25,7 @@ from aggregator.cli import main
 from aggregator.config import ConfigError, parse_config
 from aggregator.default_plugins import filesystem
 from aggregator.hookspecs import hookimpl
-from aggregator.plugins import DEFAULT_PLUGINS, Plugins
+from aggregator.plugins import DEFAULT_PLUGINS, PluginError, Plugins
 from aggregator.publish.links import LinkPolicy, PluginLinks
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.model import Entry, Link, Md
@@ -330,18 +334,114 @@ def test_a_failing_wrapper_is_isolated_and_counted(
     assert plugins.failures == {"badwrapper": 2, "broken": 2}
 
 
-def test_a_plugin_that_fails_to_load_is_logged_and_counted(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture
+class _Misspelt:
+    @hookimpl
+    def rsagg_filter_published(self, set_name, resource):  # the hook is rsagg_filter_publish
+        return False
+
+
+class _Undecorated:
+    def rsagg_filter_publish(self, set_name, resource):  # no @hookimpl: pluggy never calls it
+        return False
+
+
+class _WrongArgs:
+    @hookimpl
+    def rsagg_filter_publish(self, set_name, resource, colour):  # no such argument
+        return False
+
+
+#: (plugin object, load error, what the one line must name): each must stop every command.
+_REFUSED = [
+    (None, ImportError("No module named 'missing_dependency'"), ["failed to load", "missing_dependency"]),
+    (None, SyntaxError("invalid syntax"), ["failed to load", "SyntaxError"]),
+    (_Misspelt(), None, ["rsagg_filter_published", "no rsagg hook"]),
+    (_Undecorated(), None, ["rsagg_filter_publish", "@hookimpl"]),
+    (_WrongArgs(), None, ["rsagg_filter_publish"]),
+]
+
+
+@pytest.mark.parametrize("obj,error,named", _REFUSED)
+@pytest.mark.parametrize(
+    "command", [["plugins"], ["plugins", "--json"], ["run"], ["harvest"], ["status"], ["gc", "--dry-run"]]
+)
+def test_a_plugin_that_does_not_load_or_names_no_hook_stops_every_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path, obj, error, named, command
 ):
-    add_plugin(monkeypatch, "unloadable", None, error=ImportError("No module named 'missing_dependency'"))
-    caplog.set_level(logging.ERROR, logger="rsagg.plugins")
-    plugins = Plugins()
-    assert "unloadable" not in plugins.names() and "example" in plugins.names()
-    assert plugins.failures["unloadable"] == 1
-    assert "plugin unloadable (tests:unloadable) failed to load" in caplog.text
-    assert main(["plugins", "--json"]) == 0
+    """Fail closed: exit 2 with one line naming the plugin and the hook, never a traceback, never a
+    start without the plugin."""
+    add_plugin(monkeypatch, "privacy", obj, error=error)
+    cfg = tmp_path / "rsagg.toml"
+    cfg.write_text(
+        f'[store]\npath = "{tmp_path / "data"}"\n[[sources]]\nname = "up"\nurl = "http://127.0.0.1:9/"\n'
+    )
+    argv = [*command[:1], "-c", str(cfg), *command[1:]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "config error" in err and "plugins.privacy" in err and "plugin privacy" in err, err
+    for word in named:
+        assert word in err, (word, err)
+    assert not (tmp_path / "data" / "state.db").exists() or command[0] in ("status", "gc")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "module,named",
+    [
+        ("import missing_dependency_of_privacy\n", ["failed to load", "missing_dependency_of_privacy"]),
+        (
+            "from aggregator.plugin_api import hookimpl\n\n@hookimpl\n"
+            "def rsagg_filter_published(set_name, resource):\n    return False\n",
+            ["rsagg_filter_published", "no rsagg hook"],
+        ),
+    ],
+)
+def test_an_installed_broken_filter_stops_rsagg_run(tmp_path: Path, module: str, named: list[str]):
+    """End to end: a plugin installed as a distribution (entry point of the ``rsagg`` group), broken or
+    misspelt, and ``rsagg run`` in a process of its own refuses to start: exit 2, one line."""
+    site = tmp_path / "site"
+    (site / "privacy-1.0.dist-info").mkdir(parents=True)
+    (site / "privacy-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: privacy\nVersion: 1.0\n"
+    )
+    (site / "privacy-1.0.dist-info" / "entry_points.txt").write_text("[rsagg]\nprivacy = rsagg_privacy\n")
+    (site / "rsagg_privacy.py").write_text(module)
+    cfg = tmp_path / "rsagg.toml"
+    cfg.write_text(
+        f'[store]\npath = "{tmp_path / "data"}"\n[server]\nlisten = "127.0.0.1:{free_port()}"\n'
+        '[[sources]]\nname = "up"\nurl = "http://127.0.0.1:9/"\n'
+    )
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(repo)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "aggregator", "run", "-c", str(cfg)], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "config error" in done.stderr and "plugin privacy" in done.stderr
+    for word in named:
+        assert word in done.stderr, (word, done.stderr)
+
+
+def test_a_refused_plugin_disabled_by_configuration_is_not_loaded(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+):
+    """``[plugins.NAME] enabled = false``: the operator's way to start without a broken plugin."""
+    add_plugin(monkeypatch, "privacy", None, error=ImportError("No module named 'missing_dependency'"))
+    cfg = tmp_path / "rsagg.toml"
+    cfg.write_text("[plugins.privacy]\nenabled = false\n")
+    assert main(["plugins", "-c", str(cfg), "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["plugins"]}
-    assert rows["unloadable"]["loaded"] is False and rows["unloadable"]["enabled"] is False
+    assert rows["privacy"]["enabled"] is False
+    with pytest.raises(PluginError, match="privacy"):
+        Plugins()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ async def test_dumps_built_on_schedule_and_advertised(tmp_path: Path):
             options = dump_app_options(builder, {})
             app = create_app(config, blobs=ctx.blobs, state_path=config.store_path / "state.db", **options)
             async with serve_app(app) as ours, httpx.AsyncClient() as client, trio.open_nursery() as nursery:
-                nursery.start_soon(run_dumps, builder, lambda: ctx.config, ctx.plugins, stop.wait)
+                nursery.start_soon(run_dumps, builder, lambda: ctx.config, stop.wait)
                 # One build round commits the Change Dump packages before the Resource Dump: wait for
                 # both (waiting for "any dump" raced the second commit on a loaded machine).
                 with trio.fail_after(60):

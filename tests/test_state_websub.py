@@ -22,7 +22,7 @@ from aggregator.store.rows import (
 )
 from aggregator.store.state import MIGRATIONS, Change, Cursor, State, connect
 
-A, B, C = "a" * 64, "b" * 64, "c" * 64
+A, B, C, D = "a" * 64, "b" * 64, "c" * 64, "d" * 64
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 # What the previous release ran itself, on connections of its own, next to a schema-5 state
@@ -309,6 +309,32 @@ def test_dump_runs_and_packages(st: State) -> None:
     assert list(st.dump_hashes()) == [A, B, C]
     with pytest.raises(ValueError):
         st.dump_package("s", "resourcelist", 1)
+    for number in (-1, 2**63, 10**30):  # no row has it, and it never reaches SQL (OverflowError)
+        assert st.dump_package("s", "resourcedump", number) is None
+        assert st.dump_package("s", "changedump", number) is None
+
+
+def test_dumps_of_another_fingerprint_are_never_read_and_are_withdrawn(st: State) -> None:
+    """Every read asks for one fingerprint (the publish filter and configuration the dump was built
+    under); ``withdraw_dumps`` deletes every other one (NULL included) and names their blobs."""
+    (old,) = st.add_resource_dump("s", [1], 9, T0, T0, [DumpPart(A, 1, B, 1, 1, 1)], T0, "f1")
+    st.add_change_dump("s", 1, 0, 2, DumpPart(C, 1, C, 1, 1, 1, from_=T0, until=T0), T0, "f1")
+    for fp in ("f2", ""):
+        assert st.dump_latest_run("s", fp) is None and not st.has_change_dump("s", fp)
+        assert (
+            st.change_dump_packages("s", fp) == []
+            and st.dump_package("s", "resourcedump", old.id, fp) is None
+        )
+        assert st.dump_package("s", "changedump", 1, fp) is None
+    assert st.dump_latest_run("s", "f1") is not None and st.dump_package("s", "changedump", 1, "f1")
+    assert st.withdraw_dumps("f1") == set()
+    (new,) = st.add_resource_dump("s", [1], 9, T0, T0, [DumpPart(D, 1, D, 1, 1, 1)], T0, "f2")
+    assert st.withdraw_dumps("f2") == {A, B, C}
+    assert st.dump_latest_run("s", "f1") is None and st.dump_package("s", "changedump", 1, "f1") is None
+    assert st.dump_package("s", "resourcedump", new.id, "f2") == new and list(st.dump_hashes()) == [D]
+    # the window can be built again under the new fingerprint (one package per window)
+    again = st.add_change_dump("s", 1, 0, 2, DumpPart(C, 1, C, 1, 1, 1, from_=T0, until=T0), T0, "f2")
+    assert st.change_dump_packages("s", "f2") == [again]
 
 
 def test_retries_are_written_with_the_batch_as_data(st: State) -> None:

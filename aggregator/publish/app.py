@@ -77,7 +77,7 @@ from .documents import (
 from .fastpath import ResourceFastPath
 from .resources import LiteRequest, gone, http_date, remote_response, resource_answer, validators_match
 from .site import build_site, link_policy, publish_filter
-from .uris import BasePath, base_path, split_resource_path
+from .uris import BasePath, base_path, number, split_resource_path
 
 log = logging.getLogger("rsagg.publish")
 #: Bump when a change of the code changes what a document renders to: cached renderings are dropped.
@@ -447,12 +447,8 @@ async def resourcelist(request: Request) -> Response:
 
 async def resourcelist_part(request: Request) -> Response:
     lo: int = request.path_params["lo"]
-    hi_text: str = request.path_params["hi"]
-    if hi_text == "end":
-        hi = None
-    elif hi_text.isdigit() and int(hi_text) > lo:
-        hi = int(hi_text)
-    else:
+    hi: int | None = request.path_params["hi"]  # None: "end"
+    if hi is not None and hi <= lo:
         return PlainTextResponse("not found\n", status_code=404)
     return await _document(
         request,
@@ -571,9 +567,13 @@ def create_app(
         Route("/.well-known/resourcesync", well_known, methods=get),
         Route("/{set}/capabilitylist.xml", capabilitylist, methods=get),
         Route("/{set}/resourcelist.xml", resourcelist, methods=get),
-        Route("/{set}/resourcelist/{lo:int}-{hi}.xml", resourcelist_part, methods=get),
+        Route(
+            f"/{{set}}/resourcelist/{number('lo')}-{number('hi', or_end=True)}.xml",
+            resourcelist_part,
+            methods=get,
+        ),
         Route("/{set}/changelist.xml", changelist, methods=get),
-        Route("/{set}/changelist/{k:int}.xml", changelist_window, methods=get),
+        Route(f"/{{set}}/changelist/{number('k')}.xml", changelist_window, methods=get),
         resource_route,
     ]
     served = Middleware(ServedMetrics, metrics=publisher.metrics)  # by route template (metrics.py)

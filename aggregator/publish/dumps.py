@@ -19,8 +19,15 @@ included in the bitstream package": both are the same bytes). Blobs are committe
 name them (docs/architecture.md invariant 2).
 
 Bookkeeping lives in the state (runs and packages: ``StateStore.dump_*``, ``add_resource_dump``,
-``add_change_dump``, ``prune_resource_dumps``; migration 5 of store/state.py). ``gc`` must keep the blobs
-they name: see ``referenced_hashes`` / ``DumpBuilder.referenced_hashes``.
+``add_change_dump``, ``prune_resource_dumps``; migrations 5 and 12 of store/state.py). ``gc`` must keep the
+blobs they name: see ``referenced_hashes`` / ``DumpBuilder.referenced_hashes``.
+
+One visibility rule for every view: a package holds what the Resource List and Change List show, under
+the publish filter (``rsagg_filter_publish``) and configuration of the moment it was built. Each run and
+package records the *fingerprint* of those (``publish/site.view_fingerprint``); every read asks for the
+current fingerprint only, so once the filter or configuration changes (a restart, a reload) the packages
+built under the old one are neither listed nor downloadable (404) from that moment, and the builder
+deletes them (``withdraw``) and builds them again, Resource Dumps and closed Change Dump windows alike.
 
 Building blocks the harvester is picky about (aggregator/harvest/dumps.py reads our packages too): member
 paths are plain (``[A-Za-z0-9._-]`` names, no ``..``), every member is hashed while it is copied and
@@ -62,6 +69,7 @@ from ..store.state import LogRecord, Resource
 from .documents import CACHE_CLOSED, CACHE_OPEN, Site, UriOf, Windows, change_entry, resource_entry
 from .links import LinkPolicy
 from .resources import http_date, validators_match
+from .uris import number
 
 log = logging.getLogger("rsagg.publish.dumps")
 
@@ -191,6 +199,8 @@ class DumpBuilder:
         keep: int = 2,
         compression: str = "auto",
         clock: Callable[[], datetime] = utcnow,
+        fingerprint: Callable[[], str] | None = None,
+        site_of: Callable[[StateStore], Site] | None = None,
     ) -> None:
         if not 1 <= max_entries <= MAX_MANIFEST_ENTRIES:
             raise ValueError(f"max_entries must be in 1..{MAX_MANIFEST_ENTRIES} (§7 document limit)")
@@ -209,8 +219,15 @@ class DumpBuilder:
         self.keep = keep
         self.compression = compression
         self._clock = clock
-        self._lock = threading.Lock()  # the build locks' table
+        #: The fingerprint of the publish filter and configuration running now (a getter: a reload
+        #: changes it); without one, every dump is built and read under "".
+        self.fingerprint: Callable[[], str] = fingerprint or (lambda: "")
+        #: The Site of the running configuration and plugins, for ``refresh`` (None: ``site`` stays).
+        self._site_of = site_of
+        self._lock = threading.Lock()  # the build locks' table, the withdrawal
         self._build_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._withdrawn_for: str | None = None  # the fingerprint the last withdrawal kept
+        self._view: tuple[Site, str] | None = None  # refresh's Site and its fingerprint
 
     def close(self) -> None:
         """Nothing of its own to close (``state`` belongs to the caller)."""
@@ -225,6 +242,51 @@ class DumpBuilder:
 
     def manifest_url(self, set_name: str, kind: str, number: int) -> str:
         return f"{self.base_url}/{set_name}/{kind}/{number}/{MANIFEST_NAME}"
+
+    # -- the filter and configuration of the moment ------------------------------------------------
+
+    def refresh(self) -> str:
+        """Take the running configuration and plugins (the Site every package is built with, and its
+        fingerprint, read as one pair) and withdraw what was built under another fingerprint; returns
+        the current fingerprint (blocking)."""
+        if self._site_of is None:
+            return self._withdraw(self.fingerprint())
+        while True:  # a reload between the two reads: read again, never a Site with another's name
+            fp = self.fingerprint()
+            site = replace(self._site_of(self.state), base_url=self.base_url)
+            if self.fingerprint() == fp:
+                break
+        self.site, self._view = site, (site, fp)
+        return self._withdraw(fp)
+
+    def _snapshot(self) -> tuple[Site, str]:
+        """The Site a build uses and the fingerprint its rows are recorded under (one pair), once what
+        was built under another fingerprint is withdrawn."""
+        if self._site_of is None:
+            site, fp = self.site, self.fingerprint()
+        else:
+            if self._view is None:
+                self.refresh()
+            assert self._view is not None
+            site, fp = self._view
+        self._withdraw(fp)
+        return site, fp
+
+    def _withdraw(self, fp: str) -> str:
+        """Withdraw every run and package not built under ``fp``: their rows deleted (reads already
+        ignore them), then the blobs nothing else names."""
+        with self._lock:
+            if fp == self._withdrawn_for:
+                return fp
+            shas = self.state.withdraw_dumps(fp)
+            self._withdrawn_for = fp
+        if shas:
+            log.warning(
+                "dumps built under another publish filter or configuration withdrawn (%d blobs); "
+                "they are built again", len(shas),
+            )  # fmt: skip
+            self._release(shas)
+        return fp
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -249,7 +311,7 @@ class DumpBuilder:
     # -- reads (also used by the routes) -------------------------------------------------------------
 
     def latest_run(self, set_name: str) -> DumpRun | None:
-        return self.state.dump_latest_run(set_name)
+        return self.state.dump_latest_run(set_name, self.fingerprint())
 
     def resource_dump_packages(self, set_name: str, run: DumpRun | None = None) -> list[PackageInfo]:
         """The packages of a run, by default the newest (what ``/SET/resourcedump.xml`` lists)."""
@@ -261,11 +323,11 @@ class DumpBuilder:
 
     def change_dump_packages(self, set_name: str) -> list[PackageInfo]:
         """Every Change Dump package of the set, in window (== chronological) order."""
-        return [self._info(r) for r in self.state.change_dump_packages(set_name)]
+        return [self._info(r) for r in self.state.change_dump_packages(set_name, self.fingerprint())]
 
     def package(self, set_name: str, kind: str, number: int) -> PackageInfo | None:
         """A package by its URL number (also an older, still kept Resource Dump run's package)."""
-        row = self.state.dump_package(set_name, kind, number)
+        row = self.state.dump_package(set_name, kind, number, self.fingerprint())
         return self._info(row) if row else None
 
     def available(self, set_name: str) -> dict[str, str]:
@@ -273,7 +335,7 @@ class DumpBuilder:
         out: dict[str, str] = {}
         if self.latest_run(set_name) is not None:
             out[RESOURCEDUMP] = self.document_url(set_name, RESOURCEDUMP)
-        if self.state.has_change_dump(set_name):
+        if self.state.has_change_dump(set_name, self.fingerprint()):
             out[CHANGEDUMP] = self.document_url(set_name, CHANGEDUMP)
         return out
 
@@ -322,7 +384,8 @@ class DumpBuilder:
         if not ids:
             return []  # nothing harvested into the set yet: no snapshot to offer
         with self._build_lock(set_name, RESOURCEDUMP):
-            last = self.latest_run(set_name)
+            site, fp = self._snapshot()
+            last = self.state.dump_latest_run(set_name, fp)
             if last is not None and not force and not self._changed_since(last, ids):
                 return []
             last_seq = self.state.last_seq()
@@ -332,12 +395,12 @@ class DumpBuilder:
                 # Every package's `at` is the run's: rows are read in pages ahead of the package that
                 # uses them, so only the run's start is before every read (§11.2 at: the guarantee).
                 # `completed` is when the package's last row had been read.
-                for members in self._resource_batches(set_name, ids):
+                for members in self._resource_batches(site, set_name, ids):
                     completed = self._now()
                     head = Head(
                         model.URLSET,
                         Md(capability=model.RESOURCEDUMP_MANIFEST, at=run_at, completed=completed),
-                        [Link(rel="up", href=self.site.capabilitylist(set_name))],
+                        [Link(rel="up", href=site.capabilitylist(set_name))],
                     )
                     built.append((self._write_package(head, members), run_at, completed))
                 run_completed = built[-1][2] if built else self._now()
@@ -346,7 +409,7 @@ class DumpBuilder:
                 for b, _, _ in built:
                     b.abort()
                 raise
-            infos = self._record_run(set_name, ids, last_seq, run_at, run_completed, built)
+            infos = self._record_run(set_name, ids, last_seq, run_at, run_completed, built, fp)
             self._prune(set_name)
             log.info(
                 "set=%s resource dump: %d package(s), %d entries, %d bytes",
@@ -359,19 +422,19 @@ class DumpBuilder:
             return True
         return any(next(self.state.iter_changelog(run.last_seq, set_id=s, limit=1), None) for s in ids)
 
-    def _resource_batches(self, set_name: str, ids: list[int]) -> Iterator[list[_Member]]:
+    def _resource_batches(self, site: Site, set_name: str, ids: list[int]) -> Iterator[list[_Member]]:
         """Live resources in id order, cut at max_entries / max_bytes (a lone big resource gets its own)."""
         ps = PublishedSet(set_name, tuple(ids))
-        uri_of = UriOf(self.site, self.state, ps)
+        uri_of = UriOf(site, self.state, ps)
         batch: list[_Member] = []
         size = 0
         for r in self.state.iter_live(ids):
-            if not self.site.visible(set_name, r):
+            if not site.visible(set_name, r):
                 continue  # hidden by a publish filter: the Resource List leaves it out too
             if r.sha256 is None:
                 log.warning("set=%s %s: live resource without content hash, left out", set_name, r.uri)
                 continue
-            member = self._resource_member(ps, r, uri_of)
+            member = self._resource_member(site, ps, r, uri_of)
             if batch and (len(batch) >= self.max_entries or size + member.length > self.max_bytes):
                 yield batch
                 batch, size = [], 0
@@ -380,10 +443,10 @@ class DumpBuilder:
         if batch:
             yield batch
 
-    def _resource_member(self, ps: PublishedSet, r: Resource, uri_of: UriOf) -> _Member:
+    def _resource_member(self, site: Site, ps: PublishedSet, r: Resource, uri_of: UriOf) -> _Member:
         """§11.2: the Resource List entry plus the bitstream's path (and type, recommended there)."""
         assert r.sha256 is not None
-        entry = resource_entry(self.site, ps, r, uri_of)
+        entry = resource_entry(site, ps, r, uri_of)
         return self._member(entry, r.sha256, r.length, f"resources/{r.id}/{_file_name(r.uri)}", r.updated_at)
 
     def _member(self, entry: Entry, sha256: str, length: int | None, name: str, when: datetime) -> _Member:
@@ -403,13 +466,16 @@ class DumpBuilder:
         at: datetime,
         completed: datetime,
         built: list[tuple[_Built, datetime, datetime]],
+        fingerprint: str,
     ) -> list[PackageInfo]:
         parts = [
             DumpPart(b.zip_info.sha256, b.zip_info.length, b.manifest_info.sha256, b.manifest_info.length,
                      b.entries, b.bytes, at=pkg_at, completed=pkg_completed)
             for b, pkg_at, pkg_completed in built
         ]  # fmt: skip
-        rows = self.state.add_resource_dump(set_name, ids, last_seq, at, completed, parts, self._now())
+        rows = self.state.add_resource_dump(
+            set_name, ids, last_seq, at, completed, parts, self._now(), fingerprint
+        )
         return [self._info(r) for r in rows]
 
     def _prune(self, set_name: str) -> None:
@@ -449,17 +515,20 @@ class DumpBuilder:
         out: list[PackageInfo] = []
         if not ids:
             return out
-        site = replace(self.site, changelist_size=window_size)
         ps = PublishedSet(set_name, tuple(ids))
         with self._build_lock(set_name, CHANGEDUMP):
+            site, fp = self._snapshot()
+            site = replace(site, changelist_size=window_size)
             windows = Windows(site, self.state, ps, self._now())
-            done = {p.window for p in self.state.change_dump_packages(set_name)}
+            done = {p.window for p in self.state.change_dump_packages(set_name, fp)}
             for k in windows.listed:
                 if k < windows.open_k and k not in done:
-                    out.append(self._build_window(site, ps, windows, k))
+                    out.append(self._build_window(site, ps, windows, k, fp))
         return out
 
-    def _build_window(self, site: Site, ps: PublishedSet, windows: Windows, k: int) -> PackageInfo:
+    def _build_window(
+        self, site: Site, ps: PublishedSet, windows: Windows, k: int, fingerprint: str
+    ) -> PackageInfo:
         w = windows.window(k)
         if w is None or w.until is None:
             raise DumpBuildError(f"set {ps.name}: window {k} is not closed")
@@ -489,7 +558,9 @@ class DumpBuilder:
             built.zip_info.sha256, built.zip_info.length, built.manifest_info.sha256,
             built.manifest_info.length, built.entries, built.bytes, from_=w.from_, until=w.until,
         )  # fmt: skip
-        info = self._info(self.state.add_change_dump(ps.name, k, (k - 1) * n, k * n, part, self._now()))
+        info = self._info(
+            self.state.add_change_dump(ps.name, k, (k - 1) * n, k * n, part, self._now(), fingerprint)
+        )
         log.info("set=%s change dump %d: %d entries, %d bytes", ps.name, k, info.entries, info.bytes)
         return info
 
@@ -680,13 +751,12 @@ def dump_routes(builder: DumpBuilder) -> list[Route]:
         return endpoint
 
     routes = []
+    get = ["GET", "HEAD"]
     for kind in (RESOURCEDUMP, CHANGEDUMP):
         routes += [
             Route(f"/{{set}}/{kind}.xml", document(kind), methods=["GET", "HEAD"]),
-            Route(f"/{{set}}/{kind}/{{number:int}}.zip", blob(kind, True), methods=["GET", "HEAD"]),
-            Route(
-                f"/{{set}}/{kind}/{{number:int}}/{MANIFEST_NAME}", blob(kind, False), methods=["GET", "HEAD"]
-            ),
+            Route(f"/{{set}}/{kind}/{number('number')}.zip", blob(kind, True), methods=get),
+            Route(f"/{{set}}/{kind}/{number('number')}/{MANIFEST_NAME}", blob(kind, False), methods=get),
         ]
     return routes
 

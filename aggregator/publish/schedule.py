@@ -4,6 +4,11 @@ Every ``publish.dump_interval`` seconds each published set gets a new Resource D
 set that did not change since its last run); every minute the Change Dump packages of Change List windows
 that closed since are built (a closed window never changes, so each is built once). ``dump_interval = 0``
 turns dumps off: the Capability Lists then advertise none.
+
+The builder reads the running configuration and plugins through getters (a reload replaces both): every
+round builds with the publish filter of the moment, and a round starts at once when the daemon reloads
+(``Wake``), so the dumps built under the filter before are withdrawn and built again without waiting for
+the next interval (publish/dumps.py: fingerprints).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from ..store.interface import StateStore
 from ..store.state import open_state
 from .documents import Site
 from .dumps import DumpBuilder, dump_routes
-from .site import build_site, link_policy, publish_filter
+from .site import build_site, link_policy, publish_filter, view_fingerprint
 
 log = logging.getLogger("rsagg.publish")
 
@@ -31,12 +36,67 @@ log = logging.getLogger("rsagg.publish")
 CHANGE_DUMP_PERIOD = 60.0
 
 
-def open_dump_builder(config: Config, blobs: BlobStore) -> DumpBuilder | None:
+class Wake:
+    """Cuts the schedule's sleep short: the daemon sets it on a reload (a new filter: rebuild now)."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds`` or until ``set``, whichever comes first."""
+        with trio.move_on_after(seconds):
+            await self._event.wait()
+        if self._event.is_set():
+            self._event = trio.Event()
+
+
+class _Current:
+    """The fingerprint of the running configuration and plugins, computed once per pair (by identity:
+    routes ask for it on every request)."""
+
+    def __init__(self, get_config: Callable[[], Config], get_plugins: Callable[[], Plugins]) -> None:
+        self.get_config, self.get_plugins = get_config, get_plugins
+        self._last: tuple[Config, Plugins, str] | None = None
+
+    def fingerprint(self) -> str:
+        config, plugins = self.get_config(), self.get_plugins()
+        last = self._last
+        if last is not None and last[0] is config and last[1] is plugins:
+            return last[2]
+        fp = view_fingerprint(config, plugins)
+        self._last = (config, plugins, fp)
+        return fp
+
+    def site(self, state: StateStore) -> Site:
+        return _site(self.get_config(), self.get_plugins(), state)
+
+
+def open_dump_builder(
+    config: Config,
+    blobs: BlobStore,
+    *,
+    get_config: Callable[[], Config] | None = None,
+    get_plugins: Callable[[], Plugins] | None = None,
+) -> DumpBuilder | None:
     """The process's one DumpBuilder over a state handle of its own (None when dumps are off); the
-    composition builds it once and hands it to the app, the schedule and the notifier."""
+    composition builds it once and hands it to the app, the schedule and the notifier.
+
+    ``get_config`` / ``get_plugins``: the running configuration and plugins (default: ``config`` and its
+    plugins for good); every package is built with their publish filter and recorded under their
+    fingerprint, and only packages of the current fingerprint are served."""
     if config.publish.dump_interval <= 0:
         return None
-    return DumpBuilder(open_state(config), blobs, base_url=config.server.base_url)
+    if get_plugins is None:
+        plugins = Plugins.from_config(config)
+        get_plugins = lambda: plugins  # noqa: E731
+    current = _Current(get_config or (lambda: config), get_plugins)
+    return DumpBuilder(
+        open_state(config), blobs, base_url=config.server.base_url, fingerprint=current.fingerprint,
+        site_of=current.site,
+    )  # fmt: skip
 
 
 def dump_app_options(builder: DumpBuilder | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -55,13 +115,16 @@ def _site(config: Config, plugins: Plugins, state: StateStore) -> Site:
     return build_site(config, state, policy=link_policy(config, plugins), visible=publish_filter(plugins))
 
 
-def build_due(builder: DumpBuilder, config: Config, plugins: Plugins, *, resource_dumps: bool) -> int:
-    """Build what is due for every published set (blocking: call it in a worker thread)."""
-    builder.site = _site(config, plugins, builder.state)
+def build_due(builder: DumpBuilder, *, resource_dumps: bool) -> int:
+    """Build what is due for every published set with the running configuration and plugins, once the
+    dumps of another filter are withdrawn (blocking: call it in a worker thread). A set without a
+    Resource Dump under the current filter (none yet, or withdrawn) gets one now, due or not."""
+    builder.refresh()
+    site = builder.site
     built = 0
-    for ps in builder.site.sets.values():
-        built += len(builder.build_change_dumps(ps.name, ps.set_ids, config.publish.changelist_size))
-        if resource_dumps:
+    for ps in site.sets.values():
+        built += len(builder.build_change_dumps(ps.name, ps.set_ids, site.changelist_size))
+        if resource_dumps or builder.latest_run(ps.name) is None:
             built += len(builder.build_resource_dump(ps.name, ps.set_ids))
     return built
 
@@ -69,25 +132,27 @@ def build_due(builder: DumpBuilder, config: Config, plugins: Plugins, *, resourc
 async def run_dumps(
     builder: DumpBuilder | None,
     get_config: Callable[[], Config],
-    plugins: Plugins,
     stop_when: Callable[[], Awaitable[Any]],
+    wake: Wake | None = None,
 ) -> None:
     """The daemon task: Resource Dumps on their interval, Change Dump packages as windows close; ends
-    when ``stop_when()`` returns (the daemon's shutdown). ``get_config``: the running configuration."""
+    when ``stop_when()`` returns (the daemon's shutdown). ``get_config``: the running configuration;
+    ``wake``: set on a reload, starts a round (withdraw, rebuild) at once."""
     if builder is None:
         return
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_build_forever, builder, get_config, plugins)
+        nursery.start_soon(_build_forever, builder, get_config, wake or Wake())
         await stop_when()
         nursery.cancel_scope.cancel()
 
 
-def first_due(builder: DumpBuilder, config: Config, plugins: Plugins) -> float:
+def first_due(builder: DumpBuilder, config: Config) -> float:
     """Seconds until the next Resource Dumps are due: none built yet, at once; else an interval after
     the newest run, so a process that starts (or a cluster node that takes the dumps over, cluster.py)
     does not build again what another process has just built."""
     try:
-        runs = [builder.latest_run(name) for name in _site(config, plugins, builder.state).sets]
+        builder.refresh()
+        runs = [builder.latest_run(name) for name in builder.site.sets]
     except Exception:  # a state that cannot say: build now, as before
         return 0.0
     if not runs or any(r is None for r in runs):
@@ -97,8 +162,8 @@ def first_due(builder: DumpBuilder, config: Config, plugins: Plugins) -> float:
     return max(0.0, config.publish.dump_interval - age)
 
 
-async def _build_forever(builder: DumpBuilder, get_config: Callable[[], Config], plugins: Plugins) -> None:
-    first = await trio.to_thread.run_sync(first_due, builder, get_config(), plugins)
+async def _build_forever(builder: DumpBuilder, get_config: Callable[[], Config], wake: Wake) -> None:
+    first = await trio.to_thread.run_sync(first_due, builder, get_config())
     next_resource_dump = trio.current_time() + first
     while True:
         due = trio.current_time() >= next_resource_dump
@@ -106,7 +171,7 @@ async def _build_forever(builder: DumpBuilder, get_config: Callable[[], Config],
             # abandon_on_cancel: a stop must not wait for a long build. An abandoned build dies with the
             # process before its rows commit (one transaction after its blobs), leaving temp files only.
             built = await trio.to_thread.run_sync(
-                partial(build_due, builder, get_config(), plugins, resource_dumps=due), abandon_on_cancel=True
+                partial(build_due, builder, resource_dumps=due), abandon_on_cancel=True
             )
             if built:
                 log.info("built %d dump package(s)", built)
@@ -114,4 +179,4 @@ async def _build_forever(builder: DumpBuilder, get_config: Callable[[], Config],
             log.error("building dumps failed: %s: %s", type(exc).__name__, exc)
         if due:
             next_resource_dump = trio.current_time() + get_config().publish.dump_interval
-        await trio.sleep(min(CHANGE_DUMP_PERIOD, max(1.0, next_resource_dump - trio.current_time())))
+        await wake.sleep(min(CHANGE_DUMP_PERIOD, max(1.0, next_resource_dump - trio.current_time())))

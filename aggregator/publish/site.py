@@ -7,6 +7,7 @@ would ship hidden resources inside the ZIPs).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 from ..config import Config
@@ -36,6 +37,25 @@ def link_policy(config: Config, plugins: Plugins) -> PluginLinks:
     return PluginLinks(plugins, LinkPolicy.from_config(config.publish))
 
 
+def view_fingerprint(config: Config, plugins: Plugins) -> str:
+    """What decides which resources a published view shows and how it writes them, as a short name: the
+    plugins (names, versions, which are disabled) with their global and per-source settings, the
+    published sets, the base URL and the link policy. A dump built under another fingerprint may hold
+    what the publish filter now hides: it is withdrawn and built again (publish/dumps.py)."""
+    parts = (
+        config.server.base_url,
+        sorted(plugins.versions.items()),
+        sorted(plugins.disabled),
+        sorted((k, repr(v)) for k, v in plugins.context.global_settings.items()),
+        sorted((k, repr(v)) for k, v in plugins.context.source_settings.items()),
+        repr(config.sets),
+        config.publish.changelist_size,
+        config.publish.keep_collection_links,
+        config.publish.keep_canonical_links,
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
 def build_site(
     config: Config,
     state: StateStore,
@@ -57,4 +77,4 @@ def build_site(
     )
 
 
-__all__ = ["build_site", "link_policy", "publish_filter"]
+__all__ = ["build_site", "link_policy", "publish_filter", "view_fingerprint"]

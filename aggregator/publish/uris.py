@@ -35,6 +35,8 @@ import re
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
+from starlette.convertors import Convertor, register_url_convertor
+
 #: RFC 3986 pchar minus "%" (plus "/"): kept as is in the rsagg path; everything else is escaped.
 SAFE = "-._~!$&'()*+,;=:@/"
 #: The path segment between ``/SET`` and the mapped URI.
@@ -144,9 +146,52 @@ __all__ = [
     "BasePath",
     "NotAResourcePath",
     "base_path",
+    "number",
     "rsagg_path",
     "rsagg_uri",
     "split_resource_path",
     "strip_base_path",
     "upstream_uri",
 ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Numbers in rsagg's own URLs (dump packages, Resource List parts, Change List windows)
+
+#: Digits a number in a URL may have: 18 stay below 2**63 (SQLite's INTEGER, PostgreSQL's BIGINT), so a
+#: number a route accepts can always be compared in SQL. Longer: no route matches (404), where starlette's
+#: ``int`` convertor took any length and the state raised OverflowError (a 500).
+MAX_DIGITS = 18
+
+
+class _Seq(Convertor[int]):
+    """A non-negative number of at most ``MAX_DIGITS`` ASCII digits (``{name:seq}`` in a route)."""
+
+    regex = f"[0-9]{{1,{MAX_DIGITS}}}"
+
+    def convert(self, value: str) -> int:
+        return int(value)
+
+    def to_string(self, value: int) -> str:
+        return str(int(value))
+
+
+class _SeqOrEnd(Convertor[int | None]):
+    """``_Seq``, or ``end`` (None): the upper bound of a Resource List part (``{hi:seqend}``)."""
+
+    regex = f"[0-9]{{1,{MAX_DIGITS}}}|end"
+
+    def convert(self, value: str) -> int | None:
+        return None if value == "end" else int(value)
+
+    def to_string(self, value: int | None) -> str:
+        return "end" if value is None else str(int(value))
+
+
+register_url_convertor("seq", _Seq())
+register_url_convertor("seqend", _SeqOrEnd())
+
+
+def number(name: str, *, or_end: bool = False) -> str:
+    """A route's path parameter for a number that reaches SQL: ``{name:seq}`` (or ``{name:seqend}``)."""
+    return f"{{{name}:{'seqend' if or_end else 'seq'}}}"

@@ -432,26 +432,31 @@ class StateStore(Protocol):
 
     # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py) -------------------------------
     # A Resource Dump run has numbered packages (part 1..n); a Change Dump has one package per Change
-    # List window (unique per (set_name, window)). Blob hashes are lowercase hex SHA-256.
+    # List window (unique per (set_name, window)). Blob hashes are lowercase hex SHA-256. Every run and
+    # package is recorded with the ``fingerprint`` of the publish filter and configuration it was built
+    # under; reads return only those of the fingerprint asked for (the others are withdrawn).
 
-    def dump_latest_run(self, set_name: str) -> DumpRun | None:
-        """The set's newest Resource Dump run (highest id)."""
+    def dump_latest_run(self, set_name: str, fingerprint: str = "") -> DumpRun | None:
+        """The set's newest Resource Dump run (highest id) built under ``fingerprint``."""
         ...
 
     def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
         """The packages of a run, by part."""
         ...
 
-    def change_dump_packages(self, set_name: str) -> list[DumpPackage]:
-        """The set's Change Dump packages, by window."""
+    def change_dump_packages(self, set_name: str, fingerprint: str = "") -> list[DumpPackage]:
+        """The set's Change Dump packages built under ``fingerprint``, by window."""
         ...
 
-    def dump_package(self, set_name: str, kind: str, number: int) -> DumpPackage | None:
-        """A package by its URL number: the package id for kind "resourcedump" (also of an older run
-        still kept), the window for "changedump"; ValueError for another kind."""
+    def dump_package(
+        self, set_name: str, kind: str, number: int, fingerprint: str = ""
+    ) -> DumpPackage | None:
+        """A package built under ``fingerprint`` by its URL number: the package id for kind
+        "resourcedump" (also of an older run still kept), the window for "changedump"; None for a number
+        no row can have (negative, beyond 2**63 - 1); ValueError for another kind."""
         ...
 
-    def has_change_dump(self, set_name: str) -> bool: ...
+    def has_change_dump(self, set_name: str, fingerprint: str = "") -> bool: ...
 
     def add_resource_dump(
         self,
@@ -462,6 +467,7 @@ class StateStore(Protocol):
         completed: datetime,
         parts: Sequence[DumpPart],
         created: datetime,
+        fingerprint: str = "",
     ) -> list[DumpPackage]:
         """Record a run (its packages, entries and bytes summed from ``parts``) and its packages (part
         1.. in the order given; ``created`` on all), in one transaction; returns the packages as stored,
@@ -474,8 +480,20 @@ class StateStore(Protocol):
         nothing else names)."""
         ...
 
+    def withdraw_dumps(self, fingerprint: str) -> set[str]:
+        """Delete every run and package not built under ``fingerprint`` (NULL: built before fingerprints
+        were recorded), in one transaction; returns the hashes they named, as ``prune_resource_dumps``."""
+        ...
+
     def add_change_dump(
-        self, set_name: str, window: int, first_seq: int, last_seq: int, part: DumpPart, created: datetime
+        self,
+        set_name: str,
+        window: int,
+        first_seq: int,
+        last_seq: int,
+        part: DumpPart,
+        created: datetime,
+        fingerprint: str = "",
     ) -> DumpPackage:
         """Record the Change Dump package of a window (``from_``/``until`` of ``part``); returns it."""
         ...

@@ -376,6 +376,12 @@ MIGRATIONS: list[tuple[str, ...]] = [
         # websub/subscriber.py unsubscribes the channels of sources no live node follows)
         "ALTER TABLE nodes ADD COLUMN follows TEXT[]",  # source names; NULL: not said
     ),
+    (  # 12: the publish filter and configuration each dump was built under (publish/dumps.py): a run or
+        # package of another fingerprint is withdrawn (never served) and built again. NULL: built before
+        # this step, under an unknown filter, so withdrawn too.
+        "ALTER TABLE publish_dump_runs ADD COLUMN fingerprint TEXT",
+        "ALTER TABLE publish_dumps ADD COLUMN fingerprint TEXT",
+    ),
 ]
 
 _RES_COLS = sqlite_state._RES_COLS
@@ -1619,11 +1625,12 @@ class PostgresState:
 
     # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py; migration 5) ---------------
 
-    def dump_latest_run(self, set_name: str) -> DumpRun | None:
+    def dump_latest_run(self, set_name: str, fingerprint: str = "") -> DumpRun | None:
         with self._read() as c:
             row = c.execute(
-                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = %s ORDER BY id DESC LIMIT 1",
-                (set_name,),
+                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = %s AND fingerprint = %s "
+                "ORDER BY id DESC LIMIT 1",
+                (set_name, fingerprint),
             ).fetchone()
         return DumpRun(*row[:5], tuple(row[5]), *row[6:]) if row else None
 
@@ -1632,31 +1639,37 @@ class PostgresState:
             rows = c.execute(f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = %s ORDER BY part", (run_id,))
             return [DumpPackage(*r) for r in rows.fetchall()]
 
-    def change_dump_packages(self, set_name: str) -> list[DumpPackage]:
+    def change_dump_packages(self, set_name: str, fingerprint: str = "") -> list[DumpPackage]:
         with self._read() as c:
             rows = c.execute(
                 f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = %s AND kind = 'changedump' "
-                'ORDER BY "window"',
-                (set_name,),
+                'AND fingerprint = %s ORDER BY "window"',
+                (set_name, fingerprint),
             ).fetchall()
         return [DumpPackage(*r) for r in rows]
 
-    def dump_package(self, set_name: str, kind: str, number: int) -> DumpPackage | None:
+    def dump_package(
+        self, set_name: str, kind: str, number: int, fingerprint: str = ""
+    ) -> DumpPackage | None:
         key = {"resourcedump": "id", "changedump": '"window"'}.get(kind)
         if key is None:
             raise ValueError(f"unknown dump kind {kind!r}")
+        if not 0 <= number <= _MAX_BIGINT:  # an id no row can have (and out of BIGINT's range)
+            return None
         with self._read() as c:
             row = c.execute(
-                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = %s AND kind = %s AND {key} = %s",
-                (set_name, kind, number),
+                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = %s AND kind = %s AND {key} = %s "
+                "AND fingerprint = %s",
+                (set_name, kind, number, fingerprint),
             ).fetchone()
         return DumpPackage(*row) if row else None
 
-    def has_change_dump(self, set_name: str) -> bool:
+    def has_change_dump(self, set_name: str, fingerprint: str = "") -> bool:
         with self._read() as c:
             return c.execute(
-                "SELECT EXISTS (SELECT 1 FROM publish_dumps WHERE set_name = %s AND kind = 'changedump')",
-                (set_name,),
+                "SELECT EXISTS (SELECT 1 FROM publish_dumps WHERE set_name = %s AND kind = 'changedump' "
+                "AND fingerprint = %s)",
+                (set_name, fingerprint),
             ).fetchone()[0]
 
     def add_resource_dump(
@@ -1668,21 +1681,24 @@ class PostgresState:
         completed: datetime,
         parts: Sequence[DumpPart],
         created: datetime,
+        fingerprint: str = "",
     ) -> list[DumpPackage]:
         with self._write() as c:
             run = c.execute(
                 "INSERT INTO publish_dump_runs (set_name, at, completed, last_seq, set_ids, packages, "
-                "entries, bytes, created) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+                "entries, bytes, created, fingerprint) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "RETURNING id",
                 (set_name, at, completed, last_seq, list(set_ids), len(parts), sum(p.entries for p in parts),
-                 sum(p.bytes for p in parts), created),
+                 sum(p.bytes for p in parts), created, fingerprint),
             ).fetchone()[0]  # fmt: skip
             with c.cursor() as cur:
                 cur.executemany(
                     "INSERT INTO publish_dumps (set_name, kind, run, part, sha256, length, manifest_sha256, "
-                    "manifest_length, at, completed, entries, bytes, created) "
-                    "VALUES (%s, 'resourcedump', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    "manifest_length, at, completed, entries, bytes, created, fingerprint) "
+                    "VALUES (%s, 'resourcedump', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                     [(set_name, run, number, p.sha256, p.length, p.manifest_sha256, p.manifest_length, p.at,
-                      p.completed, p.entries, p.bytes, created) for number, p in enumerate(parts, 1)],
+                      p.completed, p.entries, p.bytes, created, fingerprint)
+                     for number, p in enumerate(parts, 1)],
                 )  # fmt: skip
             rows = c.execute(f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = %s ORDER BY part", (run,))
             return [DumpPackage(*r) for r in rows.fetchall()]
@@ -1709,18 +1725,40 @@ class PostgresState:
             c.execute("DELETE FROM publish_dump_runs WHERE id = ANY(%s)", (old,))
         return shas
 
+    def withdraw_dumps(self, fingerprint: str) -> set[str]:
+        where = "fingerprint IS DISTINCT FROM %s"
+        with self._write() as c:
+            shas = {
+                sha
+                for row in c.execute(
+                    f"SELECT sha256, manifest_sha256 FROM publish_dumps WHERE {where}", (fingerprint,)
+                ).fetchall()
+                for sha in row
+            }
+            c.execute(f"DELETE FROM publish_dumps WHERE {where}", (fingerprint,))
+            c.execute(f"DELETE FROM publish_dump_runs WHERE {where}", (fingerprint,))
+        return shas
+
     def add_change_dump(
-        self, set_name: str, window: int, first_seq: int, last_seq: int, part: DumpPart, created: datetime
+        self,
+        set_name: str,
+        window: int,
+        first_seq: int,
+        last_seq: int,
+        part: DumpPart,
+        created: datetime,
+        fingerprint: str = "",
     ) -> DumpPackage:
         p = part
         with self._write() as c:
             row = c.execute(
                 'INSERT INTO publish_dumps (set_name, kind, part, "window", first_seq, last_seq, sha256, '
-                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created) "
-                "VALUES (%s, 'changedump', 1, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created, "
+                "fingerprint) "
+                "VALUES (%s, 'changedump', 1, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
                 f"RETURNING {_PKG_COLS}",
                 (set_name, window, first_seq, last_seq, p.sha256, p.length, p.manifest_sha256,
-                 p.manifest_length, p.from_, p.until, p.entries, p.bytes, created),
+                 p.manifest_length, p.from_, p.until, p.entries, p.bytes, created, fingerprint),
             ).fetchone()  # fmt: skip
         return DumpPackage(*row)
 

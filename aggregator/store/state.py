@@ -439,6 +439,12 @@ MIGRATIONS: list[tuple[str, ...]] = [
         # no live node follows are unsubscribed by the node holding the "@orphans" role (websub/).
         "ALTER TABLE nodes ADD COLUMN follows TEXT",  # JSON list of source names; NULL: not said
     ),
+    (  # 12: the publish filter and configuration each dump was built under (publish/dumps.py): a run or
+        # package of another fingerprint is withdrawn (never served) and built again. NULL: built before
+        # this step, under an unknown filter, so withdrawn too.
+        "ALTER TABLE publish_dump_runs ADD COLUMN fingerprint TEXT",
+        "ALTER TABLE publish_dumps ADD COLUMN fingerprint TEXT",
+    ),
 ]
 
 SOURCE_STATUS_FIELDS = frozenset(
@@ -1816,11 +1822,12 @@ class State:
 
     # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py; migration 5) ------------------
 
-    def dump_latest_run(self, set_name: str) -> DumpRun | None:
+    def dump_latest_run(self, set_name: str, fingerprint: str = "") -> DumpRun | None:
         with self._lock:
             row = self.conn.execute(
-                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = ? ORDER BY id DESC LIMIT 1",
-                (set_name,),
+                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = ? AND fingerprint = ? "
+                "ORDER BY id DESC LIMIT 1",
+                (set_name, fingerprint),
             ).fetchone()
         return _dump_run(row) if row else None
 
@@ -1831,32 +1838,38 @@ class State:
             ).fetchall()
         return [_dump_package(r) for r in rows]
 
-    def change_dump_packages(self, set_name: str) -> list[DumpPackage]:
+    def change_dump_packages(self, set_name: str, fingerprint: str = "") -> list[DumpPackage]:
         with self._lock:
             rows = self.conn.execute(
                 f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = ? AND kind = 'changedump' "
-                "ORDER BY window",
-                (set_name,),
+                "AND fingerprint = ? ORDER BY window",
+                (set_name, fingerprint),
             ).fetchall()
         return [_dump_package(r) for r in rows]
 
-    def dump_package(self, set_name: str, kind: str, number: int) -> DumpPackage | None:
+    def dump_package(
+        self, set_name: str, kind: str, number: int, fingerprint: str = ""
+    ) -> DumpPackage | None:
         key = {"resourcedump": "id", "changedump": "window"}.get(kind)
         if key is None:
             raise ValueError(f"unknown dump kind {kind!r}")
+        if not 0 <= number <= _MAX_INT:  # an id no row can have (and SQLite's OverflowError)
+            return None
         with self._lock:
             row = self.conn.execute(
-                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = ? AND kind = ? AND {key} = ?",
-                (set_name, kind, number),
+                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = ? AND kind = ? AND {key} = ? "
+                "AND fingerprint = ?",
+                (set_name, kind, number, fingerprint),
             ).fetchone()
         return _dump_package(row) if row else None
 
-    def has_change_dump(self, set_name: str) -> bool:
+    def has_change_dump(self, set_name: str, fingerprint: str = "") -> bool:
         with self._lock:
             return bool(
                 self.conn.execute(
-                    "SELECT 1 FROM publish_dumps WHERE set_name = ? AND kind = 'changedump' LIMIT 1",
-                    (set_name,),
+                    "SELECT 1 FROM publish_dumps WHERE set_name = ? AND kind = 'changedump' "
+                    "AND fingerprint = ? LIMIT 1",
+                    (set_name, fingerprint),
                 ).fetchone()
             )
 
@@ -1869,22 +1882,23 @@ class State:
         completed: datetime,
         parts: Sequence[DumpPart],
         created: datetime,
+        fingerprint: str = "",
     ) -> list[DumpPackage]:
         now = format_dt(created)
         with self._write() as c:
             run = c.execute(
                 "INSERT INTO publish_dump_runs (set_name, at, completed, last_seq, set_ids, packages, "
-                "entries, bytes, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "entries, bytes, created, fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (set_name, format_dt(at), format_dt(completed), last_seq, json.dumps(list(set_ids)),
-                 len(parts), sum(p.entries for p in parts), sum(p.bytes for p in parts), now),
+                 len(parts), sum(p.entries for p in parts), sum(p.bytes for p in parts), now, fingerprint),
             ).lastrowid  # fmt: skip
             for number, p in enumerate(parts, 1):
                 c.execute(
                     "INSERT INTO publish_dumps (set_name, kind, run, part, sha256, length, manifest_sha256, "
-                    "manifest_length, at, completed, entries, bytes, created) "
-                    "VALUES (?, 'resourcedump', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "manifest_length, at, completed, entries, bytes, created, fingerprint) "
+                    "VALUES (?, 'resourcedump', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (set_name, run, number, p.sha256, p.length, p.manifest_sha256, p.manifest_length,
-                     format_dt(p.at), format_dt(p.completed), p.entries, p.bytes, now),
+                     format_dt(p.at), format_dt(p.completed), p.entries, p.bytes, now, fingerprint),
                 )  # fmt: skip
             rows = c.execute(
                 f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = ? ORDER BY part", (run,)
@@ -1914,18 +1928,39 @@ class State:
             c.execute(f"DELETE FROM publish_dump_runs WHERE id IN ({marks})", old)
         return shas
 
+    def withdraw_dumps(self, fingerprint: str) -> set[str]:
+        where = "fingerprint IS NULL OR fingerprint != ?"
+        with self._write() as c:
+            shas = {
+                sha
+                for row in c.execute(
+                    f"SELECT sha256, manifest_sha256 FROM publish_dumps WHERE {where}", (fingerprint,)
+                )
+                for sha in row
+            }
+            c.execute(f"DELETE FROM publish_dumps WHERE {where}", (fingerprint,))
+            c.execute(f"DELETE FROM publish_dump_runs WHERE {where}", (fingerprint,))
+        return shas
+
     def add_change_dump(
-        self, set_name: str, window: int, first_seq: int, last_seq: int, part: DumpPart, created: datetime
+        self,
+        set_name: str,
+        window: int,
+        first_seq: int,
+        last_seq: int,
+        part: DumpPart,
+        created: datetime,
+        fingerprint: str = "",
     ) -> DumpPackage:
         p = part
         with self._write() as c:
             c.execute(
                 "INSERT INTO publish_dumps (set_name, kind, part, window, first_seq, last_seq, sha256, "
-                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created) "
-                "VALUES (?, 'changedump', 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created, "
+                "fingerprint) VALUES (?, 'changedump', 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (set_name, window, first_seq, last_seq, p.sha256, p.length, p.manifest_sha256,
                  p.manifest_length, format_dt(p.from_), format_dt(p.until), p.entries, p.bytes,
-                 format_dt(created)),
+                 format_dt(created), fingerprint),
             )  # fmt: skip
             row = c.execute(
                 f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = ? AND kind = 'changedump' "
