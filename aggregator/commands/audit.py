@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                 name: {
                     "differences": counts[name],
                     "error": errors.get(name),
-                    "items": [d.__dict__ for d in shown[name][: args.max_lines]],
+                    "items": [d.as_dict() for d in shown[name][: args.max_lines]],
                 }
                 for name in shown
             },

@@ -3,6 +3,9 @@
 The expected state of a set is its current Resource List, overlaid with the changes its Change Lists
 report since the list's ``at`` (a list may lag behind the changes). Everything streams: URIs seen upstream
 are kept in a temporary SQLite table, not in memory.
+
+``compare`` and ``differences`` are the one comparison: ``rsagg audit`` reports what they decide, and
+reconciliation (``harvest/reconcile.py``, ``rsagg audit --repair``) applies it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import sqlite3
 import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import SourceConfig
@@ -33,8 +36,13 @@ from .context import HarvestContext
 from .deviations import Deviations, collecting, current, skip
 from .discovery import SetInfo, discover
 from .fetch import FetchError
-from .lists import Snapshot, SyncError, change_entries, resolved, resource_list_entries
+from .lists import Snapshot, SyncError, change_entries, resolved, resource_list_entries, when
 from .oaipmh import OaiHarvest, set_key
+
+#: What ``compare`` decides from the entry alone. "lastmod" (a lastmod other than the held one, no
+#: digest to decide) and "unverified" (neither digest nor lastmod announced) can be told only by a fetch:
+#: reconciliation fetches them (conditionally), audit does not count them.
+DECIDED = frozenset({"missing", "extra", "length", "hash", "not-deleted"})
 
 
 @dataclass
@@ -42,29 +50,52 @@ class Difference:
     source: str
     set_url: str
     uri: str
-    kind: str  # missing | extra | length | hash | not-deleted
+    kind: str  # missing | extra | length | hash | not-deleted (DECIDED) | lastmod | unverified
     detail: str = ""
+    #: The upstream entry it was found with (None for "extra"): what a repair applies.
+    entry: Entry | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         return f"{self.source}: {self.kind}: {self.uri}" + (f" ({self.detail})" if self.detail else "")
 
+    def as_dict(self) -> dict[str, str]:
+        return {"source": self.source, "set_url": self.set_url, "uri": self.uri, "kind": self.kind,
+                "detail": self.detail}  # fmt: skip
+
 
 def compare(entry: Entry, held: Resource | None) -> tuple[str, str] | None:
-    """How a stored resource differs from an upstream entry, or None when it matches."""
+    """How a stored resource differs from an upstream entry, or None when it matches.
+
+    Decided in the order of trust: a digest both sides have, then ``length``, then ``lastmod`` (§7);
+    a ``lastmod`` or ``unverified`` answer means only a fetch can tell (see DECIDED).
+    """
     if entry.change == DELETED:
         if held is not None and not held.deleted:
             return "not-deleted", "deleted upstream, still held"
         return None
     if held is None or held.deleted:
         return "missing", ""
+    compared = False
+    for algo, digest in entry.hashes.items():
+        have = held.hashes.get(algo)
+        if have is not None:
+            if have != digest:
+                return "hash", f"{algo} upstream {digest}, held {have}"
+            compared = True
     length = entry.md.length if entry.md else None
     if length is not None and held.length != length:
         return "length", f"upstream {length}, held {held.length}"
-    for algo, digest in entry.hashes.items():
-        have = held.hashes.get(algo)
-        if have is not None and have != digest:
-            return "hash", f"{algo} upstream {digest}, held {have}"
-    return None
+    if compared:
+        return None
+    if entry.lastmod is not None:
+        if held.lastmod != entry.lastmod:
+            return "lastmod", f"upstream {entry.lastmod.isoformat()}, held {_iso(held.lastmod)}"
+        return None
+    return "unverified", "no digest and no lastmod announced"
+
+
+def _iso(dt: object) -> str:
+    return dt.isoformat() if dt is not None else "none"  # type: ignore[attr-defined]
 
 
 class _SeenSet:
@@ -128,6 +159,12 @@ async def expected_entries(
         try:
             async with aclosing(changes):
                 async for entry, _ in changes:
+                    stale = entry.lastmod is None or entry.lastmod <= at if at is not None else False
+                    if stale and when(entry) is None:
+                        # A change without datetime (§12.1 makes it optional) is newer than the list only
+                        # when the resource was modified after the list's `at`; else the list wins (a
+                        # stale or replayed entry must not undo what the Source lists now).
+                        continue
                     overlay[entry.loc] = entry
         except (FetchError, SyncError) as exc:
             on_unread(url, str(exc))
@@ -177,7 +214,8 @@ async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator
             entries = expected_entries(ctx, info, src.name, on_unread=skip)
             async with aclosing(_compare(ctx, src.name, info.capabilitylist_url, entries)) as diffs:
                 async for d in diffs:
-                    yield d
+                    if d.kind in DECIDED:
+                        yield d
     if deviations.skipped:
         raise AuditError(deviations.skipped_text())
 
@@ -190,11 +228,25 @@ async def _set_id(ctx: HarvestContext, source: str, set_url: str) -> int | None:
 async def _compare(
     ctx: HarvestContext, source: str, set_url: str, entries: AsyncIterator[Entry]
 ) -> AsyncGenerator[Difference, None]:
+    set_id = await _set_id(ctx, source, set_url)
+    async with aclosing(differences(ctx, source, set_url, set_id, entries)) as diffs:
+        async for d in diffs:
+            yield d
+
+
+async def differences(
+    ctx: HarvestContext,
+    source: str,
+    set_url: str,
+    set_id: int | None,
+    entries: AsyncIterator[Entry],
+    complete: Callable[[], bool] | None = None,
+) -> AsyncGenerator[Difference, None]:
     """The differences between what a set holds upstream (``entries``, each URI once) and the store:
     entries compared in batches, then what the store holds beyond them ("extra": only when every list
-    was read, since an unread list may hold what we hold)."""
-    set_id = await _set_id(ctx, source, set_url)
-    with tempfile.TemporaryDirectory() as tmp:
+    was read, since an unread list may hold what we hold: ``complete()`` says so, by default no list of
+    the running sync was skipped). Each carries the entry it was found with."""
+    with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) as tmp:
         seen = _SeenSet(Path(tmp))
         try:
             batch: list[Entry] = []
@@ -207,7 +259,8 @@ async def _compare(
                             yield d
             for d in await ctx.read(_check, ctx, source, set_url, set_id, batch):
                 yield d
-            if set_id is not None and not (current() and current().skipped):
+            read_all = complete() if complete is not None else not (current() and current().skipped)
+            if set_id is not None and read_all:
                 held = ctx.reader.iter_resources(set_id)
                 while chunk := await ctx.read(lambda: [r.uri for r in itertools.islice(held, 1000)]):
                     for uri in chunk:
@@ -253,6 +306,6 @@ def _check(
         held = ctx.reader.resource(set_id, entry.loc) if set_id is not None else None
         found = compare(entry, held)
         if found:
-            out.append(Difference(source, set_url, entry.loc, *found))
+            out.append(Difference(source, set_url, entry.loc, *found, entry=entry))
     batch.clear()
     return out

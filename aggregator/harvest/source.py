@@ -27,6 +27,7 @@ from .lists import GapError, Validators
 from .oaipmh import sync_oaipmh
 from .pipeline import Failure, Pipeline, PipelineStats, Work, first_error
 from .progress import Progress
+from .reconcile import ReconcileResult, due, reconcile, record_baseline
 
 log = logging.getLogger("rsagg.harvest")
 
@@ -45,6 +46,8 @@ class SourceResult:
     #: Tolerated deviations (``Note.as_dict``) and lists that could not be read (URL -> reason).
     deviations: list[dict] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    #: The reconciliations with the Resource List this sync ran (harvest/reconcile.py).
+    reconciled: list[ReconcileResult] = field(default_factory=list)
 
     @property
     def degraded(self) -> bool:
@@ -180,6 +183,17 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
                 if stats is not None:
                     result.baselines += 1
                     result.stats.append(stats)
+                    if CHANGELIST in info.capabilities and await _baseline_finished(ctx, src.name, set_id):
+                        await record_baseline(ctx, info, set_id)
+            else:
+                # A Change List is a hint; the Resource List says what exists (harvest/reconcile.py).
+                cause, heads = await due(ctx, info, set_id, ctx.config.reconcile_interval(src))
+                if cause is not None:
+                    failing = set(waiting) | {f.uri for st in result.stats for f in st.failures}
+                    rec = await reconcile(ctx, info, set_id, src.name, cause, heads, exclude=failing)
+                    result.reconciled.append(rec)
+                    if rec.stats is not None:
+                        result.stats.append(rec.stats)
             # After the sync, not before: a failed change that a newer one has superseded (a stale entry
             # whose successor a killed run never reached) is cleared by that newer change first.
             retried = await retry_failed(ctx, set_id, src.name, set(waiting)) if waiting else None
@@ -220,6 +234,12 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
         src.name, result.ok, time.monotonic() - started, stopped_by, degraded=state == "degraded"
     )
     return result
+
+
+async def _baseline_finished(ctx: HarvestContext, source: str, set_id: int) -> bool:
+    """The set's last baseline finished (none is open): its store is what the snapshot listed."""
+    sets = await ctx.read(ctx.reader.sets, source)
+    return any(s.id == set_id and s.baseline_generation is None for s in sets)
 
 
 class FollowedSources(Protocol):

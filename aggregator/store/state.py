@@ -61,7 +61,9 @@ from .rows import (
     NotifyChannel,
     NotifyNotice,
     NotifySubscription,
+    Reconciliation,
     Resource,
+    ResourceValidators,
     RetryChanges,
     SetRow,
     SourceRow,
@@ -437,6 +439,28 @@ MIGRATIONS: list[tuple[str, ...]] = [
     (  # 11: what each cluster node follows, with its heartbeat (cluster.py): the subscriptions of a source
         # no live node follows are unsubscribed by the node holding the "@orphans" role (websub/).
         "ALTER TABLE nodes ADD COLUMN follows TEXT",  # JSON list of source names; NULL: not said
+    ),
+    (  # 12: reconciliation with the Resource List (harvest/reconcile.py): the last one per set, and the
+        # upstream's validators of each held version (conditional re-checks of resources)
+        """CREATE TABLE IF NOT EXISTS reconciliations (
+            set_id INTEGER PRIMARY KEY REFERENCES sets(id) ON DELETE CASCADE,
+            reconciled_at TEXT NOT NULL,
+            cause TEXT NOT NULL,
+            lists TEXT NOT NULL,        -- JSON: Resource List URL -> {"etag", "at"} as read then
+            differences INTEGER NOT NULL DEFAULT 0,
+            repaired TEXT NOT NULL,     -- JSON: change kind -> repairs applied
+            unrepaired INTEGER NOT NULL DEFAULT 0,
+            complete INTEGER NOT NULL DEFAULT 1,
+            error TEXT
+        )""",
+        """CREATE TABLE IF NOT EXISTS resource_validators (
+            set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+            uri TEXT NOT NULL,
+            sha256 TEXT NOT NULL,       -- the held version these validators were answered with
+            etag TEXT,
+            last_modified TEXT,         -- the HTTP header as received
+            PRIMARY KEY (set_id, uri)
+        )""",
     ),
 ]
 
@@ -1137,6 +1161,54 @@ class State:
         return out
 
     # -- reads -----------------------------------------------------------------------------------
+
+    # -- reconciliation ----------------------------------------------------------------------------
+
+    def reconciliation(self, set_id: int) -> Reconciliation | None:
+        with self._lock:
+            row = self.conn.execute(
+                "SELECT set_id, reconciled_at, cause, lists, differences, repaired, unrepaired, complete, "
+                "error FROM reconciliations WHERE set_id = ?",
+                (set_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        sid, at, cause, lists, differences, repaired, unrepaired, complete, error = row
+        return Reconciliation(sid, parse_dt(at), cause, json.loads(lists), differences,  # type: ignore[arg-type]
+                              json.loads(repaired), unrepaired, bool(complete), error)  # fmt: skip
+
+    def put_reconciliation(self, rec: Reconciliation) -> None:
+        with self._write() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO reconciliations (set_id, reconciled_at, cause, lists, differences, "
+                "repaired, unrepaired, complete, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (rec.set_id, format_dt(rec.reconciled_at), rec.cause, json.dumps(rec.lists), rec.differences,
+                 json.dumps(rec.repaired), rec.unrepaired, int(rec.complete), rec.error),
+            )  # fmt: skip
+
+    def resource_validators(self, set_id: int, uris: Sequence[str]) -> dict[str, ResourceValidators]:
+        out: dict[str, ResourceValidators] = {}
+        wanted = list(dict.fromkeys(uris))
+        with self._lock:
+            for i in range(0, len(wanted), 500):
+                part = wanted[i : i + 500]
+                rows = self.conn.execute(
+                    "SELECT uri, sha256, etag, last_modified FROM resource_validators "
+                    f"WHERE set_id = ? AND uri IN ({', '.join('?' * len(part))})",
+                    [set_id, *part],
+                ).fetchall()
+                out.update((r[0], ResourceValidators(*r)) for r in rows)
+        return out
+
+    def put_resource_validators(self, set_id: int, rows: Sequence[ResourceValidators]) -> None:
+        if not rows:
+            return
+        with self._write() as c:
+            c.executemany(
+                "INSERT OR REPLACE INTO resource_validators (set_id, uri, sha256, etag, last_modified) "
+                "VALUES (?, ?, ?, ?, ?)",
+                [(set_id, r.uri, r.sha256, r.etag, r.last_modified) for r in rows],
+            )
 
     def resource(self, set_id: int, uri: str) -> Resource | None:
         with self._lock:
