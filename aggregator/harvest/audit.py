@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from ..config import SourceConfig
@@ -151,25 +152,22 @@ async def expected_entries(
             on_unread(url, str(exc))
     at = None if not ats or any(a is None for a in ats) else min(ats)  # type: ignore[type-var]
     # Changes since the snapshot win over the lists' own entries (bounded: one entry per URI changed
-    # since `at`; changes without datetime are all taken, in list order).
+    # since `at`; changes without datetime are all taken, in list order, and weighed by lastmod below).
     overlay: dict[str, Entry] = {}
+    undated: set[str] = set()  # URIs whose last change read has no datetime
     for url in info.urls(CHANGELIST):
         since = Cursor(at, None, at, 0, 0, None)
         changes = change_entries(ctx.fetcher, url, since, source, None, info.urls(CHANGELIST_ARCHIVE))
         try:
             async with aclosing(changes):
                 async for entry, _ in changes:
-                    stale = entry.lastmod is None or entry.lastmod <= at if at is not None else False
-                    if stale and when(entry) is None:
-                        # A change without datetime (§12.1 makes it optional) is newer than the list only
-                        # when the resource was modified after the list's `at`; else the list wins (a
-                        # stale or replayed entry must not undo what the Source lists now).
-                        continue
                     overlay[entry.loc] = entry
+                    if when(entry) is None:
+                        undated.add(entry.loc)
+                    else:
+                        undated.discard(entry.loc)
         except (FetchError, SyncError) as exc:
             on_unread(url, str(exc))
-    for entry in overlay.values():
-        yield entry
     for url in snapshot_urls:
         entries = (
             _dump_entries(ctx, url) if from_dumps else resource_list_entries(ctx.fetcher, url, Snapshot())
@@ -177,10 +175,28 @@ async def expected_entries(
         try:
             async with aclosing(entries):
                 async for entry in entries:
-                    if entry.loc not in overlay:
+                    change = overlay.pop(entry.loc, None)
+                    if change is None or (entry.loc in undated and _older(change, entry)):
                         yield entry
+                    else:
+                        yield change
         except (FetchError, SyncError) as exc:
             on_unread(url, str(exc))
+    for loc, change in overlay.items():  # changes of URIs no list names
+        if loc in undated and change.change != DELETED and _older(change, at):
+            continue
+        yield change
+
+
+def _older(change: Entry, than: Entry | datetime | None) -> bool:
+    """A change without datetime (§12.1 makes it optional) is placed by its ``lastmod`` (§7: the
+    resource's last modification; a deletion carries the deleted version's): it is older than a listed
+    entry with a later lastmod, or than a list ``at`` it precedes while that list does not name the
+    resource. Then the list wins: a stale or replayed entry must not undo what the Source lists now."""
+    limit = than.lastmod if isinstance(than, Entry) else than
+    if change.lastmod is None or limit is None:
+        return False
+    return change.lastmod < limit if isinstance(than, Entry) else change.lastmod <= limit
 
 
 async def still_listed(ctx: HarvestContext, info: SetInfo, source: str, uris: set[str]) -> set[str]:

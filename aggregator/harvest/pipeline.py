@@ -114,12 +114,18 @@ def candidate_urls(entry: Entry) -> list[str]:
     return [*urls, entry.loc] if entry.loc not in urls else urls
 
 
-def unchanged(existing: Resource | None, entry: Entry, blob_exists: Callable[[str], bool]) -> bool:
+def unchanged(
+    existing: Resource | None,
+    entry: Entry,
+    blob_exists: Callable[[str], bool],
+    confirmed: datetime | None = None,
+) -> bool:
     """True when the stored version is what the upstream announces, so nothing need be fetched.
 
     In the order of trust: a digest both sides have decides; else a ``length`` that differs says
-    changed; else a ``lastmod`` equal to the held one (§7: the resource's last modification) says
-    unchanged. An entry that announces none of them cannot be decided without a fetch.
+    changed; else a ``lastmod`` equal to the held one (§7: the resource's last modification), or to the
+    one under which the held version was last confirmed (``confirmed``: a fetch or a 304 found the same
+    content), says unchanged. An entry that announces none of them cannot be decided without a fetch.
     """
     if existing is None or existing.deleted or not existing.sha256:
         return False
@@ -130,7 +136,7 @@ def unchanged(existing: Resource | None, entry: Entry, blob_exists: Callable[[st
     length = entry.md.length if entry.md else None
     if length is not None and existing.length is not None and length != existing.length:
         return False
-    if not common and (entry.lastmod is None or entry.lastmod != existing.lastmod):
+    if not common and (entry.lastmod is None or entry.lastmod not in (existing.lastmod, confirmed)):
         return False
     return blob_exists(existing.sha256)
 
@@ -372,10 +378,11 @@ class Pipeline:
                 if not same and r is not None and not r.deleted and r.sha256]  # fmt: skip
         if held:
             known = reader.resource_validators(self.set_id, held)
+            exists = self.ctx.blobs.exists
             for i, (w, (r, same, _)) in enumerate(zip(batch, out, strict=True)):
                 v = known.get(w.entry.loc) if not same and r is not None else None
                 if v is not None and v.sha256 == r.sha256:  # type: ignore[union-attr]
-                    out[i] = (r, same, v)
+                    out[i] = (r, unchanged(r, w.entry, exists, v.lastmod), v)
         return out
 
     async def _work(self, recv: trio.MemoryReceiveChannel, send: trio.MemorySendChannel) -> None:
@@ -396,10 +403,13 @@ class Pipeline:
         try:
             fetched = await self._fetch(entry, existing, validators)
         except ResourceNotModified:  # 304: the upstream still serves the version held
-            assert existing is not None and existing.sha256 is not None
+            assert existing is not None and existing.sha256 is not None and validators is not None
             self.stats.unchanged += 1
             held = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
-            return _Result(work, change_from(work, held, existing.type))
+            confirmed = ResourceValidators(
+                entry.loc, existing.sha256, validators.etag, validators.last_modified, entry.lastmod
+            )
+            return _Result(work, change_from(work, held, existing.type), validators=confirmed)
         except FetchError as exc:
             held = await self._superseded(work, existing, exc)
             if held is not None:
@@ -421,8 +431,10 @@ class Pipeline:
         self.stats.fetched += 1
         self.stats.bytes += fetched.info.length
         kept = None
-        if fetched.etag or fetched.last_modified:
-            kept = ResourceValidators(entry.loc, fetched.info.sha256, fetched.etag, fetched.last_modified)
+        if fetched.etag or fetched.last_modified or entry.lastmod:
+            kept = ResourceValidators(
+                entry.loc, fetched.info.sha256, fetched.etag, fetched.last_modified, entry.lastmod
+            )
         return _Result(
             work, change_from(work, fetched.info, fetched.content_type), fetched.blob, validators=kept
         )

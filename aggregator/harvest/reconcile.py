@@ -22,13 +22,16 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from ..config import SourceConfig
+from ..metrics import current_source
 from ..rs.model import CHANGELIST, CREATED, DELETED, RESOURCELIST, UPDATED, Entry
 from ..rs.w3cdt import format_w3c, utcnow
 from ..store.rows import Change, Reconciliation
 from .audit import Difference, differences, expected_entries
+from .baseline import with_archived_snapshots
 from .context import HarvestContext
-from .deviations import skip
-from .discovery import SetInfo
+from .deviations import Deviations, collecting, skip
+from .discovery import SetInfo, discover
 from .fetch import FetchError
 from .pipeline import Failure, Pipeline, PipelineStats, Work
 
@@ -63,6 +66,8 @@ class ReconcileResult:
     failures: list[Failure] = field(default_factory=list)
     #: Differences of URIs whose change already waits to be retried (``exclude``): left to the retry.
     deferred: int = 0
+    #: Those of the ``watch`` URIs this reconciliation repaired or found unchanged once fetched.
+    settled: set[str] = field(default_factory=set)
     complete: bool = True  # every list was read
     stats: PipelineStats | None = None
 
@@ -160,6 +165,7 @@ async def reconcile(
     heads: dict[str, dict[str, str | None]] | None = None,
     *,
     exclude: frozenset[str] | set[str] = frozenset(),
+    watch: frozenset[str] | set[str] = frozenset(),
     on_difference: Callable[[Difference], None] | None = None,
 ) -> ReconcileResult:
     """Compare the set with what the Source lists now and repair every difference through the pipeline.
@@ -167,6 +173,8 @@ async def reconcile(
     ``heads``: the lists' ``at``/ETag as read by ``due`` (recorded as what was reconciled against).
     ``exclude``: URIs whose change failed and waits to be retried (earlier in this sync or before): their
     differences count as not repaired and are left to the retry, so one sync tries a URI once.
+    ``watch``: URIs whose change failed earlier in this sync; those settled here are named in the result
+    (``ReconcileResult.settled``: their earlier failure is superseded).
     ``on_difference``: told of each difference as found (``rsagg audit --repair`` prints them).
     Never deletes what is held while a list could not be read.
     """
@@ -174,6 +182,7 @@ async def reconcile(
     result = ReconcileResult(info.capabilitylist_url, cause)
     unread: list[str] = []
     causes: dict[str, Difference] = {}  # in the pipeline, not yet committed (bounded by its in-flight)
+    differing: set[str] = set()  # of the ``watch`` URIs
 
     def on_unread(url: str, reason: str) -> None:
         unread.append(url)
@@ -189,6 +198,8 @@ async def reconcile(
                 result.differences += 1
                 if on_difference is not None:
                     on_difference(d)
+                if d.uri in watch:
+                    differing.add(d.uri)
                 if d.uri in exclude:
                     result.deferred += 1
                     continue
@@ -205,6 +216,8 @@ async def reconcile(
             if d is None:
                 continue
             ch = done.get(uri)
+            if uri in watch and uri not in failed:
+                result.settled.add(uri)
             if ch is not None:
                 result.repaired[ch.change] = result.repaired.get(ch.change, 0) + 1
                 log.warning(
@@ -219,6 +232,8 @@ async def reconcile(
     result.stats = await pipeline.run(works())
     result.failures = pipeline.stats.failures
     result.complete = not unread
+    if result.complete:  # a watched URI that did not differ is as the Source lists it now
+        result.settled |= set(watch) - differing
     for f in result.failures:
         log.warning("source=%s set=%s reconcile could not repair %s: %s: %s",
                     source, info.capabilitylist_url, f.uri, f.kind, f.message)  # fmt: skip
@@ -239,4 +254,53 @@ async def reconcile(
     return result
 
 
-__all__ = ["REPAIR", "ReconcileResult", "due", "list_heads", "reconcile", "record_baseline"]
+async def repair_source(
+    ctx: HarvestContext, src: SourceConfig, *, on_difference: Callable[[Difference], None] | None = None
+) -> list[ReconcileResult]:
+    """``rsagg audit --repair``: reconcile every harvested set of a source now, whatever the schedule.
+
+    Raises ReconcileError for what cannot be repaired this way (an OAI-PMH source, a set never
+    harvested) and when a list could not be read (nothing held is deleted then).
+    """
+    if src.kind == "oai-pmh":
+        raise ReconcileError("an OAI-PMH source is repaired by its full harvests (full_harvest_interval)")
+    token = current_source.set(src.name)  # its requests carry the source's credentials and labels
+    try:
+        out: list[ReconcileResult] = []
+        with collecting(Deviations(src.name, ctx.metrics.deviation)) as deviations:
+            for info in await discover(ctx.fetcher, src.url):
+                info = await with_archived_snapshots(ctx, info)
+                sets = await ctx.read(ctx.reader.sets, src.name)
+                set_id = next((s.id for s in sets if s.capabilitylist_url == info.capabilitylist_url), None)
+                if set_id is None or await ctx.read(ctx.reader.cursor, set_id) is None:
+                    raise ReconcileError(
+                        f"{info.capabilitylist_url}: never harvested: run rsagg harvest first"
+                    )
+                known = await ctx.read(ctx.reader.reconciliation, set_id)
+                heads, _ = await list_heads(ctx, info, known)
+                out.append(
+                    await reconcile(
+                        ctx, info, set_id, src.name, REPAIR_COMMAND, heads, on_difference=on_difference
+                    )
+                )
+        if deviations.skipped:
+            raise ReconcileError(deviations.skipped_text() or "a list was not read")
+        return out
+    finally:
+        current_source.reset(token)
+
+
+class ReconcileError(Exception):
+    """A source cannot be reconciled as asked (``rsagg audit --repair``)."""
+
+
+__all__ = [
+    "REPAIR",
+    "ReconcileError",
+    "ReconcileResult",
+    "due",
+    "list_heads",
+    "reconcile",
+    "record_baseline",
+    "repair_source",
+]

@@ -189,8 +189,16 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
                 # A Change List is a hint; the Resource List says what exists (harvest/reconcile.py).
                 cause, heads = await due(ctx, info, set_id, ctx.config.reconcile_interval(src))
                 if cause is not None:
-                    failing = set(waiting) | {f.uri for st in result.stats for f in st.failures}
-                    rec = await reconcile(ctx, info, set_id, src.name, cause, heads, exclude=failing)
+                    # A URI whose fetch failed in this sync is not fetched again now (it waits as a
+                    # retry), unless the failure was a digest that did not match: the Change List's
+                    # announcement may be stale, the Resource List's is current.
+                    failed = {f.uri: f.kind for st in result.stats for f in st.failures}
+                    again = {u for u, kind in failed.items() if kind != "fixity"}
+                    rec = await reconcile(ctx, info, set_id, src.name, cause, heads,
+                                          exclude=set(waiting) | again, watch=set(failed))  # fmt: skip
+                    for st in result.stats:  # failures the reconciliation settled are superseded
+                        for uri in rec.settled:
+                            st.failed.pop(uri, None)
                     result.reconciled.append(rec)
                     if rec.stats is not None:
                         result.stats.append(rec.stats)

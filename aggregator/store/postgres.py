@@ -396,6 +396,7 @@ MIGRATIONS: list[tuple[str, ...]] = [
             sha256 TEXT NOT NULL,
             etag TEXT,
             last_modified TEXT,
+            lastmod TIMESTAMPTZ,
             PRIMARY KEY (set_id, uri)
         )""",
     ),
@@ -1086,7 +1087,7 @@ class PostgresState:
             return {}
         with self._read() as c:
             rows = c.execute(
-                "SELECT uri, sha256, etag, last_modified FROM resource_validators "
+                "SELECT uri, sha256, etag, last_modified, lastmod FROM resource_validators "
                 "WHERE set_id = %s AND uri = ANY(%s)",
                 (set_id, list(dict.fromkeys(uris))),
             ).fetchall()
@@ -1098,10 +1099,11 @@ class PostgresState:
         last = {r.uri: r for r in rows}  # one row per uri: ON CONFLICT may not touch a row twice
         with self._write() as c, c.cursor() as cur:
             cur.executemany(
-                "INSERT INTO resource_validators (set_id, uri, sha256, etag, last_modified) "
-                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (set_id, uri) DO UPDATE SET "
-                "sha256 = excluded.sha256, etag = excluded.etag, last_modified = excluded.last_modified",
-                [(set_id, r.uri, r.sha256, r.etag, r.last_modified) for r in last.values()],
+                "INSERT INTO resource_validators (set_id, uri, sha256, etag, last_modified, lastmod) "
+                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (set_id, uri) DO UPDATE SET "
+                "sha256 = excluded.sha256, etag = excluded.etag, last_modified = excluded.last_modified, "
+                "lastmod = excluded.lastmod",
+                [(set_id, r.uri, r.sha256, r.etag, r.last_modified, r.lastmod) for r in last.values()],
             )
 
     def resource(self, set_id: int, uri: str) -> Resource | None:

@@ -149,12 +149,15 @@ class Reconciliation:
 @dataclass(frozen=True, slots=True)
 class ResourceValidators:
     """What the upstream answered with the held version of a resource (``sha256``): its ``ETag`` and
-    ``Last-Modified``, sent back as ``If-None-Match`` / ``If-Modified-Since`` when it is re-checked."""
+    ``Last-Modified``, sent back as ``If-None-Match`` / ``If-Modified-Since`` when it is re-checked, and
+    the ``lastmod`` announced when that version was last fetched or confirmed (an entry announcing it
+    again needs no fetch, though the held row keeps its own lastmod: a no-op changes no row)."""
 
     uri: str
     sha256: str
     etag: str | None
     last_modified: str | None
+    lastmod: datetime | None = None
 
 
 # -- retries (failed changes kept to be tried again; written with the batch that failed them) --------

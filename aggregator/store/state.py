@@ -459,6 +459,7 @@ MIGRATIONS: list[tuple[str, ...]] = [
             sha256 TEXT NOT NULL,       -- the held version these validators were answered with
             etag TEXT,
             last_modified TEXT,         -- the HTTP header as received
+            lastmod TEXT,               -- the lastmod announced when the version was last confirmed
             PRIMARY KEY (set_id, uri)
         )""",
     ),
@@ -1193,11 +1194,11 @@ class State:
             for i in range(0, len(wanted), 500):
                 part = wanted[i : i + 500]
                 rows = self.conn.execute(
-                    "SELECT uri, sha256, etag, last_modified FROM resource_validators "
+                    "SELECT uri, sha256, etag, last_modified, lastmod FROM resource_validators "
                     f"WHERE set_id = ? AND uri IN ({', '.join('?' * len(part))})",
                     [set_id, *part],
                 ).fetchall()
-                out.update((r[0], ResourceValidators(*r)) for r in rows)
+                out.update((r[0], ResourceValidators(*r[:4], parse_dt(r[4]))) for r in rows)
         return out
 
     def put_resource_validators(self, set_id: int, rows: Sequence[ResourceValidators]) -> None:
@@ -1205,9 +1206,9 @@ class State:
             return
         with self._write() as c:
             c.executemany(
-                "INSERT OR REPLACE INTO resource_validators (set_id, uri, sha256, etag, last_modified) "
-                "VALUES (?, ?, ?, ?, ?)",
-                [(set_id, r.uri, r.sha256, r.etag, r.last_modified) for r in rows],
+                "INSERT OR REPLACE INTO resource_validators (set_id, uri, sha256, etag, last_modified, "
+                "lastmod) VALUES (?, ?, ?, ?, ?, ?)",
+                [(set_id, r.uri, r.sha256, r.etag, r.last_modified, format_dt(r.lastmod)) for r in rows],
             )
 
     def resource(self, set_id: int, uri: str) -> Resource | None:
