@@ -97,7 +97,9 @@ class ListSource:
         """The Change List Hyrax writes: every work now, newest modified first, created or updated."""
         works = sorted(self.works.items(), key=lambda kv: kv[1].modified, reverse=True)
         self.changes = [
-            Published(p, model.CREATED if w.modified == w.created else model.UPDATED, w.modified, None, w.body)
+            Published(
+                p, model.CREATED if w.modified == w.created else model.UPDATED, w.modified, None, w.body
+            )
             for p, w in works
         ]
 
@@ -127,7 +129,9 @@ class ListSource:
         at = self.at or datetime.now(UTC)
         head = Head(md=Md(capability=model.RESOURCELIST, at=at), links=[Link("up", self._cap())])
         entries = [
-            Entry(self.loc(p), lastmod=w.modified, md=self._md(w.body) if self.hashes or self.lengths else None)
+            Entry(
+                self.loc(p), lastmod=w.modified, md=self._md(w.body) if self.hashes or self.lengths else None
+            )
             for p, w in self.works.items()
         ]
         return b"".join(iter_document_bytes(head, entries))

@@ -57,7 +57,9 @@ async def test_hyrax_shaped_source_across_a_deletion_it_never_lists(tmp_path: Pa
         r = (await harvest(cfg))["hyrax"]
         assert r.ok, r.error
         assert held(cfg) == src.listed()  # entry by entry: URI -> sha256 of what the Source serves
-        assert [(x.cause, x.repaired, x.unrepaired) for x in r.reconciled] == [("list moved", {"deleted": 1}, 0)]
+        assert [(x.cause, x.repaired, x.unrepaired) for x in r.reconciled] == [
+            ("list moved", {"deleted": 1}, 0)
+        ]
         # Fetch only what changed: the two works the Change List moved (one 301 + one 200 each); the
         # four unchanged entries carry the lastmod rsagg holds and are not fetched.
         assert src.gets("/works/") == 2 and src.gets("/concern/") == 2

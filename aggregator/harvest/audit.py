@@ -110,6 +110,9 @@ class _SeenSet:
     def add(self, uri: str) -> None:
         self._db.execute("INSERT OR IGNORE INTO seen VALUES (?)", (uri,))
 
+    def add_many(self, uris: list[str]) -> None:
+        self._db.executemany("INSERT OR IGNORE INTO seen VALUES (?)", ((u,) for u in uris))
+
     def __contains__(self, uri: str) -> bool:
         return self._db.execute("SELECT 1 FROM seen WHERE uri = ?", (uri,)).fetchone() is not None
 
@@ -268,11 +271,12 @@ async def differences(
             batch: list[Entry] = []
             async with aclosing(entries):  # type: ignore[type-var]
                 async for entry in entries:
-                    seen.add(entry.loc)
                     batch.append(entry)
                     if len(batch) >= 1000:
+                        seen.add_many([e.loc for e in batch])
                         for d in await ctx.read(_check, ctx, source, set_url, set_id, batch):
                             yield d
+            seen.add_many([e.loc for e in batch])
             for d in await ctx.read(_check, ctx, source, set_url, set_id, batch):
                 yield d
             read_all = complete() if complete is not None else not (current() and current().skipped)
@@ -318,9 +322,9 @@ def _check(
 ) -> list[Difference]:
     """The differences of a batch of entries (state reads: called through ``HarvestContext.read``)."""
     out = []
+    stored = ctx.reader.resources(set_id, [e.loc for e in batch]) if set_id is not None else {}
     for entry in batch:
-        held = ctx.reader.resource(set_id, entry.loc) if set_id is not None else None
-        found = compare(entry, held)
+        found = compare(entry, stored.get(entry.loc))
         if found:
             out.append(Difference(source, set_url, entry.loc, *found, entry=entry))
     batch.clear()
