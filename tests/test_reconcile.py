@@ -231,3 +231,47 @@ async def test_property_one_reconciliation_makes_the_store_the_resource_list(tmp
                 assert not r.ok and row["state"] != "ok", shape
     assert failures_seen, "no case exercised a repair that fails"
     assert repairs, "no case needed a repair: the Change Lists were not corrupted enough"
+
+
+# -- the order of trust, as a table of every combination ---------------------------------------------
+
+
+async def test_compare_and_the_pipeline_agree_on_every_combination() -> None:
+    """hash, then length, then lastmod: ``audit.compare`` (what reconciliation and audit find) and
+    ``pipeline.unchanged`` (what a harvest does not fetch) give the same answer for every combination
+    of what an entry announces against what is held, and the answer follows the order of trust."""
+    import itertools
+    from datetime import UTC, datetime
+
+    from aggregator.harvest.audit import DECIDED, compare
+    from aggregator.harvest.pipeline import told_apart, unchanged
+    from aggregator.rs.fixity import format_hash
+    from aggregator.rs.model import Entry, Md
+    from aggregator.store.rows import Resource
+
+    t0, t1 = datetime(2024, 1, 1, tzinfo=UTC), datetime(2024, 2, 1, tzinfo=UTC)
+    held = Resource(1, 1, "u", "f" * 64, 10, None, None, {"md5": "a" * 32, "sha-256": "f" * 64}, t0, None,
+                    [], {}, [], False, t0, None)  # fmt: skip
+    hashes = {
+        "same": {"md5": "a" * 32},
+        "other": {"md5": "b" * 32},
+        "unheld": {"sha-1": "c" * 40},
+        "none": {},
+    }
+    lengths = {"same": 10, "other": 11, "none": None}
+    lastmods = {"same": t0, "other": t1, "none": None}
+    for h, n, m in itertools.product(hashes, lengths, lastmods):
+        entry = Entry("u", lastmod=lastmods[m], md=Md(hash=format_hash(hashes[h]), length=lengths[n]))
+        found = compare(entry, held)
+        kind = found[0] if found else None
+        if h == "other":
+            expected = "hash"
+        elif n == "other":
+            expected = "length"
+        elif h == "same":
+            expected = None
+        else:
+            expected = {"same": None, "other": "lastmod", "none": "unverified"}[m]
+        assert kind == expected, (h, n, m, found)
+        assert unchanged(held, entry, lambda sha: True) == (kind is None), (h, n, m)
+        assert told_apart(held, entry) == (kind in DECIDED), (h, n, m)  # else a fetch is conditional

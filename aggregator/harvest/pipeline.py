@@ -141,6 +141,16 @@ def unchanged(
     return blob_exists(existing.sha256)
 
 
+def told_apart(existing: Resource, entry: Entry) -> bool:
+    """The entry says by itself that the held version is not the one it announces (a digest both sides
+    have differs, or the length does): a 304 could not overrule that, so such a fetch is unconditional."""
+    announced = entry.hashes
+    if any(a in existing.hashes and existing.hashes[a] != announced[a] for a in announced):
+        return True
+    length = entry.md.length if entry.md else None
+    return length is not None and existing.length is not None and length != existing.length
+
+
 def change_from(work: Work, info: BlobInfo | None, content_type: str | None = None) -> Change:
     e, md = work.entry, work.entry.md
     # Positional, in Change's field order, and no copies of empty containers: this runs per record.
@@ -373,14 +383,16 @@ class Pipeline:
                 continue
             existing = stored.get(w.entry.loc)
             out.append((existing, unchanged(existing, w.entry, self.ctx.blobs.exists), None))
-        # Those to fetch whose held version may be re-checked conditionally (a second read, only then).
+        # Those to fetch whose held version may be re-checked conditionally (a second read, only then):
+        # nothing the entry announces tells it from the held one (only a lastmod, or nothing).
         held = [w.entry.loc for w, (r, same, _) in zip(batch, out, strict=True)
-                if not same and r is not None and not r.deleted and r.sha256]  # fmt: skip
+                if not same and r is not None and not r.deleted and r.sha256
+                and not told_apart(r, w.entry)]  # fmt: skip
         if held:
             known = reader.resource_validators(self.set_id, held)
             exists = self.ctx.blobs.exists
             for i, (w, (r, same, _)) in enumerate(zip(batch, out, strict=True)):
-                v = known.get(w.entry.loc) if not same and r is not None else None
+                v = known.get(w.entry.loc) if not same and r is not None else None  # only those of `held`
                 if v is not None and v.sha256 == r.sha256:  # type: ignore[union-attr]
                     out[i] = (r, unchanged(r, w.entry, exists, v.lastmod), v)
         return out
