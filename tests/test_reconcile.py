@@ -275,3 +275,25 @@ async def test_compare_and_the_pipeline_agree_on_every_combination() -> None:
         assert kind == expected, (h, n, m, found)
         assert unchanged(held, entry, lambda sha: True) == (kind is None), (h, n, m)
         assert told_apart(held, entry) == (kind in DECIDED), (h, n, m)  # else a fetch is conditional
+
+
+async def test_reconcile_interval_default_and_per_source(tmp_path: Path) -> None:
+    from aggregator.config import ConfigError, parse_config
+
+    cfg = parse_config(
+        {
+            "store": {"path": str(tmp_path)},
+            "harvest": {"reconcile_interval": 3600},
+            "sources": [{"name": "a", "url": "http://127.0.0.1:1/"},
+                        {"name": "b", "url": "http://127.0.0.1:2/", "reconcile_interval": 0}],
+        },
+        str(tmp_path / "t.toml"),
+    )  # fmt: skip
+    assert [cfg.reconcile_interval(s) for s in cfg.sources] == [3600, 0]
+    assert make_config(tmp_path, {}).harvest.reconcile_interval == 86_400
+    with pytest.raises(ConfigError, match=r"sources\[0\]\.reconcile_interval"):
+        parse_config(
+            {"store": {"path": str(tmp_path)},
+             "sources": [{"name": "a", "url": "http://127.0.0.1:1/", "reconcile_interval": -1}]},
+            str(tmp_path / "t.toml"),
+        )  # fmt: skip
