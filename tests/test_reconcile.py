@@ -297,3 +297,25 @@ async def test_reconcile_interval_default_and_per_source(tmp_path: Path) -> None
              "sources": [{"name": "a", "url": "http://127.0.0.1:1/", "reconcile_interval": -1}]},
             str(tmp_path / "t.toml"),
         )  # fmt: skip
+
+
+async def test_a_list_that_did_not_move_is_not_reconciled_and_its_head_is_asked_conditionally(
+    tmp_path: Path,
+) -> None:
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.bulk_create(3)
+    async with up.serving() as base:
+        cfg = make_config(tmp_path / "data", {"up": base})
+        assert (await harvest(cfg))["up"].ok
+        for _ in range(2):  # the first poll learns the list's ETag, the second sends it
+            r = (await harvest(cfg))["up"]
+            assert r.ok and r.reconciled == []
+        with open_state(cfg, readonly=True) as state:
+            (rec,) = [state.reconciliation(s.id) for s in state.sets()]
+        assert rec.cause == "baseline" and rec.lists[up.doc_url("resourcelist.xml")]["etag"]
+        up.create(
+            "new.txt", b"new"
+        )  # the list moves: reconciled (nothing to repair: the Change List said it)
+        r = (await harvest(cfg))["up"]
+        assert r.ok and [(x.cause, x.repaired) for x in r.reconciled] == [("list moved", {})]
+        assert held(cfg) == {up.url(p): v.sha256 for p, v in up.resources().items()}

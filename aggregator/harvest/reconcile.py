@@ -16,6 +16,7 @@ each repair is logged with its cause. A repair that fails stays a retry and keep
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -143,6 +144,11 @@ async def due(
         return SCHEDULED, heads
     if moved:
         return LIST_MOVED, heads
+    if heads != known.lists and all(not _moved(known.lists.get(u), h) for u, h in heads.items()):
+        # The same lists, now with their ETags (a baseline records none): asked conditionally next time.
+        await ctx.write(
+            ctx.writer.put_reconciliation, dataclasses.replace(known, lists={**known.lists, **heads})
+        )
     return None, heads
 
 
