@@ -258,6 +258,10 @@ class HarvestConfig:
     #: "mirror-bot/2 (+mailto:ops@example.org)".
     user_agent: _HeaderValue = ""
     max_rate: NonNegFloat = 0.0  # requests per second per source (0 = no limit besides per_host)
+    #: Seconds between reconciliations of a set with its Resource List (``harvest/reconcile.py``): what
+    #: the Change Lists never said is repaired; a set is also reconciled whenever its Resource List's
+    #: ``at`` or ETag moves. 0 = only when the list moves.
+    reconcile_interval: NonNegFloat = 86_400.0
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -294,6 +298,9 @@ class SourceConfig:
     #: A line shown with the source on the home page and in ``rsagg status`` (what it is, what its
     #: counts hold: e.g. "each record comes with its metadata record, so twice as many resources").
     note: NonEmptyStr | None = None
+    #: Seconds between reconciliations with the Resource List (default ``harvest.reconcile_interval``;
+    #: 0 = only when the list's ``at`` or ETag moves).
+    reconcile_interval: NonNegFloat | None = None
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -402,6 +409,12 @@ class Config:
     def max_rate(self, source: SourceConfig) -> float:
         """Requests per second to this source; 0 = unlimited (per_host still bounds concurrency)."""
         return source.max_rate if source.max_rate is not None else self.harvest.max_rate
+
+    def reconcile_interval(self, source: SourceConfig) -> float:
+        """Seconds between scheduled reconciliations of the source's sets (0 = only when a list moves)."""
+        if source.reconcile_interval is not None:
+            return source.reconcile_interval
+        return self.harvest.reconcile_interval
 
     def use_dumps(self, source: SourceConfig) -> bool:
         return source.use_dumps if source.use_dumps is not None else self.harvest.use_dumps

@@ -111,6 +111,8 @@ FAMILIES: dict[str, str] = {
     "rsagg_resources_deleted": "counter",
     "rsagg_syncs": "counter",
     "rsagg_upstream_deviations": "counter",
+    "rsagg_reconciliations": "counter",
+    "rsagg_reconcile_repairs": "counter",
     "rsagg_sync_duration_seconds": "histogram",
     "rsagg_fetched_bytes": "counter",
     "rsagg_upstream_requests": "counter",
@@ -347,6 +349,20 @@ class Metrics:
             ["source", "rule"],
             registry=r,
         )
+        self.reconciliations = Counter(
+            "rsagg_reconciliations",
+            "Reconciliations of a set with its Resource List (harvest/reconcile.py), by result: in_sync, "
+            "repaired, unrepaired (a repair failed), incomplete (a list could not be read)",
+            ["source", "result"],
+            registry=r,
+        )
+        self.reconcile_repairs = Counter(
+            "rsagg_reconcile_repairs",
+            "Differences from the Resource List repaired by reconciliation, by the change applied "
+            "(created: missed creation, updated: missed update, deleted: held but not listed)",
+            ["source", "kind"],
+            registry=r,
+        )
         self.sync_duration = Histogram(
             "rsagg_sync_duration_seconds",
             "Duration of a sync of a source",
@@ -525,6 +541,13 @@ class Metrics:
             self.resources_deleted.labels(source).inc(len(applied) - stored)
         for f in failures:
             self.error(source, f.kind)
+
+    def reconciled(self, source: str, result: str, repaired: dict[str, int]) -> None:
+        """A reconciliation ended (``harvest/reconcile.py``): its result and the repairs by kind."""
+        self.reconciliations.labels(source, result).inc()
+        for kind, n in repaired.items():
+            if n:
+                self.reconcile_repairs.labels(source, kind).inc(n)
 
     def deviation(self, source: str, rule: str) -> None:
         """An upstream deviation rsagg read past (``harvest/deviations.py``)."""

@@ -20,7 +20,7 @@ from .progress_text import describe, figures, format_duration, saved_rate
 from .rs.w3cdt import format_w3c, utcnow
 from .sets import published_sets
 from .store.interface import StateStore
-from .store.rows import SourceRow
+from .store.rows import Reconciliation, SourceRow
 
 
 def _time(value: datetime | str | None) -> str | None:
@@ -67,6 +67,35 @@ def lag_since(cur: Any, last_success: datetime | None) -> tuple[datetime | None,
     return pos, "change list" if pos else None
 
 
+def reconciliation_row(rec: Reconciliation | None) -> dict | None:
+    """A set's last reconciliation with its Resource List (``harvest/reconcile.py``), as shown."""
+    if rec is None:
+        return None
+    return {
+        "at": format_w3c(rec.reconciled_at),
+        "cause": rec.cause,
+        "differences": rec.differences,
+        "repaired": sum(rec.repaired.values()),
+        "repaired_by_kind": dict(rec.repaired),
+        "unrepaired": rec.unrepaired,
+        "complete": rec.complete,
+        "error": rec.error,
+    }
+
+
+def _reconciled(sets: list[dict]) -> dict | None:
+    """A source's reconciliations summed over its sets: the latest time, repairs and what is left."""
+    recs = [x["reconciliation"] for x in sets if x.get("reconciliation")]
+    if not recs:
+        return None
+    return {
+        "at": max(r["at"] for r in recs),
+        "repaired": sum(r["repaired"] for r in recs),
+        "unrepaired": sum(r["unrepaired"] for r in recs),
+        "complete": all(r["complete"] for r in recs),
+    }
+
+
 def source_rows(state: StateStore, names: Sequence[str], *, now: datetime | None = None) -> list[dict]:
     """One row per source, configured ones first (a source never harvested shows as 'new'), then
     sources the state still holds but the configuration no longer names."""
@@ -92,9 +121,14 @@ def source_rows(state: StateStore, names: Sequence[str], *, now: datetime | None
                     "position": format_w3c(pos) if pos else None,
                     "baseline_at": format_w3c(cur.baseline_at) if cur and cur.baseline_at else None,
                     "lag_basis": basis,
+                    "reconciliation": reconciliation_row(state.reconciliation(st.id)),
                 }
             )
         notes = state.upstream_notes(name) if s else {"deviations": [], "skipped": []}
+        reconciled = _reconciled(sets)
+        shown = (s.state if s else None) or "new"
+        if shown == "ok" and reconciled and (reconciled["unrepaired"] or not reconciled["complete"]):
+            shown = "degraded"  # never "ok" while the Resource List says otherwise (harvest/reconcile.py)
         rows.append(
             {
                 "name": name,
@@ -103,7 +137,7 @@ def source_rows(state: StateStore, names: Sequence[str], *, now: datetime | None
                 # When ``url`` failed and discovery found the Source elsewhere: what it answered and
                 # what is harvested instead (the operator should configure that).
                 "using": s.using_url if s else None,
-                "state": (s.state if s else None) or "new",
+                "state": shown,
                 "resources": sum(x["resources"] for x in sets),
                 "position": format_w3c(newest) if newest else None,
                 "lag_basis": " + ".join(sorted(bases)) or None,
@@ -115,6 +149,7 @@ def source_rows(state: StateStore, names: Sequence[str], *, now: datetime | None
                 "last_error": s.last_error if s else None,
                 "progress": _progress(s),
                 "sets": sets,
+                "reconciled": reconciled,
                 # Lenient in, truthful out (harvest/deviations.py): what the last sync read past, and
                 # the lists it could not read (then the state is "degraded", never "ok").
                 "deviations": notes["deviations"],
@@ -282,6 +317,13 @@ def notes(row: dict) -> list[str]:
         out.append(f"configured URL not used: {row['using']}")
     if row.get("state") == "interrupted":
         out.append("the harvesting process stopped during this sync; the next harvest resumes it")
+    rec = row.get("reconciled")
+    if rec:
+        out.append(f"reconciled at {short_time(rec['at'])}, {rec['repaired']} repaired")
+        if rec["unrepaired"]:
+            out.append(f"reconciliation: {rec['unrepaired']} difference(s) NOT repaired, so not in sync")
+        if not rec["complete"]:
+            out.append("reconciliation incomplete (a Resource List was not read), so not in sync")
     r = row.get("retries") or {}
     if r.get("waiting") or r.get("ended"):
         ended = f", {r['ended']} ended (URI no longer listed upstream)" if r.get("ended") else ""
@@ -341,6 +383,7 @@ __all__ = [
     "notes",
     "one_line",
     "progress_text",
+    "reconciliation_row",
     "set_rows",
     "short_time",
     "source_rows",

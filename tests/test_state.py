@@ -665,3 +665,35 @@ def vars_of(link: Link) -> dict:
     import dataclasses
 
     return {f.name: getattr(link, f.name) for f in dataclasses.fields(link)}
+
+
+# -- reconciliation (harvest/reconcile.py) --------------------------------------------------------------
+
+
+def test_reconciliation_and_resource_validators_round_trip(st: State, set_id: int) -> None:
+    """The last reconciliation of a set is replaced, never appended; validators are kept per URI for the
+    version they were answered with, the last write of a URI winning."""
+    from aggregator.store.rows import Reconciliation, ResourceValidators
+
+    a, b, c = (f"https://example.org/{x}" for x in "abc")
+    assert st.reconciliation(set_id) is None
+    at = datetime(2024, 5, 1, 10, 0, tzinfo=UTC)
+    first = Reconciliation(set_id, at, "scheduled", {"https://e.org/rl.xml": {"etag": '"x"', "at": None}},
+                           3, {"deleted": 2, "created": 1}, 0, True)  # fmt: skip
+    st.put_reconciliation(first)
+    assert st.reconciliation(set_id) == first
+    second = Reconciliation(set_id, at + timedelta(days=1), "list moved", {}, 1, {}, 1, False, "not read: x")
+    st.put_reconciliation(second)
+    assert st.reconciliation(set_id) == second
+    lastmod = datetime(2023, 1, 2, 3, 4, 5, tzinfo=UTC)
+    st.put_resource_validators(set_id, [
+        ResourceValidators(a, "a" * 64, '"1"', None, lastmod),
+        ResourceValidators(b, "b" * 64, None, "Tue, 01 Jan 2024 00:00:00 GMT"),
+        ResourceValidators(a, "c" * 64, 'W/"2"', None, lastmod),
+    ])  # fmt: skip
+    got = st.resource_validators(set_id, [a, b, c])
+    assert got == {
+        a: ResourceValidators(a, "c" * 64, 'W/"2"', None, lastmod),
+        b: ResourceValidators(b, "b" * 64, None, "Tue, 01 Jan 2024 00:00:00 GMT"),
+    }
+    assert st.resource_validators(set_id, []) == {}

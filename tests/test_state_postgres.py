@@ -36,6 +36,7 @@ from . import (
     pgserver,
     test_harvest,
     test_publish,
+    test_reconcile,
     test_state,
     test_state_interface,
     test_state_websub,
@@ -351,6 +352,8 @@ HARVEST_SCENARIOS = [
     test_harvest.test_gap_is_recovered_by_a_fresh_baseline,
     test_harvest.test_failed_changes_are_retried_at_the_next_sync,
     test_harvest.test_a_baseline_ends_the_retries_of_resources_it_no_longer_lists,
+    test_reconcile.test_hyrax_shaped_source_across_a_deletion_it_never_lists,
+    test_reconcile.test_a_recheck_is_conditional_and_a_304_keeps_what_is_held,
 ]
 
 

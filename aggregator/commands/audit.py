@@ -1,4 +1,8 @@
-"""Compare the store with every upstream's current lists; exit 0 only when in sync."""
+"""Compare the store with every upstream's current lists; exit 0 only when in sync.
+
+``--repair`` first applies what the comparison finds (``harvest/reconcile.py``: the reconciliation the
+harvest runs on its schedule), then audits again: the exit code is that second audit's.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import trio
 
 from ..compose import open_context
 from ..harvest.audit import Difference, audit_source
+from ..harvest.reconcile import repair_source
 from ._common import add_config_arguments, start
 
 
@@ -22,6 +27,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-lines", type=int, default=1000, help="differences printed per source (all are counted)"
     )
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="apply the differences found (missed creations, updates, deletions) through the change "
+        "pipeline, then audit again",
+    )
+
+
+async def _repair(config, names: list[str], max_lines: int) -> dict[str, str]:
+    """Reconcile every set of the chosen sources now; print each difference and what came of it.
+    Returns the sources that could not be repaired, with why."""
+    errors: dict[str, str] = {}
+    async with open_context(config) as ctx:
+        for src in config.sources:
+            if names and src.name not in names:
+                continue
+            shown = 0
+
+            def told(d: Difference, _name: str = src.name) -> None:
+                nonlocal shown
+                shown += 1
+                if shown <= max_lines:
+                    print(f"repairing {d}")
+
+            try:
+                results = await repair_source(ctx, src, on_difference=told)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                errors[src.name] = f"{type(exc).__name__}: {exc}"
+                print(f"{src.name}: repair failed: {errors[src.name]}")
+                continue
+            for r in results:
+                kinds = ", ".join(f"{n} {k}" for k, n in sorted(r.repaired.items())) or "nothing"
+                left = f", {r.unrepaired} NOT repaired" if r.unrepaired else ""
+                more = "" if r.complete else " (incomplete: a list was not read, nothing held was deleted)"
+                print(f"{src.name}: {r.set_url}: {r.differences} difference(s): repaired {kinds}, "
+                      f"{r.checked} unchanged once fetched{left}{more}")  # fmt: skip
+    return errors
 
 
 async def _audit(
@@ -52,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
     config = start(args)
     if config is None:
         return 2
+    if args.repair:
+        failed = trio.run(_repair, config, args.source, args.max_lines)
+        if failed:
+            print(f"rsagg: repair failed for: {', '.join(sorted(failed))}", file=sys.stderr)
     shown, counts, errors = trio.run(_audit, config, args.source)
     in_sync = not errors and not any(counts.values())
     if args.json:
@@ -61,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                 name: {
                     "differences": counts[name],
                     "error": errors.get(name),
-                    "items": [d.__dict__ for d in shown[name][: args.max_lines]],
+                    "items": [d.as_dict() for d in shown[name][: args.max_lines]],
                 }
                 for name in shown
             },

@@ -102,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
             line += f", {r.baselines} baseline(s)"
         if r.gaps:
             line += f", {r.gaps} gap(s) recovered by baseline"
+        for rec in r.reconciled:  # harvest/reconcile.py: what the Change Lists never said
+            line += f", reconciled ({rec.cause}): {sum(rec.repaired.values())} repaired"
+            line += f", {rec.unrepaired} NOT repaired" if rec.unrepaired else ""
         if r.deviations:
             line += ", tolerated " + ", ".join(f"{d['rule']} x{d['count']}" for d in r.deviations)
         if r.error:

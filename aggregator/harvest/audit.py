@@ -3,6 +3,9 @@
 The expected state of a set is its current Resource List, overlaid with the changes its Change Lists
 report since the list's ``at`` (a list may lag behind the changes). Everything streams: URIs seen upstream
 are kept in a temporary SQLite table, not in memory.
+
+``compare`` and ``differences`` are the one comparison: ``rsagg audit`` reports what they decide, and
+reconciliation (``harvest/reconcile.py``, ``rsagg audit --repair``) applies it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import sqlite3
 import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from ..config import SourceConfig
@@ -35,8 +39,13 @@ from .deviations import Deviations, collecting, current, skip
 from .discovery import SetInfo, discover
 from .dumps import DumpError, DumpLimits, read_manifest
 from .fetch import Expected, FetchError
-from .lists import Snapshot, SyncError, change_entries, resolve, resolved, resource_list_entries
+from .lists import Snapshot, SyncError, change_entries, resolve, resolved, resource_list_entries, when
 from .oaipmh import OaiHarvest, set_key
+
+#: What ``compare`` decides from the entry alone. "lastmod" (a lastmod other than the held one, no
+#: digest to decide) and "unverified" (neither digest nor lastmod announced) can be told only by a fetch:
+#: reconciliation fetches them (conditionally), audit does not count them.
+DECIDED = frozenset({"missing", "extra", "length", "hash", "not-deleted"})
 
 
 @dataclass
@@ -44,29 +53,52 @@ class Difference:
     source: str
     set_url: str
     uri: str
-    kind: str  # missing | extra | length | hash | not-deleted
+    kind: str  # missing | extra | length | hash | not-deleted (DECIDED) | lastmod | unverified
     detail: str = ""
+    #: The upstream entry it was found with (None for "extra"): what a repair applies.
+    entry: Entry | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         return f"{self.source}: {self.kind}: {self.uri}" + (f" ({self.detail})" if self.detail else "")
 
+    def as_dict(self) -> dict[str, str]:
+        return {"source": self.source, "set_url": self.set_url, "uri": self.uri, "kind": self.kind,
+                "detail": self.detail}  # fmt: skip
+
 
 def compare(entry: Entry, held: Resource | None) -> tuple[str, str] | None:
-    """How a stored resource differs from an upstream entry, or None when it matches."""
+    """How a stored resource differs from an upstream entry, or None when it matches.
+
+    Decided in the order of trust: a digest both sides have, then ``length``, then ``lastmod`` (§7);
+    a ``lastmod`` or ``unverified`` answer means only a fetch can tell (see DECIDED).
+    """
     if entry.change == DELETED:
         if held is not None and not held.deleted:
             return "not-deleted", "deleted upstream, still held"
         return None
     if held is None or held.deleted:
         return "missing", ""
+    compared = False
+    for algo, digest in entry.hashes.items():
+        have = held.hashes.get(algo)
+        if have is not None:
+            if have != digest:
+                return "hash", f"{algo} upstream {digest}, held {have}"
+            compared = True
     length = entry.md.length if entry.md else None
     if length is not None and held.length != length:
         return "length", f"upstream {length}, held {held.length}"
-    for algo, digest in entry.hashes.items():
-        have = held.hashes.get(algo)
-        if have is not None and have != digest:
-            return "hash", f"{algo} upstream {digest}, held {have}"
-    return None
+    if compared:
+        return None
+    if entry.lastmod is not None:
+        if held.lastmod != entry.lastmod:
+            return "lastmod", f"upstream {entry.lastmod.isoformat()}, held {_iso(held.lastmod)}"
+        return None
+    return "unverified", "no digest and no lastmod announced"
+
+
+def _iso(dt: object) -> str:
+    return dt.isoformat() if dt is not None else "none"  # type: ignore[attr-defined]
 
 
 class _SeenSet:
@@ -79,6 +111,9 @@ class _SeenSet:
 
     def add(self, uri: str) -> None:
         self._db.execute("INSERT OR IGNORE INTO seen VALUES (?)", (uri,))
+
+    def add_many(self, uris: list[str]) -> None:
+        self._db.executemany("INSERT OR IGNORE INTO seen VALUES (?)", ((u,) for u in uris))
 
     def __contains__(self, uri: str) -> bool:
         return self._db.execute("SELECT 1 FROM seen WHERE uri = ?", (uri,)).fetchone() is not None
@@ -123,8 +158,9 @@ async def expected_entries(
             on_unread(url, str(exc))
     at = None if not ats or any(a is None for a in ats) else min(ats)  # type: ignore[type-var]
     # Changes since the snapshot win over the lists' own entries (bounded: one entry per URI changed
-    # since `at`; changes without datetime are all taken, in list order).
+    # since `at`; changes without datetime are all taken, in list order, and weighed by lastmod below).
     overlay: dict[str, Entry] = {}
+    undated: set[str] = set()  # URIs whose last change read has no datetime
     for url in info.urls(CHANGELIST):
         since = Cursor(at, None, at, 0, 0, None)
         changes = change_entries(ctx.fetcher, url, since, source, None, info.urls(CHANGELIST_ARCHIVE))
@@ -132,10 +168,12 @@ async def expected_entries(
             async with aclosing(changes):
                 async for entry, _ in changes:
                     overlay[entry.loc] = entry
+                    if when(entry) is None:
+                        undated.add(entry.loc)
+                    else:
+                        undated.discard(entry.loc)
         except (FetchError, SyncError) as exc:
             on_unread(url, str(exc))
-    for entry in overlay.values():
-        yield entry
     for url in snapshot_urls:
         entries = (
             _dump_entries(ctx, url) if from_dumps else resource_list_entries(ctx.fetcher, url, Snapshot())
@@ -143,10 +181,28 @@ async def expected_entries(
         try:
             async with aclosing(entries):
                 async for entry in entries:
-                    if entry.loc not in overlay:
+                    change = overlay.pop(entry.loc, None)
+                    if change is None or (entry.loc in undated and _older(change, entry)):
                         yield entry
+                    else:
+                        yield change
         except (FetchError, SyncError) as exc:
             on_unread(url, str(exc))
+    for loc, change in overlay.items():  # changes of URIs no list names
+        if loc in undated and change.change != DELETED and _older(change, at):
+            continue
+        yield change
+
+
+def _older(change: Entry, than: Entry | datetime | None) -> bool:
+    """A change without datetime (§12.1 makes it optional) is placed by its ``lastmod`` (§7: the
+    resource's last modification; a deletion carries the deleted version's): it is older than a listed
+    entry with a later lastmod, or than a list ``at`` it precedes while that list does not name the
+    resource. Then the list wins: a stale or replayed entry must not undo what the Source lists now."""
+    limit = than.lastmod if isinstance(than, Entry) else than
+    if change.lastmod is None or limit is None:
+        return False
+    return change.lastmod < limit if isinstance(than, Entry) else change.lastmod <= limit
 
 
 @for_source
@@ -182,7 +238,8 @@ async def audit_source(ctx: HarvestContext, src: SourceConfig) -> AsyncGenerator
             entries = expected_entries(ctx, info, src.name, on_unread=skip)
             async with aclosing(_compare(ctx, src.name, info.capabilitylist_url, entries)) as diffs:
                 async for d in diffs:
-                    yield d
+                    if d.kind in DECIDED:
+                        yield d
     if deviations.skipped:
         raise AuditError(deviations.skipped_text())
 
@@ -195,24 +252,40 @@ async def _set_id(ctx: HarvestContext, source: str, set_url: str) -> int | None:
 async def _compare(
     ctx: HarvestContext, source: str, set_url: str, entries: AsyncIterator[Entry]
 ) -> AsyncGenerator[Difference, None]:
+    set_id = await _set_id(ctx, source, set_url)
+    async with aclosing(differences(ctx, source, set_url, set_id, entries)) as diffs:
+        async for d in diffs:
+            yield d
+
+
+async def differences(
+    ctx: HarvestContext,
+    source: str,
+    set_url: str,
+    set_id: int | None,
+    entries: AsyncIterator[Entry],
+    complete: Callable[[], bool] | None = None,
+) -> AsyncGenerator[Difference, None]:
     """The differences between what a set holds upstream (``entries``, each URI once) and the store:
     entries compared in batches, then what the store holds beyond them ("extra": only when every list
-    was read, since an unread list may hold what we hold)."""
-    set_id = await _set_id(ctx, source, set_url)
-    with tempfile.TemporaryDirectory() as tmp:
+    was read, since an unread list may hold what we hold: ``complete()`` says so, by default no list of
+    the running sync was skipped). Each carries the entry it was found with."""
+    with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) as tmp:
         seen = _SeenSet(Path(tmp))
         try:
             batch: list[Entry] = []
             async with aclosing(entries):  # type: ignore[type-var]
                 async for entry in entries:
-                    seen.add(entry.loc)
                     batch.append(entry)
                     if len(batch) >= 1000:
+                        seen.add_many([e.loc for e in batch])
                         for d in await ctx.read(_check, ctx, source, set_url, set_id, batch):
                             yield d
+            seen.add_many([e.loc for e in batch])
             for d in await ctx.read(_check, ctx, source, set_url, set_id, batch):
                 yield d
-            if set_id is not None and not (current() and current().skipped):
+            read_all = complete() if complete is not None else not (current() and current().skipped)
+            if set_id is not None and read_all:
                 held = ctx.reader.iter_resources(set_id)
                 while chunk := await ctx.read(lambda: [r.uri for r in itertools.islice(held, 1000)]):
                     for uri in chunk:
@@ -282,10 +355,10 @@ def _check(
 ) -> list[Difference]:
     """The differences of a batch of entries (state reads: called through ``HarvestContext.read``)."""
     out = []
+    stored = ctx.reader.resources(set_id, [e.loc for e in batch]) if set_id is not None else {}
     for entry in batch:
-        held = ctx.reader.resource(set_id, entry.loc) if set_id is not None else None
-        found = compare(entry, held)
+        found = compare(entry, stored.get(entry.loc))
         if found:
-            out.append(Difference(source, set_url, entry.loc, *found))
+            out.append(Difference(source, set_url, entry.loc, *found, entry=entry))
     batch.clear()
     return out

@@ -143,6 +143,17 @@ class FetchedResource:
     info: BlobInfo
     content_type: str | None
     encoding: str | None  # Content-Encoding as served (the bytes are stored encoded, see module doc)
+    #: Validators as served (sent back when the held version is re-checked: ``resource(validators=)``).
+    etag: str | None = None
+    last_modified: str | None = None
+
+
+class ResourceNotModified(Exception):
+    """A conditional fetch of a resource answered 304: the upstream still serves the held version."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"{url}: not modified (304)")
+        self.url = url
 
 
 @dataclass
@@ -895,12 +906,20 @@ class Fetcher:
         return await self._with_retries(url, attempt)
 
     async def _raw(
-        self, url: str, max_bytes: int, expected: Expected | None, sink: Callable[[bytes], None]
+        self,
+        url: str,
+        max_bytes: int,
+        expected: Expected | None,
+        sink: Callable[[bytes], None],
+        conditional: dict[str, str] | None = None,
     ) -> _Body:
-        """Stream a body as served (no decoding) into ``sink``, enforcing size caps on the way."""
-        headers = {"Accept-Encoding": "identity"}
+        """Stream a body as served (no decoding) into ``sink``, enforcing size caps on the way. With
+        ``conditional`` headers, a 304 raises ResourceNotModified."""
+        headers = {"Accept-Encoding": "identity", **(conditional or {})}
         limit = expected.length if expected is not None else None
         async with self._get(url, headers) as body:
+            if conditional and body.response.status_code == 304:
+                raise ResourceNotModified(body.final_url)
             self._check_status(body)
             final = body.final_url
             declared = body.response.headers.get("content-length")
@@ -920,11 +939,13 @@ class Fetcher:
                 sink(chunk)
             return body
 
-    async def _resource_once(self, url: str, expected: Expected, store: BlobStore) -> FetchedResource:
+    async def _resource_once(
+        self, url: str, expected: Expected, store: BlobStore, conditional: dict[str, str] | None = None
+    ) -> FetchedResource:
         # md5 always: republished lists carry it for destinations that check md5 (resync's --hash md5).
         writer = begin_spooled(store, frozenset(expected.hashes) | {"md5"})
         try:
-            body = await self._raw(url, self.max_resource_bytes, expected, writer.write)
+            body = await self._raw(url, self.max_resource_bytes, expected, writer.write, conditional)
             info = writer.finish()
             problems = expected.problems(info)
             if problems:
@@ -934,22 +955,39 @@ class Fetcher:
             raise
         headers = body.response.headers
         return FetchedResource(
-            body.final_url, writer, info, headers.get("content-type"), headers.get("content-encoding")
-        )
+            body.final_url, writer, info, headers.get("content-type"), headers.get("content-encoding"),
+            headers.get("etag"), headers.get("last-modified"),
+        )  # fmt: skip
 
-    async def resource(self, urls: Sequence[str], expected: Expected, store: BlobStore) -> FetchedResource:
+    async def resource(
+        self,
+        urls: Sequence[str],
+        expected: Expected,
+        store: BlobStore,
+        *,
+        etag: str | None = None,
+        last_modified: str | None = None,
+    ) -> FetchedResource:
         """Fetch and verify one resource, trying each URL in order (mirrors by ``pri``, then loc, §14.2).
 
         A fixity mismatch is tried once more at the same URL (a write may have been in progress), then
-        the next URL is tried. The blob is finished but not committed.
+        the next URL is tried. The blob is finished but not committed. ``etag`` / ``last_modified``: what
+        the upstream answered with the held version; sent as ``If-None-Match`` / ``If-Modified-Since``
+        (RFC 9110 §13.1), and a 304 raises ResourceNotModified (keep what is held).
         """
         if not urls:
             raise ValueError("resource() needs at least one URL")
+        conditional = {}
+        if etag:
+            conditional["If-None-Match"] = etag
+        if last_modified:
+            conditional["If-Modified-Since"] = last_modified
         failures: list[FetchError] = []
         for url in urls:
             for fixity_try in range(2):
                 try:
-                    return await self._with_retries(url, partial(self._resource_once, url, expected, store))
+                    once = partial(self._resource_once, url, expected, store, conditional or None)
+                    return await self._with_retries(url, once)
                 except FetchError as exc:
                     failures.append(exc)
                     if exc.kind == "fixity" and fixity_try == 0:
@@ -1003,4 +1041,5 @@ __all__ = [
     "FetchedBytes",
     "FetchedResource",
     "Fetcher",
+    "ResourceNotModified",
 ]

@@ -22,11 +22,11 @@ import trio
 from ..rs.model import CREATED, DELETED, PATCH_REL, RS_NS, UPDATED, Entry
 from ..store.blobs import BlobInfo, BlobWriter
 from ..store.calls import limiter_of
-from ..store.rows import FailedChange, RetryChanges
+from ..store.rows import FailedChange, ResourceValidators, RetryChanges
 from ..store.state import Change, Cursor, Resource
 from .access import for_source
 from .context import HarvestContext
-from .fetch import Expected, FetchedResource, FetchError
+from .fetch import Expected, FetchedResource, FetchError, ResourceNotModified
 from .metadata import MetadataRecords
 from .patch import fetch_by_patch
 
@@ -83,6 +83,8 @@ class _Result:
     change: Change | None
     blob: BlobWriter | None = None
     failure: Failure | None = None
+    #: What the upstream answered with the version fetched (kept for a conditional re-check).
+    validators: ResourceValidators | None = None
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:
@@ -142,18 +144,41 @@ def candidate_urls(entry: Entry) -> list[str]:
     return [*urls, entry.loc] if entry.loc not in urls else urls
 
 
-def unchanged(existing: Resource | None, entry: Entry, blob_exists: Callable[[str], bool]) -> bool:
-    """True when the stored version already has every digest (and the length) the upstream announces."""
+def unchanged(
+    existing: Resource | None,
+    entry: Entry,
+    blob_exists: Callable[[str], bool],
+    confirmed: datetime | None = None,
+) -> bool:
+    """True when the stored version is what the upstream announces, so nothing need be fetched.
+
+    In the order of trust: a digest both sides have decides; else a ``length`` that differs says
+    changed; else a ``lastmod`` equal to the held one (§7: the resource's last modification), or to the
+    one under which the held version was last confirmed (``confirmed``: a fetch or a 304 found the same
+    content), says unchanged. An entry that announces none of them cannot be decided without a fetch.
+    """
     if existing is None or existing.deleted or not existing.sha256:
         return False
     announced = entry.hashes
     common = [a for a in announced if a in existing.hashes]
-    if not common or any(existing.hashes[a] != announced[a] for a in common):
+    if common and any(existing.hashes[a] != announced[a] for a in common):
         return False
     length = entry.md.length if entry.md else None
     if length is not None and existing.length is not None and length != existing.length:
         return False
+    if not common and (entry.lastmod is None or entry.lastmod not in (existing.lastmod, confirmed)):
+        return False
     return blob_exists(existing.sha256)
+
+
+def told_apart(existing: Resource, entry: Entry) -> bool:
+    """The entry says by itself that the held version is not the one it announces (a digest both sides
+    have differs, or the length does): a 304 could not overrule that, so such a fetch is unconditional."""
+    announced = entry.hashes
+    if any(a in existing.hashes and existing.hashes[a] != announced[a] for a in announced):
+        return True
+    length = entry.md.length if entry.md else None
+    return length is not None and existing.length is not None and length != existing.length
 
 
 def change_from(work: Work, info: BlobInfo | None, content_type: str | None = None) -> Change:
@@ -186,8 +211,13 @@ class Pipeline:
         source: str,
         *,
         progress: Callable[[int], None] | None = None,
+        on_batch: Callable[[list[str], list[Change], list[Failure]], None] | None = None,
     ):
+        """``on_batch(uris, applied, failures)``: told after each batch committed, with the URIs it
+        carried, the changes that changed state and the changes that failed (reconciliation logs each
+        repair with its cause from it)."""
         self.ctx = ctx
+        self._on_batch = on_batch
         self.set_id = set_id
         self.source = source
         self.stats = PipelineStats()
@@ -231,7 +261,9 @@ class Pipeline:
     async def run(self, items: AsyncGenerator[Work, None]) -> PipelineStats:
         await self._prime()
         new_send, new_recv = trio.open_memory_channel[tuple[int, Work]](LOOKUP_BATCH)
-        work_send, work_recv = trio.open_memory_channel[tuple[int, Work, Resource | None]](self._workers * 2)
+        work_send, work_recv = trio.open_memory_channel[
+            tuple[int, Work, Resource | None, ResourceValidators | None]
+        ](self._workers * 2)
         result_send, result_recv = trio.open_memory_channel[tuple[int, _Result]](math.inf)
         try:
             async with trio.open_nursery() as nursery:
@@ -356,8 +388,8 @@ class Pipeline:
                         self._stored, works, limiter=limiter_of(self.ctx.reader)
                     )
                 else:  # deletions and content from dumps: nothing to look up
-                    found = [(None, False)] * len(works)
-                for (seq, w), (existing, same) in zip(batch, found, strict=True):
+                    found = [(None, False, None)] * len(works)
+                for (seq, w), (existing, same, validators) in zip(batch, found, strict=True):
                     if w.blob is not None and w.change != DELETED:  # content already here: nothing to fetch
                         await done.send((seq, _Result(w, change_from(w, w.info), w.blob)))
                     elif same:
@@ -366,35 +398,60 @@ class Pipeline:
                         info = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
                         await done.send((seq, _Result(w, change_from(w, info, existing.type))))
                     else:
-                        await work.send((seq, w, existing))
+                        await work.send((seq, w, existing, validators))
 
-    def _stored(self, batch: list[Work]) -> list[tuple[Resource | None, bool]]:
-        """(stored row, True when it already is what the entry announces) per change; in a thread."""
-        out: list[tuple[Resource | None, bool]] = []
+    def _stored(self, batch: list[Work]) -> list[tuple[Resource | None, bool, ResourceValidators | None]]:
+        """(stored row, True when it already is what the entry announces, the upstream's validators of
+        the held version when it must be fetched) per change; in a thread."""
+        out: list[tuple[Resource | None, bool, ResourceValidators | None]] = []
+        reader = self.ctx.reader
         wanted = [w.entry.loc for w in batch if w.change != DELETED and w.blob is None]
-        stored = self.ctx.reader.resources(self.set_id, wanted) if wanted else {}  # one read for all
+        stored = reader.resources(self.set_id, wanted) if wanted else {}  # one read for all
         for w in batch:
             if w.change == DELETED or w.blob is not None:
-                out.append((None, False))
+                out.append((None, False, None))
                 continue
             existing = stored.get(w.entry.loc)
-            out.append((existing, unchanged(existing, w.entry, self.ctx.blobs.exists)))
+            out.append((existing, unchanged(existing, w.entry, self.ctx.blobs.exists), None))
+        # Those to fetch whose held version may be re-checked conditionally (a second read, only then):
+        # nothing the entry announces tells it from the held one (only a lastmod, or nothing).
+        held = [w.entry.loc for w, (r, same, _) in zip(batch, out, strict=True)
+                if not same and r is not None and not r.deleted and r.sha256
+                and not told_apart(r, w.entry)]  # fmt: skip
+        if held:
+            known = reader.resource_validators(self.set_id, held)
+            exists = self.ctx.blobs.exists
+            for i, (w, (r, same, _)) in enumerate(zip(batch, out, strict=True)):
+                v = known.get(w.entry.loc) if not same and r is not None else None  # only those of `held`
+                if v is not None and v.sha256 == r.sha256:  # type: ignore[union-attr]
+                    out[i] = (r, unchanged(r, w.entry, exists, v.lastmod), v)
         return out
 
     async def _work(self, recv: trio.MemoryReceiveChannel, send: trio.MemorySendChannel) -> None:
         async with recv, send:
-            async for seq, work, existing in recv:
-                await send.send((seq, await self._prepare(work, existing)))
+            async for seq, work, existing, validators in recv:
+                await send.send((seq, await self._prepare(work, existing, validators)))
 
-    async def _prepare(self, work: Work, existing: Resource | None) -> _Result:
-        """Fetch and verify what a change needs (``existing``: its stored row); never touches the state."""
+    async def _prepare(
+        self, work: Work, existing: Resource | None, validators: ResourceValidators | None = None
+    ) -> _Result:
+        """Fetch and verify what a change needs (``existing``: its stored row; ``validators``: what the
+        upstream answered with it, for a conditional fetch); never touches the state."""
         entry = work.entry
         if work.change == DELETED:
             return _Result(work, change_from(work, None))
         if work.blob is not None:
             return _Result(work, change_from(work, work.info), work.blob)
         try:
-            fetched = await self._fetch(entry, existing)
+            fetched = await self._fetch(entry, existing, validators)
+        except ResourceNotModified:  # 304: the upstream still serves the version held
+            assert existing is not None and existing.sha256 is not None and validators is not None
+            self.stats.unchanged += 1
+            held = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
+            confirmed = ResourceValidators(
+                entry.loc, existing.sha256, validators.etag, validators.last_modified, entry.lastmod
+            )
+            return _Result(work, change_from(work, held, existing.type), validators=confirmed)
         except FetchError as exc:
             held = await self._superseded(work, existing, exc)
             if held is not None:
@@ -422,7 +479,14 @@ class Pipeline:
             return _Result(work, None, failure=Failure(entry.loc, "list-document", message))
         self.stats.fetched += 1
         self.stats.bytes += fetched.info.length
-        return _Result(work, change_from(work, fetched.info, fetched.content_type), fetched.blob)
+        kept = None
+        if fetched.etag or fetched.last_modified or entry.lastmod:
+            kept = ResourceValidators(
+                entry.loc, fetched.info.sha256, fetched.etag, fetched.last_modified, entry.lastmod
+            )
+        return _Result(
+            work, change_from(work, fetched.info, fetched.content_type), fetched.blob, validators=kept
+        )
 
     async def _superseded(self, work: Work, existing: Resource | None, exc: FetchError) -> BlobInfo | None:
         """A change without datetime whose announced hash the resource no longer has, while it serves
@@ -454,7 +518,9 @@ class Pipeline:
         )  # fmt: skip
         return BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
 
-    async def _fetch(self, entry: Entry, existing: Resource | None) -> FetchedResource:
+    async def _fetch(
+        self, entry: Entry, existing: Resource | None, validators: ResourceValidators | None = None
+    ) -> FetchedResource:
         expected = expected_of(entry)
         patches = entry.links_by_rel(PATCH_REL)
         if patches and existing is not None and not existing.deleted and existing.sha256:
@@ -467,6 +533,11 @@ class Pipeline:
                     )
                     if got is not None:
                         return got
+        if validators is not None and self.ctx.blobs.exists(validators.sha256):
+            return await self.ctx.fetcher.resource(
+                candidate_urls(entry), expected, self.ctx.blobs,
+                etag=validators.etag, last_modified=validators.last_modified,
+            )  # fmt: skip
         return await self.ctx.fetcher.resource(candidate_urls(entry), expected, self.ctx.blobs)
 
     def _retry_bookkeeping(self, batch: list[_Result]) -> RetryChanges | None:
@@ -552,6 +623,14 @@ class Pipeline:
         if self._progress:  # before the write, so that the progress it saves counts this batch too
             self._progress(len(batch))
         applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor, retries)
+        # After the commit: validators name the version now held (a crash before costs a full fetch).
+        kept = [r.validators for r in batch if r.validators is not None and r.change is not None]
+        if kept:
+            await self.ctx.write(self.ctx.writer.put_resource_validators, self.set_id, kept)
+        if self._on_batch is not None:
+            self._on_batch(
+                [r.work.entry.loc for r in batch], applied, [r.failure for r in batch if r.failure]
+            )
         await self.announce(applied)
         if applied:
             self.ctx.committed()  # e.g. rsagg's own change notifications go out now

@@ -28,6 +28,7 @@ from .lists import GapError, Validators
 from .oaipmh import sync_oaipmh
 from .pipeline import Failure, Pipeline, PipelineStats, Work, first_error
 from .progress import Progress
+from .reconcile import ReconcileResult, due, reconcile, record_baseline
 
 log = logging.getLogger("rsagg.harvest")
 
@@ -48,6 +49,8 @@ class SourceResult:
     skipped: dict[str, str] = field(default_factory=dict)
     #: The store could not be written (errors.StoreFailure): its one line. Not the upstream's fault.
     store_failure: str | None = None
+    #: The reconciliations with the Resource List this sync ran (harvest/reconcile.py).
+    reconciled: list[ReconcileResult] = field(default_factory=list)
 
     @property
     def degraded(self) -> bool:
@@ -192,6 +195,25 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
                 if stats is not None:
                     result.baselines += 1
                     result.stats.append(stats)
+                    if CHANGELIST in info.capabilities and await _baseline_finished(ctx, src.name, set_id):
+                        await record_baseline(ctx, info, set_id)
+            else:
+                # A Change List is a hint; the Resource List says what exists (harvest/reconcile.py).
+                cause, heads = await due(ctx, info, set_id, ctx.config.reconcile_interval(src))
+                if cause is not None:
+                    # A URI whose fetch failed in this sync is not fetched again now (it waits as a
+                    # retry), unless the failure was a digest that did not match: the Change List's
+                    # announcement may be stale, the Resource List's is current.
+                    failed = {f.uri: f.kind for st in result.stats for f in st.failures}
+                    again = {u for u, kind in failed.items() if kind != "fixity"}
+                    rec = await reconcile(ctx, info, set_id, src.name, cause, heads,
+                                          exclude=set(waiting) | again, watch=set(failed))  # fmt: skip
+                    for st in result.stats:  # failures the reconciliation settled are superseded
+                        for uri in rec.settled:
+                            st.failed.pop(uri, None)
+                    result.reconciled.append(rec)
+                    if rec.stats is not None:
+                        result.stats.append(rec.stats)
             # After the sync, not before: a failed change that a newer one has superseded (a stale entry
             # whose successor a killed run never reached) is cleared by that newer change first.
             retried = await retry_failed(ctx, set_id, src.name, set(waiting)) if waiting else None
@@ -235,6 +257,12 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
         src.name, result.ok, time.monotonic() - started, stopped_by, degraded=state == "degraded"
     )
     return result
+
+
+async def _baseline_finished(ctx: HarvestContext, source: str, set_id: int) -> bool:
+    """The set's last baseline finished (none is open): its store is what the snapshot listed."""
+    sets = await ctx.read(ctx.reader.sets, source)
+    return any(s.id == set_id and s.baseline_generation is None for s in sets)
 
 
 class FollowedSources(Protocol):

@@ -62,7 +62,9 @@ from .rows import (
     NotifyChannel,
     NotifyNotice,
     NotifySubscription,
+    Reconciliation,
     Resource,
+    ResourceValidators,
     RetryChanges,
     SetRow,
     SourceRow,
@@ -215,6 +217,24 @@ class StateStore(Protocol):
     def clear_retries(self, sources: Iterable[str] = (), *, ended_only: bool = False) -> int: ...
 
     def retries_by_source(self) -> dict[str, dict[str, int]]: ...
+
+    # -- reconciliation with the Resource List (harvest/reconcile.py) -------------------------------
+
+    def reconciliation(self, set_id: int) -> Reconciliation | None:
+        """The set's last reconciliation, None when it never had one."""
+        ...
+
+    def put_reconciliation(self, rec: Reconciliation) -> None:
+        """Replace the set's last reconciliation with ``rec``."""
+        ...
+
+    def resource_validators(self, set_id: int, uris: Sequence[str]) -> dict[str, ResourceValidators]:
+        """The upstream's validators of those of ``uris`` the set has them for, by uri (one read)."""
+        ...
+
+    def put_resource_validators(self, set_id: int, rows: Sequence[ResourceValidators]) -> None:
+        """Store (replace) the validators of the resources in ``rows``, each for the version it names."""
+        ...
 
     # -- reads ------------------------------------------------------------------------------------
 

@@ -71,7 +71,9 @@ from .rows import (
     NotifyChannel,
     NotifyNotice,
     NotifySubscription,
+    Reconciliation,
     Resource,
+    ResourceValidators,
     RetryChanges,
     SetRow,
     SourceRow,
@@ -382,6 +384,28 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "ALTER TABLE publish_dump_runs ADD COLUMN fingerprint TEXT",
         "ALTER TABLE publish_dumps ADD COLUMN fingerprint TEXT",
     ),
+    (  # 13: reconciliation with the Resource List (harvest/reconcile.py) and resource validators
+        """CREATE TABLE IF NOT EXISTS reconciliations (
+            set_id BIGINT PRIMARY KEY REFERENCES sets(id) ON DELETE CASCADE,
+            reconciled_at TIMESTAMPTZ NOT NULL,
+            cause TEXT NOT NULL,
+            lists JSONB NOT NULL,
+            differences BIGINT NOT NULL DEFAULT 0,
+            repaired JSONB NOT NULL,
+            unrepaired BIGINT NOT NULL DEFAULT 0,
+            complete BOOLEAN NOT NULL DEFAULT TRUE,
+            error TEXT
+        )""",
+        """CREATE TABLE IF NOT EXISTS resource_validators (
+            set_id BIGINT NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+            uri TEXT NOT NULL,
+            sha256 TEXT NOT NULL,
+            etag TEXT,
+            last_modified TEXT,
+            lastmod TIMESTAMPTZ,
+            PRIMARY KEY (set_id, uri)
+        )""",
+    ),
 ]
 
 _RES_COLS = sqlite_state._RES_COLS
@@ -419,6 +443,11 @@ _SOURCE_COLS = (
 
 # ---------------------------------------------------------------------------------------------------
 # Locations and their secrets
+
+
+def _jsonb(value: Any) -> Any:
+    """A JSONB value as psycopg gives it (decoded already), or its text."""
+    return json.loads(value) if isinstance(value, str) else value
 
 
 def is_postgres_url(location: object) -> bool:
@@ -1058,6 +1087,58 @@ class PostgresState:
         return out
 
     # -- reads -----------------------------------------------------------------------------------
+
+    # -- reconciliation ----------------------------------------------------------------------------
+
+    def reconciliation(self, set_id: int) -> Reconciliation | None:
+        with self._read() as c:
+            row = c.execute(
+                "SELECT set_id, reconciled_at, cause, lists, differences, repaired, unrepaired, complete, "
+                "error FROM reconciliations WHERE set_id = %s",
+                (set_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        sid, at, cause, lists, differences, repaired, unrepaired, complete, error = row
+        return Reconciliation(sid, at, cause, _jsonb(lists), differences, _jsonb(repaired), unrepaired,
+                              bool(complete), error)  # fmt: skip
+
+    def put_reconciliation(self, rec: Reconciliation) -> None:
+        with self._write() as c:
+            c.execute(
+                "INSERT INTO reconciliations (set_id, reconciled_at, cause, lists, differences, repaired, "
+                "unrepaired, complete, error) VALUES (%s, %s, %s, %s::jsonb, %s, %s::jsonb, %s, %s, %s) "
+                "ON CONFLICT (set_id) DO UPDATE SET reconciled_at = excluded.reconciled_at, "
+                "cause = excluded.cause, lists = excluded.lists, differences = excluded.differences, "
+                "repaired = excluded.repaired, unrepaired = excluded.unrepaired, "
+                "complete = excluded.complete, error = excluded.error",
+                (rec.set_id, rec.reconciled_at, rec.cause, json.dumps(rec.lists), rec.differences,
+                 json.dumps(rec.repaired), rec.unrepaired, rec.complete, rec.error),
+            )  # fmt: skip
+
+    def resource_validators(self, set_id: int, uris: Sequence[str]) -> dict[str, ResourceValidators]:
+        if not uris:
+            return {}
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT uri, sha256, etag, last_modified, lastmod FROM resource_validators "
+                "WHERE set_id = %s AND uri = ANY(%s)",
+                (set_id, list(dict.fromkeys(uris))),
+            ).fetchall()
+        return {r[0]: ResourceValidators(*r) for r in rows}
+
+    def put_resource_validators(self, set_id: int, rows: Sequence[ResourceValidators]) -> None:
+        if not rows:
+            return
+        last = {r.uri: r for r in rows}  # one row per uri: ON CONFLICT may not touch a row twice
+        with self._write() as c, c.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO resource_validators (set_id, uri, sha256, etag, last_modified, lastmod) "
+                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (set_id, uri) DO UPDATE SET "
+                "sha256 = excluded.sha256, etag = excluded.etag, last_modified = excluded.last_modified, "
+                "lastmod = excluded.lastmod",
+                [(set_id, r.uri, r.sha256, r.etag, r.last_modified, r.lastmod) for r in last.values()],
+            )
 
     def resource(self, set_id: int, uri: str) -> Resource | None:
         with self._read() as c:

@@ -129,6 +129,37 @@ class DocumentRow:
     fetched_at: datetime
 
 
+@dataclass(frozen=True, slots=True)
+class Reconciliation:
+    """The last reconciliation of a set with its Resource List (``harvest/reconcile.py``): when, against
+    which lists, what it found and what it repaired. ``lists``: Resource List URL -> {"etag", "at"} as
+    read then (a list whose ``at`` or ETag moves since is reconciled again)."""
+
+    set_id: int
+    reconciled_at: datetime
+    cause: str  # why it ran: scheduled | list moved | never reconciled | incomplete | audit --repair
+    lists: dict[str, dict[str, str | None]]
+    differences: int  # entries that differed or could not be decided without a fetch
+    repaired: dict[str, int]  # logged change kind (created, updated, deleted) -> repairs applied
+    unrepaired: int  # differences whose repair failed (kept as retries)
+    complete: bool  # every list was read (False: nothing held was deleted as unlisted)
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceValidators:
+    """What the upstream answered with the held version of a resource (``sha256``): its ``ETag`` and
+    ``Last-Modified``, sent back as ``If-None-Match`` / ``If-Modified-Since`` when it is re-checked, and
+    the ``lastmod`` announced when that version was last fetched or confirmed (an entry announcing it
+    again needs no fetch, though the held row keeps its own lastmod: a no-op changes no row)."""
+
+    uri: str
+    sha256: str
+    etag: str | None
+    last_modified: str | None
+    lastmod: datetime | None = None
+
+
 # -- retries (failed changes kept to be tried again; written with the batch that failed them) --------
 
 

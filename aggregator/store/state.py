@@ -62,7 +62,9 @@ from .rows import (
     NotifyChannel,
     NotifyNotice,
     NotifySubscription,
+    Reconciliation,
     Resource,
+    ResourceValidators,
     RetryChanges,
     SetRow,
     SourceRow,
@@ -444,6 +446,29 @@ MIGRATIONS: list[tuple[str, ...]] = [
         # this step, under an unknown filter, so withdrawn too.
         "ALTER TABLE publish_dump_runs ADD COLUMN fingerprint TEXT",
         "ALTER TABLE publish_dumps ADD COLUMN fingerprint TEXT",
+    ),
+    (  # 13: reconciliation with the Resource List (harvest/reconcile.py): the last one per set, and the
+        # upstream's validators of each held version (conditional re-checks of resources)
+        """CREATE TABLE IF NOT EXISTS reconciliations (
+            set_id INTEGER PRIMARY KEY REFERENCES sets(id) ON DELETE CASCADE,
+            reconciled_at TEXT NOT NULL,
+            cause TEXT NOT NULL,
+            lists TEXT NOT NULL,        -- JSON: Resource List URL -> {"etag", "at"} as read then
+            differences INTEGER NOT NULL DEFAULT 0,
+            repaired TEXT NOT NULL,     -- JSON: change kind -> repairs applied
+            unrepaired INTEGER NOT NULL DEFAULT 0,
+            complete INTEGER NOT NULL DEFAULT 1,
+            error TEXT
+        )""",
+        """CREATE TABLE IF NOT EXISTS resource_validators (
+            set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+            uri TEXT NOT NULL,
+            sha256 TEXT NOT NULL,       -- the held version these validators were answered with
+            etag TEXT,
+            last_modified TEXT,         -- the HTTP header as received
+            lastmod TEXT,               -- the lastmod announced when the version was last confirmed
+            PRIMARY KEY (set_id, uri)
+        )""",
     ),
 ]
 
@@ -1177,6 +1202,54 @@ class State:
         return out
 
     # -- reads -----------------------------------------------------------------------------------
+
+    # -- reconciliation ----------------------------------------------------------------------------
+
+    def reconciliation(self, set_id: int) -> Reconciliation | None:
+        with self._lock:
+            row = self.conn.execute(
+                "SELECT set_id, reconciled_at, cause, lists, differences, repaired, unrepaired, complete, "
+                "error FROM reconciliations WHERE set_id = ?",
+                (set_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        sid, at, cause, lists, differences, repaired, unrepaired, complete, error = row
+        return Reconciliation(sid, parse_dt(at), cause, json.loads(lists), differences,  # type: ignore[arg-type]
+                              json.loads(repaired), unrepaired, bool(complete), error)  # fmt: skip
+
+    def put_reconciliation(self, rec: Reconciliation) -> None:
+        with self._write() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO reconciliations (set_id, reconciled_at, cause, lists, differences, "
+                "repaired, unrepaired, complete, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (rec.set_id, format_dt(rec.reconciled_at), rec.cause, json.dumps(rec.lists), rec.differences,
+                 json.dumps(rec.repaired), rec.unrepaired, int(rec.complete), rec.error),
+            )  # fmt: skip
+
+    def resource_validators(self, set_id: int, uris: Sequence[str]) -> dict[str, ResourceValidators]:
+        out: dict[str, ResourceValidators] = {}
+        wanted = list(dict.fromkeys(uris))
+        with self._lock:
+            for i in range(0, len(wanted), 500):
+                part = wanted[i : i + 500]
+                rows = self.conn.execute(
+                    "SELECT uri, sha256, etag, last_modified, lastmod FROM resource_validators "
+                    f"WHERE set_id = ? AND uri IN ({', '.join('?' * len(part))})",
+                    [set_id, *part],
+                ).fetchall()
+                out.update((r[0], ResourceValidators(*r[:4], parse_dt(r[4]))) for r in rows)
+        return out
+
+    def put_resource_validators(self, set_id: int, rows: Sequence[ResourceValidators]) -> None:
+        if not rows:
+            return
+        with self._write() as c:
+            c.executemany(
+                "INSERT OR REPLACE INTO resource_validators (set_id, uri, sha256, etag, last_modified, "
+                "lastmod) VALUES (?, ?, ?, ?, ?, ?)",
+                [(set_id, r.uri, r.sha256, r.etag, r.last_modified, format_dt(r.lastmod)) for r in rows],
+            )
 
     def resource(self, set_id: int, uri: str) -> Resource | None:
         with self._lock:

@@ -199,6 +199,7 @@ class Upstream:
       resource's record (e.g. ``{"a.txt": {"type": "Text"}}``); set before the create/update writing it.
     - ``latency``: seconds slept before answering each request.
     - ``wrong_hash``: resource paths whose announced hash is wrong everywhere (lists and manifests).
+    - ``announce_hashes``: False writes no ``hash`` anywhere (a Source of lastmod and length only).
     - ``serve_503``: {request path: n} answers the first n requests 503 with ``Retry-After: 0``.
     - ``drop_oldest_changelists``: the k oldest closed Change Lists (and their Change Dump packages)
       are gone: 404 and no longer in the index, as after a Source pruned its history.
@@ -223,6 +224,7 @@ class Upstream:
         metadata: bool = False,
         latency: float = 0.0,
         wrong_hash: Iterable[str] = (),
+        announce_hashes: bool = True,
         serve_503: dict[str, int] | None = None,
         drop_oldest_changelists: int = 0,
         hostile_dump: HostileDump | None = None,
@@ -247,6 +249,7 @@ class Upstream:
         self.dc_elements: dict[str, dict[str, str | list[str]]] = {}
         self.latency = latency
         self.wrong_hash: set[str] = set(wrong_hash)
+        self.announce_hashes = announce_hashes
         self.drop_oldest_changelists = drop_oldest_changelists
         self.hostile_dump = hostile_dump
         self.bomb_bytes = bomb_bytes
@@ -532,6 +535,8 @@ class Upstream:
         return self.public_url or self.base_url or str(request.base_url).rstrip("/")
 
     def _announced_hash(self, path: str, v: Version) -> str | None:
+        if not self.announce_hashes:
+            return None
         if path in self.wrong_hash:
             wrong = v.data + b"\0wrong"
             return format_hash(
