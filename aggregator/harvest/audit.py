@@ -258,6 +258,7 @@ async def _compare(
             yield d
 
 
+@for_source
 async def differences(
     ctx: HarvestContext,
     source: str,

@@ -24,10 +24,10 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from ..config import SourceConfig
-from ..metrics import current_source
 from ..rs.model import CHANGELIST, CREATED, DELETED, RESOURCELIST, UPDATED, Entry
 from ..rs.w3cdt import format_w3c, utcnow
 from ..store.rows import Change, Reconciliation
+from .access import for_source
 from .audit import Difference, differences, expected_entries
 from .baseline import with_archived_snapshots
 from .context import HarvestContext
@@ -162,6 +162,7 @@ async def record_baseline(ctx: HarvestContext, info: SetInfo, set_id: int) -> No
     await ctx.write(ctx.writer.put_reconciliation, rec)
 
 
+@for_source
 async def reconcile(
     ctx: HarvestContext,
     info: SetInfo,
@@ -260,6 +261,7 @@ async def reconcile(
     return result
 
 
+@for_source
 async def repair_source(
     ctx: HarvestContext, src: SourceConfig, *, on_difference: Callable[[Difference], None] | None = None
 ) -> list[ReconcileResult]:
@@ -270,30 +272,24 @@ async def repair_source(
     """
     if src.kind == "oai-pmh":
         raise ReconcileError("an OAI-PMH source is repaired by its full harvests (full_harvest_interval)")
-    token = current_source.set(src.name)  # its requests carry the source's credentials and labels
-    try:
-        out: list[ReconcileResult] = []
-        with collecting(Deviations(src.name, ctx.metrics.deviation)) as deviations:
-            for info in await discover(ctx.fetcher, src.url):
-                info = await with_archived_snapshots(ctx, info)
-                sets = await ctx.read(ctx.reader.sets, src.name)
-                set_id = next((s.id for s in sets if s.capabilitylist_url == info.capabilitylist_url), None)
-                if set_id is None or await ctx.read(ctx.reader.cursor, set_id) is None:
-                    raise ReconcileError(
-                        f"{info.capabilitylist_url}: never harvested: run rsagg harvest first"
-                    )
-                known = await ctx.read(ctx.reader.reconciliation, set_id)
-                heads, _ = await list_heads(ctx, info, known)
-                out.append(
-                    await reconcile(
-                        ctx, info, set_id, src.name, REPAIR_COMMAND, heads, on_difference=on_difference
-                    )
+    out: list[ReconcileResult] = []
+    with collecting(Deviations(src.name, ctx.metrics.deviation)) as deviations:
+        for info in await discover(ctx.fetcher, src.url):
+            info = await with_archived_snapshots(ctx, info)
+            sets = await ctx.read(ctx.reader.sets, src.name)
+            set_id = next((s.id for s in sets if s.capabilitylist_url == info.capabilitylist_url), None)
+            if set_id is None or await ctx.read(ctx.reader.cursor, set_id) is None:
+                raise ReconcileError(f"{info.capabilitylist_url}: never harvested: run rsagg harvest first")
+            known = await ctx.read(ctx.reader.reconciliation, set_id)
+            heads, _ = await list_heads(ctx, info, known)
+            out.append(
+                await reconcile(
+                    ctx, info, set_id, src.name, REPAIR_COMMAND, heads, on_difference=on_difference
                 )
-        if deviations.skipped:
-            raise ReconcileError(deviations.skipped_text() or "a list was not read")
-        return out
-    finally:
-        current_source.reset(token)
+            )
+    if deviations.skipped:
+        raise ReconcileError(deviations.skipped_text() or "a list was not read")
+    return out
 
 
 class ReconcileError(Exception):
