@@ -217,7 +217,9 @@ async def test_repeated_replayed_and_deleted_mementos(tmp_path: Path):
         assert (await harvest(cfg))[NAME].ok
         up.update("a.txt", b"v1\n")
         up.update("a.txt", b"v2\n")
-        entries = [e for e in await _change_entries(up, client) if e.loc == up.url("a.txt")]
+        listed = await _change_entries(up, client)
+        entries = [e for e in listed if e.loc == up.url("a.txt")]
+        born = next(e for e in listed if e.loc == up.url("gone.txt"))
         v1, v2 = entries[-2], entries[-1]
         gone = Entry(
             up.url("gone.txt"),
@@ -237,16 +239,17 @@ async def test_repeated_replayed_and_deleted_mementos(tmp_path: Path):
                 # v1 twice in order, v2, v1 replayed after it, and a deletion with a memento link.
                 stats = await Pipeline(ctx, set_id, NAME).run(items(v1, v1, v2, v1, gone))
                 assert not stats.failures
-                # A later run replays v1 again: the stored row is newer, nothing is fetched.
+                # A later run replays v1, and the creation of what was deleted since: the stored rows
+                # are newer, nothing is fetched and nothing revives.
                 before = sum(up.counts.values())
-                await Pipeline(ctx, set_id, NAME).run(items(v1))
+                await Pipeline(ctx, set_id, NAME).run(items(v1, born))
                 assert sum(up.counts.values()) == before
         logged = versions_of(cfg, up.url("a.txt"))
         assert [blob_bytes(cfg, sha) for _, sha in logged] == [b"v0\n", b"v1\n", b"v2\n"]
         assert versions_of(cfg, up.url("gone.txt"))[-1] == ("deleted", None)
         assert not any("/memento/unused/" in p for p in up.counts)  # a deletion's memento: not fetched
         assert {"version-out-of-order", "memento-on-deletion"} <= set(deviations.notes)
-        assert deviations.notes["version-out-of-order"].count == 2
+        assert deviations.notes["version-out-of-order"].count == 3
 
 
 @pytest.mark.parametrize("fault", ["missing", "corrupt"])
@@ -268,3 +271,34 @@ async def test_a_lost_intermediate_version_is_a_failure_not_ok(tmp_path: Path, f
         assert [blob_bytes(cfg, sha) for _, sha in logged] == [b"v0\n", b"v2\n"]
         # The next sync has nothing new: it is ok again (the loss was said once, by the sync that met it).
         assert (await harvest(cfg))[NAME].ok
+
+
+async def test_a_crash_between_versions_applies_none_twice(tmp_path: Path, monkeypatch):
+    """Each version is its own batch here; the run dies before the second one's transaction. The restart
+    reads on from the cursor that moved with the first: every version once, in order."""
+    from aggregator.store.state import State
+
+    up = Upstream(mementos=True, resource_dump=False, change_dump=False)
+    up.create("a.txt", b"v0\n")
+    async with up.serving() as ubase:
+        cfg = make_config(tmp_path / "data", {NAME: ubase}, batch_size=1)
+        assert (await harvest(cfg))[NAME].ok
+        for body in (b"v1\n", b"v2\n", b"v3\n"):
+            up.update("a.txt", body)
+        real = State.apply
+        calls = {"n": 0}
+
+        def dying(self, set_id, changes, cursor=None, retries=None):  # type: ignore[no-untyped-def]
+            if changes:
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise RuntimeError("the process died here")
+            return real(self, set_id, changes, cursor, retries)
+
+        monkeypatch.setattr(State, "apply", dying)
+        assert not (await harvest(cfg))[NAME].ok
+        assert [blob_bytes(cfg, sha) for _, sha in versions_of(cfg, up.url("a.txt"))] == [b"v0\n", b"v1\n"]
+        monkeypatch.setattr(State, "apply", real)
+        assert (await harvest(cfg))[NAME].ok
+        logged = versions_of(cfg, up.url("a.txt"))
+        assert [blob_bytes(cfg, sha) for _, sha in logged] == [b"v0\n", b"v1\n", b"v2\n", b"v3\n"]

@@ -417,7 +417,12 @@ class Pipeline:
         mementos = memento_links(entry)
         if mementos and older_than_held(entry, existing):
             _out_of_order(entry)
-            return _Result(work, None)
+            # What is held stays: a no-op in the state, and in a baseline the row is seen (not tombstoned).
+            assert existing is not None
+            if existing.deleted or not existing.sha256:
+                return _Result(work, None)
+            info = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
+            return _Result(work, change_from(work, info, existing.type))
         try:
             fetched = await self._fetch(entry, existing)
         except FetchError as exc:

@@ -80,12 +80,15 @@ def version_time(entry: Entry) -> datetime | None:
 
 def older_than_held(entry: Entry, held: Resource | None) -> bool:
     """True when the entry describes a version older than the one held (compared like with like: the
-    change's datetime with the held change's, the memento's ``modified`` with the held ``lastmod``)."""
-    if held is None or held.deleted or not held.sha256:
+    change's datetime with the held change's, the memento's ``modified`` with the held ``lastmod``).
+    A tombstone counts by its deletion's datetime: a replayed change from before it revives nothing."""
+    if held is None:
         return False
     md = entry.md
     if md is not None and md.datetime is not None and held.upstream_datetime is not None:
         return md.datetime < held.upstream_datetime
+    if held.deleted or not held.sha256:
+        return False
     modified = next((ln.modified for ln in memento_links(entry) if ln.modified is not None), None)
     if modified is not None and held.lastmod is not None:
         return modified < held.lastmod
