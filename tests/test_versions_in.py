@@ -302,3 +302,32 @@ async def test_a_crash_between_versions_applies_none_twice(tmp_path: Path, monke
         assert (await harvest(cfg))[NAME].ok
         logged = versions_of(cfg, up.url("a.txt"))
         assert [blob_bytes(cfg, sha) for _, sha in logged] == [b"v0\n", b"v1\n", b"v2\n", b"v3\n"]
+
+
+async def test_a_notification_brings_each_version_too(tmp_path: Path):
+    """A change notification's entries (Notification §4) carry the same memento links: the same rule."""
+    from aggregator.harvest.notices import NotifiedHarvest
+
+    up = Upstream(mementos=True, resource_dump=False, change_dump=False)
+    up.create("a.txt", b"v0\n")
+    async with up.serving() as ubase, httpx.AsyncClient() as client:
+        cfg = make_config(tmp_path / "data", {NAME: ubase})
+        up.reset_counts()
+        assert (await harvest(cfg))[NAME].ok
+        assert up.counts["/default/res/a.txt"] == 0  # the Resource List's version came from its memento
+        for body in (b"v1\n", b"v2\n", b"v3\n"):
+            up.update("a.txt", body)
+        notice = [e for e in await _change_entries(up, client) if e.loc == up.url("a.txt")][-3:]
+        async with open_context(cfg) as ctx:
+            set_id = (await ctx.read(ctx.reader.sets))[0].id
+            cursor = await ctx.read(ctx.reader.cursor, set_id)
+            done = await NotifiedHarvest(ctx).apply_notice(
+                cfg.sources[0],
+                up.doc_url("capabilitylist.xml"),
+                ubase + "/topic",
+                cursor.last_datetime,
+                notice,
+            )
+        assert done == (3, 3)
+        logged = versions_of(cfg, up.url("a.txt"))
+        assert [blob_bytes(cfg, sha) for _, sha in logged] == [b"v0\n", b"v1\n", b"v2\n", b"v3\n"]
