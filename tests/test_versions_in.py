@@ -81,6 +81,9 @@ async def test_three_changes_between_polls_all_reach_the_history(tmp_path: Path)
             ours = rsagg_uri(base, NAME, uri)
             changes = [e for e in entries if e.loc == ours and e.md and e.md.change == "updated"]
             assert [e.hashes.get("sha-256") for e in changes] == [sha for _, sha in logged[1:]]
+            # Each version was its own transaction: its own datetime on rsagg's clock, in order.
+            times = [e.md.datetime for e in changes]  # type: ignore[union-attr]
+            assert all(a < b for a, b in itertools.pairwise(times)), times
             # Upstream timegate/timemap links are republished as they were (publish/links.py).
             assert {ln.rel for ln in changes[-1].links} >= {"timegate", "timemap"}
 

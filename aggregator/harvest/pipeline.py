@@ -587,6 +587,14 @@ class Pipeline:
                 if r.blob is not None:
                     r.blob.abort()
                 r.change, r.blob = None, None
+        for part in _one_version_each(batch):
+            await self._flush_part(part)
+        if release:
+            for _ in batch:
+                self._inflight.release()
+
+    async def _flush_part(self, batch: list[_Result]) -> None:
+        """Blobs durable, then one state transaction for the changes and the cursor of ``batch``."""
         writers = [r.blob for r in batch if r.blob is not None and r.change is not None]
         await self.ctx.commit_blobs(writers)
         changes = [r.change for r in batch if r.change is not None]
@@ -613,9 +621,24 @@ class Pipeline:
             if dt is not None:
                 self.stats.last_datetime = dt
                 break
-        if release:
-            for _ in batch:
-                self._inflight.release()
+
+
+def _one_version_each(batch: list[_Result]) -> list[list[_Result]]:
+    """The batch cut so that no part holds two changes of one URI when one of them is a memento
+    version (§14.6): each version is then its own transaction, with its own changelog datetime
+    (rsagg's clock at that commit), so the versions of a resource are told apart by time, not only by
+    their order. A batch without such a repeat (every batch of a Source without mementos) stays whole.
+    """
+    parts: list[list[_Result]] = [[]]
+    seen: set[str] = set()
+    for r in batch:
+        if r.change is not None:
+            if r.memento and r.change.uri in seen:
+                parts.append([])
+                seen = set()
+            seen.add(r.change.uri)
+        parts[-1].append(r)
+    return parts
 
 
 def _out_of_order(entry: Entry) -> None:
