@@ -22,8 +22,9 @@ The rules (docs/versions-in.md has the table):
   ``memento-unavailable``); otherwise the change fails, as a *lost version*: a failure that a later
   change of the same resource does not supersede (``pipeline.Failure.version``), so the sync is not ok.
 - **Several memento links:** tried in ``pri`` order, like mirrors (§14.2).
-- **Order:** a memento version older than the one rsagg holds (a replayed or repeated entry) is not made
-  current: the changelog only grows forward (deviation ``version-out-of-order``). The same version
+- **Order:** a memento version older than the one rsagg holds (a replayed or repeated entry: §12.1 lists
+  changes in forward chronological order, once per change) is not made current: the changelog only
+  grows forward (deviation ``version-out-of-order``). The same version
   listed twice in order is a no-op in the state (an unchanged hash is never logged twice).
 - **A deletion** has no content: its memento link is not fetched (deviation ``memento-on-deletion``).
 - **Another origin, redirects:** a memento URI is fetched by the one Fetcher like a mirror: the outbound
