@@ -207,7 +207,8 @@ class Upstream:
     - ``dc_elements``: {path: {element: value or [values]}}: more Dublin Core elements in that
       resource's record (e.g. ``{"a.txt": {"type": "Text"}}``); set before the create/update writing it.
     - ``latency``: seconds slept before answering each request.
-    - ``wrong_hash``: resource paths whose announced hash is wrong everywhere (lists and manifests).
+    - ``wrong_hash``: resource paths whose announced hash is wrong everywhere (lists and manifests);
+      their memento links (``mementos``) keep the right one: an entry that contradicts its memento.
     - ``serve_503``: {request path: n} answers the first n requests 503 with ``Retry-After: 0``.
     - ``drop_oldest_changelists``: the k oldest closed Change Lists (and their Change Dump packages)
       are gone: 404 and no longer in the index, as after a Source pruned its history.
