@@ -334,3 +334,21 @@ async def test_a_notification_brings_each_version_too(tmp_path: Path):
         assert done == (3, 3)
         logged = versions_of(cfg, up.url("a.txt"))
         assert [blob_bytes(cfg, sha) for _, sha in logged] == [b"v0\n", b"v1\n", b"v2\n", b"v3\n"]
+
+
+async def test_the_last_version_lost_is_retried_from_its_memento(tmp_path: Path):
+    """A change whose memento fails and whose <loc> cannot prove the version waits in the retries; once
+    the memento answers again the retry brings that version."""
+    up = Upstream(mementos=True, resource_dump=False, change_dump=False)
+    up.create("a.txt", b"v0\n")
+    async with up.serving() as ubase:
+        cfg = make_config(tmp_path / "data", {NAME: ubase})
+        assert (await harvest(cfg))[NAME].ok
+        up.memento_faults["a.txt"] = "missing"
+        up.wrong_hash.add("a.txt")  # the entry's hash is wrong: <loc> cannot stand in
+        up.update("a.txt", b"v1\n")
+        assert not (await harvest(cfg))[NAME].ok
+        assert [blob_bytes(cfg, sha) for _, sha in versions_of(cfg, up.url("a.txt"))] == [b"v0\n"]
+        del up.memento_faults["a.txt"]
+        assert (await harvest(cfg))[NAME].ok
+        assert [blob_bytes(cfg, sha) for _, sha in versions_of(cfg, up.url("a.txt"))] == [b"v0\n", b"v1\n"]
