@@ -40,6 +40,15 @@ RULES: dict[str, str] = {
     "found by fetching it and followed as a part",
     "unknown-capability": "a capability rsagg does not know (another specification's, §9); not read",
     "value": "a value that is not what §7 allows (a bad date, an unknown attribute...); ignored",
+    "memento-hash-differs": "a memento link whose hash differs from its entry's (§14.6 says identical); the "
+    "memento is checked against its own (§7: a link's attributes pertain to the linked resource)",
+    "memento-no-hash": "a memento link with no usable hash, on an entry with none: stored unverified",
+    "memento-unavailable": "a memento that could not be fetched or verified; <loc> served the same version "
+    "(the entry's hash checked), which was kept",
+    "memento-on-deletion": "a deletion with a memento link (§14.6 links a version; a deletion has none): "
+    "the deletion is applied, the memento not fetched",
+    "version-out-of-order": "a memento version older than one rsagg holds (a replayed or repeated entry): "
+    "not made current, the changelog only goes forward",
 }
 
 

@@ -26,9 +26,18 @@ from ..store.rows import FailedChange, ResourceValidators, RetryChanges
 from ..store.state import Change, Cursor, Resource
 from .access import for_source
 from .context import HarvestContext
+from .deviations import deviation
 from .fetch import Expected, FetchedResource, FetchError, ResourceNotModified
 from .metadata import MetadataRecords
 from .patch import fetch_by_patch
+from .versions import (
+    RecentVersions,
+    fetch_version,
+    memento_links,
+    note_deletion,
+    older_than_held,
+    version_time,
+)
 
 log = logging.getLogger("rsagg.harvest")
 
@@ -58,6 +67,13 @@ class Failure:
     uri: str
     kind: str
     message: str
+    #: The memento URI of a version that could not be had (``harvest/versions.py``): a lost version is
+    #: its own failure, which a later change of the same URI does not supersede.
+    version: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.uri if self.version is None else f"{self.uri} {self.version}"
 
 
 @dataclass
@@ -85,6 +101,8 @@ class _Result:
     failure: Failure | None = None
     #: What the upstream answered with the version fetched (kept for a conditional re-check).
     validators: ResourceValidators | None = None
+    #: The content came from a memento (§14.6): its order against the versions ahead is checked.
+    memento: bool = False
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:
@@ -227,6 +245,8 @@ class Pipeline:
         self._batch_size = hc.batch_size
         # Bounds everything issued but not yet committed (docs/architecture.md invariant 4: bounded queues).
         self._inflight = trio.Semaphore(hc.workers * 4 + hc.batch_size)
+        # Memento versions committed lately, to keep the changelog going forward (harvest/versions.py).
+        self._recent = RecentVersions(hc.workers * 4 + hc.batch_size * 2)
         plugins = ctx.plugins
         self._filtering = bool(plugins.pm.hook.rsagg_filter_harvest.get_hookimpls())
         self._events = any(
@@ -439,9 +459,19 @@ class Pipeline:
         upstream answered with it, for a conditional fetch); never touches the state."""
         entry = work.entry
         if work.change == DELETED:
+            note_deletion(entry)
             return _Result(work, change_from(work, None))
         if work.blob is not None:
             return _Result(work, change_from(work, work.info), work.blob)
+        mementos = memento_links(entry)
+        if mementos and older_than_held(entry, existing):
+            _out_of_order(entry)
+            # What is held stays: a no-op in the state, and in a baseline the row is seen (not tombstoned).
+            assert existing is not None
+            if existing.deleted or not existing.sha256:
+                return _Result(work, None)
+            info = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
+            return _Result(work, change_from(work, info, existing.type))
         try:
             fetched = await self._fetch(entry, existing, validators)
         except ResourceNotModified:  # 304: the upstream still serves the version held
@@ -457,7 +487,7 @@ class Pipeline:
             if held is not None:
                 return _Result(work, change_from(work, held, existing.type if existing else None))
             log.warning("source=%s url=%s fetch failed (%s): %s", self.source, entry.loc, exc.kind, exc)
-            failure = Failure(entry.loc, exc.kind, str(exc))
+            failure = Failure(entry.loc, exc.kind, str(exc), mementos[0].href if mementos else None)
             if (
                 existing is not None
                 and not existing.deleted
@@ -479,14 +509,13 @@ class Pipeline:
             return _Result(work, None, failure=Failure(entry.loc, "list-document", message))
         self.stats.fetched += 1
         self.stats.bytes += fetched.info.length
-        kept = None
-        if fetched.etag or fetched.last_modified or entry.lastmod:
+        kept = None  # a memento's validators are its own URL's, not <loc>'s: never kept for <loc>
+        if not mementos and (fetched.etag or fetched.last_modified or entry.lastmod):
             kept = ResourceValidators(
                 entry.loc, fetched.info.sha256, fetched.etag, fetched.last_modified, entry.lastmod
             )
-        return _Result(
-            work, change_from(work, fetched.info, fetched.content_type), fetched.blob, validators=kept
-        )
+        change = change_from(work, fetched.info, fetched.content_type)
+        return _Result(work, change, fetched.blob, validators=kept, memento=bool(mementos))
 
     async def _superseded(self, work: Work, existing: Resource | None, exc: FetchError) -> BlobInfo | None:
         """A change without datetime whose announced hash the resource no longer has, while it serves
@@ -533,6 +562,8 @@ class Pipeline:
                     )
                     if got is not None:
                         return got
+        if memento_links(entry):  # the version this entry describes, not whatever <loc> serves now
+            return await fetch_version(self.ctx.fetcher, entry, candidate_urls(entry), self.ctx.blobs)
         if validators is not None and self.ctx.blobs.exists(validators.sha256):
             return await self.ctx.fetcher.resource(
                 candidate_urls(entry), expected, self.ctx.blobs,
@@ -615,6 +646,24 @@ class Pipeline:
         """``release``: the changes hold the in-flight bound (``run``'s, not ``run_batches``')."""
         if not batch:
             return
+        for r in batch:  # in commit order: a memento version never goes behind a newer one (§14.6)
+            if (
+                r.memento
+                and r.change is not None
+                and not self._recent.admit(r.change.uri, version_time(r.work.entry))
+            ):
+                _out_of_order(r.work.entry)
+                if r.blob is not None:
+                    r.blob.abort()
+                r.change, r.blob = None, None
+        for part in _one_version_each(batch):
+            await self._flush_part(part)
+        if release:
+            for _ in batch:
+                self._inflight.release()
+
+    async def _flush_part(self, batch: list[_Result]) -> None:
+        """Blobs durable, then one state transaction for the changes and the cursor of ``batch``."""
         writers = [r.blob for r in batch if r.blob is not None and r.change is not None]
         await self.ctx.commit_blobs(writers)
         changes = [r.change for r in batch if r.change is not None]
@@ -641,7 +690,7 @@ class Pipeline:
             for r in batch:
                 uri = r.work.entry.loc
                 if r.failure is not None:
-                    self.stats.failed[uri] = r.failure
+                    self.stats.failed[r.failure.key] = r.failure
                 else:
                     self.stats.failed.pop(uri, None)
         for r in reversed(batch):
@@ -649,9 +698,32 @@ class Pipeline:
             if dt is not None:
                 self.stats.last_datetime = dt
                 break
-        if release:
-            for _ in batch:
-                self._inflight.release()
+
+
+def _one_version_each(batch: list[_Result]) -> list[list[_Result]]:
+    """The batch cut so that no part holds two changes of one URI when one of them is a memento
+    version (§14.6): each version is then its own transaction, with its own changelog datetime
+    (rsagg's clock at that commit), so the versions of a resource are told apart by time, not only by
+    their order. A batch without such a repeat (every batch of a Source without mementos) stays whole.
+    """
+    parts: list[list[_Result]] = [[]]
+    seen: set[str] = set()
+    for r in batch:
+        if r.change is not None:
+            if r.memento and r.change.uri in seen:
+                parts.append([])
+                seen = set()
+            seen.add(r.change.uri)
+        parts[-1].append(r)
+    return parts
+
+
+def _out_of_order(entry: Entry) -> None:
+    deviation(
+        "version-out-of-order", entry.loc, None,
+        f"{entry.loc}: the version of {version_time(entry)} is older than one rsagg holds; not made "
+        "current (the changelog only goes forward)",
+    )  # fmt: skip
 
 
 __all__ = ["CREATED", "DELETED", "UPDATED", "Pipeline", "PipelineStats", "Work"]

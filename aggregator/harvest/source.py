@@ -96,7 +96,8 @@ async def end_unlisted_retries(
     is not failed by them) and stay visible as ended (the state's retries). The lists are read only when a
     failing retry reaches attempt 2, 4, 8, ... (``attempts``: before this run), so a Source whose
     resource keeps failing while listed is not re-read on every poll. Returns how many ended."""
-    due = {uri for uri in stats.failed if uri in attempts and (attempts[uri] + 1) & attempts[uri] == 0}
+    failed = {f.uri for f in stats.failed.values()}  # keyed by URI, or by version (harvest/versions.py)
+    due = {uri for uri in failed if uri in attempts and (attempts[uri] + 1) & attempts[uri] == 0}
     if not due:
         return 0
     try:
@@ -109,8 +110,9 @@ async def end_unlisted_retries(
     if not gone:
         return 0
     await ctx.write(ctx.writer.end_retries, set_id, gone, "no longer listed upstream")
-    for uri in gone:
-        stats.failed.pop(uri, None)
+    for key, f in list(stats.failed.items()):
+        if f.uri in gone:
+            del stats.failed[key]
     shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
     log.warning(
         "source=%s set=%s retries ended for %d failed change(s) whose URI the upstream no longer lists "

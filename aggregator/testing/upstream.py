@@ -26,6 +26,8 @@ URL layout (``<set>`` is a set name, ``<path>`` a resource path, both URL-quoted
     /<set>/changedump-N-manifest.xml            copy of that manifest
     /<set>/patch/<seq>.json                   JSON Patch of change <seq> (§14.4)
     /<set>/res/<path>                         the resources
+    /<set>/memento/<sha256>/<path>            every version ever held (§14.6), when ``mementos`` is set
+    /<set>/moved/<sha256>/<path>              the same, reached by a redirect (``memento_faults``)
     /mirror/<set>/res/<path>                  their duplicates (§14.2), when ``mirror`` is set
 """
 
@@ -71,6 +73,7 @@ __all__ = [
     "PATCH_TYPE",
     "ChangeList",
     "ChangeRecord",
+    "MementoFault",
     "StepClock",
     "Upstream",
     "Version",
@@ -89,6 +92,10 @@ XML_TYPE = "application/xml"
 ZIP_CACHE_BYTES = 256 * 2**20
 
 HostileDump = Literal["traversal", "bomb", "missing"]
+#: How a resource's memento links misbehave (``Upstream.memento_faults``).
+MementoFault = Literal["missing", "corrupt", "nohash", "redirect", "redirect-current", "elsewhere"]
+#: A link-local address the outbound policy refuses (``memento_faults`` "elsewhere").
+ELSEWHERE = "http://169.254.0.1:9"
 MirrorMode = Literal["ok", "broken", "missing"]
 
 _SET_NAME = re.compile(r"[A-Za-z0-9_-]+\Z")
@@ -176,6 +183,8 @@ class _Set:
     name: str
     open: ChangeList  # the one open Change List; closed ones move to ``closed``
     resources: dict[str, Version] = field(default_factory=dict)
+    #: Every version ever held, by (path, sha256): what the memento URIs serve (§14.6).
+    versions: dict[tuple[str, str], Version] = field(default_factory=dict)
     log: list[ChangeRecord] = field(default_factory=list)
     closed: list[ChangeList] = field(default_factory=list)
     snapshot: _Snapshot | None = None
@@ -198,7 +207,8 @@ class Upstream:
     - ``dc_elements``: {path: {element: value or [values]}}: more Dublin Core elements in that
       resource's record (e.g. ``{"a.txt": {"type": "Text"}}``); set before the create/update writing it.
     - ``latency``: seconds slept before answering each request.
-    - ``wrong_hash``: resource paths whose announced hash is wrong everywhere (lists and manifests).
+    - ``wrong_hash``: resource paths whose announced hash is wrong everywhere (lists and manifests);
+      their memento links (``mementos``) keep the right one: an entry that contradicts its memento.
     - ``announce_hashes``: False writes no ``hash`` anywhere (a Source of lastmod and length only).
     - ``serve_503``: {request path: n} answers the first n requests 503 with ``Retry-After: 0``.
     - ``drop_oldest_changelists``: the k oldest closed Change Lists (and their Change Dump packages)
@@ -207,6 +217,13 @@ class Upstream:
     - ``auto_snapshot``: the Resource List/Dump follow the state (a new snapshot when the top document
       is requested after a change); when False they stay at the last ``snapshot()``.
     - ``clock``: callable returning aware datetimes; times are forced strictly increasing.
+    - ``mementos``: every entry that names a version (Resource List, Change List) carries the three
+      links of §14.6 (Example 29): ``memento`` (a time-specific URI serving exactly that version, with
+      its ``modified``, ``hash``, ``length``, ``type``), ``timegate`` and ``timemap``.
+    - ``memento_faults``: {path: fault} for the memento links of that resource: "missing" (404),
+      "corrupt" (other bytes), "nohash" (the link carries no hash or length), "redirect" (302 to a
+      URI serving the version), "redirect-current" (302 to the time-generic ``<loc>``), "elsewhere"
+      (the href on a link-local origin the outbound policy refuses).
     - ``public_url``: base URL written in documents (default: the bound address, else the request's).
     """
 
@@ -232,6 +249,7 @@ class Upstream:
         auto_snapshot: bool = True,
         clock: Callable[[], datetime] = utcnow,
         public_url: str | None = None,
+        mementos: bool = False,
     ) -> None:
         if not sets:
             raise ValueError("at least one set is needed")
@@ -255,6 +273,8 @@ class Upstream:
         self.bomb_bytes = bomb_bytes
         self.auto_snapshot = auto_snapshot
         self.public_url = public_url.rstrip("/") if public_url else None
+        self.mementos = mementos
+        self.memento_faults: dict[str, MementoFault] = {}
         #: Set when ``serve`` has bound its socket.
         self.base_url: str | None = None
         #: Requests per URL path (HEAD and GET), for tests; see ``reset_counts``.
@@ -467,6 +487,7 @@ class Upstream:
             del s.resources[path]
         else:
             s.resources[path] = version
+            s.versions[(path, version.sha256)] = version
         s.log.append(rec)
         s.state_version += 1
         self._maybe_roll(s)
@@ -559,7 +580,26 @@ class Upstream:
                 links.append(Link("describedby", base + _res_path(s.name, path + META_SUFFIX), type=XML_TYPE))
         for ln in v.links:
             links.append(replace(ln, href=base + ln.href) if ln.href.startswith("/") else ln)
+        if self.mementos and not path.endswith(META_SUFFIX):
+            links += self._memento_links(base, s, path, v)
         return links
+
+    def _memento_links(self, base: str, s: _Set, path: str, v: Version) -> list[Link]:
+        """§14.6, Example 29: the version's time-specific URI, then the TimeGate and TimeMap."""
+        fault = self.memento_faults.get(path)
+        where = ELSEWHERE if fault == "elsewhere" else base
+        href = f"{where}/{s.name}/memento/{v.sha256}/{quote(path, safe='/~')}"
+        if fault == "nohash":
+            memento = Link("memento", href, modified=v.lastmod, type=v.type)
+        else:
+            memento = Link("memento", href, modified=v.lastmod, hash=format_hash(_hashes(v.data)),
+                           length=v.length, type=v.type)  # fmt: skip
+        generic = base + _res_path(s.name, path)
+        return [
+            memento,
+            Link("timegate", f"{base}/timegate/{generic}"),
+            Link("timemap", f"{base}/timemap/{generic}", type="application/link-format"),
+        ]
 
     def _resource_entry(
         self, base: str, s: _Set, path: str, v: Version, *, zip_path: str | None = None
@@ -857,6 +897,8 @@ class Upstream:
             Route("/{set}/changedump-{n:int}-manifest.xml", self._h_changedump_zip),
             Route("/{set}/patch/{seq:int}.json", self._h_patch),
             Route("/{set}/res/{path:path}", self._h_resource),
+            Route("/{set}/memento/{sha}/{path:path}", self._h_memento),
+            Route("/{set}/moved/{sha}/{path:path}", self._h_memento),
         ]
 
     def _req_set(self, request: Request) -> _Set:
@@ -940,6 +982,25 @@ class Upstream:
         v = s.resources.get(request.path_params["path"])
         if v is None:
             raise HTTPException(404)
+        return _bytes(request, v.data, v.type, lastmod=v.lastmod, etag=v.sha256)
+
+    async def _h_memento(self, request: Request) -> Response:
+        """A time-specific URI (§14.6): exactly one version, whatever the resource is now."""
+        s = self._req_set(request)
+        path, sha = request.path_params["path"], request.path_params["sha"]
+        v = s.versions.get((path, sha))
+        fault = self.memento_faults.get(path)
+        if v is None or not self.mementos or fault == "missing":
+            raise HTTPException(404)
+        if fault == "corrupt":
+            return Response(b"not that version: " + v.data[::-1], media_type=v.type)
+        if "/memento/" in request.url.path and fault == "redirect":
+            moved = f"{self._base_for(request)}/{s.name}/moved/{sha}/{quote(path, safe='/~')}"
+            return Response(status_code=302, headers={"Location": moved})
+        if fault == "redirect-current":
+            return Response(
+                status_code=302, headers={"Location": self._base_for(request) + _res_path(s.name, path)}
+            )
         return _bytes(request, v.data, v.type, lastmod=v.lastmod, etag=v.sha256)
 
     async def _h_mirror(self, request: Request) -> Response:
