@@ -205,9 +205,11 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
                 if cause is not None:
                     # A URI whose fetch failed in this sync is not fetched again now (it waits as a
                     # retry), unless the failure was a digest that did not match: the Change List's
-                    # announcement may be stale, the Resource List's is current.
-                    failed = {f.uri: f.kind for st in result.stats for f in st.failures}
-                    again = {u for u, kind in failed.items() if kind != "fixity"}
+                    # announcement may be stale, the Resource List's is current. A lost version
+                    # (§14.6 memento, harvest/versions.py) is not: the list names the same memento.
+                    failures = [f for st in result.stats for f in st.failures]
+                    failed = {f.uri: f.kind for f in failures}
+                    again = {f.uri for f in failures if f.kind != "fixity" or f.version is not None}
                     rec = await reconcile(ctx, info, set_id, src.name, cause, heads,
                                           exclude=set(waiting) | again, watch=set(failed))  # fmt: skip
                     for st in result.stats:  # failures the reconciliation settled are superseded
