@@ -46,7 +46,7 @@ from ..rs.model import (
 from ..sets import PublishedSet
 from ..store.interface import StateStore
 from ..store.state import LogRecord, Resource
-from . import listing
+from . import listing, versions
 from .links import LinkPolicy, PluginLinks
 from .uris import rsagg_uri
 
@@ -212,7 +212,10 @@ def resource_entry(site: Site, ps: PublishedSet, r: Resource, uri_of: Callable[[
         site.resource(ps.name, r.uri),
         lastmod=r.updated_at,
         md=md,
-        links=site.policy.links(r, uri_of=uri_of, set_name=ps.name),
+        links=[
+            *site.policy.links(r, uri_of=uri_of, set_name=ps.name),
+            *versions.resource_entry_links(site.base_url, ps.name, r),
+        ],
         extra=list(r.entry_extra),
     )
 
@@ -230,6 +233,7 @@ def change_entry(
     ``lastmod`` is the record's datetime: the row's ``updated_at`` when that change was applied.
     """
     current = row is not None and rec.change != DELETED and row.sha256 == rec.sha256
+    hashes: dict[str, str] = {}
     if rec.change == DELETED:
         md = Md(change=DELETED, datetime=rec.datetime)
     else:
@@ -247,6 +251,7 @@ def change_entry(
         links = site.policy.links(row, uri_of=uri_of, record=rec, set_name=ps.name)
     else:  # rows are never deleted; defensive only
         links = [Link("via", rec.uri)]
+    links += versions.change_entry_links(site.base_url, ps.name, rec, hashes)  # §14.6
     extra = list(row.entry_extra) if current and row is not None else []
     return Entry(site.resource(ps.name, rec.uri), lastmod=rec.datetime, md=md, links=links, extra=extra)
 
