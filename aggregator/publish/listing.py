@@ -88,10 +88,13 @@ class ListingWriter:
         sha1: str | None,
         modified: str | None,
         updated: str,
-        stamp: str,
+        stamp: str | None = None,
     ) -> str:
         """The entry of a row without links or extras; times already as ``rs.write`` prints them.
-        Raises ValueError (as the writer does) for a value XML cannot hold."""
+        Raises ValueError (as the writer does) for a value XML cannot hold. ``stamp``: the memento's
+        (``versions.stamp``), else made from ``updated``."""
+        if stamp is None:
+            stamp = stamp_text(updated)
         if md5 is None and sha1 is None:
             h = "" if sha256 is None else f' hash="sha-256:{_value(sha256)}"'
         else:  # format_hash's order
