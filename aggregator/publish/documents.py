@@ -31,10 +31,12 @@ from ..rs.fixity import format_hash
 from ..rs.model import (
     CAPABILITYLIST,
     CHANGEDUMP,
+    CHANGEDUMP_ARCHIVE,
     CHANGELIST,
     DELETED,
     DESCRIPTION,
     RESOURCEDUMP,
+    RESOURCEDUMP_ARCHIVE,
     RESOURCELIST,
     RS_NS,
     SITEMAPINDEX,
@@ -159,6 +161,10 @@ def capability_list(site: Site, ps: PublishedSet) -> Doc:
     entries.append(Entry(site.changelist(ps.name), md=Md(capability=CHANGELIST)))
     if CHANGEDUMP in dumps:
         entries.append(Entry(dumps[CHANGEDUMP], md=Md(capability=CHANGEDUMP)))
+    # The Archives (draft; Example 2.1 lists them in the Capability List): past dumps kept.
+    for archive in (RESOURCEDUMP_ARCHIVE, CHANGEDUMP_ARCHIVE):
+        if archive in dumps:
+            entries.append(Entry(dumps[archive], md=Md(capability=archive)))
     entries += site.extra_capabilities(ps.name)
     return Head(md=Md(capability=CAPABILITYLIST), links=links), iter(entries)
 

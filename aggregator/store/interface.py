@@ -453,6 +453,10 @@ class StateStore(Protocol):
         """The set's newest Resource Dump run (highest id) built under ``fingerprint``."""
         ...
 
+    def dump_runs(self, set_name: str, fingerprint: str = "") -> list[DumpRun]:
+        """The set's kept Resource Dump runs built under ``fingerprint``, oldest first."""
+        ...
+
     def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
         """The packages of a run, by part."""
         ...

@@ -1680,6 +1680,15 @@ class PostgresState:
             ).fetchone()
         return DumpRun(*row[:5], tuple(row[5]), *row[6:]) if row else None
 
+    def dump_runs(self, set_name: str, fingerprint: str = "") -> list[DumpRun]:
+        with self._read() as c:
+            rows = c.execute(
+                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = %s AND fingerprint = %s "
+                "ORDER BY id",
+                (set_name, fingerprint),
+            ).fetchall()
+        return [DumpRun(*row[:5], tuple(row[5]), *row[6:]) for row in rows]
+
     def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
         with self._read() as c:
             rows = c.execute(f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = %s ORDER BY part", (run_id,))

@@ -1888,6 +1888,16 @@ class State:
             ).fetchone()
         return _dump_run(row) if row else None
 
+    def dump_runs(self, set_name: str, fingerprint: str = "") -> list[DumpRun]:
+        """The set's kept Resource Dump runs built under ``fingerprint``, oldest first (the archive)."""
+        with self._lock:
+            rows = self.conn.execute(
+                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = ? AND fingerprint = ? "
+                "ORDER BY id",
+                (set_name, fingerprint),
+            ).fetchall()
+        return [_dump_run(r) for r in rows]
+
     def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
         with self._lock:
             rows = self.conn.execute(
