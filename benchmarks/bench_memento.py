@@ -16,6 +16,7 @@ compare rows of one run, not runs).
 
     python benchmarks/bench_memento.py                 # 1,000 x 5 versions + one of 10,000
     python benchmarks/bench_memento.py --requests 500  # quicker
+    python benchmarks/bench_memento.py --retention 200 10 20000   # disk per [publish] versions policy
 """
 
 from __future__ import annotations
@@ -78,6 +79,46 @@ def fill(store: Path, resources: int, versions: int) -> list[datetime]:
             )
     blobs.close()
     return times
+
+
+def retention_costs(work: Path, resources: int, versions: int, size: int) -> list[tuple[str, int, int]]:
+    """What each ``[publish] versions`` policy leaves on disk after ``rsagg gc``: ``resources`` resources
+    of ``versions`` versions each (``size`` bytes, incompressible), one version a day per resource, the
+    last today. Returns (policy, blob bytes, blob files) per policy."""
+    from aggregator.commands.gc import collect_garbage
+    from aggregator.store.blobs import FileBlobStore
+    from aggregator.store.retention import parse_retention
+    from aggregator.store.state import Change, State
+
+    now = datetime.now(UTC)
+    seed = work / "seed"
+    seed.mkdir(parents=True)
+    blobs = FileBlobStore(seed / "blobs")
+    rnd = random.Random(2)
+    clock = [now - timedelta(days=versions - 1)]
+    with State(seed / "state.db", clock=lambda: clock[0]) as st:
+        st.upsert_source("bench", UP + ".well-known/resourcesync")
+        sid = st.ensure_set("bench", UP + "capabilitylist.xml")
+        for v in range(versions):
+            clock[0] = now - timedelta(days=versions - 1 - v)
+            batch = []
+            for i in range(resources):
+                data = rnd.randbytes(size)
+                info = blobs.put_bytes(data)
+                batch.append(Change(f"{UP}c/{i}", "created" if v == 0 else "updated", info.sha256, size))
+            st.apply(sid, batch)
+    blobs.close()
+    out = []
+    for policy in ["all", 1, 3, "3d", "7d"]:
+        copy = work / f"p-{policy}"
+        shutil.copytree(seed, copy)
+        blobs = FileBlobStore(copy / "blobs")
+        with State(copy / "state.db") as st:
+            collect_garbage(st, blobs, grace=0, retention=parse_retention(policy).at_time(now))
+        files = [f for f in (copy / "blobs").rglob("*") if f.is_file()]
+        out.append((str(policy), sum(f.stat().st_size for f in files), len(files)))
+        blobs.close()
+    return out
 
 
 def serve(store: Path, port: int) -> None:
@@ -162,6 +203,13 @@ def main() -> None:
     p.add_argument("--versions", type=int, default=10_000)
     p.add_argument("--requests", type=int, default=2000, help="requests per load row")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument(
+        "--retention",
+        nargs=3,
+        type=int,
+        metavar=("RESOURCES", "VERSIONS", "BYTES"),
+        help="only measure the disk each [publish] versions policy leaves after gc",
+    )
     p.add_argument("--serve", nargs=2, metavar=("STORE", "PORT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
@@ -174,6 +222,15 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_memento_"))
     proc = None
     try:
+        if args.retention:
+            res, ver, size = args.retention
+            costs = retention_costs(work / "retention", res, ver, size)
+            print(f"[publish] versions after rsagg gc: {res} resources x {ver} versions of {size} bytes,")
+            print("one version a day, the last today")
+            print(f"{'versions =':<14} {'blob bytes':>14} {'blobs':>8} {'vs all':>7}")
+            for policy, nbytes, files in costs:
+                print(f"{policy!r:<14} {nbytes:>14,} {files:>8} {nbytes / costs[0][1]:>6.0%}")
+            return
         t = time.perf_counter()
         times = fill(work / "data", args.resources, args.versions)
         print(
