@@ -400,7 +400,7 @@ async def test_retention_keeps_records_not_yet_in_a_change_dump(tmp_path: Path):
             blobs.close()
 
 
-def test_retained_sql_matches_the_definition(tmp_path: Path):
+def test_retention_sql_and_version_at_match_their_definitions(tmp_path: Path):
     """The SQL gc runs and ``Retention.retained`` (what the mementos answer) agree, for many random
     histories and every policy."""
     import random
@@ -440,6 +440,16 @@ def test_retained_sql_matches_the_definition(tmp_path: Path):
                 if r.retained(newer, later[0].datetime if later else None, now):
                     by_def.add(rec.sha256)
             assert by_sql == by_def, policy
+        # version_at (the TimeGate's choice) against its definition, at random instants and at each
+        # record's own datetime: the last version at or before, else the first
+        instants = [rec.datetime for rec in records]
+        instants += [start + timedelta(minutes=rnd.uniform(-100, 300 * 60)) for _ in range(300)]
+        for rid in {rec.resource_id for rec in records}:
+            mine = [x for x in records if x.resource_id == rid and x.change != "deleted"]
+            for when in instants:
+                before = [x for x in mine if x.datetime <= when]
+                expected = before[-1] if before else mine[0]
+                assert st.version_at(rid, when) == expected, (rid, when)
 
 
 # ---------------------------------------------------------------------------------------------------

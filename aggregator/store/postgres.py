@@ -1370,18 +1370,23 @@ class PostgresState:
     def version_at(self, resource_id: int, when: datetime) -> LogRecord | None:
         cols = ", ".join(_LOG_COLS)
         with self._read() as c:
-            r = (
-                c.execute(
-                    f"SELECT {cols} FROM changelog WHERE resource_id = %s AND change <> 'deleted' "
-                    "AND datetime <= %s ORDER BY seq DESC LIMIT 1",
-                    (resource_id, when),
+            top = c.execute(  # datetime never decreases with seq: see State.version_at
+                "SELECT seq FROM changelog WHERE datetime <= %s ORDER BY datetime DESC, seq DESC LIMIT 1",
+                (when,),
+            ).fetchone()
+            r = None
+            if top is not None:
+                r = c.execute(
+                    f"SELECT {cols} FROM changelog WHERE resource_id = %s AND seq <= %s "
+                    "AND change <> 'deleted' ORDER BY seq DESC LIMIT 1",
+                    (resource_id, top[0]),
                 ).fetchone()
-                or c.execute(
+            if r is None:
+                r = c.execute(
                     f"SELECT {cols} FROM changelog WHERE resource_id = %s AND change <> 'deleted' "
                     "ORDER BY seq LIMIT 1",
                     (resource_id,),
                 ).fetchone()
-            )
         return LogRecord(*r) if r else None
 
     def referenced_hashes(self, retention: Retention | None = None) -> Iterator[str]:

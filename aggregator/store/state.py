@@ -1548,18 +1548,26 @@ class State:
         the first version: the best memento for a TimeGate (RFC 7089 §4.1); None: no version at all."""
         cols = ", ".join(_LOG_COLS)
         with self._lock:
-            r = (
-                self.conn.execute(
-                    f"SELECT {cols} FROM changelog WHERE resource_id = ? AND change != 'deleted' "
-                    "AND datetime <= ? ORDER BY seq DESC LIMIT 1",
-                    (resource_id, format_dt(when)),
+            # The changelog's datetime never decreases with seq (``_log_time``): the last seq at or
+            # before ``when`` (index changelog_datetime) bounds the row's records (changelog_resource):
+            # two index seeks, whatever the length of the history.
+            top = self.conn.execute(
+                "SELECT seq FROM changelog WHERE datetime <= ? ORDER BY datetime DESC, seq DESC LIMIT 1",
+                (format_dt(when),),
+            ).fetchone()
+            r = None
+            if top is not None:
+                r = self.conn.execute(
+                    f"SELECT {cols} FROM changelog WHERE resource_id = ? AND seq <= ? "
+                    "AND change != 'deleted' ORDER BY seq DESC LIMIT 1",
+                    (resource_id, top[0]),
                 ).fetchone()
-                or self.conn.execute(
+            if r is None:
+                r = self.conn.execute(
                     f"SELECT {cols} FROM changelog WHERE resource_id = ? AND change != 'deleted' "
                     "ORDER BY seq LIMIT 1",
                     (resource_id,),
                 ).fetchone()
-            )
         return LogRecord(r[0], r[1], r[2], r[3], r[4], parse_dt(r[5]), r[6], r[7], r[8]) if r else None
 
     def referenced_hashes(self, retention: Retention | None = None) -> Iterator[str]:
