@@ -477,3 +477,29 @@ def test_validator_checks_links_of_14_6(link: str, rule: str | None):
     )
     rules = [i.rule for i in validate_source(doc.encode())]
     assert rules == ([] if rule is None else [rule])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Offload modes: a memento is handed over like a current resource
+
+
+@pytest.mark.parametrize("offload", ["x-accel", "redirect"])
+async def test_mementos_under_offload(tmp_path: Path, offload: str):
+    """x-accel: the version's blob is named for nginx (with the memento's headers); redirect with a
+    store without URLs: rsagg sends the bytes itself. 304 stays rsagg's."""
+    cfg = filled(tmp_path)
+    cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, offload=offload))
+    async with publishing(cfg) as (base, client):
+        url = f"{base}/up/memento/{stamp(TIMES[1])}/{rsagg_path(DOC)}"
+        r = await client.get(url)
+        assert r.status_code == 200
+        assert r.headers["memento-datetime"] == http(TIMES[1]) and "immutable" in r.headers["cache-control"]
+        if offload == "x-accel":
+            h = sha(BODIES[1])
+            assert r.headers["x-accel-redirect"].startswith(cfg.server.offload_location)
+            assert r.headers["x-accel-redirect"].endswith(h) and r.content == b""
+            assert r.headers["etag"] == f'"{h}"' and 'rel="original"' in r.headers["link"]
+        else:
+            assert r.content == BODIES[1]
+        r = await client.get(url, headers={"if-none-match": f'"{sha(BODIES[1])}"'})
+        assert r.status_code == 304 and "x-accel-redirect" not in r.headers
