@@ -503,3 +503,21 @@ async def test_mementos_under_offload(tmp_path: Path, offload: str):
             assert r.content == BODIES[1]
         r = await client.get(url, headers={"if-none-match": f'"{sha(BODIES[1])}"'})
         assert r.status_code == 304 and "x-accel-redirect" not in r.headers
+
+
+async def test_a_prior_version_whose_blob_is_gone_is_410_not_500(tmp_path: Path):
+    """A stricter policy applied by an earlier gc, then loosened: the versions gc removed are gone
+    (410 with the Link to the TimeMap), never a 500 for a blob the store lacks."""
+    cfg = filled(tmp_path)  # "all" now
+    with State(cfg.store_path / "state.db") as st:
+        blobs = FileBlobStore(cfg.store_path / "blobs")
+        try:
+            collect_garbage(st, blobs, grace=0, retention=parse_retention(1))  # as an earlier gc did
+        finally:
+            blobs.close()
+    async with publishing(cfg) as (base, client):
+        for i, t in enumerate(TIMES):
+            r = await client.get(f"{base}/up/memento/{stamp(t)}/{rsagg_path(DOC)}")
+            assert r.status_code == (200 if i == 4 else 410)
+            if i < 4:
+                assert 'rel="timemap"' in r.headers["link"]

@@ -280,7 +280,10 @@ async def memento(request: Request) -> Response:
         if rec is None or rec.datetime != when or not _shown(pub, ps, row, rec):
             return gone(f'<{cap}>; rel="resourcesync"', 404), None, ""
         link = _memento_links(base, ps.name, uri, cap)
-        if not is_retained(state, retention, rec, utcnow()):
+        # Beyond retention; or a prior version whose blob is gone (a stricter policy applied by an
+        # earlier gc than the one configured now): no longer kept, the same 410, never a 500.
+        gone_blob = rec.sha256 != row.sha256 and not pub.blobs.exists(rec.sha256)
+        if gone_blob or not is_retained(state, retention, rec, utcnow()):
             return (
                 Response(
                     "gone: this version is beyond the retention of prior versions; see the TimeMap\n",
@@ -304,7 +307,7 @@ async def memento(request: Request) -> Response:
         response = await remote_response(request, version, pub.blobs, link)
     if version is not None:
         response.headers["memento-datetime"] = http_date(version.updated_at)
-        if response.status_code in (200, 206, 304, 307):
+        if response.status_code in (200, 206, 304):  # not a 307: a presigned URL expires
             response.headers["cache-control"] = IMMUTABLE
     return response
 
