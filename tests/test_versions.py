@@ -401,17 +401,31 @@ async def test_retention_keeps_records_not_yet_in_a_change_dump(tmp_path: Path):
 
 
 def test_retention_sql_and_version_at_match_their_definitions(tmp_path: Path):
-    """The SQL gc runs and ``Retention.retained`` (what the mementos answer) agree, for many random
-    histories and every policy."""
+    """The SQL gc runs and ``Retention.retained`` (what the mementos answer) agree, and ``version_at``
+    (the TimeGate's choice) is the last version at or before the instant, else the first, for a
+    random history and every policy (SQLite here, PostgreSQL in the test below)."""
+    from aggregator.store.state import format_dt
+
+    _check_definitions(lambda clock: State(tmp_path / "s.db", clock=clock), format_dt)
+
+
+def test_retention_sql_and_version_at_on_postgres(pg_server):
+    from aggregator.store.state import connect
+
+    url = pg_server.fresh_url()
+    _check_definitions(lambda clock: connect(url, clock=clock), lambda d: d.isoformat())
+
+
+def _check_definitions(open_state, when) -> None:
     import random
 
     from aggregator.store.retention import retained_sql
-    from aggregator.store.state import format_dt
 
     rnd = random.Random(7)
     start = T0
-    with State(tmp_path / "s.db", clock=lambda: clock[0]) as st:
-        clock = [start]
+    clock = [start]
+    st = open_state(lambda: clock[0])
+    try:
         st.upsert_source("x", UP + "desc.xml")
         sid = st.ensure_set("x", UP + "cap.xml")
         uris = [UP + f"r{i}" for i in range(12)]
@@ -429,8 +443,9 @@ def test_retention_sql_and_version_at_match_their_definitions(tmp_path: Path):
         now = clock[0] + timedelta(minutes=30)
         records = list(st.iter_changelog())
         for policy in [1, 2, 5, "1h", "6h", "2d", "30d"]:
-            r = parse_retention(policy)
-            by_sql = {row[0] for row in st.conn.execute(retained_sql(r.at_time(now), format_dt))}
+            r = parse_retention(policy).at_time(now)
+            sql = f"SELECT sha256 FROM ({retained_sql(r, when)}) AS q"
+            by_sql = {row[0] for row in _query(st, sql)}
             by_def = set()
             for rec in records:
                 if rec.change == "deleted":
@@ -440,16 +455,23 @@ def test_retention_sql_and_version_at_match_their_definitions(tmp_path: Path):
                 if r.retained(newer, later[0].datetime if later else None, now):
                     by_def.add(rec.sha256)
             assert by_sql == by_def, policy
-        # version_at (the TimeGate's choice) against its definition, at random instants and at each
-        # record's own datetime: the last version at or before, else the first
         instants = [rec.datetime for rec in records]
         instants += [start + timedelta(minutes=rnd.uniform(-100, 300 * 60)) for _ in range(300)]
         for rid in {rec.resource_id for rec in records}:
             mine = [x for x in records if x.resource_id == rid and x.change != "deleted"]
-            for when in instants:
-                before = [x for x in mine if x.datetime <= when]
+            for at in instants:
+                before = [x for x in mine if x.datetime <= at]
                 expected = before[-1] if before else mine[0]
-                assert st.version_at(rid, when) == expected, (rid, when)
+                assert st.version_at(rid, at) == expected, (rid, at)
+    finally:
+        st.close()
+
+
+def _query(st, sql: str) -> list[tuple]:
+    if hasattr(st, "conn"):
+        return st.conn.execute(sql).fetchall()
+    with st._read() as c:
+        return c.execute(sql).fetchall()
 
 
 # ---------------------------------------------------------------------------------------------------
