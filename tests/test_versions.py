@@ -367,6 +367,13 @@ async def test_retention_after_gc(tmp_path: Path, policy: Any):
                     assert f'/up/timemap/{rsagg_path(DOC)}>; rel="timemap"' in r.headers["link"]
             r = await client.get(f"{base}/up/timemap/{rsagg_path(DOC)}")
             assert [dt for _, dt in _timemap_mementos(r.text)] == [http(TIMES[i]) for i in sorted(kept)]
+            # the TimeGate chooses among the kept versions: before them, the oldest kept one
+            for when, i in [(TIMES[0] - timedelta(days=1), 0), *((t, i) for i, t in enumerate(TIMES))]:
+                expected = i if i in kept else min(kept)
+                r = await client.get(
+                    f"{base}/up/timegate/{rsagg_path(DOC)}", headers={"accept-datetime": http(when)}
+                )
+                assert r.status_code == 302 and stamp(TIMES[expected]) in r.headers["location"], (policy, i)
             assert (await client.get(rsagg_uri(base, "up", DOC))).content == BODIES[4]
             assert (await client.get(rsagg_uri(base, "up", OTHER))).status_code == 200
             # The Change Lists keep working, and no memento they name answers 500 (a blob gone

@@ -29,6 +29,7 @@ beyond retention answers 410 with a ``Link`` to the TimeMap, and is left out of 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import re
 from collections.abc import Iterator
@@ -365,6 +366,7 @@ async def timegate(request: Request) -> Response:
     except BadDatetime as exc:
         return PlainTextResponse(f"{exc}\n", status_code=400, headers={"vary": "accept-datetime"})
     base = pub.base_url
+    retention = retention_of(pub)
 
     def negotiate(state: StateStore) -> Response:
         ps, row, cap = _held(pub, state, set_name, uri)
@@ -376,6 +378,10 @@ async def timegate(request: Request) -> Response:
         # A hidden version is skipped: the latest shown one before it, else the first shown one.
         if rec is not None and not _shown(pub, ps, row, rec):
             rec = _best_shown(pub, state, ps, row, when)
+        # Beyond retention: the oldest version still kept after it (retention keeps the newest versions
+        # of a resource, so the kept ones follow the dropped ones), as for a datetime before the history.
+        if rec is not None and not retention.keeps_all:
+            rec = _oldest_kept_from(pub, state, ps, row, rec, retention)
         if rec is None:
             return gone(f'<{cap}>; rel="resourcesync"', 404)
         target = memento_uri(base, ps.name, rec.datetime, uri)
@@ -390,6 +396,17 @@ async def timegate(request: Request) -> Response:
         )
 
     return await pub.run(negotiate)
+
+
+def _oldest_kept_from(
+    pub, state: StateStore, ps: PublishedSet, row: Resource, rec: LogRecord, retention: Retention
+) -> LogRecord | None:
+    """``rec`` if retained, else the first later version that is retained and shown (None: none)."""
+    now = utcnow()
+    for later in itertools.chain([rec], state.iter_versions(row.id, rec.seq)):
+        if _shown(pub, ps, row, later) and is_retained(state, retention, later, now):
+            return later
+    return None
 
 
 def _best_shown(pub, state: StateStore, ps: PublishedSet, row: Resource, when: datetime) -> LogRecord | None:
