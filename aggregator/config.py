@@ -40,6 +40,8 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
 
+from .store.retention import RetentionError, parse_retention
+
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}\Z")
 #: ``server.offload``: who sends a resource's bytes (see ServerConfig).
 Offload = Literal["none", "x-accel", "redirect"]
@@ -108,6 +110,25 @@ Name = Annotated[
 ]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 Table = dict[str, Any]
+
+
+def _versions_ok(value: Any) -> bool:
+    try:
+        parse_retention(value)
+    except RetentionError:
+        return False
+    return True
+
+
+def _versions_problem(value: Any) -> str:
+    try:
+        parse_retention(value)
+    except RetentionError as e:
+        return str(e)
+    return ""
+
+
+_Versions = Annotated[StrictInt | StrictStr, _rule(_versions_ok, _versions_problem)]
 _UrlOrEmpty = Annotated[Str, _rule(lambda v: not v or _is_url(v), lambda v: f"not an http(s) URL: {v!r}")]
 _Listen = Annotated[Str, _rule(_is_listen, lambda v: f"must be HOST:PORT, not {v!r}")]
 _OffloadLocation = Annotated[
@@ -313,6 +334,11 @@ class PublishConfig:
     dump_interval: NonNegFloat = 86_400.0
     keep_collection_links: Bool = False  # §14.8: collection links may not fit the aggregator's copy
     keep_canonical_links: Bool = False  # §14.8: same for canonical
+    #: Prior versions (§14.6 mementos, docs/versions.md) kept by ``rsagg gc``: "all"; a number N (the
+    #: last N versions of each resource); or a duration "<number><s|m|h|d|w>", e.g. "90d" (versions
+    #: superseded less than that long ago). The current version is always kept; a memento beyond it
+    #: answers 410.
+    versions: _Versions = "all"
 
 
 @dataclass(frozen=True, config=_STRICT)

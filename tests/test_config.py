@@ -315,7 +315,7 @@ def test_every_problem_is_reported_one_per_line(tmp_path):
         f"{path}: harvest.workers: must be at least 1",
         f"{path}: harvest.retries: must not be negative, not -1",
         f"{path}: publish.colour: unknown key (known: changelist_size, dump_interval, keep_canonical_links,"
-        " keep_collection_links)",
+        " keep_collection_links, versions)",
     ]
 
 

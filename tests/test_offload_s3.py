@@ -20,6 +20,7 @@ from aggregator.config import ConfigError, parse_config
 from aggregator.harvest.context import open_blob_store
 from aggregator.plugins import Plugins
 from aggregator.publish.uris import rsagg_uri
+from aggregator.publish.versions import timegate_uri
 from aggregator.testing.upstream import Upstream
 from tests.seaweedfs import SeaweedFS, run_seaweedfs
 
@@ -78,9 +79,19 @@ async def test_redirects_to_presigned_urls_and_resync_follows(tmp_path: Path, se
                 for method in ("GET", "HEAD"):
                     r = await client.request(method, url(name))
                     assert r.status_code == 307, (name, method)
-                    assert r.headers["link"] == f'<{base}/up/capabilitylist.xml>; rel="resourcesync"'
+                    assert r.headers["link"].startswith(
+                        f'<{base}/up/capabilitylist.xml>; rel="resourcesync", '
+                    )
                     target = r.headers["location"]
                     assert target.startswith(seaweed.endpoint_url + "/") and "Signature=" in target
+                # its memento (the current version, through the TimeGate) is redirected the same way
+                gate = (await client.get(timegate_uri(base, "up", up.url(name)))).headers["location"]
+                r = await client.get(gate)
+                assert r.status_code == 307 and "Signature=" in r.headers["location"]
+                assert 'rel="original"' in r.headers["link"] and "immutable" not in r.headers.get(
+                    "cache-control", ""
+                )
+                assert (await client.get(gate, follow_redirects=True)).content == data
                 r = await client.get(url(name), follow_redirects=True)
                 assert r.status_code == 200 and r.content == data, name
                 assert r.headers["content-type"] == type_  # S3 answers with the type rsagg publishes

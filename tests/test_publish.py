@@ -28,6 +28,7 @@ from aggregator.plugins import Plugins
 from aggregator.publish import documents
 from aggregator.publish.app import Publisher, create_app
 from aggregator.publish.uris import rsagg_uri
+from aggregator.publish.versions import resource_link_header
 from aggregator.rs.model import PATCH_REL, Entry, Head, Link
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import validate_source
@@ -41,6 +42,10 @@ from .httpserver import serve_app
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
+
+
+#: The §14.6 relations rsagg adds to every entry (publish/versions.py).
+VERSION_RELS = {"memento", "timegate", "timemap"}
 
 
 @asynccontextmanager
@@ -232,6 +237,10 @@ async def test_resources_http(tmp_path: Path, local: bool):
         blobs = None if local else NoLocalPath(FileBlobStore(cfg.store_path / "blobs"))
         async with publishing(cfg, blobs=blobs) as (base, client):
             link = f'<{base}/up/capabilitylist.xml>; rel="resourcesync"'
+
+            def held(path: str) -> str:  # a held resource also names its TimeGate and TimeMap (§14.6)
+                return resource_link_header(base, f"{base}/up/capabilitylist.xml", "up", up.url(path))
+
             with state_of(cfg) as st:
                 rows = {r.uri: r for r in st.iter_resources(include_deleted=True)}
             for path, v in up.resources().items():
@@ -241,7 +250,7 @@ async def test_resources_http(tmp_path: Path, local: bool):
                 assert r.headers["etag"] == f'"{v.sha256}"'
                 assert r.headers["content-type"] == v.type
                 assert r.headers["content-length"] == str(len(v.data))
-                assert r.headers["link"] == link
+                assert r.headers["link"] == held(path)
                 row = rows[up.url(path)]
                 assert r.headers["last-modified"] == format_datetime(row.updated_at, usegmt=True)
             url = rsagg_uri(base, "up", up.url("doc.txt"))
@@ -256,7 +265,7 @@ async def test_resources_http(tmp_path: Path, local: bool):
             ):
                 r = await client.get(url, headers=headers)
                 assert r.status_code == 304 and r.content == b"" and r.headers["etag"] == etag, headers
-                assert r.headers["link"] == link
+                assert r.headers["link"] == held("doc.txt")
             earlier = format_datetime(rows[up.url("doc.txt")].updated_at - timedelta(hours=1), usegmt=True)
             assert (await client.get(url, headers={"if-modified-since": earlier})).status_code == 200
             r = await client.get(url, headers={"if-none-match": '"other"', "if-modified-since": lm})
@@ -275,10 +284,10 @@ async def test_resources_http(tmp_path: Path, local: bool):
             # HEAD
             r = await client.head(url)
             assert r.status_code == 200 and r.content == b"" and r.headers["content-length"] == str(len(data))
-            assert r.headers["etag"] == etag and r.headers["link"] == link
+            assert r.headers["etag"] == etag and r.headers["link"] == held("doc.txt")
             # deleted upstream -> 410; never held -> 404; unknown set -> 404
             r = await client.get(rsagg_uri(base, "up", up.url("gone.txt")))
-            assert r.status_code == 410 and r.headers["link"] == link
+            assert r.status_code == 410 and r.headers["link"] == held("gone.txt")
             r = await client.get(rsagg_uri(base, "up", up.url("never.txt")))
             assert r.status_code == 404 and r.headers["link"] == link
             assert (await client.get(rsagg_uri(base, "nope", up.url("doc.txt")))).status_code == 404
@@ -428,7 +437,7 @@ async def test_link_policy_end_to_end(tmp_path: Path):
                 for entries in (rl, cl):
                     by_loc = {e.loc: e for e in entries}
                     e1 = by_loc[rsagg_uri(base, "up", up.url("r1.txt"))]
-                    rels = {(ln.rel, ln.href) for ln in e1.links}
+                    rels = {(ln.rel, ln.href) for ln in e1.links if ln.rel not in VERSION_RELS}
                     assert rels == {
                         ("via", up.url("r1.txt")),
                         ("describedby", rsagg_uri(base, "up", up.url("meta1.xml"))),  # harvested: our copy
@@ -488,7 +497,7 @@ async def test_robots_home_and_configured_grouping(tmp_path: Path):
             assert len(entries) == 5
             r = await client.get(rsagg_uri(base, "art", gallery.url("g000001.txt")))
             assert r.status_code == 200 and r.content == gallery.resources()["g000001.txt"].data
-            assert r.headers["link"] == f'<{base}/art/capabilitylist.xml>; rel="resourcesync"'
+            assert r.headers["link"].startswith(f'<{base}/art/capabilitylist.xml>; rel="resourcesync", ')
             # robots.txt: a Sitemap line per set's Resource List (§6.3.4)
             r = await client.get(f"{base}/robots.txt")
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

@@ -33,6 +33,7 @@ from aggregator.store.blobs import FileBlobStore
 from aggregator.store.state import Change, State
 
 from .httpserver import serve_app
+from .test_publish import VERSION_RELS
 
 BASE = "http://rsagg.test"
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
@@ -183,7 +184,10 @@ async def test_resource_dump_packages_are_read_back_verified_and_valid(env: Env,
         assert e.hashes == {"sha-256": p.sha256}
         assert [(ln.rel, ln.href) for ln in e.links] == [("contents", p.manifest_url)]
         assert p.manifest_url == f"{BASE}/art/resourcedump/{p.number}/manifest.xml"
-    assert b.available("art") == {"resourcedump": f"{BASE}/art/resourcedump.xml"}
+    assert b.available("art") == {
+        "resourcedump": f"{BASE}/art/resourcedump.xml",
+        "resourcedump-archive": f"{BASE}/art/resourcedump-archive.xml",
+    }
 
 
 def test_packages_are_cut_by_bytes_and_a_big_resource_gets_its_own(env: Env) -> None:
@@ -393,7 +397,10 @@ async def test_change_dumps_cover_closed_windows_only_and_read_back(env: Env, tm
     head, entries = parse_bytes(data)
     assert head.capability == "changedump" and head.md.from_ == p.from_ and head.md.until is None
     assert [(e.loc, e.md.from_, e.md.until) for e in entries] == [(q.url, q.from_, q.until) for q in (p, p3)]
-    assert b.available("art") == {"changedump": f"{BASE}/art/changedump.xml"}
+    assert b.available("art") == {
+        "changedump": f"{BASE}/art/changedump.xml",
+        "changedump-archive": f"{BASE}/art/changedump-archive.xml",
+    }
 
 
 def test_change_dump_of_several_state_sets_merges_them_in_seq_order(env: Env) -> None:
@@ -504,7 +511,8 @@ def test_manifests_say_what_the_lists_say(env: Env) -> None:
     by_loc = {e.loc: e for e in manifest}
     described = by_loc[rsagg_uri(BASE, "art", "https://up.example/a/described")]
     # the link policy ran: via to the upstream, describedby rewritten to our copy
-    assert [(ln.rel, ln.href) for ln in described.links] == [
+    # (and the §14.6 links of versions.py follow: memento, timegate, timemap)
+    assert [(ln.rel, ln.href) for ln in described.links if ln.rel not in VERSION_RELS] == [
         ("via", "https://up.example/a/described"),
         ("describedby", rsagg_uri(BASE, "art", "https://up.example/a/meta.xml")),
     ]
@@ -541,3 +549,72 @@ async def test_our_harvester_downloads_and_verifies_packages_over_http(env: Env,
                         item.blob.abort()
         dest.close()
     assert got == [rsagg_uri(base, "art", f"https://up.example/a/{i}.txt") for i in range(12)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Archives (ResourceSync Archives draft): the kept runs and the Change Dump, found from the dumps
+
+
+def _doc(make, *args) -> tuple:
+    head, entries = make(*args)
+    data = b"".join(iter_document_bytes(head, entries))
+    return data, parse_bytes(data)
+
+
+def test_kept_resource_dump_runs_are_listed_in_the_archive(env: Env) -> None:
+    """Every kept run (``keep``) is an entry of the resourcedump-archive, oldest first, with its at and
+    completed; each entry is that run's own Resource Dump document listing its packages; a pruned run
+    leaves the archive; the Resource Dump and Capability List point at the archive."""
+    b = env.builder(keep=2)
+    runs = []
+    for i in range(3):
+        env.put(env.set_a, f"https://up.example/a/{i}", f"run {i}".encode())
+        runs.append(b.build_resource_dump("art", [env.set_a]))
+    data, (head, entries) = _doc(b.resource_dump_archive, "art")
+    assert errors(data, f"{BASE}/art/resourcedump-archive.xml") == []
+    assert head.capability == "resourcedump-archive"
+    assert [ln.rel for ln in head.links] == ["up"]
+    kept = runs[1:]  # keep=2: the first run was pruned
+    kept_runs = b.runs("art")
+    assert [e.loc for e in entries] == [f"{BASE}/art/resourcedump/run/{r.id}.xml" for r in kept_runs]
+    for e, run, packages in zip(entries, kept_runs, kept, strict=True):
+        assert (e.md.at, e.md.completed, e.lastmod) == (run.at, run.completed, run.completed)
+        rdata, (rhead, rentries) = _doc(b.resource_dump_document, "art", run.id)
+        assert errors(rdata, e.loc) == []
+        assert [x.loc for x in rentries] == [p.url for p in packages]
+        assert ("archives", f"{BASE}/art/resourcedump-archive.xml") in [
+            (ln.rel, ln.href) for ln in rhead.links
+        ]
+    assert b.resource_dump_document("art", runs[0][0].run) is None  # pruned: gone from the archive too
+    assert b.available("art")["resourcedump-archive"] == f"{BASE}/art/resourcedump-archive.xml"
+
+
+def test_change_dump_archive(env: Env) -> None:
+    changes(env)
+    b = env.builder()
+    b.build_change_dumps("art", [env.set_a], 5)
+    data, (head, entries) = _doc(b.change_dump_archive, "art")
+    assert errors(data, f"{BASE}/art/changedump-archive.xml") == []
+    assert head.capability == "changedump-archive"
+    (e,) = entries
+    _, (chead, _) = _doc(b.change_dump_document, "art")
+    assert e.loc == f"{BASE}/art/changedump.xml" and e.md.from_ == chead.md.from_ and e.md.until is None
+    assert ("archives", f"{BASE}/art/changedump-archive.xml") in [(ln.rel, ln.href) for ln in chead.links]
+
+
+async def test_archives_are_served(env: Env) -> None:
+    b = env.builder(keep=3)
+    for i in range(2):
+        env.put(env.set_a, f"https://up.example/a/{i}", f"run {i}".encode())
+        b.build_resource_dump("art", [env.set_a])
+    async with serve_app(Starlette(routes=dump_routes(b))) as base, httpx.AsyncClient() as client:
+        r = await client.get(f"{base}/art/resourcedump-archive.xml")
+        assert r.status_code == 200
+        _, entries = parse_bytes(r.content)
+        assert len(entries) == 2
+        for e in entries:
+            path = e.loc.removeprefix(BASE)
+            rr = await client.get(base + path)
+            assert rr.status_code == 200 and parse_bytes(rr.content)[0].capability == "resourcedump"
+        assert (await client.get(f"{base}/art/resourcedump/run/999.xml")).status_code == 404
+        assert (await client.get(f"{base}/art/changedump-archive.xml")).status_code == 404

@@ -8,6 +8,10 @@ deduplicated, counts as stored then). So gc runs beside `rsagg run`, and beside 
 cluster, without stopping them. --grace 0 removes every unreferenced blob, as gc did before: it takes
 the store's lock, so it is refused while a harvester runs on this host; the lock does not reach other
 machines, so in a cluster --grace 0 is safe only with every node stopped.
+
+``[publish] versions`` (store/retention.py, docs/versions.md) decides which prior versions count as
+referenced: the current version of every resource always does, and so does every changelog record not
+yet in a Change Dump package while dumps are built (``dump_interval`` > 0).
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ..config import Config
 from ..harvest.context import open_blob_store, prepare_store
 from ..plugins import Plugins
 from ..publish import dumps
+from ..sets import published_sets
 from ..store.blobs import BlobStore
 from ..store.lock import store_lock
+from ..store.retention import Retention, parse_retention
 from ..store.state import State, open_state
 from ._common import add_config_arguments, start
 
@@ -71,7 +78,13 @@ class Garbage:
 
 
 def collect_garbage(
-    state: State, blobs: BlobStore, *, grace: float, dry_run: bool = False, now: float | None = None
+    state: State,
+    blobs: BlobStore,
+    *,
+    grace: float,
+    dry_run: bool = False,
+    now: float | None = None,
+    retention: Retention | None = None,
 ) -> Garbage:
     """Delete blobs that no resource, changelog record or published dump names and that were last stored
     more than ``grace`` seconds before ``now`` (default: the clock).
@@ -80,13 +93,15 @@ def collect_garbage(
     before the state rows that name them, invariant 2, so a concurrent gc could remove a blob in that
     window). With a grace period each delete is conditional (``BlobStore.delete(stored_before=)``): a
     blob a harvest stores again while gc runs stays, and counts as kept.
+
+    ``retention``: the prior versions to keep (``retention_for``); None keeps every version.
     """
     # The cutoff is taken before the references are read (their snapshot is taken at the first next()):
     # a blob older than it that a harvest names after the snapshot was stored more than ``grace`` before.
     cutoff = None if grace <= 0 else (time.time() if now is None else now) - grace
     removed = freed = kept = 0
     # Both streams come sorted ascending: a merge needs neither a set in memory nor a sha256 index.
-    refs = heapq.merge(state.referenced_hashes(), dumps.referenced_hashes(state))
+    refs = heapq.merge(state.referenced_hashes(retention), dumps.referenced_hashes(state))
     ref = next(refs, None)
     for sha, stored_at in blobs.iter_stored():
         while ref is not None and ref < sha:
@@ -106,6 +121,18 @@ def collect_garbage(
         else:
             kept += 1  # stored again since it was listed (or removed by another gc)
     return Garbage(removed, freed, kept)
+
+
+def retention_for(config: Config, state: State) -> Retention:
+    """``[publish] versions``, with the seq after which every record is kept: the lowest, over the
+    published sets, of the last seq their Change Dump packages hold (0: a set without any yet), while
+    dumps are built; the changelog records after it still go into packages to come."""
+    retention = parse_retention(config.publish.versions)
+    if retention.keeps_all or config.publish.dump_interval <= 0:
+        return retention
+    done = state.change_dump_seqs()
+    names = published_sets(config, state.sets())
+    return retention.with_floor(min((done.get(name, 0) for name in names), default=0))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,10 +155,13 @@ def run(args: argparse.Namespace) -> int:
         blobs = open_blob_store(config, Plugins.from_config(config))
         state = open_state(config)
         try:
-            result = collect_garbage(state, blobs, grace=grace, dry_run=args.dry_run)
+            retention = retention_for(config, state)
+            result = collect_garbage(state, blobs, grace=grace, dry_run=args.dry_run, retention=retention)
         finally:
             state.close()
     verb = "would remove" if args.dry_run else "removed"
     kept = f"; kept {result.kept_recent} unreferenced blob(s) stored less than {grace:g} s ago"
     print(f"{verb} {result.removed} unreferenced blob(s), {result.freed} bytes{kept if grace else ''}")
+    if not retention.keeps_all:
+        print(f"prior versions kept: {retention.describe()} ([publish] versions)")
     return 0

@@ -14,6 +14,9 @@ documents, ``publish/resources.py`` serves the resources, ``publish/uris.py`` ma
     /SET/changelist.xml                 Change List Index, or the open Change List when it is alone (§12)
     /SET/changelist/K.xml               Change List window K
     /SET/r/<scheme>/<netloc><path>...   the resources (§14.8; ``uris.py``)
+    /SET/memento/STAMP/<mapped>         a prior version (§14.6, RFC 7089; ``versions.py``)
+    /SET/timegate/<mapped>              its TimeGate (Accept-Datetime -> 302)
+    /SET/timemap/[AFTER/]<mapped>       its TimeMap (application/link-format), paged
 
 Database access: SQLite reads run in worker threads (``trio.to_thread``) on read-only connections from a
 small pool, one connection per request while it needs it (a document keeps its connection while it
@@ -61,7 +64,7 @@ from ..sets import PublishedSet
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore, StateUnavailable
 from ..store.state import Resource, connect
-from . import documents, status_page
+from . import documents, status_page, versions
 from .doccache import CacheWriter, DocumentCache, fingerprint
 from .documents import (
     CACHE_CLOSED,
@@ -81,7 +84,7 @@ from .uris import BasePath, base_path, number, split_resource_path
 
 log = logging.getLogger("rsagg.publish")
 #: Bump when a change of the code changes what a document renders to: cached renderings are dropped.
-RENDERING = 1
+RENDERING = 2  # 2: §14.6 memento/timegate/timemap links in list entries
 T = TypeVar("T")
 
 XML = "application/xml"
@@ -499,6 +502,7 @@ async def resource(request: Request) -> Response:
         row = state.resource_in(ps.set_ids, uri)
         if row is None or not site.visible(ps.name, row):
             return gone(link, 404), None, link
+        link = versions.resource_link_header(pub.base_url, site.capabilitylist(ps.name), ps.name, uri)
         return resource_answer(request, row, pub.blobs, link), row, link
 
     response, row, link = await pub.run(answer)
@@ -575,6 +579,10 @@ def create_app(
         Route("/{set}/changelist.xml", changelist, methods=get),
         Route(f"/{{set}}/changelist/{number('k')}.xml", changelist_window, methods=get),
         resource_route,
+        # Prior versions (§14.6, RFC 7089; publish/versions.py)
+        Route("/{set}/memento/{rest:path}", versions.memento, methods=get),
+        Route("/{set}/timegate/{rest:path}", versions.timegate, methods=get),
+        Route("/{set}/timemap/{rest:path}", versions.timemap, methods=get),
     ]
     served = Middleware(ServedMetrics, metrics=publisher.metrics)  # by route template (metrics.py)
 

@@ -31,10 +31,12 @@ from ..rs.fixity import format_hash
 from ..rs.model import (
     CAPABILITYLIST,
     CHANGEDUMP,
+    CHANGEDUMP_ARCHIVE,
     CHANGELIST,
     DELETED,
     DESCRIPTION,
     RESOURCEDUMP,
+    RESOURCEDUMP_ARCHIVE,
     RESOURCELIST,
     RS_NS,
     SITEMAPINDEX,
@@ -46,7 +48,7 @@ from ..rs.model import (
 from ..sets import PublishedSet
 from ..store.interface import StateStore
 from ..store.state import LogRecord, Resource
-from . import listing
+from . import listing, versions
 from .links import LinkPolicy, PluginLinks
 from .uris import rsagg_uri
 
@@ -159,6 +161,10 @@ def capability_list(site: Site, ps: PublishedSet) -> Doc:
     entries.append(Entry(site.changelist(ps.name), md=Md(capability=CHANGELIST)))
     if CHANGEDUMP in dumps:
         entries.append(Entry(dumps[CHANGEDUMP], md=Md(capability=CHANGEDUMP)))
+    # The Archives (draft; Example 2.1 lists them in the Capability List): past dumps kept.
+    for archive in (RESOURCEDUMP_ARCHIVE, CHANGEDUMP_ARCHIVE):
+        if archive in dumps:
+            entries.append(Entry(dumps[archive], md=Md(capability=archive)))
     entries += site.extra_capabilities(ps.name)
     return Head(md=Md(capability=CAPABILITYLIST), links=links), iter(entries)
 
@@ -212,7 +218,10 @@ def resource_entry(site: Site, ps: PublishedSet, r: Resource, uri_of: Callable[[
         site.resource(ps.name, r.uri),
         lastmod=r.updated_at,
         md=md,
-        links=site.policy.links(r, uri_of=uri_of, set_name=ps.name),
+        links=[
+            *site.policy.links(r, uri_of=uri_of, set_name=ps.name),
+            *versions.resource_entry_links(site.base_url, ps.name, r),
+        ],
         extra=list(r.entry_extra),
     )
 
@@ -230,6 +239,7 @@ def change_entry(
     ``lastmod`` is the record's datetime: the row's ``updated_at`` when that change was applied.
     """
     current = row is not None and rec.change != DELETED and row.sha256 == rec.sha256
+    hashes: dict[str, str] = {}
     if rec.change == DELETED:
         md = Md(change=DELETED, datetime=rec.datetime)
     else:
@@ -247,6 +257,7 @@ def change_entry(
         links = site.policy.links(row, uri_of=uri_of, record=rec, set_name=ps.name)
     else:  # rows are never deleted; defensive only
         links = [Link("via", rec.uri)]
+    links += versions.change_entry_links(site.base_url, ps.name, rec, hashes)  # §14.6
     extra = list(row.entry_extra) if current and row is not None else []
     return Entry(site.resource(ps.name, rec.uri), lastmod=rec.datetime, md=md, links=links, extra=extra)
 

@@ -74,6 +74,8 @@ from .uris import number
 log = logging.getLogger("rsagg.publish.dumps")
 
 RESOURCEDUMP = model.RESOURCEDUMP
+RESOURCEDUMP_ARCHIVE = model.RESOURCEDUMP_ARCHIVE
+CHANGEDUMP_ARCHIVE = model.CHANGEDUMP_ARCHIVE
 CHANGEDUMP = model.CHANGEDUMP
 ZIP_TYPE = "application/zip"
 XML_TYPE = "application/xml"
@@ -335,8 +337,10 @@ class DumpBuilder:
         out: dict[str, str] = {}
         if self.latest_run(set_name) is not None:
             out[RESOURCEDUMP] = self.document_url(set_name, RESOURCEDUMP)
+            out[RESOURCEDUMP_ARCHIVE] = self.document_url(set_name, RESOURCEDUMP_ARCHIVE)
         if self.state.has_change_dump(set_name, self.fingerprint()):
             out[CHANGEDUMP] = self.document_url(set_name, CHANGEDUMP)
+            out[CHANGEDUMP_ARCHIVE] = self.document_url(set_name, CHANGEDUMP_ARCHIVE)
         return out
 
     def referenced_hashes(self) -> Iterator[str]:
@@ -345,17 +349,68 @@ class DumpBuilder:
 
     # -- documents (§11.1, §13.1) --------------------------------------------------------------------
 
-    def resource_dump_document(self, set_name: str) -> tuple[Head, list[Entry]] | None:
-        """The Resource Dump of the newest run (None when no run was built)."""
-        run = self.latest_run(set_name)
+    def resource_dump_document(
+        self, set_name: str, run_id: int | None = None
+    ) -> tuple[Head, list[Entry]] | None:
+        """The Resource Dump of the newest run, or of the kept run ``run_id`` (the archive's entries);
+        None when there is no such run. Each points at the archive of past runs (``rel="archives"``)."""
+        if run_id is None:
+            run = self.latest_run(set_name)
+        else:
+            run = next((r for r in self.runs(set_name) if r.id == run_id), None)
         if run is None:
             return None
         head = Head(
             model.URLSET,
             Md(capability=RESOURCEDUMP, at=run.at, completed=run.completed),
-            [Link(rel="up", href=self.site.capabilitylist(set_name))],
+            [
+                Link(rel="up", href=self.site.capabilitylist(set_name)),
+                Link(rel="archives", href=self.document_url(set_name, RESOURCEDUMP_ARCHIVE)),
+            ],
         )
         return head, [_package_entry(p) for p in self.resource_dump_packages(set_name, run)]
+
+    def runs(self, set_name: str) -> list[DumpRun]:
+        return self.state.dump_runs(set_name, self.fingerprint())
+
+    def run_url(self, set_name: str, run_id: int) -> str:
+        """The Resource Dump document of one kept run (the newest also has ``/SET/resourcedump.xml``)."""
+        return f"{self.base_url}/{set_name}/{RESOURCEDUMP}/run/{run_id}.xml"
+
+    # -- Archives (ResourceSync Archives draft: resourcedump-archive, changedump-archive) -------------
+
+    def resource_dump_archive(self, set_name: str) -> tuple[Head, list[Entry]] | None:
+        """The kept Resource Dump runs (``keep``), oldest first: one Resource Dump document each, with its
+        ``at``/``completed`` and ``lastmod`` = completed, so a Destination finds past snapshots."""
+        runs = self.runs(set_name)
+        if not runs:
+            return None
+        head = Head(
+            model.URLSET,
+            Md(capability=RESOURCEDUMP_ARCHIVE),
+            [Link(rel="up", href=self.site.capabilitylist(set_name))],
+        )
+        entries = [
+            Entry(self.run_url(set_name, r.id), lastmod=r.completed, md=Md(at=r.at, completed=r.completed))
+            for r in runs
+        ]
+        return head, entries
+
+    def change_dump_archive(self, set_name: str) -> tuple[Head, list[Entry]] | None:
+        """The past Change Dumps: rsagg's Change Dump is one open document that keeps every package
+        (they are immutable and never pruned), so its archive lists that one document, ``from`` its
+        first package, without ``until`` (it is still open)."""
+        packages = self.change_dump_packages(set_name)
+        if not packages:
+            return None
+        head = Head(
+            model.URLSET,
+            Md(capability=CHANGEDUMP_ARCHIVE),
+            [Link(rel="up", href=self.site.capabilitylist(set_name))],
+        )
+        last = max(p.created for p in packages)
+        entry = Entry(self.document_url(set_name, CHANGEDUMP), lastmod=last, md=Md(from_=packages[0].from_))
+        return head, [entry]
 
     def change_dump_document(self, set_name: str) -> tuple[Head, list[Entry]] | None:
         """The Change Dump: open (no ``until``, more packages will come), from = the first package's."""
@@ -365,7 +420,10 @@ class DumpBuilder:
         head = Head(
             model.URLSET,
             Md(capability=CHANGEDUMP, from_=packages[0].from_),
-            [Link(rel="up", href=self.site.capabilitylist(set_name))],
+            [
+                Link(rel="up", href=self.site.capabilitylist(set_name)),
+                Link(rel="archives", href=self.document_url(set_name, CHANGEDUMP_ARCHIVE)),
+            ],
         )
         return head, [_package_entry(p) for p in packages]
 
@@ -712,10 +770,17 @@ def dump_routes(builder: DumpBuilder) -> list[Route]:
     """
 
     def document(kind: str) -> Callable[[Request], Any]:
-        make = builder.resource_dump_document if kind == RESOURCEDUMP else builder.change_dump_document
+        make = {
+            RESOURCEDUMP: builder.resource_dump_document,
+            CHANGEDUMP: builder.change_dump_document,
+            RESOURCEDUMP_ARCHIVE: builder.resource_dump_archive,
+            CHANGEDUMP_ARCHIVE: builder.change_dump_archive,
+            "run": lambda name, run_id: builder.resource_dump_document(name, run_id),
+        }[kind]
 
         async def endpoint(request: Request) -> Response:
-            doc = await run_in_threadpool(make, request.path_params["set"])
+            args = [request.path_params["number"]] if kind == "run" else []
+            doc = await run_in_threadpool(make, request.path_params["set"], *args)
             if doc is None:
                 raise HTTPException(404)
             head, entries = doc  # one entry per package: small, written whole
@@ -758,6 +823,11 @@ def dump_routes(builder: DumpBuilder) -> list[Route]:
             Route(f"/{{set}}/{kind}/{number('number')}.zip", blob(kind, True), methods=get),
             Route(f"/{{set}}/{kind}/{number('number')}/{MANIFEST_NAME}", blob(kind, False), methods=get),
         ]
+    routes += [  # the Archives (draft): past Resource Dump runs kept (``keep``), the Change Dump
+        Route(f"/{{set}}/{RESOURCEDUMP_ARCHIVE}.xml", document(RESOURCEDUMP_ARCHIVE), methods=get),
+        Route(f"/{{set}}/{CHANGEDUMP_ARCHIVE}.xml", document(CHANGEDUMP_ARCHIVE), methods=get),
+        Route(f"/{{set}}/{RESOURCEDUMP}/run/{number('number')}.xml", document("run"), methods=get),
+    ]
     return routes
 
 

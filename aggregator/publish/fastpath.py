@@ -61,6 +61,7 @@ from .resources import (
     resource_headers,
 )
 from .uris import RESOURCES, base_path, split_resource_path, strip_base_path
+from .versions import resource_link_header
 
 if TYPE_CHECKING:
     from .app import Publisher
@@ -344,6 +345,7 @@ class ResourceFastPath:
         row = state.resource_in(ps.set_ids, uri)
         if row is None or not site.visible(ps.name, row):
             return self._with_plain(Hot(404, link))
+        link = resource_link_header(pub.base_url, site.capabilitylist(ps.name), ps.name, uri)
         if row.deleted or not row.sha256:
             return self._with_plain(Hot(410, link))
         hot = Hot(200, link, row, resource_headers(row, link))

@@ -27,6 +27,7 @@ from ..store.interface import ListingRow, StateStore
 from ..store.state import Resource, parse_dt
 from .links import LinkPolicy, PluginLinks
 from .uris import _SCHEME, RESOURCES, SAFE, rsagg_path
+from .versions import stamp, stamp_text
 
 T = TypeVar("T")
 #: Lines joined into one string before they go on (about 50 KB).
@@ -57,6 +58,10 @@ class ListingWriter:
         prefix = f"{base_url}/{set_name}/{RESOURCES}/"
         #: ``<url><loc>`` and our URI up to the mapped upstream URI, escaped once.
         self.head = f"<url><loc>{_value(prefix)}"
+        # §14.6 (publish/versions.py): the memento of the row's version, its TimeGate and TimeMap.
+        self.memento = f'<rs:ln rel="memento" href="{_value(f"{base_url}/{set_name}/memento/")}'
+        self.timegate = f'<rs:ln rel="timegate" href="{_value(f"{base_url}/{set_name}/timegate/")}'
+        self.timemap = f'<rs:ln rel="timemap" href="{_value(f"{base_url}/{set_name}/timemap/")}'
         self._types: dict[str | None, str] = {None: ""}
         self._encodings: dict[str | None, str] = {None: ""}
 
@@ -83,9 +88,13 @@ class ListingWriter:
         sha1: str | None,
         modified: str | None,
         updated: str,
+        stamp: str | None = None,
     ) -> str:
         """The entry of a row without links or extras; times already as ``rs.write`` prints them.
-        Raises ValueError (as the writer does) for a value XML cannot hold."""
+        Raises ValueError (as the writer does) for a value XML cannot hold. ``stamp``: the memento's
+        (``versions.stamp``), else made from ``updated``."""
+        if stamp is None:
+            stamp = stamp_text(updated)
         if md5 is None and sha1 is None:
             h = "" if sha256 is None else f' hash="sha-256:{_value(sha256)}"'
         else:  # format_hash's order
@@ -112,7 +121,15 @@ class ListingWriter:
             raise ValueError(f"entry for {uri!r}: {exc}") from None
         return (
             f"{self.head}{path}</loc><lastmod>{updated}</lastmod><rs:md{h}{lt}{e}/>"
-            f'<rs:ln rel="via" href="{href}"{mod}{h}{lt}/></url>\n'
+            f'<rs:ln rel="via" href="{href}"{mod}{h}{lt}/>'
+            f"{self.versions(path, stamp, updated, h + lt)}</url>\n"
+        )
+
+    def versions(self, path: str, stamp: str, when: str, attrs: str) -> str:
+        """The §14.6 links of an entry (``versions.resource_entry_links``, as ``rs.write`` writes them)."""
+        return (
+            f'{self.memento}{stamp}/{path}" modified="{when}"{attrs}/>'
+            f'{self.timegate}{path}"/>{self.timemap}{path}" type="application/link-format"/>'
         )
 
     def lines(
@@ -123,6 +140,7 @@ class ListingWriter:
         a known type) are written inline, one f-string each; a run of rows stored at the same time
         converts that time once."""
         head, types, special, row, safe = self.head, self._types, _special, self.row, _SAFE_CHARS
+        versions = self.versions
         schemes: dict[str, bool] = {}
         last: str | None = None
         when = ""
@@ -163,7 +181,8 @@ class ListingWriter:
                         a = f' hash="{h}" length="{length}"{t}'
                         add(
                             f"{head}{scheme}/{rest}</loc><lastmod>{when}</lastmod><rs:md{a}/>"
-                            f'<rs:ln rel="via" href="{uri}"{m}{a}/></url>\n'
+                            f'<rs:ln rel="via" href="{uri}"{m}{a}/>'
+                            f"{versions(f'{scheme}/{rest}', stamp_text(updated), when, a)}</url>\n"
                         )
                         if len(out) >= _BATCH:
                             yield "".join(out)
@@ -179,7 +198,7 @@ class ListingWriter:
         modified = lastmod or upstream
         return self.line(
             uri, sha256, length, type_, encoding, md5, sha1,
-            None if modified is None else _text_time(modified), _text_time(updated),
+            None if modified is None else _text_time(modified), _text_time(updated), stamp_text(updated),
         )  # fmt: skip
 
     def resource(self, r: Resource) -> str | None:
@@ -192,7 +211,7 @@ class ListingWriter:
         modified = r.lastmod or r.upstream_datetime
         return self.line(
             r.uri, r.sha256, r.length, r.type, r.encoding, hashes.get("md5"), hashes.get("sha-1"),
-            None if modified is None else _dt(modified), _dt(r.updated_at),
+            None if modified is None else _dt(modified), _dt(r.updated_at), stamp(r.updated_at),
         )  # fmt: skip
 
 

@@ -225,6 +225,11 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 _PATCH_REL = m.PATCH_REL.lower()
 
 
+_MEMENTO_REL = "memento"
+#: Attributes a §14.6 timegate link should not carry (Example 29: rel and href only).
+_TIMEGATE_EXTRA = ("pri", "modified", "hash", "length", "type", "encoding", "path")
+
+
 def _is_absolute(uri: str) -> bool:
     return _SCHEME.match(uri.strip()) is not None
 
@@ -369,7 +374,11 @@ class _Rules:
         for ln in links:
             if not ln.rel and not (self.parsed and ln.rel is None):  # None: the parser said so
                 yield Issue(line, "ln-rel-missing", "rs:ln without rel (mandatory, §7)")
-            if not ln.href and not (self.parsed and ln.href is None):
+            if not ln.href and _MEMENTO_REL in _rels(ln.rel):
+                yield Issue(
+                    line, "memento-href-missing", "a memento link needs href, the version's URI (§14.6)"
+                )
+            elif not ln.href and not (self.parsed and ln.href is None):
                 yield Issue(line, "ln-href-missing", "rs:ln without href (mandatory, §7)")
             yield from self._rel(ln, line)
             if ln.pri is not None and not 1 <= ln.pri <= 999_999:
@@ -396,6 +405,15 @@ class _Rules:
                     line,
                     "rel-unknown",
                     f"relation type {rel!r} is neither in the IANA Link Relations registry nor a URI (§7)",
+                )
+        if "timegate" in rels and len(rels) == 1:
+            extra = [a for a in _TIMEGATE_EXTRA if getattr(ln, a) is not None] + sorted(ln.extra)
+            if extra:
+                yield Issue(
+                    line,
+                    "timegate-attributes",
+                    f"a timegate link should carry only rel and href, not {', '.join(extra)} (§14.6)",
+                    WARNING,
                 )
         if _PATCH_REL not in rels:
             return

@@ -265,8 +265,9 @@ class StateStore(Protocol):
 
     def last_seq(self) -> int: ...
 
-    def referenced_hashes(self) -> Iterator[str]:
-        """Every sha256 gc must keep, each once, ascending, as of one instant."""
+    def referenced_hashes(self, retention: Any = None) -> Iterator[str]:
+        """Every sha256 gc must keep, each once, ascending, as of one instant (``retention``: a
+        ``store.retention.Retention``, None keeps every changelog record's)."""
         ...
 
     # -- reads for publishing (a published set is a list of state sets) ---------------------------
@@ -313,6 +314,18 @@ class StateStore(Protocol):
     def log_windows(self, set_ids: Sequence[int], size: int) -> list[int]: ...
 
     def log_datetime(self, seq: int) -> datetime | None: ...
+
+    # -- versions of one resource row (publish/versions.py; §14.6, RFC 7089) ------------------------
+
+    def log_record(self, seq: int) -> LogRecord | None: ...
+
+    def iter_versions(
+        self, resource_id: int, after_seq: int = 0, limit: int | None = None
+    ) -> Iterator[LogRecord]: ...
+
+    def count_versions(self, resource_id: int, after_seq: int = 0, limit: int | None = None) -> int: ...
+
+    def version_at(self, resource_id: int, when: datetime) -> LogRecord | None: ...
 
     # -- the embedded WebSub hub (websub/hub.py) ---------------------------------------------------
     # Four tables: subscriptions (unique per (topic, callback)), verifications waiting (unique per
@@ -460,6 +473,10 @@ class StateStore(Protocol):
         """The set's newest Resource Dump run (highest id) built under ``fingerprint``."""
         ...
 
+    def dump_runs(self, set_name: str, fingerprint: str = "") -> list[DumpRun]:
+        """The set's kept Resource Dump runs built under ``fingerprint``, oldest first."""
+        ...
+
     def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
         """The packages of a run, by part."""
         ...
@@ -516,6 +533,10 @@ class StateStore(Protocol):
         fingerprint: str = "",
     ) -> DumpPackage:
         """Record the Change Dump package of a window (``from_``/``until`` of ``part``); returns it."""
+        ...
+
+    def change_dump_seqs(self) -> dict[str, int]:
+        """Per published set name, the highest changelog seq its Change Dump packages cover."""
         ...
 
     def dump_hashes(self) -> Iterator[str]:

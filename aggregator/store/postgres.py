@@ -51,6 +51,7 @@ from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from . import state as sqlite_state
 from .interface import FENCE, EmptySnapshot, LeaseLost, ListingRow, StateUnavailable
+from .retention import Retention, retained_sql
 from .rows import (
     Change,
     Cursor,
@@ -405,6 +406,9 @@ MIGRATIONS: list[tuple[str, ...]] = [
             lastmod TIMESTAMPTZ,
             PRIMARY KEY (set_id, uri)
         )""",
+    ),
+    (  # 14: the versions of one resource are read by resource id (publish/versions.py)
+        "CREATE INDEX IF NOT EXISTS changelog_resource ON changelog(resource_id, seq)",
     ),
 ]
 
@@ -1419,12 +1423,59 @@ class PostgresState:
             ).fetchone()
         return row[0] if row else None
 
-    def referenced_hashes(self) -> Iterator[str]:
+    def log_record(self, seq: int) -> LogRecord | None:
+        if not 0 <= seq <= _MAX_BIGINT:
+            return None
+        with self._read() as c:
+            r = c.execute(f"SELECT {', '.join(_LOG_COLS)} FROM changelog WHERE seq = %s", (seq,)).fetchone()
+        return LogRecord(*r) if r else None
+
+    def iter_versions(
+        self, resource_id: int, after_seq: int = 0, limit: int | None = None
+    ) -> Iterator[LogRecord]:
+        sql = (
+            f"SELECT {', '.join(_LOG_COLS)} FROM changelog WHERE resource_id = %s AND seq > %s "
+            "ORDER BY seq LIMIT %s"
+        )
+        for r in self._pages(sql, [resource_id], 0, after_seq, limit):
+            yield LogRecord(*r)
+
+    def count_versions(self, resource_id: int, after_seq: int = 0, limit: int | None = None) -> int:
+        with self._read() as c:
+            return c.execute(
+                "SELECT count(*) FROM (SELECT 1 FROM changelog WHERE resource_id = %s AND seq > %s "
+                "AND change <> 'deleted' LIMIT %s) AS n",
+                (resource_id, after_seq, _MAX_BIGINT if limit is None else limit),
+            ).fetchone()[0]
+
+    def version_at(self, resource_id: int, when: datetime) -> LogRecord | None:
+        cols = ", ".join(_LOG_COLS)
+        with self._read() as c:
+            top = c.execute(  # datetime never decreases with seq: see State.version_at
+                "SELECT seq FROM changelog WHERE datetime <= %s ORDER BY datetime DESC, seq DESC LIMIT 1",
+                (when,),
+            ).fetchone()
+            r = None
+            if top is not None:
+                r = c.execute(
+                    f"SELECT {cols} FROM changelog WHERE resource_id = %s AND seq <= %s "
+                    "AND change <> 'deleted' ORDER BY seq DESC LIMIT 1",
+                    (resource_id, top[0]),
+                ).fetchone()
+            if r is None:
+                r = c.execute(
+                    f"SELECT {cols} FROM changelog WHERE resource_id = %s AND change <> 'deleted' "
+                    "ORDER BY seq LIMIT 1",
+                    (resource_id,),
+                ).fetchone()
+        return LogRecord(*r) if r else None
+
+    def referenced_hashes(self, retention: Retention | None = None) -> Iterator[str]:
         """Every sha256 gc must keep, each once, ascending, as of one instant (one query, read from a
         server-side cursor: ``State.referenced_hashes`` says which)."""
         sql = (
             "SELECT sha256 FROM resources WHERE NOT deleted AND sha256 IS NOT NULL "
-            "UNION SELECT sha256 FROM changelog WHERE sha256 IS NOT NULL "
+            f"UNION {retained_sql(retention, lambda d: d.isoformat())} "
             "UNION SELECT sha256 FROM documents WHERE sha256 IS NOT NULL ORDER BY 1"
         )
         for (sha,) in self._server_side(sql, ()):
@@ -1715,6 +1766,15 @@ class PostgresState:
             ).fetchone()
         return DumpRun(*row[:5], tuple(row[5]), *row[6:]) if row else None
 
+    def dump_runs(self, set_name: str, fingerprint: str = "") -> list[DumpRun]:
+        with self._read() as c:
+            rows = c.execute(
+                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = %s AND fingerprint = %s "
+                "ORDER BY id",
+                (set_name, fingerprint),
+            ).fetchall()
+        return [DumpRun(*row[:5], tuple(row[5]), *row[6:]) for row in rows]
+
     def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
         with self._read() as c:
             rows = c.execute(f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = %s ORDER BY part", (run_id,))
@@ -1842,6 +1902,14 @@ class PostgresState:
                  p.manifest_length, p.from_, p.until, p.entries, p.bytes, created, fingerprint),
             ).fetchone()  # fmt: skip
         return DumpPackage(*row)
+
+    def change_dump_seqs(self) -> dict[str, int]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT set_name, max(last_seq) FROM publish_dumps WHERE kind = 'changedump' "
+                "GROUP BY set_name"
+            ).fetchall()
+        return {name: seq or 0 for name, seq in rows}
 
     def dump_hashes(self) -> Iterator[str]:
         sql = "SELECT sha256 FROM publish_dumps UNION SELECT manifest_sha256 FROM publish_dumps ORDER BY 1"

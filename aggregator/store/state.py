@@ -42,6 +42,7 @@ from ..rs.parse import parse_bytes
 from ..rs.w3cdt import parse_w3c, utcnow
 from ..rs.write import iter_document_bytes
 from .interface import FENCE, EmptySnapshot, LeaseLost, ListingRow, StateUnavailable
+from .retention import Retention, retained_sql
 from .rows import (
     Change,
     Cursor,
@@ -469,6 +470,10 @@ MIGRATIONS: list[tuple[str, ...]] = [
             lastmod TEXT,               -- the lastmod announced when the version was last confirmed
             PRIMARY KEY (set_id, uri)
         )""",
+    ),
+    (  # 14: the versions of one resource (publish/versions.py: TimeGate, TimeMap, mementos, §14.6) are
+        # read by resource id; without this index every lookup scanned the changelog.
+        "CREATE INDEX IF NOT EXISTS changelog_resource ON changelog(resource_id, seq)",
     ),
 ]
 
@@ -1580,12 +1585,72 @@ class State:
             ).fetchone()
         return parse_dt(row[0]) if row else None
 
-    def referenced_hashes(self) -> Iterator[str]:
+    # -- versions of one resource (publish/versions.py; §14.6, RFC 7089) ----------------------------
+
+    def log_record(self, seq: int) -> LogRecord | None:
+        """The changelog record ``seq`` (None when there is none): a memento names its version by it."""
+        if not 0 <= seq <= _MAX_INT:
+            return None
+        cols = ", ".join(_LOG_COLS)
+        with self._lock:
+            r = self.conn.execute(f"SELECT {cols} FROM changelog WHERE seq = ?", (seq,)).fetchone()
+        return LogRecord(r[0], r[1], r[2], r[3], r[4], parse_dt(r[5]), r[6], r[7], r[8]) if r else None
+
+    def iter_versions(
+        self, resource_id: int, after_seq: int = 0, limit: int | None = None
+    ) -> Iterator[LogRecord]:
+        """The changelog records of one resource row (deletions too), ascending seq, after ``after_seq``."""
+        cols = ", ".join(_LOG_COLS)
+        sql = f"SELECT {cols} FROM changelog WHERE resource_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+        for r in self._pages(sql, [resource_id], 0, after_seq, limit):
+            yield LogRecord(r[0], r[1], r[2], r[3], r[4], parse_dt(r[5]), r[6], r[7], r[8])
+
+    def count_versions(self, resource_id: int, after_seq: int = 0, limit: int | None = None) -> int:
+        """How many versions (records that are not deletions) the row has after ``after_seq``, counted up
+        to ``limit`` (the retention check needs no more than N)."""
+        top = _MAX_INT if limit is None else limit
+        with self._lock:
+            return self.conn.execute(
+                "SELECT count(*) FROM (SELECT 1 FROM changelog WHERE resource_id = ? AND seq > ? "
+                "AND change != 'deleted' LIMIT ?)",
+                (resource_id, after_seq, top),
+            ).fetchone()[0]
+
+    def version_at(self, resource_id: int, when: datetime) -> LogRecord | None:
+        """The version current at ``when`` (the last record that is not a deletion at or before it), else
+        the first version: the best memento for a TimeGate (RFC 7089 §4.1); None: no version at all."""
+        cols = ", ".join(_LOG_COLS)
+        with self._lock:
+            # The changelog's datetime never decreases with seq (``_log_time``): the last seq at or
+            # before ``when`` (index changelog_datetime) bounds the row's records (changelog_resource):
+            # two index seeks, whatever the length of the history.
+            top = self.conn.execute(
+                "SELECT seq FROM changelog WHERE datetime <= ? ORDER BY datetime DESC, seq DESC LIMIT 1",
+                (format_dt(when),),
+            ).fetchone()
+            r = None
+            if top is not None:
+                r = self.conn.execute(
+                    f"SELECT {cols} FROM changelog WHERE resource_id = ? AND seq <= ? "
+                    "AND change != 'deleted' ORDER BY seq DESC LIMIT 1",
+                    (resource_id, top[0]),
+                ).fetchone()
+            if r is None:
+                r = self.conn.execute(
+                    f"SELECT {cols} FROM changelog WHERE resource_id = ? AND change != 'deleted' "
+                    "ORDER BY seq LIMIT 1",
+                    (resource_id,),
+                ).fetchone()
+        return LogRecord(r[0], r[1], r[2], r[3], r[4], parse_dt(r[5]), r[6], r[7], r[8]) if r else None
+
+    def referenced_hashes(self, retention: Retention | None = None) -> Iterator[str]:
         """Every sha256 gc must keep, each once, in ascending order, as of one instant.
 
         That is the blobs of live resources, of every changelog record (rsagg's Change Dumps are
         built from the changelog and need the content of past versions; pruning the changelog is what
         lets old versions go) and of cached capability documents (the body answering a 304).
+        ``retention`` (``[publish] versions``): only the changelog records it retains count, and every
+        record after ``retention.floor_seq`` (not in a Change Dump yet); None: every record.
         Ascending order lets gc merge this with ``FileBlobStore.iter_hashes`` without holding a set.
 
         No index on sha256 serves this (random-order index pages made every commit ~3x slower): the
@@ -1596,7 +1661,7 @@ class State:
             self.conn.execute(
                 f"CREATE TABLE {table} AS "
                 "SELECT sha256 FROM resources WHERE deleted = 0 AND sha256 IS NOT NULL "
-                "UNION SELECT sha256 FROM changelog WHERE sha256 IS NOT NULL "
+                f"UNION {retained_sql(retention, format_dt)} "
                 "UNION SELECT sha256 FROM documents WHERE sha256 IS NOT NULL ORDER BY 1"
             )
         try:  # rowids follow the insertion order, which is the sort order
@@ -1904,6 +1969,16 @@ class State:
             ).fetchone()
         return _dump_run(row) if row else None
 
+    def dump_runs(self, set_name: str, fingerprint: str = "") -> list[DumpRun]:
+        """The set's kept Resource Dump runs built under ``fingerprint``, oldest first (the archive)."""
+        with self._lock:
+            rows = self.conn.execute(
+                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = ? AND fingerprint = ? "
+                "ORDER BY id",
+                (set_name, fingerprint),
+            ).fetchall()
+        return [_dump_run(r) for r in rows]
+
     def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
         with self._lock:
             rows = self.conn.execute(
@@ -2041,6 +2116,16 @@ class State:
                 (set_name, window),
             ).fetchone()
         return _dump_package(row)
+
+    def change_dump_seqs(self) -> dict[str, int]:
+        """Per published set, the last changelog seq its Change Dump packages hold (gc keeps the blobs of
+        every later record: the packages still to build need them)."""
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT set_name, max(last_seq) FROM publish_dumps WHERE kind = 'changedump' "
+                "GROUP BY set_name"
+            ).fetchall()
+        return {name: seq or 0 for name, seq in rows}
 
     def dump_hashes(self) -> Iterator[str]:
         sql = "SELECT sha256 FROM publish_dumps UNION SELECT manifest_sha256 FROM publish_dumps ORDER BY 1"
