@@ -48,8 +48,10 @@ _PATTERNS = [
         r"(?P<sep>['\"]?\s*[:=]\s*['\"]?)(?P<s>[^'\",\s}]+)"
     ),
     re.compile(r"(?i)(?P<k>\bbearer)(?P<sep>\s+)(?P<s>[A-Za-z0-9._~+/=-]{8,})"),
-    # user:password@ in a URL.
-    re.compile(r"(?P<k>[a-z][a-z0-9+.-]*://[^/@\s:'\"]+)(?P<sep>:)(?P<s>[^/@\s'\"]+)(?=@)", re.IGNORECASE),
+    # user:password@ in a URL (not one rsagg already shows as ``***``, store.state's way).
+    re.compile(
+        r"(?P<k>[a-z][a-z0-9+.-]*://[^/@\s:'\"]+)(?P<sep>:)(?!\*\*\*@)(?P<s>[^/@\s'\"]+)(?=@)", re.IGNORECASE
+    ),
     # An AWS access key id wherever it stands.
     re.compile(r"(?P<k>)(?P<sep>)(?P<s>\b(?:AKIA|ASIA)[A-Z0-9]{12,}\b)"),
 ]

@@ -349,6 +349,9 @@ def test_retries_are_written_with_the_batch_as_data(st: State) -> None:
     st.apply(sid, [Change("https://up/a", "created", A, 1)], retries=RetryChanges(cleared=["https://up/a"]))
     assert st.retry_uris(sid) == set()
     gen = st.begin_baseline(sid)
+    # The baseline sees a resource (one that saw none while the set holds some sweeps nothing: it is
+    # refused with EmptySnapshot), and its failed changes are written with it.
+    st.apply(sid, [Change("https://up/b", "created", A, 1, generation=gen)])
     st.finish_baseline(sid, gen, Cursor(), RetryChanges([FailedChange(e, "created", "k", "m")]))
     assert st.retry_uris(sid) == {"https://up/a"}
 
