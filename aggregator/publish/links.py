@@ -12,8 +12,11 @@ the same everywhere (docs/architecture.md: plugins at the seams):
 - ``duplicate`` is dropped: mirrors of the upstream are not mirrors of our copy (§14.2);
 - ``http://www.openarchives.org/rs/terms/patch`` is dropped: patches go from the upstream's previous
   version, which need not be what a Destination of ours holds (§14.4);
+- ``memento`` is dropped: rsagg names the memento of each version it holds itself (§14.6,
+  publish/versions.py), and an upstream memento link stored with the current row would misdescribe
+  every past version's record (its hash is the current version's);
 - ``describedby``/``describes`` to a resource we harvested point at our copy (§14.5), else kept;
-- everything else (alternate, memento, timegate, timemap, license, profile, ...) is kept unchanged.
+- everything else (alternate, timegate, timemap, license, profile, ...) is kept unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ..store.state import LogRecord, Resource
 VIA = "via"
 #: Relations whose target is another resource we may hold: rewritten to our copy (§14.5).
 REWRITTEN = frozenset({"describedby", "describes"})
-ALWAYS_DROPPED = frozenset({"duplicate", PATCH_REL})
+ALWAYS_DROPPED = frozenset({"duplicate", PATCH_REL, "memento"})
 
 
 def _rel(link: Link) -> str:
