@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from aggregator import outbound
 from aggregator.harvest import context as context_mod
+from aggregator.harvest import pipeline
 from aggregator.harvest.context import HarvestContext
 from aggregator.rs import parse
 from aggregator.rs.model import RS_NS, SITEMAP_NS
@@ -221,7 +222,7 @@ async def test_sources_sharing_an_origin_share_its_connections(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twelve sources on one (loopback, so pinned) origin: no more connections than the per-host
-    limit allows at once, not one (or more) per source."""
+    limit allows at once, not one (or more) per source; and no more tasks than they have changes."""
     opened: list[tuple[str, int]] = []
     real = outbound.PolicedBackend.connect_tcp
 
@@ -230,6 +231,14 @@ async def test_sources_sharing_an_origin_share_its_connections(
         return await real(self, host, port, *args, **kwargs)
 
     monkeypatch.setattr(outbound.PolicedBackend, "connect_tcp", connect_tcp)
+    tasks: list[int] = []
+    real_run = pipeline._Workers._run
+
+    async def run(self, *args):
+        tasks.append(1)
+        return await real_run(self, *args)
+
+    monkeypatch.setattr(pipeline._Workers, "_run", run)
     up, names = many_sources(12)
     async with up.serving():
         config = make_config(tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n in names})
@@ -237,6 +246,9 @@ async def test_sources_sharing_an_origin_share_its_connections(
     assert all(r.ok for r in results.values())
     assert sum(up.counts.values()) >= 3 * 12  # a Capability List, a Resource List, a resource each
     assert 1 <= len(opened) <= config.harvest.per_host < len(names)
+    # A set of one change starts one fetch task (and one filter task when a filter plugin is
+    # installed), not ``harvest.workers`` of each.
+    assert len(tasks) <= 2 * len(names) < config.harvest.workers * len(names)
 
 
 async def test_a_pinned_connection_serves_only_requesters_of_the_same_trust() -> None:
