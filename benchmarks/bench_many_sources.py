@@ -226,11 +226,13 @@ def median(runs: list[Run], case: str, f) -> float:
 
 
 def table(runs: list[Run], n: int, m: int) -> str:
-    rows = [f"{'case':<24} {'time s':>8} {'CPU s':>8} {'RSS MB':>8} {'ms/res':>8} {'load':>6}"]
+    rows = [
+        f"{'case':<24} {'time s':>8} {'CPU s':>8} {'of it sys':>9} {'RSS MB':>8} {'ms/res':>8} {'load':>6}"
+    ]
     for r in runs:
         label = f"{r.case} ({r.sources} x {r.resources // r.sources})"
-        rows.append(f"{label:<24} {r.done.wall:8.2f} {r.done.cpu:8.2f} {r.done.rss_mb:8.1f} "
-                    f"{r.per_resource_ms:8.3f} {r.load:6.2f}")  # fmt: skip
+        rows.append(f"{label:<24} {r.done.wall:8.2f} {r.done.cpu:8.2f} {r.done.usage.ru_stime:9.2f} "
+                    f"{r.done.rss_mb:8.1f} {r.per_resource_ms:8.3f} {r.load:6.2f}")  # fmt: skip
     t1, tn = median(runs, "one", lambda r: r.done.wall), median(runs, "many", lambda r: r.done.wall)
     c1, cn = median(runs, "one", lambda r: r.done.cpu), median(runs, "many", lambda r: r.done.cpu)
     m1, mn = median(runs, "one", lambda r: r.done.rss_mb), median(runs, "many", lambda r: r.done.rss_mb)
