@@ -7,7 +7,8 @@ the speed is measured by benchmarks/bench_many_sources.py).
 - a document is read by one XML parser (a second, sniffing, parser only for a root that does not show
   in the first bytes);
 - sources sharing an origin share its connections, while a connection opened under a pin serves only
-  requesters with that same trust.
+  requesters with that same trust;
+- a request finds its source by name, not by walking every configured source.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from starlette.routing import Route
 from aggregator import outbound
 from aggregator.harvest import context as context_mod
 from aggregator.harvest import pipeline
+from aggregator.harvest.access import Access
 from aggregator.harvest.context import HarvestContext
+from aggregator.metrics import current_source
 from aggregator.rs import parse
 from aggregator.rs.model import RS_NS, SITEMAP_NS
 from aggregator.rs.parse import DocumentError, DocumentReader
@@ -283,3 +286,36 @@ async def test_a_pinned_connection_serves_only_requesters_of_the_same_trust() ->
     # a and b (the same trust): one connection between them, kept alive; c: its own, never theirs.
     assert served["a"] == served["b"] and len(served["a"]) == 1
     assert len(served["c"]) == 1 and not served["c"] & served["a"]
+
+
+# -- per-request lookups of the source ----------------------------------------------------------------
+
+
+class _CountedList(list):
+    """A list that counts the times it is walked."""
+
+    walks = 0
+
+    def __iter__(self):
+        type(self).walks += 1
+        return super().__iter__()
+
+
+async def test_a_request_finds_its_source_without_walking_every_source(tmp_path: Path) -> None:
+    """The Fetcher's request hook looks its source up by name: requests for K sources walk the list
+    of sources a bounded number of times, not once per request (quadratic in the sources)."""
+    k = 50
+    config = make_config(tmp_path / "store", {f"s{i}": f"http://127.0.0.{1 + i % 5}/s{i}/" for i in range(k)})
+    object.__setattr__(config, "sources", _CountedList(config.sources))  # frozen: set underneath
+    access = Access(config)
+    _CountedList.walks = 0
+    for round_ in range(3):
+        for i in range(k):
+            token = current_source.set(f"s{i}")
+            try:
+                request = httpx.Request("GET", f"http://127.0.0.{1 + i % 5}/s{i}/r{round_}")
+                await access(request)
+            finally:
+                current_source.reset(token)
+            assert request.headers["User-Agent"]
+    assert _CountedList.walks <= 2, _CountedList.walks
