@@ -280,8 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(args.sources, args.per_source, args.big)
     n, m = args.sources, args.per_source
     work = Path(tempfile.mkdtemp(prefix="rsagg-many-"))
+    from importlib.metadata import entry_points
+
+    plugins = ", ".join(sorted(ep.name for ep in entry_points(group="rsagg"))) or "none"
     print(f"work folder {work}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; "
-          f"{n} sources x {m} resources vs 1 x {n * m}; rsagg defaults", flush=True)  # fmt: skip
+          f"{n} sources x {m} resources vs 1 x {n * m}; rsagg defaults; plugins installed: {plugins}",
+          flush=True)  # fmt: skip
     runs: list[Run] = []
     try:
         for r in range(args.repeat):
