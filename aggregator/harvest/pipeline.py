@@ -36,6 +36,9 @@ log = logging.getLogger("rsagg.harvest")
 MAX_PATCH_BASE_BYTES = 64 * 1024 * 1024
 #: Most changes whose stored rows are looked up together, in one worker-thread hop.
 LOOKUP_BATCH = 64
+#: Up to this many changes are looked up directly on a local state (SQLite): a thread hop costs more
+#: than their few indexed reads (``store/calls.py``), and a small set's changes come a few at a time.
+DIRECT_LOOKUP = 4
 
 
 @dataclass
@@ -392,7 +395,8 @@ class Pipeline:
         Why: one indexed query per change on the trio thread cost ~35 us each of the loop's time (and a
         re-baseline of unchanged resources is nothing but such lookups). Changes that arrive together
         (a Resource List parses much faster than resources download) share one thread hop; a change
-        arriving alone is looked up alone, so nothing waits for a batch to fill.
+        arriving alone is looked up alone, so nothing waits for a batch to fill. A few changes on a
+        local state are looked up directly (``DIRECT_LOOKUP``): cheaper than the hop.
         """
         async with recv, work, done:
             async for first in recv:
@@ -404,9 +408,11 @@ class Pipeline:
                         break
                 works = [w for _, w in batch]
                 if any(w.change != DELETED and w.blob is None for w in works):
-                    found = await trio.to_thread.run_sync(
-                        self._stored, works, limiter=limiter_of(self.ctx.reader)
-                    )
+                    limiter = limiter_of(self.ctx.reader)
+                    if limiter is None and len(works) <= DIRECT_LOOKUP:
+                        found = self._stored(works)
+                    else:
+                        found = await trio.to_thread.run_sync(self._stored, works, limiter=limiter)
                 else:  # deletions and content from dumps: nothing to look up
                     found = [(None, False)] * len(works)
                 for (seq, w), (existing, same) in zip(batch, found, strict=True):
