@@ -225,6 +225,9 @@ class Access:
         source's are read at its first request."""
         self._config: Callable[[], Config] = lambda: config
         self._by_source: dict[str, tuple[Config, SourceAccess]] = {}
+        #: The configuration last looked at, its sources by name (and their place in ``sources``): a
+        #: request finds its source in one step, not by a scan of every source (quadratic in them).
+        self._named: tuple[Config | None, dict[str, tuple[int, SourceConfig]]] = (None, {})
         for src in config.sources:
             if sources is None or src.name in sources:
                 self._access(config, src)
@@ -239,7 +242,10 @@ class Access:
         if known is not None and known[0] is config:
             return known[1]
         rate = config.max_rate(src)
-        access = SourceAccess(src.url, resolve_headers(config, config.sources.index(src), src), rate)
+        index = self._sources(config).get(src.name, (None, None))[0]
+        if index is None or config.sources[index] is not src:
+            index = config.sources.index(src)
+        access = SourceAccess(src.url, resolve_headers(config, index, src), rate)
         if known is not None and known[1].rate == rate:
             access._pace = known[1]._pace
         self._by_source[src.name] = (config, access)
@@ -251,6 +257,16 @@ class Access:
         name = current_source.get()
         if not name:
             return
-        src = next((s for s in config.sources if s.name == name), None)
-        if src is not None:
-            await self._access(config, src).prepare(request)
+        found = self._sources(config).get(name)
+        if found is not None:
+            await self._access(config, found[1]).prepare(request)
+
+    def _sources(self, config: Config) -> dict[str, tuple[int, SourceConfig]]:
+        """``config``'s sources by name, with their index (the first of a name, as a scan finds it)."""
+        known, named = self._named
+        if known is not config:
+            named = {}
+            for i, src in enumerate(config.sources):
+                named.setdefault(src.name, (i, src))
+            self._named = (config, named)
+        return named

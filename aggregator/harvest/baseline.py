@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import tempfile
 from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
+from contextlib import aclosing, nullcontext
 from datetime import datetime
 from pathlib import Path
 
@@ -256,8 +256,10 @@ async def _baseline_from(
 
     notes = _deviations.current()
     before = dict(notes.skipped) if notes is not None else {}
-    with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) as d:
-        async with aclosing(items(Path(d))) as stream:
+    # A scratch folder only for dump packages: making and removing one per list-read set was a
+    # good part of the per-source cost of a harvest of many small sources.
+    with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) if how == "dump" else nullcontext() as d:
+        async with aclosing(items(Path(d) if d else Path())) as stream:
             stats = await pipeline.run(stream)
     if skipped:
         log.warning("source=%s set=%s baseline from %s not finished: %d of %d lists unreadable",

@@ -16,13 +16,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
 
 from ..config import Config, ConfigError
-from ..metrics import Metrics
+from ..metrics import Metrics, current_source
 from ..plugins import Plugins
 from ..progress_text import progress_figures
 from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
@@ -62,6 +63,8 @@ class HarvestContext:
     offload: Offload | None = None
     _progress_unsaved: dict[str, tuple[int, int | None, float | None]] = field(default_factory=dict)
     _progress_saved_at: float = 0.0
+    #: source -> state writes that ride along with the next write made for that source (``write_later``).
+    _later: dict[str, list[Callable[[], object]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.offload is None:
@@ -79,13 +82,28 @@ class HarvestContext:
     async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-writing call in a worker thread; one at a time (SQLite has one writer)."""
         progress = self._progress_due()
+        later = self._later.pop(current_source.get(), None) if self._later else None
 
         def call() -> T:
             if progress:
                 self._save_progress(progress)
+            for step in later or ():
+                step()
             return fn(*args, **kwargs)
 
         return await in_thread(call, limiter=self._write_limiter)
+
+    def write_later(self, source: str, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        """A state write for ``source`` (its status) that needs no thread hop of its own: it runs, in the
+        order given, in the thread hop of the next ``write`` made for that source (``current_source``),
+        just before that write. Why: a sync's status writes, each its own hop, were a good part of the
+        per-source cost of a harvest of many small sources (benchmarks/bench_many_sources.py)."""
+        self._later.setdefault(source, []).append(partial(fn, *args, **kwargs))
+
+    def drop_later(self, source: str) -> None:
+        """Forget the writes waiting for ``source``'s next write (its sync ended without one: the store
+        refused it)."""
+        self._later.pop(source, None)
 
     def progress_update(self, source: str, done: int, total: int | None, rate: float | None = None) -> None:
         """Live progress in memory; saved in the sources table with the next state write once

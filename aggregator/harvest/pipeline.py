@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -45,6 +45,9 @@ log = logging.getLogger("rsagg.harvest")
 MAX_PATCH_BASE_BYTES = 64 * 1024 * 1024
 #: Most changes whose stored rows are looked up together, in one worker-thread hop.
 LOOKUP_BATCH = 64
+#: Up to this many changes are looked up directly on a local state (SQLite): a thread hop costs more
+#: than their few indexed reads (``store/calls.py``), and a small set's changes come a few at a time.
+DIRECT_LOOKUP = 4
 
 
 @dataclass
@@ -219,6 +222,61 @@ def change_from(work: Work, info: BlobInfo | None, content_type: str | None = No
     )
 
 
+class _Workers:
+    """Up to ``most`` tasks taking the items sent here, each handing one at a time to ``handle(item,
+    *outs)`` (``outs``: channels every task gets a clone of). A task is started when an item comes and
+    no task is free, so a set of a few changes starts a few tasks, not ``harvest.workers`` of them (all
+    started and ended per pipeline, they were part of the per-source cost of many small sources:
+    benchmarks/bench_many_sources.py). Used like a send channel: ``send``, and ``async with`` to close.
+    """
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        handle: Callable[..., Awaitable[None]],
+        most: int,
+        buffer: int,
+        *outs: trio.MemorySendChannel,
+    ) -> None:
+        self._nursery, self._handle, self._most, self._outs = nursery, handle, most, outs
+        self._send, self._recv = trio.open_memory_channel[object](buffer)
+        self._started = self._free = self._queued = 0
+
+    async def send(self, item: object) -> None:
+        if self._queued >= self._free and self._started < self._most:
+            self._started += 1
+            self._free += 1
+            self._nursery.start_soon(self._run, self._recv.clone(), [o.clone() for o in self._outs])
+        self._queued += 1
+        await self._send.send(item)
+
+    async def _run(self, recv: trio.MemoryReceiveChannel, outs: list[trio.MemorySendChannel]) -> None:
+        try:
+            async with recv:
+                async for item in recv:
+                    self._queued -= 1
+                    self._free -= 1
+                    await self._handle(item, *outs)
+                    self._free += 1
+        finally:
+            for out in outs:
+                await out.aclose()
+
+    @property
+    def started(self) -> int:
+        """Tasks started so far."""
+        return self._started
+
+    async def __aenter__(self) -> _Workers:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._send.aclose()
+        await self._recv.aclose()
+        for out in self._outs:
+            await out.aclose()
+
+
 class Pipeline:
     """Bring an ordered stream of ``Work`` into one set of the store."""
 
@@ -270,7 +328,9 @@ class Pipeline:
         if self._primed:
             return
         ctx, set_id = self.ctx, self.set_id
-        sets = await ctx.read(ctx.reader.sets)
+        # The source's own sets only: reading every set of every source made a harvest of N sources
+        # cost N^2 rows (benchmarks/bench_many_sources.py).
+        sets = await ctx.read(ctx.reader.sets, self.source)
         self._set_name = next((s.name for s in sets if s.id == set_id), str(set_id))
         self._retrying = await ctx.read(ctx.reader.retry_uris, set_id)
         self._waiting = frozenset(e.loc for e, _, _ in await ctx.read(ctx.reader.pending_retries, set_id))
@@ -281,28 +341,20 @@ class Pipeline:
     async def run(self, items: AsyncGenerator[Work, None]) -> PipelineStats:
         await self._prime()
         new_send, new_recv = trio.open_memory_channel[tuple[int, Work]](LOOKUP_BATCH)
-        work_send, work_recv = trio.open_memory_channel[
-            tuple[int, Work, Resource | None, ResourceValidators | None]
-        ](self._workers * 2)
         result_send, result_recv = trio.open_memory_channel[tuple[int, _Result]](math.inf)
         try:
             async with trio.open_nursery() as nursery:
                 async with result_send:
                     if self._filtering:  # plugins decide per entry, concurrently (metadata fetches)
-                        filter_send, filter_recv = trio.open_memory_channel[tuple[int, Work]](self._workers)
-                        nursery.start_soon(self._produce, items, filter_send)
-                        async with new_send:
-                            for _ in range(self._workers):
-                                nursery.start_soon(
-                                    self._filter, filter_recv.clone(), new_send.clone(), result_send.clone()
-                                )
-                        await filter_recv.aclose()
+                        filters = _Workers(nursery, self._filter_one, self._workers, self._workers,
+                                           new_send.clone(), result_send.clone())  # fmt: skip
+                        nursery.start_soon(self._produce, items, filters)
+                        await new_send.aclose()
                     else:
                         nursery.start_soon(self._produce, items, new_send)
-                    nursery.start_soon(self._look_up, new_recv, work_send, result_send.clone())
-                    for _ in range(self._workers):
-                        nursery.start_soon(self._work, work_recv.clone(), result_send.clone())
-                await work_recv.aclose()
+                    workers = _Workers(nursery, self._work_one, self._workers, self._workers * 2,
+                                       result_send.clone())  # fmt: skip
+                    nursery.start_soon(self._look_up, new_recv, workers, result_send.clone())
                 nursery.start_soon(self._commit, result_recv)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
@@ -340,7 +392,9 @@ class Pipeline:
                 await self._flush(results, release=False)
         return self.stats
 
-    async def _produce(self, items: AsyncGenerator[Work, None], send: trio.MemorySendChannel) -> None:
+    async def _produce(
+        self, items: AsyncGenerator[Work, None], send: trio.MemorySendChannel | _Workers
+    ) -> None:
         # Close the generator in the task that iterates it: its context managers (HTTP streams, cancel
         # scopes) must exit in the task that entered them.
         async with send, aclosing(items):
@@ -353,20 +407,19 @@ class Pipeline:
                 seq += 1
                 self.stats.seen += 1
 
-    async def _filter(
-        self, recv: trio.MemoryReceiveChannel, send: trio.MemorySendChannel, done: trio.MemorySendChannel
+    async def _filter_one(
+        self, item: tuple[int, Work], send: trio.MemorySendChannel, done: trio.MemorySendChannel
     ) -> None:
         """``rsagg_filter_harvest``: an entry any plugin refuses is not harvested. In a baseline it is not
         marked seen, so a copy we hold is tombstoned when the baseline finishes; in incremental sync a
         refused created/updated becomes a deletion of what we hold. Runs before the lookup, so narrowing a
         filter also drops copies that are unchanged upstream."""
-        async with recv, send, done:
-            async for seq, work in recv:
-                kept = await self._filtered(work)
-                if kept is None:
-                    await done.send((seq, _Result(work, None)))
-                else:
-                    await send.send((seq, kept))
+        seq, work = item
+        kept = await self._filtered(work)
+        if kept is None:
+            await done.send((seq, _Result(work, None)))
+        else:
+            await send.send((seq, kept))
 
     async def _filtered(self, work: Work) -> Work | None:
         """The change as ``rsagg_filter_harvest`` leaves it: itself, a deletion (refused in incremental
@@ -385,14 +438,15 @@ class Pipeline:
         return Work(work.entry, DELETED, work.cursor_after)
 
     async def _look_up(
-        self, recv: trio.MemoryReceiveChannel, work: trio.MemorySendChannel, done: trio.MemorySendChannel
+        self, recv: trio.MemoryReceiveChannel, work: _Workers, done: trio.MemorySendChannel
     ) -> None:
         """Find the stored row of each change, in batches off the event loop; unchanged ones are done.
 
         Why: one indexed query per change on the trio thread cost ~35 us each of the loop's time (and a
         re-baseline of unchanged resources is nothing but such lookups). Changes that arrive together
         (a Resource List parses much faster than resources download) share one thread hop; a change
-        arriving alone is looked up alone, so nothing waits for a batch to fill.
+        arriving alone is looked up alone, so nothing waits for a batch to fill. A few changes on a
+        local state are looked up directly (``DIRECT_LOOKUP``): cheaper than the hop.
         """
         async with recv, work, done:
             async for first in recv:
@@ -404,9 +458,11 @@ class Pipeline:
                         break
                 works = [w for _, w in batch]
                 if any(w.change != DELETED and w.blob is None for w in works):
-                    found = await trio.to_thread.run_sync(
-                        self._stored, works, limiter=limiter_of(self.ctx.reader)
-                    )
+                    limiter = limiter_of(self.ctx.reader)
+                    if limiter is None and len(works) <= DIRECT_LOOKUP:
+                        found = self._stored(works)
+                    else:
+                        found = await trio.to_thread.run_sync(self._stored, works, limiter=limiter)
                 else:  # deletions and content from dumps: nothing to look up
                     found = [(None, False, None)] * len(works)
                 for (seq, w), (existing, same, validators) in zip(batch, found, strict=True):
@@ -447,10 +503,11 @@ class Pipeline:
                     out[i] = (r, unchanged(r, w.entry, exists, v.lastmod), v)
         return out
 
-    async def _work(self, recv: trio.MemoryReceiveChannel, send: trio.MemorySendChannel) -> None:
-        async with recv, send:
-            async for seq, work, existing, validators in recv:
-                await send.send((seq, await self._prepare(work, existing, validators)))
+    async def _work_one(
+        self, item: tuple[int, Work, Resource | None, ResourceValidators | None], send: trio.MemorySendChannel
+    ) -> None:
+        seq, work, existing, validators = item
+        await send.send((seq, await self._prepare(work, existing, validators)))
 
     async def _prepare(
         self, work: Work, existing: Resource | None, validators: ResourceValidators | None = None

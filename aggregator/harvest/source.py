@@ -134,6 +134,7 @@ async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
         line = operator_line(exc)
         log.error("source=%s sync failed: %s", src.name, line)
         ctx.progress_finished(src.name)
+        ctx.drop_later(src.name)  # what waited may be what the store refused: the error line alone
         try:
             await ctx.write(ctx.writer.set_source_status, src.name, state="error", last_error=line)
         except StoreFailure:
@@ -146,9 +147,10 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
     result = SourceResult(src.name)
     started = time.monotonic()
     stopped_by: Exception | None = None
-    await ctx.write(ctx.writer.upsert_source, src.name, src.url)
-    await ctx.write(
-        ctx.writer.set_source_status, src.name, state="syncing", last_attempt=format_w3c(utcnow()),
+    # The status writes ride along with the sync's next state write (one thread hop, not one each).
+    ctx.write_later(src.name, ctx.writer.upsert_source, src.name, src.url)
+    ctx.write_later(
+        src.name, ctx.writer.set_source_status, src.name, state="syncing", last_attempt=format_w3c(utcnow()),
         progress_done=0, progress_total=None, progress_what=None,
     )  # fmt: skip
     ctx.progress.pop(src.name, None)
@@ -162,7 +164,7 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
             fallback: list[str | None] = []  # what discovery used instead of a failing src.url (status)
             sets = await discover(ctx.fetcher, src.url, on_fallback=fallback.append)
             using = fallback[0] if fallback else None
-            await ctx.write(ctx.writer.set_source_status, src.name, using_url=using)
+            ctx.write_later(src.name, ctx.writer.set_source_status, src.name, using_url=using)
             result.sets = len(sets)
         result.discovered = sets
         for info in sets:
@@ -250,7 +252,7 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
         state = "degraded" if result.ok else state
         result.ok = False
         result.error = "; ".join(filter(None, [result.error, deviations.skipped_text()]))
-    await ctx.write(ctx.writer.put_upstream_notes, src.name, result.deviations, result.skipped)
+    ctx.write_later(src.name, ctx.writer.put_upstream_notes, src.name, result.deviations, result.skipped)
     fields_ = {"state": state, "last_error": result.error,
                "progress_done": progress.done, "progress_total": progress.total}  # fmt: skip
     if result.ok:

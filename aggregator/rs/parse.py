@@ -221,11 +221,15 @@ class DocumentReader:
         #: with ``on_problem``: a harvester cannot place an entry without URI, nor follow a link without
         #: target. Without it (a validator) such an item is reported and kept with None in its place.
         self._require = require
-        # Main parser: one event only, the root's start. Entries are read by walking the root's children.
+        # The one parser: one event only, the root's start, where the root and the DOCTYPE are checked
+        # (``_check_root``). Entries are read by walking the root's children.
         self._parser = etree.XMLPullParser(events=("start",), tag=_ROOT_TAGS, **_HARDENED)
-        # Sniffer: sees the first start tag whatever its name, so a wrong root or a DOCTYPE with
-        # entities is refused before anything else is built. Dropped once the root is seen.
-        self._sniffer: etree.XMLPullParser | None = etree.XMLPullParser(events=("start",), **_HARDENED)
+        # A document whose first _SNIFF bytes gave no <urlset>/<sitemapindex> start (a wrong root, or a
+        # long prolog) is read by a second parser too, that sees the first start tag whatever its name,
+        # so that a wrong root is refused early rather than after the whole document is built. Kept
+        # apart for those: a second parser for every document cost ~0.4 ms each.
+        self._sniffer: etree.XMLPullParser | None = None
+        self._unsniffed: list[bytes] | None = []  # what was fed before the root showed, up to _SNIFF
         self._root: etree._Element | None = None
         self._entry_tag = URL_TAG
         self._other_entry_tag = SITEMAP_TAG
@@ -288,7 +292,7 @@ class DocumentReader:
             except etree.XMLSyntaxError as exc:
                 raise self._syntax_error(self._parser, exc, closing=True) from None
             self._check_log()
-            if self._sniffer is not None:  # cannot happen for a well-formed document; belt and braces
+            if self._head is None:  # a root no event showed (a wrong one): refused here
                 self._check_root(root)
             if self._root is None:
                 self._root = root
@@ -299,7 +303,7 @@ class DocumentReader:
             self._error = exc
             raise
         finally:
-            self._root = self._sniffer = None
+            self._root = self._sniffer = self._unsniffed = None
         return out
 
     # -- feeding -------------------------------------------------------------------------------------
@@ -317,13 +321,36 @@ class DocumentReader:
         events = self._parser.read_events()
         if self._root is None:
             for _event, el in events:
+                if self._head is None:
+                    # A <urlset> inside another element is not the root: the real one is refused.
+                    parent = el.getparent()
+                    self._check_root(el if parent is None else el.getroottree().getroot())
                 self._root = el
+                self._sniffer = self._unsniffed = None
                 break
             else:
+                self._no_root_yet(chunk)
                 return
         for _ in events:  # nested <urlset>s deeper down: drop their events
             pass
         self._walk(out, final=False)
+
+    def _no_root_yet(self, chunk: bytes) -> None:
+        """No root start after ``chunk``: past _SNIFF bytes, a sniffer reads what came so far (and then
+        every slice) to refuse a wrong root before the rest of the document is built."""
+        if self._head is not None:
+            return
+        if self._sniffer is None:
+            held = self._unsniffed
+            if held is None:
+                return
+            held.append(chunk)
+            if self._fed < _SNIFF:
+                return
+            self._unsniffed = None
+            self._sniffer = etree.XMLPullParser(events=("start",), **_HARDENED)
+            self._sniff(b"".join(held))
+        # (a sniffer that exists was fed ``chunk`` by ``_feed_slice`` already)
 
     def _sniff(self, chunk: bytes) -> None:
         sniffer = self._sniffer
@@ -334,7 +361,7 @@ class DocumentReader:
                 raise self._syntax_error(sniffer, exc) from None
             for _event, el in sniffer.read_events():
                 self._check_root(el)
-                self._sniffer = None
+                self._sniffer = None  # the root is right: the one parser will show it
                 return
 
     def _check_root(self, root: etree._Element) -> None:

@@ -1,0 +1,317 @@
+"""Many small Sources against one big one: is a resource harvested from 300 Sources of 20 as cheap as one
+from a single Source of 6,000?
+
+The upstream is one server on loopback (hypercorn in a process of its own, ``aggregator.serving``) that
+makes up the documents: for every Source ``/sI/`` a Capability List and a Resource List (md5 hashes,
+lengths) of its resources ``/sI/r/J`` (0.5-2 KB of text each). Both cases configure their Sources by
+their Capability List URL and run ``rsagg harvest --once`` with rsagg's defaults (nothing tuned: the same
+``per_host``, ``workers``, batch size), each in a fresh folder, as a child process: wall time from start
+to exit, CPU and peak RSS from ``os.wait4``. Cases, interleaved ``--repeat`` times (medians shown):
+
+- ``one``: one Source of N×M resources;
+- ``many``: N Sources of M resources each (N×M in all, the same bodies).
+
+The table gives time, CPU, the ratio many/one of each, the extra CPU and memory per Source, and the load
+average of the machine next to each run. ``--profile FILE`` also runs both cases under cProfile
+and prints the functions whose time grows most from one to many (the per-source cost).
+
+    python benchmarks/bench_many_sources.py                      # 300 x 20 vs 1 x 6000, 3 rounds
+    python benchmarks/bench_many_sources.py --sources 100 --per-source 20 --repeat 1   # quick look
+    python benchmarks/bench_many_sources.py --profile /tmp/many.prof --repeat 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import os
+import pstats
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from _harness import ROOT, Finished, run_child
+
+TARGET = 1.3  # many/one, per resource
+RS = "http://www.openarchives.org/rs/terms/"
+SM = "http://www.sitemaps.org/schemas/sitemap/0.9"
+
+
+# -- the upstream: documents made up on request (child process) ----------------------------------------
+
+
+def bodies(sources: int, per_source: int, seed: int = 1) -> list[bytes]:
+    """The ``sources * per_source`` resource bodies, the same in both cases (``/sI/r/J`` is body I*M+J)."""
+    rng = random.Random(seed)
+    return [rng.randbytes(rng.randrange(256, 1024)).hex().encode() for _ in range(sources * per_source)]
+
+
+def upstream_app(sources: int, per_source: int, big: int):
+    """An ASGI app: ``/sI/capabilitylist.xml``, ``/sI/resourcelist.xml``, ``/sI/r/J`` for I < ``sources``
+    (``per_source`` resources each), and ``/big/...`` of ``big`` resources (the same bodies)."""
+    data = bodies(max(sources, 1), per_source) if sources else bodies(1, big)
+    md5 = [hashlib.md5(b).hexdigest() for b in data]
+
+    def capabilitylist(base: str) -> bytes:
+        return (
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<urlset xmlns="{SM}" xmlns:rs="{RS}">'
+            f'<rs:md capability="capabilitylist"/>'
+            f'<url><loc>{base}resourcelist.xml</loc><rs:md capability="resourcelist"/></url></urlset>\n'
+        ).encode()
+
+    def resourcelist(base: str, first: int, count: int) -> bytes:
+        lines = [
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<urlset xmlns="{SM}" xmlns:rs="{RS}">'
+            f'<rs:ln rel="up" href="{base}capabilitylist.xml"/>'
+            f'<rs:md capability="resourcelist" at="2026-01-01T00:00:00Z" completed="2026-01-01T00:00:01Z"/>'
+        ]
+        for j in range(count):
+            k = first + j
+            lines.append(
+                f"<url><loc>{base}r/{j}</loc><lastmod>2026-01-01T00:00:00Z</lastmod>"
+                f'<rs:md hash="md5:{md5_b64[k]}" length="{len(data[k])}" type="text/plain"/></url>'
+            )
+        lines.append("</urlset>\n")
+        return "\n".join(lines).encode()
+
+    md5_b64 = [base64.b64encode(bytes.fromhex(h)).decode() for h in md5]
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        host = dict(scope["headers"]).get(b"host", b"127.0.0.1").decode()
+        path = scope["path"]
+        status, ctype, body = 404, "text/plain", b"not found\n"
+        parts = path.strip("/").split("/")
+        if parts[0] == "big" and big:
+            first, count, base = 0, big, f"http://{host}/big/"
+        elif parts[0].startswith("s") and parts[0][1:].isdigit() and int(parts[0][1:]) < sources:
+            i = int(parts[0][1:])
+            first, count, base = i * per_source, per_source, f"http://{host}/{parts[0]}/"
+        else:
+            count = -1
+        if count >= 0:
+            if parts[1:] == ["capabilitylist.xml"]:
+                status, ctype, body = 200, "application/xml", capabilitylist(base)
+            elif parts[1:] == ["resourcelist.xml"]:
+                status, ctype, body = 200, "application/xml", resourcelist(base, first, count)
+            elif len(parts) == 3 and parts[1] == "r" and parts[2].isdigit() and int(parts[2]) < count:
+                status, body = 200, data[first + int(parts[2])]
+        headers = [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def serve_main(sources: int, per_source: int, big: int) -> int:
+    """Child mode: serve the made-up Sources; print the base URL once listening; stop on SIGTERM."""
+    import trio
+
+    sys.path.insert(0, str(ROOT))
+    from aggregator.serving import serve
+
+    app = upstream_app(sources, per_source, big)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(lambda task_status: serve(app, port=0, task_status=task_status))
+            print(url, flush=True)
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+    trio.run(main)
+    return 0
+
+
+class Upstream:
+    """The upstream server process of one case."""
+
+    def __init__(self, sources: int, per_source: int, big: int, log: Path) -> None:
+        cmd = [sys.executable, __file__, "--serve", "--sources", str(sources), "--per-source",
+               str(per_source), "--big", str(big)]  # fmt: skip
+        with log.open("ab") as err:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
+        line = self.proc.stdout.readline().decode().strip()  # type: ignore[union-attr]
+        if not line.startswith("http://"):
+            self.proc.kill()
+            raise SystemExit(f"the upstream did not start (see {log})")
+        self.base = line.rstrip("/")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- the runs ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    case: str
+    sources: int
+    resources: int
+    done: Finished
+    load: float
+
+    @property
+    def per_resource_ms(self) -> float:
+        return self.done.wall / self.resources * 1000
+
+
+def config_text(base: str, sources: int) -> str:
+    """rsagg's configuration: defaults, the store in ``data``, ``sources`` Sources (0: the big one)."""
+    lines = ['[store]\npath = "data"\n']
+    if sources == 0:
+        lines.append(f'[[sources]]\nname = "big"\nurl = "{base}/big/capabilitylist.xml"\n')
+    for i in range(sources):
+        lines.append(f'[[sources]]\nname = "s{i}"\nurl = "{base}/s{i}/capabilitylist.xml"\n')
+    return "\n".join(lines)
+
+
+def harvest(work: Path, name: str, base: str, sources: int, total: int, profile: str = "") -> Run:
+    folder = work / name
+    folder.mkdir(parents=True)
+    (folder / "rsagg.toml").write_text(config_text(base, sources))
+    cmd = [sys.executable]
+    if profile:
+        cmd += ["-m", "cProfile", "-o", profile]
+    cmd += ["-m", "aggregator", "harvest", "--once", "-c", "rsagg.toml", "--log-level", "warning"]
+    load = os.getloadavg()[0]
+    done = run_child(cmd, folder, "rsagg")
+    out = (folder / "rsagg.out").read_text()
+    ok = out.count(": ok: ")
+    if done.code != 0 or ok != max(sources, 1):
+        raise SystemExit(f"{name}: rsagg exited {done.code} with {ok} source(s) ok (see {folder})")
+    fetched = sum(int(line.split(" entries, ")[1].split(" fetched")[0]) for line in out.splitlines()
+                  if ": ok: " in line)  # fmt: skip
+    if fetched != total:
+        raise SystemExit(f"{name}: {fetched} resources fetched, expected {total} (see {folder})")
+    return Run("many" if sources else "one", max(sources, 1), total, done, load)
+
+
+def one_round(work: Path, r: int, n: int, m: int) -> list[Run]:
+    runs = []
+    for sources in (0, n) if r % 2 == 0 else (n, 0):  # interleaved, alternating the order
+        up = Upstream(n if sources else 0, m, 0 if sources else n * m, work / "upstream.log")
+        try:
+            runs.append(harvest(work, f"{'many' if sources else 'one'}-{r}", up.base, sources, n * m))
+        finally:
+            up.stop()
+    return runs
+
+
+def median(runs: list[Run], case: str, f) -> float:
+    return statistics.median(f(r) for r in runs if r.case == case)
+
+
+def table(runs: list[Run], n: int, m: int) -> str:
+    rows = [
+        f"{'case':<24} {'time s':>8} {'CPU s':>8} {'of it sys':>9} {'RSS MB':>8} {'ms/res':>8} {'load':>6}"
+    ]
+    for r in runs:
+        label = f"{r.case} ({r.sources} x {r.resources // r.sources})"
+        rows.append(f"{label:<24} {r.done.wall:8.2f} {r.done.cpu:8.2f} {r.done.usage.ru_stime:9.2f} "
+                    f"{r.done.rss_mb:8.1f} {r.per_resource_ms:8.3f} {r.load:6.2f}")  # fmt: skip
+    t1, tn = median(runs, "one", lambda r: r.done.wall), median(runs, "many", lambda r: r.done.wall)
+    c1, cn = median(runs, "one", lambda r: r.done.cpu), median(runs, "many", lambda r: r.done.cpu)
+    m1, mn = median(runs, "one", lambda r: r.done.rss_mb), median(runs, "many", lambda r: r.done.rss_mb)
+    rows.append("")
+    rows.append(f"medians: one {t1:.2f} s / {c1:.2f} s CPU / {m1:.1f} MB; many {tn:.2f} s / {cn:.2f} s CPU / "
+                f"{mn:.1f} MB")  # fmt: skip
+    verdict = "met" if tn / t1 <= TARGET else "NOT met"
+    rows.append(f"many/one: {tn / t1:.2f}x the time, {cn / c1:.2f}x the CPU (target <= {TARGET}x: {verdict})")
+    rows.append(f"per extra source: {(cn - c1) / (n - 1) * 1000:+.1f} ms CPU, "
+                f"{(mn - m1) * 1024 / (n - 1):+.0f} KB")  # fmt: skip
+    return "\n".join(rows)
+
+
+def show_profile(one: str, many: str, top: int = 40) -> None:
+    """The functions whose own time grows most from the one case to the many case (the per-source cost;
+    main thread only: state writes in worker threads are not in it)."""
+    a, b = pstats.Stats(one).stats, pstats.Stats(many).stats  # type: ignore[attr-defined]
+    rows = []
+    for key, (_cc, nc, tt, ct, _) in b.items():
+        _cc1, nc1, tt1, ct1, _ = a.get(key, (0, 0, 0.0, 0.0, None))
+        rows.append((tt - tt1, ct - ct1, nc - nc1, key))
+    print(f"\n{'own s +':>8} {'cum s +':>8} {'calls +':>8}  function (many - one)")
+    for dt, dc, dn, (file, line, name) in sorted(rows, reverse=True)[:top]:
+        print(f"{dt:8.3f} {dc:8.3f} {dn:8d}  {name} {Path(file).name}:{line}")
+    print(f"\n{'cum s +':>8} {'own s +':>8} {'calls +':>8}  function, by cumulative (many - one)")
+    for dt, dc, dn, (file, line, name) in sorted(rows, key=lambda r: r[1], reverse=True)[:top]:
+        print(f"{dc:8.3f} {dt:8.3f} {dn:8d}  {name} {Path(file).name}:{line}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sources", type=int, default=300, help="N: Sources in the many case (default 300)")
+    p.add_argument("--per-source", type=int, default=20, help="M: resources per Source (default 20)")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="also run both cases under cProfile (into FILE.one, FILE.many) and show the difference",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--big", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve:
+        return serve_main(args.sources, args.per_source, args.big)
+    n, m = args.sources, args.per_source
+    work = Path(tempfile.mkdtemp(prefix="rsagg-many-"))
+    from importlib.metadata import entry_points
+
+    plugins = ", ".join(sorted(ep.name for ep in entry_points(group="rsagg"))) or "none"
+    print(f"work folder {work}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; "
+          f"{n} sources x {m} resources vs 1 x {n * m}; rsagg defaults; plugins installed: {plugins}",
+          flush=True)  # fmt: skip
+    runs: list[Run] = []
+    try:
+        for r in range(args.repeat):
+            runs += one_round(work, r, n, m)
+            print(
+                f"round {r + 1}: " + ", ".join(f"{x.case} {x.done.wall:.2f} s" for x in runs[-2:]), flush=True
+            )
+        if runs:
+            print(table(runs, n, m))
+        if args.profile:
+            for sources in (0, n):
+                up = Upstream(n if sources else 0, m, 0 if sources else n * m, work / "upstream.log")
+                try:
+                    harvest(work, f"profile-{sources}", up.base, sources, n * m,
+                            profile=f"{args.profile}.{'many' if sources else 'one'}")  # fmt: skip
+                finally:
+                    up.stop()
+            show_profile(f"{args.profile}.one", f"{args.profile}.many")
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+    finally:
+        if not args.keep:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

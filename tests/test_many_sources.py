@@ -1,0 +1,321 @@
+"""Many small sources cost what one big source costs, per resource: the mechanisms, counted (never timed;
+the speed is measured by benchmarks/bench_many_sources.py).
+
+- the state calls of a harvest of K sources (and the rows they return) grow linearly with K: no step
+  reads what every source holds (a pipeline once read every set of every source);
+- a sync's status writes take one state write of their own (the final one), the others ride along;
+- a document is read by one XML parser (a second, sniffing, parser only for a root that does not show
+  in the first bytes);
+- sources sharing an origin share its connections, while a connection opened under a pin serves only
+  requesters with that same trust;
+- a request finds its source by name, not by walking every configured source.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from lxml import etree
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from aggregator import outbound
+from aggregator.harvest import context as context_mod
+from aggregator.harvest import pipeline
+from aggregator.harvest.access import Access
+from aggregator.harvest.context import HarvestContext
+from aggregator.metrics import current_source
+from aggregator.rs import parse
+from aggregator.rs.model import RS_NS, SITEMAP_NS
+from aggregator.rs.parse import DocumentError, DocumentReader
+from aggregator.store.state import State, open_state
+from aggregator.testing.upstream import Upstream
+from tests.harvesting import harvest, make_config
+from tests.httpserver import serve_app
+
+STATUS_WRITES = {"set_source_status", "upsert_source", "put_upstream_notes"}
+
+
+# -- the state: calls and rows linear in the number of sources ----------------------------------------
+
+
+class StateCalls:
+    """Counts every call of a public ``State`` method, and the rows (items) each returned."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: Counter[str] = Counter()
+        self.rows: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        for name in dir(State):
+            fn = getattr(State, name)
+            if name.startswith("_") or not callable(fn) or isinstance(fn, type):
+                continue
+            monkeypatch.setattr(State, name, self._counted(name, fn))
+
+    def _counted(self, name: str, fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            n = len(out) if isinstance(out, list | set | dict | tuple | frozenset) else 0
+            with self._lock:
+                self.calls[name] += 1
+                self.rows[name] += n
+            return out
+
+        return counted
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.rows.clear()
+
+    @property
+    def cost(self) -> int:
+        return sum(self.calls.values()) + sum(self.rows.values())
+
+
+def many_sources(k: int) -> tuple[Upstream, list[str]]:
+    """An upstream with ``k`` sets of one resource each: ``k`` sources, by their Capability Lists."""
+    names = [f"s{i}" for i in range(k)]
+    up = Upstream(sets=names, resource_dump=False, change_dump=False, change_list=False)
+    for name in names:
+        up.create("r.txt", f"resource of {name}".encode(), set_name=name)
+    return up, names
+
+
+async def test_state_calls_and_rows_grow_linearly_with_the_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(context_mod, "PROGRESS_SAVE_EVERY", 1e9)  # no progress saves on the clock
+    counted = StateCalls(monkeypatch)
+    writes: list[str] = []
+    real_write = HarvestContext.write
+
+    async def write(self, fn, *args, **kwargs):
+        writes.append(getattr(fn, "__name__", ""))
+        return await real_write(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(HarvestContext, "write", write)
+    costs: dict[int, int] = {}
+    for k in (1, 4, 12):
+        up, names = many_sources(k)
+        async with up.serving():
+            config = make_config(
+                tmp_path / f"store{k}", {n: up.doc_url("capabilitylist.xml", n) for n in names}
+            )
+            counted.reset()
+            writes.clear()
+            results = await harvest(config)
+        assert all(r.ok for r in results.values()) and len(results) == k
+        costs[k] = counted.cost
+        # One status write of its own per sync (the final one); the others rode along with it or
+        # with the sync's other writes, and all of them happened.
+        assert sum(1 for w in writes if w in STATUS_WRITES) == k
+        assert counted.calls["upsert_source"] == k and counted.calls["put_upstream_notes"] == k
+        with open_state(config) as state:
+            rows = {s.name: s for s in state.sources()}
+        assert {n: (rows[n].state, rows[n].last_attempt is not None) for n in names} == {
+            n: ("ok", True) for n in names
+        }
+    low, high = (costs[4] - costs[1]) / 3, (costs[12] - costs[4]) / 8
+    # Linear: each more source adds the same calls and rows (a read of every source's sets per
+    # pipeline added k rows per source: the marginal cost grew with k).
+    assert high <= low + 1, costs
+
+
+# -- one parser per document ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def parsers(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The XMLPullParsers the document reader builds (their options)."""
+    made: list[dict] = []
+    real = etree.XMLPullParser
+
+    def make(*args, **kwargs):
+        made.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(parse.etree, "XMLPullParser", make)
+    return made
+
+
+def _document(rng: random.Random, root: str, n: int) -> bytes:
+    prolog = rng.choice(["", '<?xml version="1.0" encoding="UTF-8"?>\n', "<?xml version='1.0'?>"])
+    for _ in range(rng.randrange(3)):
+        prolog += rng.choice(["\n", "<!-- a comment <urlset> -->", "<?pi data?>", "  "])
+    if rng.random() < 0.3:
+        prolog += f"<!DOCTYPE {root}>"
+    entry = "url" if root == "urlset" else "sitemap"
+    entries = "".join(
+        f'<{entry}><loc>http://example.org/{i}</loc><rs:md hash="md5:1B2M2Y8AsgTpgAmY7PhCfg=="/></{entry}>'
+        for i in range(n)
+    )
+    return (
+        f'{prolog}<{root} xmlns="{SITEMAP_NS}" xmlns:rs="{RS_NS}"><rs:md capability="resourcelist"/>'
+        f"{entries}</{root}>"
+    ).encode()
+
+
+def _read(data: bytes, sizes: random.Random | None) -> list:
+    reader = DocumentReader("http://example.org/doc")
+    out: list = []
+    i = 0
+    while i < len(data):
+        step = sizes.randrange(1, 3000) if sizes else len(data)
+        out += reader.feed(data[i : i + step])
+        i += step
+    return out + reader.close()
+
+
+def test_a_document_is_read_by_one_parser(parsers: list[dict]) -> None:
+    rng = random.Random(28)
+    for _ in range(200):
+        data = _document(rng, rng.choice(["urlset", "sitemapindex"]), rng.randrange(40))
+        parsers.clear()
+        chunked = _read(data, rng)
+        assert len(parsers) == 1, data[:200]
+        assert chunked == _read(data, None)  # the same items, however the bytes arrive
+
+
+def test_a_wrong_root_is_refused_early_whatever_its_shape(parsers: list[dict]) -> None:
+    """A wrong root, also one that holds a <urlset> or comes after a long prolog, is refused within the
+    first slices, not after the whole document is built."""
+    rng = random.Random(2)
+    filler = "<p>" + "x" * 200 + "</p>"
+    shapes = [
+        ("<html>", "</html>", "root element is <html>"),
+        ('<x:urlset xmlns:x="http://example.org/ns">', "</x:urlset>", "expected 'http://www.sitemaps"),
+        ("<urlset>", "</urlset>", "in namespace 'none'"),
+        (f'<wrap><urlset xmlns="{SITEMAP_NS}">', "</urlset></wrap>", "root element is <wrap>"),
+        (f"<!-- {'c' * 9000} --><feed>", "</feed>", "root element is <feed>"),
+    ]
+    for start, end, reason in shapes:
+        data = (start + filler * 5000 + end).encode()  # about 1 MB
+        reader = DocumentReader("http://example.org/doc")
+        fed = 0
+        with pytest.raises(DocumentError) as ei:
+            while fed < len(data):
+                step = rng.randrange(512, 8192)
+                reader.feed(data[fed : fed + step])
+                fed += step
+            reader.close()
+        assert reason in ei.value.reason, (start, ei.value.reason)
+        assert fed < 64 * 1024 + 8192, (start, fed)  # refused early
+    # A right root after a prolog longer than the first bytes: read, by the parser and a sniffer.
+    parsers.clear()
+    data = _document(rng, "urlset", 3)
+    at = data.index(b"<urlset")
+    data = data[:at] + f"<!-- {'c' * 9000} -->".encode() + data[at:]
+    assert len([x for x in _read(data, rng) if hasattr(x, "loc")]) == 3
+    assert len(parsers) == 2
+
+
+# -- connections per origin -------------------------------------------------------------------------
+
+
+async def test_sources_sharing_an_origin_share_its_connections(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twelve sources on one (loopback, so pinned) origin: no more connections than the per-host
+    limit allows at once, not one (or more) per source; and no more tasks than they have changes."""
+    opened: list[tuple[str, int]] = []
+    real = outbound.PolicedBackend.connect_tcp
+
+    async def connect_tcp(self, host, port, *args, **kwargs):
+        opened.append((host, port))
+        return await real(self, host, port, *args, **kwargs)
+
+    monkeypatch.setattr(outbound.PolicedBackend, "connect_tcp", connect_tcp)
+    tasks: list[int] = []
+    real_run = pipeline._Workers._run
+
+    async def run(self, *args):
+        tasks.append(1)
+        return await real_run(self, *args)
+
+    monkeypatch.setattr(pipeline._Workers, "_run", run)
+    up, names = many_sources(12)
+    async with up.serving():
+        config = make_config(tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n in names})
+        results = await harvest(config)
+    assert all(r.ok for r in results.values())
+    assert sum(up.counts.values()) >= 3 * 12  # a Capability List, a Resource List, a resource each
+    assert 1 <= len(opened) <= config.harvest.per_host < len(names)
+    # A set of one change starts one fetch task (and one filter task when a filter plugin is
+    # installed), not ``harvest.workers`` of each.
+    assert len(tasks) <= 2 * len(names) < config.harvest.workers * len(names)
+
+
+async def test_a_pinned_connection_serves_only_requesters_of_the_same_trust() -> None:
+    """Per (origin, trust): requesters pinned to the same networks share connections; a requester
+    pinned elsewhere gets its own; one without a pin is refused (loopback), never handed a pinned one."""
+    seen: list[int] = []  # the client port (the connection) of each request served
+
+    async def res(request: Request) -> Response:
+        assert request.client is not None
+        seen.append(request.client.port)
+        return Response(b"ok")
+
+    async with serve_app(Starlette(routes=[Route("/res", res)])) as base:
+        url = httpx.URL(f"{base}/res")
+        here = outbound.parse_networks(["127.0.0.1/32"])
+        wider = outbound.parse_networks(["127.0.0.0/8"])
+        pins = {(url.host, url.port): {"a": here, "b": here, "c": wider}}
+        transport = outbound.transport(outbound.AddressPolicy(pins=pins))  # type: ignore[arg-type]
+        served: dict[str, set[int]] = {}
+        try:
+            for who in ("a", "b", "a", "c", "c", "b"):
+                with outbound.acting_for(who):
+                    response = await transport.handle_async_request(httpx.Request("GET", url))
+                    await response.aread()
+                    await response.aclose()
+                served.setdefault(who, set()).add(seen[-1])
+            with outbound.acting_for("d"), pytest.raises(httpx.ConnectError):
+                await transport.handle_async_request(httpx.Request("GET", url))
+        finally:
+            await transport.aclose()
+    assert len(seen) == 6
+    # a and b (the same trust): one connection between them, kept alive; c: its own, never theirs.
+    assert served["a"] == served["b"] and len(served["a"]) == 1
+    assert len(served["c"]) == 1 and not served["c"] & served["a"]
+
+
+# -- per-request lookups of the source ----------------------------------------------------------------
+
+
+class _CountedList(list):
+    """A list that counts the times it is walked."""
+
+    walks = 0
+
+    def __iter__(self):
+        type(self).walks += 1
+        return super().__iter__()
+
+
+async def test_a_request_finds_its_source_without_walking_every_source(tmp_path: Path) -> None:
+    """The Fetcher's request hook looks its source up by name: requests for K sources walk the list
+    of sources a bounded number of times, not once per request (quadratic in the sources)."""
+    k = 50
+    config = make_config(tmp_path / "store", {f"s{i}": f"http://127.0.0.{1 + i % 5}/s{i}/" for i in range(k)})
+    object.__setattr__(config, "sources", _CountedList(config.sources))  # frozen: set underneath
+    access = Access(config)
+    _CountedList.walks = 0
+    for round_ in range(3):
+        for i in range(k):
+            token = current_source.set(f"s{i}")
+            try:
+                request = httpx.Request("GET", f"http://127.0.0.{1 + i % 5}/s{i}/r{round_}")
+                await access(request)
+            finally:
+                current_source.reset(token)
+            assert request.headers["User-Agent"]
+    assert _CountedList.walks <= 2, _CountedList.walks
