@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
-import trio
-
-from ..compose import open_context
-from ..harvest.audit import Difference, audit_source
 from ._common import add_config_arguments, start
+
+if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
+    from ..harvest.audit import Difference
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def _audit(
     config, names: list[str]
 ) -> tuple[dict[str, list[Difference]], dict[str, int], dict[str, str]]:
+    import trio
+
+    from ..compose import open_context
+    from ..harvest.audit import audit_source
+
     shown: dict[str, list[Difference]] = {}
     counts: dict[str, int] = {}
     errors: dict[str, str] = {}
@@ -49,6 +54,8 @@ async def _audit(
 
 
 def run(args: argparse.Namespace) -> int:
+    import trio
+
     config = start(args)
     if config is None:
         return 2

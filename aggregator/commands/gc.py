@@ -18,14 +18,13 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..harvest.context import open_blob_store, prepare_store
-from ..plugins import Plugins
-from ..publish import dumps
-from ..store.blobs import BlobStore
-from ..store.lock import store_lock
-from ..store.state import State, open_state
 from ._common import add_config_arguments, start
+
+if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
+    from ..store.blobs import BlobStore
+    from ..store.state import State
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +82,8 @@ def collect_garbage(
     """
     # The cutoff is taken before the references are read (their snapshot is taken at the first next()):
     # a blob older than it that a harvest names after the snapshot was stored more than ``grace`` before.
+    from ..publish import dumps
+
     cutoff = None if grace <= 0 else (time.time() if now is None else now) - grace
     removed = freed = kept = 0
     # Both streams come sorted ascending: a merge needs neither a set in memory nor a sha256 index.
@@ -109,6 +110,11 @@ def collect_garbage(
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..harvest.context import open_blob_store, prepare_store
+    from ..plugins import Plugins
+    from ..store.lock import store_lock
+    from ..store.state import open_state
+
     config = start(args, sources_needed=False)  # a store outlives its sources: gc works without any
     if config is None:
         return 2
