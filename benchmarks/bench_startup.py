@@ -67,7 +67,8 @@ def time_one(argv: list[str], cwd: Path, root: Path) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
     parser.add_argument("--runs", type=int, default=11, help="runs of each command (median shown)")
     parser.add_argument(
         "--root", type=Path, default=ROOT, help="the rsagg checkout to time (default: this one)"
