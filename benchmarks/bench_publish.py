@@ -121,7 +121,13 @@ def fill(store: Path, n: int) -> dict:
     return {"seconds": time.perf_counter() - start, "set": name}
 
 
-def serve_rsagg(store: Path, port: int, offload: str, plugins: bool) -> None:
+def serve_rsagg(store: Path, port: int, offload: str, plugins: bool, dumps: str = "off") -> None:
+    """The publisher alone; ``dumps``: also build a Resource Dump of the whole set over and over meanwhile
+    (as the daemon does at its interval, here without pause and without skipping an unchanged set), in a
+    trio worker thread at normal priority (``thread``) or as the daemon does (``low``:
+    ``schedule.run_low_priority``), so a GET load shows what building dumps costs serving."""
+    from functools import partial
+
     import trio
 
     from aggregator.publish.app import create_app
@@ -131,7 +137,29 @@ def serve_rsagg(store: Path, port: int, offload: str, plugins: bool) -> None:
     blobs = FileBlobStore(store / "blobs")
     config = bench_config(store, port, offload, plugins)
     app = create_app(config, blobs=blobs, state_path=store / "state.db")
-    trio.run(serve, app, "127.0.0.1", port)
+    if dumps == "off":
+        trio.run(serve, app, "127.0.0.1", port)
+        return
+    from aggregator.publish.schedule import build_due, open_dump_builder, run_low_priority
+
+    builder = open_dump_builder(config, blobs)
+    assert builder is not None
+    builder._changed_since = lambda run, ids: True  # a benchmark: build again every round
+
+    async def build_forever() -> None:
+        while True:
+            build = partial(build_due, builder, resource_dumps=True)
+            if dumps == "low":
+                await run_low_priority(build)
+            else:
+                await trio.to_thread.run_sync(build, abandon_on_cancel=True)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(build_forever)
+            await serve(app, "127.0.0.1", port)
+
+    trio.run(main)
 
 
 def load(urls_file: Path, requests: int, concurrency: int, timeout: float) -> dict:
@@ -241,11 +269,12 @@ class Servers:
 
 
 def start_rsagg(
-    servers: Servers, store: Path, offload: str = "none", plugins: bool = False
+    servers: Servers, store: Path, offload: str = "none", plugins: bool = False, dumps: str = "off"
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, __file__, "--serve", str(store), "--port", str(port), "--offload", offload]
     cmd += ["--plugins"] if plugins else []
+    cmd += ["--dumps", dumps]
     proc = servers.start(cmd)
     base = f"http://127.0.0.1:{port}"
     wait_until_up(base + "/robots.txt", proc)
@@ -458,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-wrk", action="store_true", help="use the httpx load generator even if wrk is here")
     p.add_argument("--no-nginx", action="store_true", help="do not compare with nginx")
     p.add_argument(
+        "--dumps",
+        choices=("off", "thread", "low"),
+        default="off",
+        help="rsagg alone builds Resource Dumps without pause meanwhile: in a trio worker thread (thread) "
+        "or as the daemon does, a niced thread of its own (low); the table says which",
+    )
+    p.add_argument(
         "--plugins",
         action="store_true",
         help="keep the installed third-party plugins (default: rsagg's own only, as deployed)",
@@ -473,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(fill(Path(args.fill), args.resources)))
         return 0
     if args.serve:
-        serve_rsagg(Path(args.serve), args.port, args.offload, args.plugins)
+        serve_rsagg(Path(args.serve), args.port, args.offload, args.plugins, args.dumps)
         return 0
     if args.load:
         print(json.dumps(load(Path(args.load), args.requests, args.concurrency, args.timeout)))
@@ -522,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
             # times: each server's best round counts, so a burst of other work on the shared machine
             # does not decide a ratio alone.
             targets: dict[str, tuple[str, list[str]]] = {}
-            alone, base = start_rsagg(servers, store, plugins=args.plugins)
+            alone, base = start_rsagg(servers, store, plugins=args.plugins, dumps=args.dumps)
             targets["rsagg"] = (base, rsagg_paths)
             if not args.no_nginx and nginx_binary():
                 _, base = start_rsagg(servers, store, "x-accel", args.plugins)
@@ -589,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(row(f"GET {name} ({r['tool']}, c={args.concurrency})", f"{r['rps']:,.0f} req/s",
                          f"load {r['load']:.2f}"))  # fmt: skip
         lines.append(row(f"  GET {name} errors / requests", f"{r['errors']} / {r['requests']:,}"))
+    if args.dumps != "off":
+        lines.append(f"rsagg alone built Resource Dumps meanwhile (--dumps {args.dumps})")
     if "nginx" in loads:
         lines.append("nginx (static) runs with the shipped config/nginx.conf's settings (open_file_cache...)")
     for ours, theirs, target in (("rsagg", "http.server", 1.0), ("rsagg", "nginx", 0.25),
