@@ -55,7 +55,7 @@ BENCHES = [
     Bench("notify", "bench_notify.py", (), ("--changes", "20")),
     Bench("abuse", "bench_abuse.py", (), ("--seconds", "5")),
     Bench("cluster", "bench_cluster.py", (),
-          ("--resources=500", "--repeat=1", "--sources=4", "--per-source=10")),
+          ("--resources=500", "--repeat=1", "--sources=12", "--per-source=5")),
 ]  # fmt: skip
 
 
