@@ -87,3 +87,12 @@ def test_version_names_the_document_parser() -> None:
     )
     assert done.returncode == 0
     assert done.stdout.startswith("rsagg ") and "document parser:" in done.stdout
+
+
+def test_loading_the_plugins_imports_no_storage_client() -> None:
+    """``rsagg plugins`` loads every installed plugin (as status, retries and harvest do): the S3 plugin
+    imports boto3 only when a store is made (plugins/rsagg-s3)."""
+    pytest.importorskip("rsagg_s3")
+    loaded = _loaded(["plugins", "--json"])
+    assert "rsagg_s3" in loaded  # the plugin was loaded ...
+    assert [m for m in loaded if m.split(".")[0] in ("boto3", "botocore", "s3transfer")] == []  # ... alone
