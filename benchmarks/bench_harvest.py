@@ -45,6 +45,8 @@ from pathlib import Path
 
 from _harness import ROOT, harvest_once, run_child
 
+#: rsagg's default ``harvest.per_host`` (aggregator/config.py): requests at a time to one host.
+DEFAULT_PER_HOST = 8
 TARGETS = {"ratio_latency": 20.0, "ratio_loopback": 1.0, "big_rss_mb": 150.0}
 FILES_PER_DIR = 100  # the sample for resync is made of whole folders
 
@@ -439,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in verdicts(runs, delayed, loopback, big_case):
         print(line)
+    ours = next((r for r in runs if r.case == delayed and r.tool == "rsagg" and r.ok), None)
+    if ours and args.latency_ms > 0:  # per_host requests at a time, each one round trip: C / RTT
+        limit = (args.per_host or DEFAULT_PER_HOST) / (args.latency_ms / 1000)
+        print(f"{delayed}: rsagg {ours.rate:,.0f} resources/s = {ours.rate / limit:.2f} of its limit"
+              f" per_host / latency = {limit:,.0f}/s (the ratio to resync is bounded by it)")  # fmt: skip
     return 0 if all(r.ok for r in runs) else 1
 
 
