@@ -14,11 +14,11 @@ import sys
 
 from . import __version__
 from .commands._common import LOG_LEVELS, OperatorError, add_global_arguments
-from .config import ConfigError
-from .daemon import ListenError
-from .errors import environmental_leaf, is_environmental, operator_line
-from .store.interface import StateUnavailable
-from .store.lock import StoreLocked
+
+# Start-up: this module, ``commands/_common.py`` and each command module import at their top only what
+# building the parser needs (argparse and the standard library); what a command uses is imported when
+# it runs, so one-shot commands (``status``, ``validate``, ``--version``, ``--help``) do not pay for the
+# HTTP client, the server, trio or pydantic they do not use. tests/test_startup.py holds them to it.
 
 #: Sub-command -> module in aggregator.commands with ``add_arguments(parser)`` and ``run(args) -> int``.
 COMMANDS = {
@@ -46,10 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="ResourceSync aggregator. The options below may also follow the command name.",
         epilog="Commands that read a configuration need -c FILE; see 'rsagg COMMAND --help'.",
     )
-    from .rs.parse import SPEEDUPS
-
-    version = f"rsagg {__version__} (document parser: {'compiled fast path' if SPEEDUPS else 'pure Python'})"
-    parser.add_argument("--version", action="version", version=version)
+    parser.add_argument("--version", action=_Version, help="show the version and the document parser, exit")
     add_global_arguments(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
@@ -65,15 +62,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Version(argparse.Action):
+    """``--version``: names the document parser too, which is looked up only when asked (it imports lxml)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        from .rs.parse import SPEEDUPS
+
+        fast = "compiled fast path" if SPEEDUPS else "pure Python"
+        print(f"rsagg {__version__} (document parser: {fast})")  # on stdout, as argparse's "version" does
+        parser.exit()
+
+
 def _expected(exc: BaseException) -> BaseException | None:
     """The operator's mistake an exception (or a group, from trio's nurseries) is about, else None: a
     mistake rsagg names itself, else the machine's failure (disk full, read-only or vanished store, the
     state's database away: errors.environmental_leaf), which ``errors.operator_line`` says in one line."""
     found = _named(exc)
+    from .errors import environmental_leaf
+
     return found if found is not None else environmental_leaf(exc)
 
 
 def _named(exc: BaseException) -> BaseException | None:
+    # Imported here, on the way out with an error, not at start-up (see the note at the top).
+    from .config import ConfigError
+    from .daemon import ListenError
+    from .store.interface import StateUnavailable
+    from .store.lock import StoreLocked
+
     if isinstance(exc, ConfigError | OperatorError | StoreLocked | ListenError | StateUnavailable):
         return exc
     if isinstance(exc, BaseExceptionGroup):
@@ -101,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         found = _expected(exc)
         if found is None:
             raise
+        from .config import ConfigError
+        from .errors import is_environmental, operator_line
+
         if isinstance(found, ConfigError):
             print(f"rsagg {args.command}: config error: {found}", file=sys.stderr)
             return 2

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: rsagg's ``per_host`` and ``workers`` in these runs: its polite defaults (8 requests at a time per host)
-#: would cap a 50 ms upstream at 160 resources/s.
+#: rsagg's ``per_host`` and ``workers`` where a benchmark compares rsagg with itself (bench_cluster.py:
+#: SQLite next to PostgreSQL); its polite defaults (8 requests at a time per host) would cap a 50 ms
+#: upstream at 160 resources/s. Next to another tool (bench_harvest.py) each runs with its defaults.
 PER_HOST = 64
 HARVEST_ONCE = [sys.executable, "-m", "aggregator", "harvest", "--once", "-c", "rsagg.toml",
                 "--log-level", "warning"]  # fmt: skip
@@ -51,13 +52,14 @@ def run_child(cmd: list[str], cwd: Path, name: str) -> Finished:
     return Finished(wall, proc.returncode, usage)
 
 
-def harvest_once(folder: Path, base: str, *, state: str = "") -> Finished:
+def harvest_once(folder: Path, base: str, *, state: str = "", per_host: int | None = PER_HOST) -> Finished:
     """``rsagg harvest --once`` of the Source at ``base`` into a fresh store folder ``folder``
-    (``rsagg.toml``, the store in ``data``); ``state``: a ``[store] state`` location ("": SQLite)."""
+    (``rsagg.toml``, the store in ``data``); ``state``: a ``[store] state`` location ("": SQLite);
+    ``per_host``: ``harvest.per_host`` and ``harvest.workers`` (None: rsagg's defaults)."""
     folder.mkdir(parents=True)
     line = f'state = "{state}"\n' if state else ""
+    harvest = f"\n[harvest]\nper_host = {per_host}\nworkers = {per_host}\n" if per_host else ""
     (folder / "rsagg.toml").write_text(
-        f'[store]\npath = "data"\n{line}\n[harvest]\nper_host = {PER_HOST}\nworkers = {PER_HOST}\n\n'
-        f'[[sources]]\nname = "bench"\nurl = "{base}/"\n'
+        f'[store]\npath = "data"\n{line}{harvest}\n[[sources]]\nname = "bench"\nurl = "{base}/"\n'
     )
     return run_child(HARVEST_ONCE, folder, "rsagg")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from ..config import Config, ConfigError, load_config
-from ..logs import setup_logging
+if TYPE_CHECKING:  # imported by start(), not at start-up (aggregator/cli.py)
+    from ..config import Config
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -33,6 +34,9 @@ def start(args: argparse.Namespace, *, sources_needed: bool = True) -> Config | 
 
     A configuration without ``[[sources]]`` is refused by the commands that work on sources
     (``sources_needed``): doing nothing and exiting 0 would look like success."""
+    from ..config import ConfigError, load_config
+    from ..logs import setup_logging
+
     setup_logging(args.log_level, args.log_format)
     if not args.config:
         print(f"rsagg {args.command}: -c/--config FILE is required (the configuration file)", file=sys.stderr)

@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
-import trio
-
-from ..compose import open_context
-from ..harvest.audit import Difference, audit_source
-from ..harvest.reconcile import repair_source
 from ._common import add_config_arguments, start
+
+if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
+    from ..harvest.audit import Difference
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,8 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def _repair(config, names: list[str], max_lines: int) -> dict[str, str]:
     """Reconcile every set of the chosen sources now; print each difference and what came of it.
     Returns the sources that could not be repaired, with why."""
+    import trio
+
+    from ..compose import open_context
+    from ..harvest.reconcile import repair_source
+
     errors: dict[str, str] = {}
-    async with open_context(config) as ctx:
+    chosen = [s.name for s in config.sources if not names or s.name in names]
+    async with open_context(config, chosen) as ctx:  # only their secrets are needed
         for src in config.sources:
             if names and src.name not in names:
                 continue
@@ -71,6 +76,11 @@ async def _repair(config, names: list[str], max_lines: int) -> dict[str, str]:
 async def _audit(
     config, names: list[str]
 ) -> tuple[dict[str, list[Difference]], dict[str, int], dict[str, str]]:
+    import trio
+
+    from ..compose import open_context
+    from ..harvest.audit import audit_source
+
     shown: dict[str, list[Difference]] = {}
     counts: dict[str, int] = {}
     errors: dict[str, str] = {}
@@ -93,6 +103,8 @@ async def _audit(
 
 
 def run(args: argparse.Namespace) -> int:
+    import trio
+
     config = start(args)
     if config is None:
         return 2

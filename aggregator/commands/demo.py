@@ -9,17 +9,15 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import trio
-
-from ..compose import Assembly
-from ..config import Config, parse_config
-from ..daemon import ListenError, run_daemon
-from ..logs import setup_logging
-from ..store.lock import store_lock
-from ..testing.notify import UpstreamNotifier
-from ..testing.upstream import Upstream
 from ._common import add_global_arguments
+
+if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
+    from ..compose import Assembly
+    from ..config import Config
+    from ..daemon import ListenError
+    from ..testing.upstream import Upstream
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +47,8 @@ def demo_note(resources: int) -> str:
 
 
 def demo_config(data: Path, port: int, upstream_url: str, interval: float, resources: int = 300) -> Config:
+    from ..config import parse_config
+
     return parse_config(
         {
             "server": {"listen": f"127.0.0.1:{port}", "base_url": f"http://127.0.0.1:{port}"},
@@ -61,6 +61,8 @@ def demo_config(data: Path, port: int, upstream_url: str, interval: float, resou
 
 
 async def _keep_changing(up: Upstream, every: float, rng: random.Random) -> None:
+    import trio
+
     """A living Source: every few seconds some resources change, one appears, one goes."""
     serial = 0
     while True:
@@ -79,6 +81,12 @@ async def _keep_changing(up: Upstream, every: float, rng: random.Random) -> None
 
 
 async def run_demo(args: argparse.Namespace, data: Path) -> None:
+    import trio
+
+    from ..daemon import run_daemon
+    from ..testing.notify import UpstreamNotifier
+    from ..testing.upstream import Upstream
+
     up = Upstream(metadata=True, changes_per_list=50, resourcelist_page_size=50_000)
     notifier = UpstreamNotifier(up)
     up.bulk_create(args.resources)
@@ -121,6 +129,8 @@ async def run_demo(args: argparse.Namespace, data: Path) -> None:
 
 
 def _listen_error(exc: BaseException) -> ListenError | None:
+    from ..daemon import ListenError
+
     if isinstance(exc, ListenError):
         return exc
     if isinstance(exc, BaseExceptionGroup):
@@ -129,11 +139,17 @@ def _listen_error(exc: BaseException) -> ListenError | None:
 
 
 def _run(args: argparse.Namespace, data: Path) -> None:
+    import trio
+
+    from ..store.lock import store_lock
+
     with store_lock(data, "rsagg demo"):
         trio.run(run_demo, args, data)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..logs import setup_logging
+
     setup_logging(args.log_level, args.log_format)
     try:
         if args.data is not None:

@@ -22,17 +22,15 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..config import Config
-from ..harvest.context import open_blob_store, prepare_store
-from ..plugins import Plugins
-from ..publish import dumps
-from ..sets import published_sets
-from ..store.blobs import BlobStore
-from ..store.lock import store_lock
-from ..store.retention import Retention, parse_retention
-from ..store.state import State, open_state
 from ._common import add_config_arguments, start
+
+if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
+    from ..config import Config
+    from ..store.blobs import BlobStore
+    from ..store.retention import Retention
+    from ..store.state import State
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +96,8 @@ def collect_garbage(
     """
     # The cutoff is taken before the references are read (their snapshot is taken at the first next()):
     # a blob older than it that a harvest names after the snapshot was stored more than ``grace`` before.
+    from ..publish import dumps
+
     cutoff = None if grace <= 0 else (time.time() if now is None else now) - grace
     removed = freed = kept = 0
     # Both streams come sorted ascending: a merge needs neither a set in memory nor a sha256 index.
@@ -127,6 +127,9 @@ def retention_for(config: Config, state: State) -> Retention:
     """``[publish] versions``, with the seq after which every record is kept: the lowest, over the
     published sets, of the last seq their Change Dump packages hold (0: a set without any yet), while
     dumps are built; the changelog records after it still go into packages to come."""
+    from ..sets import published_sets
+    from ..store.retention import parse_retention
+
     retention = parse_retention(config.publish.versions)
     if retention.keeps_all or config.publish.dump_interval <= 0:
         return retention
@@ -136,6 +139,11 @@ def retention_for(config: Config, state: State) -> Retention:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..harvest.context import open_blob_store, prepare_store
+    from ..plugins import Plugins
+    from ..store.lock import store_lock
+    from ..store.state import open_state
+
     config = start(args, sources_needed=False)  # a store outlives its sources: gc works without any
     if config is None:
         return 2

@@ -7,18 +7,12 @@ import contextlib
 import shutil
 import sys
 from functools import partial
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-import trio
-
-from ..compose import open_context
-from ..config import ConfigError
-from ..harvest.context import prepare_store
-from ..harvest.progress import ProgressLine
-from ..harvest.source import SourceResult, poll_source, sync_source
-from ..store.lock import store_lock
-from ..store.state import check_writable
 from ._common import add_config_arguments, start
+
+if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
+    from ..harvest.source import SourceResult
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def harvest_once(config, names: list[str], *, progress_to: TextIO | None = None) -> list[SourceResult]:
     """Sync the sources once; ``progress_to``: a terminal to draw the baselines' progress line on."""
+    import trio
+
+    from ..compose import open_context
+    from ..harvest.progress import ProgressLine
+    from ..harvest.source import sync_source
+
     results: list[SourceResult] = []
     async with open_context(config, _selected(config, names)) as ctx:
         line = ProgressLine(progress_to or sys.stderr, ctx.progress, width=shutil.get_terminal_size().columns)
@@ -57,6 +57,11 @@ def _selected(config, names: list[str]) -> list[str]:
 
 
 async def _poll_forever(config, names: list[str]) -> None:
+    import trio
+
+    from ..compose import open_context
+    from ..harvest.source import poll_source
+
     async with open_context(config, _selected(config, names)) as ctx, trio.open_nursery() as nursery:
         for src in config.sources:
             if src.enabled and (not names or src.name in names):
@@ -64,6 +69,13 @@ async def _poll_forever(config, names: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from ..config import ConfigError
+    from ..harvest.context import prepare_store
+    from ..store.lock import store_lock
+    from ..store.state import check_writable
+
     config = start(args)
     if config is None:
         return 2

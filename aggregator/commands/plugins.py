@@ -6,12 +6,10 @@ import argparse
 import importlib
 import json
 import sys
-from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..config import ConfigError, load_config
-from ..logs import setup_logging
-from ..plugins import DEFAULT_PLUGINS, GROUP, Plugins
+if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
+    from ..plugins import Plugins
 from ._common import add_global_arguments
 
 #: Loading plugins logs at info; this listing shows only warnings unless asked.
@@ -24,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _declared_hooks(obj: Any) -> list[str]:
+    from ..plugins import GROUP
+
     """Hooks a plugin object implements, read from pluggy's markers (for plugins not registered)."""
     return sorted(
         name
@@ -34,6 +34,10 @@ def _declared_hooks(obj: Any) -> list[str]:
 
 def collect(plugins: Plugins) -> list[dict[str, Any]]:
     """One row per plugin known to the manager, in loading order (defaults first, then entry points)."""
+    from importlib.metadata import entry_points
+
+    from ..plugins import DEFAULT_PLUGINS, GROUP
+
     eps = {ep.name: ep for ep in entry_points(group=GROUP)}
     names = list(dict.fromkeys([*plugins.versions, *plugins.disabled, *plugins.failures]))
     rows = []
@@ -64,6 +68,10 @@ def collect(plugins: Plugins) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..config import ConfigError, load_config
+    from ..logs import setup_logging
+    from ..plugins import Plugins
+
     setup_logging(args.log_level, args.log_format)
     try:
         plugins = Plugins.from_config(load_config(args.config)) if args.config else Plugins()

@@ -13,9 +13,6 @@ import json
 import sys
 from pathlib import Path
 
-from ..harvest.context import check_store
-from ..status import one_line
-from ..store.state import open_state, state_path
 from ._common import add_config_arguments, start
 
 
@@ -30,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..harvest.context import check_store
+    from ..status import one_line
+    from ..store.state import open_state, state_path
+
     config = start(args)
     if config is None:
         return 2

@@ -9,13 +9,6 @@ import argparse
 import contextlib
 import sys
 
-import trio
-
-from ..config import ConfigError
-from ..daemon import ListenError, run_daemon
-from ..harvest.context import prepare_store
-from ..store.lock import store_lock
-from ..store.state import check_writable
 from ._common import add_config_arguments, start
 
 
@@ -25,6 +18,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not at start-up (aggregator/cli.py).
+    import trio
+
+    from ..config import ConfigError
+    from ..daemon import ListenError, run_daemon
+    from ..harvest.context import prepare_store
+    from ..store.lock import store_lock
+    from ..store.state import check_writable
+
     config = start(args)
     if config is None:
         return 2

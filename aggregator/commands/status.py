@@ -12,10 +12,6 @@ import json
 import sys
 from pathlib import Path
 
-from ..harvest.context import check_store
-from ..status import collect, table, unharvested
-from ..store.lock import harvester_running
-from ..store.state import open_state, state_path
 from ._common import add_config_arguments, start
 
 
@@ -25,6 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..harvest.context import check_store
+    from ..status import collect, table, unharvested
+    from ..store.lock import harvester_running
+    from ..store.state import open_state, state_path
+
     config = start(args)
     if config is None:
         return 2

@@ -12,15 +12,16 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-
-import httpx
+from typing import TYPE_CHECKING
 
 from .. import __version__
-from ..rs.validate import Checker, Issue, Report, check_source
 from ._common import add_global_arguments
 
-#: Connect and read timeouts (seconds) for fetching a document.
-TIMEOUT = httpx.Timeout(30.0, connect=10.0)
+if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
+    from ..rs.validate import Issue, Report
+
+#: Connect and read timeouts (seconds) for fetching a document (httpx is imported only to fetch a URL).
+TIMEOUT, CONNECT_TIMEOUT = 30.0, 10.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,13 +42,23 @@ def _is_url(target: str) -> bool:
 
 
 def _fetch(url: str, max_bytes: int | None, on_issue: Callable[[Issue], None]) -> Report:
+    import httpx
+
+    from ..rs.validate import Checker
+
     checker = Checker(url, max_bytes=max_bytes)
     headers = {
         "User-Agent": f"rsagg/{__version__} (validate)",
         "Accept": "application/xml, text/xml;q=0.9, */*;q=0.1",
     }
     try:
-        with httpx.stream("GET", url, timeout=TIMEOUT, follow_redirects=True, headers=headers) as resp:
+        with httpx.stream(
+            "GET",
+            url,
+            timeout=httpx.Timeout(TIMEOUT, connect=CONNECT_TIMEOUT),
+            follow_redirects=True,
+            headers=headers,
+        ) as resp:
             if resp.status_code != 200:
                 raise FetchError(f"HTTP {resp.status_code} {resp.reason_phrase}".strip())
             for chunk in resp.iter_bytes():
@@ -66,6 +77,8 @@ def _check(target: str, max_bytes: int | None, on_issue: Callable[[Issue], None]
     if _is_url(target):
         return _fetch(target, max_bytes, on_issue)
     try:
+        from ..rs.validate import check_source
+
         return check_source(target, max_bytes=max_bytes, on_issue=on_issue)
     except OSError as exc:
         raise FetchError(exc.strerror or str(exc)) from None

@@ -6,7 +6,11 @@ a small blob or where an offloading front end finds them, the ready-made headers
 kept in an LRU by request path (``HotCache``) until the state changes: ``StateStore.version()`` of a
 read-only state handle of our own tells that a writer (the harvester, ``rsagg gc``, another node)
 committed since. Then the whole cache is dropped. On SQLite that read takes a few microseconds and no
-worker thread, once per request: answers never come from an older state than the request's. On a
+worker thread; it was 15 % of a hit's cost when made per request, so it is made only when a handle of
+this process committed since the last read (``state.local_commit_mark()``, pushed by every commit of the
+process: a change by the harvester or ``rsagg gc`` beside the server shows at once, answers never come
+from an older state than the request's) or when ``LOCAL_VERSION_AGE`` passed (another process's commit,
+such as a ``harvest --once`` beside ``run --no-harvest``, shows within those 2 ms). On a
 server backend (PostgreSQL) each read is a round trip, made in a worker thread (``store/calls.py``)
 so the event loop never waits on the server, and at most once per ``REMOTE_VERSION_AGE``: requests
 in between (and those arriving while a read is under way) use the last version read. So there an
@@ -50,7 +54,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..store.calls import limiter_of
 from ..store.interface import StateStore
-from ..store.state import Resource, connect
+from ..store.state import Resource, connect, local_commit_mark
 from .resources import (
     SMALL_BLOB,
     LiteRequest,
@@ -73,6 +77,9 @@ HOT_ENTRIES = 20_000
 HOT_BYTES = 32 * 1024 * 1024
 #: Seconds a server backend's state version is used before it is read again (module docstring).
 REMOTE_VERSION_AGE = 0.01
+#: Seconds a SQLite state's version is used, when no handle of this process committed meanwhile, before
+#: ``PRAGMA data_version`` is read again: how late another process's commit may show (module docstring).
+LOCAL_VERSION_AGE = 0.002
 _MARK = f"/{RESOURCES}/"
 _WANTED = frozenset(
     (b"if-none-match", b"if-modified-since", b"range", b"if-range", b"if-match", b"if-unmodified-since")
@@ -110,11 +117,15 @@ class HotCache:
         entries: int = HOT_ENTRIES,
         max_bytes: int = HOT_BYTES,
         remote_age: float = REMOTE_VERSION_AGE,
+        local_age: float = LOCAL_VERSION_AGE,
     ) -> None:
         """``open_reader``: opens the read-only state handle whose ``version()`` is watched;
-        ``remote_age``: how long a server backend's version is used before it is read again."""
+        ``remote_age``: how long a server backend's version is used before it is read again;
+        ``local_age``: the same for SQLite, while no handle of this process commits."""
         self.open_reader = open_reader
         self.entries, self.max_bytes, self.remote_age = entries, max_bytes, remote_age
+        self.local_age = local_age
+        self._mark = -1  # local_commit_mark() at the last SQLite version read
         self._lru: OrderedDict[bytes, Hot] = OrderedDict()
         self._bytes = 0
         self._version: int | None = None
@@ -142,12 +153,18 @@ class HotCache:
                 self._opening.set()
                 self._opening = None
         reader = self._reader
-        if self._limiter is None:  # local (SQLite): microseconds, every request
-            try:
-                return reader.version()
-            except Exception as exc:  # a backend's own error type: the hot cache just stays off meanwhile
-                return self._unreadable(exc)
         started = time.monotonic()
+        if self._limiter is None:  # local (SQLite): microseconds, when this process committed or now and then
+            mark = local_commit_mark()  # before the read: a commit after it moves the mark again
+            if mark == self._mark and started - self._seen_at <= self.local_age:
+                return self._seen
+            try:
+                self._seen = reader.version()
+            except Exception as exc:  # a backend's own error type: the hot cache just stays off meanwhile
+                self._mark, self._seen, self._seen_at = -1, None, float("-inf")
+                return self._unreadable(exc)
+            self._mark, self._seen_at = mark, started
+            return self._seen
         if started - self._seen_at <= self.remote_age:
             return self._seen
         if self._reading is not None:

@@ -14,9 +14,11 @@ the next interval (publish/dumps.py: fingerprints).
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -34,6 +36,11 @@ log = logging.getLogger("rsagg.publish")
 
 #: Seconds between looks for newly closed Change List windows.
 CHANGE_DUMP_PERIOD = 60.0
+#: Added to the nice value of the thread that builds dumps (Linux schedules threads one by one): on a
+#: busy machine the serving event loop, the serving workers and nginx get the CPU first.
+DUMP_NICE = 10
+
+T = TypeVar("T")
 
 
 class Wake:
@@ -170,9 +177,7 @@ async def _build_forever(builder: DumpBuilder, get_config: Callable[[], Config],
         try:
             # abandon_on_cancel: a stop must not wait for a long build. An abandoned build dies with the
             # process before its rows commit (one transaction after its blobs), leaving temp files only.
-            built = await trio.to_thread.run_sync(
-                partial(build_due, builder, resource_dumps=due), abandon_on_cancel=True
-            )
+            built = await run_low_priority(partial(build_due, builder, resource_dumps=due))
             if built:
                 log.info("built %d dump package(s)", built)
         except Exception as exc:  # a failed dump must not stop the daemon; the next round tries again
@@ -180,3 +185,44 @@ async def _build_forever(builder: DumpBuilder, get_config: Callable[[], Config],
         if due:
             next_resource_dump = trio.current_time() + get_config().publish.dump_interval
         await wake.sleep(min(CHANGE_DUMP_PERIOD, max(1.0, next_resource_dump - trio.current_time())))
+
+
+def _lower_priority() -> None:
+    """Nice the calling thread by ``DUMP_NICE`` (Linux: ``setpriority`` of a thread id touches that thread
+    alone); elsewhere, or when refused, the build runs at the process's priority."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + DUMP_NICE))
+    except (AttributeError, OSError) as exc:
+        log.debug("dump builds run at normal priority: %s", exc)
+
+
+async def run_low_priority(fn: Callable[[], T]) -> T:
+    """Run ``fn`` (a dump build: seconds of CPU) in a daemon thread of its own at a lower priority, off the
+    serving event loop, and wait for it without blocking the loop.
+
+    A thread of its own, not one of trio's: those are reused for the state calls of the requests, and an
+    unprivileged process cannot raise a thread's priority again once lowered. A daemon thread, as trio's
+    are: on cancellation the build is abandoned and dies with the process before its rows commit (one
+    transaction after its blobs), leaving temp files only; a stop never waits for a long build."""
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    outcome: list[Any] = []
+
+    def body() -> None:
+        _lower_priority()
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # handed to the awaiting task, raised there
+            outcome.append((False, exc))
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:  # the daemon stopped meanwhile: nobody waits
+            pass
+
+    threading.Thread(target=body, name="rsagg-dumps", daemon=True).start()
+    await done.wait()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value

@@ -67,20 +67,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import quote, urlsplit
 
-try:  # a dependency of this distribution; without it the plugin loads but cannot create a store
-    import boto3
-    from botocore.config import Config
-    from botocore.exceptions import BotoCoreError, ClientError
-except ImportError:  # pragma: no cover - exercised only where boto3 is not installed
-    boto3 = None
-
-    class BotoCoreError(Exception):  # type: ignore[no-redef]  # never raised: no boto3, no store
-        pass
-
-    class ClientError(Exception):  # type: ignore[no-redef]
-        pass
-
-
 from aggregator.plugin_api import (
     BlobInfo,
     BlobWriter,
@@ -92,6 +78,39 @@ from aggregator.plugin_api import (
     pending_writers,
     put_bytes,
 )
+
+# boto3 (a dependency of this distribution) is imported by the first store made, not when rsagg loads
+# the plugin: every rsagg command loads the plugins and most never make an S3 store, and importing boto3
+# costs more than a one-shot command's whole start-up (aggregator/cli.py). Until then the names below
+# are placeholders: no botocore error can be raised before a store (its client) exists.
+_NOT_LOADED: Any = object()
+boto3: Any = _NOT_LOADED  # None: not installed (the plugin loads but cannot create a store)
+Config: Any = None
+
+
+class BotoCoreError(Exception):  # replaced by botocore's by _load_boto3(); never raised before
+    pass
+
+
+class ClientError(Exception):  # replaced by botocore's by _load_boto3(); never raised before
+    pass
+
+
+def _load_boto3() -> bool:
+    """Import boto3 and botocore's config and errors into this module once; False without boto3."""
+    global boto3, Config, BotoCoreError, ClientError
+    if boto3 is _NOT_LOADED:
+        try:
+            import boto3 as loaded
+            from botocore.config import Config as config
+            from botocore.exceptions import BotoCoreError as core_error
+            from botocore.exceptions import ClientError as client_error
+        except ImportError:  # pragma: no cover - exercised only where boto3 is not installed
+            boto3 = None
+        else:
+            boto3, Config, BotoCoreError, ClientError = loaded, config, core_error, client_error
+    return boto3 is not None
+
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +195,8 @@ class S3BlobStore:
         self.part_size = max(MIN_PART_SIZE, multipart_part_size)
         self._threads = max(1, upload_threads)
         self._where = f"S3 endpoint {endpoint_url or 'AWS default'}, bucket {bucket!r}"
+        if not _load_boto3():  # made directly, not by create_store
+            raise ValueError("S3 blob store: boto3 is not installed (pip install boto3)")
         self._client = boto3.client(
             "s3",
             endpoint_url=endpoint_url,
@@ -709,7 +730,7 @@ def create_store(settings: Mapping[str, Any], root: Path) -> S3BlobStore:
     ``public_url`` (the bucket's URL as clients reach it without signing, e.g.
     ``https://cdn.example/blobs/``: redirects then point there instead of to presigned URLs).
     """
-    if boto3 is None:
+    if not _load_boto3():
         raise ValueError("S3 blob store: boto3 is not installed (pip install boto3)")
     unknown = sorted(set(settings) - SETTINGS)
     if unknown:
