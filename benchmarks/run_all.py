@@ -56,6 +56,11 @@ BENCHES = [
     Bench("abuse", "bench_abuse.py", (), ("--seconds", "5")),
     Bench("cluster", "bench_cluster.py", (),
           ("--resources=500", "--repeat=1", "--sources=12", "--per-source=5")),
+    Bench("many_sources", "bench_many_sources.py", (), ("--sources", "30", "--repeat", "1")),
+    Bench("reconcile", "bench_reconcile.py", (), ("--entries", "20000")),
+    Bench("versions_in", "bench_versions_in.py", (), ("--resources", "100")),
+    Bench("memento", "bench_memento.py", (),
+          ("--resources", "100", "--versions", "500", "--requests", "300")),
 ]  # fmt: skip
 
 
