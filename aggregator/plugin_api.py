@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import typing as _typing
 
-from .config import Config
 from .hookspecs import hookimpl
 from .plugins import PluginContext
 from .rs.model import Entry, Link, Md
@@ -36,12 +35,15 @@ from .store.blobs import (
 )
 
 if _typing.TYPE_CHECKING:
+    from .config import Config
     from .harvest.metadata import MetadataRecords
     from .store.state import LogRecord, Resource
 
 #: Names imported when first asked for (PEP 562): loading a plugin that imports ``hookimpl`` does not load
-#: the harvest (trio, httpx) or the state (sqlite-utils, lxml); ``rsagg plugins`` starts without them.
+#: the configuration (pydantic), the harvest (trio, httpx) or the state (sqlite-utils, lxml): ``rsagg
+#: plugins`` starts without them.
 _LAZY = {
+    "Config": "aggregator.config",
     "MetadataRecords": "aggregator.harvest.metadata",
     "LogRecord": "aggregator.store.state",
     "Resource": "aggregator.store.state",

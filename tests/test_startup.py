@@ -150,10 +150,11 @@ def test_commands_that_read_load_no_harvest_library(argv: list[str], configured:
     assert _matching(loaded, NOT_LISTING if argv[0] == "plugins" else NOT_READING) == []
 
 
-def test_plugins_without_a_configuration_loads_no_state() -> None:
+def test_plugins_without_a_configuration_loads_no_state_and_no_pydantic() -> None:
+    """Without ``-c`` there is no configuration to validate: pydantic is not loaded either."""
     loaded = _loaded(["plugins"])
-    assert "pluggy" in loaded
-    assert _matching(loaded, NOT_LISTING) == []
+    assert "pluggy" in loaded and "aggregator.default_plugins.jsonpatch" in loaded
+    assert _matching(loaded, (*NOT_LISTING, "pydantic", "pydantic_core", "aggregator.config")) == []
 
 
 @pytest.mark.parametrize("argv", READING, ids=" ".join)
