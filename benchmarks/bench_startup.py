@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 walls[label].append(wall)
                 cpus[label].append(cpu)
     cached = args.bytecode or not os.environ.get("PYTHONDONTWRITEBYTECODE")
-    state = "written" if cached else "not written (PYTHONDONTWRITEBYTECODE: what __pycache__ lacks compiles each run)"
+    state = "written" if cached else "not written (PYTHONDONTWRITEBYTECODE: what lacks one compiles each run)"
     print(f"rsagg from {root}; bytecode cache: {state}")
     print(f"start-up, median of {args.runs} runs each (target for one-shot commands: {TARGET:.2f} s wall)")
     print(f"{'command':<24} {'wall s':>8} {'min s':>8} {'cpu s':>8} {'load 1m':>8}")
