@@ -40,6 +40,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
 
+from .errors import ConfigError  # defined there: `rsagg plugins` raises it without pydantic
 from .store.retention import RetentionError, parse_retention
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}\Z")
@@ -49,14 +50,6 @@ OFFLOAD_MODES: tuple[str, ...] = get_args(Offload)
 #: ``sources.kind``: the protocol a source speaks.
 SourceKind = Literal["resourcesync", "oai-pmh"]
 SOURCE_KINDS: tuple[str, ...] = get_args(SourceKind)
-
-
-class ConfigError(Exception):
-    """A configuration problem; ``str()`` reads ``FILE: KEY: PROBLEM`` (one line per further problem)."""
-
-    def __init__(self, file: str, key: str, problem: str, more: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__("\n".join(f"{file}: {k}: {p}" for k, p in ((key, problem), *more)))
-        self.file, self.key, self.problem, self.more = file, key, problem, more
 
 
 #: Unknown keys are errors; numbers are finite. Scalars are strict through their types below (containers

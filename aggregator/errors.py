@@ -9,6 +9,16 @@ import errno
 import sqlite3
 
 
+class ConfigError(Exception):
+    """A configuration problem; ``str()`` reads ``FILE: KEY: PROBLEM`` (one line per further problem).
+    Here rather than in ``config.py`` (which re-exports it) so that raising or catching it loads no
+    pydantic: ``rsagg plugins`` without ``-c`` starts without it."""
+
+    def __init__(self, file: str, key: str, problem: str, more: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__("\n".join(f"{file}: {k}: {p}" for k, p in ((key, problem), *more)))
+        self.file, self.key, self.problem, self.more = file, key, problem, more
+
+
 class CountedError(Exception):
     """A failure with a ``kind``: the label of ``rsagg_errors_total`` it is counted under (one of
     ``metrics.ERROR_KINDS``). Subclasses set it per class or per instance."""

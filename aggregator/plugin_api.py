@@ -17,8 +17,8 @@ modules these names live in are rsagg's internals and may move. What is here:
 
 from __future__ import annotations
 
-from .config import Config
-from .harvest.metadata import MetadataRecords
+import typing as _typing
+
 from .hookspecs import hookimpl
 from .plugins import PluginContext
 from .rs.model import Entry, Link, Md
@@ -33,7 +33,38 @@ from .store.blobs import (
     pending_writers,
     put_bytes,
 )
-from .store.state import LogRecord, Resource
+
+if _typing.TYPE_CHECKING:
+    from .config import Config
+    from .harvest.metadata import MetadataRecords
+    from .store.state import LogRecord, Resource
+
+#: Names imported when first asked for (PEP 562): loading a plugin that imports ``hookimpl`` does not load
+#: the configuration (pydantic), the harvest (trio, httpx) or the state (sqlite-utils, lxml): ``rsagg
+#: plugins`` starts without them.
+_LAZY = {
+    "Config": "aggregator.config",
+    "MetadataRecords": "aggregator.harvest.metadata",
+    "LogRecord": "aggregator.store.state",
+    "Resource": "aggregator.store.state",
+}
+
+
+def __getattr__(name: str) -> object:
+    """A name of ``_LAZY``, imported on first use and kept."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """Every public name, those not loaded yet too."""
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "BlobInfo",

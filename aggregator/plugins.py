@@ -36,12 +36,15 @@ from collections import Counter
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from . import hookspecs
-from .config import Config, ConfigError
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # pydantic loads with a configuration, not with the plugins (``rsagg plugins``)
+    from .config import Config
 
 log = logging.getLogger("rsagg.plugins")
 

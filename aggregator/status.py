@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from .cluster import alive
 from .config import Config
 from .progress_text import describe, figures, format_duration, saved_rate
 from .rs.w3cdt import format_w3c, utcnow
@@ -192,6 +191,8 @@ def cluster_rows(state: StateStore, *, now: datetime | None = None) -> dict[str,
     nodes, leases = state.nodes(), state.leases()
     if not nodes and not leases:
         return None
+    from .cluster import alive  # trio comes with it: only when a cluster ever ran (start-up of `status`)
+
     live = {n.name for n in alive(nodes, now)}
     held = [le for le in leases if le.node and le.expires_at and le.expires_at > now]
     return {

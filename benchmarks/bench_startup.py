@@ -2,7 +2,11 @@
 commands taking turns), its CPU time, and the load average beside each figure. ``python -c pass`` is
 the floor every Python command pays.
 
-    python benchmarks/bench_startup.py [--runs 11]
+    python benchmarks/bench_startup.py [--runs 11] [--bytecode]
+
+``--bytecode`` times the commands as an installed rsagg runs them, from cached bytecode (``__pycache__``,
+written by one warm-up round): without it, a ``PYTHONDONTWRITEBYTECODE`` in the environment makes every
+run compile rsagg's own modules from source, which the table's first line says.
 
 The commands that read a configuration run against a small one in a temporary folder (one source, an
 empty store), so the figure is start-up and the command's own small work, not a harvest.
@@ -57,9 +61,11 @@ def prepare(folder: Path) -> None:
     )
 
 
-def time_one(argv: list[str], cwd: Path, root: Path) -> tuple[float, float]:
+def time_one(argv: list[str], cwd: Path, root: Path, *, bytecode: bool = False) -> tuple[float, float]:
     """Wall and CPU seconds of one run of ``argv`` (its exit status is not checked: help exits 0)."""
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     start = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     _, _, usage = os.wait4(proc.pid, 0)
@@ -73,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--root", type=Path, default=ROOT, help="the rsagg checkout to time (default: this one)"
     )
+    parser.add_argument(
+        "--bytecode", action="store_true", help="cached bytecode, as installed (one warm-up round first)"
+    )
     args = parser.parse_args(argv)
+    root = args.root.resolve()
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         folder = Path(tmp)
         prepare(folder)
@@ -81,13 +91,18 @@ def main(argv: list[str] | None = None) -> int:
         walls: dict[str, list[float]] = {label: [] for label, _ in cases}
         cpus: dict[str, list[float]] = {label: [] for label, _ in cases}
         loads: dict[str, list[float]] = {label: [] for label, _ in cases}
+        if args.bytecode:  # writes __pycache__ beside the sources, as pip does on install
+            for _, cmd in cases:
+                time_one(cmd, folder, root, bytecode=True)
         for _ in range(args.runs):  # the commands take turns, so a burst of load hits them alike
             for label, cmd in cases:
                 loads[label].append(os.getloadavg()[0])
-                wall, cpu = time_one(cmd, folder, args.root.resolve())
+                wall, cpu = time_one(cmd, folder, root, bytecode=args.bytecode)
                 walls[label].append(wall)
                 cpus[label].append(cpu)
-    print(f"rsagg from {args.root.resolve()}")
+    cached = args.bytecode or not os.environ.get("PYTHONDONTWRITEBYTECODE")
+    state = "written" if cached else "not written (PYTHONDONTWRITEBYTECODE: what lacks one compiles each run)"
+    print(f"rsagg from {root}; bytecode cache: {state}")
     print(f"start-up, median of {args.runs} runs each (target for one-shot commands: {TARGET:.2f} s wall)")
     print(f"{'command':<24} {'wall s':>8} {'min s':>8} {'cpu s':>8} {'load 1m':>8}")
     for label, _ in cases:

@@ -96,3 +96,87 @@ def test_loading_the_plugins_imports_no_storage_client() -> None:
     loaded = _loaded(["plugins", "--json"])
     assert "rsagg_s3" in loaded  # the plugin was loaded ...
     assert [m for m in loaded if m.split(".")[0] in ("boto3", "botocore", "s3transfer")] == []  # ... alone
+
+
+#: What a command that reads the configuration and the state (``status``, ``retries``) or loads the plugins
+#: (``plugins``) does not use: the harvest's and the server's libraries and modules. The configuration
+#: (pydantic), the state (sqlite-utils) and pluggy are theirs to load.
+NOT_READING = (
+    "trio", "trio_parallel", "httpx", "httpcore", "h11", "h2", "starlette", "hypercorn", "boto3",
+    "botocore", "prometheus_client", "psycopg", "psycopg_pool", "jinja2", "aggregator.publish",
+    "aggregator.websub", "aggregator.daemon", "aggregator.compose", "aggregator.cluster",
+    "aggregator.metrics", "aggregator.outbound", "aggregator.harvest.fetch", "aggregator.harvest.patch",
+    "aggregator.harvest.offload", "aggregator.harvest.metadata", "aggregator.rs.parse",
+    "aggregator.rs.write",
+)  # fmt: skip
+#: ``rsagg plugins`` does not open the state either.
+NOT_LISTING = (*NOT_READING, "sqlite_utils", "aggregator.store.state")
+
+
+def _matching(modules: list[str], names: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if any(m == h or m.startswith(h + ".") for h in names)]
+
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A configuration with one source and a state made (so ``status`` and ``retries`` open it)."""
+    from aggregator.config import load_config
+    from aggregator.store.state import open_state
+
+    folder = tmp_path_factory.mktemp("startup")
+    config = folder / "rsagg.toml"
+    config.write_text(
+        f'[store]\npath = "{folder / "data"}"\n\n[[sources]]\nname = "a"\n'
+        'url = "http://127.0.0.1:9/.well-known/resourcesync"\n'
+    )
+    (folder / "data").mkdir()
+    with open_state(load_config(config)):
+        pass
+    return config
+
+
+READING = [["status"], ["status", "--json"], ["retries"], ["retries", "--json"], ["plugins", "--json"]]
+
+
+@pytest.mark.parametrize("argv", READING, ids=" ".join)
+def test_commands_that_read_load_no_harvest_library(argv: list[str], configured: Path) -> None:
+    """``status``, ``retries`` and ``plugins`` run (their output is checked below) without the harvest's
+    libraries: they load the configuration, the state and the plugins, no event loop, HTTP client or
+    metrics registry (benchmarks/bench_startup.py has the times)."""
+    loaded = _loaded([*argv, "-c", str(configured)])
+    assert "aggregator.config" in loaded and "pluggy" in loaded  # the command did run its work ...
+    if argv[0] != "plugins":
+        assert "aggregator.store.state" in loaded  # ... and read the state
+    assert _matching(loaded, NOT_LISTING if argv[0] == "plugins" else NOT_READING) == []
+
+
+def test_plugins_without_a_configuration_loads_no_state_and_no_pydantic() -> None:
+    """Without ``-c`` there is no configuration to validate: pydantic is not loaded either."""
+    loaded = _loaded(["plugins"])
+    assert "pluggy" in loaded and "aggregator.default_plugins.jsonpatch" in loaded
+    assert _matching(loaded, (*NOT_LISTING, "pydantic", "pydantic_core", "aggregator.config")) == []
+
+
+@pytest.mark.parametrize("argv", READING, ids=" ".join)
+def test_commands_that_read_still_work(argv: list[str], configured: Path) -> None:
+    """Their output with the imports moved: the source, the (empty) retries, the built-in plugins."""
+    done = subprocess.run(
+        [sys.executable, "-m", "aggregator", *argv, "-c", str(configured)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    if "--json" not in argv:
+        assert done.stdout.strip(), done.stderr
+        return
+    out = json.loads(done.stdout)
+    if argv[0] == "status":
+        assert [s["name"] for s in out["sources"]] == ["a"]
+    elif argv[0] == "retries":
+        assert out == {"retries": [], "cleared": 0}
+    else:
+        assert {"filesystem", "jsonpatch", "linkpolicy"} <= {p["name"] for p in out["plugins"]}
+        assert {"rsagg_patch_formats", "rsagg_republish_links"} <= {
+            h for p in out["plugins"] for h in p["hooks"]
+        }

@@ -68,13 +68,18 @@ def collect(plugins: Plugins) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import ConfigError, load_config
+    from ..errors import ConfigError
     from ..logs import setup_logging
     from ..plugins import Plugins
 
     setup_logging(args.log_level, args.log_format)
     try:
-        plugins = Plugins.from_config(load_config(args.config)) if args.config else Plugins()
+        if args.config:  # pydantic loads only with a configuration to read
+            from ..config import load_config
+
+            plugins = Plugins.from_config(load_config(args.config))
+        else:
+            plugins = Plugins()
     except ConfigError as exc:
         print(f"rsagg: config error: {exc}", file=sys.stderr)
         return 2

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from ..harvest.patch import builtin_patch_formats
 from ..hookspecs import hookimpl
 
 
 @hookimpl
 def rsagg_patch_formats():
+    from ..harvest.patch import builtin_patch_formats  # trio, httpx: loaded when a harvest asks, not here
+
     return builtin_patch_formats()

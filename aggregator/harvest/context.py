@@ -18,20 +18,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
-
-import trio
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import Config, ConfigError
-from ..metrics import Metrics, current_source
 from ..plugins import Plugins
 from ..progress_text import progress_figures
 from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
-from ..store.calls import in_thread, state_call
-from ..store.interface import StateStore
-from .fetch import Fetcher
-from .offload import Offload, StoreRecipe
-from .patch import PatchApplier, builtin_patch_formats
+
+if TYPE_CHECKING:  # the harvest's libraries (trio, httpx, prometheus-client) load with a HarvestContext:
+    # ``rsagg status`` and ``retries`` import this module for check_store only (benchmarks/bench_startup.py)
+    import trio
+
+    from ..metrics import Metrics
+    from ..store.interface import StateStore
+    from .fetch import Fetcher
+    from .offload import Offload, StoreRecipe
+    from .patch import PatchApplier
 
 T = TypeVar("T")
 log = logging.getLogger("rsagg.harvest")
@@ -41,6 +43,24 @@ log = logging.getLogger("rsagg.harvest")
 PROGRESS_SAVE_EVERY = 1.0
 
 
+def _patch_formats() -> dict[str, PatchApplier]:
+    from .patch import builtin_patch_formats
+
+    return builtin_patch_formats()
+
+
+def _one_writer() -> trio.CapacityLimiter:
+    import trio
+
+    return trio.CapacityLimiter(1)
+
+
+def _metrics() -> Metrics:
+    from ..metrics import Metrics
+
+    return Metrics()
+
+
 @dataclass
 class HarvestContext:
     config: Config
@@ -48,16 +68,16 @@ class HarvestContext:
     blobs: BlobStore
     reader: StateStore
     writer: StateStore
-    patch_formats: dict[str, PatchApplier] = field(default_factory=builtin_patch_formats)
+    patch_formats: dict[str, PatchApplier] = field(default_factory=_patch_formats)
     plugins: Plugins = field(default_factory=lambda: Plugins(entry_point_plugins=False))
     #: source -> (done, expected or None): live progress of the running baseline (``harvest/progress.py``).
     progress: dict[str, tuple[int, int | None, float | None]] = field(default_factory=dict)
-    _write_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+    _write_limiter: trio.CapacityLimiter = field(default_factory=_one_writer)
     #: Called on the trio thread after each state transaction that logged changes (rsagg's notifier
     #: publishes them at once instead of at its next look; the composition adds ``Notifier.wake``).
     commit_listeners: list[Callable[[], None]] = field(default_factory=list)
     #: This process's metrics (``metrics.py``); the pipeline and ``sync_source`` report to it.
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: Metrics = field(default_factory=_metrics)
     #: Where CPU-bound page work runs (``harvest/offload.py``): worker processes when the composition
     #: gives them (``harvest.processes``), else worker threads with ``blobs``.
     offload: Offload | None = None
@@ -68,6 +88,8 @@ class HarvestContext:
 
     def __post_init__(self) -> None:
         if self.offload is None:
+            from .offload import Offload
+
             self.offload = Offload(self.blobs)
 
     def committed(self) -> None:
@@ -77,10 +99,15 @@ class HarvestContext:
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """A read of the state from the event loop (``store/calls.py``): direct on SQLite, in a worker
         thread under the backend's limiter on a server (PostgreSQL), so no download waits on it."""
+        from ..store.calls import state_call
+
         return await state_call(self.reader, fn, *args)
 
     async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-writing call in a worker thread; one at a time (SQLite has one writer)."""
+        from ..metrics import current_source
+        from ..store.calls import in_thread
+
         progress = self._progress_due()
         later = self._later.pop(current_source.get(), None) if self._later else None
 
@@ -147,6 +174,8 @@ class HarvestContext:
         """Make blobs durable before any state row names them (docs/architecture.md invariant 2)."""
         if not writers:
             return
+        import trio
+
         steps = getattr(self.blobs, "commit_steps", None)
         if steps is None:
             await trio.to_thread.run_sync(self.blobs.commit, writers, abandon_on_cancel=False)
@@ -198,6 +227,8 @@ def check_store(config: Config) -> Path:
 def store_recipe(config: Config, plugins: Plugins) -> StoreRecipe:
     """How ``[store] backend`` is built: the factory the plugin registered, the settings, the path; a
     ConfigError naming ``store.backend`` when no plugin registered that backend."""
+    from .offload import StoreRecipe
+
     factories = plugins.merged("rsagg_blob_stores")
     name = config.store.backend
     if name not in factories:

@@ -39,9 +39,7 @@ from sqlite_utils import Database
 
 from ..errors import is_environmental, operator_line
 from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Head, Link
-from ..rs.parse import parse_bytes
 from ..rs.w3cdt import parse_w3c, utcnow
-from ..rs.write import iter_document_bytes
 from .interface import FENCE, EmptySnapshot, LeaseLost, ListingRow, StateUnavailable
 from .retention import Retention, retained_sql
 from .rows import (
@@ -1130,6 +1128,8 @@ class State:
     def _put_retries(self, c: sqlite3.Connection, now: str, set_id: int, retries: RetryChanges) -> None:
         """Inside the transaction that applies a batch: a crash can neither leave a retry of a change
         already superseded nor lose a failure the cursor has moved past."""
+        from ..rs.write import iter_document_bytes  # lxml: not at start-up (``rsagg status``, ``retries``)
+
         rows = [
             (set_id, f.entry.loc, f.change, b"".join(iter_document_bytes(Head(), [f.entry])), f.kind,
              f.message, now, now)
@@ -1154,6 +1154,8 @@ class State:
                 "ORDER BY first_at",
                 (set_id, RETRY_ENDED),
             ).fetchall()
+        from ..rs.parse import parse_bytes  # lxml: not at start-up (``rsagg status``, ``retries``)
+
         out = []
         for data, change, attempts in rows:
             _, entries = parse_bytes(bytes(data))
