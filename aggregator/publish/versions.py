@@ -33,7 +33,7 @@ import itertools
 import logging
 import re
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 
 import trio
@@ -257,11 +257,67 @@ def _shown(pub, ps: PublishedSet, row: Resource, rec: LogRecord) -> bool:
     return rec.change != DELETED and bool(rec.sha256) and pub.visible(ps.name, version_resource(row, rec))
 
 
+@dataclasses.dataclass(slots=True)
+class Found:
+    """What a memento URI names as the state has it now: ``status`` 200 (``version`` to serve), 404
+    or 410 (beyond retention), the ``link`` header of that answer, and for a 200 under a duration
+    policy the instant the version leaves retention (``until``: then it answers 410 with no state
+    change, which the hot route's cache must know)."""
+
+    status: int
+    link: str | None
+    version: Resource | None = None
+    until: datetime | None = None
+
+
+def find_memento(pub, state: StateStore, set_name: str, uri: str, when: datetime) -> Found:
+    """The memento of ``uri`` dated ``when`` (blocking): the one decision of the app's route and of
+    the hot route (``fastpath.ResourceFastPath``), so both answer alike."""
+    ps, row, cap = _held(pub, state, set_name, uri)
+    if ps is None or row is None:
+        return Found(404, f'<{cap}>; rel="resourcesync"' if cap else None)
+    rec = state.version_at(row.id, when)
+    if rec is None or rec.datetime != when or not _shown(pub, ps, row, rec):
+        return Found(404, f'<{cap}>; rel="resourcesync"')
+    link = _memento_links(pub.base_url, ps.name, uri, cap)
+    retention = retention_of(pub)
+    # Beyond retention; or a prior version whose blob is gone (a stricter policy applied by an
+    # earlier gc than the one configured now): no longer kept, the same 410, never a 500.
+    gone_blob = rec.sha256 != row.sha256 and not pub.blobs.exists(rec.sha256)
+    if gone_blob or not is_retained(state, retention, rec, utcnow()):
+        return Found(410, link)
+    until = None
+    if retention.younger is not None:
+        nxt = next(state.iter_versions(rec.resource_id, rec.seq, 1), None)
+        if nxt is not None:
+            until = nxt.datetime + timedelta(seconds=retention.younger)
+    return Found(200, link, version_resource(row, rec), until)
+
+
+def beyond_retention(link: str | None) -> Response:
+    """410 for a memento beyond ``[publish] versions``, with the ``Link`` that names the TimeMap."""
+    return Response(
+        "gone: this version is beyond the retention of prior versions; see the TimeMap\n",
+        status_code=410,
+        media_type="text/plain",
+        headers={"link": link} if link else None,
+    )
+
+
+def memento_headers(response: Response, version: Resource) -> None:
+    """RFC 7089 §2.1.1 ``Memento-Datetime`` on every answer about the version; ``Cache-Control:
+    immutable`` on its 200, 206 and 304 (not on a 307: a presigned URL expires)."""
+    response.headers["memento-datetime"] = http_date(version.updated_at)
+    if response.status_code in (200, 206, 304):
+        response.headers["cache-control"] = IMMUTABLE
+
+
 async def memento(request: Request) -> Response:
     """``/SET/memento/STAMP/<mapped>``: the version current from STAMP on (RFC 7089 §4: immutable,
     ``Memento-Datetime``, ``Link`` original/timegate/timemap); 404 never held or hidden, 410 beyond
     retention. Bytes as the resource's own answer gives them (same code: Range, conditionals,
-    offload ``x-accel`` and ``redirect``)."""
+    offload ``x-accel`` and ``redirect``). The hot route (``fastpath.py``) answers most memento
+    requests before they get here, from the same ``find_memento``."""
     pub = request.app.state.publisher
     raw = _raw_path(request)
     parsed = split_version_path(raw, MEMENTO) if raw is not None else None
@@ -269,33 +325,15 @@ async def memento(request: Request) -> Response:
     if parsed is None or when is None:
         return gone(None, 404)
     set_name, _, uri = parsed
-    base = pub.base_url
-    retention = retention_of(pub)
     offload = pub.config.server.offload
 
     def answer(state: StateStore) -> tuple[Response | None, Resource | None, str]:
-        ps, row, cap = _held(pub, state, set_name, uri)
-        if ps is None or row is None:
-            return gone(f'<{cap}>; rel="resourcesync"' if cap else None, 404), None, ""
-        rec = state.version_at(row.id, when)
-        if rec is None or rec.datetime != when or not _shown(pub, ps, row, rec):
-            return gone(f'<{cap}>; rel="resourcesync"', 404), None, ""
-        link = _memento_links(base, ps.name, uri, cap)
-        # Beyond retention; or a prior version whose blob is gone (a stricter policy applied by an
-        # earlier gc than the one configured now): no longer kept, the same 410, never a 500.
-        gone_blob = rec.sha256 != row.sha256 and not pub.blobs.exists(rec.sha256)
-        if gone_blob or not is_retained(state, retention, rec, utcnow()):
-            return (
-                Response(
-                    "gone: this version is beyond the retention of prior versions; see the TimeMap\n",
-                    status_code=410,
-                    media_type="text/plain",
-                    headers={"link": link},
-                ),
-                None,
-                link,
-            )
-        version = version_resource(row, rec)
+        found = find_memento(pub, state, set_name, uri, when)
+        if found.status == 404:
+            return gone(found.link, 404), None, ""
+        if found.status == 410 or found.version is None:
+            return beyond_retention(found.link), None, ""
+        version, link = found.version, found.link or ""
         if offload != "none":
             offloaded = _offloaded(pub, request, version, link, offload)
             if offloaded is not None:
@@ -307,10 +345,17 @@ async def memento(request: Request) -> Response:
         assert version is not None
         response = await remote_response(request, version, pub.blobs, link)
     if version is not None:
-        response.headers["memento-datetime"] = http_date(version.updated_at)
-        if response.status_code in (200, 206, 304):  # not a 307: a presigned URL expires
-            response.headers["cache-control"] = IMMUTABLE
+        memento_headers(response, version)
     return response
+
+
+def parse_memento_path(raw_path: str) -> tuple[str, str, datetime] | None:
+    """(set, upstream URI, datetime) of ``/SET/memento/STAMP/<mapped>``; None: not a memento URI."""
+    parsed = split_version_path(raw_path, MEMENTO)
+    when = parse_stamp(parsed[1] or "") if parsed is not None else None
+    if parsed is None or when is None:
+        return None
+    return parsed[0], parsed[2], when
 
 
 def _offloaded(pub, request: Request, version: Resource, link: str, offload: str) -> Response | None:
