@@ -710,3 +710,67 @@ async def test_hot_route_retires_a_memento_when_its_duration_ends(tmp_path: Path
         r = await client.get(url)
         assert r.status_code == 410 and 'rel="timemap"' in r.headers["link"]
         assert (await client.get(url.replace(stamp(TIMES[3]), stamp(TIMES[4])))).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------------
+# TimeMap validators: ETag (and Last-Modified) and 304
+
+
+@pytest.mark.parametrize("policy", ["all", 2, "1d"])
+async def test_timemap_etag_names_one_body(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: Any):
+    """Through updates, a deletion and time passing (which retires versions under a duration policy),
+    for two pages: one ETag never names two TimeMap bodies, and each state's validators get 304
+    (If-None-Match, also weak; If-Modified-Since when Last-Modified is given), a stale ETag 200."""
+    from aggregator.publish import versions
+
+    now = [TIMES[4] + timedelta(hours=1)]
+    monkeypatch.setattr(versions, "utcnow", lambda: now[0])
+    cfg = filled(tmp_path, versions=policy)
+    later = [TIMES[4] + timedelta(hours=h) for h in (2, 28, 36)]
+    v5 = b"<p>version 5</p>"
+    blobs = FileBlobStore(cfg.store_path / "blobs")
+    blobs.put_bytes(v5)
+    blobs.close()
+
+    def apply(change: Change, when: datetime) -> None:
+        with State(cfg.store_path / "state.db", clock=lambda: when) as st:
+            st.apply(st.ensure_set("up", UP + "capabilitylist.xml"), [change])
+
+    steps = [
+        (lambda: None, TIMES[4] + timedelta(hours=1)),
+        (lambda: None, TIMES[4] + timedelta(hours=1)),
+        (lambda: apply(Change(DOC, "updated", sha(v5), len(v5), "text/html"), later[0]), later[0]),
+        (lambda: None, TIMES[4] + timedelta(days=1, hours=1)),  # "1d": TIMES[3] retired
+        (lambda: None, TIMES[4] + timedelta(days=1, hours=3)),  # "1d": TIMES[4] retired
+        (lambda: apply(Change(DOC, "deleted"), later[1]), later[1] + timedelta(hours=1)),
+        (lambda: None, later[1] + timedelta(days=1, hours=1)),  # "1d": version 5 retired
+    ]
+    seen: dict[str, bytes] = {}
+    bodies = set()
+    async with publishing(cfg) as (base, client):
+        for change, when in steps:
+            change()
+            now[0] = when
+            for url in (f"{base}/up/timemap/{rsagg_path(DOC)}", f"{base}/up/timemap/3/{rsagg_path(DOC)}"):
+                r = await client.get(url)
+                assert r.status_code == 200 and r.headers["content-type"] == "application/link-format"
+                etag = r.headers["etag"]
+                assert etag.startswith('"') and seen.setdefault(etag, r.content) == r.content
+                bodies.add(r.content)
+                for asked in ({"if-none-match": etag}, {"if-none-match": f'"x", W/{etag}'}):
+                    for method in ("GET", "HEAD"):
+                        c = await client.request(method, url, headers=asked)
+                        assert c.status_code == 304 and c.content == b"" and c.headers["etag"] == etag
+                        assert "content-type" not in c.headers
+                lm = r.headers.get("last-modified")
+                assert (lm is None) == (policy == "1d")
+                if lm is not None:
+                    assert (await client.get(url, headers={"if-modified-since": lm})).status_code == 304
+                    earlier = http(datetime.strptime(lm, "%a, %d %b %Y %H:%M:%S GMT") - timedelta(seconds=1))
+                    assert (await client.get(url, headers={"if-modified-since": earlier})).status_code == 200
+                    # If-None-Match decides when both are sent (RFC 9110 §13.2.2)
+                    both = {"if-none-match": '"stale"', "if-modified-since": lm}
+                    assert (await client.get(url, headers=both)).status_code == 200
+                assert (await client.get(url, headers={"if-none-match": '"stale"'})).status_code == 200
+    assert len(bodies) >= 4  # the steps changed the TimeMaps, and their ETags followed
+    assert len(seen) >= len(bodies)

@@ -29,6 +29,7 @@ beyond retention answers 410 with a ``Link`` to the TimeMap, and is left out of 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import re
@@ -47,7 +48,15 @@ from ..sets import PublishedSet
 from ..store.interface import StateStore
 from ..store.retention import Retention, parse_retention
 from ..store.state import LogRecord, Resource
-from .resources import conditional_answer, gone, http_date, remote_response, resource_answer, resource_headers
+from .resources import (
+    conditional_answer,
+    gone,
+    http_date,
+    remote_response,
+    resource_answer,
+    resource_headers,
+    validators_match,
+)
 from .uris import NotAResourcePath, rsagg_path, upstream_uri
 
 log = logging.getLogger("rsagg.publish")
@@ -481,22 +490,70 @@ async def timemap(request: Request) -> Response:
     set_name, after_text, uri = parsed
     after = int(after_text) if after_text is not None else 0
     retention = retention_of(pub)
+    now = utcnow()
+
+    def held_and_validators(
+        state: StateStore,
+    ) -> tuple[PublishedSet | None, Resource | None, str, str, datetime | None]:
+        ps, row, cap = _held(pub, state, set_name, uri)
+        if ps is None or row is None:
+            return ps, row, cap, "", None
+        return ps, row, cap, *timemap_validators(pub, state, ps, row, after, retention, now)
+
     state = await pub.pool.acquire()
     try:
-        held = await trio.to_thread.run_sync(_held, pub, state, set_name, uri)
+        ps, row, cap, etag, last_modified = await trio.to_thread.run_sync(held_and_validators, state)
     except BaseException:
         pub.pool.release(state)
         raise
-    ps, row, cap = held
     if ps is None or row is None:
         pub.pool.release(state)
         return gone(f'<{cap}>; rel="resourcesync"' if cap else None, 404)
-    headers = {"content-type": LINK_FORMAT, "cache-control": "public, max-age=10"}
+    headers = {"content-type": LINK_FORMAT, "cache-control": "public, max-age=10", "etag": etag}
+    if last_modified is not None:
+        headers["last-modified"] = http_date(last_modified)
+    if validators_match(request, etag, last_modified):  # RFC 9110 §13.1.2, §13.1.3
+        pub.pool.release(state)
+        return Response(status_code=304, headers={k: v for k, v in headers.items() if k != "content-type"})
     if request.method == "HEAD":
         pub.pool.release(state)
         return Response(headers=headers)
-    lines = _timemap_lines(pub, state, ps, row, uri, after, retention, utcnow())
+    lines = _timemap_lines(pub, state, ps, row, uri, after, retention, now)
     return DocumentResponse(lines, lambda: pub.pool.release(state), headers=headers)
+
+
+def timemap_validators(
+    pub,
+    state: StateStore,
+    ps: PublishedSet,
+    row: Resource,
+    after: int,
+    retention: Retention,
+    now: datetime,
+) -> tuple[str, datetime | None]:
+    """Strong ``ETag`` and ``Last-Modified`` (None: none) of a TimeMap page, from what decides its
+    bytes without listing it (blocking). The changelog is append-only and every record of a resource
+    moves its row's ``updated_at``; the row's versions counted and its deletion state guard the same;
+    ``pub.fingerprint`` covers base URL, publish filter and retention policy. Under a duration policy
+    the listed versions also change with time: the last record at or before the cutoff and whether it
+    is still retained tell which ones are listed (the retained versions are a suffix of the history),
+    and there is no honest Last-Modified short of listing, so none is given."""
+    parts: list[object] = [
+        pub.fingerprint,
+        TIMEMAP_PAGE,
+        ps.name,
+        row.id,
+        after,
+        row.updated_at.isoformat(),
+        row.deleted,
+        state.count_versions(row.id),
+    ]
+    last_modified: datetime | None = max(row.updated_at, pub.started)  # a new configuration: new bytes
+    if retention.younger is not None:
+        rec = state.version_at(row.id, now - timedelta(seconds=retention.younger))
+        parts += [None, None] if rec is None else [rec.seq, is_retained(state, retention, rec, now)]
+        last_modified = None
+    return f'"{hashlib.sha256(repr(parts).encode()).hexdigest()[:32]}"', last_modified
 
 
 def _timemap_lines(
