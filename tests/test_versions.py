@@ -774,3 +774,28 @@ async def test_timemap_etag_names_one_body(tmp_path: Path, monkeypatch: pytest.M
                 assert (await client.get(url, headers={"if-none-match": '"stale"'})).status_code == 200
     assert len(bodies) >= 4  # the steps changed the TimeMaps, and their ETags followed
     assert len(seen) >= len(bodies)
+
+
+async def test_hot_route_passes_the_lifespan_on(tmp_path: Path):
+    """The hot route sits in front of the router: a lifespan scope (no method, no path) goes through
+    it to the app's lifespan, which starts up."""
+    from aggregator.publish.app import create_app
+
+    cfg = filled(tmp_path)
+    blobs = FileBlobStore(cfg.store_path / "blobs")
+    app = create_app(cfg, blobs=blobs, state_path=cfg.store_path / "state.db")
+    sent: list[dict] = []
+    asks = [{"type": "lifespan.shutdown"}, {"type": "lifespan.startup"}]
+
+    async def receive() -> dict:
+        return asks.pop()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    try:
+        with trio.fail_after(30):
+            await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    finally:
+        blobs.close()
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]

@@ -274,11 +274,10 @@ class ResourceFastPath:
         self.prefix = base_path(publisher.config.server.base_url).encode("utf-8")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["path"]
         if (
-            scope["type"] != "http"
+            scope["type"] != "http"  # lifespan and websocket scopes have no method, nor a path
             or scope["method"] not in ("GET", "HEAD")
-            or (_MARK not in path and _MEMENTO_MARK not in path)
+            or (_MARK not in (path := scope["path"]) and _MEMENTO_MARK not in path)
         ):
             await self.app(scope, receive, send)
             return
