@@ -1,4 +1,4 @@
-"""The hot route: resource GETs and HEADs answered from memory, before starlette's routing.
+"""The hot route: resource and memento GETs and HEADs answered from memory, before starlette's routing.
 
 A crawler or Destination fetches the same resources again and again (audits, re-syncs, conditional
 GETs). What a resource GET needs (the row, the plugins' verdict, the Capability List link, the bytes of
@@ -22,6 +22,13 @@ A hit costs no thread hop and no query (that one version read, or none); a miss 
 (``Publisher.run``), as the route had before. Anything the memory cannot answer (a big blob, a Range only
 starlette's FileResponse decides, a blob in a store without URLs) goes on to the ordinary route
 (``app.resource``), which answers it as before: the bytes and headers are the same either way.
+
+Mementos (``/SET/memento/STAMP/...``, ``versions.py``) take the same route: ``versions.find_memento``
+decides (404, 410 beyond retention, the version), the version's row stands for the resource's, and the
+answers add ``Memento-Datetime`` and ``Cache-Control: immutable`` as the app's memento route does.
+Under a duration policy (``[publish] versions = "30d"``) a version leaves retention with no commit:
+its cached answer expires then (``Hot.expires``). A memento's x-accel answer says no
+``X-Accel-Expires``, so nginx asks again and hears of that 410.
 
 ``server.offload`` (see ``config/nginx.conf`` and docs/install.md):
 
