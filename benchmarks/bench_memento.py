@@ -6,6 +6,7 @@ process (``server.offload = "none"``, rsagg's own plugins only) and, from this p
 
 * plain resource GETs of the current versions (the baseline: the hot route);
 * memento GETs (a random version of a random resource);
+* both again, the same requests (what the hot route keeps in memory answers them);
 * TimeGate negotiations (``Accept-Datetime`` at a random instant of the history; the 302 not followed);
 * the TimeMap of the long history: time to first byte, total time to read every page (``rel="next"``),
   mementos listed (a second read shows the effect of warm caches).
@@ -284,6 +285,10 @@ def main() -> None:
         rows.append(("plain resource GET (current version)", base_rate, bad))
         rate, bad = load(mementos, args.concurrency, 200)
         rows.append(("memento GET (5-version histories)", rate, bad))
+        rate, bad = load(plain, args.concurrency, 200)
+        rows.append(("plain resource GET, same again", rate, bad))
+        rate, bad = load(mementos, args.concurrency, 200)
+        rows.append(("memento GET, same again", rate, bad))
         rate, bad = load(gates, args.concurrency, 302)
         rows.append(("TimeGate 302 (5-version histories)", rate, bad))
         rate, bad = load(long_gates, args.concurrency, 302)
