@@ -296,7 +296,7 @@ class ResourceFastPath:
             if lookup is None:
                 await self.app(scope, receive, send)
                 return
-            scope["route"] = self._route(lookup[0] is self._lookup_memento)
+            scope["route"] = self._route(lookup[0] == self._lookup_memento)  # bound: equal, not same
             try:
                 hot = await self.pub.run(*lookup)
             except self.busy[0] as exc:
