@@ -316,7 +316,7 @@ def main() -> None:
         for label, rate, bad, cpu in rows:
             print(
                 f"{label:<44} {rate:>9.0f} {rate / base_rate:>8.2f}x {cpu * 1e6:>13.0f}us "
-                f"{cpu / base_cpu:>8.2f}x {bad:>7}"
+                f"{cpu / base_cpu if base_cpu else float('nan'):>8.2f}x {bad:>7}"
             )
         print()
         title = f"TimeMap of {args.versions} versions"
