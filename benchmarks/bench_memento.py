@@ -6,13 +6,16 @@ process (``server.offload = "none"``, rsagg's own plugins only) and, from this p
 
 * plain resource GETs of the current versions (the baseline: the hot route);
 * memento GETs (a random version of a random resource);
+* both again, the same requests (what the hot route keeps in memory answers them);
 * TimeGate negotiations (``Accept-Datetime`` at a random instant of the history; the 302 not followed);
 * the TimeMap of the long history: time to first byte, total time to read every page (``rel="next"``),
   mementos listed (a second read shows the effect of warm caches).
 
 Each load is a bounded number of requests from ``--concurrency`` httpx workers (default 8, one process);
-requests/s and the ratio to plain GETs. Prints the table and the load average (this machine is shared:
-compare rows of one run, not runs).
+requests/s and the ratio to plain GETs, and the server process's CPU time per request (``/proc``, in
+clock ticks: use 1,000 requests or more; far less sensitive than requests/s to the rest of a shared
+machine's load). Prints the table and the load average (this machine is shared: compare rows of one
+run, not runs).
 
     python benchmarks/bench_memento.py                 # 1,000 x 5 versions + one of 10,000
     python benchmarks/bench_memento.py --requests 500  # quicker
@@ -173,6 +176,16 @@ def load(requests: list[tuple[str, dict[str, str]]], concurrency: int, expect: i
     return len(requests) / (time.perf_counter() - start), bad[0]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads so far (Linux ``/proc``): what a
+    row cost the server, much less sensitive than requests/s to the other work of a shared machine."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def timemap(url: str) -> tuple[float, float, int, int]:
     """(time to first byte of the first page, total over every page, mementos, pages)."""
     import httpx
@@ -280,21 +293,31 @@ def main() -> None:
             )
         rows = []
         load(plain[:200], args.concurrency, 200)  # warm up: connections, pools, page cache
-        base_rate, bad = load(plain, args.concurrency, 200)
-        rows.append(("plain resource GET (current version)", base_rate, bad))
-        rate, bad = load(mementos, args.concurrency, 200)
-        rows.append(("memento GET (5-version histories)", rate, bad))
-        rate, bad = load(gates, args.concurrency, 302)
-        rows.append(("TimeGate 302 (5-version histories)", rate, bad))
-        rate, bad = load(long_gates, args.concurrency, 302)
-        rows.append((f"TimeGate 302 ({args.versions}-version history)", rate, bad))
+        for label, requests, expect in [
+            ("plain resource GET (current version)", plain, 200),
+            ("memento GET (5-version histories)", mementos, 200),
+            ("plain resource GET, same again", plain, 200),
+            ("memento GET, same again", mementos, 200),
+            ("TimeGate 302 (5-version histories)", gates, 302),
+            (f"TimeGate 302 ({args.versions}-version history)", long_gates, 302),
+        ]:
+            cpu = cpu_seconds(proc.pid)
+            rate, bad = load(requests, args.concurrency, expect)
+            rows.append((label, rate, bad, (cpu_seconds(proc.pid) - cpu) / len(requests)))
+        base_rate, base_cpu = rows[0][1], rows[0][3]
         tm_url = f"{base}/bench/timemap/{rsagg_path(LONG)}"
         maps = [timemap(tm_url), timemap(tm_url)]
 
         print()
-        print(f"{'request':<44} {'req/s':>9} {'vs plain':>9} {'not ok':>7}")
-        for label, rate, bad in rows:
-            print(f"{label:<44} {rate:>9.0f} {rate / base_rate:>8.2f}x {bad:>7}")
+        print(
+            f"{'request':<44} {'req/s':>9} {'vs plain':>9} {'server CPU/req':>15} {'vs plain':>9}"
+            f" {'not ok':>7}"
+        )
+        for label, rate, bad, cpu in rows:
+            print(
+                f"{label:<44} {rate:>9.0f} {rate / base_rate:>8.2f}x {cpu * 1e6:>13.0f}us "
+                f"{cpu / base_cpu if base_cpu else float('nan'):>8.2f}x {bad:>7}"
+            )
         print()
         title = f"TimeMap of {args.versions} versions"
         print(f"{title:<32} {'first byte':>11} {'total':>9} {'mementos':>9} {'pages':>6}")

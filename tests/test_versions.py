@@ -36,7 +36,8 @@ from aggregator.store.retention import Retention, RetentionError, parse_retentio
 from aggregator.store.state import Change, State
 
 from .harvesting import make_config
-from .test_publish import publishing
+from .test_publish import NoLocalPath, publishing
+from .test_resource_get import answer
 
 UP = "http://upstream.example/"
 DOC = UP + "doc.html"
@@ -550,3 +551,251 @@ async def test_a_prior_version_whose_blob_is_gone_is_410_not_500(tmp_path: Path)
             assert r.status_code == (200 if i == 4 else 410)
             if i < 4:
                 assert 'rel="timemap"' in r.headers["link"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The hot route answers mementos as the app's memento route does (publish/fastpath.py)
+
+
+class _WithUrls(NoLocalPath):
+    """A blob store without local files whose blobs have URLs (as S3's presigned ones): redirect."""
+
+    def url(self, sha256: str, lifetime: int, content_type: str | None = None) -> str:
+        return f"https://blobs.example/{sha256}?type={content_type}&ttl={lifetime}"
+
+
+#: Request headers of the table, with ETAG standing for the version's own ETag.
+_ASKED: list[dict[str, str]] = [
+    {},
+    {"if-none-match": "ETAG"},
+    {"if-none-match": "W/ETAG"},
+    {"if-none-match": '"other"'},
+    {"if-modified-since": http(TIMES[-1] + timedelta(days=9))},
+    {"if-modified-since": http(T0 - timedelta(days=9))},
+    {"range": "bytes=0-4"},
+    {"range": "bytes=-3"},
+    {"range": "bytes=3-"},
+    {"range": "bytes=0-1,3-4"},
+    {"range": "bytes=999-"},
+    {"range": "bytes=0-4", "if-range": "ETAG"},
+    {"range": "bytes=0-4", "if-range": '"other"'},
+    {"if-match": "ETAG"},
+    {"if-match": '"other"'},
+    {"if-unmodified-since": http(T0 - timedelta(days=9))},
+    {"if-unmodified-since": http(TIMES[-1] + timedelta(days=9))},
+]
+#: Ranges that starlette's FileResponse decides (multipart, 416): the hot route hands them on.
+_FILE_RESPONSE_RANGES = {"bytes=0-1,3-4", "bytes=999-"}
+
+
+def _end_to_end(a: tuple[int, list[tuple[str, str]], bytes]) -> tuple[int, list[tuple[str, str]], bytes]:
+    """The answer less ``Connection`` (hop-by-hop, RFC 9110 §7.6.1: the server closes a connection
+    after so many requests, whichever route answered the last)."""
+    return a[0], [(k, v) for k, v in a[1] if k != "connection"], a[2]
+
+
+@pytest.mark.parametrize(
+    ("offload", "store"),
+    [("none", "file"), ("none", "stream"), ("x-accel", "file"), ("redirect", "urls"), ("redirect", "file")],
+)
+async def test_hot_route_answers_mementos_as_the_app_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offload: str, store: str
+):
+    """Every memento request of a table (versions served, beyond retention, hidden, never written,
+    of a resource or set never held; x validators, ranges, preconditions; x GET, HEAD) gets the same
+    status, headers (in order, less Date and Server) and bytes from the hot route (and the server's
+    fast lane) as from the app's memento route. Under offload "none" with local files, the hot route
+    answers all of them itself but the ranges only FileResponse decides."""
+    from aggregator.publish import app as app_module
+    from aggregator.publish import fastpath, versions
+
+    hidden = sha(BODIES[3])
+    real_filter = app_module.publish_filter
+
+    def hiding(plugins):
+        visible = real_filter(plugins)
+        return lambda set_name, r: r.sha256 != hidden and visible(set_name, r)
+
+    monkeypatch.setattr(app_module, "publish_filter", hiding)
+    paths: list[fastpath.ResourceFastPath] = []
+    real_init = fastpath.ResourceFastPath.__init__
+
+    def recorded(self, *args: Any, **kw: Any) -> None:
+        real_init(self, *args, **kw)
+        paths.append(self)
+
+    monkeypatch.setattr(fastpath.ResourceFastPath, "__init__", recorded)
+    reached: list[str] = []  # memento requests the app's route answered
+    real_memento = versions.memento
+
+    async def counted(request: Any) -> Any:
+        reached.append(request.method)
+        return await real_memento(request)
+
+    monkeypatch.setattr(versions, "memento", counted)
+
+    cfg = filled(tmp_path, versions=3)  # TIMES[0] and TIMES[1] beyond retention
+    cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, offload=offload))
+    inner = FileBlobStore(cfg.store_path / "blobs")
+    blobs = {"file": None, "stream": NoLocalPath(inner), "urls": _WithUrls(inner)}[store]
+    try:
+        async with publishing(cfg, blobs=blobs) as (base, client):
+            (fast,) = paths
+            memento_route = fast.memento_route
+            assert memento_route is not None
+            cases: list[tuple[str, bytes | None]] = [  # (URL, the bytes of the version when served)
+                *(
+                    (f"{base}/up/memento/{stamp(t)}/{rsagg_path(DOC)}", body)
+                    for t, body in zip(TIMES, BODIES, strict=True)
+                ),
+                (f"{base}/up/memento/{stamp(T0)}/{rsagg_path(OTHER)}", b"other 0"),
+                (f"{base}/up/memento/{stamp(TIMES[2] + timedelta(seconds=1))}/{rsagg_path(DOC)}", None),
+                (f"{base}/up/memento/{stamp(T0)}/{rsagg_path(UP + 'never.html')}", None),
+                (f"{base}/nosuchset/memento/{stamp(T0)}/{rsagg_path(DOC)}", None),
+                (f"{base}/up/memento/99999999999999999999/{rsagg_path(DOC)}", None),
+            ]
+            statuses = set()
+            for url, body in cases:
+                etag = f'"{sha(body or BODIES[0])}"'
+                for asked in _ASKED:
+                    headers = {k: v.replace("ETAG", etag) for k, v in asked.items()}
+                    for method in ("GET", "HEAD"):
+                        fast.memento_route = memento_route
+                        del reached[:]
+                        hot = answer(await client.request(method, url, headers=headers))  # looked up
+                        cached = answer(await client.request(method, url, headers=headers))
+                        by_hot_route = not reached
+                        fast.memento_route = None  # the hot route leaves mementos to the app ...
+                        fast.cache._lru.clear()  # ... and has none in its cache
+                        app = answer(await client.request(method, url, headers=headers))
+                        assert reached, "the app's memento route answered"
+                        hot, cached, app = (_end_to_end(a) for a in (hot, cached, app))
+                        assert hot == cached == app, (method, url, headers)
+                        statuses.add(hot[0])
+                        if offload == "none" and store == "file":
+                            # 404 (hidden, never held) and 410 (beyond retention) are the hot route's; a
+                            # path that is no memento URI at all (no date in it) is the app's
+                            expect = hot[0] in (404, 410) or headers.get("range") not in _FILE_RESPONSE_RANGES
+                            expect = expect and "/99999999999999999999/" not in url
+                            assert by_hot_route == expect, (method, url, headers)
+    finally:
+        inner.close()
+    assert {404, 410} <= statuses
+    assert statuses & {200, 307}, statuses
+
+
+async def test_hot_route_retires_a_memento_when_its_duration_ends(tmp_path: Path, monkeypatch):
+    """Under a duration policy a version leaves retention with no change to the state: the hot route's
+    cached 200 lasts only until then, after which the memento answers 410 as the app's route does.
+    rsagg's clock and the hot cache's monotonic clock are both the test's."""
+    import time
+    from types import SimpleNamespace
+
+    from aggregator.publish import fastpath, versions
+
+    until = TIMES[4] + timedelta(days=1)  # TIMES[3], superseded at TIMES[4], leaves "1d" then
+    now = [until - timedelta(hours=1)]
+    later = [0.0]  # seconds added to the monotonic clock
+    for module in (versions, fastpath):
+        monkeypatch.setattr(module, "utcnow", lambda: now[0])
+    clock = SimpleNamespace(monotonic=lambda: time.monotonic() + later[0], perf_counter=time.perf_counter)
+    monkeypatch.setattr(fastpath, "time", clock)
+    cfg = filled(tmp_path, versions="1d")
+    async with publishing(cfg) as (base, client):
+        url = f"{base}/up/memento/{stamp(TIMES[3])}/{rsagg_path(DOC)}"
+        r = await client.get(url)
+        assert r.status_code == 200 and r.content == BODIES[3]
+        now[0] = until + timedelta(seconds=1)
+        later[0] = 3600.5  # the hour the cached answer was good for has passed
+        r = await client.get(url)
+        assert r.status_code == 410 and 'rel="timemap"' in r.headers["link"]
+        assert (await client.get(url.replace(stamp(TIMES[3]), stamp(TIMES[4])))).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------------
+# TimeMap validators: ETag (and Last-Modified) and 304
+
+
+@pytest.mark.parametrize("policy", ["all", 2, "1d"])
+async def test_timemap_etag_names_one_body(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: Any):
+    """Through updates, a deletion and time passing (which retires versions under a duration policy),
+    for two pages: one ETag never names two TimeMap bodies, and each state's validators get 304
+    (If-None-Match, also weak; If-Modified-Since when Last-Modified is given), a stale ETag 200."""
+    from aggregator.publish import versions
+
+    now = [TIMES[4] + timedelta(hours=1)]
+    monkeypatch.setattr(versions, "utcnow", lambda: now[0])
+    cfg = filled(tmp_path, versions=policy)
+    later = [TIMES[4] + timedelta(hours=h) for h in (2, 28, 36)]
+    v5 = b"<p>version 5</p>"
+    blobs = FileBlobStore(cfg.store_path / "blobs")
+    blobs.put_bytes(v5)
+    blobs.close()
+
+    def apply(change: Change, when: datetime) -> None:
+        with State(cfg.store_path / "state.db", clock=lambda: when) as st:
+            st.apply(st.ensure_set("up", UP + "capabilitylist.xml"), [change])
+
+    steps = [
+        (lambda: None, TIMES[4] + timedelta(hours=1)),
+        (lambda: None, TIMES[4] + timedelta(hours=1)),
+        (lambda: apply(Change(DOC, "updated", sha(v5), len(v5), "text/html"), later[0]), later[0]),
+        (lambda: None, TIMES[4] + timedelta(days=1, hours=1)),  # "1d": TIMES[3] retired
+        (lambda: None, TIMES[4] + timedelta(days=1, hours=3)),  # "1d": TIMES[4] retired
+        (lambda: apply(Change(DOC, "deleted"), later[1]), later[1] + timedelta(hours=1)),
+        (lambda: None, later[1] + timedelta(days=1, hours=1)),  # "1d": version 5 retired
+    ]
+    seen: dict[str, bytes] = {}
+    bodies = set()
+    async with publishing(cfg) as (base, client):
+        for change, when in steps:
+            change()
+            now[0] = when
+            for url in (f"{base}/up/timemap/{rsagg_path(DOC)}", f"{base}/up/timemap/3/{rsagg_path(DOC)}"):
+                r = await client.get(url)
+                assert r.status_code == 200 and r.headers["content-type"] == "application/link-format"
+                etag = r.headers["etag"]
+                assert etag.startswith('"') and seen.setdefault(etag, r.content) == r.content
+                bodies.add(r.content)
+                for asked in ({"if-none-match": etag}, {"if-none-match": f'"x", W/{etag}'}):
+                    for method in ("GET", "HEAD"):
+                        c = await client.request(method, url, headers=asked)
+                        assert c.status_code == 304 and c.content == b"" and c.headers["etag"] == etag
+                        assert "content-type" not in c.headers
+                lm = r.headers.get("last-modified")
+                assert (lm is None) == (policy == "1d")
+                if lm is not None:
+                    assert (await client.get(url, headers={"if-modified-since": lm})).status_code == 304
+                    earlier = http(datetime.strptime(lm, "%a, %d %b %Y %H:%M:%S GMT") - timedelta(seconds=1))
+                    assert (await client.get(url, headers={"if-modified-since": earlier})).status_code == 200
+                    # If-None-Match decides when both are sent (RFC 9110 §13.2.2)
+                    both = {"if-none-match": '"stale"', "if-modified-since": lm}
+                    assert (await client.get(url, headers=both)).status_code == 200
+                assert (await client.get(url, headers={"if-none-match": '"stale"'})).status_code == 200
+    assert len(bodies) >= 4  # the steps changed the TimeMaps, and their ETags followed
+    assert len(seen) >= len(bodies)
+
+
+async def test_hot_route_passes_the_lifespan_on(tmp_path: Path):
+    """The hot route sits in front of the router: a lifespan scope (no method, no path) goes through
+    it to the app's lifespan, which starts up."""
+    from aggregator.publish.app import create_app
+
+    cfg = filled(tmp_path)
+    blobs = FileBlobStore(cfg.store_path / "blobs")
+    app = create_app(cfg, blobs=blobs, state_path=cfg.store_path / "state.db")
+    sent: list[dict] = []
+    asks = [{"type": "lifespan.shutdown"}, {"type": "lifespan.startup"}]
+
+    async def receive() -> dict:
+        return asks.pop()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    try:
+        with trio.fail_after(30):
+            await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    finally:
+        blobs.close()
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]

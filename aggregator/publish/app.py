@@ -562,6 +562,7 @@ def create_app(
 
     get = ["GET", "HEAD"]
     resource_route = Route("/{set}/r/{rest:path}", resource, methods=get)
+    memento_route = Route("/{set}/memento/{rest:path}", versions.memento, methods=get)
     routes: list[BaseRoute] = [
         *extra_routes,
         Route("/", status_page.home, methods=get),
@@ -580,7 +581,7 @@ def create_app(
         Route(f"/{{set}}/changelist/{number('k')}.xml", changelist_window, methods=get),
         resource_route,
         # Prior versions (§14.6, RFC 7089; publish/versions.py)
-        Route("/{set}/memento/{rest:path}", versions.memento, methods=get),
+        memento_route,
         Route("/{set}/timegate/{rest:path}", versions.timegate, methods=get),
         Route("/{set}/timemap/{rest:path}", versions.timemap, methods=get),
     ]
@@ -588,7 +589,9 @@ def create_app(
 
     def hot(inner: Any) -> ResourceFastPath:
         fast.append(
-            ResourceFastPath(inner, publisher, resource_route, ((ServerBusy, StateUnavailable), busy))
+            ResourceFastPath(
+                inner, publisher, resource_route, ((ServerBusy, StateUnavailable), busy), memento_route
+            )
         )
         return fast[-1]
 

@@ -1,4 +1,4 @@
-"""The hot route: resource GETs and HEADs answered from memory, before starlette's routing.
+"""The hot route: resource and memento GETs and HEADs answered from memory, before starlette's routing.
 
 A crawler or Destination fetches the same resources again and again (audits, re-syncs, conditional
 GETs). What a resource GET needs (the row, the plugins' verdict, the Capability List link, the bytes of
@@ -23,6 +23,13 @@ A hit costs no thread hop and no query (that one version read, or none); a miss 
 starlette's FileResponse decides, a blob in a store without URLs) goes on to the ordinary route
 (``app.resource``), which answers it as before: the bytes and headers are the same either way.
 
+Mementos (``/SET/memento/STAMP/...``, ``versions.py``) take the same route: ``versions.find_memento``
+decides (404, 410 beyond retention, the version), the version's row stands for the resource's, and the
+answers add ``Memento-Datetime`` and ``Cache-Control: immutable`` as the app's memento route does.
+Under a duration policy (``[publish] versions = "30d"``) a version leaves retention with no commit:
+its cached answer expires then (``Hot.expires``). A memento's x-accel answer says no
+``X-Accel-Expires``, so nginx asks again and hears of that 410.
+
 ``server.offload`` (see ``config/nginx.conf`` and docs/install.md):
 
 - ``x-accel``: 200 with ``X-Accel-Redirect: <offload_location><ab/cd/sha256>`` and every header of
@@ -44,14 +51,16 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..rs.w3cdt import utcnow
 from ..store.calls import limiter_of
 from ..store.interface import StateStore
 from ..store.state import Resource, connect, local_commit_mark
@@ -65,7 +74,14 @@ from .resources import (
     resource_headers,
 )
 from .uris import RESOURCES, base_path, split_resource_path, strip_base_path
-from .versions import resource_link_header
+from .versions import (
+    MEMENTO,
+    beyond_retention,
+    find_memento,
+    memento_headers,
+    parse_memento_path,
+    resource_link_header,
+)
 
 if TYPE_CHECKING:
     from .app import Publisher
@@ -81,6 +97,7 @@ REMOTE_VERSION_AGE = 0.01
 #: ``PRAGMA data_version`` is read again: how late another process's commit may show (module docstring).
 LOCAL_VERSION_AGE = 0.002
 _MARK = f"/{RESOURCES}/"
+_MEMENTO_MARK = f"/{MEMENTO}/"
 _WANTED = frozenset(
     (b"if-none-match", b"if-modified-since", b"range", b"if-range", b"if-match", b"if-unmodified-since")
 )
@@ -102,6 +119,9 @@ class Hot:
     #: The answer to a GET without Range or validators: status, raw headers, body (a HEAD's: no body);
     #: None: build it per request.
     plain: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None
+    #: A memento (``/SET/memento/...``, versions.py): its row is that version; its answers say
+    #: Memento-Datetime and Cache-Control immutable, its 410 is "beyond retention".
+    memento: bool = False
 
     @property
     def cost(self) -> int:
@@ -236,14 +256,17 @@ class ResourceFastPath:
         self,
         app: ASGIApp,
         publisher: Publisher,
-        route: object,
+        route: Any,
         busy: tuple[
             type[Exception] | tuple[type[Exception], ...], Callable[[Request, Exception], Awaitable[Response]]
         ],
+        memento_route: Any = None,
     ) -> None:
+        """``memento_route``: the app's memento Route; None: mementos are left to the app."""
         self.app = app
         self.pub = publisher
         self.route = route  # the resource Route: ServedMetrics labels the request by its path
+        self.memento_route = memento_route
         #: (ServerBusy, its handler): this middleware is outside starlette's exception handlers
         self.busy = busy
         # A handle of its own, not one of the pool's: read in the event loop, between requests.
@@ -258,29 +281,30 @@ class ResourceFastPath:
         self.prefix = base_path(publisher.config.server.base_url).encode("utf-8")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD") or _MARK not in scope["path"]:
+        if (
+            scope["type"] != "http"  # lifespan and websocket scopes have no method, nor a path
+            or scope["method"] not in ("GET", "HEAD")
+            or (_MARK not in (path := scope["path"]) and _MEMENTO_MARK not in path)
+        ):
             await self.app(scope, receive, send)
             return
-        raw = scope.get("raw_path") or scope["path"].encode("utf-8")
+        raw = scope.get("raw_path") or path.encode("utf-8")
         cacheable = await self.cache.fresh()
         hot = self.cache.get(raw) if cacheable else None
         if hot is None:
-            try:
-                parsed = split_resource_path(raw.decode("utf-8").partition("?")[0])
-            except UnicodeDecodeError:
-                parsed = None
-            if parsed is None:
+            lookup = self._parse(raw.partition(b"?")[0])
+            if lookup is None:
                 await self.app(scope, receive, send)
                 return
-            scope["route"] = self.route
+            scope["route"] = self._route(lookup[0] == self._lookup_memento)  # bound: equal, not same
             try:
-                hot = await self.pub.run(self._lookup, *parsed)
+                hot = await self.pub.run(*lookup)
             except self.busy[0] as exc:
                 await (await self.busy[1](Request(scope), exc))(scope, receive, send)
                 return
             if cacheable:
                 self.cache.put(raw, hot)
-        scope["route"] = self.route
+        scope["route"] = self._route(hot.memento)
         wanted = [(k, v) for k, v in scope["headers"] if k in _WANTED]
         if not wanted and hot.plain is not None:  # the common case: headers and bytes ready to send
             status, headers, body = hot.plain
@@ -300,19 +324,16 @@ class ResourceFastPath:
         ``__call__`` sends them, or None for anything else (the ordinary path answers it)."""
         start = time.perf_counter()
         raw = strip_base_path(target.partition(b"?")[0], self.prefix)  # uris.BasePath, for this lane
-        if b"/r/" not in raw:
+        if b"/r/" not in raw and b"/memento/" not in raw:
             return None
         cacheable = await self.cache.fresh()
         hot = self.cache.get(raw) if cacheable else None
         if hot is None:
-            try:
-                parsed = split_resource_path(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                return None
-            if parsed is None:
+            lookup = self._parse(raw)
+            if lookup is None:
                 return None
             try:
-                hot = await self.pub.run(self._lookup, *parsed)
+                hot = await self.pub.run(*lookup)
             except self.busy[0]:
                 return None  # the ordinary path answers 503
             if cacheable:
@@ -322,12 +343,39 @@ class ResourceFastPath:
         status, headers, body = hot.plain
         head = method == b"HEAD"
         self.pub.metrics.served(
-            self.route.path, "HEAD" if head else "GET", status, time.perf_counter() - start
+            self._route(hot.memento).path, "HEAD" if head else "GET", status, time.perf_counter() - start
         )
         return status, headers, b"" if head else body
 
+    def _parse(self, raw: bytes) -> tuple[Any, ...] | None:
+        """(lookup, its arguments) for a raw request path (no query): a resource or a memento; None
+        for anything else (the ordinary route answers it)."""
+        try:
+            path = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        parsed = split_resource_path(path)
+        if parsed is not None:
+            return (self._lookup, *parsed)
+        memento = parse_memento_path(path) if self.memento_route is not None else None
+        if memento is not None:
+            return (self._lookup_memento, *memento)
+        return None
+
+    def _route(self, memento: bool) -> Any:
+        """The route a request is counted under (``ServedMetrics``), as starlette's router would say."""
+        return self.memento_route if memento and self.memento_route is not None else self.route
+
     def _answer(self, request: LiteRequest, hot: Hot) -> Response | None:
+        response = self._respond(request, hot)
+        if response is not None and hot.memento and hot.row is not None:
+            memento_headers(response, hot.row)  # versions.memento adds them so, after the answer
+        return response
+
+    def _respond(self, request: LiteRequest, hot: Hot) -> Response | None:
         if hot.status != 200 or hot.row is None or hot.headers is None:
+            if hot.memento and hot.status == 410:
+                return beyond_retention(hot.link)
             return gone(hot.link, hot.status)
         early = conditional_answer(request, hot.row, hot.headers)
         if early is not None:
@@ -340,7 +388,9 @@ class ResourceFastPath:
             # nginx says Accept-Ranges itself on a 200 (it would repeat ours), and not on a 206
             headers = {k: v for k, v in hot.headers.items() if k != "accept-ranges"}
             headers["x-accel-redirect"] = hot.target
-            if self.cache_seconds:  # how long nginx may reuse this answer (it never passes it on)
+            # How long nginx may reuse this answer (it never passes it on); not for a memento, which
+            # a duration policy may retire (410) with no change nginx would hear of.
+            if self.cache_seconds and not hot.memento:
                 headers["x-accel-expires"] = str(_expires(self.cache_seconds, hot.row.uri))
             return Response(headers=headers)
         if hot.target is not None:
@@ -365,7 +415,25 @@ class ResourceFastPath:
         link = resource_link_header(pub.base_url, site.capabilitylist(ps.name), ps.name, uri)
         if row.deleted or not row.sha256:
             return self._with_plain(Hot(410, link))
-        hot = Hot(200, link, row, resource_headers(row, link))
+        return self._with_blob(Hot(200, link, row, resource_headers(row, link)))
+
+    def _lookup_memento(self, state: StateStore, set_name: str, uri: str, when: datetime) -> Hot:
+        """The answer for the memento of (set, URI) dated ``when`` (worker thread, blocking): the
+        decision of ``versions.find_memento``, the bytes as for a current resource."""
+        found = find_memento(self.pub, state, set_name, uri, when)
+        if found.status != 200 or found.version is None:
+            return self._with_plain(Hot(found.status, found.link, memento=True))
+        version, link = found.version, found.link or ""
+        hot = Hot(200, link, version, resource_headers(version, link), memento=True)
+        if found.until is not None:  # a duration policy: 410 from then on, without a state change
+            left = (found.until - utcnow()).total_seconds()
+            hot.expires = time.monotonic() + max(left, 0.0)
+        return self._with_blob(hot)
+
+    def _with_blob(self, hot: Hot) -> Hot:
+        """``hot`` (a live 200) with its bytes or where the offloading front end finds them."""
+        pub, row = self.pub, hot.row
+        assert row is not None and row.sha256 is not None and hot.headers is not None
         # Small blobs kept inline are answered from memory, but under x-accel: nginx reads a file then
         # (``blob_name`` writes it) and keeps rsagg's decision, so it never asks rsagg again meanwhile.
         inline = pub.blobs.read_inline(row.sha256) if self.offload != "x-accel" else None
@@ -377,7 +445,8 @@ class ResourceFastPath:
         elif self.offload == "redirect":
             url = pub.blobs.url(row.sha256, self.lifetime, hot.headers["content-type"])
             if url is not None:
-                hot.target, hot.expires = url, time.monotonic() + self.lifetime / 2
+                hot.target = url
+                hot.expires = min(hot.expires, time.monotonic() + self.lifetime / 2)
             elif not self._no_url_logged:
                 self._no_url_logged = True
                 log.warning("server.offload = redirect: the blob store has no URLs; rsagg serves the bytes")

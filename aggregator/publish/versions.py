@@ -29,11 +29,12 @@ beyond retention answers 410 with a ``Link`` to the TimeMap, and is left out of 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import re
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 
 import trio
@@ -47,7 +48,15 @@ from ..sets import PublishedSet
 from ..store.interface import StateStore
 from ..store.retention import Retention, parse_retention
 from ..store.state import LogRecord, Resource
-from .resources import conditional_answer, gone, http_date, remote_response, resource_answer, resource_headers
+from .resources import (
+    conditional_answer,
+    gone,
+    http_date,
+    remote_response,
+    resource_answer,
+    resource_headers,
+    validators_match,
+)
 from .uris import NotAResourcePath, rsagg_path, upstream_uri
 
 log = logging.getLogger("rsagg.publish")
@@ -257,11 +266,67 @@ def _shown(pub, ps: PublishedSet, row: Resource, rec: LogRecord) -> bool:
     return rec.change != DELETED and bool(rec.sha256) and pub.visible(ps.name, version_resource(row, rec))
 
 
+@dataclasses.dataclass(slots=True)
+class Found:
+    """What a memento URI names as the state has it now: ``status`` 200 (``version`` to serve), 404
+    or 410 (beyond retention), the ``link`` header of that answer, and for a 200 under a duration
+    policy the instant the version leaves retention (``until``: then it answers 410 with no state
+    change, which the hot route's cache must know)."""
+
+    status: int
+    link: str | None
+    version: Resource | None = None
+    until: datetime | None = None
+
+
+def find_memento(pub, state: StateStore, set_name: str, uri: str, when: datetime) -> Found:
+    """The memento of ``uri`` dated ``when`` (blocking): the one decision of the app's route and of
+    the hot route (``fastpath.ResourceFastPath``), so both answer alike."""
+    ps, row, cap = _held(pub, state, set_name, uri)
+    if ps is None or row is None:
+        return Found(404, f'<{cap}>; rel="resourcesync"' if cap else None)
+    rec = state.version_at(row.id, when)
+    if rec is None or rec.datetime != when or not _shown(pub, ps, row, rec):
+        return Found(404, f'<{cap}>; rel="resourcesync"')
+    link = _memento_links(pub.base_url, ps.name, uri, cap)
+    retention = retention_of(pub)
+    # Beyond retention; or a prior version whose blob is gone (a stricter policy applied by an
+    # earlier gc than the one configured now): no longer kept, the same 410, never a 500.
+    gone_blob = rec.sha256 != row.sha256 and not pub.blobs.exists(rec.sha256)
+    if gone_blob or not is_retained(state, retention, rec, utcnow()):
+        return Found(410, link)
+    until = None
+    if retention.younger is not None:
+        nxt = next(state.iter_versions(rec.resource_id, rec.seq, 1), None)
+        if nxt is not None:
+            until = nxt.datetime + timedelta(seconds=retention.younger)
+    return Found(200, link, version_resource(row, rec), until)
+
+
+def beyond_retention(link: str | None) -> Response:
+    """410 for a memento beyond ``[publish] versions``, with the ``Link`` that names the TimeMap."""
+    return Response(
+        "gone: this version is beyond the retention of prior versions; see the TimeMap\n",
+        status_code=410,
+        media_type="text/plain",
+        headers={"link": link} if link else None,
+    )
+
+
+def memento_headers(response: Response, version: Resource) -> None:
+    """RFC 7089 §2.1.1 ``Memento-Datetime`` on every answer about the version; ``Cache-Control:
+    immutable`` on its 200, 206 and 304 (not on a 307: a presigned URL expires)."""
+    response.headers["memento-datetime"] = http_date(version.updated_at)
+    if response.status_code in (200, 206, 304):
+        response.headers["cache-control"] = IMMUTABLE
+
+
 async def memento(request: Request) -> Response:
     """``/SET/memento/STAMP/<mapped>``: the version current from STAMP on (RFC 7089 §4: immutable,
     ``Memento-Datetime``, ``Link`` original/timegate/timemap); 404 never held or hidden, 410 beyond
     retention. Bytes as the resource's own answer gives them (same code: Range, conditionals,
-    offload ``x-accel`` and ``redirect``)."""
+    offload ``x-accel`` and ``redirect``). The hot route (``fastpath.py``) answers most memento
+    requests before they get here, from the same ``find_memento``."""
     pub = request.app.state.publisher
     raw = _raw_path(request)
     parsed = split_version_path(raw, MEMENTO) if raw is not None else None
@@ -269,33 +334,15 @@ async def memento(request: Request) -> Response:
     if parsed is None or when is None:
         return gone(None, 404)
     set_name, _, uri = parsed
-    base = pub.base_url
-    retention = retention_of(pub)
     offload = pub.config.server.offload
 
     def answer(state: StateStore) -> tuple[Response | None, Resource | None, str]:
-        ps, row, cap = _held(pub, state, set_name, uri)
-        if ps is None or row is None:
-            return gone(f'<{cap}>; rel="resourcesync"' if cap else None, 404), None, ""
-        rec = state.version_at(row.id, when)
-        if rec is None or rec.datetime != when or not _shown(pub, ps, row, rec):
-            return gone(f'<{cap}>; rel="resourcesync"', 404), None, ""
-        link = _memento_links(base, ps.name, uri, cap)
-        # Beyond retention; or a prior version whose blob is gone (a stricter policy applied by an
-        # earlier gc than the one configured now): no longer kept, the same 410, never a 500.
-        gone_blob = rec.sha256 != row.sha256 and not pub.blobs.exists(rec.sha256)
-        if gone_blob or not is_retained(state, retention, rec, utcnow()):
-            return (
-                Response(
-                    "gone: this version is beyond the retention of prior versions; see the TimeMap\n",
-                    status_code=410,
-                    media_type="text/plain",
-                    headers={"link": link},
-                ),
-                None,
-                link,
-            )
-        version = version_resource(row, rec)
+        found = find_memento(pub, state, set_name, uri, when)
+        if found.status == 404:
+            return gone(found.link, 404), None, ""
+        if found.status == 410 or found.version is None:
+            return beyond_retention(found.link), None, ""
+        version, link = found.version, found.link or ""
         if offload != "none":
             offloaded = _offloaded(pub, request, version, link, offload)
             if offloaded is not None:
@@ -307,10 +354,17 @@ async def memento(request: Request) -> Response:
         assert version is not None
         response = await remote_response(request, version, pub.blobs, link)
     if version is not None:
-        response.headers["memento-datetime"] = http_date(version.updated_at)
-        if response.status_code in (200, 206, 304):  # not a 307: a presigned URL expires
-            response.headers["cache-control"] = IMMUTABLE
+        memento_headers(response, version)
     return response
+
+
+def parse_memento_path(raw_path: str) -> tuple[str, str, datetime] | None:
+    """(set, upstream URI, datetime) of ``/SET/memento/STAMP/<mapped>``; None: not a memento URI."""
+    parsed = split_version_path(raw_path, MEMENTO)
+    when = parse_stamp(parsed[1] or "") if parsed is not None else None
+    if parsed is None or when is None:
+        return None
+    return parsed[0], parsed[2], when
 
 
 def _offloaded(pub, request: Request, version: Resource, link: str, offload: str) -> Response | None:
@@ -436,22 +490,70 @@ async def timemap(request: Request) -> Response:
     set_name, after_text, uri = parsed
     after = int(after_text) if after_text is not None else 0
     retention = retention_of(pub)
+    now = utcnow()
+
+    def held_and_validators(
+        state: StateStore,
+    ) -> tuple[PublishedSet | None, Resource | None, str, str, datetime | None]:
+        ps, row, cap = _held(pub, state, set_name, uri)
+        if ps is None or row is None:
+            return ps, row, cap, "", None
+        return ps, row, cap, *timemap_validators(pub, state, ps, row, after, retention, now)
+
     state = await pub.pool.acquire()
     try:
-        held = await trio.to_thread.run_sync(_held, pub, state, set_name, uri)
+        ps, row, cap, etag, last_modified = await trio.to_thread.run_sync(held_and_validators, state)
     except BaseException:
         pub.pool.release(state)
         raise
-    ps, row, cap = held
     if ps is None or row is None:
         pub.pool.release(state)
         return gone(f'<{cap}>; rel="resourcesync"' if cap else None, 404)
-    headers = {"content-type": LINK_FORMAT, "cache-control": "public, max-age=10"}
+    headers = {"content-type": LINK_FORMAT, "cache-control": "public, max-age=10", "etag": etag}
+    if last_modified is not None:
+        headers["last-modified"] = http_date(last_modified)
+    if validators_match(request, etag, last_modified):  # RFC 9110 §13.1.2, §13.1.3
+        pub.pool.release(state)
+        return Response(status_code=304, headers={k: v for k, v in headers.items() if k != "content-type"})
     if request.method == "HEAD":
         pub.pool.release(state)
         return Response(headers=headers)
-    lines = _timemap_lines(pub, state, ps, row, uri, after, retention, utcnow())
+    lines = _timemap_lines(pub, state, ps, row, uri, after, retention, now)
     return DocumentResponse(lines, lambda: pub.pool.release(state), headers=headers)
+
+
+def timemap_validators(
+    pub,
+    state: StateStore,
+    ps: PublishedSet,
+    row: Resource,
+    after: int,
+    retention: Retention,
+    now: datetime,
+) -> tuple[str, datetime | None]:
+    """Strong ``ETag`` and ``Last-Modified`` (None: none) of a TimeMap page, from what decides its
+    bytes without listing it (blocking). The changelog is append-only and every record of a resource
+    moves its row's ``updated_at``; the row's versions counted and its deletion state guard the same;
+    ``pub.fingerprint`` covers base URL, publish filter and retention policy. Under a duration policy
+    the listed versions also change with time: the last record at or before the cutoff and whether it
+    is still retained tell which ones are listed (the retained versions are a suffix of the history),
+    and there is no honest Last-Modified short of listing, so none is given."""
+    parts: list[object] = [
+        pub.fingerprint,
+        TIMEMAP_PAGE,
+        ps.name,
+        row.id,
+        after,
+        row.updated_at.isoformat(),
+        row.deleted,
+        state.count_versions(row.id),
+    ]
+    last_modified: datetime | None = max(row.updated_at, pub.started)  # a new configuration: new bytes
+    if retention.younger is not None:
+        rec = state.version_at(row.id, now - timedelta(seconds=retention.younger))
+        parts += [None, None] if rec is None else [rec.seq, is_retained(state, retention, rec, now)]
+        last_modified = None
+    return f'"{hashlib.sha256(repr(parts).encode()).hexdigest()[:32]}"', last_modified
 
 
 def _timemap_lines(
