@@ -32,6 +32,9 @@ from .harvesting import rsagg
 from .seaweedfs import SeaweedFS, run_seaweedfs
 from .test_hub import Subscriber
 
+# Runs rsagg nodes as processes (kill -9), PostgreSQL and SeaweedFS.
+pytestmark = pytest.mark.slow
+
 LEASE = 3.0  # seconds: a loaded machine's late heartbeats must not lose leases all the time
 
 
