@@ -12,7 +12,9 @@ from aggregator.store.blobs import FileBlobStore
 from . import pgserver
 
 #: Fixtures that start a real peer (a PostgreSQL server): every test using one, directly or through another
-#: fixture, is marked ``slow``, so that ``python -m pytest -m "not slow"`` runs the unit tests only.
+#: fixture, is marked ``slow``, so that ``python -m pytest -m "not slow"`` runs the unit tests only. (A
+#: fixture that asks for ``pg_server`` with ``request.getfixturevalue`` marks its "postgresql" param
+#: itself: ``pytest.param("postgresql", marks=pytest.mark.slow)``.)
 SLOW_FIXTURES = frozenset({"pg_server"})
 
 

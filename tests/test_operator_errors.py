@@ -371,7 +371,12 @@ def _says_it_in_one_line(code: int, text: str, command: str, named: str, what: t
     assert any(w in last for w in what), text
 
 
-RUNTIME = ["read-only state", "full disk", "store disappears", "postgresql goes away"]
+RUNTIME = [
+    "read-only state",
+    "full disk",
+    "store disappears",
+    pytest.param("postgresql goes away", marks=pytest.mark.slow),  # a PostgreSQL server of its own
+]
 
 
 @pytest.mark.parametrize("case", RUNTIME)
