@@ -19,6 +19,9 @@ import pytest
 from aggregator.cli import build_parser, main
 from aggregator.store.lock import store_lock
 
+# Runs the rsagg command as processes (a full disk, a lost store, a second harvester).
+pytestmark = pytest.mark.slow
+
 SOURCE = '[[sources]]\nname = "a"\nurl = "http://127.0.0.1:9/rs/capabilitylist.xml"\n'
 
 
