@@ -272,11 +272,11 @@ class _Daemon:
             self.stop_source(name)
             log.info("source=%s removed from the configuration (or disabled): stopped", name)
         for name, src in wanted.items():
-            task = self.tasks.get(name)
-            if task is None:
+            current = self.tasks.get(name)
+            if current is None:
                 self.start_source(src)
                 log.info("source=%s added: started", name)
-            elif task.settings != source_settings(new, src) or task.src != src:
+            elif current.settings != source_settings(new, src) or current.src != src:
                 self.start_source(src, after=self.stop_source(name))
                 log.info("source=%s url or settings changed: restarted", name)
 

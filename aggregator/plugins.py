@@ -225,7 +225,10 @@ class Plugins:
         for caller in self.pm.get_hookcallers(plugin) or []:
             for impl in caller.get_hookimpls():
                 if impl.plugin is plugin:
-                    wrap = self._isolated_wrapper if impl.wrapper or impl.hookwrapper else self._isolated
+                    wrap: Callable[[str, str, Any], Callable[..., Any]] = (
+                        self._isolated_wrapper if impl.wrapper or impl.hookwrapper else self._isolated
+                    )
+                    # pluggy types HookImpl.function Final; rsagg wraps each in place to isolate plugin errors
                     impl.function = wrap(name, caller.name, impl.function)  # type: ignore[misc]
 
     def _isolated(self, name: str, hook: str, function: Callable[..., Any]) -> Callable[..., Any]:

@@ -104,12 +104,14 @@ def source_rows(state: StateStore, names: Sequence[str], *, now: datetime | None
     rows = []
     for name in [*names, *sorted(set(known) - set(names))]:
         s = known.get(name)
-        sets, newest, bases = [], None, set()
+        sets: list[dict[str, Any]] = []
+        newest: datetime | None = None
+        bases: set[str] = set()
         for st in state.sets(name) if s else []:
             cur = state.cursor(st.id)
             pos = (cur.last_datetime or cur.baseline_at) if cur else None
             since, basis = lag_since(cur, s.last_success if s else None)
-            if since is not None:
+            if since is not None and basis is not None:  # lag_since gives a basis with every `since`
                 bases.add(basis)
                 newest = since if newest is None or since > newest else newest
             sets.append(

@@ -369,7 +369,9 @@ async def serve_worker(
                 await stop.wait()
                 nursery.cancel_scope.deadline = trio.current_time() + 5
     finally:
-        blobs.close()
+        getattr(
+            blobs, "close", lambda: None
+        )()  # the BlobStore protocol has no close (a plugin's may lack it)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,21 @@ from aggregator.store.blobs import FileBlobStore
 
 from . import pgserver
 
+#: Fixtures that start a real peer (a PostgreSQL server): every test using one, directly or through another
+#: fixture, is marked ``slow``, so that ``python -m pytest -m "not slow"`` runs the unit tests only. (A
+#: fixture that asks for ``pg_server`` with ``request.getfixturevalue`` marks its "postgresql" param
+#: itself: ``pytest.param("postgresql", marks=pytest.mark.slow)``.)
+SLOW_FIXTURES = frozenset({"pg_server"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the tests that ask for a fixture of SLOW_FIXTURES (the whole fixture closure counts);
+    modules that start other peers (nginx, SeaweedFS, Chromium, systemd-nspawn, subprocesses) mark
+    themselves with ``pytestmark = pytest.mark.slow``."""
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[FileBlobStore]:

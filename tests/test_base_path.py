@@ -25,6 +25,9 @@ from .harvesting import start_daemon
 from .test_offload import free_port
 from .test_publish import local_files, resync
 
+# Runs a private nginx in front of rsagg.
+pytestmark = pytest.mark.slow
+
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 GUARD = 60  # seconds: a hung step fails the test instead of hanging the suite
 PREFIX = "/rsagg"

@@ -32,10 +32,13 @@ from .harvesting import rsagg
 from .seaweedfs import SeaweedFS, run_seaweedfs
 from .test_hub import Subscriber
 
+# Runs rsagg nodes as processes (kill -9), PostgreSQL and SeaweedFS.
+pytestmark = pytest.mark.slow
+
 LEASE = 3.0  # seconds: a loaded machine's late heartbeats must not lose leases all the time
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def backend(request: pytest.FixtureRequest) -> str | None:
     """Where the nodes' shared state lives: None for the SQLite file in the shared store, else the URL
     of a fresh schema in the test PostgreSQL server (tests/pgserver.py)."""

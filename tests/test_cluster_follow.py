@@ -28,13 +28,16 @@ from aggregator.websub.subscriber import CALLBACK_PREFIX
 
 from .clustering import NodeProcess, SharedState, wait_for
 
+# Runs rsagg cluster nodes as processes behind a WebSub hub.
+pytestmark = pytest.mark.slow
+
 HARVEST = (
     "[harvest]\njitter = 0\nretries = 2\nbackoff_base = 0.01\nbackoff_max = 0.05\ntimeout = 10\n"
     "use_dumps = false\n"
 )
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def backend(request: pytest.FixtureRequest) -> str | None:
     if request.param == "sqlite":
         return None

@@ -33,6 +33,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from aggregator.commands.gc import collect_garbage
@@ -46,6 +47,9 @@ from aggregator.testing.upstream import ChangeRecord, Upstream
 
 from .harvesting import audit
 from .test_dumps import entry_for, make_zip, manifest_xml
+
+# Kills rsagg processes (kill -9) and restarts them.
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 N_RESOURCES = 800

@@ -34,6 +34,9 @@ from aggregator.testing.upstream import Upstream
 
 from .harvesting import audit, harvest
 
+# Runs rsagg daemon processes (signals, watchdog, SIGTERM mid-harvest).
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 WATCHDOG_USEC = 600_000  # pings every 0.3 s
 GUARD = 30  # seconds: a hung step fails the test instead of hanging the suite

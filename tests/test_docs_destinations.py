@@ -12,6 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 
 from aggregator.publish.uris import rsagg_uri
@@ -19,6 +20,9 @@ from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest, make_config
 from .test_publish import get_doc, local_files, publishing, with_publish
+
+# Runs the documentation's resync commands as processes.
+pytestmark = pytest.mark.slow
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "destinations.md"
 DOC_BASE = "http://127.0.0.1:8080"

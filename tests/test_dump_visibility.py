@@ -29,6 +29,9 @@ from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest, start_daemon
 
+# Reloads (SIGHUP) and restarts rsagg daemon processes.
+pytestmark = pytest.mark.slow
+
 GUARD = 60
 N = 6
 #: Publish filters (the example plugin's ``hide``, a regex on the upstream URI) and the resources each

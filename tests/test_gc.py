@@ -149,6 +149,7 @@ def _rsagg(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([RSAGG, *argv], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a daemon process
 def test_gc_runs_beside_a_running_daemon(tmp_path: Path) -> None:
     """``rsagg gc`` removes only the old unreferenced blobs while ``rsagg run`` holds the store; with
     ``--grace 0`` it is refused."""

@@ -24,6 +24,9 @@ from aggregator.testing.upstream import Upstream
 
 from .harvesting import start_daemon
 
+# Sends generated hostile requests to a real `rsagg run` process.
+pytestmark = pytest.mark.slow
+
 GUARD = 60
 #: Values each path parameter is replaced with (as raw target bytes).
 HOSTILE_VALUES = [

@@ -21,6 +21,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.test_resync_upstream import (
     StaticSite,
     changelog_since,
@@ -31,6 +33,9 @@ from tests.test_resync_upstream import (
     rsagg,
     site,  # noqa: F401  (the fixture)
 )
+
+# Runs the resync client's build and rsagg as processes.
+pytestmark = pytest.mark.slow
 
 SOURCE = "resync"
 

@@ -72,7 +72,7 @@ def ticking() -> object:
     return lambda: next(it)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def state(request: pytest.FixtureRequest, tmp_path: Path):
     """The same rows in each backend: PostgreSQL writes the times of its ``ListingRow``s itself."""
     if request.param == "sqlite":

@@ -42,6 +42,9 @@ from aggregator.websub.subscriber import CALLBACK_PREFIX, Subscriber
 from .httpserver import serve_app
 from .notifying import flask_hub, node_config, rsagg_node, wait_until
 
+# Runs Flask-WebSub hubs and subscribers as real peers.
+pytestmark = pytest.mark.slow
+
 HOUR = {"interval": 3600, "notified_interval": 3600}
 
 

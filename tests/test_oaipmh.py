@@ -93,6 +93,7 @@ def kinds(log) -> Counter:
     return Counter(change for _, change, _ in log)
 
 
+@pytest.mark.slow  # 1,000 records through rsagg and read back by the resync client
 async def test_oai_harvest_changes_and_resync(tmp_path: Path):
     """The whole way at a size resync (one GET per resource) crosses quickly; 5,000 records: below."""
     repo = Repository()
@@ -239,6 +240,7 @@ async def run_harvest(config: Path) -> None:
     assert done.returncode == 0, done.stderr.decode()[-3000:]
 
 
+@pytest.mark.slow  # kill -9 of an rsagg process
 async def test_kill_9_mid_walk_then_resume_no_gap_no_duplicate(tmp_path: Path):
     repo = Repository()
     repo.bulk_add(0, 5000)

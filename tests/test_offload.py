@@ -17,6 +17,7 @@ import socket
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from aggregator.config import load_config
@@ -28,6 +29,9 @@ from aggregator.testing.upstream import Upstream
 from .harvesting import start_daemon
 from .httpserver import serve_app
 from .test_publish import local_files, resync
+
+# Runs a private nginx in front of rsagg.
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"

@@ -29,6 +29,9 @@ from .httpserver import serve_app
 from .oaiserver import OaiApp, Repository
 from .test_publish import local_files, publishing, resync
 
+# Runs a real SeaweedFS S3 server.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("boto3")
 
 FILES = {

@@ -19,6 +19,9 @@ import pytest
 from aggregator.cli import build_parser, main
 from aggregator.store.lock import store_lock
 
+# Runs the rsagg command as processes (a full disk, a lost store, a second harvester).
+pytestmark = pytest.mark.slow
+
 SOURCE = '[[sources]]\nname = "a"\nurl = "http://127.0.0.1:9/rs/capabilitylist.xml"\n'
 
 
@@ -371,7 +374,12 @@ def _says_it_in_one_line(code: int, text: str, command: str, named: str, what: t
     assert any(w in last for w in what), text
 
 
-RUNTIME = ["read-only state", "full disk", "store disappears", "postgresql goes away"]
+RUNTIME = [
+    "read-only state",
+    "full disk",
+    "store disappears",
+    pytest.param("postgresql goes away", marks=pytest.mark.slow),  # a PostgreSQL server of its own
+]
 
 
 @pytest.mark.parametrize("case", RUNTIME)

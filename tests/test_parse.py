@@ -612,6 +612,7 @@ def test_random_damage_gives_a_result_or_a_document_error() -> None:
 # -- memory -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 200,000 entries
 def test_200k_entries_in_flat_memory() -> None:
     process = psutil.Process()
     list(iter_document(b"".join(generated(2000))))  # warm up lxml and the allocator

@@ -40,6 +40,9 @@ from aggregator.testing.upstream import Upstream
 from .harvesting import harvest, make_config
 from .httpserver import serve_app
 
+# Harvests the demo upstream, serves it, reads it back with httpx and the resync client (seconds per test).
+pytestmark = pytest.mark.slow
+
 # ---------------------------------------------------------------------------------------------------
 # helpers
 

@@ -97,6 +97,7 @@ async def test_a_recheck_is_conditional_and_a_304_keeps_what_is_held(tmp_path: P
         assert held(cfg) == before == src.listed()
 
 
+@pytest.mark.slow  # ten thousand entries
 async def test_one_changed_entry_of_10000_costs_one_get(tmp_path: Path) -> None:
     """A list-only Source without digests (lastmod and length): the baseline comes from its Resource
     Dump; then one resource changes and the next poll makes one resource GET, not 10,000."""
@@ -178,6 +179,7 @@ def _corrupt(changes: list[Published], rng: random.Random) -> list[Published]:
 CASES = 24
 
 
+@pytest.mark.slow  # many generated Sources
 async def test_property_one_reconciliation_makes_the_store_the_resource_list(tmp_path: Path) -> None:
     """Random Sources (digests or not, lengths or not, datetimes or not, 301s or not) whose Change Lists
     drop, reorder and repeat entries: after the sync that reconciles, the store equals the Resource List

@@ -27,6 +27,9 @@ from aggregator.store.state import Change, State
 from .harvesting import make_config
 from .test_publish import NoLocalPath, publishing
 
+# Each test serves and compares every answer form (a second or more per test).
+pytestmark = pytest.mark.slow
+
 UP = "http://upstream.example/"
 BLOBS: dict[str, tuple[bytes, str | None, str | None]] = {  # name: (bytes, type, encoding)
     "small.txt": (b"0123456789abcdefghij" * 15, "text/plain", None),

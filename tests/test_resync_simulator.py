@@ -46,6 +46,9 @@ from aggregator.rs.validate import ERROR, check_source
 
 from .harvesting import rsagg as run_rsagg
 
+# Runs the resync-simulator and the resync client as real peers.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("simulator", reason="resync-simulator is a test dependency (pyproject [test])")
 
 PEER = Path(__file__).resolve().parent / "resync_simulator_peer.py"

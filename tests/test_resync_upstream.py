@@ -44,6 +44,9 @@ from aggregator.rs.parse import parse_bytes
 
 from .harvesting import rsagg as run_rsagg
 
+# 60,000 files described by resync-build, served by http.server, harvested by rsagg processes.
+pytestmark = pytest.mark.slow
+
 RESYNC_BUILD = Path(sys.executable).parent / "resync-build"
 COUNT = 60_000  # above 50,000: resync-build writes a Resource List Index (§10.2)
 MODIFIED, DELETED, ADDED = 100, 50, 50

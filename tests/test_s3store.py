@@ -29,6 +29,9 @@ from tests import harvesting, test_harvest, test_publish
 from tests.blobtesting import temp_files
 from tests.seaweedfs import SeaweedFS, run_seaweedfs
 
+# Runs a real SeaweedFS S3 server.
+pytestmark = pytest.mark.slow
+
 MiB = 1024 * 1024
 
 

@@ -45,6 +45,9 @@ from .notifying import free_port
 from .pgserver import PgServer
 from .test_state import A, B, C, ch
 
+# Every test talks to a real PostgreSQL server (the pg_server fixture or one of its own).
+pytestmark = pytest.mark.slow
+
 #: The tests of SQLite itself in those modules (its pragmas, files, text form and upgrades of old files),
 #: not of the StateStore.
 SQLITE_ONLY = {

@@ -24,9 +24,12 @@ from .harvesting import harvest
 from .httpserver import serve_app
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (.ci/run installs it)"
-)
+pytestmark = [
+    pytest.mark.slow,  # drives a real Chromium
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (.ci/run installs it)"
+    ),
+]
 
 LONG_ERROR = (
     "DiscoveryError: https://repository.example.org/rs/capabilitylist.xml: no ResourceSync Capability List "

@@ -155,7 +155,7 @@ class _Upstream:
         return None
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def location(request: pytest.FixtureRequest, tmp_path: Path) -> str | Path:
     """The state the test's nodes share: the SQLite file, or a schema of the test PostgreSQL server."""
     if request.param == "sqlite":

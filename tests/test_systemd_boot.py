@@ -45,6 +45,9 @@ import pytest
 
 from tests.deploydocs import REPO, RSAGG, block
 
+# Boots the shipped units under a real systemd (systemd-nspawn).
+pytestmark = pytest.mark.slow
+
 REQUIRE = os.environ.get("RSAGG_REQUIRE_SYSTEMD") == "1"
 #: Generous bounds for conditions on a loaded machine (never an assertion about speed).
 BOOT_BOUND = 120.0

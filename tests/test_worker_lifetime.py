@@ -24,6 +24,9 @@ import trio._core._thread_cache as thread_cache
 
 from aggregator.workers import Workers
 
+# Starts and kills worker processes.
+pytestmark = pytest.mark.slow
+
 GUARD = 60
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import httpx
+import pytest
 import trio
 
 from aggregator.publish.uris import rsagg_uri
@@ -19,6 +20,9 @@ from aggregator.testing.upstream import Upstream
 from aggregator.workers import metrics_folder
 
 from .harvesting import start_daemon
+
+# Runs `rsagg run` with two serving processes.
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 GUARD = 60

@@ -285,7 +285,7 @@ async def differences(
             seen.add_many([e.loc for e in batch])
             for d in await ctx.read(_check, ctx, source, set_url, set_id, batch):
                 yield d
-            read_all = complete() if complete is not None else not (current() and current().skipped)
+            read_all = complete() if complete is not None else not ((dev := current()) and dev.skipped)
             if set_id is not None and read_all:
                 held = ctx.reader.iter_resources(set_id)
                 while chunk := await ctx.read(lambda: [r.uri for r in itertools.islice(held, 1000)]):

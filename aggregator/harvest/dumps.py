@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import zipfile
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,7 +211,7 @@ class _ManifestStream:
                 MANIFEST_NAME,
             )
         self.reader = DocumentReader(_manifest_url(pkg.url), max_bytes=lim.max_manifest_bytes)
-        self.file = None
+        self.file: IO[bytes] | None = None
         self.read = 0
         self.done = False
 
@@ -466,7 +466,7 @@ async def read_package(
     *,
     limits: DumpLimits | None = None,
     on_count: Callable[[int], None] | None = None,
-) -> AsyncIterator[DumpItem]:
+) -> AsyncGenerator[DumpItem]:
     """Yield the manifest entries of a downloaded package (§11.2, §13.2) in manifest order.
 
     Each created/updated/resource entry comes with a finished (not committed) BlobWriter verified against
@@ -503,7 +503,7 @@ async def read_package(
 
 async def read_manifest(
     path: Path, url: str, *, limits: DumpLimits | None = None
-) -> AsyncIterator[tuple[Head, Entry]]:
+) -> AsyncGenerator[tuple[Head, Entry]]:
     """The entries of a downloaded package's ``manifest.xml`` (§11.2, §13.2), streamed, with its head;
     no bitstream is read. For whoever must know what a package holds without storing it (``rsagg
     audit`` of a dump whose packages have no ``rel="contents"`` link, which §11.1 makes optional)."""
@@ -536,7 +536,7 @@ async def fetch_package(
     *,
     limits: DumpLimits,
     on_count: Callable[[int], None] | None = None,
-) -> AsyncIterator[DumpItem]:
+) -> AsyncGenerator[DumpItem]:
     """Download one package listed in a Resource Dump or Change Dump (verified against the dump's
     ``hash``/``length`` for it) into ``folder``, then yield its items; the file is removed afterwards."""
     from .fetch import Expected  # fetch imports parse; keep this module importable on its own

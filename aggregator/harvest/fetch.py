@@ -232,6 +232,7 @@ class _Inflate:
             if self._z.eof:
                 data = self._z.unused_data
                 if data:  # concatenated gzip members are one stream (RFC 1952 §2.2)
+                    assert self._wbits is not None  # set with self._z
                     self._z = zlib.decompressobj(self._wbits)
             else:
                 data = self._z.unconsumed_tail

@@ -16,8 +16,10 @@ import logging
 import tempfile
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from datetime import datetime
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 from ..rs.model import CHANGEDUMP, CHANGELIST, CHANGELIST_ARCHIVE, CHANGES
 from ..store.state import Cursor
@@ -142,21 +144,23 @@ async def _from_change_dump(
     pos = Position(cursor)
     start = pos.datetime
     closed = [
-        (ListRef(e.loc, e.md.from_, e.md.until), e)
+        (ListRef(e.loc, emd.from_, emd.until), e)
         for e in packages
-        if e.md is not None and e.md.from_ is not None and e.md.until is not None
-        and (start is None or e.md.until >= start)
+        if (emd := e.md) is not None and emd.from_ is not None and emd.until is not None
+        and (start is None or emd.until >= start)
     ]  # fmt: skip
-    closed.sort(key=lambda pair: pair[0].from_)
+    # Every ListRef of `closed` has both its times (the filter above): the casts say so to mypy.
+    closed.sort(key=lambda pair: cast(datetime, pair[0].from_))
     if not closed:
         return
     first = closed[0][0]
-    if start is not None and first.from_ > start:
+    first_from, first_until = cast(datetime, first.from_), cast(datetime, first.until)
+    if start is not None and first_from > start:
         return  # a gap: the Change Lists detect and report it
     if (
         start is not None
-        and first.until > first.from_
-        and (first.until - start) < (first.until - first.from_) / 2
+        and first_until > first_from
+        and (first_until - start) < (first_until - first_from) / 2
     ):
         return  # most of the first package was applied already: cheaper per change
     limits = DumpLimits(max_package_bytes=ctx.config.harvest.max_resource_bytes)

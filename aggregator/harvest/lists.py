@@ -5,12 +5,14 @@ Shared by baseline, incremental sync and audit, so the three read the Source the
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TypedDict
 from urllib.parse import urljoin
 
 from ..rs.model import (
@@ -32,6 +34,13 @@ from .fetch import DocumentStream, Fetcher, FetchError
 _ABSOLUTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 log = logging.getLogger("rsagg.harvest")
+
+
+class Conditional(TypedDict, total=False):
+    """The validators of a conditional GET (RFC 9110 §13.1), as keyword arguments of ``Fetcher.document``."""
+
+    etag: str | None
+    last_modified: str | None
 
 
 class SyncError(Exception):
@@ -132,7 +141,7 @@ class Validators:
         self._conditional = conditional  # False: only record (a first read must not be skipped)
         self.pending: dict[str, tuple[str | None, str | None]] = {}
 
-    async def of(self, url: str) -> dict[str, str | None]:
+    async def of(self, url: str) -> Conditional:
         row = await self._known(url) if self._conditional else None
         if not row:
             return {}
@@ -353,7 +362,7 @@ async def _resource_list(
             estimate = getattr(doc.entries, "estimate", None) if on_count else None
             async for entry in _as_lists(fetcher, url, entries):
                 count += 1
-                if estimate is not None and count % ESTIMATE_EVERY == 1:
+                if estimate is not None and on_count is not None and count % ESTIMATE_EVERY == 1:
                     expected = estimate(count)  # known once the list has arrived (from its bytes)
                     if expected is not None:
                         on_count(expected)
@@ -426,9 +435,10 @@ class Position:
 
     @property
     def datetime(self) -> datetime | None:
+        # The methods below spell the type `dt.datetime`: in the class body `datetime` is this property.
         return self.start.last_datetime or self.start.baseline_at
 
-    def is_applied(self, t: datetime | None, list_url: str, index: int) -> bool:
+    def is_applied(self, t: dt.datetime | None, list_url: str, index: int) -> bool:
         """True for changes at or before the position: they were applied before."""
         start = self.start
         if t is not None and start.last_datetime is not None:
@@ -440,7 +450,7 @@ class Position:
             return False
         return False
 
-    def advance(self, t: datetime | None, ref: ListRef, index: int) -> Cursor:
+    def advance(self, t: dt.datetime | None, ref: ListRef, index: int) -> Cursor:
         if t is not None:
             if t == self.last:
                 self.same += 1
@@ -543,6 +553,7 @@ async def change_entries(
                 if validators and ref.until is None:
                     validators.read(url, doc.etag, doc.last_modified)
                 return
+            assert doc.head is not None  # not a 304: the head was parsed (as before, None would raise)
             unfollowed_links(url, doc.head)
             refs = [
                 ListRef(e.loc, e.md.from_ if e.md else None, e.md.until if e.md else None)

@@ -13,6 +13,7 @@ import pickle
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any, cast
 
 from lxml import etree
 
@@ -78,7 +79,12 @@ def _count(text: str | None) -> int | None:
 #: so memory stays a small multiple of the page's bytes whatever a repository sends.
 TREE_BYTES = 4 * 1024 * 1024
 #: Entities are not resolved and nothing is fetched from the network (hostile documents).
-_SAFE = {"resolve_entities": False, "no_network": True, "huge_tree": False, "remove_blank_text": False}
+_SAFE: dict[str, Any] = {
+    "resolve_entities": False,
+    "no_network": True,
+    "huge_tree": False,
+    "remove_blank_text": False,
+}
 _PARSER = etree.XMLParser(**_SAFE)
 
 
@@ -114,7 +120,7 @@ def parse_page(data: bytes, url: str) -> Page:
 
 def _read_element(el: etree._Element, page: Page) -> bool:
     """Read one element the parser stopped at into ``page``; True for a record (which may go now)."""
-    tag = _TAGS[el.tag]
+    tag = _TAGS[cast(str, el.tag)]  # the parser stops at _TAGS elements only: their tag is a str
     if tag == "record":
         _read_record(el, page)
         return True
@@ -137,11 +143,11 @@ def _read_record(el: etree._Element, page: Page) -> None:
     header = el[0] if len(el) and el[0].tag == _HEADER else el.find(_HEADER)
     identifier = stamp = None
     if header is not None:
-        for child in header:
-            if child.tag == _IDENTIFIER and identifier is None:
-                identifier = child.text
-            elif child.tag == _DATESTAMP and stamp is None:
-                stamp = child.text
+        for part in header:
+            if part.tag == _IDENTIFIER and identifier is None:
+                identifier = part.text
+            elif part.tag == _DATESTAMP and stamp is None:
+                stamp = part.text
     identifier = identifier.strip() if identifier else None
     if header is None or not identifier:
         page.problems.append(f"line {el.sourceline}: a record without header/identifier (skipped)")
@@ -150,7 +156,7 @@ def _read_record(el: etree._Element, page: Page) -> None:
     if header.get("status") == "deleted":
         page.records.append(Record(identifier, datestamp, True, None))
         return
-    metadata = el[1] if len(el) > 1 and el[1].tag == _METADATA else el.find(_METADATA)
+    metadata: etree._Element | None = el[1] if len(el) > 1 and el[1].tag == _METADATA else el.find(_METADATA)
     child = next((c for c in metadata if isinstance(c.tag, str)), None) if metadata is not None else None
     if child is None:
         page.problems.append(f"record {identifier}: no metadata element (skipped)")

@@ -43,6 +43,7 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 from urllib.parse import quote, urlencode
 
 import trio
@@ -236,7 +237,9 @@ class OaiHarvest:
         return request_url(self.src.url, **args)
 
     async def _store_page(self, data: bytes, url: str) -> tuple[Page, list[StoredRecord], Exception | None]:
-        return await self.ctx.offload.run(store_page, data, url)
+        offload = self.ctx.offload
+        assert offload is not None  # HarvestContext always holds one (its own, when not given one)
+        return await offload.run(store_page, data, url)
 
     def _check(self, page: Page, url: str) -> None:
         """Raise the page's OAI-PMH error (§3.6), but noRecordsMatch: an empty list, not a failure."""
@@ -380,12 +383,13 @@ class OaiHarvest:
             )
         log.info(
             "source=%s OAI-PMH %s walk %s (granularity %s, deletedRecord %s)", src.name,
-            "full" if full else f"incremental from {format_from(walk_from, self.granularity)}",
+            "full" if walk_from is None else f"incremental from {format_from(walk_from, self.granularity)}",
             "resumed at its last token" if token else "started", self.granularity, self.deleted_policy,
         )  # fmt: skip
         send, recv = trio.open_memory_channel[tuple[str, object]](PREFETCH)
         failure: list[BaseException] = []
-        state = {"started": started, "committed": committed}
+        # "started": the page's responseDate (a datetime or None); "committed", "offset": counts.
+        state: dict[str, Any] = {"started": started, "committed": committed}
 
         def works(job: _Stored) -> list[Work]:
             """The page's works, the last one carrying the cursor that continues the walk after it."""

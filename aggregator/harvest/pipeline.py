@@ -534,7 +534,7 @@ class Pipeline:
         except ResourceNotModified:  # 304: the upstream still serves the version held
             assert existing is not None and existing.sha256 is not None and validators is not None
             self.stats.unchanged += 1
-            held = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
+            held: BlobInfo | None = BlobInfo(existing.sha256, existing.length or 0, dict(existing.hashes))
             confirmed = ResourceValidators(
                 entry.loc, existing.sha256, validators.etag, validators.last_modified, entry.lastmod
             )

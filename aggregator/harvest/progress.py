@@ -36,7 +36,7 @@ class Progress:
     def __init__(
         self,
         name: str,
-        report: Callable[[str, int, int | None], None],
+        report: Callable[[str, int, int | None, float | None], None],
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -407,7 +407,7 @@ async def _document(request: Request, build: Build, validate: Validate) -> Respo
     return DocumentResponse(prep.doc, lambda: pub.pool.release(state), headers=prep.headers, tee=tee)
 
 
-async def _small_document(request: Request, make: Callable[[Site], Doc]) -> Response:
+async def _small_document(request: Request, make: Callable[[Site], Doc | None]) -> Response:
     """A document built whole (Source Description, Capability List): strong ETag of its bytes."""
     pub: Publisher = request.app.state.publisher
     doc = await pub.run(lambda state: make(pub.site(state)))

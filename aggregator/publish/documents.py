@@ -148,7 +148,7 @@ def source_description(site: Site) -> Doc:
     return head, iter(entries)
 
 
-def capability_list(site: Site, ps: PublishedSet) -> Doc:
+def capability_list(site: Site, ps: PublishedSet) -> tuple[Head, Iterator[Entry]]:
     """Resource List and Change List always; dumps when the dump helper says they exist (§9: one entry
     per capability)."""
     links = [Link("up", site.well_known)]

@@ -175,6 +175,9 @@ class _WriterFile:
     def flush(self) -> None:
         pass
 
+    def close(self) -> None:
+        """Nothing: ``zipfile`` never closes a file it is given (the caller commits the blob writer)."""
+
 
 # ---------------------------------------------------------------------------------------------------
 
@@ -643,10 +646,10 @@ class DumpBuilder:
         zw = self.blobs.begin()
         mw = self.blobs.begin()
         try:
-            with zipfile.ZipFile(_WriterFile(zw), "w", allowZip64=True) as zf:  # type: ignore[arg-type]
-                info = _zip_info(
-                    MANIFEST_NAME, head.md.at or head.md.until or self._now(), zipfile.ZIP_DEFLATED
-                )  # type: ignore[union-attr]
+            with zipfile.ZipFile(_WriterFile(zw), "w", allowZip64=True) as zf:
+                md = head.md
+                assert md is not None  # the manifests built here always carry rs:md
+                info = _zip_info(MANIFEST_NAME, md.at or md.until or self._now(), zipfile.ZIP_DEFLATED)
                 with zf.open(info, "w") as out:
                     for chunk in iter_document_bytes(head, (m.entry for m in members)):
                         out.write(chunk)
@@ -770,13 +773,14 @@ def dump_routes(builder: DumpBuilder) -> list[Route]:
     """
 
     def document(kind: str) -> Callable[[Request], Any]:
-        make = {
+        makers: dict[str, Callable[..., Any]] = {
             RESOURCEDUMP: builder.resource_dump_document,
             CHANGEDUMP: builder.change_dump_document,
             RESOURCEDUMP_ARCHIVE: builder.resource_dump_archive,
             CHANGEDUMP_ARCHIVE: builder.change_dump_archive,
             "run": lambda name, run_id: builder.resource_dump_document(name, run_id),
-        }[kind]
+        }
+        make = makers[kind]
 
         async def endpoint(request: Request) -> Response:
             args = [request.path_params["number"]] if kind == "run" else []

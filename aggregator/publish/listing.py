@@ -19,7 +19,7 @@ written here. ``tests/test_listing.py`` holds both writers to the same bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from ..rs.write import _dt, _esc, _special
 from ..sets import PublishedSet
@@ -151,7 +151,9 @@ class ListingWriter:
                 if out:
                     yield "".join(out)
                     out.clear()
-                yield general(r)
+                yield general(
+                    cast(Resource, r)
+                )  # `type(r) is tuple` is the fast test; mypy cannot narrow on it
                 continue
             _, uri, sha256, length, type_, encoding, md5, sha1, lastmod, upstream, updated = r
             if sha256 is not None and length is not None and encoding is None and special(uri) is None:

@@ -7,6 +7,7 @@ time; writers take a head and an iterator of entries. Nothing here holds a whole
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -71,10 +72,11 @@ class Md:
     capability: str | None = None
     change: str | None = None
     datetime: datetime | None = None
-    at: datetime | None = None
-    completed: datetime | None = None
-    from_: datetime | None = None
-    until: datetime | None = None
+    # `dt.datetime`: below the field `datetime`, the bare name is the field, not the type.
+    at: dt.datetime | None = None
+    completed: dt.datetime | None = None
+    from_: dt.datetime | None = None
+    until: dt.datetime | None = None
     hash: str | None = None
     length: int | None = None
     type: str | None = None

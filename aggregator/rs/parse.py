@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from types import ModuleType
-from typing import BinaryIO
+from typing import Any, BinaryIO, cast
 
 from lxml import etree
 
@@ -53,7 +53,7 @@ Problem = Callable[[int | None, str], None]
 #: harvester's ``harvest/deviations.py`` RULES); without it such a deviation goes to ``on_problem``.
 Tolerated = Callable[[str, int | None, str], None]
 
-_HARDENED = {
+_HARDENED: dict[str, Any] = {
     "resolve_entities": False,  # entity references stay unexpanded nodes (then refused below)
     "no_network": True,
     "load_dtd": False,  # never read an external DTD or external parameter entities
@@ -167,8 +167,10 @@ def _local(tag: str) -> str:
     return tag.rpartition("}")[2]
 
 
-def _display(tag: str) -> str:
-    """A tag as a reader of the document would write it, e.g. ``<rs:md>``, ``<url>``."""
+def _display(element_tag: object) -> str:
+    """A tag as a reader of the document would write it, e.g. ``<rs:md>``, ``<url>``. (``object``: lxml
+    types ``.tag`` as str, bytes or QName; a parsed element's is a str, which ``str`` returns as it is.)"""
+    tag = str(element_tag)
     if tag.startswith(_RS):
         return f"<rs:{tag[len(_RS) :]}>"
     if tag.startswith(_SM):
@@ -354,6 +356,7 @@ class DocumentReader:
 
     def _sniff(self, chunk: bytes) -> None:
         sniffer = self._sniffer
+        assert sniffer is not None  # set by the caller
         for i in range(0, len(chunk), _SNIFF):
             try:
                 sniffer.feed(chunk[i : i + _SNIFF])
@@ -371,7 +374,7 @@ class DocumentReader:
         if dtd is not None:
             for ent in dtd.iterentities():
                 self._fail(line, f"entity {ent.name!r} not allowed: the DOCTYPE declares entities")
-        tag = root.tag
+        tag = cast(str, root.tag)  # lxml types .tag for its setter too; an element's is a str
         ns, local = (tag[1:].split("}", 1)) if tag[:1] == "{" else ("", tag)
         if local not in _ENTRY_OF:
             self._fail(line, f"root element is <{local}>, expected <urlset> or <sitemapindex> (§7)")
@@ -451,12 +454,14 @@ class DocumentReader:
         ``_read_child``; without them, every child goes through ``_read_child``.
         """
         root = self._root
+        assert root is not None  # the root is read before its children
         n = len(root) if final else len(root) - 1
         if n > 0:
             if self._speedups is not None:
                 self._speedups.read_children(self, root, n, out, self._entry_name)
             else:
                 read = self._read_child
+                el: etree._Element | None
                 for el in root[:n]:
                     read(el, out)
                 el = None  # no proxies left: deleted nodes are freed at once, not moved to a new document
@@ -484,7 +489,7 @@ class DocumentReader:
                 loc = text.strip() if text else ""
             elif tag == LASTMOD_TAG and lastmod is None:
                 try:
-                    lastmod = _w3c(child.text)
+                    lastmod = _w3c(child.text)  # type: ignore[arg-type]  # None: the TypeError below
                 except (DatetimeError, TypeError):
                     self._problem(child.sourceline, f"<lastmod> is not a W3C Datetime: {child.text!r}")
             elif tag == MD_TAG and md is None:
@@ -507,15 +512,19 @@ class DocumentReader:
         if not loc:
             self._missing(el.sourceline, f"{_display(el.tag)} without <loc> (§7: mandatory)")
             loc = None
-        out.append(Entry(loc, lastmod, changefreq, md, links, extra, el.sourceline))
+        # An entry without <loc> goes on with loc None (reported just above, as §7 wants).
+        out.append(Entry(loc, lastmod, changefreq, md, links, extra, el.sourceline))  # type: ignore[arg-type]
 
     def _head_if_entry_started(self, out: list[Head | Entry]) -> None:
         """The head is complete once the first entry has started: hand it out before that entry ends."""
-        if not self._head_emitted and len(self._root) and self._root[-1].tag == self._entry_tag:
+        root = self._root
+        assert root is not None  # entries start inside the root
+        if not self._head_emitted and len(root) and root[-1].tag == self._entry_tag:
             out.append(self._emit_head())
 
     def _emit_head(self) -> Head:
         self._head_emitted = True
+        assert self._head is not None  # made with the root (_check_root)
         return self._head
 
     def _root_child(self, el: etree._Element) -> None:
@@ -528,6 +537,7 @@ class DocumentReader:
             self._fail(line, f"{_display(tag)} not allowed in <{self._root_name}> (§7)")
         self._check_ns(el, tag)
         head = self._head
+        assert head is not None  # made with the root (_check_root)
         if self._head_emitted:
             if tag == LN_TAG:
                 # Kept: the head object handed out earlier gains it, so a reader that looks at the
@@ -568,7 +578,8 @@ class DocumentReader:
         if tag in (LOC_TAG, LASTMOD_TAG, CHANGEFREQ_TAG, MD_TAG):
             note = " (§7: not repeatable)" if tag == MD_TAG else ""
             self._problem(
-                line, f"more than one {_display(tag)} in {_display(el.tag)}{note}; the first one is used"
+                line,
+                f"more than one {_display(tag)} in {_display(el.tag)}{note}; the first one is used",
             )
         elif tag == URL_TAG or tag == SITEMAP_TAG:
             self._fail(line, f"{_display(tag)} nested in {_display(el.tag)}")
@@ -591,9 +602,9 @@ class DocumentReader:
 
     def _attributes(
         self, el: etree._Element, known: dict[str, tuple[str, str]]
-    ) -> tuple[dict[str, object], dict[str, str]]:
+    ) -> tuple[dict[str, Any], dict[str, str]]:
         """Known attributes as model fields (text, integer or W3C Datetime); the others in ``extra``."""
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # each value of its field's type (str, int or datetime), or None
         extra: dict[str, str] = {}
         for name, value in el.items():
             field_kind = known.get(name)
@@ -614,7 +625,8 @@ class DocumentReader:
         extra[name] = value
         if name[:1] != "{":
             self._problem(
-                el.sourceline, f"unknown attribute {name!r} on {_display(el.tag)} (§7); kept as extra"
+                el.sourceline,
+                f"unknown attribute {name!r} on {_display(el.tag)} (§7); kept as extra",
             )
         elif name.startswith(_RS):
             self._problem(

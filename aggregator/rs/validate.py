@@ -840,7 +840,7 @@ class _Gunzip:
     """
 
     def __init__(self) -> None:
-        self._z = None  # a zlib decompressobj once gzip is detected
+        self._z: zlib._Decompress | None = None  # a zlib decompressobj once gzip is detected
         self._decided = False
         self._head = b""
 

@@ -60,7 +60,7 @@ def parse_w3c(value: str) -> datetime:
 def is_strict_w3c(value: str) -> bool:
     """True when the value is W3C Datetime to the letter (a time part needs a zone designator)."""
     m = _W3C.match(value.strip())
-    return bool(m) and not (m.group("h") and not m.group("tz"))
+    return m is not None and not (m.group("h") and not m.group("tz"))
 
 
 def format_w3c(dt: datetime) -> str:

@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from lxml import etree
 
@@ -147,10 +147,10 @@ class _Serializer:
             if not (v := e.loc):
                 raise _BadValue("entry without loc")
             s = f"<{tag}><loc>{v if _special(v) is None else _esc(v)}</loc>"
-            if (v := e.lastmod) is not None:
-                s += f"<lastmod>{_dt(v)}</lastmod>"
-            if (v := e.changefreq) is not None:
-                s += f"<changefreq>{_esc(v)}</changefreq>"
+            if (d := e.lastmod) is not None:
+                s += f"<lastmod>{_dt(d)}</lastmod>"
+            if (c := e.changefreq) is not None:
+                s += f"<changefreq>{_esc(c)}</changefreq>"
             if extra := e.extra:
                 # Sitemap's own <priority> (kept by the parser as an extra) goes where the Sitemap schema
                 # wants it, right after changefreq; foreign elements go after rs:md and rs:ln.
@@ -177,20 +177,20 @@ class _Serializer:
             s += f' capability="{v if _special(v) is None else _esc(v)}"'
         if (v := md.change) is not None:
             s += f' change="{v if _special(v) is None else _esc(v)}"'
-        if (v := md.datetime) is not None:
-            s += f' datetime="{_dt(v)}"'
-        if (v := md.at) is not None:
-            s += f' at="{_dt(v)}"'
-        if (v := md.completed) is not None:
-            s += f' completed="{_dt(v)}"'
-        if (v := md.from_) is not None:
-            s += f' from="{_dt(v)}"'
-        if (v := md.until) is not None:
-            s += f' until="{_dt(v)}"'
+        if (d := md.datetime) is not None:
+            s += f' datetime="{_dt(d)}"'
+        if (d := md.at) is not None:
+            s += f' at="{_dt(d)}"'
+        if (d := md.completed) is not None:
+            s += f' completed="{_dt(d)}"'
+        if (d := md.from_) is not None:
+            s += f' from="{_dt(d)}"'
+        if (d := md.until) is not None:
+            s += f' until="{_dt(d)}"'
         if (v := md.hash) is not None:
             s += f' hash="{v if _special(v) is None else _esc(v)}"'
-        if (v := md.length) is not None:
-            s += f' length="{v if type(v) is int else _int(v)}"'
+        if (n := md.length) is not None:
+            s += f' length="{n if type(n) is int else _int(n)}"'
         if (v := md.type) is not None:
             s += f' type="{v if _special(v) is None else _esc(v)}"'
         if (v := md.encoding) is not None:
@@ -205,14 +205,14 @@ class _Serializer:
         if ln.rel is None or ln.href is None:
             raise _BadValue("rs:ln needs rel and href (§7)")
         s = f'<rs:ln rel="{_esc(ln.rel)}" href="{_esc(ln.href)}"'
-        if (v := ln.pri) is not None:
-            s += f' pri="{_int(v)}"'
-        if (v := ln.modified) is not None:
-            s += f' modified="{_dt(v)}"'
+        if (n := ln.pri) is not None:
+            s += f' pri="{_int(n)}"'
+        if (d := ln.modified) is not None:
+            s += f' modified="{_dt(d)}"'
         if (v := ln.hash) is not None:
             s += f' hash="{_esc(v)}"'
-        if (v := ln.length) is not None:
-            s += f' length="{_int(v)}"'
+        if (n := ln.length) is not None:
+            s += f' length="{_int(n)}"'
         if (v := ln.type) is not None:
             s += f' type="{_esc(v)}"'
         if (v := ln.encoding) is not None:
@@ -338,7 +338,7 @@ def iter_document_bytes(
         yield buf.pop().encode()
         size = 0
     for e in entries:
-        s = e if type(e) is str else entry(e, tag)
+        s = e if isinstance(e, str) else entry(e, tag)
         buf.append(s)
         size += len(s)
         if size >= chunk_size:
@@ -415,7 +415,7 @@ class _Part:
 
     def __init__(self, out: BinaryIO | None = None, head_bytes: int = 0) -> None:
         self.out = out
-        self._sink: BinaryIO = out if out is not None else tempfile.SpooledTemporaryFile(_SPOOL_MEMORY)
+        self._sink: IO[bytes] = out if out is not None else tempfile.SpooledTemporaryFile(_SPOOL_MEMORY)
         self.buf: list[str] = []
         self.head_bytes = head_bytes
         self.bytes = 0  # of the entries

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, cast, runtime_checkable
 
 from ..rs.fixity import Hasher
 from .inline import INLINE_FILE, InlineBlobs
@@ -691,7 +691,8 @@ class FileBlobStore:
             if to_sync:
                 yield self._syncfs
         elif to_sync:
-            yield functools.partial(self._fsync_files, [w.tmp_path for w in to_sync])
+            # each has its temporary file now (written just above when it was still in memory)
+            yield functools.partial(self._fsync_files, [cast(Path, w.tmp_path) for w in to_sync])
         dirs: set[str] = set()
         syncing = set(map(id, to_sync))
         syncing.update(id(inline[sha][0]) for sha, new in zip(inline, added, strict=True) if new)
@@ -726,7 +727,7 @@ class FileBlobStore:
         and its bytes)."""
         if not self.inline_bytes or self._inline is None:
             return {}
-        inline = {}
+        inline: dict[str, tuple[BlobWriter, bytes]] = {}
         for sha, w in first.items():
             if isinstance(w, SpooledBlobWriter) and w.info is not None and w.info.length <= self.inline_bytes:
                 data = w.held()

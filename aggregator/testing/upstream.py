@@ -771,7 +771,8 @@ class Upstream:
         if mode is None:
             return
         when = change_at or self._last or utcnow()
-        change = dict(change=model.CREATED, datetime=change_at) if change_at else {}
+        change: dict[str, Any] = dict(change=model.CREATED, datetime=change_at) if change_at else {}
+        data: bytes | int  # an int: that many zero bytes (the bomb)
         if mode == "traversal":
             data, name, member = b"evil\n", "evil.txt", "../../../tmp/rsagg-evil.txt"
         elif mode == "missing":

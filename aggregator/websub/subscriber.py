@@ -292,8 +292,8 @@ class Subscriber:
             if (source is None or old.source == source) and token not in fresh:
                 del self._subs[token]
         for token, sub in fresh.items():
-            old = self._subs.get(token)
-            if old is not None and not old.live(now) and sub.live(now) and sub.kind == CHANGE_NOTIFICATION:
+            prev = self._subs.get(token)
+            if prev is not None and not prev.live(now) and sub.live(now) and sub.kind == CHANGE_NOTIFICATION:
                 self._box(sub.source).poll_at = trio.current_time() + self.settings.settle
                 self._nudge(sub.source)
             self._subs[token] = sub
@@ -358,8 +358,8 @@ class Subscriber:
                     sub, "no longer advertised" if key not in wanted else "topic or hub changed"
                 )
         for key, (topic, hub) in wanted.items():
-            sub = have.get(key)
-            if sub is not None and (sub.topic, sub.hub) == (topic, hub):
+            current = have.get(key)
+            if current is not None and (current.topic, current.hub) == (topic, hub):
                 continue
             # Stored as pending already: on a cluster node, the holder's ``_follow_shared`` may read the
             # row back before ``_request`` marks it, and must not take it for one to request itself.
