@@ -63,3 +63,17 @@ def harvest_once(folder: Path, base: str, *, state: str = "", per_host: int | No
         f'[store]\npath = "data"\n{line}{harvest}\n[[sources]]\nname = "bench"\nurl = "{base}/"\n'
     )
     return run_child(HARVEST_ONCE, folder, "rsagg")
+
+
+async def lifespan(scope, receive, send) -> bool:
+    """Answer an ASGI lifespan scope (startup, then shutdown) for a benchmark's upstream app; True when
+    ``scope`` was one (the app then has nothing more to do)."""
+    if scope["type"] != "lifespan":
+        return False
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return True

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, harvest_once, run_child
+from _harness import ROOT, harvest_once, lifespan, run_child
 
 #: rsagg's default ``harvest.per_host`` (aggregator/config.py): requests at a time to one host.
 DEFAULT_PER_HOST = 8
@@ -61,14 +61,8 @@ def static_app(root: str, latency: float):
     base = os.path.realpath(root)
 
     async def app(scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+        if await lifespan(scope, receive, send):
+            return
         if scope["type"] != "http":
             return
         if latency:

@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from _harness import ROOT, Finished, run_child
+from _harness import ROOT, Finished, lifespan, run_child
 
 TARGET = 1.3  # many/one, per resource
 RS = "http://www.openarchives.org/rs/terms/"
@@ -83,14 +83,8 @@ def upstream_app(sources: int, per_source: int, big: int):
     md5_b64 = [base64.b64encode(bytes.fromhex(h)).decode() for h in md5]
 
     async def app(scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+        if await lifespan(scope, receive, send):
+            return
         if scope["type"] != "http":
             return
         host = dict(scope["headers"]).get(b"host", b"127.0.0.1").decode()

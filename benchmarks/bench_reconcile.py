@@ -30,7 +30,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from _harness import HARVEST_ONCE, ROOT, run_child
+from _harness import HARVEST_ONCE, ROOT, lifespan, run_child
 
 sys.path.insert(0, str(ROOT))
 
@@ -58,14 +58,8 @@ def source_app(folder: str, log_path: str):
     log = open(log_path, "a", buffering=1)  # open for the server's life
 
     async def app(scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+        if await lifespan(scope, receive, send):
+            return
         path = scope["path"]
         status, ctype, data = 404, b"text/plain", b"not found\n"
         if path.startswith("/r/"):
