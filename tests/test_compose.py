@@ -17,7 +17,20 @@ from aggregator.harvest.notices import NotifiedHarvest
 
 def test_the_harvest_context_has_no_untyped_slots() -> None:
     """Nothing is parked on the harvest context for other stages to pick up later."""
-    hints = typing.get_type_hints(HarvestContext)
+    # Its field types are imported for type checking only (rsagg status loads this module without the
+    # harvest's libraries): resolve them in a namespace that has them.
+    import trio
+
+    from aggregator.harvest import context
+    from aggregator.harvest.fetch import Fetcher
+    from aggregator.harvest.offload import Offload, StoreRecipe
+    from aggregator.harvest.patch import PatchApplier
+    from aggregator.metrics import Metrics
+    from aggregator.store.interface import StateStore
+
+    names = {"trio": trio, "Fetcher": Fetcher, "Offload": Offload, "StoreRecipe": StoreRecipe,
+             "PatchApplier": PatchApplier, "Metrics": Metrics, "StateStore": StateStore}  # fmt: skip
+    hints = typing.get_type_hints(HarvestContext, globalns={**vars(context), **names})
     assert not [name for name, hint in hints.items() if hint is typing.Any]
     assert "notifications" not in hints and "dumps" not in hints
 
