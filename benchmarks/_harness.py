@@ -77,3 +77,26 @@ async def lifespan(scope, receive, send) -> bool:
         elif message["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return True
+
+
+def serve_until_sigterm(app, port: int = 0) -> int:
+    """Child mode of a benchmark's upstream: serve ``app`` on 127.0.0.1 (``port``, 0 = any), print its
+    base URL once listening, stop on SIGTERM."""
+    import signal
+
+    import trio
+
+    sys.path.insert(0, str(ROOT))
+    from aggregator.serving import serve
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(lambda task_status: serve(app, port=port, task_status=task_status))
+            print(url, flush=True)
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+    trio.run(main)
+    return 0

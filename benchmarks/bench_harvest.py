@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, harvest_once, lifespan, run_child
+from _harness import ROOT, harvest_once, lifespan, run_child, serve_until_sigterm
 
 #: rsagg's default ``harvest.per_host`` (aggregator/config.py): requests at a time to one host.
 DEFAULT_PER_HOST = 8
@@ -90,23 +90,7 @@ def static_app(root: str, latency: float):
 
 def serve_main(folder: str, port: int, latency: float) -> int:
     """Child mode: serve ``folder``; print the base URL once listening; stop on SIGTERM."""
-    import trio
-
-    sys.path.insert(0, str(ROOT))
-    from aggregator.serving import serve
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(lambda task_status: serve(static_app(folder, latency), port=port,
-                                                                task_status=task_status))  # fmt: skip
-            print(url, flush=True)
-            with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    return
-
-    trio.run(main)
-    return 0
+    return serve_until_sigterm(static_app(folder, latency), port)
 
 
 class Server:

@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from _harness import ROOT, Finished, lifespan, run_child
+from _harness import Finished, lifespan, run_child, serve_until_sigterm
 
 TARGET = 1.3  # many/one, per resource
 RS = "http://www.openarchives.org/rs/terms/"
@@ -114,24 +114,7 @@ def upstream_app(sources: int, per_source: int, big: int):
 
 def serve_main(sources: int, per_source: int, big: int) -> int:
     """Child mode: serve the made-up Sources; print the base URL once listening; stop on SIGTERM."""
-    import trio
-
-    sys.path.insert(0, str(ROOT))
-    from aggregator.serving import serve
-
-    app = upstream_app(sources, per_source, big)
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(lambda task_status: serve(app, port=0, task_status=task_status))
-            print(url, flush=True)
-            with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    return
-
-    trio.run(main)
-    return 0
+    return serve_until_sigterm(upstream_app(sources, per_source, big))
 
 
 class Upstream:
