@@ -89,7 +89,7 @@ def _expected(exc: BaseException) -> BaseException | None:
 def _named(exc: BaseException) -> BaseException | None:
     # Imported here, on the way out with an error, not at start-up (see the note at the top).
     from .config import ConfigError
-    from .daemon import ListenError
+    from .run.daemon import ListenError
     from .store.interface import StateUnavailable
     from .store.lock import StoreLocked
 

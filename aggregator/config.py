@@ -207,7 +207,7 @@ class ServerConfig:
     redirect_lifetime: _RedirectLifetime = 3600.0
     #: Serving processes: the daemon itself and ``workers - 1`` more on the same port (SO_REUSEPORT),
     #: answering resources and lists; the harvester, hub, notifier and dump builder run once, in the
-    #: daemon, which also answers what the others forward (``aggregator/workers.py``).
+    #: daemon, which also answers what the others forward (``aggregator/run/workers.py``).
     workers: Annotated[StrictInt, Field(ge=1, le=64)] = 1
     #: "x-accel": seconds nginx may keep rsagg's answer for a resource (``X-Accel-Expires``) and send the
     #: bytes without asking again (``config/nginx.conf`` caches these decisions); a change, a deletion or
@@ -252,7 +252,7 @@ class HarvestConfig:
     workers: AtLeastOne = 16  # concurrent resource fetches per set
     timeout: NonNegFloat = 30.0  # seconds per HTTP request
     #: Retries on network errors, timeouts, 408, 429, 500, 502, 503 and 504 (exponential backoff, full
-    #: jitter, Retry-After honoured; the same policy, ``aggregator/retry.py``, paces hub deliveries and
+    #: jitter, Retry-After honoured; the same policy, ``aggregator/net/retry.py``, paces hub deliveries and
     #: subscription requests).
     retries: NonNegInt = 4
     backoff_base: NonNegFloat = 0.5  # seconds: the first backoff's bound

@@ -20,7 +20,7 @@ from __future__ import annotations
 import typing as _typing
 
 from .hookspecs import hookimpl
-from .plugins import PluginContext
+from .plugins.manager import PluginContext
 from .rs.model import Entry, Link, Md
 from .store.blobs import (
     BlobInfo,

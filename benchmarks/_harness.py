@@ -87,7 +87,7 @@ def serve_until_sigterm(app, port: int = 0) -> int:
     import trio
 
     sys.path.insert(0, str(ROOT))
-    from aggregator.serving import serve
+    from aggregator.run.serving import serve
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

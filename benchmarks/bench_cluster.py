@@ -54,7 +54,7 @@ from aggregator.publish import documents  # noqa: E402
 from aggregator.publish.links import LinkPolicy  # noqa: E402
 from aggregator.rs.w3cdt import utcnow  # noqa: E402
 from aggregator.rs.write import iter_document_bytes  # noqa: E402
-from aggregator.sets import PublishedSet  # noqa: E402
+from aggregator.store.sets import PublishedSet  # noqa: E402
 from aggregator.store.state import connect  # noqa: E402
 from aggregator.testing.upstream import Upstream  # noqa: E402
 from tests import pgserver  # noqa: E402

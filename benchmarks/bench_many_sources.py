@@ -1,7 +1,7 @@
 """Many small Sources against one big one: is a resource harvested from 300 Sources of 20 as cheap as one
 from a single Source of 6,000?
 
-The upstream is one server on loopback (hypercorn in a process of its own, ``aggregator.serving``) that
+The upstream is one server on loopback (hypercorn in a process of its own, ``aggregator.run.serving``) that
 makes up the documents: for every Source ``/sI/`` a Capability List and a Resource List (md5 hashes,
 lengths) of its resources ``/sI/r/J`` (0.5-2 KB of text each). Both cases configure their Sources by
 their Capability List URL and run ``rsagg harvest --once`` with rsagg's defaults (nothing tuned: the same

@@ -130,9 +130,9 @@ def serve(store: Path, port: int) -> None:
     import trio
 
     from aggregator.config import parse_config
-    from aggregator.plugins import GROUP
+    from aggregator.plugins.manager import GROUP
     from aggregator.publish.app import create_app
-    from aggregator.serving import serve as serve_app
+    from aggregator.run.serving import serve as serve_app
     from aggregator.store.blobs import FileBlobStore
 
     third_party = sorted({ep.name for ep in entry_points(group=GROUP)})  # e.g. the tests' example plugin

@@ -43,8 +43,8 @@ def serve(port_file: str, records: int, page: int, latency: float) -> None:
 
     import trio
 
-    from aggregator.serverguard import ServerLimits
-    from aggregator.serving import serve as serve_asgi
+    from aggregator.run.serverguard import ServerLimits
+    from aggregator.run.serving import serve as serve_asgi
     from tests.oaiserver import OaiApp, Repository
 
     repo = Repository()
@@ -130,7 +130,7 @@ def run_rsagg(
     from aggregator.commands.harvest import harvest_once
     from aggregator.config import parse_config
     from aggregator.harvest.context import open_blob_store
-    from aggregator.plugins import DEFAULT_PLUGINS, Plugins
+    from aggregator.plugins.manager import DEFAULT_PLUGINS, Plugins
     from aggregator.publish.app import create_app
     from aggregator.store.state import State
 

@@ -62,7 +62,7 @@ def third_party_plugins() -> list[str]:
     """Plugins installed from outside rsagg (entry points), e.g. the test suite's example plugin."""
     from importlib.metadata import entry_points
 
-    from aggregator.plugins import GROUP
+    from aggregator.plugins.manager import GROUP
 
     return sorted({ep.name for ep in entry_points(group=GROUP)})
 
@@ -131,7 +131,7 @@ def serve_rsagg(store: Path, port: int, offload: str, plugins: bool, dumps: str 
     import trio
 
     from aggregator.publish.app import create_app
-    from aggregator.serving import serve
+    from aggregator.run.serving import serve
     from aggregator.store.blobs import FileBlobStore
 
     blobs = FileBlobStore(store / "blobs")

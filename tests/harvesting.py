@@ -11,10 +11,10 @@ from typing import Any, BinaryIO
 import trio
 
 from aggregator.commands.harvest import harvest_once
-from aggregator.compose import open_context
 from aggregator.config import Config, parse_config
 from aggregator.harvest.audit import Difference, audit_source
 from aggregator.harvest.source import SourceResult
+from aggregator.run.compose import open_context
 from aggregator.store.state import open_state
 
 REPO = Path(__file__).resolve().parent.parent

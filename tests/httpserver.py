@@ -15,7 +15,7 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from aggregator.serving import serving
+from aggregator.run.serving import serving
 
 
 def serve_app(

@@ -21,8 +21,8 @@ from typing import Any
 import trio
 
 from aggregator.config import Config, parse_config
-from aggregator.daemon import run_daemon
 from aggregator.harvest.context import HarvestContext
+from aggregator.run.daemon import run_daemon
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-import aggregator.plugins
+import aggregator.plugins.manager
 from aggregator.config import Config, ServerConfig
 from aggregator.publish.app import create_app
 from aggregator.rs.model import Entry, Head
@@ -30,7 +30,7 @@ class FakeEntryPoint:
 
     def __init__(self, name: str, obj: Any, error: Exception | None = None) -> None:
         self.name, self.obj, self.error = name, obj, error
-        self.group = aggregator.plugins.GROUP
+        self.group = aggregator.plugins.manager.GROUP
         self.value = f"tests:{name}"
         self.dist = None
 
@@ -43,14 +43,14 @@ class FakeEntryPoint:
 def add_plugin(monkeypatch: pytest.MonkeyPatch, name: str, obj: Any, error: Exception | None = None) -> None:
     """Register ``obj`` (a module, an object with ``@hookimpl`` methods) as entry point ``name``; several
     calls in one test load in call order. ``error``: loading it raises that instead."""
-    previous = aggregator.plugins.entry_points
+    previous = aggregator.plugins.manager.entry_points
     ep = FakeEntryPoint(name, obj, error)
 
     def entry_points(**kw: Any) -> list:
         eps = list(previous(**kw))
-        return [*eps, ep] if kw.get("group") == aggregator.plugins.GROUP else eps
+        return [*eps, ep] if kw.get("group") == aggregator.plugins.manager.GROUP else eps
 
-    monkeypatch.setattr(aggregator.plugins, "entry_points", entry_points)
+    monkeypatch.setattr(aggregator.plugins.manager, "entry_points", entry_points)
 
 
 @asynccontextmanager

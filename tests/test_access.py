@@ -16,10 +16,10 @@ import httpx
 import pytest
 import trio
 
-from aggregator.compose import open_context
 from aggregator.config import ConfigError, parse_config
 from aggregator.harvest.access import DEFAULT_USER_AGENT, _Pace
 from aggregator.harvest.source import sync_source
+from aggregator.run.compose import open_context
 from aggregator.store.state import State
 
 from .harvesting import held
@@ -273,7 +273,7 @@ async def test_access_hook_origin_and_reload(tmp_path: Path, monkeypatch):
     """The hook on its own: credentials for the source's origin only (scheme, host and port), none for
     requests made for no source, and a reload reads a rotated secret."""
     from aggregator.harvest.access import Access
-    from aggregator.metrics import current_source
+    from aggregator.observe.metrics import current_source
 
     def config():
         return config_for(tmp_path, "https://repo.example/oai", {"bearer_token_env": "OAI_TOKEN"})

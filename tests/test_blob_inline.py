@@ -19,7 +19,7 @@ import pytest
 from aggregator.commands.gc import Garbage, collect_garbage
 from aggregator.config import ConfigError, parse_config
 from aggregator.harvest.context import open_blob_store
-from aggregator.plugins import Plugins
+from aggregator.plugins.manager import Plugins
 from aggregator.store.blobs import INLINE_BYTES, BlobInfo, FileBlobStore, SpooledBlobWriter
 from aggregator.store.rows import Change
 from aggregator.store.state import State

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.w3cdt import utcnow
-from aggregator.serving import serving
+from aggregator.run.serving import serving
 from aggregator.testing.upstream import Upstream
 
 from .clustering import NodeProcess, SharedState, assert_no_overlap, sources_toml, wait_for

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from aggregator.rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION
 from aggregator.rs.w3cdt import format_w3c, utcnow
-from aggregator.serving import serving
+from aggregator.run.serving import serving
 from aggregator.testing.notify import UpstreamNotifier
 from aggregator.testing.upstream import Upstream
 from aggregator.websub.subscriber import CALLBACK_PREFIX

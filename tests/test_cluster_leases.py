@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from aggregator.cluster import Node
 from aggregator.config import parse_config
 from aggregator.rs.model import CREATED
+from aggregator.run.cluster import Node
 from aggregator.store.interface import LeaseLost, fenced
 from aggregator.store.rows import Change, Cursor, Fence
 from aggregator.store.state import State, connect, open_state

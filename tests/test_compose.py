@@ -1,4 +1,4 @@
-"""The composition root (aggregator/compose.py): each stage is handed its parts, typed, at construction."""
+"""The composition root (run/compose.py): each stage is handed its parts, typed, at construction."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from aggregator.compose import assemble, open_context, start_node
 from aggregator.config import Config, parse_config
 from aggregator.harvest.context import HarvestContext
 from aggregator.harvest.notices import NotifiedHarvest
+from aggregator.run.compose import assemble, open_context, start_node
 
 
 def test_the_harvest_context_has_no_untyped_slots() -> None:
@@ -25,7 +25,7 @@ def test_the_harvest_context_has_no_untyped_slots() -> None:
     from aggregator.harvest.fetch import Fetcher
     from aggregator.harvest.offload import Offload, StoreRecipe
     from aggregator.harvest.patch import PatchApplier
-    from aggregator.metrics import Metrics
+    from aggregator.observe.metrics import Metrics
     from aggregator.store.interface import StateStore
 
     names = {"trio": trio, "Fetcher": Fetcher, "Offload": Offload, "StoreRecipe": StoreRecipe,

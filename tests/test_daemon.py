@@ -22,11 +22,11 @@ import httpx
 import pytest
 import trio
 
-from aggregator import sdnotify
-from aggregator.compose import open_context
 from aggregator.config import load_config, parse_config
-from aggregator.daemon import ListenError, run_daemon
-from aggregator.hotswap import HotSwapApp
+from aggregator.run import sdnotify
+from aggregator.run.compose import open_context
+from aggregator.run.daemon import ListenError, run_daemon
+from aggregator.run.hotswap import HotSwapApp
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.rows import SourceRow
 from aggregator.store.state import State

@@ -21,10 +21,10 @@ import httpx
 import pytest
 import trio
 
-from aggregator.compose import assemble, open_context
 from aggregator.config import Config, parse_config
 from aggregator.publish.schedule import build_due
 from aggregator.rs.parse import parse_bytes
+from aggregator.run.compose import assemble, open_context
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest, start_daemon

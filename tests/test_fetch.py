@@ -23,7 +23,7 @@ from starlette.responses import PlainTextResponse, RedirectResponse, Response, S
 from starlette.routing import Route
 
 from aggregator.harvest.fetch import Expected, Fetcher, FetchError
-from aggregator.retry import retry_after_seconds
+from aggregator.net.retry import retry_after_seconds
 from aggregator.store.blobs import FileBlobStore
 from tests.blobtesting import temp_files
 from tests.httpserver import serve_app

@@ -39,7 +39,7 @@ from starlette.routing import Route
 from aggregator.harvest.audit import AuditError
 from aggregator.harvest.lists import Cursor, ListRef, Position
 from aggregator.harvest.pipeline import list_document
-from aggregator.status import lag_since
+from aggregator.observe.report import lag_since
 from tests.harvesting import audit, harvest, held, make_config
 from tests.httpserver import serve_app
 from tests.test_interop import NS, Site, doc, ln, status_of, url

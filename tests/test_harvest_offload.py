@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from aggregator.default_plugins.filesystem import create_store
 from aggregator.harvest.oaipage import OaiError, store_page
 from aggregator.harvest.offload import Offload, OffloadError, StoreRecipe
+from aggregator.plugins.defaults.filesystem import create_store
 from aggregator.store.blobs import FileBlobStore
 
 from .faultystores import full_disk

@@ -127,7 +127,7 @@ class OldStore:
 def test_a_backend_lacking_part_of_the_interface_is_refused_by_name(tmp_path: Path, monkeypatch):
     from aggregator.config import ConfigError
     from aggregator.harvest.context import open_blob_store
-    from aggregator.plugins import Plugins
+    from aggregator.plugins.manager import Plugins
 
     made: list[OldStore] = []
 
@@ -536,8 +536,8 @@ async def test_publish_filter_reaches_dump_packages(tmp_path: Path, monkeypatch)
     """A hidden resource must not ship inside the Resource Dump or the Change Dump packages either."""
     import zipfile
 
-    from aggregator.compose import open_context
     from aggregator.publish.schedule import build_due, open_dump_builder
+    from aggregator.run.compose import open_context
 
     add_plugin(monkeypatch, "hide", HideSecrets())
     up = Upstream(resource_dump=False, change_dump=False)

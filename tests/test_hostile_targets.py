@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from aggregator.compose import assemble, open_context
 from aggregator.config import load_config
+from aggregator.run.compose import assemble, open_context
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import start_daemon

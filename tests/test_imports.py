@@ -70,10 +70,10 @@ def _check(found: set[tuple[str, str]], rule: str) -> None:
 
 def test_the_parser_sees_imports() -> None:
     """The check can fail: the parser resolves relative and lazy imports (a known one of each)."""
-    assert "aggregator.compose" in MODULES["aggregator.daemon"]  # from .compose import ...
+    assert "aggregator.run.compose" in MODULES["aggregator.run.daemon"]  # from .compose import ...
     assert "aggregator.testing.upstream" in MODULES["aggregator.commands.demo"]  # from ..testing.upstream
-    assert "aggregator.publish.app" in MODULES["aggregator.compose"]  # imported inside a function
-    assert "aggregator.websub.hub" in MODULES["aggregator.compose"]  # inside TYPE_CHECKING
+    assert "aggregator.publish.app" in MODULES["aggregator.run.compose"]  # imported inside a function
+    assert "aggregator.websub.hub" in MODULES["aggregator.run.compose"]  # inside TYPE_CHECKING
     assert len(MODULES) > 50
 
 
@@ -92,7 +92,7 @@ def test_websub_does_not_import_harvest() -> None:
 
 
 #: The layer that builds and runs the stages (the composition root, the daemon, the command line).
-COMPOSITION = ("aggregator.compose", "aggregator.daemon", "aggregator.commands", "aggregator.cli")
+COMPOSITION = ("aggregator.run.compose", "aggregator.run.daemon", "aggregator.commands", "aggregator.cli")
 #: The stages and the floors they stand on.
 STAGES = ("aggregator.harvest", "aggregator.publish", "aggregator.websub", "aggregator.store",
           "aggregator.rs")  # fmt: skip
@@ -116,8 +116,9 @@ def test_the_store_is_a_floor() -> None:
 #: loop, published sets, the errors module): it stands on the floors, so publish/ (the status page) and the
 #: daemon alike may import it, and it never reaches into a stage.
 SHARED = (
-    "aggregator.status", "aggregator.metrics", "aggregator.cluster", "aggregator.sets", "aggregator.errors",
-    "aggregator.progress_text", "aggregator.retry", "aggregator.outbound",
+    "aggregator.observe.report", "aggregator.observe.metrics", "aggregator.run.cluster",
+    "aggregator.store.sets", "aggregator.errors",
+    "aggregator.progress_text", "aggregator.net.retry", "aggregator.net.outbound",
 )  # fmt: skip
 
 

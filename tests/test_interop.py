@@ -25,8 +25,8 @@ from aggregator.config import Config
 from aggregator.harvest.deviations import Deviations, collecting
 from aggregator.harvest.fetch import Fetcher
 from aggregator.harvest.lists import Snapshot, resource_list_entries
+from aggregator.observe.report import collect, table
 from aggregator.rs.model import Entry, Head, Link
-from aggregator.status import collect, table
 from aggregator.store.state import State
 from tests.harvesting import audit, changelog, harvest, held, make_config
 from tests.httpserver import serve_app
@@ -676,7 +676,7 @@ def test_the_time_of_a_change_is_its_datetime_never_its_lastmod() -> None:
 
 
 def test_deviations_are_logged_once_per_document_and_counted_each_time(caplog) -> None:
-    from aggregator.metrics import Metrics
+    from aggregator.observe.metrics import Metrics
 
     metrics = Metrics(process=False)
     noted = Deviations("s", metrics.deviation)

@@ -17,7 +17,7 @@ from aggregator.publish.listing import ListingWriter, _text_time
 from aggregator.rs.model import Link
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.write import _dt, iter_document_bytes
-from aggregator.sets import PublishedSet
+from aggregator.store.sets import PublishedSet
 from aggregator.store.state import Change, State, connect, format_dt
 
 BASE = "http://rsagg.example/pub"

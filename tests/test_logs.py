@@ -1,4 +1,4 @@
-"""No credential in any log line at any level (aggregator/logs.py): with ``--log-level debug``, botocore
+"""No credential in any log line at any level (observe/logs.py): with ``--log-level debug``, botocore
 (which logs every signed request it sends, the access key id and the signature in it) says nothing below
 WARNING, and whatever a library or rsagg itself logs is scrubbed of credentials and of the secret values
 rsagg read.
@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from aggregator import logs
+from aggregator.observe import logs
 
 ACCESS_KEY = "AKIAZZTESTKEY0123456"
 SECRET_KEY = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYsecretKEY"

@@ -27,12 +27,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from aggregator import outbound
 from aggregator.harvest import context as context_mod
 from aggregator.harvest import pipeline
 from aggregator.harvest.access import Access
 from aggregator.harvest.context import HarvestContext
-from aggregator.metrics import current_source
+from aggregator.net import outbound
+from aggregator.observe.metrics import current_source
 from aggregator.rs import parse
 from aggregator.rs.model import RS_NS, SITEMAP_NS
 from aggregator.rs.parse import DocumentError, DocumentReader

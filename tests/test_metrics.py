@@ -24,19 +24,20 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from aggregator import progress_text, status
+from aggregator import progress_text
 from aggregator.cli import main
 from aggregator.commands.harvest import harvest_once
-from aggregator.compose import open_context
 from aggregator.config import load_config
-from aggregator.daemon import run_daemon
 from aggregator.harvest import context as harvest_context
 from aggregator.harvest import progress as harvest_progress
 from aggregator.harvest.progress import ProgressLine
 from aggregator.harvest.source import sync_source
-from aggregator.metrics import FAMILIES, Metrics, sample_names, status_class
+from aggregator.observe import report as status
+from aggregator.observe.metrics import FAMILIES, Metrics, sample_names, status_class
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.validate import ERROR, validate_source
+from aggregator.run.compose import open_context
+from aggregator.run.daemon import run_daemon
 from aggregator.store.state import State
 from aggregator.testing.upstream import Upstream
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
-from aggregator.compose import open_context
 from aggregator.config import ConfigError, parse_config
 from aggregator.harvest.context import open_blob_store
-from aggregator.plugins import Plugins
+from aggregator.plugins.manager import Plugins
 from aggregator.publish.uris import rsagg_uri
 from aggregator.publish.versions import timegate_uri
+from aggregator.run.compose import open_context
 from aggregator.testing.upstream import Upstream
 from tests.seaweedfs import SeaweedFS, run_seaweedfs
 

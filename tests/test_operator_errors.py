@@ -386,7 +386,7 @@ RUNTIME = [
 async def test_runtime_failures_are_one_line(case: str, tmp_path: Path) -> None:
     import trio
 
-    from aggregator.serving import serving
+    from aggregator.run.serving import serving
     from aggregator.testing.upstream import Upstream
 
     from . import pgserver
@@ -522,7 +522,7 @@ def test_every_machine_failure_is_one_line_wherever_it_is_met(
 
     from aggregator import cli
     from aggregator.errors import environmental_leaf, operator_line
-    from aggregator.logs import setup_logging
+    from aggregator.observe.logs import setup_logging
 
     where = str(tmp_path / "store")
     setup_logging("info", fmt)

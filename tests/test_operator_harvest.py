@@ -16,8 +16,8 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
 
-from aggregator import status
 from aggregator.cli import main
+from aggregator.observe import report as status
 from aggregator.rs import parse
 from aggregator.store.state import State
 from aggregator.testing.upstream import Upstream
@@ -210,7 +210,7 @@ async def test_lag_of_a_source_without_change_list_counts_from_its_last_read(tmp
             row = status.collect(state, cfg, now=second + timedelta(seconds=5))["sources"][0]
         assert second > first and row["lag_seconds"] == 5.0
         # /metrics says the same (seconds since that read, not years since the upstream clock's `at`).
-        from aggregator.metrics import Metrics
+        from aggregator.observe.metrics import Metrics
 
         metrics = Metrics()
         with State(cfg.store_path / "state.db") as state:
@@ -222,8 +222,8 @@ async def test_lag_of_a_source_without_change_list_counts_from_its_last_read(tmp
 
 async def test_plain_list_size_estimated_early_for_progress(tmp_path: Path) -> None:
     """A baseline from one big Resource List shows N/TOTAL with an ETA early on, not N/? to the end."""
-    from aggregator.compose import open_context
     from aggregator.harvest.lists import Snapshot, resource_list_entries
+    from aggregator.run.compose import open_context
 
     up = Upstream(resourcelist_page_size=50_000)
     up.bulk_create(3000)

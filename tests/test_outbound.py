@@ -1,4 +1,4 @@
-"""The outbound address policy (aggregator/outbound.py): no request reaches a refused address, whether it is
+"""The outbound address policy (net/outbound.py): no request reaches a refused address, whether it is
 named literally, through a DNS name (a resolver the test controls), a redirect, a mirror, a metadata
 record, or a hub callback; the allow-list opens exactly what it names.
 
@@ -26,15 +26,15 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from aggregator import outbound
-from aggregator.compose import open_context
 from aggregator.config import ConfigError, parse_config
 from aggregator.harvest.fetch import Expected, Fetcher, FetchError
 from aggregator.harvest.metadata import MetadataRecords
-from aggregator.metrics import Metrics
-from aggregator.outbound import AddressPolicy, parse_networks, refusal_rule
+from aggregator.net import outbound
+from aggregator.net.outbound import AddressPolicy, parse_networks, refusal_rule
+from aggregator.observe.metrics import Metrics
 from aggregator.rs.model import Entry, Link
-from aggregator.serving import serving
+from aggregator.run.compose import open_context
+from aggregator.run.serving import serving
 from aggregator.store.state import connect
 from aggregator.websub.hub import Hub, HubLimits, topics_under
 

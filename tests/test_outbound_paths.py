@@ -26,13 +26,13 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from aggregator import outbound
-from aggregator.compose import Assembly, assemble, open_context
 from aggregator.config import Config, parse_config
 from aggregator.harvest.fetch import Expected, FetchError
-from aggregator.metrics import current_source
-from aggregator.serving import serving
-from aggregator.status import collect
+from aggregator.net import outbound
+from aggregator.observe.metrics import current_source
+from aggregator.observe.report import collect
+from aggregator.run.compose import Assembly, assemble, open_context
+from aggregator.run.serving import serving
 from aggregator.store.rows import NotifySubscription
 from aggregator.store.state import open_state
 
@@ -553,9 +553,9 @@ async def test_a_hub_on_another_sources_origin_gets_no_subscription(tmp_path: Pa
 
 #: Modules allowed to build an HTTP client or open a connection themselves, and why.
 UNPOLICED = {
-    "aggregator/outbound.py": "the policy itself: every client built for others' URLs comes from here",
+    "aggregator/net/outbound.py": "the policy itself: every client built for others' URLs comes from here",
     "aggregator/harvest/fetch.py": "the Fetcher's client: its transports are outbound.transport (below)",
-    "aggregator/workers.py": "a serving worker forwards to its own daemon at the loopback URL it was given",
+    "aggregator/run/workers.py": "a serving worker forwards to its own daemon at the loopback URL it got",
     "aggregator/commands/validate.py": "`rsagg validate URL`: the operator's own request on the command line",
     "aggregator/testing/notify.py": "a test double (never imported by runtime code: test_imports.py)",
     "aggregator/testing/upstream.py": "a test double",
@@ -603,7 +603,7 @@ def test_no_module_builds_its_own_client() -> None:
         if calls:
             seen[rel] = calls
     assert set(seen) <= set(UNPOLICED), {k: v for k, v in seen.items() if k not in UNPOLICED}
-    assert "aggregator/outbound.py" in seen and "aggregator/workers.py" in seen  # the scan sees them
+    assert "aggregator/net/outbound.py" in seen and "aggregator/run/workers.py" in seen  # the scan sees them
 
 
 async def test_the_daemons_clients_are_all_policed(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The plugin manager (aggregator/plugins.py), the shipped plugins (plugins/) and ``rsagg plugins``.
+"""The plugin manager (aggregator/plugins/manager.py), the shipped plugins (plugins/) and ``rsagg plugins``.
 
 End-to-end behaviour of each hook inside rsagg is in test_hooks.py; here: loading, configuration,
 isolation, and the filter plugins' own rules.
@@ -23,9 +23,9 @@ import rsagg_xmlpatch as xmlpatch
 
 from aggregator.cli import main
 from aggregator.config import ConfigError, parse_config
-from aggregator.default_plugins import filesystem
 from aggregator.hookspecs import hookimpl
-from aggregator.plugins import DEFAULT_PLUGINS, PluginError, Plugins
+from aggregator.plugins.defaults import filesystem
+from aggregator.plugins.manager import DEFAULT_PLUGINS, PluginError, Plugins
 from aggregator.publish.links import LinkPolicy, PluginLinks
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.model import Entry, Link, Md
@@ -459,7 +459,7 @@ def test_rsagg_plugins_lists_name_version_origin_enabled_and_hooks(
     by_name = {r["name"]: r for r in rows}
     assert by_name["linkpolicy"] == {
         "name": "linkpolicy", "version": "builtin", "origin": "builtin",
-        "module": "aggregator.default_plugins.linkpolicy", "distribution": None, "enabled": True,
+        "module": "aggregator.plugins.defaults.linkpolicy", "distribution": None, "enabled": True,
         "loaded": True, "hooks": ["rsagg_republish_links"],
     }  # fmt: skip
     assert by_name["xmlpatch"]["enabled"] is False and by_name["xmlpatch"]["hooks"] == ["rsagg_patch_formats"]

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from aggregator.config import Config, PublishConfig, parse_config
 from aggregator.harvest.context import open_blob_store
-from aggregator.plugins import Plugins
+from aggregator.plugins.manager import Plugins
 from aggregator.publish import documents
 from aggregator.publish.app import Publisher, create_app
 from aggregator.publish.uris import rsagg_uri

@@ -28,8 +28,8 @@ from aggregator.rs.model import Link
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import ERROR, validate_source
 from aggregator.rs.write import iter_document_bytes
-from aggregator.sets import PublishedSet
 from aggregator.store.blobs import FileBlobStore
+from aggregator.store.sets import PublishedSet
 from aggregator.store.state import Change, State
 
 from .httpserver import serve_app

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from aggregator import status
 from aggregator.cli import main
-from aggregator.metrics import Metrics
+from aggregator.observe import report as status
+from aggregator.observe.metrics import Metrics
 from aggregator.rs import model
 from aggregator.store.state import open_state
 from aggregator.testing.upstream import Upstream

@@ -1,4 +1,4 @@
-"""The one retry policy (aggregator/retry.py) every retrying client uses: fetch, hub, subscriber, notifier."""
+"""The one retry policy (net/retry.py) every retrying client uses: fetch, hub, subscriber, notifier."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import httpx
 import pytest
 import trio
 
-from aggregator import retry
+from aggregator.net import retry
 
 
 def test_backoff_is_exponential_with_full_jitter_and_capped() -> None:

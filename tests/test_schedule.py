@@ -7,12 +7,12 @@ from pathlib import Path
 import httpx
 import trio
 
-from aggregator.compose import open_context
 from aggregator.config import parse_config
 from aggregator.publish.app import create_app
 from aggregator.publish.schedule import dump_app_options, open_dump_builder, run_dumps
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import validate_source
+from aggregator.run.compose import open_context
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest

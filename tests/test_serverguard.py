@@ -1,4 +1,4 @@
-"""Server bounds (aggregator/serverguard.py): a misbehaving client (slow headers, slow or huge body, a
+"""Server bounds (aggregator/run/serverguard.py): a misbehaving client (slow headers, slow or huge body, a
 response it never reads, a connection flood, a subscription flood) is cut off or answered 413/408/429,
 and a well-behaved client keeps being served meanwhile.
 
@@ -21,9 +21,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from aggregator.outbound import AddressPolicy
-from aggregator.serverguard import ServerLimits
-from aggregator.serving import serving
+from aggregator.net.outbound import AddressPolicy
+from aggregator.run.serverguard import ServerLimits
+from aggregator.run.serving import serving
 from aggregator.store.state import connect
 from aggregator.websub.hub import Hub, HubLimits, topics_under
 

@@ -22,7 +22,6 @@ import pytest
 import trio
 
 import aggregator.harvest
-from aggregator.compose import open_context
 from aggregator.config import Config, parse_config
 from aggregator.harvest.audit import audit_source, expected_entries, still_listed
 from aggregator.harvest.baseline import run_baseline
@@ -33,8 +32,9 @@ from aggregator.harvest.notices import NotifiedHarvest
 from aggregator.harvest.oaipmh import OaiHarvest, set_key, sync_oaipmh
 from aggregator.harvest.pipeline import Failure, Pipeline, PipelineStats, Work
 from aggregator.harvest.source import end_unlisted_retries, poll_source, retry_failed, sync_source
-from aggregator.metrics import current_source
+from aggregator.observe.metrics import current_source
 from aggregator.rs.model import UPDATED, Entry, Md
+from aggregator.run.compose import open_context
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import held, rsagg

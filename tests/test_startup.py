@@ -21,7 +21,7 @@ HEAVY = (
     "trio", "trio_parallel", "httpx", "httpcore", "h11", "h2", "starlette", "hypercorn", "boto3",
     "botocore", "lxml", "pydantic", "pydantic_core", "sqlite_utils", "prometheus_client", "pluggy",
     "psycopg", "psycopg_pool", "jinja2", "aggregator.config", "aggregator.store", "aggregator.harvest",
-    "aggregator.publish", "aggregator.websub", "aggregator.daemon", "aggregator.compose",
+    "aggregator.publish", "aggregator.websub", "aggregator.run.daemon", "aggregator.run.compose",
 )  # fmt: skip
 
 _PROBE = """
@@ -104,8 +104,9 @@ def test_loading_the_plugins_imports_no_storage_client() -> None:
 NOT_READING = (
     "trio", "trio_parallel", "httpx", "httpcore", "h11", "h2", "starlette", "hypercorn", "boto3",
     "botocore", "prometheus_client", "psycopg", "psycopg_pool", "jinja2", "aggregator.publish",
-    "aggregator.websub", "aggregator.daemon", "aggregator.compose", "aggregator.cluster",
-    "aggregator.metrics", "aggregator.outbound", "aggregator.harvest.fetch", "aggregator.harvest.patch",
+    "aggregator.websub", "aggregator.run.daemon", "aggregator.run.compose", "aggregator.run.cluster",
+    "aggregator.observe.metrics", "aggregator.net.outbound",
+    "aggregator.harvest.fetch", "aggregator.harvest.patch",
     "aggregator.harvest.offload", "aggregator.harvest.metadata", "aggregator.rs.parse",
     "aggregator.rs.write",
 )  # fmt: skip
@@ -153,7 +154,7 @@ def test_commands_that_read_load_no_harvest_library(argv: list[str], configured:
 def test_plugins_without_a_configuration_loads_no_state_and_no_pydantic() -> None:
     """Without ``-c`` there is no configuration to validate: pydantic is not loaded either."""
     loaded = _loaded(["plugins"])
-    assert "pluggy" in loaded and "aggregator.default_plugins.jsonpatch" in loaded
+    assert "pluggy" in loaded and "aggregator.plugins.defaults.jsonpatch" in loaded
     assert _matching(loaded, (*NOT_LISTING, "pydantic", "pydantic_core", "aggregator.config")) == []
 
 

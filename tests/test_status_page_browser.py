@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from aggregator.compose import open_context
 from aggregator.config import parse_config
 from aggregator.publish.app import create_app
 from aggregator.rs.w3cdt import utcnow
+from aggregator.run.compose import open_context
 from aggregator.store.state import State
 from aggregator.testing.upstream import Upstream
 

@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from aggregator.cluster import Node, followed_by_live
 from aggregator.config import Config, SourceConfig, parse_config
 from aggregator.rs.model import CHANGE_NOTIFICATION, Entry, Link, Md
 from aggregator.rs.w3cdt import utcnow
-from aggregator.serving import serving
+from aggregator.run.cluster import Node, followed_by_live
+from aggregator.run.serving import serving
 from aggregator.store.interface import LeaseLost, fenced
 from aggregator.store.rows import Fence, NotifySubscription
 from aggregator.store.state import State, connect

@@ -16,15 +16,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from aggregator.compose import open_context
 from aggregator.harvest.context import open_blob_store
 from aggregator.harvest.deviations import Deviations, collecting
 from aggregator.harvest.pipeline import Pipeline, Work
 from aggregator.harvest.versions import RecentVersions, memento_expected
-from aggregator.plugins import Plugins
+from aggregator.plugins.manager import Plugins
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.model import DELETED, Entry, Link, Md
 from aggregator.rs.parse import parse_bytes
+from aggregator.run.compose import open_context
 from aggregator.store.state import open_state
 from aggregator.testing.upstream import Upstream
 

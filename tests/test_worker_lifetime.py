@@ -22,7 +22,7 @@ import pytest
 import trio
 import trio._core._thread_cache as thread_cache
 
-from aggregator.workers import Workers
+from aggregator.run.workers import Workers
 
 # Starts and kills worker processes.
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ import pytest
 import trio
 
 from aggregator.publish.uris import rsagg_uri
+from aggregator.run.workers import metrics_folder
 from aggregator.testing.upstream import Upstream
-from aggregator.workers import metrics_folder
 
 from .harvesting import start_daemon
 

@@ -35,7 +35,7 @@ def start(args: argparse.Namespace, *, sources_needed: bool = True) -> Config | 
     A configuration without ``[[sources]]`` is refused by the commands that work on sources
     (``sources_needed``): doing nothing and exiting 0 would look like success."""
     from ..config import ConfigError, load_config
-    from ..logs import setup_logging
+    from ..observe.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
     if not args.config:

@@ -39,8 +39,8 @@ async def _repair(config, names: list[str], max_lines: int) -> dict[str, str]:
     Returns the sources that could not be repaired, with why."""
     import trio
 
-    from ..compose import open_context
     from ..harvest.reconcile import repair_source
+    from ..run.compose import open_context
 
     errors: dict[str, str] = {}
     chosen = [s.name for s in config.sources if not names or s.name in names]
@@ -78,8 +78,8 @@ async def _audit(
 ) -> tuple[dict[str, list[Difference]], dict[str, int], dict[str, str]]:
     import trio
 
-    from ..compose import open_context
     from ..harvest.audit import audit_source
+    from ..run.compose import open_context
 
     shown: dict[str, list[Difference]] = {}
     counts: dict[str, int] = {}

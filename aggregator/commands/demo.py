@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from ._common import add_global_arguments
 
 if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
-    from ..compose import Assembly
     from ..config import Config
-    from ..daemon import ListenError
+    from ..run.compose import Assembly
+    from ..run.daemon import ListenError
     from ..testing.upstream import Upstream
 
 
@@ -83,7 +83,7 @@ async def _keep_changing(up: Upstream, every: float, rng: random.Random) -> None
 async def run_demo(args: argparse.Namespace, data: Path) -> None:
     import trio
 
-    from ..daemon import run_daemon
+    from ..run.daemon import run_daemon
     from ..testing.notify import UpstreamNotifier
     from ..testing.upstream import Upstream
 
@@ -129,7 +129,7 @@ async def run_demo(args: argparse.Namespace, data: Path) -> None:
 
 
 def _listen_error(exc: BaseException) -> ListenError | None:
-    from ..daemon import ListenError
+    from ..run.daemon import ListenError
 
     if isinstance(exc, ListenError):
         return exc
@@ -148,7 +148,7 @@ def _run(args: argparse.Namespace, data: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..logs import setup_logging
+    from ..observe.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
     try:

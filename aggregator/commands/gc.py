@@ -127,8 +127,8 @@ def retention_for(config: Config, state: State) -> Retention:
     """``[publish] versions``, with the seq after which every record is kept: the lowest, over the
     published sets, of the last seq their Change Dump packages hold (0: a set without any yet), while
     dumps are built; the changelog records after it still go into packages to come."""
-    from ..sets import published_sets
     from ..store.retention import parse_retention
+    from ..store.sets import published_sets
 
     retention = parse_retention(config.publish.versions)
     if retention.keeps_all or config.publish.dump_interval <= 0:
@@ -140,7 +140,7 @@ def retention_for(config: Config, state: State) -> Retention:
 
 def run(args: argparse.Namespace) -> int:
     from ..harvest.context import open_blob_store, prepare_store
-    from ..plugins import Plugins
+    from ..plugins.manager import Plugins
     from ..store.lock import store_lock
     from ..store.state import open_state
 

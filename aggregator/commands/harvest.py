@@ -27,9 +27,9 @@ async def harvest_once(config, names: list[str], *, progress_to: TextIO | None =
     """Sync the sources once; ``progress_to``: a terminal to draw the baselines' progress line on."""
     import trio
 
-    from ..compose import open_context
     from ..harvest.progress import ProgressLine
     from ..harvest.source import sync_source
+    from ..run.compose import open_context
 
     results: list[SourceResult] = []
     async with open_context(config, _selected(config, names)) as ctx:
@@ -59,8 +59,8 @@ def _selected(config, names: list[str]) -> list[str]:
 async def _poll_forever(config, names: list[str]) -> None:
     import trio
 
-    from ..compose import open_context
     from ..harvest.source import poll_source
+    from ..run.compose import open_context
 
     async with open_context(config, _selected(config, names)) as ctx, trio.open_nursery() as nursery:
         for src in config.sources:

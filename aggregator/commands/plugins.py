@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
-    from ..plugins import Plugins
+    from ..plugins.manager import Plugins
 from ._common import add_global_arguments
 
 #: Loading plugins logs at info; this listing shows only warnings unless asked.
@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _declared_hooks(obj: Any) -> list[str]:
-    from ..plugins import GROUP
+    from ..plugins.manager import GROUP
 
     """Hooks a plugin object implements, read from pluggy's markers (for plugins not registered)."""
     return sorted(
@@ -36,7 +36,7 @@ def collect(plugins: Plugins) -> list[dict[str, Any]]:
     """One row per plugin known to the manager, in loading order (defaults first, then entry points)."""
     from importlib.metadata import entry_points
 
-    from ..plugins import DEFAULT_PLUGINS, GROUP
+    from ..plugins.manager import DEFAULT_PLUGINS, GROUP
 
     eps = {ep.name: ep for ep in entry_points(group=GROUP)}
     names = list(dict.fromkeys([*plugins.versions, *plugins.disabled, *plugins.failures]))
@@ -69,8 +69,8 @@ def collect(plugins: Plugins) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
-    from ..logs import setup_logging
-    from ..plugins import Plugins
+    from ..observe.logs import setup_logging
+    from ..plugins.manager import Plugins
 
     setup_logging(args.log_level, args.log_format)
     try:

@@ -22,8 +22,8 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     from ..config import ConfigError
-    from ..daemon import ListenError, run_daemon
     from ..harvest.context import prepare_store
+    from ..run.daemon import ListenError, run_daemon
     from ..store.lock import store_lock
     from ..store.state import check_writable
 

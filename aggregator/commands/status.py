@@ -1,6 +1,6 @@
 """Show each source (state, resources, lag, last success, progress, last error) and each published set.
 
-The same rows as the home page and ``/status.json`` (``aggregator/status.py``). An error is cut to one
+The same rows as the home page and ``/status.json`` (``aggregator/observe/report.py``). An error is cut to one
 line; ``--json`` has the whole text. Lag: for a set followed through its Change List, the time since the
 last change applied; for a set read from its Resource List alone, the time since the last successful read.
 """
@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..harvest.context import check_store
-    from ..status import collect, table, unharvested
+    from ..observe.report import collect, table, unharvested
     from ..store.lock import harvester_running
     from ..store.state import open_state, state_path
 

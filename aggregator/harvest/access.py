@@ -34,8 +34,8 @@ import trio
 
 from .. import PROJECT_URL, __version__
 from ..config import Config, ConfigError, SourceConfig
-from ..logs import add_secrets
-from ..metrics import current_source
+from ..observe.logs import add_secrets
+from ..observe.metrics import current_source
 
 DEFAULT_USER_AGENT = f"rsagg/{__version__} (+{PROJECT_URL})"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import Config, ConfigError
-from ..plugins import Plugins
+from ..plugins.manager import Plugins
 from ..progress_text import progress_figures
 from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the harvest's libraries (trio, httpx, prometheus-client) lo
     # ``rsagg status`` and ``retries`` import this module for check_store only (benchmarks/bench_startup.py)
     import trio
 
-    from ..metrics import Metrics
+    from ..observe.metrics import Metrics
     from ..store.interface import StateStore
     from .fetch import Fetcher
     from .offload import Offload, StoreRecipe
@@ -56,7 +56,7 @@ def _one_writer() -> trio.CapacityLimiter:
 
 
 def _metrics() -> Metrics:
-    from ..metrics import Metrics
+    from ..observe.metrics import Metrics
 
     return Metrics()
 
@@ -105,7 +105,7 @@ class HarvestContext:
 
     async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-writing call in a worker thread; one at a time (SQLite has one writer)."""
-        from ..metrics import current_source
+        from ..observe.metrics import current_source
         from ..store.calls import in_thread
 
         progress = self._progress_due()

@@ -23,7 +23,7 @@ from urllib.parse import urljoin, urlsplit
 import lxml.html
 from lxml import etree
 
-from ..retry import retryable_status
+from ..net.retry import retryable_status
 from ..rs import model
 from ..rs.linkheader import links_with_rel
 from ..rs.model import Entry, Head, Md

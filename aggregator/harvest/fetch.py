@@ -41,9 +41,10 @@ from typing import Any, BinaryIO, TypeVar
 import httpx
 import trio
 
-from .. import __version__, outbound
+from .. import __version__
 from ..errors import CountedError
-from ..retry import backoff, retry_after, retryable_status
+from ..net import outbound
+from ..net.retry import backoff, retry_after, retryable_status
 from ..rs import parse
 from ..rs.fixity import Hasher, mismatches
 from ..rs.model import Entry, Head

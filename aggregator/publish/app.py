@@ -1,11 +1,11 @@
 """rsagg as a ResourceSync Source: the ASGI app (starlette, served by hypercorn's trio worker).
 
-URL layout (SET = published set name, see ``aggregator/sets.py``; ``publish/documents.py`` builds the
+URL layout (SET = published set name, see ``aggregator/store/sets.py``; ``publish/documents.py`` builds the
 documents, ``publish/resources.py`` serves the resources, ``publish/uris.py`` maps the URIs)::
 
-    /                                   HTML home page: live status of sources and sets (``status_page.py``)
-    /status.json                        that status as JSON (``aggregator/status.py``, as ``rsagg status``)
-    /metrics                            Prometheus metrics, text format 0.0.4 (``aggregator/metrics.py``)
+    /                                   HTML home page: live status of sources and sets (``observe/page.py``)
+    /status.json                        that status as JSON (``observe/report.py``, as ``rsagg status``)
+    /metrics                            Prometheus metrics, text format 0.0.4 (``observe/metrics.py``)
     /robots.txt                         a Sitemap: line per set's Resource List (§6.3.4)
     /.well-known/resourcesync           Source Description (§6.3.2, §8)
     /SET/capabilitylist.xml             Capability List (§9)
@@ -56,15 +56,16 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from ..config import Config
-from ..metrics import Metrics, ServedMetrics, default_metrics
-from ..plugins import Plugins
+from ..observe import page as status_page
+from ..observe.metrics import Metrics, ServedMetrics, default_metrics
+from ..plugins.manager import Plugins
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
-from ..sets import PublishedSet
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore, StateUnavailable
+from ..store.sets import PublishedSet
 from ..store.state import Resource, connect
-from . import documents, status_page, versions
+from . import documents, versions
 from .doccache import CacheWriter, DocumentCache, fingerprint
 from .documents import (
     CACHE_CLOSED,

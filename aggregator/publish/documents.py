@@ -45,8 +45,8 @@ from ..rs.model import (
     Link,
     Md,
 )
-from ..sets import PublishedSet
 from ..store.interface import StateStore
+from ..store.sets import PublishedSet
 from ..store.state import LogRecord, Resource
 from . import listing, versions
 from .links import LinkPolicy, PluginLinks

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar, cast
 
 from ..rs.write import _dt, _esc, _special
-from ..sets import PublishedSet
 from ..store.interface import ListingRow, StateStore
+from ..store.sets import PublishedSet
 from ..store.state import Resource, parse_dt
 from .links import LinkPolicy, PluginLinks
 from .uris import _SCHEME, RESOURCES, SAFE, rsagg_path

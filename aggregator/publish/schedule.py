@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import trio
 
 from ..config import Config
-from ..plugins import Plugins
+from ..plugins.manager import Plugins
 from ..rs.w3cdt import utcnow
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore

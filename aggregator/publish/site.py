@@ -11,9 +11,9 @@ import hashlib
 from collections.abc import Callable
 
 from ..config import Config
-from ..plugins import Plugins
-from ..sets import published_sets
+from ..plugins.manager import Plugins
 from ..store.interface import StateStore
+from ..store.sets import published_sets
 from ..store.state import Resource
 from .documents import DumpsAvailable, ExtraCapabilities, Site, no_dumps, no_extra_capabilities, show_all
 from .links import LinkPolicy, PluginLinks

@@ -44,9 +44,9 @@ from starlette.responses import PlainTextResponse, Response
 from ..rs.fixity import format_hash
 from ..rs.model import DELETED, Link
 from ..rs.w3cdt import utcnow
-from ..sets import PublishedSet
 from ..store.interface import StateStore
 from ..store.retention import Retention, parse_retention
+from ..store.sets import PublishedSet
 from ..store.state import LogRecord, Resource
 from .resources import (
     conditional_answer,

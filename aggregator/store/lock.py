@@ -67,7 +67,7 @@ def store_lock(root: Path, what: str, *, wait: float = WAIT_SECONDS, shared: boo
 
 def harvester_running(root: Path) -> bool | None:
     """Whether a process holds the store's lock (a harvest, ``run``, ``gc --grace 0``), this one included: a
-    source still marked "syncing" while none does was interrupted (``status.py``). None when no process
+    source still marked "syncing" while none does was interrupted (``report.py``). None when no process
     ever locked this store (harvests run in-process by a program of its own). Takes the lock for
     an instant, never waits (exclusive, so that cluster nodes holding it shared are seen too)."""
     try:

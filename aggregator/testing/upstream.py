@@ -66,7 +66,7 @@ from aggregator.rs.fixity import format_hash
 from aggregator.rs.model import Entry, Head, Link, Md
 from aggregator.rs.w3cdt import format_w3c, utcnow
 from aggregator.rs.write import iter_document_bytes
-from aggregator.serving import serve, serving
+from aggregator.run.serving import serve, serving
 
 __all__ = [
     "META_SUFFIX",
@@ -1034,7 +1034,7 @@ class Upstream:
     @asynccontextmanager
     async def serving(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
         """``async with up.serving() as base_url:`` serves for the duration of the block
-        (``aggregator.serving.serving``); the base URL is also kept in ``base_url`` for the documents."""
+        (``aggregator.run.serving.serving``); the base URL is also kept in ``base_url`` for the documents."""
         async with serving(self.app(), host, port) as base_url:
             self.base_url = base_url
             yield base_url

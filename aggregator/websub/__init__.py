@@ -6,7 +6,7 @@
 - ``storecalls.py`` — their state calls, in a worker thread, one at a time;
 - ``service.py`` — the wiring the composition calls (``prepare_notifications``, ``run_notifications``).
 
-Retries and backoff of all three come from ``aggregator.retry``. Importing this package imports only
+Retries and backoff of all three come from ``aggregator.net.retry``. Importing this package imports only
 the wiring; the parts are imported when notifications are on.
 """
 

@@ -65,8 +65,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from .. import __version__, outbound
-from ..retry import backoff, retry_after
+from .. import __version__
+from ..net import outbound
+from ..net.retry import backoff, retry_after
 from ..rs.linkheader import links_with_rel
 from ..rs.w3cdt import utcnow
 from ..store.interface import StateStore

@@ -64,12 +64,12 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from .. import outbound
 from ..config import Config
-from ..plugins import Plugins
+from ..net import outbound
+from ..net.retry import backoff, retry_after, retryable_status, transient_error
+from ..plugins.manager import Plugins
 from ..publish.documents import Site, UriOf, Windows, capability_list, change_entry, no_dumps
 from ..publish.site import build_site, link_policy, publish_filter
-from ..retry import backoff, retry_after, retryable_status, transient_error
 from ..rs.model import (
     CAPABILITYLIST,
     CHANGE_NOTIFICATION,
@@ -86,10 +86,10 @@ from ..rs.model import (
 )
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
-from ..sets import PublishedSet, published_sets
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore
 from ..store.rows import NotifyChannel
+from ..store.sets import PublishedSet, published_sets
 from ..store.state import LogRecord, Resource
 from .hub import Hub
 from .storecalls import StoreCalls

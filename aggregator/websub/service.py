@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
-from .. import __version__, outbound
+from .. import __version__
 from ..config import Config
+from ..net import outbound
 from ..store.blobs import BlobStore
 from ..store.state import open_state
 

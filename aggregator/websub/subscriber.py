@@ -84,13 +84,13 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from .. import outbound
-from ..cluster import followed_by_live, follows
 from ..config import Config, SourceConfig
-from ..retry import backoff, retry_after
+from ..net import outbound
+from ..net.retry import backoff, retry_after
 from ..rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
 from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
+from ..run.cluster import followed_by_live, follows
 from ..store.interface import LeaseLost, StateStore
 from ..store.rows import NotifySubscription
 from ..store.state import format_dt

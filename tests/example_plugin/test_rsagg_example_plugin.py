@@ -8,7 +8,7 @@ from pathlib import Path
 import rsagg_example_plugin
 
 from aggregator.plugin_api import Resource
-from aggregator.plugins import Plugins
+from aggregator.plugins.manager import Plugins
 
 
 def resource(uri: str) -> Resource:

@@ -32,16 +32,17 @@ from typing import Any
 import trio
 from starlette.types import ASGIApp
 
-from . import outbound, sdnotify
+from ..config import Config, ConfigError, SourceConfig, load_config
+from ..harvest.source import poll_source
+from ..net import outbound
+from ..rs import parse
+from ..store.interface import Fence, LeaseLost, fenced
+from . import sdnotify
 from .cluster import Node
 from .compose import Assembly, assemble, open_context, run_assembly, start_node
-from .config import Config, ConfigError, SourceConfig, load_config
-from .harvest.source import poll_source
 from .hotswap import HotSwapApp
-from .rs import parse
 from .serverguard import ServerLimits
 from .serving import serve
-from .store.interface import Fence, LeaseLost, fenced
 from .workers import Workers
 
 log = logging.getLogger("rsagg.daemon")

@@ -4,7 +4,7 @@ The home page lists each source (state, resources, lag, last sync, last error, p
 published set with its documents. It is plain HTML that works without scripts (states are coloured
 badges; an error shows one line and opens to its whole text); a dozen lines of script fetch the page
 again every REFRESH_SECONDS and swap its tables in, so the rows are rendered in one place. They come
-from ``aggregator/status.py``, the same function as ``rsagg status`` and ``/status.json``.
+from ``aggregator/observe/report.py``, the same function as ``rsagg status`` and ``/status.json``.
 
 ``/metrics``: a plain route returning the Prometheus text format 0.0.4 (prometheus-client's ASGI app,
 mounted, would answer ``/metrics`` with a redirect to ``/metrics/``).
@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from .. import status
-from ..metrics import CONTENT_TYPE
 from ..store.interface import StateStore
 from ..store.lock import harvester_running
+from . import report as status
+from .metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
-    from .app import Publisher
+    from ..publish.app import Publisher
 
 REFRESH_SECONDS = 3
 _e = html.escape

@@ -43,10 +43,10 @@ from urllib.parse import urlsplit
 
 import trio
 
-from .config import Config, SourceConfig
-from .rs.w3cdt import utcnow
-from .store.calls import in_thread
-from .store.interface import Fence, LeaseLost, NodeRow, StateStore, fenced
+from ..config import Config, SourceConfig
+from ..rs.w3cdt import utcnow
+from ..store.calls import in_thread
+from ..store.interface import Fence, LeaseLost, NodeRow, StateStore, fenced
 
 log = logging.getLogger("rsagg.cluster")
 

@@ -18,10 +18,10 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .errors import environmental_leaf, operator_line
+from ..errors import environmental_leaf, operator_line
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
 
 #: Libraries whose DEBUG (or INFO) output holds request headers or whole requests: kept at WARNING.
 #: httpx logs every request at INFO (too chatty for a harvester fetching millions of resources).

@@ -30,29 +30,29 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from . import outbound
+from ..config import Config
+from ..harvest.access import Access, user_agent
+from ..harvest.context import HarvestContext, open_blob_store, prepare_store, store_recipe
+from ..harvest.fetch import Fetcher
+from ..harvest.notices import NotifiedHarvest
+from ..harvest.offload import Offload
+from ..harvest.source import FollowedSources
+from ..net import outbound
+from ..observe.logs import add_secrets, config_secrets
+from ..observe.metrics import Metrics, current_source
+from ..plugins.manager import Plugins
+from ..store.blobs import BlobStore
+from ..store.state import open_state, state_path
 from .cluster import Node, StartSource, StopSource
-from .config import Config
-from .harvest.access import Access, user_agent
-from .harvest.context import HarvestContext, open_blob_store, prepare_store, store_recipe
-from .harvest.fetch import Fetcher
-from .harvest.notices import NotifiedHarvest
-from .harvest.offload import Offload
-from .harvest.source import FollowedSources
-from .logs import add_secrets, config_secrets
-from .metrics import Metrics, current_source
-from .plugins import Plugins
-from .store.blobs import BlobStore
-from .store.state import open_state, state_path
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
 
-    from .publish.dumps import DumpBuilder
-    from .publish.schedule import Wake
-    from .websub.hub import HubLimits
-    from .websub.service import Notifications
-    from .websub.subscriber import SubscriberSettings
+    from ..publish.dumps import DumpBuilder
+    from ..publish.schedule import Wake
+    from ..websub.hub import HubLimits
+    from ..websub.service import Notifications
+    from ..websub.subscriber import SubscriberSettings
 
 
 @asynccontextmanager
@@ -166,7 +166,7 @@ class Assembly:
         """What one node of a cluster at a time does (cluster.py): build the dumps, send the hub's
         deliveries and rsagg's notifications, unsubscribe from the channels of sources no live node
         follows any more ("@orphans")."""
-        from .publish.schedule import run_dumps
+        from ..publish.schedule import run_dumps
 
         roles: dict[str, Callable[[], Awaitable[Any]]] = {
             "@dumps": partial(run_dumps, self.dumps, lambda: self.config, trio.sleep_forever, self.dumps_wake)
@@ -179,9 +179,9 @@ class Assembly:
 
     def app(self, config: Config) -> ASGIApp:
         """The publishing app for ``config`` (imported lazily: harvest-only commands do not need it)."""
-        from .publish.app import create_app
-        from .publish.schedule import dump_app_options
-        from .websub.service import app_options
+        from ..publish.app import create_app
+        from ..publish.schedule import dump_app_options
+        from ..websub.service import app_options
 
         # app_options: the notification routes (hub, callbacks, topics) and Capability List entries;
         # dump_app_options: the dump documents, packages, manifests.
@@ -192,7 +192,7 @@ class Assembly:
 
 
 def _wake() -> Wake:
-    from .publish.schedule import Wake
+    from ..publish.schedule import Wake
 
     return Wake()
 
@@ -207,8 +207,8 @@ def assemble(
 ) -> Assembly:
     """Build a daemon's parts on ``ctx`` (nothing runs yet: ``run_assembly``). ``harvest``: whether
     this process harvests (then it also follows upstream notification channels)."""
-    from .publish.schedule import open_dump_builder
-    from .websub.service import prepare_notifications
+    from ..publish.schedule import open_dump_builder
+    from ..websub.service import prepare_notifications
 
     parts = Assembly(ctx)
     dumps = open_dump_builder(
@@ -241,8 +241,8 @@ async def run_assembly(
     subscriber) and the dump schedule; they stop when ``stop_when()`` returns (the daemon's shutdown).
     On a cluster node the hub's deliveries, rsagg's notifications and the dumps are roles that one node
     at a time holds (``Assembly.roles``, run by cluster.py), not started here."""
-    from .publish.schedule import run_dumps
-    from .websub.service import run_notifications
+    from ..publish.schedule import run_dumps
+    from ..websub.service import run_notifications
 
     node = parts.config.cluster.enabled
     await run_notifications(nursery, parts.notifications, stop_when=stop_when, publishing=not node)

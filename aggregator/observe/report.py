@@ -14,12 +14,12 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from .config import Config
-from .progress_text import describe, figures, format_duration, saved_rate
-from .rs.w3cdt import format_w3c, utcnow
-from .sets import published_sets
-from .store.interface import StateStore
-from .store.rows import Reconciliation, SourceRow
+from ..config import Config
+from ..progress_text import describe, figures, format_duration, saved_rate
+from ..rs.w3cdt import format_w3c, utcnow
+from ..store.interface import StateStore
+from ..store.rows import Reconciliation, SourceRow
+from ..store.sets import published_sets
 
 
 def _time(value: datetime | str | None) -> str | None:
@@ -161,7 +161,7 @@ def source_rows(state: StateStore, names: Sequence[str], *, now: datetime | None
 
 
 def set_rows(state: StateStore, config: Config) -> list[dict]:
-    """The published sets (``sets.py``) with their resources, sources and Capability List."""
+    """The published sets (``store/sets.py``) with their resources, sources and Capability List."""
     state_sets = state.sets()
     source_of = {s.id: s.source for s in state_sets}
     base = config.server.base_url
@@ -193,7 +193,7 @@ def cluster_rows(state: StateStore, *, now: datetime | None = None) -> dict[str,
     nodes, leases = state.nodes(), state.leases()
     if not nodes and not leases:
         return None
-    from .cluster import alive  # trio comes with it: only when a cluster ever ran (start-up of `status`)
+    from ..run.cluster import alive  # trio comes with it: only when a cluster ever ran (start-up of `status`)
 
     live = {n.name for n in alive(nodes, now)}
     held = [le for le in leases if le.node and le.expires_at and le.expires_at > now]

@@ -44,7 +44,7 @@ import httpx
 import trio
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
 
 log = logging.getLogger("rsagg.outbound")
 

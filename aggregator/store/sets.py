@@ -16,8 +16,8 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .config import Config
-from .store.rows import SetRow
+from ..config import Config
+from .rows import SetRow
 
 log = logging.getLogger("rsagg.publish")
 _warned: set[tuple[str, str]] = set()

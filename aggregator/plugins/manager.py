@@ -40,19 +40,19 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from . import hookspecs
-from .errors import ConfigError
+from .. import hookspecs
+from ..errors import ConfigError
 
 if TYPE_CHECKING:  # pydantic loads with a configuration, not with the plugins (``rsagg plugins``)
-    from .config import Config
+    from ..config import Config
 
 log = logging.getLogger("rsagg.plugins")
 
 #: rsagg's own behaviour, registered as plugins (name -> module).
 DEFAULT_PLUGINS = {
-    "filesystem": "aggregator.default_plugins.filesystem",
-    "jsonpatch": "aggregator.default_plugins.jsonpatch",
-    "linkpolicy": "aggregator.default_plugins.linkpolicy",
+    "filesystem": "aggregator.plugins.defaults.filesystem",
+    "jsonpatch": "aggregator.plugins.defaults.jsonpatch",
+    "linkpolicy": "aggregator.plugins.defaults.linkpolicy",
 }
 GROUP = "rsagg"
 

@@ -59,15 +59,15 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from . import __version__
-from .errors import CountedError
-from .rs.parse import DocumentError
-from .store.inline import INLINE_FILE, inline_totals
+from .. import __version__
+from ..errors import CountedError
+from ..rs.parse import DocumentError
+from ..store.inline import INLINE_FILE, inline_totals
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from .store.interface import StateStore
+    from ..store.interface import StateStore
 
 log = logging.getLogger("rsagg.metrics")
 
@@ -243,7 +243,7 @@ class StoreSize:
         self._done = threading.Event()
 
     def attach(self, store: Any) -> None:
-        from .store.blobs import FileBlobStore
+        from ..store.blobs import FileBlobStore
 
         if isinstance(store, FileBlobStore):
             self.root = str(store.root)
@@ -769,7 +769,7 @@ class Metrics:
             "Datetime of the last applied change of a set (its change-stream cursor)",
             labels=["source", "set"],
         )
-        from .status import lag_since  # the one definition of lag (status.py imports what imports this)
+        from .report import lag_since  # the one definition of lag (report.py imports what imports this)
 
         positions: dict[str, float] = {}
         success = {s.name: s.last_success for s in snap["sources"]}

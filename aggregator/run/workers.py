@@ -2,7 +2,7 @@
 
 A crawl of a big Source is resource GETs and list streams, and one Python process answers them on one
 core. With ``server.workers = N`` the daemon starts N - 1 worker processes (``python -m
-aggregator.workers``); each binds ``server.listen`` with SO_REUSEPORT, as the daemon does, and the
+aggregator.run.workers``); each binds ``server.listen`` with SO_REUSEPORT, as the daemon does, and the
 kernel spreads new connections over the N sockets.
 
 Only serving multiplies. A worker answers, from the state and the store as the daemon does, what
@@ -56,7 +56,7 @@ import trio
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from .metrics import Metrics
+    from ..observe.metrics import Metrics
 
 log = logging.getLogger("rsagg.workers")
 
@@ -215,7 +215,7 @@ class Workers:
         self.metrics_dir: Path | None = None
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "aggregator.workers", "--config", str(self.config_path),
+        return [sys.executable, "-m", "aggregator.run.workers", "--config", str(self.config_path),
                 "--host", self.host, "--port", str(self.port), "--daemon", self.daemon_url,
                 "--watch-stdin"]  # fmt: skip
 
@@ -321,15 +321,15 @@ async def _until_stdin_closes() -> str:
 async def serve_worker(
     config_path: Path, host: str, port: int, daemon_url: str, *, watch_stdin: bool = False
 ) -> None:
-    from .config import load_config
-    from .harvest.context import open_blob_store
-    from .logs import add_secrets, config_secrets
-    from .metrics import Metrics
-    from .plugins import Plugins
-    from .publish.app import create_app
+    from ..config import load_config
+    from ..harvest.context import open_blob_store
+    from ..observe.logs import add_secrets, config_secrets
+    from ..observe.metrics import Metrics
+    from ..plugins.manager import Plugins
+    from ..publish.app import create_app
+    from ..store.state import state_path
     from .serverguard import ServerLimits
     from .serving import serve
-    from .store.state import state_path
 
     config = load_config(config_path)
     add_secrets(config_secrets(config))  # never in this process's log lines either (logs.py)
@@ -375,7 +375,9 @@ async def serve_worker(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m aggregator.workers", description="an rsagg serving worker")
+    p = argparse.ArgumentParser(
+        prog="python -m aggregator.run.workers", description="an rsagg serving worker"
+    )
     p.add_argument("--config", required=True)
     p.add_argument("--host", required=True)
     p.add_argument("--port", type=int, required=True)
@@ -384,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         "--watch-stdin", action="store_true", help="stop when standard input closes (the daemon's pipe)"
     )
     args = p.parse_args(argv)
-    from .logs import setup_logging
+    from ..observe.logs import setup_logging
 
     setup_logging(os.environ.get("RSAGG_LOG_LEVEL", "info"), os.environ.get("RSAGG_LOG_FORMAT", "text"))
     serve = partial(serve_worker, watch_stdin=args.watch_stdin)

@@ -1,0 +1,1 @@
+"""What operators see: Prometheus metrics, the status report and page, the logs."""

@@ -1,0 +1,1 @@
+"""Building and running the parts: the composition root, the daemon, cluster nodes, worker processes."""
