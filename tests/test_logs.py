@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from aggregator import redact as redaction
 from aggregator.observe import logs
 
 ACCESS_KEY = "AKIAZZTESTKEY0123456"
@@ -103,7 +104,7 @@ def test_debug_logging_leaks_no_credential(
     """``--log-level debug``: rsagg's own debug lines are there, no credential is, even when a plugin
     turns botocore's logger back to DEBUG (then the lines are scrubbed on their way out)."""
     logs.setup_logging("debug", fmt)
-    logs.add_secrets([SECRET_KEY, "source-token-0123456789"])
+    redaction.add_secrets([SECRET_KEY, "source-token-0123456789"])
     log = logging.getLogger("rsagg.test")
     log.debug("rsagg debug line")
     _put(s3_endpoint)
@@ -121,7 +122,7 @@ def test_debug_logging_leaks_no_credential(
     assert _leaks(out) == []
     for secret in ("source-token-0123456789", "pa55word"):
         assert secret not in out
-    assert logs.REDACTED in out
+    assert redaction.REDACTED in out
     if fmt == "json":
         assert all(json.loads(line)["level"] for line in out.splitlines())
 
@@ -142,14 +143,14 @@ def test_debug_logging_leaks_no_credential(
     ],
 )
 def test_redact_table(line: str, secret: str) -> None:
-    out = logs.redact(line)
-    assert secret not in out and logs.REDACTED in out, out
+    out = redaction.redact(line)
+    assert secret not in out and redaction.REDACTED in out, out
 
 
 def test_redact_keeps_ordinary_lines() -> None:
     for line in ("source=up synced 10 resources", "hub: subscribe for http://cb.example/x -> subscribed",
                  "a payload POST needs Authorization: Bearer <token>"[:26]):  # fmt: skip
-        assert logs.redact(line) == line
+        assert redaction.redact(line) == line
 
 
 def test_secret_values_of_the_configuration_are_scrubbed() -> None:
@@ -169,7 +170,7 @@ def test_secret_values_of_the_configuration_are_scrubbed() -> None:
             }
         }
     )
-    assert sorted(logs.config_secrets(config)) == ["Zq8-not-an-aws-shape", "plainid42"]
-    logs.add_secrets(logs.config_secrets(config))
-    out = logs.redact("boto said key=plainid42 secret Zq8-not-an-aws-shape for bucket rsagg")
+    assert sorted(redaction.config_secrets(config)) == ["Zq8-not-an-aws-shape", "plainid42"]
+    redaction.add_secrets(redaction.config_secrets(config))
+    out = redaction.redact("boto said key=plainid42 secret Zq8-not-an-aws-shape for bucket rsagg")
     assert "plainid42" not in out and "Zq8-not-an-aws-shape" not in out and "bucket rsagg" in out

@@ -1,7 +1,7 @@
 """Per-source access: credentials, the User-Agent and a request rate, applied to every request hop.
 
 Why a hook on the one Fetcher rather than a client per source: the per-host limits, retries and metrics
-stay in one place, and a request learns its source from ``metrics.current_source``. Every entry point of
+stay in one place, and a request learns its source from ``scope.current_source``. Every entry point of
 harvest/ that works for a source (a sync, an audit, a retry, a check of what is still listed, a
 notification's changes...) is wrapped in ``for_source``, which sets it for exactly the work done inside
 (and the Fetcher carries it into its download tasks): whoever calls an entry point — the daemon, ``rsagg
@@ -34,8 +34,8 @@ import trio
 
 from .. import PROJECT_URL, __version__
 from ..config import Config, ConfigError, SourceConfig
-from ..observe.logs import add_secrets
-from ..observe.metrics import current_source
+from ..redact import add_secrets
+from ..scope import current_source
 
 DEFAULT_USER_AGENT = f"rsagg/{__version__} (+{PROJECT_URL})"
 

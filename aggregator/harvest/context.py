@@ -14,11 +14,11 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..config import Config, ConfigError
 from ..plugins.manager import Plugins
@@ -29,7 +29,6 @@ if TYPE_CHECKING:  # the harvest's libraries (trio, httpx, prometheus-client) lo
     # ``rsagg status`` and ``retries`` import this module for check_store only (benchmarks/bench_startup.py)
     import trio
 
-    from ..observe.metrics import Metrics
     from ..store.interface import StateStore
     from .fetch import Fetcher
     from .offload import Offload, StoreRecipe
@@ -41,6 +40,31 @@ log = logging.getLogger("rsagg.harvest")
 #: Seconds between two saves of a running baseline's progress in the sources table (``rsagg status``,
 #: the status page): the save rides along with the next state write (``HarvestContext.write``).
 PROGRESS_SAVE_EVERY = 1.0
+
+
+class HarvestMetrics(Protocol):
+    """What a harvest reports to the process's metrics (``observe.metrics.Metrics`` is one): the
+    harvest counts its work without knowing who exposes it."""
+
+    def committed(self, source: str, applied: Sequence[Any], failures: Iterable[Any]) -> None: ...
+
+    def sync_finished(
+        self,
+        source: str,
+        ok: bool,
+        seconds: float,
+        exc: BaseException | None = None,
+        *,
+        degraded: bool = False,
+    ) -> None: ...
+
+    def failure_not_recorded(self, source: str, line: str) -> None: ...
+
+    def reconciled(self, source: str, result: str, repaired: dict[str, int]) -> None: ...
+
+    def deviation(self, source: str, rule: str) -> None: ...
+
+    def error(self, source: str, kind: str) -> None: ...
 
 
 def _patch_formats() -> dict[str, PatchApplier]:
@@ -55,7 +79,7 @@ def _one_writer() -> trio.CapacityLimiter:
     return trio.CapacityLimiter(1)
 
 
-def _metrics() -> Metrics:
+def _metrics() -> HarvestMetrics:
     from ..observe.metrics import Metrics
 
     return Metrics()
@@ -77,7 +101,7 @@ class HarvestContext:
     #: publishes them at once instead of at its next look; the composition adds ``Notifier.wake``).
     commit_listeners: list[Callable[[], None]] = field(default_factory=list)
     #: This process's metrics (``metrics.py``); the pipeline and ``sync_source`` report to it.
-    metrics: Metrics = field(default_factory=_metrics)
+    metrics: HarvestMetrics = field(default_factory=_metrics)
     #: Where CPU-bound page work runs (``harvest/offload.py``): worker processes when the composition
     #: gives them (``harvest.processes``), else worker threads with ``blobs``.
     offload: Offload | None = None
@@ -105,7 +129,7 @@ class HarvestContext:
 
     async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-writing call in a worker thread; one at a time (SQLite has one writer)."""
-        from ..observe.metrics import current_source
+        from ..scope import current_source
         from ..store.calls import in_thread
 
         progress = self._progress_due()

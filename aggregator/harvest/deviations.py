@@ -8,7 +8,7 @@ but the source is ``degraded`` (never "ok") with the list named, and ``harvest -
 
 The harvest code deep down (list walks, dump manifests, the document parser's value problems) reports
 through ``deviation()``; the ``Deviations`` of the running sync is found in a context variable, which
-trio tasks inherit from the task that started them (as ``metrics.current_source``).
+trio tasks inherit from the task that started them (as ``scope.current_source``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextvars import ContextVar
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +61,7 @@ from prometheus_client.samples import Sample
 from .. import __version__
 from ..errors import CountedError
 from ..rs.parse import DocumentError
+from ..scope import current_source
 from ..store.inline import INLINE_FILE, inline_totals
 
 if TYPE_CHECKING:
@@ -177,9 +177,6 @@ def sample_names() -> set[str]:
 # ``x_created`` series next to every counter and histogram: Prometheus does not use them in text
 # format 0.0.4 and they double the series; process-wide setting of prometheus-client.
 disable_created_metrics()
-
-#: The source whose work the current trio task does ("" outside a sync): labels upstream requests.
-current_source: ContextVar[str] = ContextVar("rsagg_metrics_source", default="")
 
 # Hub (``websub/hub.py`` metrics(event, outcome)) and subscriber (``websub/subscriber.py`` COUNTERS)
 # outcomes exposed with 0 before they first happen, so dashboards and alerts see the series.
@@ -920,7 +917,7 @@ __all__ = [
     "Metrics",
     "ServedMetrics",
     "StoreSize",
-    "current_source",
+    "current_source",  # re-exported: aggregator/scope.py is its home
     "default_metrics",
     "error_kind",
     "sample_names",

@@ -161,7 +161,7 @@ class _Daemon:
         except LeaseLost as exc:  # another node holds the source now: nothing of ours was written
             log.error("%s", exc)
             if self.node is not None and task.fence is not None:
-                self.ctx.metrics.cluster_fenced_writes.labels(self.node.name, task.src.name).inc()
+                self.parts.metrics.cluster_fenced_writes.labels(self.node.name, task.src.name).inc()
                 self.node.lost(task.fence, "write refused")
         finally:
             task.done.set()
@@ -360,7 +360,7 @@ async def _serve_and_harvest(
         host, port = _listen(config)
         limits = ServerLimits(
             max_connections_per_client=config.server.max_connections_per_client,
-            on_refused=ctx.metrics.server_refused_hook,
+            on_refused=parts.metrics.server_refused_hook,
         )
         workers = config.server.workers
         if workers > 1 and config_path is None:
@@ -387,7 +387,7 @@ async def _serve_and_harvest(
                         limits=replace(limits, max_connections_per_client=0))
             )  # fmt: skip
             bound_port = int(daemon.bound.rsplit(":", 1)[1])
-            daemon.workers = Workers(config_path, workers - 1, host, bound_port, internal, ctx.metrics)
+            daemon.workers = Workers(config_path, workers - 1, host, bound_port, internal, parts.metrics)
             nursery.start_soon(daemon.workers.run, nursery, daemon.shutdown.wait)
             log.info("%d worker processes serve on the same port (server.workers)", workers - 1)
         log.info("document parser: %s", "compiled fast path" if parse.SPEEDUPS else "pure Python (slower)")
