@@ -22,9 +22,10 @@ from starlette.routing import Route
 from aggregator.config import Config, SourceConfig, parse_config
 from aggregator.rs.model import CHANGE_NOTIFICATION, Entry, Link, Md
 from aggregator.rs.w3cdt import utcnow
-from aggregator.run.cluster import Node, followed_by_live
+from aggregator.run.cluster import Node
 from aggregator.run.serving import serving
 from aggregator.store.interface import LeaseLost, fenced
+from aggregator.store.nodes import followed_by_live
 from aggregator.store.rows import Fence, NotifySubscription
 from aggregator.store.state import State, connect
 from aggregator.websub.subscriber import CALLBACK_PREFIX, Subscriber, SubscriberSettings

@@ -18,6 +18,7 @@ from ..config import Config
 from ..progress_text import describe, figures, format_duration, saved_rate
 from ..rs.w3cdt import format_w3c, utcnow
 from ..store.interface import StateStore
+from ..store.nodes import alive
 from ..store.rows import Reconciliation, SourceRow
 from ..store.sets import published_sets
 
@@ -188,13 +189,11 @@ def _interrupted(rows: list[dict], running: bool | None) -> list[dict]:
 
 
 def cluster_rows(state: StateStore, *, now: datetime | None = None) -> dict[str, Any] | None:
-    """The nodes of a cluster (``cluster.py``) and who holds which source; None when no node ever ran."""
+    """The nodes of a cluster (``run/cluster.py``) and who holds which source; None when no node ever ran."""
     now = now or utcnow()
     nodes, leases = state.nodes(), state.leases()
     if not nodes and not leases:
         return None
-    from ..run.cluster import alive  # trio comes with it: only when a cluster ever ran (start-up of `status`)
-
     live = {n.name for n in alive(nodes, now)}
     held = [le for le in leases if le.node and le.expires_at and le.expires_at > now]
     return {

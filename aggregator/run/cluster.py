@@ -36,7 +36,6 @@ import math
 import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import datetime
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
@@ -47,6 +46,7 @@ from ..config import Config, SourceConfig
 from ..rs.w3cdt import utcnow
 from ..store.calls import in_thread
 from ..store.interface import Fence, LeaseLost, NodeRow, StateStore, fenced
+from ..store.nodes import alive, follows
 
 log = logging.getLogger("rsagg.cluster")
 
@@ -58,29 +58,6 @@ RELEASE_WAIT = 10.0
 def node_name(config: Config) -> str:
     """``cluster.node``, or hostname-pid when unset (a restarted process is a new node)."""
     return config.cluster.node or f"{socket.gethostname()}-{os.getpid()}"
-
-
-def alive(nodes: list[NodeRow], now: datetime) -> list[NodeRow]:
-    """The nodes whose last heartbeat still holds (and that did not stop cleanly)."""
-    return [n for n in nodes if n.expires_at > now and n.stopped_at is None]
-
-
-def follows(config: Config) -> list[str]:
-    """The sources whose notification channels this node follows, as its heartbeat says them
-    (``NodeRow.follows``)."""
-    return [s.name for s in config.sources if s.enabled and config.notifications_on(s)]
-
-
-def followed_by_live(nodes: list[NodeRow], now: datetime) -> set[str] | None:
-    """The sources some live node follows, as their last heartbeats said; None when a live node did not
-    say (then nothing may be taken for an orphan). A node whose configuration a rolling change has not
-    reached yet still names the source: its subscriptions stay."""
-    named: set[str] = set()
-    for node in alive(nodes, now):
-        if node.follows is None:
-            return None
-        named.update(node.follows)
-    return named
 
 
 def host_of(url: str) -> str:
@@ -297,4 +274,4 @@ class Node:
             self._stopping.pop(fence.source, None)
 
 
-__all__ = ["Node", "alive", "followed_by_live", "follows", "host_of", "node_name"]
+__all__ = ["Node", "host_of", "node_name"]

@@ -3,10 +3,10 @@
 - ``hub.py`` — the embedded hub: subscriptions, verification of intent, signed and retried delivery;
 - ``notifier.py`` — rsagg's own Change and Framework Notification channels (the publisher side);
 - ``subscriber.py`` — subscriptions to upstream channels and what their notifications trigger;
-- ``storecalls.py`` — their state calls, in a worker thread, one at a time;
 - ``service.py`` — the wiring the composition calls (``prepare_notifications``, ``run_notifications``).
 
-Retries and backoff of all three come from ``aggregator.net.retry``. Importing this package imports only
+Retries and backoff of all three come from ``aggregator.net.retry``; their state calls run one at a time
+in a worker thread (``store/calls.py`` ``StoreCalls``). Importing this package imports only
 the wiring; the parts are imported when notifications are on.
 """
 

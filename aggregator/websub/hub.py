@@ -70,9 +70,9 @@ from ..net import outbound
 from ..net.retry import backoff, retry_after
 from ..rs.linkheader import links_with_rel
 from ..rs.w3cdt import utcnow
+from ..store.calls import StoreCalls
 from ..store.interface import StateStore
 from ..store.rows import HubDelivery, HubVerification
-from .storecalls import StoreCalls
 
 log = logging.getLogger("rsagg.hub")
 

@@ -90,11 +90,11 @@ from ..net.retry import backoff, retry_after
 from ..rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, URLSET, Entry, Head
 from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
-from ..run.cluster import followed_by_live, follows
+from ..store.calls import Closed, StoreCalls
 from ..store.interface import LeaseLost, StateStore
+from ..store.nodes import followed_by_live, follows
 from ..store.rows import NotifySubscription
 from ..store.state import format_dt
-from .storecalls import Closed, StoreCalls
 
 log = logging.getLogger("rsagg.subscriber")
 T = TypeVar("T")
