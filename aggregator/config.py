@@ -41,7 +41,6 @@ from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
 
 from .errors import ConfigError  # defined there: `rsagg plugins` raises it without pydantic
-from .store.retention import RetentionError, parse_retention
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}\Z")
 #: ``server.offload``: who sends a resource's bytes (see ServerConfig).
@@ -105,18 +104,43 @@ NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 Table = dict[str, Any]
 
 
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|d|w)\Z")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_versions(value: Any) -> tuple[int | None, float | None]:
+    """``[publish] versions`` as (the last N versions, versions superseded less than S seconds ago),
+    (None, None) for ``"all"``; ValueError names the value otherwise. ``store/retention.py`` builds the
+    policy from it."""
+    if value == "all":
+        return None, None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"a count of versions must be at least 1, not {value}")
+        return value, None
+    if isinstance(value, str):
+        m = _DURATION.match(value.strip())
+        if m:
+            seconds = float(m.group(1)) * _UNITS[m.group(2)]
+            if seconds > 0:
+                return None, seconds
+    raise ValueError(
+        f'must be "all", a number of versions >= 1 or a duration like "30d" (s, m, h, d, w), not {value!r}'
+    )
+
+
 def _versions_ok(value: Any) -> bool:
     try:
-        parse_retention(value)
-    except RetentionError:
+        parse_versions(value)
+    except ValueError:
         return False
     return True
 
 
 def _versions_problem(value: Any) -> str:
     try:
-        parse_retention(value)
-    except RetentionError as e:
+        parse_versions(value)
+    except ValueError as e:
         return str(e)
     return ""
 

@@ -17,14 +17,12 @@ holds yet: rsagg's Change Dumps are built from the changelog when a window close
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|d|w)\Z")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+from ..config import parse_versions
 
 
 class RetentionError(ValueError):
@@ -72,22 +70,13 @@ class Retention:
 
 def parse_retention(value: Any) -> Retention:
     """``"all"``, a positive integer (the last N versions) or a duration ``"<number><s|m|h|d|w>"``
-    (versions superseded less than that long ago); RetentionError names the value otherwise."""
-    if value == "all":
-        return Retention()
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            raise RetentionError(f"a count of versions must be at least 1, not {value}")
-        return Retention(last=value)
-    if isinstance(value, str):
-        m = _DURATION.match(value.strip())
-        if m:
-            seconds = float(m.group(1)) * _UNITS[m.group(2)]
-            if seconds > 0:
-                return Retention(younger=seconds)
-    raise RetentionError(
-        f'must be "all", a number of versions >= 1 or a duration like "30d" (s, m, h, d, w), not {value!r}'
-    )
+    (versions superseded less than that long ago; the grammar is ``config.parse_versions``);
+    RetentionError names the value otherwise."""
+    try:
+        last, younger = parse_versions(value)
+    except ValueError as e:
+        raise RetentionError(str(e)) from None
+    return Retention(last=last, younger=younger)
 
 
 def retained_sql(retention: Retention | None, when: Callable[[datetime], Any]) -> str:
