@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import html
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -25,7 +26,23 @@ from . import report as status
 from .metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
-    from ..publish.app import Publisher
+    from ..config import Config
+    from .metrics import Metrics
+
+T = TypeVar("T")
+
+
+class Publisher(Protocol):
+    """What these views read from the app they are mounted in (``request.app.state.publisher``,
+    publish/app.py's ``Publisher``): its configuration, metrics, site, and a state call."""
+
+    config: Config
+    metrics: Metrics
+
+    def site(self, state: StateStore) -> Any: ...
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T: ...
+
 
 REFRESH_SECONDS = 3
 _e = html.escape
