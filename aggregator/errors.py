@@ -1,5 +1,5 @@
-"""Errors shared across the stages: the one place metrics learn what kind of failure stopped a sync,
-without importing the stage that raised it (the import rules of docs/architecture.md), and the one place
+"""Errors shared across the stages: the one place metrics learn what kind of failure stopped a sync
+(``CountedError``: the kind it is counted under, whichever stage raised it), and the one place
 an operating-system, SQLite or PostgreSQL failure becomes the one line an operator reads (file or URL,
 what happened, the fix) instead of a traceback."""
 

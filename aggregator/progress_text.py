@@ -1,6 +1,5 @@
 """The one wording of progress (done / expected, rate, ETA): the harvester's log lines, ``harvest
---once``'s progress line, ``rsagg status`` and the status page all say it the same way. Pure functions on
-numbers, so every layer may import them (tests/test_imports.py).
+--once``'s progress line, ``rsagg status`` and the status page all say it the same way.
 """
 
 from __future__ import annotations

@@ -2,9 +2,7 @@
 
 The state is used through two handles: a reader used directly on the trio thread for quick indexed
 lookups (WAL lets it read while a write is in progress), and a writer used only from a worker thread, one
-call at a time, so that a long transaction never blocks the event loop. The composition (compose.py,
-``open_context``) builds the context; nothing is set on it from outside afterwards but the running
-configuration (a reload) and the commit listeners.
+call at a time, so that a long transaction never blocks the event loop.
 """
 
 from __future__ import annotations

@@ -273,7 +273,7 @@ async def _baseline_finished(ctx: HarvestContext, source: str, set_id: int) -> b
 
 class FollowedSources(Protocol):
     """Who runs the sources whose notification channels rsagg follows (websub/subscriber.py's
-    ``Subscriber``, handed in by the composition: harvest/ does not import websub/)."""
+    ``Subscriber``): a sync of such a source is theirs to run."""
 
     def follows(self, src: SourceConfig) -> bool: ...
 

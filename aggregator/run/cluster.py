@@ -26,7 +26,7 @@ republished Source from the shared state, so a plain load balancer can sit in fr
 
 The lease history (``lease_history``: source, epoch, node, from, to) lets anyone check that the grants
 of a source never overlapped. Everything here goes through ``StateStore`` methods, so it works the same
-on every state backend (docs/architecture.md, "Many nodes, one state").
+on every state backend (docs/cluster.md, "How it holds together").
 """
 
 from __future__ import annotations

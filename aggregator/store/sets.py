@@ -1,13 +1,11 @@
 """Published sets: what rsagg offers as one Capability List (spec §9), built from the state's sets.
 
-The harvester keeps one state set per upstream Capability List (``State.sets()``, each with a stable
+The harvester keeps one state set per upstream Capability List (``StateStore.sets()``, each with a stable
 URL-safe ``name``). By default every state set is published under its own name; a ``[[sets]]`` table
 of the configuration groups all state sets of some sources under one name (one Capability List for a
 museum and a gallery, say). Configured groups are published even before anything was harvested, so
-their URLs are stable from the start.
-
-Shared by publish/, websub/ (the notifier's topics) and the status view, so it stands on config and
-store only (tests/test_imports.py).
+their URLs are stable from the start. The publisher, the notifier's topics and the status view all
+read them from here.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ on demand and every ``notified_interval`` while every set's change channel is li
 - framework notification: a capability document changed: sync at once (the sync re-reads the
   Capability List, then the Change List, or the Resource List of a set without one).
 
-The subscriber drives harvests but does not know how they are done: the composition hands it a
-``Harvester`` (harvest/notices.py's ``NotifiedHarvest``), so websub/ imports nothing of harvest/.
+The subscriber drives harvests through the ``Harvester`` it is given (harvest/notices.py's
+``NotifiedHarvest``), without knowing how they are done.
 
 State: the subscriptions (``StateStore.notify_subscriptions``, migration 8), through a state handle of
 the subscriber's own, mirrored in memory (one process owns them). Counters: ``Subscriber.counters``
@@ -58,10 +58,10 @@ migration 10: bounded, deduplicated) instead of the in-memory one. The source's 
 node holding the source's lease and under its fence, reads its subscriptions back and maintains them
 (``_follow_shared``, every ``inbox_poll``: requests, renewals, retries — fenced, so a node that lost the
 lease renews nothing, and a new holder takes the subscriptions over), and hands the inbox's notices to the
-same ``_take`` as above (docs/architecture.md, "Many nodes, one state"). Whether a source is still
+same ``_take`` as above (docs/cluster.md, "How it holds together"). Whether a source is still
 followed is not the holder's call there (a rolling change reaches the nodes one at a time): the node
 holding the "@orphans" role unsubscribes the channels of the sources no live node follows
-(``sweep_orphans``; each heartbeat says what its node follows, cluster.py).
+(``sweep_orphans``; each heartbeat says what its node follows, store/nodes.py).
 """
 
 from __future__ import annotations
