@@ -314,7 +314,19 @@ def _dirs(path: str) -> list[os.DirEntry[str]]:
 class Metrics:
     """Every metric family of one rsagg process, in its own registry (see the module docstring)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        process: bool = True,
+        plugins: Callable[[], Iterable[Any]] = tuple,
+        store: Any = None,
+        notifications: Callable[[], Any] | None = None,
+    ) -> None:
+        """Where scrape-time numbers come from, handed in by the composition: ``plugins``, a getter of
+        every ``Plugins`` of the process (failures: the harvest's and each publisher app's); ``store``,
+        the blob store (size; dedup via its ``on_commit``); ``notifications``, a getter of the
+        ``Notifications`` (hub and subscriber counters)."""
         r = self.registry = registry if registry is not None else CollectorRegistry()
         #: source -> the one line of a store failure the state could not record (``failure_not_recorded``).
         self.unrecorded_failures: dict[str, str] = {}
@@ -424,6 +436,10 @@ class Metrics:
             "rsagg_store_dedup_saved_bytes", "Bytes not written because the store had the blob", registry=r
         )
         self.store_size = StoreSize()
+        if store is not None:
+            self.store_size.attach(store)
+            if getattr(store, "on_commit", False) is None:  # FileBlobStore, not yet counted elsewhere
+                store.on_commit = self.blobs_committed
 
         # -- served requests (with the worker processes' counts: ``_collect_served``)
         self.http_requests = Counter(
@@ -470,8 +486,8 @@ class Metrics:
         )
 
         # -- read when scraped
-        self._plugins: list[Any] = []  # every Plugins of the process (harvest's, each publisher app's)
-        self._notifications: Callable[[], Any] = lambda: None
+        self._plugins = plugins
+        self._notifications: Callable[[], Any] = notifications or (lambda: None)
         self._state_snapshot: dict[str, Any] = {}
         self._counts: tuple[float, dict[str, int]] = (-float("inf"), {})
         r.register(_Callback(self._collect_errors))
@@ -484,22 +500,6 @@ class Metrics:
         r.register(_Callback(self._collect_served))
 
     # ------------------------------------------------------------------ wiring
-
-    def attach(
-        self, *, plugins: Any = None, store: Any = None, notifications: Callable[[], Any] | None = None
-    ) -> None:
-        """Where scrape-time numbers come from: ``Plugins`` (failures; every one attached counts), the
-        blob store (size; dedup via its ``on_commit``), a getter of ``Notifications`` (hub and subscriber
-        counters). A store attached already stays (the harvest context attaches before its app)."""
-        if plugins is not None and not any(p is plugins for p in self._plugins):
-            self._plugins.append(plugins)
-        if notifications is not None:
-            self._notifications = notifications
-        if store is not None:
-            if self.store_size.root is None:
-                self.store_size.attach(store)
-            if getattr(store, "on_commit", False) is None:  # FileBlobStore, not yet counted elsewhere
-                store.on_commit = self.blobs_committed
 
     def count_workers(self, path: str | None) -> None:
         """Add the serving families the worker processes (``workers.py``) write in ``path`` to this
@@ -651,7 +651,7 @@ class Metrics:
 
     def _plugin_failures(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for plugins in self._plugins:
+        for plugins in self._plugins():
             for name in plugins.names():
                 out.setdefault(name, 0)
             for name, n in plugins.failures.items():

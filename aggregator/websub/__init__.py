@@ -4,12 +4,12 @@
 - ``notifier.py`` — rsagg's own Change and Framework Notification channels (the publisher side);
 - ``subscriber.py`` — subscriptions to upstream channels and what their notifications trigger;
 - ``storecalls.py`` — their state calls, in a worker thread, one at a time;
-- ``service.py`` — the wiring the composition calls (``prepare_notifications``, ``run_notifications``).
+- ``service.py`` — the three as one (``Notifications``, ``run_notifications``), built by the composition.
 
 Retries and backoff of all three come from ``aggregator.net.retry``. Importing this package imports only
 the wiring; the parts are imported when notifications are on.
 """
 
-from .service import Notifications, app_options, prepare_notifications, run_notifications
+from .service import Notifications, app_options, run_notifications
 
-__all__ = ["Notifications", "app_options", "prepare_notifications", "run_notifications"]
+__all__ = ["Notifications", "app_options", "run_notifications"]
