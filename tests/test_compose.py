@@ -12,7 +12,7 @@ import trio
 from aggregator.config import Config, parse_config
 from aggregator.harvest.context import HarvestContext
 from aggregator.harvest.notices import NotifiedHarvest
-from aggregator.run.compose import assemble, open_context, start_node
+from aggregator.run.compose import open_assembly, start_node
 
 
 def test_the_harvest_context_has_no_untyped_slots() -> None:
@@ -42,13 +42,14 @@ def _config(tmp_path: Path, **sections: dict) -> Config:
 
 async def test_assemble_wires_dumps_and_notifications(tmp_path: Path) -> None:
     config = _config(tmp_path, publish={"dump_interval": 3600})
-    async with open_context(config) as ctx:
-        parts = assemble(ctx)
+    async with open_assembly(config) as parts:
+        ctx = parts.harvest
         notes = parts.notifications
         assert parts.dumps is not None and notes is not None and notes.hub is not None
         try:
             assert notes.notifier.wake in ctx.commit_listeners  # a harvest commit wakes the notifier
-            assert notes.notifier.dumps_available == parts.dumps.available  # it advertises the dumps
+            view = notes.notifier.view_of(config, ctx.reader, notes.notifier.capabilities)
+            assert view.site.dumps_available == parts.dumps.available  # it advertises the dumps
             assert parts.followed is notes.subscriber is not None  # poll_source hands followed sources over
             harvester = notes.subscriber.harvester
             assert isinstance(harvester, NotifiedHarvest) and harvester.ctx is ctx
@@ -66,8 +67,7 @@ async def test_assemble_wires_dumps_and_notifications(tmp_path: Path) -> None:
 
 async def test_assemble_without_harvest_or_dumps_or_notifications(tmp_path: Path) -> None:
     config = _config(tmp_path, publish={"dump_interval": 0})
-    async with open_context(config) as ctx:
-        parts = assemble(ctx, harvest=False)
+    async with open_assembly(config, harvest=False) as parts:
         assert parts.dumps is None and parts.notifications is not None
         try:
             assert parts.notifications.subscriber is None and parts.followed is None
@@ -75,9 +75,8 @@ async def test_assemble_without_harvest_or_dumps_or_notifications(tmp_path: Path
         finally:
             await parts.notifications.aclose()
     config = _config(tmp_path, publish={"dump_interval": 0}, notifications={"enabled": False})
-    async with open_context(config) as ctx:
-        parts = assemble(ctx)
-        assert parts.notifications is None and parts.followed is None and ctx.commit_listeners == []
+    async with open_assembly(config) as parts:
+        assert parts.notifications is None and parts.followed is None and parts.harvest.commit_listeners == ()
 
 
 async def test_a_cluster_node_gets_a_state_handle_of_its_own_closed_once_it_left(tmp_path: Path) -> None:
@@ -89,8 +88,8 @@ async def test_a_cluster_node_gets_a_state_handle_of_its_own_closed_once_it_left
         publish={"dump_interval": 0},
         notifications={"enabled": False},
     )
-    async with open_context(config) as ctx:
-        parts = assemble(ctx)
+    async with open_assembly(config) as parts:
+        ctx = parts.harvest
         scope = trio.CancelScope()
         async with trio.open_nursery() as nursery:
             node = start_node(

@@ -72,7 +72,7 @@ def test_the_parser_sees_imports() -> None:
     """The check can fail: the parser resolves relative and lazy imports (a known one of each)."""
     assert "aggregator.run.compose" in MODULES["aggregator.run.daemon"]  # from .compose import ...
     assert "aggregator.testing.upstream" in MODULES["aggregator.commands.demo"]  # from ..testing.upstream
-    assert "aggregator.publish.app" in MODULES["aggregator.run.compose"]  # imported inside a function
+    assert "aggregator.publish.app" in MODULES["aggregator.run.parts"]  # imported inside a function
     assert "aggregator.websub.hub" in MODULES["aggregator.run.compose"]  # inside TYPE_CHECKING
     assert len(MODULES) > 50
 
@@ -89,6 +89,18 @@ def test_websub_does_not_import_harvest() -> None:
     """The subscriber drives harvests without knowing how they are done: the composition hands it a
     ``Harvester`` (harvest/notices.py), so websub/ imports nothing of harvest/."""
     _check(_violations("aggregator.websub", ("aggregator.harvest",)), "websub/")
+
+
+def test_websub_does_not_import_publish() -> None:
+    """The notifier writes the documents the publisher serves without importing publish/: it reads them
+    through ``websub/views.py``'s protocols, which the composition implements (run/parts.py)."""
+    _check(_violations("aggregator.websub", ("aggregator.publish",)), "websub/")
+
+
+def test_publish_does_not_import_observe() -> None:
+    """The status routes (``/``, ``/status.json``, ``/metrics``) and the served-request metrics are handed
+    to the publisher app by the composition; publish/ defines the narrow ``ServedCounter`` it reports to."""
+    _check(_violations("aggregator.publish", ("aggregator.observe",)), "publish/")
 
 
 #: The layer that builds and runs the stages (the composition root, the daemon, the command line).

@@ -300,7 +300,7 @@ def publishing(
         return None
     from .. import __version__
     from ..net import outbound
-    from ..websub.hub import Hub, channel_topics
+    from ..websub.hub import Hub, channel_topics, delivery_client
     from ..websub.notifier import TOPICS, Notifier
 
     base = config.server.base_url
@@ -318,10 +318,12 @@ def publishing(
             counts[f"{event}.{outcome}"] += 1
 
         refused = policy.on_refused if policy is not None else None
+        # Anyone names the callbacks: source origins are not trusted here (outbound.py).
+        hub_policy = outbound.policy_for(config, hub=True, on_refused=refused)
         hub = Hub(
             state_handle(config, cache_mib=SMALL_CACHE_MIB),
-            # Anyone names the callbacks: source origins are not trusted here (outbound.py).
-            policy=outbound.policy_for(config, hub=True, on_refused=refused),
+            client=delivery_client(hub_policy, hub_limits),
+            policy=hub_policy,
             hub_url=hub_url,
             path=nc.hub_path,
             allowed_topic=channel_topics(base, list(TOPICS.values())),  # rsagg's own topics only
