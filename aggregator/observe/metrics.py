@@ -2,8 +2,7 @@
 
 Why one ``Metrics`` object with its own ``CollectorRegistry`` instead of prometheus-client's global one:
 tests run several harvesters and publishers in one process, and each must count only its own work. The
-daemon makes one per process (``open_context``) and hands it to the publisher app; ``default_metrics()``
-is the process-wide fallback for an app built without one.
+composition makes one per process (run/compose.py) and hands it to the harvest and the publisher app.
 
 Where the numbers come from (what is wired where):
 
@@ -900,19 +899,6 @@ class ServedMetrics:
             self.metrics.served(route, method, code, time.perf_counter() - start)
 
 
-_default: Metrics | None = None
-_default_lock = threading.Lock()
-
-
-def default_metrics() -> Metrics:
-    """The process-wide Metrics (for an app or context built without one)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Metrics()
-        return _default
-
-
 __all__ = [
     "CONTENT_TYPE",
     "FAMILIES",
@@ -921,7 +907,6 @@ __all__ = [
     "ServedMetrics",
     "StoreSize",
     "current_source",
-    "default_metrics",
     "error_kind",
     "sample_names",
     "status_class",

@@ -25,7 +25,6 @@ import trio
 from ..config import Config
 from ..plugins.manager import Plugins
 from ..rs.w3cdt import utcnow
-from ..store.blobs import BlobStore
 from ..store.interface import StateStore
 from .documents import Site
 from .dumps import DumpBuilder, dump_routes
@@ -59,9 +58,12 @@ class Wake:
             self._event = trio.Event()
 
 
-class _Current:
+class CurrentView:
     """The fingerprint of the running configuration and plugins, computed once per pair (by identity:
-    routes ask for it on every request)."""
+    routes ask for it on every request), and the Site a dump package is built from: a DumpBuilder's
+    ``fingerprint`` and ``site_of`` (the composition builds the one DumpBuilder of a process with them:
+    every package is built with the running publish filter and recorded under its fingerprint, and only
+    packages of the current fingerprint are served)."""
 
     def __init__(self, get_config: Callable[[], Config], get_plugins: Callable[[], Plugins]) -> None:
         self.get_config, self.get_plugins = get_config, get_plugins
@@ -78,24 +80,6 @@ class _Current:
 
     def site(self, state: StateStore) -> Site:
         return _site(self.get_config(), self.get_plugins(), state)
-
-
-def dump_builder(
-    state: StateStore,
-    blobs: BlobStore,
-    *,
-    base_url: str,
-    get_config: Callable[[], Config],
-    get_plugins: Callable[[], Plugins],
-) -> DumpBuilder:
-    """The process's one DumpBuilder over ``state`` (a handle of its own, opened by the composition,
-    which builds it once and hands it to the app, the schedule and the notifier).
-
-    ``get_config`` / ``get_plugins``: the running configuration and plugins; every package is built with
-    their publish filter and recorded under their fingerprint, and only packages of the current
-    fingerprint are served."""
-    current = _Current(get_config, get_plugins)
-    return DumpBuilder(state, blobs, base_url=base_url, fingerprint=current.fingerprint, site_of=current.site)
 
 
 def dump_app_options(builder: DumpBuilder | None, options: dict[str, Any]) -> dict[str, Any]:

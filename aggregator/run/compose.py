@@ -226,6 +226,10 @@ class Assembly:
         it through a getter of it)."""
         return self.harvest_context.config if self.harvest_context is not None else self._start
 
+    @config.setter
+    def config(self, config: Config) -> None:
+        self.harvest.config = config
+
     @property
     def blobs(self) -> BlobStore:
         return self.harvest.blobs

@@ -168,11 +168,13 @@ def dump_builder(
     ``publish.dump_interval = 0``); it reads the running configuration and plugins through the getters."""
     if config.publish.dump_interval <= 0:
         return None
-    from ..publish.schedule import dump_builder as build
+    from ..publish.dumps import DumpBuilder
+    from ..publish.schedule import CurrentView
 
-    return build(
-        state_handle(config), blobs, base_url=config.server.base_url, get_config=get_config,
-        get_plugins=get_plugins,
+    current = CurrentView(get_config, get_plugins)
+    return DumpBuilder(
+        state_handle(config), blobs, base_url=config.server.base_url, fingerprint=current.fingerprint,
+        site_of=current.site,
     )  # fmt: skip
 
 
