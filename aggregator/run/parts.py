@@ -17,23 +17,23 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import Config
 from ..plugins.manager import Plugins
-from ..rs.model import Entry
-from ..store.blobs import BlobStore
-from ..store.interface import StateStore
-from ..store.rows import LogRecord, Resource
-from ..store.sets import PublishedSet
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: ``rsagg plugins`` and ``status`` load this module, and no more
     import httpx
     from starlette.applications import Starlette
     from starlette.routing import BaseRoute
 
+    from ..config import Config
     from ..net.outbound import AddressPolicy
     from ..observe.metrics import Metrics
     from ..publish.documents import DumpsAvailable, ExtraCapabilities, Site
     from ..publish.dumps import DumpBuilder
+    from ..rs.model import Entry
+    from ..store.blobs import BlobStore
+    from ..store.interface import StateStore
+    from ..store.rows import LogRecord, Resource
+    from ..store.sets import PublishedSet
     from ..websub.hub import Hub, HubLimits
     from ..websub.notifier import Notifier
     from ..websub.service import Notifications
@@ -58,9 +58,10 @@ NODE_CACHE_MIB = 1
 # -- plugins, blobs, the state ------------------------------------------------------------------------
 
 
-def load_plugins(config: Config) -> Plugins:
-    """The plugins ``config`` names (ConfigError for one that does not load: they fail closed)."""
-    return Plugins.from_config(config)
+def load_plugins(config: Config | None) -> Plugins:
+    """The plugins ``config`` names (ConfigError for one that does not load: they fail closed); None:
+    the installed ones, as ``rsagg plugins`` lists them without a configuration."""
+    return Plugins() if config is None else Plugins.from_config(config)
 
 
 def blob_store(config: Config, plugins: Plugins) -> BlobStore:
