@@ -105,7 +105,10 @@ async def _open(
     hc = config.harvest
     # Secret values of the backend's and the plugins' settings (S3 keys...) never reach a log line.
     add_secrets(config_secrets(config))
-    access = Access(config, sources)  # reads those secrets: a missing one stops here (a ConfigError)
+    built: list[HarvestContext] = []  # the harvest context, once built below: its config is the running one
+    # Access reads those secrets: a missing one stops here (a ConfigError). A reloaded config's
+    # credentials and rates apply at once.
+    access = Access(config, sources, running=lambda: built[0].config if built else config)
     prepare_store(config)  # the store folder exists and is writable (a ConfigError otherwise)
     plugins = build.load_plugins(config)
     blobs = build.blob_store(config, plugins)
@@ -160,7 +163,7 @@ async def _open(
                     # rsagg's own notifications go out at once after a commit, not at the next look
                     commit_listeners=(own.notifier.wake,) if own is not None else (),
                 )  # fmt: skip
-                access.follow(lambda: ctx.config)  # a reloaded config's credentials and rates apply at once
+                built.append(ctx)
                 if parts is not None and daemon is not None:
                     parts.harvest_context = ctx
                     harvester = NotifiedHarvest(ctx) if daemon.harvest else None
