@@ -24,6 +24,7 @@ order and their lifetimes kept.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -199,6 +200,8 @@ class Assembly:
         #: (configuration, its plugins): the start-up pair and the newest reloaded one (``plugins_for``).
         self._plugins: list[tuple[Config, Plugins]] = [(config, plugins)]
         self._seen = seen
+        # plugins_for is called from worker threads (the notifier's rounds, a reload's app) and the loop
+        self._plugins_lock = threading.Lock()
 
     @property
     def harvest(self) -> HarvestContext:
@@ -209,14 +212,15 @@ class Assembly:
         """The plugins of ``config`` (by identity): the harvest context's for the start-up configuration,
         a manager of its own for a reloaded one (its ``[plugins.*]`` tables, enabled or not). Raises
         ConfigError for plugins that do not load (plugins.py: they fail closed)."""
-        for known, plugins in list(self._plugins):
-            if known is config:
-                return plugins
-        plugins = build.load_plugins(config)
-        self._seen.append(plugins)
-        running = [pair for pair in self._plugins if pair[0] is self.config]  # kept: it runs
-        self._plugins[:] = [*running[-1:], (config, plugins)]
-        return plugins
+        with self._plugins_lock:
+            for known, plugins in list(self._plugins):
+                if known is config:
+                    return plugins
+            plugins = build.load_plugins(config)
+            self._seen.append(plugins)
+            running = [pair for pair in self._plugins if pair[0] is self.config]  # kept: it runs
+            self._plugins[:] = [*running[-1:], (config, plugins)]
+            return plugins
 
     @property
     def plugins(self) -> Plugins:
