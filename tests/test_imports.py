@@ -97,6 +97,13 @@ def test_websub_does_not_import_publish() -> None:
     _check(_violations("aggregator.websub", ("aggregator.publish",)), "websub/")
 
 
+def test_serving_workers_get_their_app_from_the_composition() -> None:
+    """A serving worker process runs the publisher app ``run/compose.py`` builds (``worker_app``): it
+    builds no part of its own, so it imports no stage."""
+    stages = ("aggregator.harvest", "aggregator.publish", "aggregator.store", "aggregator.websub")
+    _check(_violations("aggregator.run.workers", stages), "run/workers.py")
+
+
 def test_publish_does_not_import_observe() -> None:
     """The status routes (``/``, ``/status.json``, ``/metrics``) and the served-request metrics are handed
     to the publisher app by the composition; publish/ defines the narrow ``ServedCounter`` it reports to."""
