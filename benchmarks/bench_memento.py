@@ -130,8 +130,9 @@ def serve(store: Path, port: int) -> None:
     import trio
 
     from aggregator.config import parse_config
+    from aggregator.observe.metrics import Metrics
     from aggregator.plugins.manager import GROUP
-    from aggregator.publish.app import create_app
+    from aggregator.run.parts import load_plugins, publisher_app
     from aggregator.run.serving import serve as serve_app
     from aggregator.store.blobs import FileBlobStore
 
@@ -145,7 +146,9 @@ def serve(store: Path, port: int) -> None:
             "plugins": {n: {"enabled": False} for n in third_party},
         }
     )
-    app = create_app(config, blobs=FileBlobStore(store / "blobs"), state_path=store / "state.db")
+    blobs, plugins = FileBlobStore(store / "blobs"), load_plugins(config)
+    metrics = Metrics(plugins=lambda: [plugins], store=blobs)
+    app = publisher_app(config, blobs=blobs, plugins=plugins, metrics=metrics, state_path=store / "state.db")
     trio.run(serve_app, app, "127.0.0.1", port)
 
 

@@ -129,9 +129,9 @@ def run_rsagg(
 
     from aggregator.commands.harvest import harvest_once
     from aggregator.config import parse_config
-    from aggregator.harvest.context import open_blob_store
+    from aggregator.observe.metrics import Metrics
     from aggregator.plugins.manager import DEFAULT_PLUGINS, Plugins
-    from aggregator.publish.app import create_app
+    from aggregator.run.parts import blob_store, load_plugins, publisher_app
     from aggregator.store.state import State
 
     settings: dict = {"store": {"path": str(folder / "data")},
@@ -152,8 +152,12 @@ def run_rsagg(
         raise SystemExit(f"rsagg failed: {result.error}")
     with State(cfg.store_path / "state.db") as st:
         held = st.count_live([s.id for s in st.sets("oai")])
-    blobs = open_blob_store(cfg, Plugins.from_config(cfg))
-    app = create_app(cfg, blobs=blobs, state_path=cfg.store_path / "state.db")
+    plugins = load_plugins(cfg)
+    blobs = blob_store(cfg, plugins)
+    metrics = Metrics(plugins=lambda: [plugins], store=blobs)
+    app = publisher_app(
+        cfg, blobs=blobs, plugins=plugins, metrics=metrics, state_path=cfg.store_path / "state.db"
+    )
 
     async def republish() -> float:
         t = time.perf_counter()

@@ -130,19 +130,23 @@ def serve_rsagg(store: Path, port: int, offload: str, plugins: bool, dumps: str 
 
     import trio
 
-    from aggregator.publish.app import create_app
+    from aggregator.observe.metrics import Metrics
+    from aggregator.run.parts import load_plugins, publisher_app
     from aggregator.run.serving import serve
     from aggregator.store.blobs import FileBlobStore
 
     blobs = FileBlobStore(store / "blobs")
     config = bench_config(store, port, offload, plugins)
-    app = create_app(config, blobs=blobs, state_path=store / "state.db")
+    loaded = load_plugins(config)
+    metrics = Metrics(plugins=lambda: [loaded], store=blobs)
+    app = publisher_app(config, blobs=blobs, plugins=loaded, metrics=metrics, state_path=store / "state.db")
     if dumps == "off":
         trio.run(serve, app, "127.0.0.1", port)
         return
-    from aggregator.publish.schedule import build_due, open_dump_builder, run_low_priority
+    from aggregator.publish.schedule import build_due, run_low_priority
+    from aggregator.run.parts import dump_builder
 
-    builder = open_dump_builder(config, blobs)
+    builder = dump_builder(config, blobs, get_config=lambda: config, get_plugins=lambda: loaded)
     assert builder is not None
     builder._changed_since = lambda run, ids: True  # a benchmark: build again every round
 

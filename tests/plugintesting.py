@@ -17,10 +17,11 @@ import pytest
 
 import aggregator.plugins.manager
 from aggregator.config import Config, ServerConfig
-from aggregator.publish.app import create_app
 from aggregator.rs.model import Entry, Head
 from aggregator.rs.parse import parse_bytes
 from aggregator.store.blobs import FileBlobStore
+
+from .apps import create_app
 
 PUBLIC = "http://rsagg.test"
 

@@ -273,13 +273,14 @@ async def test_access_hook_origin_and_reload(tmp_path: Path, monkeypatch):
     """The hook on its own: credentials for the source's origin only (scheme, host and port), none for
     requests made for no source, and a reload reads a rotated secret."""
     from aggregator.harvest.access import Access
-    from aggregator.observe.metrics import current_source
+    from aggregator.scope import current_source
 
     def config():
         return config_for(tmp_path, "https://repo.example/oai", {"bearer_token_env": "OAI_TOKEN"})
 
     monkeypatch.setenv("OAI_TOKEN", TOKEN)
-    access = Access(config())
+    running = [config()]
+    access = Access(running[0], running=lambda: running[0])
 
     async def sent(url: str, source: str = "oai") -> str | None:
         request = httpx.Request("GET", url, headers={"Authorization": "Bearer stale-copied-by-a-redirect"})
@@ -299,6 +300,5 @@ async def test_access_hook_origin_and_reload(tmp_path: Path, monkeypatch):
     )  # untouched
     monkeypatch.setenv("OAI_TOKEN", "rotated-token")
     assert await sent("https://repo.example/oai") == f"Bearer {TOKEN}"  # same configuration: read once
-    reloaded = config()
-    access.follow(lambda: reloaded)
+    running[0] = config()  # a reload
     assert await sent("https://repo.example/oai") == "Bearer rotated-token"

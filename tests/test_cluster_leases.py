@@ -180,8 +180,8 @@ async def test_nodes_balance_their_leases(tmp_path: Path) -> None:
             return done
 
         return Node(
-            config, state=open_state(config, cache_mib=1), stop=stop,
-            start=lambda src, f: running[name].__setitem__(src.name, f),
+            lambda: config, state=open_state(config, cache_mib=1), stop=stop,
+            start=lambda src, f: running[name].__setitem__(src.name, f), metrics=None, fetcher=None, roles={},
         )  # fmt: skip
 
     a, b = make("A"), make("B")

@@ -24,7 +24,7 @@ import trio
 from aggregator.config import Config, parse_config
 from aggregator.publish.schedule import build_due
 from aggregator.rs.parse import parse_bytes
-from aggregator.run.compose import assemble, open_context
+from aggregator.run.compose import open_assembly
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest, start_daemon
@@ -138,8 +138,7 @@ async def test_a_hide_rule_added_by_restart_reaches_every_dump(
             up.update(f"r{i}.txt", body(i, 1), "text/plain")
         assert (await harvest(before))["up"].ok
     old: dict[str, bytes] = {}
-    async with open_context(before) as ctx:
-        parts = assemble(ctx, harvest=False)
+    async with open_assembly(before, harvest=False) as parts:
         parts.dumps.keep = keep
         await build_runs(parts, keep + 1)
         app = parts.app(before)
@@ -160,8 +159,7 @@ async def test_a_hide_rule_added_by_restart_reaches_every_dump(
     assert any("/changedump/" in u for u in old)
 
     after = config_of(tmp_path / "data", "http://127.0.0.1:9/", hide)  # restart with the hide rule
-    async with open_context(after) as ctx:
-        parts = assemble(ctx, harvest=False)
+    async with open_assembly(after, harvest=False) as parts:
         parts.dumps.keep = keep
         app = parts.app(after)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as client:

@@ -30,6 +30,7 @@ from aggregator.store.blobs import FileBlobStore
 from aggregator.store.state import State
 from aggregator.testing.upstream import PATCH_TYPE, Upstream, canonical_json
 
+from .apps import open_dump_builder
 from .harvesting import changelog, harvest, held
 from .plugintesting import PUBLIC, add_plugin, listed, published
 
@@ -536,7 +537,7 @@ async def test_publish_filter_reaches_dump_packages(tmp_path: Path, monkeypatch)
     """A hidden resource must not ship inside the Resource Dump or the Change Dump packages either."""
     import zipfile
 
-    from aggregator.publish.schedule import build_due, open_dump_builder
+    from aggregator.publish.schedule import build_due
     from aggregator.run.compose import open_context
 
     add_plugin(monkeypatch, "hide", HideSecrets())
@@ -549,7 +550,7 @@ async def test_publish_filter_reaches_dump_packages(tmp_path: Path, monkeypatch)
         await ok(cfg)
     assert len(held(cfg)) == 3
     async with open_context(cfg) as ctx:
-        builder = open_dump_builder(ctx.config, ctx.blobs, get_plugins=lambda: ctx.plugins)
+        builder = open_dump_builder(ctx.config, ctx.blobs, ctx.plugins)
         assert builder is not None
         assert await trio.to_thread.run_sync(lambda: build_due(builder, resource_dumps=True)) >= 2
         with sqlite3.connect(cfg.store_path / "state.db") as c:

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from aggregator.config import load_config
-from aggregator.run.compose import assemble, open_context
+from aggregator.run.compose import open_assembly
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import start_daemon
@@ -126,8 +126,8 @@ async def test_hostile_targets_get_4xx_never_500_and_no_traceback(tmp_path: Path
             f'[[sources]]\nname = "up"\nurl = "{ubase}"\ninterval = 3600\n'
         )
         config = load_config(config_path)
-        async with open_context(config) as ctx:  # the routes, as the daemon builds them
-            templates = route_templates(assemble(ctx).app(config))
+        async with open_assembly(config) as parts:  # the routes, as the daemon builds them
+            templates = route_templates(parts.app(config))
         assert any("resourcedump" in t for t in templates) and any("_websub" in t for t in templates)
         log_path = tmp_path / "daemon.log"
         log = log_path.open("ab")

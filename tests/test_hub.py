@@ -29,7 +29,7 @@ from aggregator.rs.linkheader import parse_link_header
 from aggregator.rs.w3cdt import utcnow
 from aggregator.store.state import connect
 from aggregator.websub import hub as hub_module
-from aggregator.websub.hub import Hub, HubLimits, topics_under
+from aggregator.websub.hub import Hub, HubLimits, delivery_client, topics_under
 from tests.httpserver import serve_app
 
 TOKEN = "s3cret-publish-token"
@@ -139,6 +139,7 @@ class Harness:
         kw.setdefault("publish_token", TOKEN)
         self.hub = Hub(
             connect(self.db),
+            client=kw.pop("client", None) or delivery_client(kw.get("policy"), kw.get("limits")),
             hub_url=self.hub_url,
             allowed_topic=topics_under(self.base),
             metrics=lambda e, o: self.metrics.append((e, o)),

@@ -23,23 +23,9 @@ _STORE_SQL = "removed by store/sql"
 #: Imports that break a rule today, each with the reason it is still there. A new violation fails the
 #: test; removing one of these makes the test ask for its entry to go too.
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-    # websub/notifier.py reads what publish/ builds; websub/service.py builds publish's dump builder.
-    ("aggregator.websub.notifier", "aggregator.publish.documents"): _COMPOSITION,
-    ("aggregator.websub.notifier", "aggregator.publish.site"): _COMPOSITION,
-    ("aggregator.websub.service", "aggregator.publish.dumps"): _COMPOSITION,
-    # publish/app.py serves the status routes and takes the Metrics type.
-    ("aggregator.publish.app", "aggregator.observe.metrics"): _COMPOSITION,
-    ("aggregator.publish.app", "aggregator.observe"): _COMPOSITION,
-    ("aggregator.publish.app", "aggregator.observe.page"): _COMPOSITION,
-    # HarvestContext's default factory builds a Metrics when it is given none.
-    ("aggregator.harvest.context", "aggregator.observe.metrics"): _COMPOSITION,
     # The two backends import each other (a cycle).
     ("aggregator.store.state", "aggregator.store.postgres"): _STORE_SQL,
     ("aggregator.store.postgres", "aggregator.store.state"): _STORE_SQL,
-    # publish/versions.py streams its TimeMaps with publish/app.py's DocumentResponse (a cycle: app.py
-    # imports versions.py). DocumentResponse moves out of app.py (which the composition root change
-    # rewrites) into a module both import.
-    ("aggregator.publish.versions", "aggregator.publish.app"): "DocumentResponse leaves publish/app.py",
 }
 
 
@@ -208,6 +194,12 @@ RULES = [
         exempt=(*RUNNERS, "aggregator.testing"),
     ),
     Rule(
+        "run/workers.py",
+        "a serving worker runs the app the composition builds for it (worker_app): it imports no stage",
+        _a("run.workers"),
+        forbidden=_a("harvest", "publish", "store", "websub"),
+    ),
+    Rule(
         "aggregator.testing",
         "test doubles: runtime code never imports them (the demo command shows one off)",
         ("aggregator",),
@@ -265,8 +257,8 @@ def test_the_parser_sees_imports() -> None:
     each) and tells the typing-only ones apart."""
     assert "aggregator.run.compose" in MODULES["aggregator.run.daemon"]  # from .compose import ...
     assert "aggregator.testing.upstream" in MODULES["aggregator.commands.demo"]  # from ..testing.upstream
-    assert "aggregator.publish.app" in MODULES["aggregator.run.compose"]  # imported inside a function
-    assert "aggregator.publish.app" in GRAPH["aggregator.run.compose"]  # ... which runs
+    assert "aggregator.publish.app" in MODULES["aggregator.run.parts"]  # imported inside a function
+    assert "aggregator.publish.app" in GRAPH["aggregator.run.parts"]  # ... which runs
     assert "aggregator.websub.hub" in MODULES["aggregator.run.compose"]  # inside TYPE_CHECKING
     assert "aggregator.websub.hub" not in GRAPH["aggregator.run.compose"]  # ... which never runs
     assert "aggregator.store.rows" in MODULES["aggregator.observe.report"]  # a name resolved to its module

@@ -32,10 +32,10 @@ from aggregator.harvest import pipeline
 from aggregator.harvest.access import Access
 from aggregator.harvest.context import HarvestContext
 from aggregator.net import outbound
-from aggregator.observe.metrics import current_source
 from aggregator.rs import parse
 from aggregator.rs.model import RS_NS, SITEMAP_NS
 from aggregator.rs.parse import DocumentError, DocumentReader
+from aggregator.scope import current_source
 from aggregator.store.state import State, open_state
 from aggregator.testing.upstream import Upstream
 from tests.harvesting import harvest, make_config

@@ -379,8 +379,7 @@ def test_notification_and_plugin_counters_are_exposed():
                   "subscriber.subscribe.requested": 2, "subscriber.renewals": 1}
     )  # fmt: skip
     plugins = SimpleNamespace(failures={"broken": 3}, names=lambda: ["broken", "fine"])
-    m = Metrics(process=False)
-    m.attach(notifications=lambda: notes, plugins=plugins)
+    m = Metrics(process=False, notifications=lambda: notes, plugins=lambda: [plugins])
     got = _samples(m.exposition().decode())
     assert _value(got, "rsagg_hub_deliveries_total", outcome="ok") == 5
     assert _value(got, "rsagg_hub_deliveries_total", outcome="retry") == 2

@@ -34,6 +34,7 @@ from aggregator.rs.linkheader import parse_link_header
 from aggregator.rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, Entry, Head
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.w3cdt import format_w3c, utcnow
+from aggregator.run.parts import load_plugins, published_views
 from aggregator.store.state import State, open_state
 from aggregator.testing.notify import UpstreamNotifier
 from aggregator.testing.upstream import Upstream
@@ -716,7 +717,10 @@ async def test_a_topic_answers_as_soon_as_its_set_is_advertised(tmp_path: Path) 
     async with httpx.AsyncClient() as pings:  # an external hub: never pinged, no round runs
         blobs = FileBlobStore(config.store_path / "blobs")
         hub = "http://hub.test/hub"
-        notifier = Notifier(lambda: config, open_state(config), blobs, hub_url=hub, client=pings)
+        views = published_views(load_plugins, None)
+        notifier = Notifier(
+            lambda: config, open_state(config), blobs, view_of=views, hub_url=hub, hub=None, client=pings
+        )
         try:
             app = Starlette(routes=notifier.routes())  # no round has run: the notifier knows no set yet
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:

@@ -21,11 +21,11 @@ import pytest
 import trio
 
 from aggregator.config import load_config
-from aggregator.publish.app import create_app
 from aggregator.publish.uris import rsagg_uri
 from aggregator.store.blobs import FileBlobStore
 from aggregator.testing.upstream import Upstream
 
+from .apps import create_app
 from .harvesting import start_daemon
 from .httpserver import serve_app
 from .test_publish import local_files, resync

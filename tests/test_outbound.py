@@ -36,7 +36,7 @@ from aggregator.rs.model import Entry, Link
 from aggregator.run.compose import open_context
 from aggregator.run.serving import serving
 from aggregator.store.state import connect
-from aggregator.websub.hub import Hub, HubLimits, topics_under
+from aggregator.websub.hub import Hub, HubLimits, delivery_client, topics_under
 
 from .harvesting import harvest, held
 
@@ -331,6 +331,7 @@ async def hub_server(tmp_path: Path, policy: AddressPolicy, **limits: Any) -> As
     async with serving(app) as base:
         hub = Hub(
             connect(tmp_path / "hub.db"),
+            client=delivery_client(policy, HubLimits(request_timeout=5.0, poll_interval=0.2, **limits)),
             hub_url=f"{base}/hub",
             allowed_topic=topics_under(base),
             policy=policy,

@@ -29,10 +29,10 @@ from starlette.routing import Route
 from aggregator.config import Config, parse_config
 from aggregator.harvest.fetch import Expected, FetchError
 from aggregator.net import outbound
-from aggregator.observe.metrics import current_source
 from aggregator.observe.report import collect
-from aggregator.run.compose import Assembly, assemble, open_context
+from aggregator.run.compose import Assembly, open_assembly, open_context
 from aggregator.run.serving import serving
+from aggregator.scope import current_source
 from aggregator.store.rows import NotifySubscription
 from aggregator.store.state import open_state
 
@@ -161,10 +161,9 @@ def _config(tmp_path: Path, good: str, **extra: Any) -> Config:
 
 @asynccontextmanager
 async def daemon_parts(config: Config) -> AsyncIterator[Assembly]:
-    """The production composition (open_context + assemble): the clients under test are the daemon's;
-    the embedded hub's worker runs (verifications)."""
-    async with open_context(config) as ctx:
-        parts = assemble(ctx)
+    """The production composition (open_assembly): the clients under test are the daemon's; the
+    embedded hub's worker runs (verifications)."""
+    async with open_assembly(config) as parts:
         notes = parts.notifications
         assert notes is not None and notes.hub is not None
         try:

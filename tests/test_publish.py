@@ -26,7 +26,7 @@ from aggregator.config import Config, PublishConfig, parse_config
 from aggregator.harvest.context import open_blob_store
 from aggregator.plugins.manager import Plugins
 from aggregator.publish import documents
-from aggregator.publish.app import Publisher, create_app
+from aggregator.publish.app import Publisher
 from aggregator.publish.uris import rsagg_uri
 from aggregator.publish.versions import resource_link_header
 from aggregator.rs.model import PATCH_REL, Entry, Head, Link
@@ -37,6 +37,7 @@ from aggregator.store.interface import StateStore
 from aggregator.store.state import Change, State, open_state, state_path
 from aggregator.testing.upstream import Upstream
 
+from .apps import create_app
 from .harvesting import harvest, make_config
 from .httpserver import serve_app
 

@@ -15,10 +15,18 @@ import aggregator.publish.app as app_module
 from aggregator.config import ConfigError, parse_config
 from aggregator.publish.app import ReaderPool, ServerBusy
 from aggregator.publish.uris import rsagg_uri
-from aggregator.store.state import State
+from aggregator.store.interface import StateStore
+from aggregator.store.state import State, connect
 
 from .test_publish import publishing
 from .test_resource_get import BLOBS, UP, filled
+
+
+def _opener(db: Path):  # as the composition opens the publisher's readers (run/parts.py)
+    def open_reader() -> StateStore:
+        return connect(db, readonly=True, cache_mib=16)
+
+    return open_reader
 
 
 @pytest.fixture
@@ -29,7 +37,7 @@ def db(tmp_path: Path) -> Path:
 
 
 async def test_at_most_max_open_then_busy(db: Path) -> None:
-    pool = ReaderPool(db, max_idle=1, max_open=2, wait=0.2)
+    pool = ReaderPool(_opener(db), max_idle=1, max_open=2, wait=0.2)
     a, b = await pool.acquire(), await pool.acquire()
     assert pool.in_use == 2
     start = trio.current_time()
@@ -48,7 +56,7 @@ async def test_at_most_max_open_then_busy(db: Path) -> None:
 
 
 async def test_a_waiting_request_gets_the_next_free_connection(db: Path) -> None:
-    pool = ReaderPool(db, max_open=1, wait=5)
+    pool = ReaderPool(_opener(db), max_open=1, wait=5)
     held = await pool.acquire()
     got: list[State] = []
 
@@ -66,7 +74,7 @@ async def test_a_waiting_request_gets_the_next_free_connection(db: Path) -> None
 
 
 async def test_a_connection_never_given_back_frees_its_slot_when_collected(db: Path) -> None:
-    pool = ReaderPool(db, max_open=1, wait=1)
+    pool = ReaderPool(_opener(db), max_open=1, wait=1)
     lost = await pool.acquire()
     assert pool.in_use == 1
     del lost  # a response that was never sent, say

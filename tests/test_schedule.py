@@ -8,13 +8,13 @@ import httpx
 import trio
 
 from aggregator.config import parse_config
-from aggregator.publish.app import create_app
-from aggregator.publish.schedule import dump_app_options, open_dump_builder, run_dumps
+from aggregator.publish.schedule import dump_app_options, run_dumps
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import validate_source
 from aggregator.run.compose import open_context
 from aggregator.testing.upstream import Upstream
 
+from .apps import create_app, open_dump_builder
 from .harvesting import harvest
 from .httpserver import serve_app
 

@@ -25,7 +25,7 @@ from aggregator.net.outbound import AddressPolicy
 from aggregator.run.serverguard import ServerLimits
 from aggregator.run.serving import serving
 from aggregator.store.state import connect
-from aggregator.websub.hub import Hub, HubLimits, topics_under
+from aggregator.websub.hub import Hub, HubLimits, delivery_client, topics_under
 
 LIMITS = ServerLimits(
     max_header_bytes=8 * 1024,
@@ -219,7 +219,7 @@ async def test_subscription_flood_gets_429_and_the_server_stays_responsive(tmp_p
         # No worker: requests stay waiting for verification (the counts include them).
         hub = holder["hub"] = Hub(
             connect(tmp_path / "hub.db"), hub_url=f"{base}/hub", allowed_topic=topics_under(base),
-            policy=AddressPolicy(), limits=limits,
+            policy=AddressPolicy(), limits=limits, client=delivery_client(AddressPolicy(), limits),
         )  # fmt: skip
         statuses: list[int] = []
         retry_after: set[str] = set()
@@ -284,7 +284,7 @@ async def test_hub_count_and_length_limits(tmp_path: Path) -> None:
     async with serving(Starlette(routes=[Route("/hub", hub_endpoint, methods=["POST"])])) as base:
         hub = holder["hub"] = Hub(
             connect(tmp_path / "hub.db"), hub_url=f"{base}/hub", allowed_topic=topics_under(base),
-            policy=AddressPolicy(), limits=limits,
+            policy=AddressPolicy(), limits=limits, client=delivery_client(AddressPolicy(), limits),
         )  # fmt: skip
         async with httpx.AsyncClient(timeout=20) as client:
 

@@ -32,9 +32,9 @@ from aggregator.harvest.notices import NotifiedHarvest
 from aggregator.harvest.oaipmh import OaiHarvest, set_key, sync_oaipmh
 from aggregator.harvest.pipeline import Failure, Pipeline, PipelineStats, Work
 from aggregator.harvest.source import end_unlisted_retries, poll_source, retry_failed, sync_source
-from aggregator.observe.metrics import current_source
 from aggregator.rs.model import UPDATED, Entry, Md
 from aggregator.run.compose import open_context
+from aggregator.scope import current_source
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import held, rsagg

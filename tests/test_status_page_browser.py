@@ -14,12 +14,12 @@ import pytest
 import trio
 
 from aggregator.config import parse_config
-from aggregator.publish.app import create_app
 from aggregator.rs.w3cdt import utcnow
 from aggregator.run.compose import open_context
 from aggregator.store.state import State
 from aggregator.testing.upstream import Upstream
 
+from .apps import create_app
 from .harvesting import harvest
 from .httpserver import serve_app
 

@@ -180,10 +180,12 @@ class _ClusterNode:
             lambda: self.config, connect(location), _Upstream(hub), client=client, settings=settings
         )
         self.node = Node(
-            self.config,
+            lambda: self.config,
             state=connect(location),
             start=self.start,
             stop=self.stop,
+            metrics=None,
+            fetcher=None,
             roles={"@orphans": self.orphans},
         )
 
@@ -204,7 +206,7 @@ class _ClusterNode:
 
     def reload(self, folder: Path, lb: str) -> None:
         """What a SIGHUP with a configuration without the source does to a node (daemon.py)."""
-        self.config = self.node.config = self.configure(folder, self.node.name, lb, follows=False)
+        self.config = self.configure(folder, self.node.name, lb, follows=False)
 
     def start(self, src: SourceConfig, fence: Fence) -> None:
         scope, done = trio.CancelScope(), trio.Event()

@@ -779,7 +779,7 @@ async def test_timemap_etag_names_one_body(tmp_path: Path, monkeypatch: pytest.M
 async def test_hot_route_passes_the_lifespan_on(tmp_path: Path):
     """The hot route sits in front of the router: a lifespan scope (no method, no path) goes through
     it to the app's lifespan, which starts up."""
-    from aggregator.publish.app import create_app
+    from .apps import create_app
 
     cfg = filled(tmp_path)
     blobs = FileBlobStore(cfg.store_path / "blobs")

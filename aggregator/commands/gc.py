@@ -139,10 +139,9 @@ def retention_for(config: Config, state: State) -> Retention:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..harvest.context import open_blob_store, prepare_store
-    from ..plugins.manager import Plugins
+    from ..harvest.context import prepare_store
+    from ..run.parts import blob_store, load_plugins, state_handle
     from ..store.lock import store_lock
-    from ..store.state import open_state
 
     config = start(args, sources_needed=False)  # a store outlives its sources: gc works without any
     if config is None:
@@ -160,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
                 )
         # With a grace period no lock: harvesters keep running, and two gcs at once are harmless (each
         # delete is conditional, and deleting a blob already gone is not an error).
-        blobs = open_blob_store(config, Plugins.from_config(config))
-        state = open_state(config)
+        blobs = blob_store(config, load_plugins(config))
+        state = state_handle(config)
         try:
             retention = retention_for(config, state)
             result = collect_garbage(state, blobs, grace=grace, dry_run=args.dry_run, retention=retention)

@@ -70,16 +70,16 @@ def collect(plugins: Plugins) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..observe.logs import setup_logging
-    from ..plugins.manager import Plugins
+    from ..run.parts import load_plugins
 
     setup_logging(args.log_level, args.log_format)
     try:
         if args.config:  # pydantic loads only with a configuration to read
             from ..config import load_config
 
-            plugins = Plugins.from_config(load_config(args.config))
+            plugins = load_plugins(load_config(args.config))
         else:
-            plugins = Plugins()
+            plugins = load_plugins(None)
     except ConfigError as exc:
         print(f"rsagg: config error: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from ._common import add_config_arguments, start
 
@@ -27,20 +26,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..harvest.context import check_store
     from ..observe.report import one_line
-    from ..store.state import open_state, state_path
+    from ..run.parts import check_store, state_exists, state_handle
 
     config = start(args)
     if config is None:
         return 2
     check_store(config)  # a store path that cannot work is an error
-    db = state_path(config)
-    if isinstance(db, Path) and not db.exists():  # a SQLite state not made yet (a server's is always there)
+    if not state_exists(config):  # a SQLite state not made yet (a server's is always there)
         rows: list[dict] = []
         cleared = 0
     else:
-        with open_state(config) as state:
+        with state_handle(config) as state:
             rows = [r for r in state.retry_rows(args.source) if not args.ended or r["state"] == "ended"]
             cleared = state.clear_retries(args.source, ended_only=args.ended) if args.clear else 0
     if args.json:

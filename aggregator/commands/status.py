@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from ._common import add_config_arguments, start
 
@@ -21,20 +20,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..harvest.context import check_store
     from ..observe.report import collect, table, unharvested
+    from ..run.parts import check_store, state_exists, state_handle
     from ..store.lock import harvester_running
-    from ..store.state import open_state, state_path
 
     config = start(args)
     if config is None:
         return 2
     check_store(config)  # a store path that cannot work is an error
-    db = state_path(config)
-    if isinstance(db, Path) and not db.exists():  # a SQLite state not made yet (a server's is always there)
+    if not state_exists(config):  # a SQLite state not made yet (a server's is always there)
         status = unharvested(config)
     else:
-        with open_state(config) as state:
+        with state_handle(config) as state:
             status = collect(state, config, running=harvester_running(config.store_path))
     if args.json:
         json.dump(status, sys.stdout, indent=2)

@@ -215,15 +215,22 @@ class SourceAccess:
 class Access:
     """The Fetcher's ``request_hook``: each hop of a request made for a source gets that source's rules.
 
-    It follows the running configuration (``follow``): after a reload (SIGHUP) each source's secrets
+    It follows the running configuration (``running``): after a reload (SIGHUP) each source's secrets
     are read again at its next request, and an added or changed source gets its credentials and rate.
     """
 
-    def __init__(self, config: Config, sources: Collection[str] | None = None) -> None:
-        """Reads the secrets of ``sources`` (names; None: every source) now, so that a missing one stops
-        the start; a command working on some sources (``--source``) needs only theirs. Any other
-        source's are read at its first request."""
-        self._config: Callable[[], Config] = lambda: config
+    def __init__(
+        self,
+        config: Config,
+        sources: Collection[str] | None = None,
+        *,
+        running: Callable[[], Config] | None = None,
+    ) -> None:
+        """Reads the secrets of ``sources`` (names; None: every source) of ``config`` now, so that a
+        missing one stops the start; a command working on some sources (``--source``) needs only theirs.
+        Any other source's are read at its first request. ``running``: the running configuration (the
+        harvest context's, which a reload replaces); None: ``config`` for good."""
+        self._config: Callable[[], Config] = running or (lambda: config)
         self._by_source: dict[str, tuple[Config, SourceAccess]] = {}
         #: The configuration last looked at, its sources by name (and their place in ``sources``): a
         #: request finds its source in one step, not by a scan of every source (quadratic in them).
@@ -231,9 +238,6 @@ class Access:
         for src in config.sources:
             if sources is None or src.name in sources:
                 self._access(config, src)
-
-    def follow(self, config: Callable[[], Config]) -> None:
-        self._config = config
 
     def _access(self, config: Config, src: SourceConfig) -> SourceAccess:
         """The source's access under ``config``; its secrets are read again for each new configuration

@@ -24,7 +24,7 @@ from ..progress_text import progress_figures
 from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
 
 if TYPE_CHECKING:  # the harvest's libraries (trio, httpx, prometheus-client) load with a HarvestContext:
-    # ``rsagg status`` and ``retries`` import this module for check_store only (benchmarks/bench_startup.py)
+    # ``rsagg status`` and ``retries`` import this module for prepare_store only (benchmarks/bench_startup.py)
     import trio
 
     from ..store.interface import StateStore
@@ -65,22 +65,10 @@ class HarvestMetrics(Protocol):
     def error(self, source: str, kind: str) -> None: ...
 
 
-def _patch_formats() -> dict[str, PatchApplier]:
-    from .patch import builtin_patch_formats
-
-    return builtin_patch_formats()
-
-
 def _one_writer() -> trio.CapacityLimiter:
     import trio
 
     return trio.CapacityLimiter(1)
-
-
-def _metrics() -> HarvestMetrics:
-    from ..observe.metrics import Metrics
-
-    return Metrics()
 
 
 @dataclass
@@ -90,29 +78,23 @@ class HarvestContext:
     blobs: BlobStore
     reader: StateStore
     writer: StateStore
-    patch_formats: dict[str, PatchApplier] = field(default_factory=_patch_formats)
-    plugins: Plugins = field(default_factory=lambda: Plugins(entry_point_plugins=False))
+    patch_formats: dict[str, PatchApplier]
+    plugins: Plugins
+    #: This process's metrics (``metrics.py``); the pipeline and ``sync_source`` report to it.
+    metrics: HarvestMetrics
+    #: Where CPU-bound page work runs (``harvest/offload.py``): worker processes (``harvest.processes``)
+    #: or worker threads with ``blobs``.
+    offload: Offload
+    #: Called on the trio thread after each state transaction that logged changes (rsagg's notifier
+    #: publishes them at once instead of at its next look: the composition hands ``Notifier.wake``).
+    commit_listeners: tuple[Callable[[], None], ...]
     #: source -> (done, expected or None): live progress of the running baseline (``harvest/progress.py``).
     progress: dict[str, tuple[int, int | None, float | None]] = field(default_factory=dict)
     _write_limiter: trio.CapacityLimiter = field(default_factory=_one_writer)
-    #: Called on the trio thread after each state transaction that logged changes (rsagg's notifier
-    #: publishes them at once instead of at its next look; the composition adds ``Notifier.wake``).
-    commit_listeners: list[Callable[[], None]] = field(default_factory=list)
-    #: This process's metrics (``metrics.py``); the pipeline and ``sync_source`` report to it.
-    metrics: HarvestMetrics = field(default_factory=_metrics)
-    #: Where CPU-bound page work runs (``harvest/offload.py``): worker processes when the composition
-    #: gives them (``harvest.processes``), else worker threads with ``blobs``.
-    offload: Offload | None = None
     _progress_unsaved: dict[str, tuple[int, int | None, float | None]] = field(default_factory=dict)
     _progress_saved_at: float = 0.0
     #: source -> state writes that ride along with the next write made for that source (``write_later``).
     _later: dict[str, list[Callable[[], object]]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.offload is None:
-            from .offload import Offload
-
-            self.offload = Offload(self.blobs)
 
     def committed(self) -> None:
         for listener in self.commit_listeners:
@@ -231,18 +213,6 @@ def prepare_store(config: Config, *, create: bool = True) -> Path:
         raise ConfigError(
             config.file, "store.path", f"cannot use {str(root)!r} as the store folder: {exc.strerror or exc}"
         ) from None
-    return root
-
-
-def check_store(config: Config) -> Path:
-    """For the commands that only read (``status``, ``retries``): the store folder is usable, the plugins
-    named exist, and a backend other than the local one starts with its settings (for S3 that is one
-    request to the bucket). Nothing is created. Raises ConfigError naming the key."""
-    root = prepare_store(config, create=False)
-    plugins = Plugins.from_config(config)
-    if config.store.backend != "filesystem":
-        store = open_blob_store(config, plugins)
-        getattr(store, "close", lambda: None)()
     return root
 
 

@@ -238,7 +238,6 @@ class OaiHarvest:
 
     async def _store_page(self, data: bytes, url: str) -> tuple[Page, list[StoredRecord], Exception | None]:
         offload = self.ctx.offload
-        assert offload is not None  # HarvestContext always holds one (its own, when not given one)
         return await offload.run(store_page, data, url)
 
     def _check(self, page: Page, url: str) -> None:

@@ -15,8 +15,6 @@ import sys
 from ..errors import environmental_leaf, operator_line
 
 # Re-exported: run/compose.py and run/workers.py import them from here (their home is redact.py).
-from ..redact import add_secrets as add_secrets
-from ..redact import config_secrets as config_secrets
 from ..redact import redact
 
 #: Libraries whose DEBUG (or INFO) output holds request headers or whole requests: kept at WARNING.

@@ -2,8 +2,7 @@
 
 Why one ``Metrics`` object with its own ``CollectorRegistry`` instead of prometheus-client's global one:
 tests run several harvesters and publishers in one process, and each must count only its own work. The
-daemon makes one per process (``open_context``) and hands it to the publisher app; ``default_metrics()``
-is the process-wide fallback for an app built without one.
+composition makes one per process (run/compose.py) and hands it to the harvest and the publisher app.
 
 Where the numbers come from (what is wired where):
 
@@ -311,7 +310,19 @@ def _dirs(path: str) -> list[os.DirEntry[str]]:
 class Metrics:
     """Every metric family of one rsagg process, in its own registry (see the module docstring)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        process: bool = True,
+        plugins: Callable[[], Iterable[Any]] = tuple,
+        store: Any = None,
+        notifications: Callable[[], Any] | None = None,
+    ) -> None:
+        """Where scrape-time numbers come from, handed in by the composition: ``plugins``, a getter of
+        every ``Plugins`` of the process (failures: the harvest's and each publisher app's); ``store``,
+        the blob store (size; dedup via its ``on_commit``); ``notifications``, a getter of the
+        ``Notifications`` (hub and subscriber counters)."""
         r = self.registry = registry if registry is not None else CollectorRegistry()
         #: source -> the one line of a store failure the state could not record (``failure_not_recorded``).
         self.unrecorded_failures: dict[str, str] = {}
@@ -421,6 +432,10 @@ class Metrics:
             "rsagg_store_dedup_saved_bytes", "Bytes not written because the store had the blob", registry=r
         )
         self.store_size = StoreSize()
+        if store is not None:
+            self.store_size.attach(store)
+            if getattr(store, "on_commit", False) is None:  # FileBlobStore, not yet counted elsewhere
+                store.on_commit = self.blobs_committed
 
         # -- served requests (with the worker processes' counts: ``_collect_served``)
         self.http_requests = Counter(
@@ -467,8 +482,8 @@ class Metrics:
         )
 
         # -- read when scraped
-        self._plugins: list[Any] = []  # every Plugins of the process (harvest's, each publisher app's)
-        self._notifications: Callable[[], Any] = lambda: None
+        self._plugins = plugins
+        self._notifications: Callable[[], Any] = notifications or (lambda: None)
         self._state_snapshot: dict[str, Any] = {}
         self._counts: tuple[float, dict[str, int]] = (-float("inf"), {})
         r.register(_Callback(self._collect_errors))
@@ -481,22 +496,6 @@ class Metrics:
         r.register(_Callback(self._collect_served))
 
     # ------------------------------------------------------------------ wiring
-
-    def attach(
-        self, *, plugins: Any = None, store: Any = None, notifications: Callable[[], Any] | None = None
-    ) -> None:
-        """Where scrape-time numbers come from: ``Plugins`` (failures; every one attached counts), the
-        blob store (size; dedup via its ``on_commit``), a getter of ``Notifications`` (hub and subscriber
-        counters). A store attached already stays (the harvest context attaches before its app)."""
-        if plugins is not None and not any(p is plugins for p in self._plugins):
-            self._plugins.append(plugins)
-        if notifications is not None:
-            self._notifications = notifications
-        if store is not None:
-            if self.store_size.root is None:
-                self.store_size.attach(store)
-            if getattr(store, "on_commit", False) is None:  # FileBlobStore, not yet counted elsewhere
-                store.on_commit = self.blobs_committed
 
     def count_workers(self, path: str | None) -> None:
         """Add the serving families the worker processes (``workers.py``) write in ``path`` to this
@@ -648,7 +647,7 @@ class Metrics:
 
     def _plugin_failures(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for plugins in self._plugins:
+        for plugins in self._plugins():
             for name in plugins.names():
                 out.setdefault(name, 0)
             for name, n in plugins.failures.items():
@@ -897,19 +896,6 @@ class ServedMetrics:
             self.metrics.served(route, method, code, time.perf_counter() - start)
 
 
-_default: Metrics | None = None
-_default_lock = threading.Lock()
-
-
-def default_metrics() -> Metrics:
-    """The process-wide Metrics (for an app or context built without one)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Metrics()
-        return _default
-
-
 __all__ = [
     "CONTENT_TYPE",
     "FAMILIES",
@@ -917,8 +903,6 @@ __all__ = [
     "Metrics",
     "ServedMetrics",
     "StoreSize",
-    "current_source",  # re-exported: aggregator/scope.py is its home
-    "default_metrics",
     "error_kind",
     "sample_names",
     "status_class",

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import BaseRoute, Route
 
 from ..store.interface import StateStore
 from ..store.lock import harvester_running
 from . import report as status
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, Metrics
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -70,28 +71,49 @@ td.lag, td.success, td.progress { white-space: nowrap; }
 """
 
 
-def _status(pub: Publisher, state: StateStore) -> dict[str, Any]:
+def status_routes(metrics: Metrics) -> list[BaseRoute]:
+    """``/``, ``/status.json`` and ``/metrics`` over ``metrics`` (this process's): the composition hands
+    them to the publisher app, which knows nothing of observe/."""
+    get = ["GET", "HEAD"]
+
+    async def home_page(request: Request) -> Response:
+        return await home(request, metrics)
+
+    async def status_json_page(request: Request) -> Response:
+        return await status_json(request, metrics)
+
+    async def metrics_page(request: Request) -> Response:
+        return await exposition(request, metrics)
+
+    return [
+        Route("/", home_page, methods=get),
+        Route("/status.json", status_json_page, methods=get),
+        Route("/metrics", metrics_page, methods=get),
+    ]
+
+
+def _status(pub: Publisher, state: StateStore, metrics: Metrics) -> dict[str, Any]:
     return status.collect(
         state,
         pub.config,
         running=harvester_running(pub.config.store_path),
-        unrecorded=pub.metrics.unrecorded_failures,
+        unrecorded=metrics.unrecorded_failures,
     )
 
 
-async def status_json(request: Request) -> Response:
+async def status_json(request: Request, metrics: Metrics) -> Response:
     pub: Publisher = request.app.state.publisher
-    body = await pub.run(lambda state: _status(pub, state))
+    body = await pub.run(lambda state: _status(pub, state, metrics))
     return JSONResponse(body, headers={"cache-control": "no-store"})
 
 
-async def metrics(request: Request) -> Response:
+async def exposition(request: Request, metrics: Metrics) -> Response:
     """Refresh what is read from the state (and the store's size), then expose; both in a worker thread."""
     pub: Publisher = request.app.state.publisher
 
     def scrape(state: StateStore) -> bytes:
-        pub.metrics.refresh_from_state(state)
-        return pub.metrics.exposition()
+        metrics.refresh_from_state(state)
+        return metrics.exposition()
 
     return Response(await pub.run(scrape), media_type=CONTENT_TYPE, headers={"cache-control": "no-store"})
 
@@ -174,13 +196,13 @@ setInterval(refresh, REFRESH_MS);
 """
 
 
-async def home(request: Request) -> Response:
+async def home(request: Request, metrics: Metrics) -> Response:
     pub: Publisher = request.app.state.publisher
 
     def build(state: StateStore) -> tuple[Any, dict, dict]:
         site = pub.site(state)
         dumps = {name: site.dumps_available(name) or {} for name in site.sets}
-        return site, _status(pub, state), dumps
+        return site, _status(pub, state, metrics), dumps
 
     site, st, dumps = await pub.run(build)
     sources = "\n".join(_source_row(r) for r in st["sources"])
@@ -236,4 +258,4 @@ for a set read from its Resource List alone, the time since the last successful 
     return HTMLResponse(page, headers={"cache-control": "no-store"})
 
 
-__all__ = ["home", "metrics", "status_json"]
+__all__ = ["exposition", "home", "status_json", "status_routes"]

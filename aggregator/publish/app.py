@@ -3,9 +3,7 @@
 URL layout (SET = published set name, see ``aggregator/store/sets.py``; ``publish/documents.py`` builds the
 documents, ``publish/resources.py`` serves the resources, ``publish/uris.py`` maps the URIs)::
 
-    /                                   HTML home page: live status of sources and sets (``observe/page.py``)
-    /status.json                        that status as JSON (``observe/report.py``, as ``rsagg status``)
-    /metrics                            Prometheus metrics, text format 0.0.4 (``observe/metrics.py``)
+    /, /status.json, /metrics           the operator's routes the composition hands in (``status_routes``)
     /robots.txt                         a Sitemap: line per set's Resource List (§6.3.4)
     /.well-known/resourcesync           Source Description (§6.3.2, §8)
     /SET/capabilitylist.xml             Capability List (§9)
@@ -44,29 +42,26 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import anyio.lowlevel
 import trio
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
 
 from ..config import Config
-from ..observe import page as status_page
-from ..observe.metrics import Metrics, ServedMetrics, default_metrics
 from ..plugins.manager import Plugins
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore, StateUnavailable
+from ..store.rows import Resource
 from ..store.sets import PublishedSet
-from ..store.state import Resource, connect
 from . import documents, versions
-from .doccache import CacheWriter, DocumentCache, fingerprint
+from .doccache import DocumentCache, fingerprint
 from .documents import (
     CACHE_CLOSED,
     CACHE_OPEN,
@@ -81,6 +76,7 @@ from .documents import (
 from .fastpath import ResourceFastPath
 from .resources import LiteRequest, gone, http_date, remote_response, resource_answer, validators_match
 from .site import build_site, link_policy, publish_filter
+from .streaming import DOC_CHUNK, XML, DocumentResponse
 from .uris import BasePath, base_path, number, split_resource_path
 
 log = logging.getLogger("rsagg.publish")
@@ -88,9 +84,6 @@ log = logging.getLogger("rsagg.publish")
 RENDERING = 2  # 2: §14.6 memento/timegate/timemap links in list entries
 T = TypeVar("T")
 
-XML = "application/xml"
-#: A document stream is cut after this long (hypercorn does not notice every stalled client).
-DOCUMENT_DEADLINE = 3600.0
 #: Idle read connections kept for reuse.
 POOL_IDLE = 8
 #: Seconds a request waits for a database connection when all ``server.max_readers`` are in use.
@@ -99,8 +92,13 @@ READER_WAIT = 10.0
 Build = Callable[[Site, StateStore, PublishedSet, datetime], "Doc | None"]
 Validate = Callable[[Site, StateStore, PublishedSet], "Validity | None"]
 FILE_CHUNK = 256 * 1024
-#: Bytes of a rendering handed over per worker-thread call (each call costs wake-ups on both sides).
-DOC_CHUNK = 256 * 1024
+
+
+class ServedCounter(Protocol):
+    """What the publisher reports of the requests it serves (``observe.metrics.Metrics`` is one): the
+    fast path counts the requests it answers itself, past the middleware that counts the others."""
+
+    def served(self, route: str, method: str, code: int, seconds: float) -> None: ...
 
 
 class ServerBusy(Exception):
@@ -108,8 +106,8 @@ class ServerBusy(Exception):
 
 
 class ReaderPool:
-    """Read-only state connections (``store.state.connect(readonly=True)``), reused across requests, at most
-    ``max_open`` at once.
+    """Read-only state connections (opened by ``open_reader``, which the composition hands in), reused
+    across requests, at most ``max_open`` at once.
 
     A connection is used by one request at a time (sqlite3 connections must not be shared
     concurrently). Each may hold a 16 MiB page cache and a document stream keeps its connection while it
@@ -120,9 +118,14 @@ class ReaderPool:
     """
 
     def __init__(
-        self, path: Path | str, *, max_idle: int = POOL_IDLE, max_open: int = 32, wait: float | None = None
+        self,
+        open_reader: Callable[[], StateStore],
+        *,
+        max_idle: int = POOL_IDLE,
+        max_open: int = 32,
+        wait: float | None = None,
     ) -> None:
-        self.path = path
+        self.open_reader = open_reader
         self.max_idle = max_idle
         self.max_open = max_open
         self.wait = READER_WAIT if wait is None else wait
@@ -148,7 +151,7 @@ class ReaderPool:
         if state is None:
             self._opening += 1
             try:
-                state = await trio.to_thread.run_sync(lambda: connect(self.path, readonly=True, cache_mib=16))
+                state = await trio.to_thread.run_sync(self.open_reader)
             finally:
                 self._opening -= 1
         self._lent.add(state)
@@ -191,22 +194,29 @@ async def busy(request: Request, exc: Exception) -> Response:
 
 
 class Publisher:
-    """What every handler shares (``request.app.state.publisher``)."""
+    """What every handler shares (``request.app.state.publisher``); its parts are built by the composition
+    (``run/compose.py``) and handed in."""
 
     def __init__(
         self,
         config: Config,
         blobs: BlobStore,
-        state_path: Path | str,
-        dumps_available: DumpsAvailable | None = None,
-        plugins: Plugins | None = None,
-        extra_capabilities: ExtraCapabilities | None = None,
-        metrics: Metrics | None = None,
+        *,
+        pool: ReaderPool,
+        open_watcher: Callable[[], StateStore],
+        cache_folder: Path,
+        plugins: Plugins,
+        metrics: ServedCounter,
+        dumps_available: DumpsAvailable = no_dumps,
+        extra_capabilities: ExtraCapabilities = no_extra_capabilities,
     ) -> None:
+        """``pool``: the read connections of the requests; ``open_watcher``: opens the read-only handle
+        whose ``version()`` the hot route watches (``fastpath.py``); ``cache_folder``: where renderings
+        are cached."""
         self.config = config
-        self.metrics = metrics or default_metrics()
+        self.metrics = metrics
         self.blobs = blobs
-        self.state_path = state_path
+        self.open_watcher = open_watcher
         #: When this configuration took effect: Last-Modified of the documents built from it alone.
         self.started = utcnow()
         #: Everything but the state that decides a document's bytes: names its rendering cache.
@@ -214,20 +224,17 @@ class Publisher:
             config.server.base_url, config.sets, config.publish, config.plugins,
             [s.plugins for s in config.sources], documents.MAX_ENTRIES, RENDERING,
         )  # fmt: skip
-        # Renderings are cached beside a state file, else (a state in a server) in the store folder.
-        folder = state_path.parent if isinstance(state_path, Path) else Path(config.store_path)
-        self.documents = DocumentCache(folder / "cache" / "documents", self.fingerprint)
-        self.pool = ReaderPool(state_path, max_open=config.server.max_readers)
+        self.documents = DocumentCache(cache_folder / "cache" / "documents", self.fingerprint)
+        self.pool = pool
         #: Short calls (``run``) in flight: no more than the pool keeps idle, since more meant a connection
         #: opened and closed per call under load (~0.3 ms each); document streams are not counted here.
         self._short_calls = trio.CapacityLimiter(POOL_IDLE)
-        self.plugins = plugins or Plugins.from_config(config)
+        self.plugins = plugins
         self.policy = link_policy(config, self.plugins)
         #: ``visible(set name, resource)``: the plugins' publish filter, for every view.
         self.visible = publish_filter(self.plugins)
-        self.dumps_available: DumpsAvailable = dumps_available or no_dumps
-        self.extra_capabilities: ExtraCapabilities = extra_capabilities or no_extra_capabilities
-        self.metrics.attach(plugins=self.plugins, store=blobs)
+        self.dumps_available: DumpsAvailable = dumps_available
+        self.extra_capabilities: ExtraCapabilities = extra_capabilities
 
     @property
     def base_url(self) -> str:
@@ -252,67 +259,6 @@ class Publisher:
 
 # ---------------------------------------------------------------------------------------------------
 # Documents
-
-
-class DocumentResponse(StreamingResponse):
-    """A ResourceSync document streamed as it is read from the state (or from its cached rendering);
-    gives its connection back to the pool when done, whatever happened (finished, client gone,
-    deadline). ``tee``: the rendering also goes there, committed to the cache once whole."""
-
-    def __init__(
-        self,
-        doc: Doc | Iterator[bytes],
-        release: Callable[[], None],
-        *,
-        headers: dict[str, str] | None = None,
-        tee: CacheWriter | None = None,
-    ) -> None:
-        chunks = (
-            iter_document_bytes(*doc, chunk_size=DOC_CHUNK, flush_head=True)
-            if isinstance(doc, tuple)
-            else doc
-        )
-        self._chunks = _teed(chunks, tee) if tee is not None else chunks
-        self._release = release
-        super().__init__(self._body(), media_type=XML, headers=headers)
-
-    async def _body(self) -> AsyncIterator[bytes]:
-        try:
-            while True:
-                chunk = await trio.to_thread.run_sync(next, self._chunks, None)
-                if chunk is None:
-                    return
-                yield chunk
-        finally:
-            close = getattr(self._chunks, "close", None)
-            if close is not None:
-                close()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            with trio.move_on_after(DOCUMENT_DEADLINE) as cs:
-                await super().__call__(scope, receive, send)
-            if cs.cancelled_caught:
-                log.warning("document %s cut after %.0f s", scope.get("path"), DOCUMENT_DEADLINE)
-        finally:
-            with trio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            self._release()
-
-
-def _teed(chunks: Iterator[bytes], writer: CacheWriter) -> Iterator[bytes]:
-    """``chunks``, written to ``writer`` too: committed when the last one went out, else dropped."""
-    whole = False
-    try:
-        for chunk in chunks:
-            writer.write(chunk)
-            yield chunk
-        whole = True
-    finally:
-        if whole:
-            writer.commit()
-        else:
-            writer.abort()
 
 
 def _file_chunks(f: BinaryIO) -> Iterator[bytes]:
@@ -525,27 +471,19 @@ async def robots(request: Request) -> Response:
 
 
 def create_app(
-    config: Config,
+    publisher: Publisher,
     *,
-    blobs: BlobStore,
-    state_path: Path | str,
+    status_routes: Sequence[BaseRoute],
     extra_routes: Sequence[BaseRoute] = (),
-    dumps_available: DumpsAvailable | None = None,
-    plugins: Plugins | None = None,
-    extra_capabilities: ExtraCapabilities | None = None,
-    metrics: Metrics | None = None,
+    middleware: Sequence[Middleware] = (),
 ) -> Starlette:
-    """The publishing app over the store the harvester fills (see the module docstring).
+    """The publishing app of ``publisher`` (see the module docstring), built by the composition.
 
-    ``metrics``: where served requests are counted and what ``/metrics`` shows (the daemon passes its
-    harvest context's; default: the process-wide ``default_metrics()``).
+    ``status_routes``: the operator's views (``/``, ``/status.json``, ``/metrics``: observe/page.py);
+    ``extra_routes``: matched first (notifications, dumps); ``middleware``: inside the base path's, around
+    the routes (the served-request metrics).
     """
-    if not (isinstance(state_path, str) and "://" in state_path):  # a file, not a server's URL
-        state_path = Path(state_path)
-        state_path.parent.mkdir(parents=True, exist_ok=True)
-    connect(state_path, synchronous=config.store.synchronous).close()  # create / migrate the schema
-    publisher = Publisher(config, blobs, state_path, dumps_available, plugins, extra_capabilities, metrics)
-
+    config = publisher.config
     fast: list[ResourceFastPath] = []  # the hot route's middleware, once starlette has built it
 
     @contextlib.asynccontextmanager
@@ -566,9 +504,7 @@ def create_app(
     memento_route = Route("/{set}/memento/{rest:path}", versions.memento, methods=get)
     routes: list[BaseRoute] = [
         *extra_routes,
-        Route("/", status_page.home, methods=get),
-        Route("/status.json", status_page.status_json, methods=get),
-        Route("/metrics", status_page.metrics, methods=get),
+        *status_routes,
         Route("/robots.txt", robots, methods=get),
         Route("/.well-known/resourcesync", well_known, methods=get),
         Route("/{set}/capabilitylist.xml", capabilitylist, methods=get),
@@ -586,7 +522,6 @@ def create_app(
         Route("/{set}/timegate/{rest:path}", versions.timegate, methods=get),
         Route("/{set}/timemap/{rest:path}", versions.timemap, methods=get),
     ]
-    served = Middleware(ServedMetrics, metrics=publisher.metrics)  # by route template (metrics.py)
 
     def hot(inner: Any) -> ResourceFastPath:
         fast.append(
@@ -601,7 +536,7 @@ def create_app(
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[prefix, served, Middleware(hot)],
+        middleware=[prefix, *middleware, Middleware(hot)],
         exception_handlers={ServerBusy: busy, StateUnavailable: busy},  # the state's server away: 503 too
     )
     app.state.publisher = publisher
@@ -612,4 +547,4 @@ def create_app(
     return app
 
 
-__all__ = ["DocumentResponse", "Publisher", "ReaderPool", "ServerBusy", "create_app"]
+__all__ = ["Publisher", "ReaderPool", "ServedCounter", "ServerBusy", "create_app"]

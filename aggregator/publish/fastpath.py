@@ -63,7 +63,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..rs.w3cdt import utcnow
 from ..store.calls import limiter_of
 from ..store.interface import StateStore
-from ..store.state import Resource, connect, local_commit_mark
+from ..store.rows import Resource
+from ..store.state import local_commit_mark
 from .resources import (
     SMALL_BLOB,
     LiteRequest,
@@ -270,9 +271,7 @@ class ResourceFastPath:
         #: (ServerBusy, its handler): this middleware is outside starlette's exception handlers
         self.busy = busy
         # A handle of its own, not one of the pool's: read in the event loop, between requests.
-        self.cache = HotCache(
-            lambda: connect(publisher.state_path, readonly=True, busy_timeout=0.1, cache_mib=1)
-        )
+        self.cache = HotCache(publisher.open_watcher)
         self.offload = publisher.config.server.offload
         self.location = publisher.config.server.offload_location
         self.lifetime = publisher.config.server.redirect_lifetime

@@ -25,9 +25,7 @@ import trio
 from ..config import Config
 from ..plugins.manager import Plugins
 from ..rs.w3cdt import utcnow
-from ..store.blobs import BlobStore
 from ..store.interface import StateStore
-from ..store.state import open_state
 from .documents import Site
 from .dumps import DumpBuilder, dump_routes
 from .site import build_site, link_policy, publish_filter, view_fingerprint
@@ -60,9 +58,12 @@ class Wake:
             self._event = trio.Event()
 
 
-class _Current:
+class CurrentView:
     """The fingerprint of the running configuration and plugins, computed once per pair (by identity:
-    routes ask for it on every request)."""
+    routes ask for it on every request), and the Site a dump package is built from: a DumpBuilder's
+    ``fingerprint`` and ``site_of`` (the composition builds the one DumpBuilder of a process with them:
+    every package is built with the running publish filter and recorded under its fingerprint, and only
+    packages of the current fingerprint are served)."""
 
     def __init__(self, get_config: Callable[[], Config], get_plugins: Callable[[], Plugins]) -> None:
         self.get_config, self.get_plugins = get_config, get_plugins
@@ -79,31 +80,6 @@ class _Current:
 
     def site(self, state: StateStore) -> Site:
         return _site(self.get_config(), self.get_plugins(), state)
-
-
-def open_dump_builder(
-    config: Config,
-    blobs: BlobStore,
-    *,
-    get_config: Callable[[], Config] | None = None,
-    get_plugins: Callable[[], Plugins] | None = None,
-) -> DumpBuilder | None:
-    """The process's one DumpBuilder over a state handle of its own (None when dumps are off); the
-    composition builds it once and hands it to the app, the schedule and the notifier.
-
-    ``get_config`` / ``get_plugins``: the running configuration and plugins (default: ``config`` and its
-    plugins for good); every package is built with their publish filter and recorded under their
-    fingerprint, and only packages of the current fingerprint are served."""
-    if config.publish.dump_interval <= 0:
-        return None
-    if get_plugins is None:
-        plugins = Plugins.from_config(config)
-        get_plugins = lambda: plugins  # noqa: E731
-    current = _Current(get_config or (lambda: config), get_plugins)
-    return DumpBuilder(
-        open_state(config), blobs, base_url=config.server.base_url, fingerprint=current.fingerprint,
-        site_of=current.site,
-    )  # fmt: skip
 
 
 def dump_app_options(builder: DumpBuilder | None, options: dict[str, Any]) -> dict[str, Any]:

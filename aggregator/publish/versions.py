@@ -480,7 +480,7 @@ async def timemap(request: Request) -> Response:
     """``/SET/timemap/[AFTER/]<mapped>``: RFC 7089 §5 link-format, the mementos retained and shown,
     oldest first, TIMEMAP_PAGE a page (``rel="next"`` to the next page), streamed as it is read.
     A deleted resource keeps its TimeMap."""
-    from .app import DocumentResponse  # the document streamer: a pooled connection held while it streams
+    from .streaming import DocumentResponse  # a pooled connection held while it streams
 
     pub = request.app.state.publisher
     raw = _raw_path(request)

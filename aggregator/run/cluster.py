@@ -37,7 +37,7 @@ import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import trio
@@ -47,6 +47,9 @@ from ..rs.w3cdt import utcnow
 from ..store.calls import in_thread
 from ..store.interface import Fence, LeaseLost, NodeRow, StateStore, fenced
 from ..store.nodes import alive, follows
+
+if TYPE_CHECKING:
+    from ..observe.metrics import Metrics
 
 log = logging.getLogger("rsagg.cluster")
 
@@ -68,24 +71,38 @@ StartSource = Callable[[SourceConfig, Fence], None]
 StopSource = Callable[[str], trio.Event]
 
 
+class HostShares(Protocol):
+    """Where the per-host request limits are split among the nodes (``harvest/fetch.py``'s ``Fetcher``)."""
+
+    def set_host_shares(self, sharers: dict[str, int], default: int) -> None: ...
+
+
 class Node:
     """This process as a cluster node: it decides which sources the daemon harvests (``run``).
 
     ``state`` is the node's own handle, opened and closed by whoever built it (compose.py's
     ``start_node``): not the harvester's, so beats never queue behind this process's harvest writes."""
 
+    @property
+    def config(self) -> Config:
+        """The running configuration."""
+        return self.get_config()
+
     def __init__(
         self,
-        config: Config,
+        get_config: Callable[[], Config],
         *,
         state: StateStore,
         start: StartSource,
         stop: StopSource,
-        metrics: Any = None,
-        fetcher: Any = None,
-        roles: Mapping[str, Callable[[], Awaitable[Any]]] | None = None,
+        metrics: Metrics | None,
+        fetcher: HostShares | None,
+        roles: Mapping[str, Callable[[], Awaitable[Any]]],
     ) -> None:
-        self.config = config
+        """``get_config``: the running configuration (a reload replaces it: the next beat follows);
+        ``fetcher``: where the per-host limits are split among the nodes (the harvest's ``Fetcher``)."""
+        self.get_config = get_config
+        config = get_config()
         self.name = node_name(config)
         self.lease_seconds = config.cluster.lease_seconds
         self.state = state
@@ -99,7 +116,7 @@ class Node:
         self._nursery: trio.Nursery | None = None
         #: Work one node of the cluster does at a time (e.g. "@dumps": building the dumps), each run
         #: while this node holds the lease of that name (names start with "@": never a source's).
-        self.roles = dict(roles or {})
+        self.roles = dict(roles)
         self.roles_held: dict[str, tuple[Fence, trio.CancelScope]] = {}
         if metrics is not None:
             metrics.cluster_node_info.labels(self.name).set(1)

@@ -2,29 +2,32 @@
 
 Why one place: every stage gets what it needs handed in, typed, at construction (nothing set on it
 from outside later), and the order of wiring is written down here instead of being implied by the
-daemon's start-up. The stages do not know each other: harvest/, publish/ and websub/ import only
-``rs``, the HTTP layer, ``store``, ``config``, ``plugins`` and the shared helpers (tests/test_imports.py);
-this module, the daemon and the commands sit above them.
+daemon's start-up. The stages do not know each other: harvest/, publish/ and websub/ import only the
+floors (tests/test_imports.py); this module, the daemon and the commands sit above them. The builders
+themselves are in ``run/parts.py`` (the one module that opens state handles); here they are called in
+order and their lifetimes kept.
 
 - ``open_context(config)``: the parts every run shares — plugins, the blob store, metrics, the one
   HTTP ``Fetcher``, the state (a writer and a reader handle) — as the harvest stage's ``HarvestContext``.
   ``rsagg harvest`` and ``rsagg audit`` need no more.
-- ``assemble(ctx, ...)``: a daemon's parts on top of it, in this order: the dump builder (its own state
-  handle; off when ``publish.dump_interval = 0``), then notifications (hub, notifier, subscriber, each with
-  a state handle of its own; the subscriber gets a ``Harvester`` of ``ctx``, the notifier the dump
-  builder, the harvest context the notifier's wake-up as a commit listener, the metrics the counters).
-  ``Assembly.app(config)`` builds the publisher for a configuration (start and every reload) from them,
-  with that configuration's plugins (``Assembly.plugins_for``); the dump builder reads the running
-  configuration and its plugins through getters, so its publish filter is the lists' after a reload too.
+- ``open_assembly(config, ...)``: a daemon's parts: those, and before the harvest context the dump
+  builder (its own state handle; off when ``publish.dump_interval = 0``) and rsagg's own channels (hub,
+  notifier: the harvest context gets the notifier's wake-up as a commit listener), then the subscriber
+  (a ``Harvester`` of the context). ``Assembly.app(config)`` builds the publisher for a configuration
+  (start and every reload) with that configuration's plugins (``Assembly.plugins_for``); the dump
+  builder and the notifier read the running configuration and its plugins through getters.
+- ``worker_app(config)``: the publisher of a serving worker process (run/workers.py).
 - ``start_node(parts, ...)``: on a cluster node (``[cluster] enabled``), this process as a ``cluster.Node``
   with a state handle of its own, opened here and closed here once the node has left the cluster.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -32,17 +35,18 @@ import trio
 
 from ..config import Config
 from ..harvest.access import Access, user_agent
-from ..harvest.context import HarvestContext, open_blob_store, prepare_store, store_recipe
+from ..harvest.context import HarvestContext, prepare_store, store_recipe
 from ..harvest.fetch import Fetcher
 from ..harvest.notices import NotifiedHarvest
 from ..harvest.offload import Offload
 from ..harvest.source import FollowedSources
 from ..net import outbound
-from ..observe.logs import add_secrets, config_secrets
-from ..observe.metrics import Metrics, current_source
+from ..observe.metrics import Metrics
 from ..plugins.manager import Plugins
+from ..redact import add_secrets, config_secrets
+from ..scope import current_source
 from ..store.blobs import BlobStore
-from ..store.state import open_state, state_path
+from . import parts as build
 from .cluster import Node, StartSource, StopSource
 
 if TYPE_CHECKING:
@@ -59,22 +63,62 @@ if TYPE_CHECKING:
 async def open_context(
     config: Config, sources: Collection[str] | None = None
 ) -> AsyncIterator[HarvestContext]:
-    """Open the store, the state (reader + writer handles) and the one HTTP client for a run.
+    """The parts of a one-shot run (``rsagg harvest``, ``rsagg audit``) as a ``HarvestContext``.
 
     ``sources``: the names of the sources the run works on (``--source``), whose secrets must be there
-    now; None: every configured source's (a daemon, which a reload may set to work on any of them)."""
+    now; None: every configured source's."""
+    async with _open(config, sources, None) as (ctx, _parts):
+        yield ctx
+
+
+@asynccontextmanager
+async def open_assembly(
+    config: Config,
+    *,
+    harvest: bool = True,
+    hub_limits: HubLimits | None = None,
+    settings: SubscriberSettings | None = None,
+    poll_interval: float = 1.0,
+    framework_interval: float = 5.0,
+) -> AsyncIterator[Assembly]:
+    """A daemon's parts (nothing runs yet: ``run_assembly``). ``harvest``: whether this process
+    harvests (then it also follows upstream notification channels); the rest: the notifications'
+    bounds and intervals."""
+    options = _DaemonOptions(harvest, hub_limits, settings, poll_interval, framework_interval)
+    async with _open(config, None, options) as (_ctx, parts):
+        assert parts is not None
+        yield parts
+
+
+@dataclass
+class _DaemonOptions:
+    harvest: bool
+    hub_limits: HubLimits | None
+    settings: SubscriberSettings | None
+    poll_interval: float
+    framework_interval: float
+
+
+@asynccontextmanager
+async def _open(
+    config: Config, sources: Collection[str] | None, daemon: _DaemonOptions | None
+) -> AsyncIterator[tuple[HarvestContext, Assembly | None]]:
+    """Build every part in order (docs/architecture.md "The composition root"); close them in reverse."""
     hc = config.harvest
     # Secret values of the backend's and the plugins' settings (S3 keys...) never reach a log line.
     add_secrets(config_secrets(config))
-    access = Access(config, sources)  # reads those secrets: a missing one stops here (a ConfigError)
+    built: list[HarvestContext] = []  # the harvest context, once built below: its config is the running one
+    # Access reads those secrets: a missing one stops here (a ConfigError). A reloaded config's
+    # credentials and rates apply at once.
+    access = Access(config, sources, running=lambda: built[0].config if built else config)
     prepare_store(config)  # the store folder exists and is writable (a ConfigError otherwise)
-    plugins = Plugins.from_config(config)
-    blobs = open_blob_store(config, plugins)
-    writer = open_state(config, cache_mib=config.store.cache_mib)
-    # The reader only walks the (set_id, uri) index for lookups: a small cache holds its hot pages.
-    reader = open_state(config, cache_mib=8)
-    metrics = Metrics()
-    metrics.attach(plugins=plugins, store=blobs)
+    plugins = build.load_plugins(config)
+    blobs = build.blob_store(config, plugins)
+    seen: list[Plugins] = [plugins]  # every plugin manager of the process: the metrics count them all
+    # The notifications once built below: their client's address policy reports to the metrics, whose
+    # scrape reads their counters (so the metrics get a getter of them).
+    notes: list[Notifications | None] = [None]
+    metrics = Metrics(plugins=lambda: tuple(seen), store=blobs, notifications=lambda: notes[0])
     fetcher = Fetcher(
         metrics_hook=metrics.fetch_hook,
         per_host=hc.per_host,
@@ -91,48 +135,95 @@ async def open_context(
         user_agent=user_agent(config),
         request_hook=access,
     )
-    plugins.call("rsagg_startup", config=config)
     try:
-        ctx = HarvestContext(
-            config, fetcher, blobs, reader, writer,
-            patch_formats=plugins.merged("rsagg_patch_formats"), plugins=plugins, metrics=metrics,
-            offload=Offload(blobs, store_recipe(config, plugins), hc.processes),
-        )  # fmt: skip
-        access.follow(lambda: ctx.config)  # a reloaded config's credentials and rates apply at once
-        yield ctx
+        with contextlib.ExitStack() as handles:
+            writer = handles.enter_context(
+                _closing(build.state_handle(config, cache_mib=config.store.cache_mib))
+            )
+            reader = handles.enter_context(
+                _closing(build.state_handle(config, cache_mib=build.READER_CACHE_MIB))
+            )
+            parts = Assembly(config, plugins, seen, metrics) if daemon is not None else None
+            own = None
+            if parts is not None and daemon is not None:
+                parts.dumps = build.dump_builder(
+                    config, blobs, get_config=lambda: parts.config, get_plugins=lambda: parts.plugins
+                )
+                available = parts.dumps.available if parts.dumps is not None else None
+                own = build.publishing(
+                    lambda: parts.config, blobs, policy=fetcher.policy,
+                    view_of=build.published_views(parts.plugins_for, available),
+                    dump_versions=build.dump_versions(parts.dumps), hub_limits=daemon.hub_limits,
+                    poll_interval=daemon.poll_interval, framework_interval=daemon.framework_interval,
+                )  # fmt: skip
+            plugins.call("rsagg_startup", config=config)
+            try:
+                ctx = HarvestContext(
+                    config, fetcher, blobs, reader, writer,
+                    patch_formats=plugins.merged("rsagg_patch_formats"), plugins=plugins, metrics=metrics,
+                    offload=Offload(blobs, store_recipe(config, plugins), hc.processes),
+                    # rsagg's own notifications go out at once after a commit, not at the next look
+                    commit_listeners=(own.notifier.wake,) if own is not None else (),
+                )  # fmt: skip
+                built.append(ctx)
+                if parts is not None and daemon is not None:
+                    parts.harvest_context = ctx
+                    harvester = NotifiedHarvest(ctx) if daemon.harvest else None
+                    parts.notifications = notes[0] = build.notifications(
+                        lambda: parts.config, own, harvester=harvester, settings=daemon.settings
+                    )
+                yield ctx, parts
+            finally:
+                plugins.call("rsagg_shutdown")
     finally:
-        plugins.call("rsagg_shutdown")
         with trio.CancelScope(shield=True):
             await fetcher.aclose()
-        reader.close()
-        writer.close()
 
 
-@dataclass
+@contextlib.contextmanager
+def _closing(handle: Any) -> Iterator[Any]:
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
 class Assembly:
-    """A daemon's parts (``assemble``): the harvest context, the dump builder, the notifications."""
+    """A daemon's parts (``open_assembly``): the harvest context, the dump builder, the notifications."""
 
-    harvest: HarvestContext
-    dumps: DumpBuilder | None = None
-    notifications: Notifications | None = None
-    #: Set on a reload: the dump schedule starts a round at once (withdraws, rebuilds).
-    dumps_wake: Wake = field(default_factory=lambda: _wake())
-    #: (configuration, its plugins): the start-up pair and the newest reloaded one (``plugins_for``).
-    _plugins: list[tuple[Config, Plugins]] = field(default_factory=list)
+    def __init__(self, config: Config, plugins: Plugins, seen: list[Plugins], metrics: Metrics) -> None:
+        self._start = config
+        #: This process's metrics (the harvest context holds them typed by what a harvest reports).
+        self.metrics = metrics
+        self.harvest_context: HarvestContext | None = None
+        self.dumps: DumpBuilder | None = None
+        self.notifications: Notifications | None = None
+        #: Set on a reload: the dump schedule starts a round at once (withdraws, rebuilds).
+        self.dumps_wake: Wake = _wake()
+        #: (configuration, its plugins): the start-up pair and the newest reloaded one (``plugins_for``).
+        self._plugins: list[tuple[Config, Plugins]] = [(config, plugins)]
+        self._seen = seen
+        # plugins_for is called from worker threads (the notifier's rounds, a reload's app) and the loop
+        self._plugins_lock = threading.Lock()
+
+    @property
+    def harvest(self) -> HarvestContext:
+        assert self.harvest_context is not None, "built by open_assembly"
+        return self.harvest_context
 
     def plugins_for(self, config: Config) -> Plugins:
         """The plugins of ``config`` (by identity): the harvest context's for the start-up configuration,
         a manager of its own for a reloaded one (its ``[plugins.*]`` tables, enabled or not). Raises
         ConfigError for plugins that do not load (plugins.py: they fail closed)."""
-        if config is self.harvest.config and not self._plugins:
-            self._plugins.append((config, self.harvest.plugins))
-        for known, plugins in list(self._plugins):
-            if known is config:
-                return plugins
-        plugins = Plugins.from_config(config)
-        running = [pair for pair in self._plugins if pair[0] is self.config]  # kept: it runs
-        self._plugins[:] = [*running[-1:], (config, plugins)]
-        return plugins
+        with self._plugins_lock:
+            for known, plugins in list(self._plugins):
+                if known is config:
+                    return plugins
+            plugins = build.load_plugins(config)
+            self._seen.append(plugins)
+            running = [pair for pair in self._plugins if pair[0] is self.config]  # kept: it runs
+            self._plugins[:] = [*running[-1:], (config, plugins)]
+            return plugins
 
     @property
     def plugins(self) -> Plugins:
@@ -143,7 +234,7 @@ class Assembly:
     def config(self) -> Config:
         """The running configuration: the harvest context's, which a reload replaces (every part reads
         it through a getter of it)."""
-        return self.harvest.config
+        return self.harvest_context.config if self.harvest_context is not None else self._start
 
     @config.setter
     def config(self, config: Config) -> None:
@@ -152,10 +243,6 @@ class Assembly:
     @property
     def blobs(self) -> BlobStore:
         return self.harvest.blobs
-
-    @property
-    def metrics(self) -> Metrics:
-        return self.harvest.metrics
 
     @property
     def followed(self) -> FollowedSources | None:
@@ -178,17 +265,16 @@ class Assembly:
         return roles
 
     def app(self, config: Config) -> ASGIApp:
-        """The publishing app for ``config`` (imported lazily: harvest-only commands do not need it)."""
-        from ..publish.app import create_app
+        """The publishing app for ``config``: the notification routes (hub, callbacks, topics) and
+        Capability List entries, the dump documents, this process's metrics (``/metrics`` shows its
+        harvest too), the plugins of ``config`` (the dump builder's, once ``config`` runs)."""
         from ..publish.schedule import dump_app_options
         from ..websub.service import app_options
 
-        # app_options: the notification routes (hub, callbacks, topics) and Capability List entries;
-        # dump_app_options: the dump documents, packages, manifests.
         options = dump_app_options(self.dumps, app_options(self.notifications))
-        options["metrics"] = self.metrics  # /metrics shows this process's harvest too (metrics.py)
-        options["plugins"] = self.plugins_for(config)  # the dump builder's, once config runs
-        return create_app(config, blobs=self.blobs, state_path=state_path(config), **options)
+        return build.publisher_app(
+            config, blobs=self.blobs, plugins=self.plugins_for(config), metrics=self.metrics, **options
+        )
 
 
 def _wake() -> Wake:
@@ -197,41 +283,22 @@ def _wake() -> Wake:
     return Wake()
 
 
-def assemble(
-    ctx: HarvestContext,
-    *,
-    harvest: bool = True,
-    hub_limits: HubLimits | None = None,
-    settings: SubscriberSettings | None = None,
-    **notifier_options: Any,
-) -> Assembly:
-    """Build a daemon's parts on ``ctx`` (nothing runs yet: ``run_assembly``). ``harvest``: whether
-    this process harvests (then it also follows upstream notification channels)."""
-    from ..publish.schedule import open_dump_builder
-    from ..websub.service import prepare_notifications
-
-    parts = Assembly(ctx)
-    dumps = open_dump_builder(
-        ctx.config, ctx.blobs, get_config=lambda: parts.config, get_plugins=lambda: parts.plugins
-    )
-    # On a cluster node (cluster.py) the subscriber keeps its subscriptions and its inbox in the shared
-    # state: a callback may reach any node, the holder of the source's lease applies it.
-    follow = harvest
-    notes = prepare_notifications(
-        lambda: ctx.config,
-        ctx.blobs,
-        policy=ctx.fetcher.policy,
-        harvester=NotifiedHarvest(ctx) if follow else None,
-        dumps=dumps,
-        hub_limits=hub_limits,
-        settings=settings,
-        **notifier_options,
-    )
-    if notes is not None:
-        ctx.commit_listeners.append(notes.notifier.wake)  # rsagg's own notifications go out at once
-        ctx.metrics.attach(notifications=lambda: notes)
-    parts.dumps, parts.notifications = dumps, notes
-    return parts
+@contextlib.contextmanager
+def worker_app(config: Config) -> Iterator[tuple[ASGIApp, Metrics]]:
+    """The publisher of a serving worker process (run/workers.py): its own plugins, blob store and
+    metrics (in multiprocess mode: the daemon's ``/metrics`` adds what it counts)."""
+    add_secrets(config_secrets(config))  # never in this process's log lines either (logs.py)
+    plugins = build.load_plugins(config)
+    blobs = build.blob_store(config, plugins)
+    try:
+        # the one Metrics of this process (in multiprocess mode two would write the same series of one
+        # file)
+        metrics = Metrics(process=False, plugins=build.every_plugins(plugins), store=blobs)
+        yield build.publisher_app(config, blobs=blobs, plugins=plugins, metrics=metrics), metrics
+    finally:
+        getattr(
+            blobs, "close", lambda: None
+        )()  # the BlobStore protocol has no close (a plugin's may lack it)
 
 
 async def run_assembly(
@@ -259,12 +326,11 @@ def start_node(
     The handle is the node's own, not ``ctx.writer``: heartbeats and lease renewals never queue behind
     this process's harvest writes (a beat held up by a long harvest batch would let the leases lapse and
     stop every task of the node)."""
-    config = parts.config
-    state = open_state(config, cache_mib=1)
+    state = build.state_handle(parts.config, cache_mib=build.NODE_CACHE_MIB)
     try:
         node = Node(
-            config, state=state, start=start, stop=stop, metrics=parts.metrics, fetcher=parts.harvest.fetcher,
-            roles=parts.roles(),
+            lambda: parts.config, state=state, start=start, stop=stop, metrics=parts.metrics,
+            fetcher=parts.harvest.fetcher, roles=parts.roles(),
         )  # fmt: skip
     except BaseException:
         state.close()
@@ -281,4 +347,4 @@ def start_node(
     return node
 
 
-__all__ = ["Assembly", "assemble", "open_context", "run_assembly", "start_node"]
+__all__ = ["Assembly", "open_assembly", "open_context", "run_assembly", "start_node", "worker_app"]

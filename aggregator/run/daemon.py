@@ -1,6 +1,6 @@
 """The daemon: one trio nursery holding the HTTP server, one poll task per source and the watchdog.
 
-Its parts are built by the composition root (compose.py: ``open_context``, then ``assemble``); the
+Its parts are built by the composition root (compose.py: ``open_assembly``); the
 daemon runs them, swaps the publisher on a reload, and stops them.
 
 Signals (systemd's ``ExecReload=/bin/kill -HUP $MAINPID`` and stop):
@@ -39,7 +39,7 @@ from ..rs import parse
 from ..store.interface import Fence, LeaseLost, fenced
 from . import sdnotify
 from .cluster import Node
-from .compose import Assembly, assemble, open_context, run_assembly, start_node
+from .compose import Assembly, open_assembly, run_assembly, start_node
 from .hotswap import HotSwapApp
 from .serverguard import ServerLimits
 from .serving import serve
@@ -262,7 +262,6 @@ class _Daemon:
     def _apply_sources(self, new: Config) -> None:
         wanted = {s.name: s for s in new.sources if s.enabled}
         if self.node is not None:  # a node: it releases what went away and claims what came at its beat
-            self.node.config = new
             for name, task in list(self.tasks.items()):
                 src = wanted.get(name)
                 if src is not None and (task.settings != source_settings(new, src) or task.src != src):
@@ -353,8 +352,7 @@ async def _serve_and_harvest(
     on_ready: Callable[[Assembly, str], Awaitable[None]] | None,
 ) -> None:
     _check_state_directory(config)
-    async with open_context(config) as ctx, trio.open_nursery() as nursery:
-        parts = assemble(ctx, harvest=harvest)  # compose.py: before the app needs its routes
+    async with open_assembly(config, harvest=harvest) as parts, trio.open_nursery() as nursery:
         daemon = _Daemon(parts, nursery, harvest=harvest, config_path=config_path, app_factory=app_factory)
         await run_assembly(nursery, parts, daemon.shutdown.wait)  # notifications, the dump schedule
         host, port = _listen(config)

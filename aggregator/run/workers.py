@@ -322,24 +322,12 @@ async def serve_worker(
     config_path: Path, host: str, port: int, daemon_url: str, *, watch_stdin: bool = False
 ) -> None:
     from ..config import load_config
-    from ..harvest.context import open_blob_store
-    from ..observe.logs import add_secrets, config_secrets
-    from ..observe.metrics import Metrics
-    from ..plugins.manager import Plugins
-    from ..publish.app import create_app
-    from ..store.state import state_path
+    from .compose import worker_app
     from .serverguard import ServerLimits
     from .serving import serve
 
     config = load_config(config_path)
-    add_secrets(config_secrets(config))  # never in this process's log lines either (logs.py)
-    plugins = Plugins.from_config(config)
-    blobs = open_blob_store(config, plugins)
-    # the one Metrics of this process (in multiprocess mode two would write the same series of one file);
-    # PROMETHEUS_MULTIPROC_DIR: the daemon's /metrics adds what it counts
-    metrics = Metrics(process=False)
-    try:
-        app = create_app(config, blobs=blobs, state_path=state_path(config), plugins=plugins, metrics=metrics)
+    with worker_app(config) as (app, metrics):
         limits = ServerLimits(
             max_connections_per_client=config.server.max_connections_per_client,
             on_refused=metrics.server_refused_hook,
@@ -368,10 +356,6 @@ async def serve_worker(
                 )  # fmt: skip
                 await stop.wait()
                 nursery.cancel_scope.deadline = trio.current_time() + 5
-    finally:
-        getattr(
-            blobs, "close", lambda: None
-        )()  # the BlobStore protocol has no close (a plugin's may lack it)
 
 
 def main(argv: list[str] | None = None) -> int:

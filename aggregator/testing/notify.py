@@ -41,7 +41,7 @@ from ..rs import model
 from ..rs.model import Entry, Head, Link, Md
 from ..rs.write import iter_document_bytes
 from ..store.state import connect
-from ..websub.hub import Hub, HubLimits, topics_under
+from ..websub.hub import Hub, HubLimits, delivery_client, topics_under
 from .upstream import ChangeRecord, Upstream
 
 log = logging.getLogger("rsagg.demo")
@@ -146,7 +146,8 @@ class UpstreamNotifier:
                 if self.external_hub is None:
                     self.hub_url = base + "/hub"
                     self.hub = Hub(
-                        connect(folder / "hub.db"), hub_url=self.hub_url, allowed_topic=topics_under(base),
+                        connect(folder / "hub.db"), client=delivery_client(None, self.hub_limits),
+                        hub_url=self.hub_url, allowed_topic=topics_under(base),
                         limits=self.hub_limits,
                     )  # fmt: skip
                     await nursery.start(self.hub.run)

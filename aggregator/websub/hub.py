@@ -228,6 +228,26 @@ class _Plan:
     expired: int
 
 
+def delivery_client(
+    policy: outbound.AddressPolicy | None, limits: HubLimits | None = None
+) -> Callable[[], httpx.AsyncClient]:
+    """A factory of the hub's own HTTP client (verifications, deliveries, topic fetches), obeying
+    ``policy`` and sized to ``limits``: what the composition hands a ``Hub`` as its ``client``."""
+    lim = limits or HubLimits()
+
+    def make() -> httpx.AsyncClient:
+        n = lim.concurrency + lim.max_topic_fetches
+        return outbound.client(
+            policy,
+            timeout=lim.request_timeout,
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+            headers={"User-Agent": f"rsagg/{__version__} (WebSub hub)"},
+            follow_redirects=False,
+        )
+
+    return make
+
+
 class Hub:
     """The embedded WebSub hub: ``routes()`` for the HTTP side, ``run()`` for the worker, ``publish()``.
 
@@ -238,8 +258,8 @@ class Hub:
     def __init__(
         self,
         state: StateStore,
-        client: httpx.AsyncClient | Callable[[], httpx.AsyncClient] | None = None,
         *,
+        client: httpx.AsyncClient | Callable[[], httpx.AsyncClient],
         hub_url: str,
         allowed_topic: TopicPolicy,
         allowed_callback: TopicPolicy | None = None,
@@ -250,8 +270,8 @@ class Hub:
         metrics: MetricsHook | None = None,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
-        """``client``: an httpx client to share (not closed here), a factory (called on first use,
-        closed by ``aclose``) or None (an own client, obeying ``policy``). ``policy``: the outbound address
+        """``client``: an httpx client to share (not closed here) or a factory (called on first use,
+        closed by ``aclose``; ``delivery_client``). ``policy``: the outbound address
         policy (outbound.py); a callback naming a refused address literally is refused at once. ``path``:
         the route path, by default the path of ``hub_url`` (differs when a proxy adds a prefix)."""
         self.policy = policy
@@ -268,7 +288,7 @@ class Hub:
             self._factory: Callable[[], httpx.AsyncClient] | None = None
         else:
             self._client = None
-            self._factory = client or self._default_client
+            self._factory = client
         self._owned: httpx.AsyncClient | None = None
         self._wake = trio.Event()
         self._busy_verifications: set[int] = set()
@@ -284,16 +304,6 @@ class Hub:
         self._host_rate = _Buckets(lim.host_requests_per_second, lim.host_requests_burst)
 
     # -- lifecycle -------------------------------------------------------------------------------
-
-    def _default_client(self) -> httpx.AsyncClient:
-        n = self.limits.concurrency + self.limits.max_topic_fetches
-        return outbound.client(
-            self.policy,
-            timeout=self.limits.request_timeout,
-            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-            headers={"User-Agent": f"rsagg/{__version__} (WebSub hub)"},
-            follow_redirects=False,
-        )
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
@@ -816,4 +826,13 @@ def _with_query(url: str, params: list[tuple[str, str]]) -> str:
     return base + sep + urlencode(params)
 
 
-__all__ = ["FORM", "Hub", "HubLimits", "MetricsHook", "channel_topics", "signature", "topics_under"]
+__all__ = [
+    "FORM",
+    "Hub",
+    "HubLimits",
+    "MetricsHook",
+    "channel_topics",
+    "delivery_client",
+    "signature",
+    "topics_under",
+]

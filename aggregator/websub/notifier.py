@@ -35,7 +35,7 @@ and at once when the changelog opens a new Change List window, each set's capabi
 compared with what was last announced: the Capability List (its entries), the Source Description
 (the sets; announced on every channel, §2), each Change List window (open/closed; a window under the
 index carries ``rs:ln rel="index"``, indexes themselves are never announced), and the dumps
-(``dumps_available``, versioned by ``dump_versions``: a rebuilt Resource Dump keeps its URL).
+(``PublishedView.dumps``, versioned by ``dump_versions``: a rebuilt Resource Dump keeps its URL).
 Differences are sent as ``created``/``updated``/``deleted`` entries with the document's ``capability``.
 A set that is no longer published gets ``capabilitylist deleted`` and its channels are dropped.
 
@@ -67,9 +67,6 @@ from starlette.routing import Route
 from ..config import Config
 from ..net import outbound
 from ..net.retry import backoff, retry_after, retryable_status, transient_error
-from ..plugins.manager import Plugins
-from ..publish.documents import Site, UriOf, Windows, capability_list, change_entry, no_dumps
-from ..publish.site import build_site, link_policy, publish_filter
 from ..rs.model import (
     CAPABILITYLIST,
     CHANGE_NOTIFICATION,
@@ -87,12 +84,12 @@ from ..rs.model import (
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
+from ..store.calls import StoreCalls
 from ..store.interface import StateStore
-from ..store.rows import NotifyChannel
+from ..store.rows import LogRecord, NotifyChannel, Resource
 from ..store.sets import PublishedSet, published_sets
-from ..store.state import LogRecord, Resource
 from .hub import Hub
-from .storecalls import StoreCalls
+from .views import PublishedView, ViewOf
 
 log = logging.getLogger("rsagg.notify")
 
@@ -161,26 +158,28 @@ class Notifier:
         state: StateStore,
         blobs: BlobStore,
         *,
+        view_of: ViewOf,
         hub_url: str,
-        hub: Hub | None = None,
-        client: httpx.AsyncClient | None = None,
-        dumps_available: Callable[[str], dict[str, str]] | None = None,
+        hub: Hub | None,
+        client: httpx.AsyncClient | None,
         dump_versions: Callable[[str], dict[str, str]] | None = None,
         poll_interval: float = 1.0,
         framework_interval: float = 5.0,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
-        """``state``: a state handle of the notifier's own (closed by ``aclose``). ``hub``: the embedded
-        hub (in-process publishing); else ``client`` pings ``hub_url``."""
+        """``state``: a state handle of the notifier's own (closed by ``aclose``). ``view_of``: the
+        published documents as the app serves them (``websub/views.py``; the composition builds it with
+        ``dumps_available``). ``hub``: the embedded hub (in-process publishing); else ``client`` pings
+        ``hub_url``."""
         if hub is None and client is None:
             raise ValueError("an external hub needs an HTTP client to ping it")
         self.get_config = get_config
         self.state = state
         self.blobs = blobs
+        self.view_of = view_of
         self.hub_url = hub_url
         self.hub = hub
         self.client = client
-        self.dumps_available = dumps_available
         #: capability -> version of a set's dumps (their URLs stay when they are rebuilt)
         self.dump_versions = dump_versions or (lambda set_name: {})
         self.poll_interval = poll_interval
@@ -190,7 +189,6 @@ class Notifier:
         self._channels: dict[str, Channel] = {}
         self._set_names: set[str] = set()
         self._wake = trio.Event()
-        self._policies: tuple[Config, Any, Any] | None = None
         self._last_framework = float("-inf")
         self._last_open_k: int | None = None
         self._store = StoreCalls(state)
@@ -219,20 +217,9 @@ class Notifier:
         """Whether ``set_name`` is published now (blocking)."""
         return set_name in published_sets(self.get_config(), self._state().sets())
 
-    def _site(self, config: Config, state: StateStore) -> Site:
+    def _site(self, config: Config, state: StateStore) -> PublishedView:
         """Our documents exactly as the app writes them (link policy, plugins' filter, extra entries)."""
-        if self._policies is None or self._policies[0] is not config:
-            plugins = Plugins.from_config(config)
-            self._policies = (config, link_policy(config, plugins), publish_filter(plugins))
-        _, policy, visible = self._policies
-        return build_site(
-            config,
-            state,
-            policy=policy,
-            visible=visible,
-            dumps_available=self.dumps_available or no_dumps,
-            extra_capabilities=self.capabilities,
-        )
+        return self.view_of(config, state, self.capabilities)
 
     async def aclose(self) -> None:
         self._store.close()
@@ -398,7 +385,7 @@ class Notifier:
         self,
         config: Config,
         state: StateStore,
-        site: Site,
+        site: PublishedView,
         ps: PublishedSet,
         top: int,
         now: datetime,
@@ -425,10 +412,9 @@ class Notifier:
         chunk: list[tuple[LogRecord, Resource | None]] = []
         built = 0
         finished = True
-        uri_of = UriOf(site, state, ps)
         for rec, row in state.iter_log_range(ps.set_ids, ch.last_seq, top):
             if chunk and len(chunk) >= soft and (rec.datetime != chunk[-1][0].datetime or len(chunk) >= hard):
-                p = self._change_payload(site, ps, ch, chunk, last_until, chunk[-1][0].seq, uri_of)
+                p = self._change_payload(state, site, ps, ch, chunk, last_until, chunk[-1][0].seq)
                 plan.payloads.append(p)
                 last_until, last_seq, chunk = p.until, p.last_seq, []
                 built += 1
@@ -439,19 +425,19 @@ class Notifier:
                 chunk.append((rec, row))
         if chunk:
             seq = top if finished else chunk[-1][0].seq
-            plan.payloads.append(self._change_payload(site, ps, ch, chunk, last_until, seq, uri_of))
+            plan.payloads.append(self._change_payload(state, site, ps, ch, chunk, last_until, seq))
         elif finished and last_seq < top:  # other sets' records, or hidden ones (plugins' filter)
             plan.advanced.append(Channel(topic, ps.name, ch.kind, top, last_until, ch.body))
 
     def _change_payload(
         self,
-        site: Site,
+        state: StateStore,
+        site: PublishedView,
         ps: PublishedSet,
         ch: Channel,
         chunk: list[tuple[LogRecord, Resource | None]],
         from_: datetime | None,
         last_seq: int,
-        uri_of: UriOf,
     ) -> _Payload:
         until = chunk[-1][0].datetime
         if from_ is not None and until < from_:  # never: the changelog clock does not go back
@@ -460,37 +446,38 @@ class Notifier:
             md=Md(capability=CHANGE_NOTIFICATION, from_=from_ or chunk[0][0].datetime, until=until),
             links=[Link("up", site.capabilitylist(ps.name))],
         )
-        entries = [change_entry(site, ps, rec, row, uri_of) for rec, row in chunk]
+        entries = site.change_entries(state, ps, chunk)
         body = b"".join(iter_document_bytes(head, entries))
         return _Payload(ch, body, last_seq, until, entries=len(entries))
 
     # -- framework notifications -----------------------------------------------------------------
 
-    def _snapshot(self, state: StateStore, site: Site, ps: PublishedSet, now: datetime) -> Snapshot:
+    def _snapshot(self, state: StateStore, site: PublishedView, ps: PublishedSet, now: datetime) -> Snapshot:
         """Every capability document of the set that Framework Notification §2.1 speaks of, versioned."""
         snap: Snapshot = {}
         sets = sorted((p.name, p.describedby or "") for p in site.sets.values())
         snap[site.well_known] = [DESCRIPTION, _digest(sets), None]
-        _, entries = capability_list(site, ps)
+        entries = site.capability_entries(ps)
         snap[site.capabilitylist(ps.name)] = [
             CAPABILITYLIST,
             _digest([(e.loc, e.capability) for e in entries]),
             None,
         ]
-        ws = Windows(site, state, ps, now)
-        if len(ws.listed) == 1:
+        listed, open_k = site.change_windows(state, ps, now)
+        if len(listed) == 1:
             snap[site.changelist(ps.name)] = [CHANGELIST, "open", None]
         else:
-            for k in ws.listed:
-                version = "open" if k == ws.open_k else "closed"
+            for k in listed:
+                version = "open" if k == open_k else "closed"
                 snap[site.changelist_window(ps.name, k)] = [CHANGELIST, version, site.changelist(ps.name)]
-        versions = self.dump_versions(ps.name) if site.dumps_available(ps.name) else {}
-        for capability, url in (site.dumps_available(ps.name) or {}).items():
+        dumps = site.dumps(ps.name)
+        versions = self.dump_versions(ps.name) if dumps else {}
+        for capability, url in (dumps or {}).items():
             snap[url] = [capability, versions.get(capability, url), None]
         return snap
 
     def _plan_framework(
-        self, state: StateStore, site: Site, ps: PublishedSet, now: datetime, plan: _Plan
+        self, state: StateStore, site: PublishedView, ps: PublishedSet, now: datetime, plan: _Plan
     ) -> None:
         topic = topic_url(site.base_url, ps.name, FRAMEWORK_NOTIFICATION)
         ch = self._channels.get(topic)
@@ -502,7 +489,7 @@ class Notifier:
         if entries:
             plan.payloads.append(self._framework_payload(site, ps.name, ch, entries, now, snap))
 
-    def _plan_dropped(self, site: Site, now: datetime, plan: _Plan) -> None:
+    def _plan_dropped(self, site: PublishedView, now: datetime, plan: _Plan) -> None:
         """Channels of sets no longer published: a last ``capabilitylist deleted``, then gone."""
         for ch in list(self._channels.values()):
             if ch.set_name in site.sets:
@@ -516,7 +503,13 @@ class Notifier:
                 plan.payloads.append(self._framework_payload(site, ch.set_name, ch, [entry], now, {}))
 
     def _framework_payload(
-        self, site: Site, set_name: str, ch: Channel, entries: list[Entry], now: datetime, snap: Snapshot
+        self,
+        site: PublishedView,
+        set_name: str,
+        ch: Channel,
+        entries: list[Entry],
+        now: datetime,
+        snap: Snapshot,
     ) -> _Payload:
         head = Head(
             md=Md(capability=FRAMEWORK_NOTIFICATION, from_=ch.last_until or now, until=now),

@@ -1,10 +1,9 @@
-"""Notifications in a running rsagg: the hub, the notifier and the subscriber, started with one call.
+"""Notifications in a running rsagg: the hub, the notifier and the subscriber, run as one.
 
-Why one module: the composition (compose.py) should not know the parts. It calls
-``prepare_notifications(...)`` with what they need (the running configuration, the blob store, the
-harvester's outbound policy, a ``Harvester`` when rsagg follows upstream channels, the dump builder),
-builds the publisher app with ``create_app(..., **app_options(notes))``, then
-``run_notifications(nursery, notes, stop_when=...)``; that is all. Parts (see their modules):
+The composition (run/compose.py) builds the three, each with what it needs (a state handle of its own,
+the HTTP client, the outbound policy, a ``Harvester`` when rsagg follows upstream channels, the published
+views), and bundles them as ``Notifications``; it hands the publisher app ``app_options(notes)`` and
+starts them with ``run_notifications(nursery, notes, stop_when=...)``. Parts (see their modules):
 
 - ``websub/hub.py`` — the embedded WebSub hub at ``[notifications] hub_path`` (unless ``hub`` names
   an external hub); topics limited to rsagg's own URLs, payload POSTs off (rsagg publishes in-process).
@@ -19,7 +18,6 @@ Off entirely with ``[notifications] enabled = false``. Changing ``[notifications
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,26 +26,12 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
-from .. import __version__
-from ..config import Config
-from ..net import outbound
-from ..store.blobs import BlobStore
-from ..store.state import open_state
-
 if TYPE_CHECKING:  # imported when used: the daemon imports this module, harvest-only runs need no more
     from starlette.routing import BaseRoute
 
-    from ..publish.dumps import DumpBuilder
-    from .hub import Hub, HubLimits
+    from .hub import Hub
     from .notifier import Notifier
-    from .subscriber import Harvester, Subscriber, SubscriberSettings
-
-log = logging.getLogger("rsagg.notify")
-
-#: Page cache of the hub's and the subscriber's state handles (their tables are small: SQLite's default
-#: size) and of the notifier's (it reads the changelog and the published sets).
-SMALL_CACHE_MIB = 2
-NOTIFIER_CACHE_MIB = 8
+    from .subscriber import Subscriber
 
 
 @dataclass
@@ -112,89 +96,6 @@ def app_options(notes: Notifications | None) -> dict[str, Any]:
     return {"extra_routes": notes.routes(), "extra_capabilities": notes.notifier.capabilities}
 
 
-def prepare_notifications(
-    get_config: Callable[[], Config],
-    blobs: BlobStore,
-    *,
-    policy: outbound.AddressPolicy | None,
-    harvester: Harvester | None = None,
-    dumps: DumpBuilder | None = None,
-    hub_limits: HubLimits | None = None,
-    settings: SubscriberSettings | None = None,
-    poll_interval: float = 1.0,
-    framework_interval: float = 5.0,
-) -> Notifications | None:
-    """Build hub, notifier and (with a ``harvester``) subscriber, each with a state handle of its own.
-    None when ``[notifications] enabled = false``. Nothing runs yet (``run_notifications``).
-
-    ``policy``: the harvester's outbound address policy (subscription requests go to hubs that upstream
-    documents name); ``dumps``: the process's dump builder (the notifier advertises its dumps).
-    """
-    config = get_config()
-    nc = config.notifications
-    if not nc.enabled:
-        return None
-    from .hub import Hub, channel_topics
-    from .notifier import TOPICS, Notifier
-    from .subscriber import Subscriber
-
-    base = config.server.base_url
-    client = outbound.client(
-        policy, timeout=10.0, follow_redirects=False, headers={"User-Agent": f"rsagg/{__version__} (WebSub)"}
-    )
-    hub: Hub | None = None
-    counts: Counter[str] = Counter()
-    if nc.hub:
-        hub_url = nc.hub
-    else:
-        hub_url = base + nc.hub_path
-
-        def count(event: str, outcome: str) -> None:
-            counts[f"{event}.{outcome}"] += 1
-
-        refused = policy.on_refused if policy is not None else None
-        hub = Hub(
-            open_state(config, cache_mib=SMALL_CACHE_MIB),
-            # Anyone names the callbacks: source origins are not trusted here (outbound.py).
-            policy=outbound.policy_for(config, hub=True, on_refused=refused),
-            hub_url=hub_url,
-            path=nc.hub_path,
-            allowed_topic=channel_topics(base, list(TOPICS.values())),  # rsagg's own topics only
-            limits=hub_limits,
-            metrics=count,
-        )
-    notifier = Notifier(
-        get_config,
-        open_state(config, cache_mib=NOTIFIER_CACHE_MIB),
-        blobs,
-        hub_url=hub_url,
-        hub=hub,
-        client=client,
-        dumps_available=dumps.available if dumps is not None else (lambda name: {}),
-        dump_versions=lambda name: _dump_versions(dumps, name),
-        poll_interval=poll_interval,
-        framework_interval=framework_interval,
-    )
-    subscriber = None
-    if harvester is not None:
-        state = open_state(config, cache_mib=SMALL_CACHE_MIB)
-        subscriber = Subscriber(get_config, state, harvester, client=client, settings=settings)
-    where = f"external hub {hub_url}" if nc.hub else f"embedded hub {hub_url}"
-    log.info("notifications on: %s%s", where, ", following upstream channels" if subscriber else "")
-    return Notifications(hub_url, notifier, client, hub, subscriber, counts)
-
-
-def _dump_versions(builder: DumpBuilder | None, set_name: str) -> dict[str, str]:
-    """A rebuilt dump keeps its URL: the newest Resource Dump run and the Change Dump packages tell."""
-    if builder is None:
-        return {}
-    run = builder.latest_run(set_name)
-    return {
-        "resourcedump": str(run.id) if run else "",
-        "changedump": str(len(builder.change_dump_packages(set_name))),
-    }
-
-
 async def run_notifications(
     nursery: trio.Nursery,
     notes: Notifications | None,
@@ -241,4 +142,4 @@ async def _run(
             await notes.aclose()
 
 
-__all__ = ["Notifications", "app_options", "prepare_notifications", "run_notifications"]
+__all__ = ["Notifications", "app_options", "run_notifications"]
