@@ -37,7 +37,7 @@ from .store.blobs import (
 if _typing.TYPE_CHECKING:
     from .config import Config
     from .harvest.metadata import MetadataRecords
-    from .store.state import LogRecord, Resource
+    from .store.rows import LogRecord, Resource
 
 #: Names imported when first asked for (PEP 562): loading a plugin that imports ``hookimpl`` does not load
 #: the configuration (pydantic), the harvest (trio, httpx) or the state (sqlite-utils, lxml): ``rsagg
@@ -45,8 +45,8 @@ if _typing.TYPE_CHECKING:
 _LAZY = {
     "Config": "aggregator.config",
     "MetadataRecords": "aggregator.harvest.metadata",
-    "LogRecord": "aggregator.store.state",
-    "Resource": "aggregator.store.state",
+    "LogRecord": "aggregator.store.rows",
+    "Resource": "aggregator.store.rows",
 }
 
 

@@ -12,10 +12,10 @@ import psycopg
 import pytest
 
 from aggregator.rs.model import Link
-from aggregator.store import state as state_mod
 from aggregator.store.interface import EmptySnapshot, StateStore
-from aggregator.store.rows import DocumentRow
-from aggregator.store.state import MIGRATIONS, Change, Cursor, LogRecord, State, format_dt, parse_dt
+from aggregator.store.rows import Change, Cursor, DocumentRow, LogRecord, format_dt, parse_dt
+from aggregator.store.sql import codec
+from aggregator.store.state import MIGRATIONS, State
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
@@ -369,7 +369,7 @@ def test_finish_baseline_is_one_transaction(st: State, set_id: int, monkeypatch:
 
 
 def test_iter_resources_paging(st: State, set_id: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(state_mod, "PAGE_SIZE", 3)  # exercise the internal keyset paging
+    monkeypatch.setattr(codec, "PAGE_SIZE", 3)  # exercise the internal keyset paging
     other = st.ensure_set("src", "https://example.org/cl2.xml")
     st.apply(set_id, [ch(f"r{i:02d}", "created", A) for i in range(10)])
     st.apply(other, [ch("x", "created", A)])
@@ -653,9 +653,9 @@ def test_links_column_is_the_json_of_every_link_shape() -> None:
             )
             for _ in range(pick([1, 2, 3]))
         ]
-        written = state_mod._links_json(links)
+        written = codec.links_json(links)
         assert written == encoded(links)
-        assert state_mod._links_from(written) == [
+        assert codec.links_from(written) == [
             Link(**{**vars_of(ln), "modified": ln.modified.astimezone(UTC) if ln.modified else None})
             for ln in links
         ]

@@ -23,12 +23,13 @@ import pytest
 import trio
 
 from aggregator.config import ConfigError, load_config
-from aggregator.store import state as state_mod
 from aggregator.store.interface import StateStore
+from aggregator.store.open import connect
 from aggregator.store.postgres import MIGRATIONS, PostgresState, StateUnavailable, redact
-from aggregator.store.rows import RetryChanges
+from aggregator.store.rows import Change, Cursor, RetryChanges
+from aggregator.store.sql import codec
 from aggregator.store.state import MIGRATIONS as SQLITE_MIGRATIONS
-from aggregator.store.state import Change, Cursor, State, connect
+from aggregator.store.state import State
 from aggregator.testing.upstream import Upstream
 
 from . import (
@@ -153,7 +154,7 @@ def test_processes_starting_at_once_migrate_once(pg_server: PgServer) -> None:
     others find it done; no error, one version row."""
     db = pg_server.fresh_database()
     code = (
-        "import sys; from aggregator.store.state import connect\n"
+        "import sys; from aggregator.store.open import connect\n"
         "st = connect(sys.argv[1]); print(st.schema_version); st.close()\n"
     )
     procs = [
@@ -262,7 +263,7 @@ def test_iterators_hold_no_connection_between_pages(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A slow consumer of a keyset iterator never keeps a pooled connection: writers go on."""
-    monkeypatch.setattr(state_mod, "PAGE_SIZE", 2)
+    monkeypatch.setattr(codec, "PAGE_SIZE", 2)
     st.apply(set_id, [ch(f"r{i}", "created", A) for i in range(5)])
     it = st.iter_resources(set_id)
     next(it)

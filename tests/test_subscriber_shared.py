@@ -25,8 +25,9 @@ from aggregator.rs.w3cdt import utcnow
 from aggregator.run.cluster import Node, followed_by_live
 from aggregator.run.serving import serving
 from aggregator.store.interface import LeaseLost, fenced
+from aggregator.store.open import connect
 from aggregator.store.rows import Fence, NotifySubscription
-from aggregator.store.state import State, connect
+from aggregator.store.state import State
 from aggregator.websub.subscriber import CALLBACK_PREFIX, Subscriber, SubscriberSettings
 
 from .notifying import flask_hub, wait_until

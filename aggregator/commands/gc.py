@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     from ..harvest.context import open_blob_store, prepare_store
     from ..plugins.manager import Plugins
     from ..store.lock import store_lock
-    from ..store.state import open_state
+    from ..store.open import open_state
 
     config = start(args, sources_needed=False)  # a store outlives its sources: gc works without any
     if config is None:

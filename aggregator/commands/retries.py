@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..harvest.context import check_store
     from ..observe.report import one_line
-    from ..store.state import open_state, state_path
+    from ..store.open import open_state, state_path
 
     config = start(args)
     if config is None:

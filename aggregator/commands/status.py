@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from ..harvest.context import check_store
     from ..observe.report import collect, table, unharvested
     from ..store.lock import harvester_running
-    from ..store.state import open_state, state_path
+    from ..store.open import open_state, state_path
 
     config = start(args)
     if config is None:

@@ -63,8 +63,9 @@ from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore, StateUnavailable
+from ..store.open import connect
+from ..store.rows import Resource
 from ..store.sets import PublishedSet
-from ..store.state import Resource, connect
 from . import documents, versions
 from .doccache import CacheWriter, DocumentCache, fingerprint
 from .documents import (

@@ -63,7 +63,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..rs.w3cdt import utcnow
 from ..store.calls import limiter_of
 from ..store.interface import StateStore
-from ..store.state import Resource, connect, local_commit_mark
+from ..store.open import connect, local_commit_mark
+from ..store.rows import Resource
 from .resources import (
     SMALL_BLOB,
     LiteRequest,

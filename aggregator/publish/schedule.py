@@ -27,7 +27,7 @@ from ..plugins.manager import Plugins
 from ..rs.w3cdt import utcnow
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore
-from ..store.state import open_state
+from ..store.open import open_state
 from .documents import Site
 from .dumps import DumpBuilder, dump_routes
 from .site import build_site, link_policy, publish_filter, view_fingerprint

@@ -42,7 +42,7 @@ from ..observe.logs import add_secrets, config_secrets
 from ..observe.metrics import Metrics, current_source
 from ..plugins.manager import Plugins
 from ..store.blobs import BlobStore
-from ..store.state import open_state, state_path
+from ..store.open import open_state, state_path
 from .cluster import Node, StartSource, StopSource
 
 if TYPE_CHECKING:

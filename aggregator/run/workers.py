@@ -327,7 +327,7 @@ async def serve_worker(
     from ..observe.metrics import Metrics
     from ..plugins.manager import Plugins
     from ..publish.app import create_app
-    from ..store.state import state_path
+    from ..store.open import state_path
     from .serverguard import ServerLimits
     from .serving import serve
 

@@ -37,7 +37,7 @@ import heapq
 import json
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -49,7 +49,6 @@ from ..rs.model import CHANGES, DELETED, Entry, Head
 from ..rs.parse import parse_bytes
 from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
-from . import state as sqlite_state
 from .interface import FENCE, EmptySnapshot, LeaseLost, ListingRow, StateUnavailable
 from .retention import Retention, retained_sql
 from .rows import (
@@ -78,22 +77,30 @@ from .rows import (
     RetryChanges,
     SetRow,
     SourceRow,
+    format_dt,
 )
-from .state import (
+from .sql import codec
+from .sql.base import SqlState
+from .sql.codec import (
+    C_STORED,
+    LOG_COLS,
+    R_URI,
+    RES_COLS,
     RETRY_ENDED,
+    SELECT_RES,
     SOURCE_STATUS_FIELDS,
     SYNCHRONOUS,
-    _check_sha,
-    _links_from,
-    format_dt,
+    W_ID,
+    check_sha,
     plan_batch,
+    resource_row,
 )
+from .sql.dialect import MAX_INT, POSTGRES
 
 #: URL schemes this backend opens (``store.state.connect`` picks it by them).
 SCHEMES = ("postgresql", "postgres")
 #: Key of the advisory lock migrations run under (any constant; "rsagg" in ASCII).
 _MIGRATION_LOCK = 0x7273616767
-_MAX_BIGINT = 2**63 - 1
 
 # ---------------------------------------------------------------------------------------------------
 # Schema: MIGRATIONS[i] brings schema_version i to i + 1, step for step the SQLite MIGRATIONS of
@@ -412,8 +419,6 @@ MIGRATIONS: list[tuple[str, ...]] = [
     ),
 ]
 
-_RES_COLS = sqlite_state._RES_COLS
-_SELECT_RES = "SELECT id, " + ", ".join(_RES_COLS) + " FROM resources"
 #: A time as SQLite stores it (state.format_dt: ``YYYY-MM-DDThh:mm:ss.ffffffZ``, UTC), written by the server.
 _W3C = """to_char({} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')"""
 #: iter_live_listing: interface.ListingRow's columns, then whether the row has more than those.
@@ -422,23 +427,16 @@ _LISTING_COLS = (
     + ", ".join(_W3C.format(c) for c in ("lastmod", "upstream_datetime", "updated_at"))
     + ", (links IS NOT NULL OR md_extra IS NOT NULL OR entry_extra IS NOT NULL)"
 )
-_COPY_RES = "COPY {table} (id, " + ", ".join(_RES_COLS) + ") FROM STDIN"
+_COPY_RES = "COPY {table} (id, " + ", ".join(RES_COLS) + ") FROM STDIN"
 #: Stored rows changed by a batch are copied into this temporary table, then updated in one statement.
 _BATCH = "rsagg_changed_rows"
 _UPDATE_FROM_BATCH = (
     "UPDATE resources r SET "
     + ", ".join(
-        f"{c} = COALESCE(b.{c}, r.{c})" if c == "generation" else f"{c} = b.{c}" for c in _RES_COLS[2:]
+        f"{c} = COALESCE(b.{c}, r.{c})" if c == "generation" else f"{c} = b.{c}" for c in RES_COLS[2:]
     )
     + f" FROM {_BATCH} b WHERE r.id = b.id"
 )
-_W_ID = len(_RES_COLS)  # where a planned row (state.plan_batch) holds its id
-(
-    _R_SET, _R_URI, _R_SHA256, _R_LENGTH, _R_TYPE, _R_ENCODING, _R_MD5, _R_SHA1, _R_LASTMOD, _R_UPSTREAM,
-    _R_LINKS, _R_MD_EXTRA, _R_ENTRY_EXTRA, _R_DELETED, _R_GENERATION, _R_UPDATED,
-) = range(1, len(_RES_COLS) + 1)  # fmt: skip
-_C_STORED = 3  # in plan_batch's ``current``: the row exists already
-_LOG_COLS = ("seq", "set_id", "resource_id", "uri", "change", "datetime", "sha256", "length", "type")
 _SOURCE_COLS = (
     "name", "url", "state", "last_error", "last_error_at", "last_success", "last_attempt", "next_attempt",
     "failures", "progress_done", "progress_total", "progress_what", "created_at", "updated_at", "using_url",
@@ -488,8 +486,34 @@ def _scrub(text: str, url: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-class PostgresState:
+class _Conn:
+    """A pooled connection that reads the shared SQL (``Dialect.sql``: SQLite's spelling rewritten once
+    per statement) and has ``executemany``, as a sqlite3 connection does."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: psycopg.Connection) -> None:
+        self.raw = raw
+
+    def execute(self, sql: str, params: Sequence[Any] | None = None) -> psycopg.Cursor:
+        return self.raw.execute(POSTGRES.sql(sql), params)
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> psycopg.Cursor:
+        cur = self.raw.cursor()
+        cur.executemany(POSTGRES.sql(sql), rows)
+        return cur
+
+    def cursor(self, *args: Any, **kwargs: Any) -> Any:
+        return self.raw.cursor(*args, **kwargs)
+
+    def transaction(self) -> Any:
+        return self.raw.transaction()
+
+
+class PostgresState(SqlState):
     """The state of one rsagg (or of many sharing it) in a PostgreSQL database."""
+
+    d = POSTGRES
 
     def __init__(
         self,
@@ -596,7 +620,7 @@ class PostgresState:
         return len(MIGRATIONS)
 
     @contextlib.contextmanager
-    def _write(self, *, fence: bool = True) -> Iterator[psycopg.Connection]:
+    def _write(self, *, fence: bool = True) -> Iterator[_Conn]:
         """One transaction on a pooled connection: COMMIT, or ROLLBACK on any exception; once committed,
         ``version()`` moves (after the commit, so a reader never caches what it could not see yet).
 
@@ -608,7 +632,7 @@ class PostgresState:
             with conn.transaction():
                 if current is not None:
                     _check_fence(conn, current)
-                yield conn
+                yield _Conn(conn)
             conn.execute("SELECT nextval('state_version')")
 
     @contextlib.contextmanager
@@ -647,35 +671,15 @@ class PostgresState:
             ).fetchone()[0]
 
     @contextlib.contextmanager
-    def _read(self) -> Iterator[psycopg.Connection]:
+    def _read(self) -> Iterator[_Conn]:
         with self._unavailable(), self.pool.connection() as conn:
-            yield conn
-
-    def _now(self) -> datetime:
-        return self._clock().astimezone(UTC)
+            yield _Conn(conn)
 
     def _log_head(self, c: psycopg.Connection) -> tuple[int, datetime]:
         """Lock the changelog head for this transaction: (last seq, this transaction's changelog time)."""
         seq, last = c.execute("SELECT seq, datetime FROM changelog_head FOR UPDATE").fetchone()
         now = self._now()
         return seq, (last if last is not None and now < last else now)
-
-    def _pages(
-        self, sql: str, params: list[Any], key_index: int, after: Any, limit: int | None
-    ) -> Iterator[tuple]:
-        """Keyset paging: ``sql`` has a ``> %s`` placeholder last-but-one and ``LIMIT %s`` last; a pooled
-        connection is held only while a page is fetched."""
-        left = limit
-        while left is None or left > 0:
-            n = sqlite_state.PAGE_SIZE if left is None else min(sqlite_state.PAGE_SIZE, left)
-            with self._read() as conn:
-                rows = conn.execute(sql, [*params, after, n]).fetchall()
-            yield from rows
-            if len(rows) < n:
-                return
-            after = rows[-1][key_index]
-            if left is not None:
-                left -= len(rows)
 
     # -- sources ---------------------------------------------------------------------------------
 
@@ -767,7 +771,7 @@ class PostgresState:
         sha256: str | None,
     ) -> None:
         if sha256 is not None:
-            _check_sha(sha256)
+            check_sha(sha256)
         with self._write() as c:
             c.execute(
                 "INSERT INTO documents (url, source, capability, etag, last_modified, sha256, fetched_at) "
@@ -848,7 +852,7 @@ class PostgresState:
             if ch.change not in CHANGES:
                 raise ValueError(f"{ch.uri}: unknown change {ch.change!r}")
             if ch.sha256 is not None:
-                _check_sha(ch.sha256)
+                check_sha(ch.sha256)
         with self._write() as c:
             row = c.execute("SELECT baseline_generation FROM sets WHERE id = %s", (set_id,)).fetchone()
             if row is None:
@@ -917,7 +921,7 @@ class PostgresState:
             if rows:
                 new, old = [], []
                 for uri, row in rows.items():
-                    (old if current[uri][_C_STORED] else new).append((row[_W_ID], *row[:_W_ID]))
+                    (old if current[uri][C_STORED] else new).append((row[W_ID], *row[:W_ID]))
                 if new:
                     with cur.copy(_COPY_RES.format(table="resources")) as copy:
                         for r in new:
@@ -934,7 +938,7 @@ class PostgresState:
     @staticmethod
     def _append_log(cur: psycopg.Cursor, seq: int, log: list[tuple]) -> None:
         """Append ``log`` (changelog rows without seq) after ``seq``; the head row is locked already."""
-        with cur.copy(f"COPY changelog ({', '.join(_LOG_COLS)}) FROM STDIN") as copy:
+        with cur.copy(f"COPY changelog ({', '.join(LOG_COLS)}) FROM STDIN") as copy:
             for i, r in enumerate(log, seq + 1):
                 copy.write_row((i, *r))
         cur.execute("UPDATE changelog_head SET seq = %s, datetime = %s", (seq + len(log), log[-1][4]))
@@ -1146,21 +1150,21 @@ class PostgresState:
 
     def resource(self, set_id: int, uri: str) -> Resource | None:
         with self._read() as c:
-            row = c.execute(_SELECT_RES + " WHERE set_id = %s AND uri = %s", (set_id, uri)).fetchone()
+            row = c.execute(SELECT_RES + " WHERE set_id = %s AND uri = %s", (set_id, uri)).fetchone()
         return _resource(row) if row else None
 
     def resources(self, set_id: int, uris: Sequence[str]) -> dict[str, Resource]:
         """The stored rows of those of ``uris`` the set holds: one round trip, a key lookup per uri."""
         if not uris:
             return {}
-        cols = ", ".join(f"r.{c}" for c in ("id", *_RES_COLS))
+        cols = ", ".join(f"r.{c}" for c in ("id", *RES_COLS))
         with self._read() as c:
             rows = c.execute(
                 f"SELECT {cols} FROM unnest(%s::text[]) AS u(uri) CROSS JOIN LATERAL "
                 "(SELECT * FROM resources WHERE set_id = %s AND uri = u.uri) AS r",
                 (list(dict.fromkeys(uris)), set_id),
             ).fetchall()
-        return {r[_R_URI]: _resource(r) for r in rows}
+        return {r[R_URI]: _resource(r) for r in rows}
 
     def iter_resources(
         self,
@@ -1177,7 +1181,7 @@ class PostgresState:
         if not include_deleted:
             where.append("NOT deleted")
         where.append("id > %s")
-        sql = f"{_SELECT_RES} WHERE {' AND '.join(where)} ORDER BY id LIMIT %s"
+        sql = f"{SELECT_RES} WHERE {' AND '.join(where)} ORDER BY id LIMIT %s"
         for row in self._pages(sql, params, 0, after_id, limit):
             yield _resource(row)
 
@@ -1200,7 +1204,7 @@ class PostgresState:
     def iter_changelog(
         self, after_seq: int = 0, *, set_id: int | None = None, limit: int | None = None
     ) -> Iterator[LogRecord]:
-        cols = ", ".join(_LOG_COLS)
+        cols = ", ".join(LOG_COLS)
         if set_id is None:
             sql, params = f"SELECT {cols} FROM changelog WHERE seq > %s ORDER BY seq LIMIT %s", []
         else:
@@ -1267,9 +1271,9 @@ class PostgresState:
         """Rows of one query as of one instant, fetched in pages from a server-side cursor (bounded
         memory whatever the result's size); the pooled connection is held until the iterator ends."""
         with self._read() as conn, conn.transaction(), conn.cursor(name=f"rsagg_{id(self):x}") as cur:
-            cur.itersize = sqlite_state.PAGE_SIZE
+            cur.itersize = codec.PAGE_SIZE
             cur.execute(sql, params)
-            while rows := cur.fetchmany(sqlite_state.PAGE_SIZE):
+            while rows := cur.fetchmany(codec.PAGE_SIZE):
                 yield from rows
 
     def live_after(self, set_ids: Sequence[int], after_id: int) -> bool:
@@ -1285,7 +1289,7 @@ class PostgresState:
     def rows_version(
         self, set_ids: Sequence[int], after_id: int = 0, until_id: int | None = None
     ) -> tuple[int, datetime | None]:
-        top = _MAX_BIGINT if until_id is None else until_id
+        top = MAX_INT if until_id is None else until_id
         with self._read() as c:
             n, newest = c.execute(
                 "SELECT count(*), max(updated_at) FROM resources "
@@ -1309,8 +1313,8 @@ class PostgresState:
     def iter_live(
         self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None
     ) -> Iterator[Resource]:
-        top = _MAX_BIGINT if until_id is None else until_id
-        sql = f"{_SELECT_RES} WHERE set_id = %s AND NOT deleted AND id <= %s AND id > %s ORDER BY id LIMIT %s"
+        top = MAX_INT if until_id is None else until_id
+        sql = f"{SELECT_RES} WHERE set_id = %s AND NOT deleted AND id <= %s AND id > %s ORDER BY id LIMIT %s"
         iters = [self._pages(sql, [sid, top], 0, after_id, None) for sid in dict.fromkeys(set_ids)]
         rows = iters[0] if len(iters) == 1 else heapq.merge(*iters, key=lambda r: r[0])
         for row in rows:
@@ -1322,7 +1326,7 @@ class PostgresState:
         """``iter_live`` for list writers (``interface.ListingRow``): the server writes the times as the
         fixed-width UTC text SQLite stores, so a plain row goes out without a ``Resource`` or a datetime;
         the rows with links or extras are read whole, a page at a time."""
-        top = _MAX_BIGINT if until_id is None else until_id
+        top = MAX_INT if until_id is None else until_id
         sql = f"SELECT {_LISTING_COLS} FROM resources "
         sql += "WHERE set_id = %s AND NOT deleted AND id <= %s AND id > %s ORDER BY id LIMIT %s"
         iters = [self._listing_pages(sql, sid, top, after_id) for sid in dict.fromkeys(set_ids)]
@@ -1332,13 +1336,13 @@ class PostgresState:
             yield from heapq.merge(*iters, key=lambda r: r[0] if type(r) is tuple else r.id)
 
     def _listing_pages(self, sql: str, set_id: int, top: int, after: int) -> Iterator[ListingRow | Resource]:
-        page = sqlite_state.PAGE_SIZE
+        page = codec.PAGE_SIZE
         while True:
             with self._read() as c:
                 rows = c.execute(sql, (set_id, top, after, page)).fetchall()
                 rich = [r[0] for r in rows if r[-1]]
                 if rich:
-                    full = c.execute(f"{_SELECT_RES} WHERE id = ANY(%s)", (rich,)).fetchall()
+                    full = c.execute(f"{SELECT_RES} WHERE id = ANY(%s)", (rich,)).fetchall()
             if rich:
                 whole = {r[0]: _resource(r) for r in full}
                 for r in rows:
@@ -1383,9 +1387,9 @@ class PostgresState:
     def iter_log_range(
         self, set_ids: Sequence[int], after_seq: int = 0, until_seq: int | None = None
     ) -> Iterator[tuple[LogRecord, Resource | None]]:
-        top = _MAX_BIGINT if until_seq is None else until_seq
-        cols = ", ".join(f"c.{c}" for c in _LOG_COLS)
-        res_cols = "r.id, " + ", ".join(f"r.{c}" for c in _RES_COLS)
+        top = MAX_INT if until_seq is None else until_seq
+        cols = ", ".join(f"c.{c}" for c in LOG_COLS)
+        res_cols = "r.id, " + ", ".join(f"r.{c}" for c in RES_COLS)
         sql = (
             f"SELECT {cols}, {res_cols} FROM changelog c LEFT JOIN resources r ON r.id = c.resource_id "
             "WHERE c.set_id = %s AND c.seq <= %s AND c.seq > %s ORDER BY c.seq LIMIT %s"
@@ -1394,7 +1398,7 @@ class PostgresState:
         if not iters:
             return
         rows = iters[0] if len(iters) == 1 else heapq.merge(*iters, key=lambda r: r[0])
-        n = len(_LOG_COLS)
+        n = len(LOG_COLS)
         for r in rows:
             yield LogRecord(*r[:n]), (_resource(r[n:]) if r[n] is not None else None)
 
@@ -1424,17 +1428,17 @@ class PostgresState:
         return row[0] if row else None
 
     def log_record(self, seq: int) -> LogRecord | None:
-        if not 0 <= seq <= _MAX_BIGINT:
+        if not 0 <= seq <= MAX_INT:
             return None
         with self._read() as c:
-            r = c.execute(f"SELECT {', '.join(_LOG_COLS)} FROM changelog WHERE seq = %s", (seq,)).fetchone()
+            r = c.execute(f"SELECT {', '.join(LOG_COLS)} FROM changelog WHERE seq = %s", (seq,)).fetchone()
         return LogRecord(*r) if r else None
 
     def iter_versions(
         self, resource_id: int, after_seq: int = 0, limit: int | None = None
     ) -> Iterator[LogRecord]:
         sql = (
-            f"SELECT {', '.join(_LOG_COLS)} FROM changelog WHERE resource_id = %s AND seq > %s "
+            f"SELECT {', '.join(LOG_COLS)} FROM changelog WHERE resource_id = %s AND seq > %s "
             "ORDER BY seq LIMIT %s"
         )
         for r in self._pages(sql, [resource_id], 0, after_seq, limit):
@@ -1445,11 +1449,11 @@ class PostgresState:
             return c.execute(
                 "SELECT count(*) FROM (SELECT 1 FROM changelog WHERE resource_id = %s AND seq > %s "
                 "AND change <> 'deleted' LIMIT %s) AS n",
-                (resource_id, after_seq, _MAX_BIGINT if limit is None else limit),
+                (resource_id, after_seq, MAX_INT if limit is None else limit),
             ).fetchone()[0]
 
     def version_at(self, resource_id: int, when: datetime) -> LogRecord | None:
-        cols = ", ".join(_LOG_COLS)
+        cols = ", ".join(LOG_COLS)
         with self._read() as c:
             top = c.execute(  # datetime never decreases with seq: see State.version_at
                 "SELECT seq FROM changelog WHERE datetime <= %s ORDER BY datetime DESC, seq DESC LIMIT 1",
@@ -1795,7 +1799,7 @@ class PostgresState:
         key = {"resourcedump": "id", "changedump": '"window"'}.get(kind)
         if key is None:
             raise ValueError(f"unknown dump kind {kind!r}")
-        if not 0 <= number <= _MAX_BIGINT:  # an id no row can have (and out of BIGINT's range)
+        if not 0 <= number <= MAX_INT:  # an id no row can have (and out of BIGINT's range)
             return None
         with self._read() as c:
             row = c.execute(
@@ -2074,21 +2078,7 @@ def _schema_version(conn: psycopg.Connection) -> int:
 
 
 def _resource(r: Sequence[Any]) -> Resource:
-    hashes = {}
-    if r[_R_SHA256] is not None:
-        hashes["sha-256"] = r[_R_SHA256]
-    if r[_R_MD5] is not None:
-        hashes["md5"] = r[_R_MD5]
-    if r[_R_SHA1] is not None:
-        hashes["sha-1"] = r[_R_SHA1]
-    md_extra, entry_extra = r[_R_MD_EXTRA], r[_R_ENTRY_EXTRA]
-    return Resource(
-        id=r[0], set_id=r[_R_SET], uri=r[_R_URI], sha256=r[_R_SHA256], length=r[_R_LENGTH], type=r[_R_TYPE],
-        encoding=r[_R_ENCODING], hashes=hashes, lastmod=r[_R_LASTMOD], upstream_datetime=r[_R_UPSTREAM],
-        links=_links_from(r[_R_LINKS]), md_extra=json.loads(md_extra) if md_extra else {},
-        entry_extra=json.loads(entry_extra) if entry_extra else [], deleted=r[_R_DELETED],
-        updated_at=r[_R_UPDATED], generation=r[_R_GENERATION],
-    )  # fmt: skip
+    return resource_row(r, POSTGRES.dt)
 
 
 __all__ = ["MIGRATIONS", "SCHEMES", "PostgresState", "StateUnavailable", "is_postgres_url", "redact"]

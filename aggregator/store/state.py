@@ -21,25 +21,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import heapq
 import itertools
 import json
-import re
 import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlite_utils import Database
 
 from ..errors import is_environmental, operator_line
-from ..rs.model import CHANGES, CREATED, DELETED, UPDATED, Entry, Head, Link
-from ..rs.w3cdt import parse_w3c, utcnow
+from ..rs.model import CHANGES, DELETED, Entry, Head
+from ..rs.w3cdt import utcnow
 from .interface import FENCE, EmptySnapshot, LeaseLost, ListingRow, StateUnavailable
 from .retention import Retention, retained_sql
 from .rows import (
@@ -68,99 +66,32 @@ from .rows import (
     RetryChanges,
     SetRow,
     SourceRow,
+    format_dt,
+    parse_dt,
 )
+from .sql import codec
+from .sql.base import SqlState
+from .sql.codec import (
+    C_STORED,
+    LOG_COLS,
+    R_URI,
+    RES_COLS,
+    RETRY_ENDED,
+    SELECT_RES,
+    SOURCE_STATUS_FIELDS,
+    SYNCHRONOUS,
+    W_ID,
+    W_SHA256,
+    check_sha,
+    follows_from,
+    plan_batch,
+    resource_row,
+    source_row,
+)
+from .sql.dialect import MAX_INT, SQLITE
 
 if TYPE_CHECKING:
-    from ..config import Config
-    from .interface import StateStore
-
-#: The state database's file name inside ``[store] path``: spelled here only (``state_path``).
-STATE_FILE = "state.db"
-_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
-#: Rows fetched per page by the iterators (bounded memory; the lock is released between pages).
-PAGE_SIZE = 1000
-SYNCHRONOUS = ("NORMAL", "FULL", "EXTRA")
-_MAX_INT = 2**63 - 1  # SQLite's largest INTEGER: "no upper bound" in range queries
-#: ``kind`` of a retry that ended (its URI is no longer listed upstream): kept to be seen, not tried.
-RETRY_ENDED = "ended"
-
-# ---------------------------------------------------------------------------------------------------
-# Encoding
-
-
-def format_dt(dt: datetime | None) -> str | None:
-    """Fixed-width W3C Datetime in UTC with microseconds (text order == time order)."""
-    if dt is None:
-        return None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=UTC)
-    elif dt.utcoffset():
-        dt = dt.astimezone(UTC)
-    return dt.isoformat(timespec="microseconds")[:-6] + "Z"  # drop "+00:00"
-
-
-def parse_dt(text: str | None) -> datetime | None:
-    if text is None:
-        return None
-    if len(text) == 27 and text[26] == "Z":
-        return datetime.fromisoformat(text)  # our own fixed form: the C parser is fastest
-    return parse_w3c(text)
-
-
-#: ``json.dumps(value, ensure_ascii=False, separators=(",", ":"))`` without building an encoder per call
-#: (dumps does for any argument but the defaults: a fifth of writing a resource row's links).
-_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-
-
-#: A JSON string literal as ``_compact`` writes one (json's C escaper, ensure_ascii off).
-_json_str = json.encoder.encode_basestring
-
-
-def _links_json(links: Sequence[Link], when: Callable[[datetime], str | None] = format_dt) -> str | None:
-    """``links`` as the JSON the ``links`` column holds; ``when`` formats ``modified`` (format_dt, or a
-    batch's cache of it)."""
-    if not links:
-        return None
-    out = []
-    for ln in links:
-        if (ln.pri is None and ln.hash is None and ln.length is None and ln.type is None
-                and ln.encoding is None and ln.path is None and not ln.extra):  # fmt: skip
-            # The common link (rel, href, modified: a "via", a "collection") written directly, byte for
-            # byte what the encoder writes: building a dict per link cost a third of a row's write.
-            text = f'{{"rel":{_json_str(ln.rel)},"href":{_json_str(ln.href)}'
-            out.append(text + "}" if ln.modified is None else f'{text},"modified":"{when(ln.modified)}"}}')
-            continue
-        d: dict[str, Any] = {"rel": ln.rel, "href": ln.href}
-        for k in ("pri", "hash", "length", "type", "encoding", "path"):
-            v = getattr(ln, k)
-            if v is not None:
-                d[k] = v
-        if ln.modified is not None:
-            d["modified"] = when(ln.modified)
-        if ln.extra:
-            d["extra"] = ln.extra
-        out.append(_compact(d))
-    return f"[{','.join(out)}]"
-
-
-def _links_from(text: str | None) -> list[Link]:
-    if not text:
-        return []
-    links = []
-    for d in json.loads(text):
-        if "modified" in d:
-            d["modified"] = parse_dt(d["modified"])
-        links.append(Link(**d))
-    return links
-
-
-def _follows(said: str | None) -> tuple[str, ...] | None:
-    return None if said is None else tuple(json.loads(said))
-
-
-def _json(value: Any) -> str | None:
-    return _compact(value) if value else None
-
+    pass
 
 # ---------------------------------------------------------------------------------------------------
 # Schema: MIGRATIONS[i] brings user_version i to i + 1. Never edit a released step; append a new one.
@@ -476,122 +407,27 @@ MIGRATIONS: list[tuple[str, ...]] = [
     ),
 ]
 
-SOURCE_STATUS_FIELDS = frozenset(
-    {"state", "last_error", "last_error_at", "last_success", "last_attempt", "next_attempt", "failures",
-     "progress_done", "progress_total", "progress_what", "using_url"}
-)  # fmt: skip
-_SOURCE_TIMES = ("last_error_at", "last_success", "last_attempt", "next_attempt", "created_at", "updated_at")
-
-_RES_COLS = (
-    "set_id", "uri", "sha256", "length", "type", "encoding", "md5", "sha1", "lastmod",
-    "upstream_datetime", "links", "md_extra", "entry_extra", "deleted", "generation", "updated_at",
-)  # fmt: skip
 # New rows get their id from us (max(id) + 1 under the write lock, as SQLite would) so the changelog
 # can name them without reading them back; stored rows are updated by primary key (2x faster than an
 # INSERT .. ON CONFLICT upsert, measured). Rows are never deleted (tombstones), so ids are never reused;
 # a future purge of tombstones must keep that true (e.g. keep the highest row) or use a counter.
 _INSERT_RES = (
-    f"INSERT INTO resources (id, {', '.join(_RES_COLS)}) VALUES ({', '.join('?' * (len(_RES_COLS) + 1))})"
+    f"INSERT INTO resources (id, {', '.join(RES_COLS)}) VALUES ({', '.join('?' * (len(RES_COLS) + 1))})"
 )
 _UPDATE_RES = (
     "UPDATE resources SET "
-    + ", ".join(f"{c} = COALESCE(?, {c})" if c == "generation" else f"{c} = ?" for c in _RES_COLS[2:])
+    + ", ".join(f"{c} = COALESCE(?, {c})" if c == "generation" else f"{c} = ?" for c in RES_COLS[2:])
     + " WHERE id = ?"
 )
-_SELECT_RES = "SELECT id, " + ", ".join(_RES_COLS) + " FROM resources"
 #: iter_live_listing: interface.ListingRow's columns, then whether the row has more than those.
 _LISTING_COLS = (
     "id, uri, sha256, length, type, encoding, md5, sha1, lastmod, upstream_datetime, updated_at, "
     "(links IS NOT NULL OR md_extra IS NOT NULL OR entry_extra IS NOT NULL)"
 )
-# Positions in a row being written (_RES_COLS order, its id appended last) ...
-_W_UPSTREAM, _W_DELETED, _W_GENERATION = (
-    _RES_COLS.index(c) for c in ("upstream_datetime", "deleted", "generation")
-)
-_W_SHA256, _W_ID = _RES_COLS.index("sha256"), len(_RES_COLS)
-# ... and in a row read by _SELECT_RES (id first, then _RES_COLS).
-(
-    _R_SET, _R_URI, _R_SHA256, _R_LENGTH, _R_TYPE, _R_ENCODING, _R_MD5, _R_SHA1, _R_LASTMOD, _R_UPSTREAM,
-    _R_LINKS, _R_MD_EXTRA, _R_ENTRY_EXTRA, _R_DELETED, _R_GENERATION, _R_UPDATED,
-) = range(1, len(_RES_COLS) + 1)  # fmt: skip
-# What _apply knows of a uri of the batch: [id, sha256, live, stored] (stored: the row exists on disk).
-_C_ID, _C_SHA256, _C_LIVE, _C_STORED = range(4)
-_LOG_COLS = ("seq", "set_id", "resource_id", "uri", "change", "datetime", "sha256", "length", "type")
 _INSERT_LOG = (
     "INSERT INTO changelog (set_id, resource_id, uri, change, datetime, sha256, length, type) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
-
-
-def plan_batch(
-    set_id: int,
-    changes: Sequence[Change],
-    current: dict[str, list],
-    open_generation: int | None,
-    now: Any,
-    new_id: Callable[[], int],
-    when: Callable[[datetime | None], Any],
-) -> tuple[dict[str, list], dict[int, tuple], dict[int, int], list[tuple], list[Change]]:
-    """What a batch does, change by change, against the rows as they stand (``State.apply`` says the
-    rules): one place for them, whatever the backend writes with.
-
-    ``current``: uri -> [id, sha256, live, stored] of the batch's stored rows (the ``_C_*`` positions;
-    updated as the batch goes); ``now`` the batch's changelog time and ``when`` a time as the backend
-    stores it; ``new_id()`` an id for a new row. Returns (rows: uri -> the ``_RES_COLS`` values and the
-    id, the final row per uri; tombstones: stored row id -> (generation, upstream_datetime); seen: id ->
-    generation of no-ops during a baseline; log: changelog rows without seq; applied: the changes that
-    changed state, each with the logged kind).
-    """
-    # Records of a batch share a few datestamps, and formatting one cost more than the rest of its row.
-    when, stamp = functools.cache(when), functools.cache(format_dt)
-    # Collapse to the final row per uri; keep the log in order.
-    rows: dict[str, list] = {}  # uri -> column values (_RES_COLS order) + [id] (the _W_* positions)
-    tombstones: dict[int, tuple] = {}  # id of a stored row -> (generation, upstream_datetime)
-    seen: dict[int, int] = {}  # id -> generation, for no-ops during a baseline
-    log: list[tuple] = []  # changelog rows
-    applied: list[Change] = []
-    for ch in changes:
-        gen = ch.generation if ch.generation is not None else open_generation
-        cur = current.get(ch.uri)
-        live = cur is not None and cur[_C_LIVE]
-        if ch.change == DELETED:
-            if not live:
-                continue
-            cur[_C_LIVE] = False
-            row = rows.get(ch.uri)
-            if row is not None:  # created/updated earlier in this batch: write it as a tombstone
-                row[_W_DELETED] = True
-                if gen is not None:
-                    row[_W_GENERATION] = gen
-                if ch.upstream_datetime is not None:
-                    row[_W_UPSTREAM] = when(ch.upstream_datetime)
-            else:
-                tombstones[cur[_C_ID]] = (gen, when(ch.upstream_datetime))
-            log.append((set_id, cur[_C_ID], ch.uri, DELETED, now, None, None, None))
-            applied.append(ch)
-            continue
-        if live and cur[_C_SHA256] == ch.sha256:
-            if gen is not None:
-                if ch.uri in rows:
-                    rows[ch.uri][_W_GENERATION] = gen
-                else:
-                    seen[cur[_C_ID]] = gen
-            continue
-        kind = UPDATED if live else CREATED
-        if cur is None:
-            cur = current[ch.uri] = [new_id(), ch.sha256, True, False]
-        else:
-            cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
-            tombstones.pop(cur[_C_ID], None)
-        h = ch.hashes
-        rows[ch.uri] = [
-            set_id, ch.uri, ch.sha256, ch.length, ch.type, ch.encoding, h.get("md5"), h.get("sha-1"),
-            when(ch.lastmod), when(ch.upstream_datetime), _links_json(ch.links, stamp),
-            _json(ch.md_extra), _json(ch.entry_extra), False, gen, now, cur[_C_ID],
-        ]  # fmt: skip
-        log.append((set_id, cur[_C_ID], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
-        applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
-    return rows, tombstones, seen, log, applied
 
 
 @contextlib.contextmanager
@@ -626,8 +462,26 @@ def local_commit_mark() -> int:
     return _last_commit
 
 
-class State:
+class _Reader:
+    """``with state._read() as c``: the connection under the lock (a reused object: no generator per read)."""
+
+    __slots__ = ("conn", "lock")
+
+    def __init__(self, lock: threading.RLock, conn: sqlite3.Connection) -> None:
+        self.lock, self.conn = lock, conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.lock.acquire()
+        return self.conn
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+class State(SqlState):
     """The SQLite database of one rsagg instance (see the module docstring for the rules)."""
+
+    d = SQLITE
 
     def __init__(
         self,
@@ -668,6 +522,7 @@ class State:
             raise StateUnavailable(f"state {operator_line(exc, str(self.path))}") from exc
         self.db = Database(conn)
         self.conn = conn
+        self._reader = _Reader(self._lock, conn)
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
         self.readonly = readonly
         if readonly:
@@ -764,6 +619,9 @@ class State:
         with self._lock:
             return self.conn.execute("PRAGMA data_version").fetchone()[0] + self._commits
 
+    def _read(self) -> _Reader:
+        return self._reader
+
     def _check_fence(self, c: sqlite3.Connection, fence: Fence) -> None:
         row = c.execute(
             "SELECT node, epoch, expires_at FROM leases WHERE source = ?", (fence.source,)
@@ -773,9 +631,6 @@ class State:
             raise LeaseLost(fence, node, epoch, "another grant is current")
         if expires is None or expires <= format_dt(self._now()):
             raise LeaseLost(fence, node, epoch, f"it expired at {expires}")
-
-    def _now(self) -> datetime:
-        return self._clock().astimezone(UTC)
 
     def _log_time(self, c: sqlite3.Connection) -> datetime:
         """rsagg's changelog clock: wall clock, but never before the last record (clock steps back).
@@ -787,22 +642,6 @@ class State:
         if last is not None and now < last:
             now = last
         return now
-
-    def _pages(
-        self, sql: str, params: list[Any], key_index: int, after: int, limit: int | None
-    ) -> Iterator[tuple]:
-        """Keyset paging: ``sql`` has a ``> ?`` placeholder last-but-one and ``LIMIT ?`` last."""
-        left = limit
-        while left is None or left > 0:
-            n = PAGE_SIZE if left is None else min(PAGE_SIZE, left)
-            with self._lock:
-                rows = self.conn.execute(sql, [*params, after, n]).fetchall()
-            yield from rows
-            if len(rows) < n:
-                return
-            after = rows[-1][key_index]
-            if left is not None:
-                left -= len(rows)
 
     # -- sources ---------------------------------------------------------------------------------
 
@@ -818,12 +657,12 @@ class State:
 
     def sources(self) -> list[SourceRow]:
         with self._lock:
-            return [_source_row(r) for r in self.db.query("SELECT * FROM sources ORDER BY name")]
+            return [source_row(r) for r in self.db.query("SELECT * FROM sources ORDER BY name")]
 
     def source(self, name: str) -> SourceRow | None:
         with self._lock:
             rows = list(self.db.query("SELECT * FROM sources WHERE name = ?", [name]))
-        return _source_row(rows[0]) if rows else None
+        return source_row(rows[0]) if rows else None
 
     def set_source_status(self, name: str, **fields: Any) -> None:
         """Update status columns (see SOURCE_STATUS_FIELDS); datetimes may be given as datetime."""
@@ -891,7 +730,7 @@ class State:
         sha256: str | None,
     ) -> None:
         if sha256 is not None:
-            _check_sha(sha256)
+            check_sha(sha256)
         with self._write() as c:
             c.execute(
                 "INSERT OR REPLACE INTO documents (url, source, capability, etag, last_modified, sha256, "
@@ -980,7 +819,7 @@ class State:
             if ch.change not in CHANGES:
                 raise ValueError(f"{ch.uri}: unknown change {ch.change!r}")
             if ch.sha256 is not None:
-                _check_sha(ch.sha256)
+                check_sha(ch.sha256)
         with self._write() as c:
             row = c.execute("SELECT baseline_generation FROM sets WHERE id = ?", (set_id,)).fetchone()
             if row is None:
@@ -1039,10 +878,10 @@ class State:
         if rows:
             new, old = [], []
             for uri, row in rows.items():
-                if current[uri][_C_STORED]:
-                    old.append(row[_W_SHA256:])  # _UPDATE_RES: the columns after uri, then the id
+                if current[uri][C_STORED]:
+                    old.append(row[W_SHA256:])  # _UPDATE_RES: the columns after uri, then the id
                 else:
-                    new.append((row[_W_ID], *row[:_W_ID]))
+                    new.append((row[W_ID], *row[:W_ID]))
             if new:
                 c.executemany(_INSERT_RES, new)
             if old:
@@ -1277,8 +1116,8 @@ class State:
 
     def resource(self, set_id: int, uri: str) -> Resource | None:
         with self._lock:
-            row = self.conn.execute(_SELECT_RES + " WHERE set_id = ? AND uri = ?", (set_id, uri)).fetchone()
-        return _resource(row) if row else None
+            row = self.conn.execute(SELECT_RES + " WHERE set_id = ? AND uri = ?", (set_id, uri)).fetchone()
+        return resource_row(row) if row else None
 
     def resources(self, set_id: int, uris: Sequence[str]) -> dict[str, Resource]:
         """The stored rows of those of ``uris`` the set holds (one query; json_each: no variable limit)."""
@@ -1286,10 +1125,10 @@ class State:
             return {}
         with self._lock:
             rows = self.conn.execute(
-                _SELECT_RES + " WHERE set_id = ? AND uri IN (SELECT value FROM json_each(?))",
+                SELECT_RES + " WHERE set_id = ? AND uri IN (SELECT value FROM json_each(?))",
                 (set_id, json.dumps(list(uris))),
             ).fetchall()
-        return {r[_R_URI]: _resource(r) for r in rows}
+        return {r[R_URI]: resource_row(r) for r in rows}
 
     def iter_resources(
         self,
@@ -1307,9 +1146,9 @@ class State:
         if not include_deleted:
             where.append("deleted = 0")
         where.append("id > ?")
-        sql = f"{_SELECT_RES} WHERE {' AND '.join(where)} ORDER BY id LIMIT ?"
+        sql = f"{SELECT_RES} WHERE {' AND '.join(where)} ORDER BY id LIMIT ?"
         for row in self._pages(sql, params, 0, after_id, limit):
-            yield _resource(row)
+            yield resource_row(row)
 
     def count_resources(
         self, set_id: int | None = None, *, source: str | None = None, include_deleted: bool = False
@@ -1332,7 +1171,7 @@ class State:
         self, after_seq: int = 0, *, set_id: int | None = None, limit: int | None = None
     ) -> Iterator[LogRecord]:
         """Changelog records in seq order (== datetime order), after ``after_seq``."""
-        cols = ", ".join(_LOG_COLS)
+        cols = ", ".join(LOG_COLS)
         if set_id is None:
             sql, params = f"SELECT {cols} FROM changelog WHERE seq > ? ORDER BY seq LIMIT ?", []
         else:
@@ -1455,7 +1294,7 @@ class State:
         """What changes whenever a row of the sets with ``after_id < id <= until_id`` changes (created,
         updated, deleted): their count and newest ``updated_at``. A Resource List part renders the same
         while these stay (one range scan of the rows)."""
-        top = _MAX_INT if until_id is None else until_id
+        top = MAX_INT if until_id is None else until_id
         count, newest = 0, ""
         with self._lock:
             for sid in dict.fromkeys(set_ids):
@@ -1485,19 +1324,19 @@ class State:
         self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None
     ) -> Iterator[Resource]:
         """Live resources of the sets with ``after_id < id <= until_id`` (no upper bound when None), by id."""
-        top = _MAX_INT if until_id is None else until_id
-        sql = f"{_SELECT_RES} WHERE set_id = ? AND deleted = 0 AND id <= ? AND id > ? ORDER BY id LIMIT ?"
+        top = MAX_INT if until_id is None else until_id
+        sql = f"{SELECT_RES} WHERE set_id = ? AND deleted = 0 AND id <= ? AND id > ? ORDER BY id LIMIT ?"
         iters = [self._pages(sql, [sid, top], 0, after_id, None) for sid in dict.fromkeys(set_ids)]
         rows = iters[0] if len(iters) == 1 else heapq.merge(*iters, key=lambda r: r[0])
         for row in rows:
-            yield _resource(row)
+            yield resource_row(row)
 
     def iter_live_listing(
         self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None
     ) -> Iterator[ListingRow | Resource]:
         """``iter_live`` for list writers (``interface.ListingRow``): the columns a plain entry needs
         and, per row, whether it has more; the rows that do are read whole, a page at a time."""
-        top = _MAX_INT if until_id is None else until_id
+        top = MAX_INT if until_id is None else until_id
         sql = f"SELECT {_LISTING_COLS} FROM resources "
         sql += "WHERE set_id = ? AND deleted = 0 AND id <= ? AND id > ? ORDER BY id LIMIT ?"
         iters = [self._listing_pages(sql, sid, top, after_id) for sid in dict.fromkeys(set_ids)]
@@ -1509,19 +1348,19 @@ class State:
     def _listing_pages(self, sql: str, set_id: int, top: int, after: int) -> Iterator[ListingRow | Resource]:
         while True:
             with self._lock:
-                rows = self.conn.execute(sql, (set_id, top, after, PAGE_SIZE)).fetchall()
+                rows = self.conn.execute(sql, (set_id, top, after, codec.PAGE_SIZE)).fetchall()
                 rich = [r[0] for r in rows if r[-1]]
                 if rich:
                     marks = ", ".join("?" * len(rich))
-                    full = self.conn.execute(f"{_SELECT_RES} WHERE id IN ({marks})", rich).fetchall()
-                    whole = {r[0]: _resource(r) for r in full}
+                    full = self.conn.execute(f"{SELECT_RES} WHERE id IN ({marks})", rich).fetchall()
+                    whole = {r[0]: resource_row(r) for r in full}
             if rich:
                 for r in rows:
                     yield whole[r[0]] if r[-1] else r[:-1]
             else:
                 for r in rows:
                     yield r[:-1]
-            if len(rows) < PAGE_SIZE:
+            if len(rows) < codec.PAGE_SIZE:
                 return
             after = rows[-1][0]
 
@@ -1555,9 +1394,9 @@ class State:
         """Changelog records of the sets with ``after_seq < seq <= until_seq``, in seq order, each with
         the resource row it names as that row is now (None if gone): the row holds what the record
         does not (md5, links, upstream lastmod), valid for the record when their sha256 agree."""
-        top = _MAX_INT if until_seq is None else until_seq
-        cols = ", ".join(f"c.{c}" for c in _LOG_COLS)
-        res_cols = "r.id, " + ", ".join(f"r.{c}" for c in _RES_COLS)
+        top = MAX_INT if until_seq is None else until_seq
+        cols = ", ".join(f"c.{c}" for c in LOG_COLS)
+        res_cols = "r.id, " + ", ".join(f"r.{c}" for c in RES_COLS)
         sql = (
             f"SELECT {cols}, {res_cols} FROM changelog c LEFT JOIN resources r ON r.id = c.resource_id "
             "WHERE c.set_id = ? AND c.seq <= ? AND c.seq > ? ORDER BY c.seq LIMIT ?"
@@ -1566,10 +1405,10 @@ class State:
         if not iters:
             return
         rows = iters[0] if len(iters) == 1 else heapq.merge(*iters, key=lambda r: r[0])
-        n = len(_LOG_COLS)
+        n = len(LOG_COLS)
         for r in rows:
             rec = LogRecord(r[0], r[1], r[2], r[3], r[4], parse_dt(r[5]), r[6], r[7], r[8])
-            yield rec, (_resource(r[n:]) if r[n] is not None else None)
+            yield rec, (resource_row(r[n:]) if r[n] is not None else None)
 
     def log_windows(self, set_ids: Sequence[int], size: int) -> list[int]:
         """Numbers k of the windows ``((k-1)*size, k*size]`` of the global changelog seq that hold at
@@ -1608,9 +1447,9 @@ class State:
 
     def log_record(self, seq: int) -> LogRecord | None:
         """The changelog record ``seq`` (None when there is none): a memento names its version by it."""
-        if not 0 <= seq <= _MAX_INT:
+        if not 0 <= seq <= MAX_INT:
             return None
-        cols = ", ".join(_LOG_COLS)
+        cols = ", ".join(LOG_COLS)
         with self._lock:
             r = self.conn.execute(f"SELECT {cols} FROM changelog WHERE seq = ?", (seq,)).fetchone()
         return LogRecord(r[0], r[1], r[2], r[3], r[4], parse_dt(r[5]), r[6], r[7], r[8]) if r else None
@@ -1619,7 +1458,7 @@ class State:
         self, resource_id: int, after_seq: int = 0, limit: int | None = None
     ) -> Iterator[LogRecord]:
         """The changelog records of one resource row (deletions too), ascending seq, after ``after_seq``."""
-        cols = ", ".join(_LOG_COLS)
+        cols = ", ".join(LOG_COLS)
         sql = f"SELECT {cols} FROM changelog WHERE resource_id = ? AND seq > ? ORDER BY seq LIMIT ?"
         for r in self._pages(sql, [resource_id], 0, after_seq, limit):
             yield LogRecord(r[0], r[1], r[2], r[3], r[4], parse_dt(r[5]), r[6], r[7], r[8])
@@ -1627,7 +1466,7 @@ class State:
     def count_versions(self, resource_id: int, after_seq: int = 0, limit: int | None = None) -> int:
         """How many versions (records that are not deletions) the row has after ``after_seq``, counted up
         to ``limit`` (the retention check needs no more than N)."""
-        top = _MAX_INT if limit is None else limit
+        top = MAX_INT if limit is None else limit
         with self._lock:
             return self.conn.execute(
                 "SELECT count(*) FROM (SELECT 1 FROM changelog WHERE resource_id = ? AND seq > ? "
@@ -1638,7 +1477,7 @@ class State:
     def version_at(self, resource_id: int, when: datetime) -> LogRecord | None:
         """The version current at ``when`` (the last record that is not a deletion at or before it), else
         the first version: the best memento for a TimeGate (RFC 7089 §4.1); None: no version at all."""
-        cols = ", ".join(_LOG_COLS)
+        cols = ", ".join(LOG_COLS)
         with self._lock:
             # The changelog's datetime never decreases with seq (``_log_time``): the last seq at or
             # before ``when`` (index changelog_datetime) bounds the row's records (changelog_resource):
@@ -2020,7 +1859,7 @@ class State:
         key = {"resourcedump": "id", "changedump": "window"}.get(kind)
         if key is None:
             raise ValueError(f"unknown dump kind {kind!r}")
-        if not 0 <= number <= _MAX_INT:  # an id no row can have (and SQLite's OverflowError)
+        if not 0 <= number <= MAX_INT:  # an id no row can have (and SQLite's OverflowError)
             return None
         with self._lock:
             row = self.conn.execute(
@@ -2194,7 +2033,7 @@ class State:
                 "FROM nodes ORDER BY name"
             ).fetchall()
         return [
-            NodeRow(r[0], r[1], r[2], r[3], *(parse_dt(x) for x in r[4:8]), _follows(r[8]))  # type: ignore[arg-type]
+            NodeRow(r[0], r[1], r[2], r[3], *(parse_dt(x) for x in r[4:8]), follows_from(r[8]))  # type: ignore[arg-type]
             for r in rows
         ]
 
@@ -2320,80 +2159,3 @@ def _dump_package(r: tuple) -> DumpPackage:
         *r[:12], parse_dt(r[12]), parse_dt(r[13]), parse_dt(r[14]), parse_dt(r[15]), r[16], r[17],
         parse_dt(r[18]),
     )  # fmt: skip
-
-
-def _check_sha(sha256: str) -> None:
-    if not isinstance(sha256, str) or not _SHA256.match(sha256):
-        raise ValueError(f"not a lowercase hex SHA-256: {sha256!r}")
-
-
-def _source_row(d: dict) -> SourceRow:
-    for k in _SOURCE_TIMES:
-        if d.get(k) is not None:
-            d[k] = parse_dt(d[k])
-    return SourceRow(**d)
-
-
-def _resource(r: tuple) -> Resource:
-    # r: id, then _RES_COLS (the _R_* positions)
-    hashes = {}
-    if r[_R_SHA256] is not None:
-        hashes["sha-256"] = r[_R_SHA256]
-    if r[_R_MD5] is not None:
-        hashes["md5"] = r[_R_MD5]
-    if r[_R_SHA1] is not None:
-        hashes["sha-1"] = r[_R_SHA1]
-    md_extra, entry_extra = r[_R_MD_EXTRA], r[_R_ENTRY_EXTRA]
-    return Resource(
-        id=r[0], set_id=r[_R_SET], uri=r[_R_URI], sha256=r[_R_SHA256], length=r[_R_LENGTH], type=r[_R_TYPE],
-        encoding=r[_R_ENCODING], hashes=hashes, lastmod=parse_dt(r[_R_LASTMOD]),
-        upstream_datetime=parse_dt(r[_R_UPSTREAM]), links=_links_from(r[_R_LINKS]),
-        md_extra=json.loads(md_extra) if md_extra else {},
-        entry_extra=json.loads(entry_extra) if entry_extra else [],
-        deleted=bool(r[_R_DELETED]), updated_at=parse_dt(r[_R_UPDATED]), generation=r[_R_GENERATION],
-    )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------
-# Where the state lives: the one place that knows (callers never build the path themselves).
-
-
-def state_path(config: Config) -> Path | str:
-    """The state database of a configured rsagg: ``[store] state`` when it names one (a ``postgresql://``
-    URL), else ``STATE_FILE`` in the store folder."""
-    return config.store.state or Path(config.store_path) / STATE_FILE
-
-
-def open_state(config: Config, *, readonly: bool = False, **options: Any) -> StateStore:
-    """Open the configured state (created and migrated unless ``readonly``) with ``[store]
-    synchronous``; ``options`` are ``State``'s other keyword arguments (``cache_mib``, ``clock``...)."""
-    options.setdefault("synchronous", config.store.synchronous)
-    return connect(state_path(config), readonly=readonly, **options)
-
-
-def check_writable(config: Config) -> None:
-    """Before harvesting: the configured SQLite state can be written, else ``StateUnavailable`` naming
-    the file (one line, exit 1: cli.py). A PostgreSQL state says so at its first write."""
-    location = state_path(config)
-    if isinstance(location, Path) and location.exists():
-        with State(location, synchronous=config.store.synchronous) as st:
-            st.check_writable()
-
-
-def connect(location: Path | str, *, readonly: bool = False, **options: Any) -> StateStore:
-    """The state at ``location`` (what ``state_path`` gives): the one factory every opener goes through,
-    so the backend is chosen here, from the location: a ``postgresql://`` URL is a PostgreSQL database
-    (store/postgres.py, the ``rsagg[postgresql]`` extra), anything else the SQLite file."""
-    if isinstance(location, str) and "://" in location:
-        scheme = location.split("://", 1)[0].lower()
-        if scheme not in ("postgresql", "postgres"):
-            raise ValueError(f"no state backend for {scheme}:// locations (a SQLite file or postgresql://)")
-        try:
-            from .postgres import PostgresState
-        except ImportError as exc:  # the optional extra is missing: one line, exit 1 (cli.py)
-            from .interface import StateUnavailable
-
-            need = "pip install 'rsagg[postgresql]'"
-            raise StateUnavailable(f"a postgresql:// state needs psycopg ({need}): {exc}") from None
-        return PostgresState(location, readonly=readonly, **options)
-    return State(location, readonly=readonly, **options)

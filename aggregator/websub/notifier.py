@@ -88,9 +88,8 @@ from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobStore
 from ..store.interface import StateStore
-from ..store.rows import NotifyChannel
+from ..store.rows import LogRecord, NotifyChannel, Resource
 from ..store.sets import PublishedSet, published_sets
-from ..store.state import LogRecord, Resource
 from .hub import Hub
 from .storecalls import StoreCalls
 

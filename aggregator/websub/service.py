@@ -32,7 +32,7 @@ from .. import __version__
 from ..config import Config
 from ..net import outbound
 from ..store.blobs import BlobStore
-from ..store.state import open_state
+from ..store.open import open_state
 
 if TYPE_CHECKING:  # imported when used: the daemon imports this module, harvest-only runs need no more
     from starlette.routing import BaseRoute

@@ -92,8 +92,7 @@ from ..rs.parse import DocumentError, parse_bytes
 from ..rs.w3cdt import utcnow
 from ..run.cluster import followed_by_live, follows
 from ..store.interface import LeaseLost, StateStore
-from ..store.rows import NotifySubscription
-from ..store.state import format_dt
+from ..store.rows import NotifySubscription, format_dt
 from .storecalls import Closed, StoreCalls
 
 log = logging.getLogger("rsagg.subscriber")
