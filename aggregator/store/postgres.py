@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import heapq
 import json
 import threading
@@ -55,21 +54,8 @@ from .rows import (
     Change,
     Cursor,
     DocumentRow,
-    DumpPackage,
-    DumpPart,
-    DumpRun,
     Fence,
-    HubBacklog,
-    HubDelivery,
-    HubRequestState,
-    HubSubscription,
-    HubVerification,
-    LeaseGrant,
-    LeaseRow,
     LogRecord,
-    NodeRow,
-    NotifyChannel,
-    NotifyNotice,
     NotifySubscription,
     Reconciliation,
     Resource,
@@ -81,6 +67,7 @@ from .rows import (
 )
 from .sql import codec
 from .sql.base import SqlState
+from .sql.cluster import Cluster
 from .sql.codec import (
     C_STORED,
     LOG_COLS,
@@ -96,6 +83,9 @@ from .sql.codec import (
     resource_row,
 )
 from .sql.dialect import MAX_INT, POSTGRES
+from .sql.dumps import Dumps
+from .sql.hub import Hub
+from .sql.notify import Notifications
 
 #: URL schemes this backend opens (``store.state.connect`` picks it by them).
 SCHEMES = ("postgresql", "postgres")
@@ -510,7 +500,7 @@ class _Conn:
         return self.raw.transaction()
 
 
-class PostgresState(SqlState):
+class PostgresState(Notifications, Dumps, Hub, Cluster, SqlState):
     """The state of one rsagg (or of many sharing it) in a PostgreSQL database."""
 
     d = POSTGRES
@@ -674,6 +664,10 @@ class PostgresState(SqlState):
     def _read(self) -> Iterator[_Conn]:
         with self._unavailable(), self.pool.connection() as conn:
             yield _Conn(conn)
+
+    def _db_now(self, c: Any) -> datetime:
+        """The server's clock (``now()``, the transaction's start): nodes on many machines agree on it."""
+        return c.execute("SELECT now()").fetchone()[0]
 
     def _log_head(self, c: psycopg.Connection) -> tuple[int, datetime]:
         """Lock the changelog head for this transaction: (last seq, this transaction's changelog time)."""
@@ -1267,7 +1261,7 @@ class PostgresState(SqlState):
             if n % size == 0:
                 yield rid
 
-    def _server_side(self, sql: str, params: Sequence[Any]) -> Iterator[tuple]:
+    def _snapshot(self, sql: str, params: Sequence[Any] = ()) -> Iterator[tuple]:
         """Rows of one query as of one instant, fetched in pages from a server-side cursor (bounded
         memory whatever the result's size); the pooled connection is held until the iterator ends."""
         with self._read() as conn, conn.transaction(), conn.cursor(name=f"rsagg_{id(self):x}") as cur:
@@ -1482,563 +1476,22 @@ class PostgresState(SqlState):
             f"UNION {retained_sql(retention, lambda d: d.isoformat())} "
             "UNION SELECT sha256 FROM documents WHERE sha256 IS NOT NULL ORDER BY 1"
         )
-        for (sha,) in self._server_side(sql, ()):
+        for (sha,) in self._snapshot(sql, ()):
             yield sha
 
     # -- the embedded WebSub hub (websub/hub.py; migration 6) ----------------------------------------
 
-    def hub_subscriptions(self, topic: str | None = None) -> list[HubSubscription]:
-        sql = (
-            "SELECT id, topic, callback, secret, lease_seconds, lease_expires, created, verified "
-            "FROM hub_subscriptions" + (" WHERE topic = %s" if topic is not None else "") + " ORDER BY id"
-        )
-        with self._read() as c:
-            rows = c.execute(sql, () if topic is None else (topic,)).fetchall()
-        return [HubSubscription(*r) for r in rows]
-
-    def hub_backlog(self) -> HubBacklog:
-        with self._read() as c:
-            v, d = c.execute(
-                "SELECT (SELECT count(*) FROM hub_verifications), (SELECT count(*) FROM hub_deliveries)"
-            ).fetchone()
-        return HubBacklog(v, d)
-
-    def hub_request_state(self, topic: str, callback: str) -> HubRequestState:
-        with self._read() as c:
-            waiting, pending, subscribed = c.execute(
-                "SELECT (SELECT count(*) FROM hub_verifications), "
-                "EXISTS (SELECT 1 FROM hub_verifications WHERE topic = %s AND callback = %s), "
-                "EXISTS (SELECT 1 FROM hub_subscriptions WHERE topic = %s AND callback = %s)",
-                (topic, callback, topic, callback),
-            ).fetchone()
-        return HubRequestState(waiting, pending, subscribed)
-
-    def hub_subscriber_callbacks(self) -> list[str]:
-        with self._read() as c:
-            rows = c.execute(
-                "SELECT topic, callback FROM hub_subscriptions UNION "
-                "SELECT topic, callback FROM hub_verifications WHERE mode = 'subscribe'"
-            ).fetchall()
-        return [cb for _, cb in rows]
-
-    def hub_queue_verification(self, request: HubVerification, requested: datetime) -> int:
-        r = request
-        with self._write() as c:  # a newer request replaces the waiting one, with a new id
-            c.execute(
-                "DELETE FROM hub_verifications WHERE topic = %s AND callback = %s", (r.topic, r.callback)
-            )
-            return c.execute(
-                "INSERT INTO hub_verifications (mode, topic, callback, secret, lease_seconds, reason, "
-                "requested) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING id",
-                (r.mode, r.topic, r.callback, r.secret, r.lease_seconds, r.reason, requested),
-            ).fetchone()[0]
-
-    def hub_due_verifications(self, exclude: Sequence[int], limit: int) -> list[HubVerification]:
-        with self._read() as c:
-            rows = c.execute(
-                "SELECT id, mode, topic, callback, secret, lease_seconds, reason FROM hub_verifications "
-                "WHERE NOT (id = ANY(%s)) ORDER BY id LIMIT %s",
-                (list(exclude), limit),
-            ).fetchall()
-        return [HubVerification(*r) for r in rows]
-
-    def hub_finish_verification(
-        self, verification: HubVerification, subscribe: bool | None, lease_expires: datetime, now: datetime
-    ) -> bool:
-        v = verification
-        with self._write() as c:
-            if c.execute("DELETE FROM hub_verifications WHERE id = %s", (v.id,)).rowcount == 0:
-                return False
-            if subscribe is None:
-                return True
-            if not subscribe:
-                c.execute(
-                    "DELETE FROM hub_subscriptions WHERE topic = %s AND callback = %s", (v.topic, v.callback)
-                )
-                c.execute(_HUB_GC_PAYLOADS)
-                return True
-            c.execute(  # a renewal keeps the row (and so the pending deliveries), with the new lease
-                "INSERT INTO hub_subscriptions (topic, callback, secret, lease_seconds, lease_expires, "
-                "created, verified) VALUES (%s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (topic, callback) DO UPDATE SET secret = excluded.secret, "
-                "lease_seconds = excluded.lease_seconds, lease_expires = excluded.lease_expires, "
-                "verified = excluded.verified",
-                (v.topic, v.callback, v.secret, v.lease_seconds, lease_expires, now, now),
-            )
-            return True
-
-    def hub_queue_payload(
-        self,
-        topic: str,
-        body: bytes,
-        content_type: str,
-        link: str,
-        now: datetime,
-        max_pending_per_subscription: int,
-    ) -> tuple[int, int]:
-        with self._write() as c:
-            subs = [
-                r[0]
-                for r in c.execute(
-                    "SELECT id FROM hub_subscriptions WHERE topic = %s AND lease_expires > %s ORDER BY id",
-                    (topic, now),
-                )
-            ]
-            if not subs:
-                return 0, 0
-            pid = c.execute(
-                "INSERT INTO hub_payloads (topic, body, content_type, link, created) "
-                "VALUES (%s, %s, %s, %s, %s) RETURNING id",
-                (topic, body, content_type, link, now),
-            ).fetchone()[0]
-            c.execute(
-                "INSERT INTO hub_deliveries (subscription_id, payload_id, next_attempt) "
-                "SELECT s, %s, %s FROM unnest(%s::bigint[]) AS s ORDER BY s",
-                (pid, now, subs),
-            )
-            dropped = c.execute(
-                "DELETE FROM hub_deliveries WHERE id IN (SELECT id FROM (SELECT id, row_number() OVER "
-                "(PARTITION BY subscription_id ORDER BY id DESC) AS n FROM hub_deliveries "
-                "WHERE subscription_id IN (SELECT id FROM hub_subscriptions WHERE topic = %s)) AS x "
-                "WHERE n > %s)",
-                (topic, max_pending_per_subscription),
-            ).rowcount
-            if dropped:
-                c.execute(_HUB_GC_PAYLOADS)
-        return len(subs), dropped
-
-    def hub_expire(self, now: datetime) -> int:
-        with self._read() as c:
-            if not c.execute(
-                "SELECT 1 FROM hub_subscriptions WHERE lease_expires <= %s LIMIT 1", (now,)
-            ).fetchone():
-                return 0  # the common case: no write
-        with self._write() as c:
-            expired = c.execute("DELETE FROM hub_subscriptions WHERE lease_expires <= %s", (now,)).rowcount
-            c.execute(_HUB_GC_PAYLOADS)
-        return expired
-
-    def hub_next_lease_end(self) -> datetime | None:
-        with self._read() as c:
-            return c.execute("SELECT min(lease_expires) FROM hub_subscriptions").fetchone()[0]
-
-    def hub_due_deliveries(
-        self, now: datetime, exclude_subscriptions: Sequence[int], limit: int
-    ) -> list[HubDelivery]:
-        with self._read() as c:
-            rows = c.execute(
-                "SELECT d.id, s.id, s.callback, s.secret, d.attempts, p.body, p.content_type, p.link "
-                "FROM hub_deliveries d JOIN hub_subscriptions s ON s.id = d.subscription_id "
-                "JOIN hub_payloads p ON p.id = d.payload_id "
-                f"WHERE d.id IN ({_HUB_HEADS}) AND d.next_attempt <= %s AND NOT (s.id = ANY(%s)) "
-                "ORDER BY d.next_attempt, d.id LIMIT %s",
-                (now, list(exclude_subscriptions), limit),
-            ).fetchall()
-        return [HubDelivery(*r) for r in rows]
-
-    def hub_next_delivery_due(self, exclude_subscriptions: Sequence[int]) -> datetime | None:
-        with self._read() as c:
-            return c.execute(
-                f"SELECT min(next_attempt) FROM hub_deliveries WHERE id IN ({_HUB_HEADS}) "
-                "AND NOT (subscription_id = ANY(%s))",
-                (list(exclude_subscriptions),),
-            ).fetchone()[0]
-
-    def hub_finish_delivery(self, delivery: HubDelivery, outcome: str, retry_at: datetime, error: str) -> str:
-        if outcome not in ("ok", "gone", "retry"):
-            raise ValueError(f"unknown delivery outcome {outcome!r}")
-        d = delivery
-        with self._write() as c:
-            if outcome == "gone":
-                c.execute("DELETE FROM hub_subscriptions WHERE id = %s", (d.subscription_id,))
-            elif outcome == "ok":
-                c.execute("DELETE FROM hub_deliveries WHERE id = %s", (d.id,))
-            else:
-                row = c.execute(
-                    "SELECT lease_expires FROM hub_subscriptions WHERE id = %s", (d.subscription_id,)
-                ).fetchone()
-                if row is None or retry_at >= row[0]:  # retried until the lease ends, no longer
-                    c.execute("DELETE FROM hub_deliveries WHERE id = %s", (d.id,))
-                    outcome = "failed"
-                else:
-                    c.execute(
-                        "UPDATE hub_deliveries SET attempts = %s, next_attempt = %s, last_error = %s "
-                        "WHERE id = %s",
-                        (d.attempts + 1, retry_at, error[:500], d.id),
-                    )
-            if outcome != "retry":
-                c.execute(_HUB_GC_PAYLOADS)
-        return outcome
-
     # -- rsagg's notification channels (websub/notifier.py; migration 7) --------------------------
-
-    def notify_channels(self) -> list[NotifyChannel]:
-        with self._read() as c:
-            rows = c.execute(
-                "SELECT topic, set_name, kind, last_seq, last_until, body, snapshot FROM notify_channels "
-                "ORDER BY topic"
-            ).fetchall()
-        return [
-            NotifyChannel(topic, name, kind, seq, until, bytes(body or b""), json.loads(snap or "{}"))
-            for topic, name, kind, seq, until, body, snap in rows
-        ]
-
-    def put_notify_channels(self, channels: Sequence[NotifyChannel], drop: Sequence[str] = ()) -> None:
-        now = self._now()
-        with self._write() as c, c.cursor() as cur:
-            cur.executemany(
-                "INSERT INTO notify_channels (topic, set_name, kind, last_seq, last_until, body, snapshot, "
-                "updated) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (topic) DO UPDATE SET "
-                "set_name = excluded.set_name, kind = excluded.kind, last_seq = excluded.last_seq, "
-                "last_until = excluded.last_until, body = excluded.body, snapshot = excluded.snapshot, "
-                "updated = excluded.updated",
-                [(ch.topic, ch.set_name, ch.kind, ch.last_seq, ch.last_until, ch.body,
-                  json.dumps(ch.snapshot) if ch.snapshot else None, now) for ch in channels],
-            )  # fmt: skip
-            if drop:
-                cur.execute("DELETE FROM notify_channels WHERE topic = ANY(%s)", (list(drop),))
 
     # -- rsagg's subscriptions to upstream channels (websub/subscriber.py; migration 8) ----------
 
-    def notify_subscriptions(self, token: str | None = None) -> list[NotifySubscription]:
-        where, args = ("WHERE token = %s", (token,)) if token is not None else ("", ())
-        with self._read() as c:
-            rows = c.execute(
-                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions {where} ORDER BY id", args
-            ).fetchall()
-        return [NotifySubscription(*r) for r in rows]
-
-    def add_notify_subscription(self, subscription: NotifySubscription) -> int:
-        cols = _NSUB_COLS[1:]
-        with self._write() as c:
-            return c.execute(
-                f"INSERT INTO notify_subscriptions ({', '.join(cols)}) "
-                f"VALUES ({', '.join(['%s'] * len(cols))}) RETURNING id",
-                [getattr(subscription, k) for k in cols],
-            ).fetchone()[0]
-
-    def put_notify_subscriptions(self, subscriptions: Sequence[NotifySubscription]) -> None:
-        sql = (
-            f"UPDATE notify_subscriptions SET {', '.join(f'{k} = %s' for k in _NSUB_COLS[1:])} WHERE id = %s"
-        )
-        with self._write() as c, c.cursor() as cur:
-            cur.executemany(sql, [[*(getattr(s, k) for k in _NSUB_COLS[1:]), s.id] for s in subscriptions])
-
-    def delete_notify_subscription(self, subscription_id: int) -> None:
-        with self._write() as c:
-            c.execute("DELETE FROM notify_subscriptions WHERE id = %s", (subscription_id,))
-
     # -- the shared inbox of upstream notifications (websub/subscriber.py; migration 10) -------------
 
-    def add_notify_notice(self, source: str, token: str, body: bytes, *, limit: int) -> str:
-        digest = hashlib.sha256(body).hexdigest()
-        with self._write(fence=False) as c:
-            (waiting,) = c.execute(
-                "SELECT count(*) FROM notify_inbox WHERE source = %s", (source,)
-            ).fetchone()
-            full = waiting >= limit
-            if full:  # one poll request instead (deduplicated like any notice)
-                token, body, digest = "", b"", "poll:" + source
-            cur = c.execute(
-                "INSERT INTO notify_inbox (source, token, digest, body, received_at) "
-                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                (source, token, digest, body, self._now()),
-            )
-            return "full" if full else "added" if cur.rowcount else "duplicate"
-
-    def notify_notices(self, source: str, limit: int = 100) -> list[NotifyNotice]:
-        with self._read() as c:
-            rows = c.execute(
-                "SELECT id, source, token, body FROM notify_inbox WHERE source = %s ORDER BY id LIMIT %s",
-                (source, limit),
-            ).fetchall()
-        return [NotifyNotice(r[0], r[1], r[2], bytes(r[3])) for r in rows]
-
-    def delete_notify_notices(self, ids: Sequence[int]) -> None:
-        with self._write() as c:
-            for i in ids:
-                c.execute("DELETE FROM notify_inbox WHERE id = %s", (i,))
-
     # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py; migration 5) ---------------
-
-    def dump_latest_run(self, set_name: str, fingerprint: str = "") -> DumpRun | None:
-        with self._read() as c:
-            row = c.execute(
-                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = %s AND fingerprint = %s "
-                "ORDER BY id DESC LIMIT 1",
-                (set_name, fingerprint),
-            ).fetchone()
-        return DumpRun(*row[:5], tuple(row[5]), *row[6:]) if row else None
-
-    def dump_runs(self, set_name: str, fingerprint: str = "") -> list[DumpRun]:
-        with self._read() as c:
-            rows = c.execute(
-                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = %s AND fingerprint = %s "
-                "ORDER BY id",
-                (set_name, fingerprint),
-            ).fetchall()
-        return [DumpRun(*row[:5], tuple(row[5]), *row[6:]) for row in rows]
-
-    def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
-        with self._read() as c:
-            rows = c.execute(f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = %s ORDER BY part", (run_id,))
-            return [DumpPackage(*r) for r in rows.fetchall()]
-
-    def change_dump_packages(self, set_name: str, fingerprint: str = "") -> list[DumpPackage]:
-        with self._read() as c:
-            rows = c.execute(
-                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = %s AND kind = 'changedump' "
-                'AND fingerprint = %s ORDER BY "window"',
-                (set_name, fingerprint),
-            ).fetchall()
-        return [DumpPackage(*r) for r in rows]
-
-    def dump_package(
-        self, set_name: str, kind: str, number: int, fingerprint: str = ""
-    ) -> DumpPackage | None:
-        key = {"resourcedump": "id", "changedump": '"window"'}.get(kind)
-        if key is None:
-            raise ValueError(f"unknown dump kind {kind!r}")
-        if not 0 <= number <= MAX_INT:  # an id no row can have (and out of BIGINT's range)
-            return None
-        with self._read() as c:
-            row = c.execute(
-                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = %s AND kind = %s AND {key} = %s "
-                "AND fingerprint = %s",
-                (set_name, kind, number, fingerprint),
-            ).fetchone()
-        return DumpPackage(*row) if row else None
-
-    def has_change_dump(self, set_name: str, fingerprint: str = "") -> bool:
-        with self._read() as c:
-            return c.execute(
-                "SELECT EXISTS (SELECT 1 FROM publish_dumps WHERE set_name = %s AND kind = 'changedump' "
-                "AND fingerprint = %s)",
-                (set_name, fingerprint),
-            ).fetchone()[0]
-
-    def add_resource_dump(
-        self,
-        set_name: str,
-        set_ids: Sequence[int],
-        last_seq: int,
-        at: datetime,
-        completed: datetime,
-        parts: Sequence[DumpPart],
-        created: datetime,
-        fingerprint: str = "",
-    ) -> list[DumpPackage]:
-        with self._write() as c:
-            run = c.execute(
-                "INSERT INTO publish_dump_runs (set_name, at, completed, last_seq, set_ids, packages, "
-                "entries, bytes, created, fingerprint) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
-                "RETURNING id",
-                (set_name, at, completed, last_seq, list(set_ids), len(parts), sum(p.entries for p in parts),
-                 sum(p.bytes for p in parts), created, fingerprint),
-            ).fetchone()[0]  # fmt: skip
-            with c.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO publish_dumps (set_name, kind, run, part, sha256, length, manifest_sha256, "
-                    "manifest_length, at, completed, entries, bytes, created, fingerprint) "
-                    "VALUES (%s, 'resourcedump', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                    [(set_name, run, number, p.sha256, p.length, p.manifest_sha256, p.manifest_length, p.at,
-                      p.completed, p.entries, p.bytes, created, fingerprint)
-                     for number, p in enumerate(parts, 1)],
-                )  # fmt: skip
-            rows = c.execute(f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = %s ORDER BY part", (run,))
-            return [DumpPackage(*r) for r in rows.fetchall()]
-
-    def prune_resource_dumps(self, set_name: str, keep: int) -> set[str]:
-        with self._write() as c:
-            old = [
-                r[0]
-                for r in c.execute(
-                    "SELECT id FROM publish_dump_runs WHERE set_name = %s ORDER BY id DESC OFFSET %s",
-                    (set_name, keep),
-                )
-            ]
-            if not old:
-                return set()
-            shas = {
-                sha
-                for row in c.execute(
-                    "SELECT sha256, manifest_sha256 FROM publish_dumps WHERE run = ANY(%s)", (old,)
-                ).fetchall()
-                for sha in row
-            }
-            c.execute("DELETE FROM publish_dumps WHERE run = ANY(%s)", (old,))
-            c.execute("DELETE FROM publish_dump_runs WHERE id = ANY(%s)", (old,))
-        return shas
-
-    def withdraw_dumps(self, fingerprint: str) -> set[str]:
-        where = "fingerprint IS DISTINCT FROM %s"
-        with self._write() as c:
-            shas = {
-                sha
-                for row in c.execute(
-                    f"SELECT sha256, manifest_sha256 FROM publish_dumps WHERE {where}", (fingerprint,)
-                ).fetchall()
-                for sha in row
-            }
-            c.execute(f"DELETE FROM publish_dumps WHERE {where}", (fingerprint,))
-            c.execute(f"DELETE FROM publish_dump_runs WHERE {where}", (fingerprint,))
-        return shas
-
-    def add_change_dump(
-        self,
-        set_name: str,
-        window: int,
-        first_seq: int,
-        last_seq: int,
-        part: DumpPart,
-        created: datetime,
-        fingerprint: str = "",
-    ) -> DumpPackage:
-        p = part
-        with self._write() as c:
-            row = c.execute(
-                'INSERT INTO publish_dumps (set_name, kind, part, "window", first_seq, last_seq, sha256, '
-                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created, "
-                "fingerprint) "
-                "VALUES (%s, 'changedump', 1, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
-                f"RETURNING {_PKG_COLS}",
-                (set_name, window, first_seq, last_seq, p.sha256, p.length, p.manifest_sha256,
-                 p.manifest_length, p.from_, p.until, p.entries, p.bytes, created, fingerprint),
-            ).fetchone()  # fmt: skip
-        return DumpPackage(*row)
-
-    def change_dump_seqs(self) -> dict[str, int]:
-        with self._read() as c:
-            rows = c.execute(
-                "SELECT set_name, max(last_seq) FROM publish_dumps WHERE kind = 'changedump' "
-                "GROUP BY set_name"
-            ).fetchall()
-        return {name: seq or 0 for name, seq in rows}
-
-    def dump_hashes(self) -> Iterator[str]:
-        sql = "SELECT sha256 FROM publish_dumps UNION SELECT manifest_sha256 FROM publish_dumps ORDER BY 1"
-        for (sha,) in self._server_side(sql, ()):
-            yield sha
 
     # -- cluster: nodes and source leases (cluster.py) ----------------------------------------------
     # Lease times are the server's clock (now()): nodes on many machines agree on one clock. Claims
     # lock the candidate rows FOR UPDATE SKIP LOCKED: concurrent claimers skip what another is granting.
-
-    def node_heartbeat(
-        self,
-        node: str,
-        *,
-        lease_seconds: float,
-        pid: int | None,
-        host: str | None,
-        url: str | None,
-        follows: Sequence[str] | None = None,
-    ) -> None:
-        said = None if follows is None else sorted(set(follows))
-        with self._write(fence=False) as c:
-            c.execute(
-                "INSERT INTO nodes (name, pid, host, url, started_at, heartbeat_at, expires_at, follows) "
-                "VALUES (%s, %s, %s, %s, now(), now(), now() + make_interval(secs => %s), %s::text[]) "
-                "ON CONFLICT (name) DO UPDATE SET pid = excluded.pid, host = excluded.host, "
-                "url = excluded.url, heartbeat_at = excluded.heartbeat_at, expires_at = excluded.expires_at, "
-                "stopped_at = NULL, follows = excluded.follows",
-                (node, pid, host, url, lease_seconds, said),
-            )
-            c.execute("DELETE FROM nodes WHERE expires_at < now() - interval '1 day'")
-
-    def node_stopped(self, node: str) -> None:
-        with self._write(fence=False) as c:
-            c.execute("UPDATE nodes SET stopped_at = now(), expires_at = now() WHERE name = %s", (node,))
-
-    def nodes(self) -> list[NodeRow]:
-        with self._read() as c:
-            rows = c.execute(
-                "SELECT name, pid, host, url, started_at, heartbeat_at, expires_at, stopped_at, follows "
-                "FROM nodes ORDER BY name"
-            ).fetchall()
-        return [NodeRow(*r[:8], None if r[8] is None else tuple(r[8])) for r in rows]
-
-    def claim_leases(
-        self, node: str, sources: Sequence[str], *, want: int, lease_seconds: float
-    ) -> list[Fence]:
-        if want <= 0 or not sources:
-            return []
-        names = sorted(set(sources))
-        with self._write(fence=False) as c:
-            c.execute(
-                "INSERT INTO leases (source, epoch) SELECT unnest(%s::text[]), 0 "
-                "ON CONFLICT (source) DO NOTHING",
-                (names,),
-            )
-            free = c.execute(
-                "SELECT source, node, epoch, expires_at FROM leases WHERE source = ANY(%s) "
-                "AND (node IS NULL OR expires_at <= now()) ORDER BY source LIMIT %s FOR UPDATE SKIP LOCKED",
-                (names, want),
-            ).fetchall()
-            out = []
-            for source, old_node, epoch, expired_at in free:
-                if old_node is not None:
-                    c.execute(
-                        "UPDATE lease_history SET ended_at = %s, end_reason = 'expired' "
-                        "WHERE source = %s AND epoch = %s AND ended_at IS NULL",
-                        (expired_at, source, epoch),
-                    )
-                c.execute(
-                    "UPDATE leases SET node = %s, epoch = %s, granted_at = now(), "
-                    "expires_at = now() + make_interval(secs => %s) WHERE source = %s",
-                    (node, epoch + 1, lease_seconds, source),
-                )
-                c.execute(
-                    "INSERT INTO lease_history (source, epoch, node, granted_at) VALUES (%s, %s, %s, now())",
-                    (source, epoch + 1, node),
-                )
-                out.append(Fence(source, node, epoch + 1))
-        return out
-
-    def renew_leases(self, fences: Sequence[Fence], *, lease_seconds: float) -> list[Fence]:
-        kept = []
-        with self._write(fence=False) as c:
-            for f in fences:
-                cur = c.execute(
-                    "UPDATE leases SET expires_at = now() + make_interval(secs => %s) "
-                    "WHERE source = %s AND node = %s AND epoch = %s AND expires_at > now()",
-                    (lease_seconds, f.source, f.node, f.epoch),
-                )
-                if cur.rowcount:
-                    kept.append(f)
-        return kept
-
-    def release_lease(self, fence: Fence) -> bool:
-        with self._write(fence=False) as c:
-            cur = c.execute(
-                "UPDATE leases SET node = NULL, expires_at = now() "
-                "WHERE source = %s AND node = %s AND epoch = %s AND expires_at > now()",
-                (fence.source, fence.node, fence.epoch),
-            )
-            released = bool(cur.rowcount)
-            if released:
-                c.execute(
-                    "UPDATE lease_history SET ended_at = now(), end_reason = 'released' "
-                    "WHERE source = %s AND epoch = %s AND ended_at IS NULL",
-                    (fence.source, fence.epoch),
-                )
-        return released
-
-    def leases(self) -> list[LeaseRow]:
-        with self._read() as c:
-            rows = c.execute(
-                "SELECT source, node, epoch, granted_at, expires_at FROM leases ORDER BY source"
-            ).fetchall()
-        return [LeaseRow(*r) for r in rows]
-
-    def lease_history(self, source: str | None = None) -> list[LeaseGrant]:
-        sql = "SELECT source, node, epoch, granted_at, ended_at, end_reason FROM lease_history"
-        with self._read() as c:
-            if source is None:
-                rows = c.execute(sql + " ORDER BY source, epoch").fetchall()
-            else:
-                rows = c.execute(sql + " WHERE source = %s ORDER BY epoch", (source,)).fetchall()
-        return [LeaseGrant(*r) for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import heapq
 import itertools
 import json
@@ -29,7 +28,7 @@ import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,20 +44,9 @@ from .rows import (
     Cursor,
     DocumentRow,
     DumpPackage,
-    DumpPart,
     DumpRun,
     Fence,
-    HubBacklog,
-    HubDelivery,
-    HubRequestState,
-    HubSubscription,
-    HubVerification,
-    LeaseGrant,
-    LeaseRow,
     LogRecord,
-    NodeRow,
-    NotifyChannel,
-    NotifyNotice,
     NotifySubscription,
     Reconciliation,
     Resource,
@@ -71,6 +59,7 @@ from .rows import (
 )
 from .sql import codec
 from .sql.base import SqlState
+from .sql.cluster import Cluster
 from .sql.codec import (
     C_STORED,
     LOG_COLS,
@@ -83,12 +72,14 @@ from .sql.codec import (
     W_ID,
     W_SHA256,
     check_sha,
-    follows_from,
     plan_batch,
     resource_row,
     source_row,
 )
 from .sql.dialect import MAX_INT, SQLITE
+from .sql.dumps import Dumps
+from .sql.hub import Hub
+from .sql.notify import Notifications
 
 if TYPE_CHECKING:
     pass
@@ -478,7 +469,7 @@ class _Reader:
         self.lock.release()
 
 
-class State(SqlState):
+class State(Notifications, Dumps, Hub, Cluster, SqlState):
     """The SQLite database of one rsagg instance (see the module docstring for the rules)."""
 
     d = SQLITE
@@ -1533,595 +1524,18 @@ class State(SqlState):
 
     # -- the embedded WebSub hub (websub/hub.py; tables of migration 6) ----------------------------
 
-    def hub_subscriptions(self, topic: str | None = None) -> list[HubSubscription]:
-        """Subscriptions not yet purged (of one topic), by id."""
-        sql = (
-            "SELECT id, topic, callback, secret, lease_seconds, lease_expires, created, verified "
-            "FROM hub_subscriptions" + (" WHERE topic = ?" if topic is not None else "") + " ORDER BY id"
-        )
-        with self._lock:
-            rows = self.conn.execute(sql, () if topic is None else (topic,)).fetchall()
-        return [
-            HubSubscription(i, t, cb, sec, ls, parse_dt(le), parse_dt(cr), parse_dt(ve))
-            for i, t, cb, sec, ls, le, cr, ve in rows
-        ]
-
-    def hub_backlog(self) -> HubBacklog:
-        with self._lock:
-            v = self.conn.execute("SELECT COUNT(*) FROM hub_verifications").fetchone()[0]
-            d = self.conn.execute("SELECT COUNT(*) FROM hub_deliveries").fetchone()[0]
-        return HubBacklog(v, d)
-
-    def hub_request_state(self, topic: str, callback: str) -> HubRequestState:
-        with self._lock:
-            c = self.conn
-            waiting = c.execute("SELECT COUNT(*) FROM hub_verifications").fetchone()[0]
-            pending = c.execute(
-                "SELECT 1 FROM hub_verifications WHERE topic = ? AND callback = ?", (topic, callback)
-            ).fetchone()
-            subscribed = c.execute(
-                "SELECT 1 FROM hub_subscriptions WHERE topic = ? AND callback = ?", (topic, callback)
-            ).fetchone()
-        return HubRequestState(waiting, pending is not None, subscribed is not None)
-
-    def hub_subscriber_callbacks(self) -> list[str]:
-        """The callback of every distinct (topic, callback) subscribed or waiting to subscribe."""
-        with self._lock:
-            rows = self.conn.execute(
-                "SELECT topic, callback FROM hub_subscriptions UNION "
-                "SELECT topic, callback FROM hub_verifications WHERE mode = 'subscribe'"
-            ).fetchall()
-        return [cb for _, cb in rows]
-
-    def hub_queue_verification(self, request: HubVerification, requested: datetime) -> int:
-        with self._write() as c:
-            cur = c.execute(
-                "INSERT OR REPLACE INTO hub_verifications (mode, topic, callback, secret, lease_seconds, "
-                "reason, requested) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (request.mode, request.topic, request.callback, request.secret, request.lease_seconds,
-                 request.reason, format_dt(requested)),
-            )  # fmt: skip
-            return int(cur.lastrowid or 0)
-
-    def hub_due_verifications(self, exclude: Sequence[int], limit: int) -> list[HubVerification]:
-        with self._lock:
-            rows = self.conn.execute(
-                "SELECT id, mode, topic, callback, secret, lease_seconds, reason FROM hub_verifications "
-                "WHERE id NOT IN (SELECT value FROM json_each(?)) ORDER BY id LIMIT ?",
-                (json.dumps(list(exclude)), limit),
-            ).fetchall()
-        return [HubVerification(*r) for r in rows]
-
-    def hub_finish_verification(
-        self, verification: HubVerification, subscribe: bool | None, lease_expires: datetime, now: datetime
-    ) -> bool:
-        at = format_dt(now)
-        v = verification
-        with self._write() as c:
-            if c.execute("DELETE FROM hub_verifications WHERE id = ?", (v.id,)).rowcount == 0:
-                return False
-            if subscribe is None:
-                return True
-            if not subscribe:
-                c.execute(
-                    "DELETE FROM hub_subscriptions WHERE topic = ? AND callback = ?", (v.topic, v.callback)
-                )
-                c.execute(_HUB_GC_PAYLOADS)
-                return True
-            # A renewal keeps the row (and so the pending deliveries), with the new secret and lease.
-            c.execute(
-                "INSERT INTO hub_subscriptions "
-                "(topic, callback, secret, lease_seconds, lease_expires, created, verified) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (topic, callback) DO UPDATE SET "
-                "secret = excluded.secret, lease_seconds = excluded.lease_seconds, "
-                "lease_expires = excluded.lease_expires, verified = excluded.verified",
-                (v.topic, v.callback, v.secret, v.lease_seconds, format_dt(lease_expires), at, at),
-            )
-            return True
-
-    def hub_queue_payload(
-        self,
-        topic: str,
-        body: bytes,
-        content_type: str,
-        link: str,
-        now: datetime,
-        max_pending_per_subscription: int,
-    ) -> tuple[int, int]:
-        at = format_dt(now)
-        with self._write() as c:
-            subs = [
-                r[0]
-                for r in c.execute(
-                    "SELECT id FROM hub_subscriptions WHERE topic = ? AND lease_expires > ?", (topic, at)
-                )
-            ]
-            if not subs:
-                return 0, 0
-            pid = c.execute(
-                "INSERT INTO hub_payloads (topic, body, content_type, link, created) VALUES (?, ?, ?, ?, ?)",
-                (topic, body, content_type, link, at),
-            ).lastrowid
-            c.executemany(
-                "INSERT INTO hub_deliveries (subscription_id, payload_id, next_attempt) VALUES (?, ?, ?)",
-                [(s, pid, at) for s in subs],
-            )
-            dropped = c.execute(
-                """DELETE FROM hub_deliveries WHERE id IN (
-                    SELECT id FROM (
-                        SELECT id, ROW_NUMBER() OVER (PARTITION BY subscription_id ORDER BY id DESC) AS n
-                        FROM hub_deliveries
-                        WHERE subscription_id IN (SELECT id FROM hub_subscriptions WHERE topic = ?)
-                    ) WHERE n > ?)""",
-                (topic, max_pending_per_subscription),
-            ).rowcount
-            if dropped:
-                c.execute(_HUB_GC_PAYLOADS)
-        return len(subs), dropped
-
-    def hub_expire(self, now: datetime) -> int:
-        at = format_dt(now)
-        with self._lock:
-            if not self.conn.execute(
-                "SELECT 1 FROM hub_subscriptions WHERE lease_expires <= ? LIMIT 1", (at,)
-            ).fetchone():
-                return 0  # the common case: no write transaction
-            with self._write() as c:
-                expired = c.execute("DELETE FROM hub_subscriptions WHERE lease_expires <= ?", (at,)).rowcount
-                c.execute(_HUB_GC_PAYLOADS)
-        return expired
-
-    def hub_next_lease_end(self) -> datetime | None:
-        with self._lock:
-            row = self.conn.execute("SELECT MIN(lease_expires) FROM hub_subscriptions").fetchone()
-        return parse_dt(row[0]) if row and row[0] else None
-
-    def hub_due_deliveries(
-        self, now: datetime, exclude_subscriptions: Sequence[int], limit: int
-    ) -> list[HubDelivery]:
-        with self._lock:
-            rows = self.conn.execute(
-                "SELECT d.id, s.id, s.callback, s.secret, d.attempts, p.body, p.content_type, p.link "
-                "FROM hub_deliveries d JOIN hub_subscriptions s ON s.id = d.subscription_id "
-                "JOIN hub_payloads p ON p.id = d.payload_id "
-                f"WHERE d.id IN ({_HUB_HEADS}) AND d.next_attempt <= ? "
-                "AND s.id NOT IN (SELECT value FROM json_each(?)) ORDER BY d.next_attempt, d.id LIMIT ?",
-                (format_dt(now), json.dumps(list(exclude_subscriptions)), limit),
-            ).fetchall()
-        return [HubDelivery(*r) for r in rows]
-
-    def hub_next_delivery_due(self, exclude_subscriptions: Sequence[int]) -> datetime | None:
-        with self._lock:
-            row = self.conn.execute(
-                f"SELECT MIN(next_attempt) FROM hub_deliveries WHERE id IN ({_HUB_HEADS}) "
-                "AND subscription_id NOT IN (SELECT value FROM json_each(?))",
-                (json.dumps(list(exclude_subscriptions)),),
-            ).fetchone()
-        return parse_dt(row[0]) if row and row[0] else None
-
-    def hub_finish_delivery(self, delivery: HubDelivery, outcome: str, retry_at: datetime, error: str) -> str:
-        if outcome not in ("ok", "gone", "retry"):
-            raise ValueError(f"unknown delivery outcome {outcome!r}")
-        d = delivery
-        with self._write() as c:
-            if outcome == "gone":
-                c.execute("DELETE FROM hub_subscriptions WHERE id = ?", (d.subscription_id,))
-            elif outcome == "ok":
-                c.execute("DELETE FROM hub_deliveries WHERE id = ?", (d.id,))
-            else:
-                row = c.execute(
-                    "SELECT lease_expires FROM hub_subscriptions WHERE id = ?", (d.subscription_id,)
-                ).fetchone()
-                at = format_dt(retry_at)
-                if row is None or at >= row[0]:  # retried until the lease ends, no longer
-                    c.execute("DELETE FROM hub_deliveries WHERE id = ?", (d.id,))
-                    outcome = "failed"
-                else:
-                    c.execute(
-                        "UPDATE hub_deliveries SET attempts = ?, next_attempt = ?, last_error = ? "
-                        "WHERE id = ?",
-                        (d.attempts + 1, at, error[:500], d.id),
-                    )
-            if outcome != "retry":
-                c.execute(_HUB_GC_PAYLOADS)
-        return outcome
-
     # -- rsagg's notification channels (websub/notifier.py; migration 7) ----------------------------
-
-    def notify_channels(self) -> list[NotifyChannel]:
-        with self._lock:
-            rows = self.conn.execute(
-                "SELECT topic, set_name, kind, last_seq, last_until, body, snapshot FROM notify_channels "
-                "ORDER BY topic"
-            ).fetchall()
-        return [
-            NotifyChannel(topic, name, kind, seq, parse_dt(until), body or b"", json.loads(snap or "{}"))
-            for topic, name, kind, seq, until, body, snap in rows
-        ]
-
-    def put_notify_channels(self, channels: Sequence[NotifyChannel], drop: Sequence[str] = ()) -> None:
-        now = format_dt(self._now())
-        with self._write() as c:
-            for ch in channels:
-                c.execute(
-                    "INSERT OR REPLACE INTO notify_channels (topic, set_name, kind, last_seq, last_until, "
-                    "body, snapshot, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (ch.topic, ch.set_name, ch.kind, ch.last_seq, format_dt(ch.last_until), ch.body,
-                     json.dumps(ch.snapshot) if ch.snapshot else None, now),
-                )  # fmt: skip
-            c.executemany("DELETE FROM notify_channels WHERE topic = ?", [(t,) for t in drop])
 
     # -- rsagg's subscriptions to upstream channels (websub/subscriber.py; migration 8) --------------
 
-    def notify_subscriptions(self, token: str | None = None) -> list[NotifySubscription]:
-        where, args = ("WHERE token = ?", (token,)) if token is not None else ("", ())
-        with self._lock:
-            rows = self.conn.execute(
-                f"SELECT {', '.join(_NSUB_COLS)} FROM notify_subscriptions {where} ORDER BY id", args
-            ).fetchall()
-        out = []
-        for row in rows:
-            d = dict(zip(_NSUB_COLS, row, strict=True))
-            for k in _NSUB_TIMES:
-                d[k] = parse_dt(d[k])
-            d["wanted"] = bool(d["wanted"])
-            out.append(NotifySubscription(**d))
-        return out
-
-    def add_notify_subscription(self, subscription: NotifySubscription) -> int:
-        cols = _NSUB_COLS[1:]
-        with self._write() as c:
-            cur = c.execute(
-                f"INSERT INTO notify_subscriptions ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                _nsub_values(subscription),
-            )
-            return int(cur.lastrowid or 0)
-
-    def put_notify_subscriptions(self, subscriptions: Sequence[NotifySubscription]) -> None:
-        sql = f"UPDATE notify_subscriptions SET {', '.join(f'{k} = ?' for k in _NSUB_COLS[1:])} WHERE id = ?"
-        with self._write() as c:
-            for sub in subscriptions:
-                c.execute(sql, (*_nsub_values(sub), sub.id))
-
-    def delete_notify_subscription(self, subscription_id: int) -> None:
-        with self._write() as c:
-            c.execute("DELETE FROM notify_subscriptions WHERE id = ?", (subscription_id,))
-
     # -- the shared inbox of upstream notifications (websub/subscriber.py; migration 10) -------------
 
-    def add_notify_notice(self, source: str, token: str, body: bytes, *, limit: int) -> str:
-        digest = hashlib.sha256(body).hexdigest()
-        with self._write(fence=False) as c:
-            (waiting,) = c.execute("SELECT count(*) FROM notify_inbox WHERE source = ?", (source,)).fetchone()
-            full = waiting >= limit
-            if full:  # one poll request instead (deduplicated like any notice)
-                token, body, digest = "", b"", "poll:" + source
-            cur = c.execute(
-                "INSERT OR IGNORE INTO notify_inbox (source, token, digest, body, received_at) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (source, token, digest, body, format_dt(self._now())),
-            )
-            return "full" if full else "added" if cur.rowcount else "duplicate"
-
-    def notify_notices(self, source: str, limit: int = 100) -> list[NotifyNotice]:
-        with self._lock:
-            rows = self.conn.execute(
-                "SELECT id, source, token, body FROM notify_inbox WHERE source = ? ORDER BY id LIMIT ?",
-                (source, limit),
-            ).fetchall()
-        return [NotifyNotice(r[0], r[1], r[2], bytes(r[3])) for r in rows]
-
-    def delete_notify_notices(self, ids: Sequence[int]) -> None:
-        with self._write() as c:
-            for i in ids:
-                c.execute("DELETE FROM notify_inbox WHERE id = ?", (i,))
-
     # -- rsagg's own Resource Dumps and Change Dumps (publish/dumps.py; migration 5) ------------------
-
-    def dump_latest_run(self, set_name: str, fingerprint: str = "") -> DumpRun | None:
-        with self._lock:
-            row = self.conn.execute(
-                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = ? AND fingerprint = ? "
-                "ORDER BY id DESC LIMIT 1",
-                (set_name, fingerprint),
-            ).fetchone()
-        return _dump_run(row) if row else None
-
-    def dump_runs(self, set_name: str, fingerprint: str = "") -> list[DumpRun]:
-        """The set's kept Resource Dump runs built under ``fingerprint``, oldest first (the archive)."""
-        with self._lock:
-            rows = self.conn.execute(
-                f"SELECT {_RUN_COLS} FROM publish_dump_runs WHERE set_name = ? AND fingerprint = ? "
-                "ORDER BY id",
-                (set_name, fingerprint),
-            ).fetchall()
-        return [_dump_run(r) for r in rows]
-
-    def dump_run_packages(self, run_id: int) -> list[DumpPackage]:
-        with self._lock:
-            rows = self.conn.execute(
-                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = ? ORDER BY part", (run_id,)
-            ).fetchall()
-        return [_dump_package(r) for r in rows]
-
-    def change_dump_packages(self, set_name: str, fingerprint: str = "") -> list[DumpPackage]:
-        with self._lock:
-            rows = self.conn.execute(
-                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = ? AND kind = 'changedump' "
-                "AND fingerprint = ? ORDER BY window",
-                (set_name, fingerprint),
-            ).fetchall()
-        return [_dump_package(r) for r in rows]
-
-    def dump_package(
-        self, set_name: str, kind: str, number: int, fingerprint: str = ""
-    ) -> DumpPackage | None:
-        key = {"resourcedump": "id", "changedump": "window"}.get(kind)
-        if key is None:
-            raise ValueError(f"unknown dump kind {kind!r}")
-        if not 0 <= number <= MAX_INT:  # an id no row can have (and SQLite's OverflowError)
-            return None
-        with self._lock:
-            row = self.conn.execute(
-                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = ? AND kind = ? AND {key} = ? "
-                "AND fingerprint = ?",
-                (set_name, kind, number, fingerprint),
-            ).fetchone()
-        return _dump_package(row) if row else None
-
-    def has_change_dump(self, set_name: str, fingerprint: str = "") -> bool:
-        with self._lock:
-            return bool(
-                self.conn.execute(
-                    "SELECT 1 FROM publish_dumps WHERE set_name = ? AND kind = 'changedump' "
-                    "AND fingerprint = ? LIMIT 1",
-                    (set_name, fingerprint),
-                ).fetchone()
-            )
-
-    def add_resource_dump(
-        self,
-        set_name: str,
-        set_ids: Sequence[int],
-        last_seq: int,
-        at: datetime,
-        completed: datetime,
-        parts: Sequence[DumpPart],
-        created: datetime,
-        fingerprint: str = "",
-    ) -> list[DumpPackage]:
-        now = format_dt(created)
-        with self._write() as c:
-            run = c.execute(
-                "INSERT INTO publish_dump_runs (set_name, at, completed, last_seq, set_ids, packages, "
-                "entries, bytes, created, fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (set_name, format_dt(at), format_dt(completed), last_seq, json.dumps(list(set_ids)),
-                 len(parts), sum(p.entries for p in parts), sum(p.bytes for p in parts), now, fingerprint),
-            ).lastrowid  # fmt: skip
-            for number, p in enumerate(parts, 1):
-                c.execute(
-                    "INSERT INTO publish_dumps (set_name, kind, run, part, sha256, length, manifest_sha256, "
-                    "manifest_length, at, completed, entries, bytes, created, fingerprint) "
-                    "VALUES (?, 'resourcedump', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (set_name, run, number, p.sha256, p.length, p.manifest_sha256, p.manifest_length,
-                     format_dt(p.at), format_dt(p.completed), p.entries, p.bytes, now, fingerprint),
-                )  # fmt: skip
-            rows = c.execute(
-                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE run = ? ORDER BY part", (run,)
-            ).fetchall()
-        return [_dump_package(r) for r in rows]
-
-    def prune_resource_dumps(self, set_name: str, keep: int) -> set[str]:
-        with self._write() as c:
-            old = [
-                r[0]
-                for r in c.execute(
-                    "SELECT id FROM publish_dump_runs WHERE set_name = ? ORDER BY id DESC LIMIT -1 OFFSET ?",
-                    (set_name, keep),
-                )
-            ]
-            if not old:
-                return set()
-            marks = ",".join("?" * len(old))
-            shas = {
-                sha
-                for row in c.execute(
-                    f"SELECT sha256, manifest_sha256 FROM publish_dumps WHERE run IN ({marks})", old
-                )
-                for sha in row
-            }
-            c.execute(f"DELETE FROM publish_dumps WHERE run IN ({marks})", old)
-            c.execute(f"DELETE FROM publish_dump_runs WHERE id IN ({marks})", old)
-        return shas
-
-    def withdraw_dumps(self, fingerprint: str) -> set[str]:
-        where = "fingerprint IS NULL OR fingerprint != ?"
-        with self._write() as c:
-            shas = {
-                sha
-                for row in c.execute(
-                    f"SELECT sha256, manifest_sha256 FROM publish_dumps WHERE {where}", (fingerprint,)
-                )
-                for sha in row
-            }
-            c.execute(f"DELETE FROM publish_dumps WHERE {where}", (fingerprint,))
-            c.execute(f"DELETE FROM publish_dump_runs WHERE {where}", (fingerprint,))
-        return shas
-
-    def add_change_dump(
-        self,
-        set_name: str,
-        window: int,
-        first_seq: int,
-        last_seq: int,
-        part: DumpPart,
-        created: datetime,
-        fingerprint: str = "",
-    ) -> DumpPackage:
-        p = part
-        with self._write() as c:
-            c.execute(
-                "INSERT INTO publish_dumps (set_name, kind, part, window, first_seq, last_seq, sha256, "
-                "length, manifest_sha256, manifest_length, from_, until, entries, bytes, created, "
-                "fingerprint) VALUES (?, 'changedump', 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (set_name, window, first_seq, last_seq, p.sha256, p.length, p.manifest_sha256,
-                 p.manifest_length, format_dt(p.from_), format_dt(p.until), p.entries, p.bytes,
-                 format_dt(created), fingerprint),
-            )  # fmt: skip
-            row = c.execute(
-                f"SELECT {_PKG_COLS} FROM publish_dumps WHERE set_name = ? AND kind = 'changedump' "
-                "AND window = ?",
-                (set_name, window),
-            ).fetchone()
-        return _dump_package(row)
-
-    def change_dump_seqs(self) -> dict[str, int]:
-        """Per published set, the last changelog seq its Change Dump packages hold (gc keeps the blobs of
-        every later record: the packages still to build need them)."""
-        with self._lock:
-            rows = self.conn.execute(
-                "SELECT set_name, max(last_seq) FROM publish_dumps WHERE kind = 'changedump' "
-                "GROUP BY set_name"
-            ).fetchall()
-        return {name: seq or 0 for name, seq in rows}
-
-    def dump_hashes(self) -> Iterator[str]:
-        sql = "SELECT sha256 FROM publish_dumps UNION SELECT manifest_sha256 FROM publish_dumps ORDER BY 1"
-        with self._lock:
-            rows = self.conn.execute(sql).fetchall()
-        for (sha,) in rows:
-            yield sha
 
     # -- cluster: nodes and source leases (cluster.py) ----------------------------------------------
     # Plain SQL both backends speak: SQLite serialises these transactions (BEGIN IMMEDIATE), PostgreSQL
     # claims with SELECT ... FOR UPDATE SKIP LOCKED. Lease times are the claimer's clock here (one
     # machine shares one SQLite file); PostgreSQL uses the server's now().
-
-    def node_heartbeat(
-        self,
-        node: str,
-        *,
-        lease_seconds: float,
-        pid: int | None,
-        host: str | None,
-        url: str | None,
-        follows: Sequence[str] | None = None,
-    ) -> None:
-        now = self._now()
-        t, until = format_dt(now), format_dt(now + timedelta(seconds=lease_seconds))
-        said = None if follows is None else json.dumps(sorted(set(follows)))
-        with self._write(fence=False) as c:
-            c.execute(
-                "INSERT INTO nodes (name, pid, host, url, started_at, heartbeat_at, expires_at, follows) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET pid = excluded.pid, "
-                "host = excluded.host, url = excluded.url, heartbeat_at = excluded.heartbeat_at, "
-                "expires_at = excluded.expires_at, stopped_at = NULL, follows = excluded.follows",
-                (node, pid, host, url, t, t, until, said),
-            )
-            # Nodes silent for a day are forgotten (their leases expired long ago).
-            c.execute("DELETE FROM nodes WHERE expires_at < ?", (format_dt(now - timedelta(days=1)),))
-
-    def node_stopped(self, node: str) -> None:
-        t = format_dt(self._now())
-        with self._write(fence=False) as c:
-            c.execute("UPDATE nodes SET stopped_at = ?, expires_at = ? WHERE name = ?", (t, t, node))
-
-    def nodes(self) -> list[NodeRow]:
-        with self._lock:
-            rows = self.conn.execute(
-                "SELECT name, pid, host, url, started_at, heartbeat_at, expires_at, stopped_at, follows "
-                "FROM nodes ORDER BY name"
-            ).fetchall()
-        return [
-            NodeRow(r[0], r[1], r[2], r[3], *(parse_dt(x) for x in r[4:8]), follows_from(r[8]))  # type: ignore[arg-type]
-            for r in rows
-        ]
-
-    def claim_leases(
-        self, node: str, sources: Sequence[str], *, want: int, lease_seconds: float
-    ) -> list[Fence]:
-        if want <= 0 or not sources:
-            return []
-        now = self._now()
-        t, until = format_dt(now), format_dt(now + timedelta(seconds=lease_seconds))
-        names = json.dumps(list(dict.fromkeys(sources)))
-        with self._write(fence=False) as c:
-            c.execute(
-                "INSERT INTO leases (source, epoch) SELECT value, 0 FROM json_each(?) WHERE true "
-                "ON CONFLICT (source) DO NOTHING",
-                (names,),
-            )
-            free = c.execute(
-                "SELECT source, node, epoch, expires_at FROM leases "
-                "WHERE source IN (SELECT value FROM json_each(?)) AND (node IS NULL OR expires_at <= ?) "
-                "ORDER BY source LIMIT ?",
-                (names, t, want),
-            ).fetchall()
-            out = []
-            for source, old_node, epoch, expired_at in free:
-                if old_node is not None:  # taken over: the old grant ended when it expired
-                    c.execute(
-                        "UPDATE lease_history SET ended_at = ?, end_reason = 'expired' "
-                        "WHERE source = ? AND epoch = ? AND ended_at IS NULL",
-                        (expired_at, source, epoch),
-                    )
-                c.execute(
-                    "UPDATE leases SET node = ?, epoch = ?, granted_at = ?, expires_at = ? WHERE source = ?",
-                    (node, epoch + 1, t, until, source),
-                )
-                c.execute(
-                    "INSERT INTO lease_history (source, epoch, node, granted_at) VALUES (?, ?, ?, ?)",
-                    (source, epoch + 1, node, t),
-                )
-                out.append(Fence(source, node, epoch + 1))
-        return out
-
-    def renew_leases(self, fences: Sequence[Fence], *, lease_seconds: float) -> list[Fence]:
-        now = self._now()
-        t, until = format_dt(now), format_dt(now + timedelta(seconds=lease_seconds))
-        kept = []
-        with self._write(fence=False) as c:
-            for f in fences:
-                cur = c.execute(
-                    "UPDATE leases SET expires_at = ? WHERE source = ? AND node = ? AND epoch = ? "
-                    "AND expires_at > ?",
-                    (until, f.source, f.node, f.epoch, t),
-                )
-                if cur.rowcount:
-                    kept.append(f)
-        return kept
-
-    def release_lease(self, fence: Fence) -> bool:
-        t = format_dt(self._now())
-        with self._write(fence=False) as c:
-            cur = c.execute(
-                "UPDATE leases SET node = NULL, expires_at = ? WHERE source = ? AND node = ? AND epoch = ? "
-                "AND expires_at > ?",
-                (t, fence.source, fence.node, fence.epoch, t),
-            )
-            if cur.rowcount:
-                c.execute(
-                    "UPDATE lease_history SET ended_at = ?, end_reason = 'released' "
-                    "WHERE source = ? AND epoch = ? AND ended_at IS NULL",
-                    (t, fence.source, fence.epoch),
-                )
-        return bool(cur.rowcount)
-
-    def leases(self) -> list[LeaseRow]:
-        with self._lock:
-            rows = self.conn.execute(
-                "SELECT source, node, epoch, granted_at, expires_at FROM leases ORDER BY source"
-            ).fetchall()
-        return [LeaseRow(r[0], r[1], r[2], parse_dt(r[3]), parse_dt(r[4])) for r in rows]
-
-    def lease_history(self, source: str | None = None) -> list[LeaseGrant]:
-        sql = "SELECT source, node, epoch, granted_at, ended_at, end_reason FROM lease_history"
-        with self._lock:
-            if source is None:
-                rows = self.conn.execute(sql + " ORDER BY source, epoch").fetchall()
-            else:
-                rows = self.conn.execute(sql + " WHERE source = ? ORDER BY epoch", (source,)).fetchall()
-        return [LeaseGrant(r[0], r[1], r[2], parse_dt(r[3]), parse_dt(r[4]), r[5]) for r in rows]  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ A backend subclasses it with the concern mixins and supplies connections: ``_rea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any
@@ -49,3 +49,9 @@ class SqlState:
             after = rows[-1][key_index]
             if left is not None:
                 left -= len(rows)
+
+    def _snapshot(self, sql: str, params: Sequence[Any] = ()) -> Iterator[tuple]:
+        """The rows of one query as of one instant (a backend may stream them from the server)."""
+        with self._read() as c:
+            rows = c.execute(sql, params).fetchall()
+        yield from rows

@@ -204,3 +204,14 @@ def source_row(d: dict, dt: Callable[[Any], datetime | None] = parse_dt) -> Sour
         if d.get(k) is not None:
             d[k] = dt(d[k])
     return SourceRow(**d)
+
+
+@functools.cache
+def upsert(table: str, cols: tuple[str, ...], key: tuple[str, ...]) -> str:
+    """``INSERT`` of every column of a row, replacing the row of the same ``key``: what SQLite's
+    ``INSERT OR REPLACE`` did, spelled as both databases read it (the statement sets every column)."""
+    sets = ", ".join(f"{c} = excluded.{c}" for c in cols if c not in key)
+    return (
+        f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+        f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {sets}"
+    )

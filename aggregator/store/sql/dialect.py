@@ -30,10 +30,36 @@ class Dialect:
     t: Callable[[datetime | None], Any] = staticmethod(format_dt)
     #: A stored time back as an aware datetime.
     dt: Callable[[Any], datetime | None] = staticmethod(parse_dt)
+    #: Appended to a claim's SELECT: skip rows another transaction is granting (SQLite has one writer).
+    skip_locked = ""
+    #: Appended to a SELECT whose row the transaction then updates (SQLite has one writer at a time).
+    for_update = ""
 
     def sql(self, text: str) -> str:
         """``text`` as this database reads it."""
         return text
+
+    def w3c(self, column: str) -> str:
+        """A time column read as ``rows.format_dt``'s text (what a list writer puts in a document)."""
+        return column
+
+    @functools.cached_property
+    def listing_cols(self) -> str:
+        """``iter_live_listing``'s columns: interface.ListingRow's, then whether the row has more."""
+        times = ", ".join(self.w3c(c) for c in ("lastmod", "upstream_datetime", "updated_at"))
+        return (
+            f"id, uri, sha256, length, type, encoding, md5, sha1, {times}, "
+            "(links IS NOT NULL OR md_extra IS NOT NULL OR entry_extra IS NOT NULL)"
+        )
+
+    def by_uri(self, cols: Sequence[str], set_id: int, uris: Sequence[str]) -> tuple[str, tuple]:
+        """A query (and its parameters) for ``cols`` of the resources of ``uris`` in one set, in one
+        statement whatever their number (SQLite: ``json_each``, no variable limit)."""
+        return (
+            f"SELECT {', '.join(cols)} FROM resources "
+            "WHERE set_id = ? AND uri IN (SELECT value FROM json_each(?))",
+            (set_id, json.dumps(list(uris))),
+        )
 
     @staticmethod
     def ids(values: Sequence[Any]) -> Any:
@@ -59,7 +85,6 @@ _REWRITES = [
     (re.compile(r"\bNOT IN \(SELECT value FROM json_each\(\?\)\)"), "<> ALL(%s)"),
     (re.compile(r"\bIN \(SELECT value FROM json_each\(\?\)\)"), "= ANY(%s)"),
     (re.compile(r"\b(\w+\.)?deleted = 0\b"), r"NOT \1deleted"),
-    (re.compile(r"\b(\w+\.)?deleted = 1\b"), r"\1deleted"),
     (re.compile(r"\?"), "%s"),
 ]
 
@@ -74,6 +99,8 @@ class PostgresDialect(Dialect):
     name = "postgresql"
     t = staticmethod(_identity)
     dt = staticmethod(_identity)
+    skip_locked = " FOR UPDATE SKIP LOCKED"
+    for_update = " FOR UPDATE"
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 (one instance per process, statements are few)
     def sql(self, text: str) -> str:
@@ -84,6 +111,18 @@ class PostgresDialect(Dialect):
     @staticmethod
     def ids(values: Sequence[Any]) -> Any:
         return list(values)
+
+    def w3c(self, column: str) -> str:
+        return f"""to_char({column} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')"""
+
+    def by_uri(self, cols: Sequence[str], set_id: int, uris: Sequence[str]) -> tuple[str, tuple]:
+        # One (set_id, uri) key lookup per uri, whatever the planner's statistics say (``uri = ANY(...)``
+        # on a table not analysed yet scanned the whole set for every batch).
+        return (
+            f"SELECT {', '.join('r.' + c for c in cols)} FROM unnest(%s::text[]) AS u(uri) CROSS JOIN "
+            "LATERAL (SELECT * FROM resources WHERE set_id = %s AND uri = u.uri) AS r",
+            (list(dict.fromkeys(uris)), set_id),
+        )
 
     @staticmethod
     def json_out(value: Any) -> Any:
