@@ -44,7 +44,7 @@ from . import (
 )
 from .notifying import free_port
 from .pgserver import PgServer
-from .test_state import A, B, C, ch
+from .test_state import A, B, C, ch, table_names
 
 # Every test talks to a real PostgreSQL server (the pg_server fixture or one of its own).
 pytestmark = pytest.mark.slow
@@ -138,7 +138,7 @@ def test_same_migration_steps_as_sqlite(url: str, tmp_path: Path) -> None:
     """Step i here is step i there: a version number means the same tables in either backend."""
     assert len(MIGRATIONS) == len(SQLITE_MIGRATIONS)
     with State(tmp_path / "state.db") as lite:
-        sqlite_tables = set(lite.db.table_names()) - {"sqlite_sequence"}
+        sqlite_tables = set(table_names(lite)) - {"sqlite_sequence"}
     with connect(url) as st:
         assert st.schema_version == len(MIGRATIONS)
         with st.pool.connection() as c:

@@ -2,7 +2,7 @@
 
 Frozen rows (``SourceRow``, ``SetRow``, ``DocumentRow``) are snapshots read from the state; ``Change``
 and ``Cursor`` go in, ``Resource`` and ``LogRecord`` come out of the change pipeline. Times are aware
-``datetime`` in UTC; how a backend stores them is its own business (store/state.py: fixed-width text).
+``datetime`` in UTC; how a backend stores them is its dialect's business (store/sql/dialect.py).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class Cluster(SqlState):
             ).fetchall()
         dt = self.d.dt
         return [
-            NodeRow(r[0], r[1], r[2], r[3], *(dt(x) for x in r[4:8]), self.d.array_out(r[8]))  # type: ignore[arg-type]
+            NodeRow(r[0], r[1], r[2], r[3], dt(r[4]), dt(r[5]), dt(r[6]), dt(r[7]), self.d.array_out(r[8]))
             for r in rows
         ]
 
@@ -152,4 +152,4 @@ class Cluster(SqlState):
             else:
                 rows = c.execute(sql + " WHERE source = ? ORDER BY epoch", (source,)).fetchall()
         dt = self.d.dt
-        return [LeaseGrant(r[0], r[1], r[2], dt(r[3]), dt(r[4]), r[5]) for r in rows]  # type: ignore[arg-type]
+        return [LeaseGrant(r[0], r[1], r[2], dt(r[3]), dt(r[4]), r[5]) for r in rows]

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from ...rs.model import CREATED, DELETED, UPDATED, Link
-from ..rows import Change, Resource, SourceRow, format_dt, parse_dt
+from ..rows import Change, Resource, format_dt, parse_dt
 
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 #: Rows fetched per page by the iterators (bounded memory; no lock or connection held between pages).
@@ -68,10 +68,6 @@ def links_from(text: str | None) -> list[Link]:
     return links
 
 
-def follows_from(said: str | None) -> tuple[str, ...] | None:
-    return None if said is None else tuple(json.loads(said))
-
-
 def json_or_none(value: Any) -> str | None:
     return _compact(value) if value else None
 
@@ -91,7 +87,6 @@ SELECT_RES = "SELECT id, " + ", ".join(RES_COLS) + " FROM resources"
 _W_UPSTREAM, _W_DELETED, _W_GENERATION = (
     RES_COLS.index(c) for c in ("upstream_datetime", "deleted", "generation")
 )
-W_SHA256, W_ID = RES_COLS.index("sha256"), len(RES_COLS)
 # ... and in a row read by SELECT_RES (id first, then RES_COLS).
 (
     _R_SET, R_URI, _R_SHA256, _R_LENGTH, _R_TYPE, _R_ENCODING, _R_MD5, _R_SHA1, _R_LASTMOD, _R_UPSTREAM,
@@ -131,7 +126,7 @@ def plan_batch(
     applied: list[Change] = []
     for ch in changes:
         gen = ch.generation if ch.generation is not None else open_generation
-        cur = current.get(ch.uri)
+        cur: Any = current.get(ch.uri)  # [id, sha256, live, stored] or None
         live = cur is not None and cur[_C_LIVE]
         if ch.change == DELETED:
             if not live:
@@ -178,7 +173,7 @@ def check_sha(sha256: str) -> None:
         raise ValueError(f"not a lowercase hex SHA-256: {sha256!r}")
 
 
-def resource_row(r: Sequence[Any], dt: Callable[[Any], datetime | None] = parse_dt) -> Resource:
+def resource_row(r: Sequence[Any], dt: Callable[[Any], Any] = parse_dt) -> Resource:
     """A row read by ``SELECT_RES`` (id, then ``RES_COLS``) as a ``Resource``; ``dt`` reads a stored time."""
     hashes = {}
     if r[_R_SHA256] is not None:
@@ -196,14 +191,6 @@ def resource_row(r: Sequence[Any], dt: Callable[[Any], datetime | None] = parse_
         entry_extra=json.loads(entry_extra) if entry_extra else [],
         deleted=bool(r[_R_DELETED]), updated_at=dt(r[_R_UPDATED]), generation=r[_R_GENERATION],
     )  # fmt: skip
-
-
-def source_row(d: dict, dt: Callable[[Any], datetime | None] = parse_dt) -> SourceRow:
-    """A ``sources`` row (column -> value) as a ``SourceRow``."""
-    for k in SOURCE_TIMES:
-        if d.get(k) is not None:
-            d[k] = dt(d[k])
-    return SourceRow(**d)
 
 
 @functools.cache

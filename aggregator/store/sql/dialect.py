@@ -28,8 +28,8 @@ class Dialect:
     name = "sqlite"
     #: A time as stored: SQLite keeps fixed-width UTC text (rows.format_dt), text order == time order.
     t: Callable[[datetime | None], Any] = staticmethod(format_dt)
-    #: A stored time back as an aware datetime.
-    dt: Callable[[Any], datetime | None] = staticmethod(parse_dt)
+    #: A stored time back as an aware datetime (None stays None; typed Any: rows say which may be None).
+    dt: Callable[[Any], Any] = staticmethod(parse_dt)
     #: Appended to a claim's SELECT: skip rows another transaction is granting (SQLite has one writer).
     skip_locked = ""
     #: Appended to a SELECT whose row the transaction then updates (SQLite has one writer at a time).

@@ -20,13 +20,14 @@ _WITHDRAWN = "fingerprint IS NULL OR fingerprint != ?"
 
 
 def _package(r: Sequence[Any], dt: Callable[[Any], datetime | None]) -> DumpPackage:
-    return DumpPackage(*r[:12], dt(r[12]), dt(r[13]), dt(r[14]), dt(r[15]), r[16], r[17], dt(r[18]))  # type: ignore[arg-type]
+    values: list[Any] = [*r[:12], dt(r[12]), dt(r[13]), dt(r[14]), dt(r[15]), r[16], r[17], dt(r[18])]
+    return DumpPackage(*values)
 
 
 class Dumps(SqlState):
     def _run(self, r: Sequence[Any]) -> DumpRun:
         dt = self.d.dt
-        return DumpRun(r[0], r[1], dt(r[2]), dt(r[3]), r[4], self.d.array_out(r[5]) or (), r[6], r[7], r[8],  # type: ignore[arg-type]
+        return DumpRun(r[0], r[1], dt(r[2]), dt(r[3]), r[4], self.d.array_out(r[5]) or (), r[6], r[7], r[8],
                        dt(r[9]))  # fmt: skip
 
     def dump_latest_run(self, set_name: str, fingerprint: str = "") -> DumpRun | None:

@@ -27,7 +27,7 @@ class Hub(SqlState):
             rows = c.execute(sql, () if topic is None else (topic,)).fetchall()
         dt = self.d.dt
         return [
-            HubSubscription(i, t, cb, sec, ls, dt(le), dt(cr), dt(ve))  # type: ignore[arg-type]
+            HubSubscription(i, t, cb, sec, ls, dt(le), dt(cr), dt(ve))
             for i, t, cb, sec, ls, le, cr, ve in rows
         ]
 

@@ -56,7 +56,9 @@ class Notifications(SqlState):
         dt = self.d.dt
         out = []
         for row in rows:
-            d = {k: dt(v) if k in _NSUB_TIMES else v for k, v in zip(_NSUB_COLS, row, strict=True)}
+            d: dict[str, Any] = {
+                k: dt(v) if k in _NSUB_TIMES else v for k, v in zip(_NSUB_COLS, row, strict=True)
+            }
             d["wanted"] = bool(d["wanted"])
             out.append(NotifySubscription(**d))
         return out
