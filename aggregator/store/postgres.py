@@ -42,7 +42,6 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..rs.w3cdt import utcnow
 from .interface import FENCE, LeaseLost, StateUnavailable
-from .retention import Retention, retained_sql
 from .rows import (
     Fence,
 )
@@ -385,20 +384,9 @@ class PostgresState(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, 
         memory whatever the result's size); the pooled connection is held until the iterator ends."""
         with self._read() as conn, conn.transaction(), conn.cursor(name=f"rsagg_{id(self):x}") as cur:
             cur.itersize = codec.PAGE_SIZE
-            cur.execute(sql, params)
+            cur.execute(POSTGRES.sql(sql), params)
             while rows := cur.fetchmany(codec.PAGE_SIZE):
                 yield from rows
-
-    def referenced_hashes(self, retention: Retention | None = None) -> Iterator[str]:
-        """Every sha256 gc must keep, each once, ascending, as of one instant (one query, read from a
-        server-side cursor: ``State.referenced_hashes`` says which)."""
-        sql = (
-            "SELECT sha256 FROM resources WHERE NOT deleted AND sha256 IS NOT NULL "
-            f"UNION {retained_sql(retention, lambda d: d.isoformat())} "
-            "UNION SELECT sha256 FROM documents WHERE sha256 IS NOT NULL ORDER BY 1"
-        )
-        for (sha,) in self._snapshot(sql, ()):
-            yield sha
 
 
 def _check_fence(c: psycopg.Connection, fence: Fence) -> None:

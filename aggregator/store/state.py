@@ -28,7 +28,6 @@ from typing import Any
 from ..errors import is_environmental, operator_line
 from ..rs.w3cdt import utcnow
 from .interface import FENCE, LeaseLost, StateUnavailable
-from .retention import Retention, retained_sql
 from .rows import (
     Fence,
     format_dt,
@@ -316,6 +315,22 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
 
     # -- SQLite's own ways (the shared SQL is in store/sql/) ---------------------------------------
 
+    def _snapshot(self, sql: str, params: Sequence[Any] = ()) -> Iterator[tuple]:
+        """The rows of one query as of one instant, in bounded memory: sorted once into a TEMP table
+        (a temp file, not the WAL) and read back in pages by rowid (insertion order, the query's order),
+        the lock held only while a page is read."""
+        table = f"temp.snapshot_{secrets.token_hex(8)}"
+        with self._lock:
+            self.conn.execute(f"CREATE TABLE {table} AS {sql}", params)
+        try:
+            for row in self._pages(
+                f"SELECT rowid, * FROM {table} WHERE rowid > ? ORDER BY rowid LIMIT ?", [], 0, 0, None
+            ):
+                yield row[1:]
+        finally:
+            with self._lock, contextlib.suppress(sqlite3.ProgrammingError):  # closed meanwhile: gone anyway
+                self.conn.execute(f"DROP TABLE IF EXISTS {table}")
+
     def iter_live_part_boundaries(self, set_ids: Sequence[int], size: int) -> Iterator[int]:
         """``live_part_boundaries``, yielded as SQLite finds them (one pass, not held). The caller holds
         the connection for itself until the iterator is done (a publisher's pooled reader)."""
@@ -338,33 +353,3 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
                     yield b
         finally:
             cur.close()
-
-    def referenced_hashes(self, retention: Retention | None = None) -> Iterator[str]:
-        """Every sha256 gc must keep, each once, in ascending order, as of one instant.
-
-        That is the blobs of live resources, of every changelog record (rsagg's Change Dumps are
-        built from the changelog and need the content of past versions; pruning the changelog is what
-        lets old versions go) and of cached capability documents (the body answering a 304).
-        ``retention`` (``[publish] versions``): only the changelog records it retains count, and every
-        record after ``retention.floor_seq`` (not in a Change Dump yet); None: every record.
-        Ascending order lets gc merge this with ``FileBlobStore.iter_hashes`` without holding a set.
-
-        No index on sha256 serves this (random-order index pages made every commit ~3x slower): the
-        snapshot is sorted once into a TEMP table (temp file, not the WAL) and read back in pages.
-        """
-        table = f"temp.refs_{secrets.token_hex(8)}"
-        with self._lock:
-            self.conn.execute(
-                f"CREATE TABLE {table} AS "
-                "SELECT sha256 FROM resources WHERE deleted = 0 AND sha256 IS NOT NULL "
-                f"UNION {retained_sql(retention, format_dt)} "
-                "UNION SELECT sha256 FROM documents WHERE sha256 IS NOT NULL ORDER BY 1"
-            )
-        try:  # rowids follow the insertion order, which is the sort order
-            for _, sha in self._pages(
-                f"SELECT rowid, sha256 FROM {table} WHERE rowid > ? ORDER BY rowid LIMIT ?", [], 0, 0, None
-            ):
-                yield sha
-        finally:
-            with self._lock, contextlib.suppress(sqlite3.ProgrammingError):  # closed meanwhile: gone anyway
-                self.conn.execute(f"DROP TABLE IF EXISTS {table}")

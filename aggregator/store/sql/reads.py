@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from ..interface import ListingRow
+from ..retention import Retention, retained_sql
 from ..rows import LogRecord, Resource
 from . import codec
 from .base import SqlState
@@ -24,6 +25,26 @@ SELECT_RES_COLS = ("id", *RES_COLS)
 
 
 class Reads(SqlState):
+    def referenced_hashes(self, retention: Retention | None = None) -> Iterator[str]:
+        """Every sha256 gc must keep, each once, in ascending order, as of one instant.
+
+        That is the blobs of live resources, of every changelog record (rsagg's Change Dumps are
+        built from the changelog and need the content of past versions; pruning the changelog is what
+        lets old versions go) and of cached capability documents (the body answering a 304).
+        ``retention`` (``[publish] versions``): only the changelog records it retains count, and every
+        record after ``retention.floor_seq`` (not in a Change Dump yet); None: every record.
+        Ascending order lets gc merge this with ``FileBlobStore.iter_hashes`` without holding a set.
+        No index on sha256 serves this (random-order index pages made every commit ~3x slower): one
+        sorted snapshot (``_snapshot``), read in pages.
+        """
+        sql = (
+            "SELECT sha256 FROM resources WHERE deleted = 0 AND sha256 IS NOT NULL "
+            f"UNION {retained_sql(retention, lambda when: str(self.d.t(when)))} "
+            "UNION SELECT sha256 FROM documents WHERE sha256 IS NOT NULL ORDER BY 1"
+        )
+        for (sha,) in self._snapshot(sql):
+            yield sha
+
     def iter_live_part_boundaries(self, set_ids: Sequence[int], size: int) -> Iterator[int]:
         """The id of every ``size``-th live resource of the sets in id order (``live_part_boundaries``,
         yielded as found): the sets' live ids read by keyset pages and merged, so nothing is held
