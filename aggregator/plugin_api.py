@@ -37,16 +37,16 @@ from .store.blobs import (
 if _typing.TYPE_CHECKING:
     from .config import Config
     from .harvest.metadata import MetadataRecords
-    from .store.state import LogRecord, Resource
+    from .store.rows import LogRecord, Resource
 
 #: Names imported when first asked for (PEP 562): loading a plugin that imports ``hookimpl`` does not load
-#: the configuration (pydantic), the harvest (trio, httpx) or the state (sqlite-utils, lxml): ``rsagg
+#: the configuration (pydantic), the harvest (trio, httpx) or the state (sqlite3, lxml): ``rsagg
 #: plugins`` starts without them.
 _LAZY = {
     "Config": "aggregator.config",
     "MetadataRecords": "aggregator.harvest.metadata",
-    "LogRecord": "aggregator.store.state",
-    "Resource": "aggregator.store.state",
+    "LogRecord": "aggregator.store.rows",
+    "Resource": "aggregator.store.rows",
 }
 
 

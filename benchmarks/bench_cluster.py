@@ -54,8 +54,8 @@ from aggregator.publish import documents  # noqa: E402
 from aggregator.publish.links import LinkPolicy  # noqa: E402
 from aggregator.rs.w3cdt import utcnow  # noqa: E402
 from aggregator.rs.write import iter_document_bytes  # noqa: E402
+from aggregator.store.open import connect  # noqa: E402
 from aggregator.store.sets import PublishedSet  # noqa: E402
-from aggregator.store.state import connect  # noqa: E402
 from aggregator.testing.upstream import Upstream  # noqa: E402
 from tests import pgserver  # noqa: E402
 from tests.clustering import NodeProcess, SharedState, free_port, sources_toml, wait_for  # noqa: E402

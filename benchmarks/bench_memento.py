@@ -52,7 +52,8 @@ def body(uri: str, version: int) -> bytes:
 def fill(store: Path, resources: int, versions: int) -> list[datetime]:
     """The store; returns the datetimes of the long history's versions."""
     from aggregator.store.blobs import FileBlobStore
-    from aggregator.store.state import Change, State
+    from aggregator.store.rows import Change
+    from aggregator.store.state import State
 
     store.mkdir(parents=True)
     blobs = FileBlobStore(store / "blobs")
@@ -91,7 +92,8 @@ def retention_costs(work: Path, resources: int, versions: int, size: int) -> lis
     from aggregator.commands.gc import collect_garbage
     from aggregator.store.blobs import FileBlobStore
     from aggregator.store.retention import parse_retention
-    from aggregator.store.state import Change, State
+    from aggregator.store.rows import Change
+    from aggregator.store.state import State
 
     now = datetime.now(UTC)
     seed = work / "seed"

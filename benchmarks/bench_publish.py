@@ -93,7 +93,8 @@ def bench_config(store: Path, port: int, offload: str = "none", plugins: bool = 
 def fill(store: Path, n: int) -> dict:
     """N resources over BLOBS distinct small blobs, applied in batches of BATCH changes."""
     from aggregator.store.blobs import FileBlobStore
-    from aggregator.store.state import Change, State
+    from aggregator.store.rows import Change
+    from aggregator.store.state import State
 
     start = time.perf_counter()
     blobs = FileBlobStore(store / "blobs")

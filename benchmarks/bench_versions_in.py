@@ -22,7 +22,7 @@ import trio
 
 from aggregator.commands.harvest import harvest_once
 from aggregator.config import parse_config
-from aggregator.store.state import open_state
+from aggregator.store.open import open_state
 from aggregator.testing.upstream import Upstream
 
 

@@ -15,8 +15,9 @@ import httpx
 import trio
 
 from aggregator.store.interface import StateStore
+from aggregator.store.open import connect
 from aggregator.store.rows import LeaseGrant
-from aggregator.store.state import State, connect
+from aggregator.store.state import State
 
 REPO = Path(__file__).resolve().parent.parent
 

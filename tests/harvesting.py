@@ -15,7 +15,7 @@ from aggregator.config import Config, parse_config
 from aggregator.harvest.audit import Difference, audit_source
 from aggregator.harvest.source import SourceResult
 from aggregator.run.compose import open_context
-from aggregator.store.state import open_state
+from aggregator.store.open import open_state
 
 REPO = Path(__file__).resolve().parent.parent
 

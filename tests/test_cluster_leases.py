@@ -16,8 +16,9 @@ from aggregator.config import parse_config
 from aggregator.rs.model import CREATED
 from aggregator.run.cluster import Node
 from aggregator.store.interface import LeaseLost, fenced
+from aggregator.store.open import connect, open_state
 from aggregator.store.rows import Change, Cursor, Fence
-from aggregator.store.state import State, connect, open_state
+from aggregator.store.state import State
 
 from .clustering import assert_no_overlap
 from .pgserver import PgServer

@@ -42,7 +42,8 @@ from aggregator.harvest import dumps
 from aggregator.rs.parse import DocumentReader
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.lock import LOCK_NAME
-from aggregator.store.state import State, parse_dt
+from aggregator.store.rows import parse_dt
+from aggregator.store.state import State
 from aggregator.testing.upstream import ChangeRecord, Upstream
 
 from .harvesting import audit

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from aggregator.publish.fastpath import Hot, HotCache
-from aggregator.store.state import State, connect, local_commit_mark
+from aggregator.store.open import connect, local_commit_mark
+from aggregator.store.state import State
 
 KEY = b"/s/r/x"
 

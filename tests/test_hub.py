@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from aggregator.rs.linkheader import parse_link_header
 from aggregator.rs.w3cdt import utcnow
-from aggregator.store.state import connect
+from aggregator.store.open import connect
 from aggregator.websub import hub as hub_module
 from aggregator.websub.hub import Hub, HubLimits, delivery_client, topics_under
 from tests.httpserver import serve_app

@@ -655,7 +655,7 @@ def test_the_time_of_a_change_is_its_datetime_never_its_lastmod() -> None:
 
     from aggregator.harvest.lists import ListRef, Position, when
     from aggregator.rs.model import Md
-    from aggregator.store.state import Cursor
+    from aggregator.store.rows import Cursor
 
     at = datetime(2024, 1, 10, tzinfo=UTC)
     old = datetime(2020, 1, 1, tzinfo=UTC)

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from aggregator.config import PublishConfig
 from aggregator.publish.links import LinkPolicy
 from aggregator.rs.model import PATCH_REL, Link
-from aggregator.store.state import LogRecord, Resource
+from aggregator.store.rows import LogRecord, Resource
 
 T0 = datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC)
 T1 = datetime(2024, 2, 1, tzinfo=UTC)

@@ -17,8 +17,10 @@ from aggregator.publish.listing import ListingWriter, _text_time
 from aggregator.rs.model import Link
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.write import _dt, iter_document_bytes
+from aggregator.store.open import connect
+from aggregator.store.rows import Change, format_dt
 from aggregator.store.sets import PublishedSet
-from aggregator.store.state import Change, State, connect, format_dt
+from aggregator.store.state import State
 
 BASE = "http://rsagg.example/pub"
 T0 = datetime(2026, 3, 1, tzinfo=UTC)

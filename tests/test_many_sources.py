@@ -36,7 +36,8 @@ from aggregator.rs import parse
 from aggregator.rs.model import RS_NS, SITEMAP_NS
 from aggregator.rs.parse import DocumentError, DocumentReader
 from aggregator.scope import current_source
-from aggregator.store.state import State, open_state
+from aggregator.store.open import open_state
+from aggregator.store.state import State
 from aggregator.testing.upstream import Upstream
 from tests.harvesting import harvest, make_config
 from tests.httpserver import serve_app

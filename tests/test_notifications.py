@@ -35,7 +35,8 @@ from aggregator.rs.model import CHANGE_NOTIFICATION, FRAMEWORK_NOTIFICATION, Ent
 from aggregator.rs.parse import parse_bytes
 from aggregator.rs.w3cdt import format_w3c, utcnow
 from aggregator.run.parts import load_plugins, published_views
-from aggregator.store.state import State, open_state
+from aggregator.store.open import open_state
+from aggregator.store.state import State
 from aggregator.testing.notify import UpstreamNotifier
 from aggregator.testing.upstream import Upstream
 from aggregator.websub.subscriber import CALLBACK_PREFIX, Subscriber

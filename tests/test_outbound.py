@@ -35,7 +35,7 @@ from aggregator.observe.metrics import Metrics
 from aggregator.rs.model import Entry, Link
 from aggregator.run.compose import open_context
 from aggregator.run.serving import serving
-from aggregator.store.state import connect
+from aggregator.store.open import connect
 from aggregator.websub.hub import Hub, HubLimits, delivery_client, topics_under
 
 from .harvesting import harvest, held

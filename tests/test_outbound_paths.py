@@ -33,8 +33,8 @@ from aggregator.observe.report import collect
 from aggregator.run.compose import Assembly, open_assembly, open_context
 from aggregator.run.serving import serving
 from aggregator.scope import current_source
+from aggregator.store.open import open_state
 from aggregator.store.rows import NotifySubscription
-from aggregator.store.state import open_state
 
 from .harvesting import harvest, held
 from .test_outbound import Internal, _NoStore, _port, hub_server, internal

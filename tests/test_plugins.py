@@ -29,7 +29,7 @@ from aggregator.plugins.manager import DEFAULT_PLUGINS, PluginError, Plugins
 from aggregator.publish.links import LinkPolicy, PluginLinks
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.model import Entry, Link, Md
-from aggregator.store.state import Resource
+from aggregator.store.rows import Resource
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest, held

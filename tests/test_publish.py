@@ -34,7 +34,9 @@ from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import validate_source
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.interface import StateStore
-from aggregator.store.state import Change, State, open_state, state_path
+from aggregator.store.open import open_state, state_path
+from aggregator.store.rows import Change
+from aggregator.store.state import State
 from aggregator.testing.upstream import Upstream
 
 from .apps import create_app

@@ -29,8 +29,9 @@ from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import ERROR, validate_source
 from aggregator.rs.write import iter_document_bytes
 from aggregator.store.blobs import FileBlobStore
+from aggregator.store.rows import Change
 from aggregator.store.sets import PublishedSet
-from aggregator.store.state import Change, State
+from aggregator.store.state import State
 
 from .httpserver import serve_app
 from .test_publish import VERSION_RELS

@@ -16,7 +16,8 @@ from aggregator.config import ConfigError, parse_config
 from aggregator.publish.app import ReaderPool, ServerBusy
 from aggregator.publish.uris import rsagg_uri
 from aggregator.store.interface import StateStore
-from aggregator.store.state import State, connect
+from aggregator.store.open import connect
+from aggregator.store.state import State
 
 from .test_publish import publishing
 from .test_resource_get import BLOBS, UP, filled

@@ -16,7 +16,7 @@ from aggregator.cli import main
 from aggregator.observe import report as status
 from aggregator.observe.metrics import Metrics
 from aggregator.rs import model
-from aggregator.store.state import open_state
+from aggregator.store.open import open_state
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import audit, harvest, held, make_config

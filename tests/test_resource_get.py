@@ -21,7 +21,8 @@ from aggregator.publish.app import POOL_IDLE
 from aggregator.publish.resources import SMALL_BLOB
 from aggregator.publish.uris import rsagg_uri
 from aggregator.store.blobs import FileBlobStore
-from aggregator.store.state import Change, State
+from aggregator.store.rows import Change
+from aggregator.store.state import State
 
 from .harvesting import make_config
 from .test_publish import NoLocalPath, publishing

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from aggregator.net.outbound import AddressPolicy
 from aggregator.run.serverguard import ServerLimits
 from aggregator.run.serving import serving
-from aggregator.store.state import connect
+from aggregator.store.open import connect
 from aggregator.websub.hub import Hub, HubLimits, delivery_client, topics_under
 
 LIMITS = ServerLimits(

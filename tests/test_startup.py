@@ -122,7 +122,7 @@ def _matching(modules: list[str], names: tuple[str, ...]) -> list[str]:
 def configured(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A configuration with one source and a state made (so ``status`` and ``retries`` open it)."""
     from aggregator.config import load_config
-    from aggregator.store.state import open_state
+    from aggregator.store.open import open_state
 
     folder = tmp_path_factory.mktemp("startup")
     config = folder / "rsagg.toml"

@@ -12,10 +12,10 @@ import psycopg
 import pytest
 
 from aggregator.rs.model import Link
-from aggregator.store import state as state_mod
 from aggregator.store.interface import EmptySnapshot, StateStore
-from aggregator.store.rows import DocumentRow
-from aggregator.store.state import MIGRATIONS, Change, Cursor, LogRecord, State, format_dt, parse_dt
+from aggregator.store.rows import Change, Cursor, DocumentRow, LogRecord, format_dt, parse_dt
+from aggregator.store.sql import codec
+from aggregator.store.state import MIGRATIONS, State
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
@@ -32,6 +32,11 @@ class Clock:
 
     def tick(self, seconds: float = 1.0) -> None:
         self.now += timedelta(seconds=seconds)
+
+
+def table_names(st: State) -> set[str]:
+    """The tables of a SQLite state."""
+    return {r[0] for r in st.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
 
 @pytest.fixture
@@ -369,7 +374,7 @@ def test_finish_baseline_is_one_transaction(st: State, set_id: int, monkeypatch:
 
 
 def test_iter_resources_paging(st: State, set_id: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(state_mod, "PAGE_SIZE", 3)  # exercise the internal keyset paging
+    monkeypatch.setattr(codec, "PAGE_SIZE", 3)  # exercise the internal keyset paging
     other = st.ensure_set("src", "https://example.org/cl2.xml")
     st.apply(set_id, [ch(f"r{i:02d}", "created", A) for i in range(10)])
     st.apply(other, [ch("x", "created", A)])
@@ -539,10 +544,10 @@ def test_migrations_idempotent_and_pragmas(db_path: Path, clock: Clock) -> None:
         assert s1.conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
         assert s1.conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         s1.upsert_source("x", "https://x/")
-        tables = set(s1.db.table_names())
+        tables = table_names(s1)
     with State(db_path, clock=clock, synchronous="FULL") as s2:
         assert s2.schema_version == len(MIGRATIONS)
-        assert set(s2.db.table_names()) == tables
+        assert table_names(s2) == tables
         assert s2.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
         assert s2.source("x").url == "https://x/"
     assert {"sources", "documents", "sets", "cursors", "resources", "changelog"} <= tables
@@ -570,7 +575,7 @@ def test_dump_tables_made_before_they_were_a_migration_are_kept(db_path: Path) -
         assert st.schema_version == len(MIGRATIONS) >= 5
         assert st.conn.execute("SELECT sha256 FROM publish_dumps").fetchall() == [(A,)]
     with State(db_path, readonly=True) as ro:  # a reader accepts the upgraded store
-        assert {"publish_dumps", "publish_dump_runs"} <= set(ro.db.table_names())
+        assert {"publish_dumps", "publish_dump_runs"} <= set(table_names(ro))
 
 
 def test_newer_schema_is_refused(db_path: Path) -> None:
@@ -653,9 +658,9 @@ def test_links_column_is_the_json_of_every_link_shape() -> None:
             )
             for _ in range(pick([1, 2, 3]))
         ]
-        written = state_mod._links_json(links)
+        written = codec.links_json(links)
         assert written == encoded(links)
-        assert state_mod._links_from(written) == [
+        assert codec.links_from(written) == [
             Link(**{**vars_of(ln), "modified": ln.modified.astimezone(UTC) if ln.modified else None})
             for ln in links
         ]

@@ -12,7 +12,8 @@ import trio
 
 from aggregator.publish.fastpath import Hot, HotCache
 from aggregator.store.calls import limiter_of, state_call
-from aggregator.store.state import State, connect
+from aggregator.store.open import connect
+from aggregator.store.state import State
 
 from .pgserver import PgServer
 

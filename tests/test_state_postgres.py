@@ -23,12 +23,13 @@ import pytest
 import trio
 
 from aggregator.config import ConfigError, load_config
-from aggregator.store import state as state_mod
 from aggregator.store.interface import StateStore
+from aggregator.store.open import connect
 from aggregator.store.postgres import MIGRATIONS, PostgresState, StateUnavailable, redact
-from aggregator.store.rows import RetryChanges
+from aggregator.store.rows import Change, Cursor, RetryChanges
+from aggregator.store.sql import codec
 from aggregator.store.state import MIGRATIONS as SQLITE_MIGRATIONS
-from aggregator.store.state import Change, Cursor, State, connect
+from aggregator.store.state import State
 from aggregator.testing.upstream import Upstream
 
 from . import (
@@ -43,7 +44,7 @@ from . import (
 )
 from .notifying import free_port
 from .pgserver import PgServer
-from .test_state import A, B, C, ch
+from .test_state import A, B, C, ch, table_names
 
 # Every test talks to a real PostgreSQL server (the pg_server fixture or one of its own).
 pytestmark = pytest.mark.slow
@@ -137,7 +138,7 @@ def test_same_migration_steps_as_sqlite(url: str, tmp_path: Path) -> None:
     """Step i here is step i there: a version number means the same tables in either backend."""
     assert len(MIGRATIONS) == len(SQLITE_MIGRATIONS)
     with State(tmp_path / "state.db") as lite:
-        sqlite_tables = set(lite.db.table_names()) - {"sqlite_sequence"}
+        sqlite_tables = set(table_names(lite)) - {"sqlite_sequence"}
     with connect(url) as st:
         assert st.schema_version == len(MIGRATIONS)
         with st.pool.connection() as c:
@@ -153,7 +154,7 @@ def test_processes_starting_at_once_migrate_once(pg_server: PgServer) -> None:
     others find it done; no error, one version row."""
     db = pg_server.fresh_database()
     code = (
-        "import sys; from aggregator.store.state import connect\n"
+        "import sys; from aggregator.store.open import connect\n"
         "st = connect(sys.argv[1]); print(st.schema_version); st.close()\n"
     )
     procs = [
@@ -262,7 +263,7 @@ def test_iterators_hold_no_connection_between_pages(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A slow consumer of a keyset iterator never keeps a pooled connection: writers go on."""
-    monkeypatch.setattr(state_mod, "PAGE_SIZE", 2)
+    monkeypatch.setattr(codec, "PAGE_SIZE", 2)
     st.apply(set_id, [ch(f"r{i}", "created", A) for i in range(5)])
     it = st.iter_resources(set_id)
     next(it)

@@ -12,7 +12,10 @@ import pytest
 
 from aggregator.rs.model import Entry, Md
 from aggregator.store.interface import LeaseLost, fenced
+from aggregator.store.open import connect
 from aggregator.store.rows import (
+    Change,
+    Cursor,
     DumpPart,
     FailedChange,
     HubVerification,
@@ -20,7 +23,7 @@ from aggregator.store.rows import (
     NotifySubscription,
     RetryChanges,
 )
-from aggregator.store.state import MIGRATIONS, Change, Cursor, State, connect
+from aggregator.store.state import MIGRATIONS, State
 
 A, B, C, D = "a" * 64, "b" * 64, "c" * 64, "d" * 64
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

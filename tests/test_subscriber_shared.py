@@ -26,8 +26,9 @@ from aggregator.run.cluster import Node
 from aggregator.run.serving import serving
 from aggregator.store.interface import LeaseLost, fenced
 from aggregator.store.nodes import followed_by_live
+from aggregator.store.open import connect
 from aggregator.store.rows import Fence, NotifySubscription
-from aggregator.store.state import State, connect
+from aggregator.store.state import State
 from aggregator.websub.subscriber import CALLBACK_PREFIX, Subscriber, SubscriberSettings
 
 from .notifying import flask_hub, wait_until

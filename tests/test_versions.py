@@ -33,7 +33,8 @@ from aggregator.rs.parse import parse_bytes
 from aggregator.rs.validate import validate_source
 from aggregator.store.blobs import FileBlobStore
 from aggregator.store.retention import Retention, RetentionError, parse_retention
-from aggregator.store.state import Change, State
+from aggregator.store.rows import Change
+from aggregator.store.state import State
 
 from .harvesting import make_config
 from .test_publish import NoLocalPath, publishing
@@ -412,13 +413,13 @@ def test_retention_sql_and_version_at_match_their_definitions(tmp_path: Path):
     """The SQL gc runs and ``Retention.retained`` (what the mementos answer) agree, and ``version_at``
     (the TimeGate's choice) is the last version at or before the instant, else the first, for a
     random history and every policy (SQLite here, PostgreSQL in the test below)."""
-    from aggregator.store.state import format_dt
+    from aggregator.store.rows import format_dt
 
     _check_definitions(lambda clock: State(tmp_path / "s.db", clock=clock), format_dt)
 
 
 def test_retention_sql_and_version_at_on_postgres(pg_server):
-    from aggregator.store.state import connect
+    from aggregator.store.open import connect
 
     url = pg_server.fresh_url()
     _check_definitions(lambda clock: connect(url, clock=clock), lambda d: d.isoformat())

@@ -25,7 +25,7 @@ from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.model import DELETED, Entry, Link, Md
 from aggregator.rs.parse import parse_bytes
 from aggregator.run.compose import open_context
-from aggregator.store.state import open_state
+from aggregator.store.open import open_state
 from aggregator.testing.upstream import Upstream
 
 from .harvesting import harvest, make_config

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from ..config import ConfigError
     from ..harvest.context import prepare_store
     from ..store.lock import store_lock
-    from ..store.state import check_writable
+    from ..store.open import check_writable
 
     config = start(args)
     if config is None:

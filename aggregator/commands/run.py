@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from ..harvest.context import prepare_store
     from ..run.daemon import ListenError, run_daemon
     from ..store.lock import store_lock
-    from ..store.state import check_writable
+    from ..store.open import check_writable
 
     config = start(args)
     if config is None:

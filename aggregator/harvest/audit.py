@@ -31,7 +31,7 @@ from ..rs.model import (
     Entry,
     Md,
 )
-from ..store.state import Cursor, Resource
+from ..store.rows import Cursor, Resource
 from .access import for_source
 from .baseline import dump_packages, with_archived_snapshots
 from .context import HarvestContext

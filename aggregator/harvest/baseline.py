@@ -28,7 +28,7 @@ from ..rs.model import (
     Entry,
 )
 from ..store.interface import EmptySnapshot
-from ..store.state import Cursor
+from ..store.rows import Cursor
 from . import deviations as _deviations
 from .access import for_source
 from .context import HarvestContext

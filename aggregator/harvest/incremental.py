@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import cast
 
 from ..rs.model import CHANGEDUMP, CHANGELIST, CHANGELIST_ARCHIVE, CHANGES
-from ..store.state import Cursor
+from ..store.rows import Cursor
 from .access import for_source
 from .context import HarvestContext
 from .deviations import skip

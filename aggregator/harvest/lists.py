@@ -25,8 +25,7 @@ from ..rs.model import (
     Head,
     kind_name,
 )
-from ..store.rows import DocumentRow
-from ..store.state import Cursor
+from ..store.rows import Cursor, DocumentRow
 from .deviations import deviation, skip
 from .fetch import DocumentStream, Fetcher, FetchError
 

@@ -53,7 +53,7 @@ from ..rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
 from ..rs.w3cdt import utcnow
 from ..store.blobs import BlobInfo
 from ..store.interface import EmptySnapshot
-from ..store.state import Cursor
+from ..store.rows import Cursor
 from .access import for_source
 from .context import HarvestContext
 from .deviations import skip

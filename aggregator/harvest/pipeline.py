@@ -22,8 +22,7 @@ import trio
 from ..rs.model import CREATED, DELETED, PATCH_REL, RS_NS, UPDATED, Entry
 from ..store.blobs import BlobInfo, BlobWriter
 from ..store.calls import limiter_of
-from ..store.rows import FailedChange, ResourceValidators, RetryChanges
-from ..store.state import Change, Cursor, Resource
+from ..store.rows import Change, Cursor, FailedChange, Resource, ResourceValidators, RetryChanges
 from .access import for_source
 from .context import HarvestContext
 from .deviations import deviation

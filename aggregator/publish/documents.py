@@ -46,8 +46,8 @@ from ..rs.model import (
     Md,
 )
 from ..store.interface import StateStore
+from ..store.rows import LogRecord, Resource
 from ..store.sets import PublishedSet
-from ..store.state import LogRecord, Resource
 from . import listing, versions
 from .links import LinkPolicy, PluginLinks
 from .uris import rsagg_uri

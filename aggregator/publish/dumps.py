@@ -63,9 +63,8 @@ from ..rs.w3cdt import utcnow
 from ..rs.write import iter_document_bytes
 from ..store.blobs import BlobInfo, BlobStore, BlobWriter
 from ..store.interface import StateStore
-from ..store.rows import DumpPackage, DumpPart, DumpRun
+from ..store.rows import DumpPackage, DumpPart, DumpRun, LogRecord, Resource
 from ..store.sets import PublishedSet
-from ..store.state import LogRecord, Resource
 from .documents import CACHE_CLOSED, CACHE_OPEN, Site, UriOf, Windows, change_entry, resource_entry
 from .links import LinkPolicy
 from .resources import http_date, validators_match

@@ -63,8 +63,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..rs.w3cdt import utcnow
 from ..store.calls import limiter_of
 from ..store.interface import StateStore
+from ..store.open import local_commit_mark
 from ..store.rows import Resource
-from ..store.state import local_commit_mark
 from .resources import (
     SMALL_BLOB,
     LiteRequest,

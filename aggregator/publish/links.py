@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from ..config import PublishConfig
 from ..rs.fixity import format_hash
 from ..rs.model import PATCH_REL, Link
-from ..store.state import LogRecord, Resource
+from ..store.rows import LogRecord, Resource
 
 VIA = "via"
 #: Relations whose target is another resource we may hold: rewritten to our copy (§14.5).

@@ -23,8 +23,8 @@ from typing import TypeVar, cast
 
 from ..rs.write import _dt, _esc, _special
 from ..store.interface import ListingRow, StateStore
+from ..store.rows import Resource, parse_dt
 from ..store.sets import PublishedSet
-from ..store.state import Resource, parse_dt
 from .links import LinkPolicy, PluginLinks
 from .uris import _SCHEME, RESOURCES, SAFE, rsagg_path
 from .versions import stamp, stamp_text

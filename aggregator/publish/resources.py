@@ -36,7 +36,7 @@ from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from ..store.blobs import BlobStore
-from ..store.state import Resource
+from ..store.rows import Resource
 
 CHUNK = 64 * 1024
 #: Local blobs up to this size are read whole (or the span asked for) and answered from memory.

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from ..config import Config
 from ..plugins.manager import Plugins
 from ..store.interface import StateStore
+from ..store.rows import Resource
 from ..store.sets import published_sets
-from ..store.state import Resource
 from .documents import DumpsAvailable, ExtraCapabilities, Site, no_dumps, no_extra_capabilities, show_all
 from .links import LinkPolicy, PluginLinks
 

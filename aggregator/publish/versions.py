@@ -46,8 +46,8 @@ from ..rs.model import DELETED, Link
 from ..rs.w3cdt import utcnow
 from ..store.interface import StateStore
 from ..store.retention import Retention, parse_retention
+from ..store.rows import LogRecord, Resource
 from ..store.sets import PublishedSet
-from ..store.state import LogRecord, Resource
 from .resources import (
     conditional_answer,
     gone,
@@ -86,7 +86,7 @@ def stamp_text(text: str) -> str:
     if len(text) == 27 and text[26] == "Z" and text[19] == ".":
         t = text
         return t[0:4] + t[5:7] + t[8:10] + t[11:13] + t[14:16] + t[17:19] + t[20:26]
-    from ..store.state import parse_dt
+    from ..store.rows import parse_dt
 
     dt = parse_dt(text)
     assert dt is not None

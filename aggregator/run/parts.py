@@ -74,7 +74,7 @@ def blob_store(config: Config, plugins: Plugins) -> BlobStore:
 def state_handle(config: Config, *, cache_mib: int | None = None) -> StateStore:
     """A state handle of its own for one part (writer, reader, hub, notifier, subscriber, dumps, node,
     a command): every handle rsagg opens is opened here."""
-    from ..store.state import open_state
+    from ..store.open import open_state
 
     if cache_mib is None:
         return open_state(config)
@@ -83,7 +83,7 @@ def state_handle(config: Config, *, cache_mib: int | None = None) -> StateStore:
 
 def state_exists(config: Config) -> bool:
     """Whether there is a state to read (a SQLite file not made yet is none; a server's always is)."""
-    from ..store.state import state_path
+    from ..store.open import state_path
 
     db = state_path(config)
     return not isinstance(db, Path) or db.exists()
@@ -126,8 +126,8 @@ def publisher_app(
     from ..observe.page import status_routes
     from ..publish.app import Publisher, ReaderPool, create_app
     from ..publish.documents import no_dumps, no_extra_capabilities
-    from ..store.state import connect
-    from ..store.state import state_path as configured_path
+    from ..store.open import connect
+    from ..store.open import state_path as configured_path
 
     path = configured_path(config) if state_path is None else state_path
     if not (isinstance(path, str) and "://" in path):  # a file, not a server's URL

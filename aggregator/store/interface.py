@@ -1,8 +1,8 @@
 """The state seam: what harvest/, publish/, status and the commands may ask of rsagg's state.
 
-``StateStore`` is a structural ``Protocol``: ``store/state.py``'s ``State`` (SQLite through sqlite-utils,
-the embedded backend) satisfies it without naming it, and so must any other backend (a server database).
-Callers annotate with ``StateStore`` and obtain one from ``store.state.open_state(config)``; only the
+``StateStore`` is a structural ``Protocol``: the SQL state written once in store/sql/, run by the SQLite
+backend (store/state.py, embedded) or the PostgreSQL one (store/postgres.py), satisfies it without naming
+it. Callers annotate with ``StateStore`` and obtain one from ``store.open.open_state(config)``; only the
 store knows where the state lives and how it is opened.
 
 The rules every backend keeps (docs/architecture.md invariants 1-3):
@@ -181,7 +181,7 @@ class StateStore(Protocol):
         retries: RetryChanges | None = None,
     ) -> list[Change]:
         """Apply a batch of changes, move the cursor and write ``retries``, in ONE transaction
-        (store/state.py ``State.apply`` has the per-change rules every backend keeps)."""
+        (store/sql/changes.py ``Changes.apply`` has the per-change rules)."""
         ...
 
     def begin_baseline(self, set_id: int) -> int: ...

@@ -2,17 +2,41 @@
 
 Frozen rows (``SourceRow``, ``SetRow``, ``DocumentRow``) are snapshots read from the state; ``Change``
 and ``Cursor`` go in, ``Resource`` and ``LogRecord`` come out of the change pipeline. Times are aware
-``datetime`` in UTC; how a backend stores them is its own business (store/state.py: fixed-width text).
+``datetime`` in UTC; how a backend stores them is its dialect's business (store/sql/dialect.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from ..rs.model import Entry, Link
+from ..rs.w3cdt import parse_w3c
+
+
+def format_dt(dt: datetime | None) -> str | None:
+    """Fixed-width W3C Datetime in UTC with microseconds, ``YYYY-MM-DDThh:mm:ss.ffffffZ`` (a valid W3C
+    Datetime, §7): with a fixed width, text order equals time order (``w3cdt.format_w3c`` drops a zero
+    fraction, and ``...:05Z`` sorts after ``...:05.1Z``, hence this writer). How the SQLite state stores
+    times, and the text form callers compare or show."""
+    if dt is None:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    elif dt.utcoffset():
+        dt = dt.astimezone(UTC)
+    return dt.isoformat(timespec="microseconds")[:-6] + "Z"  # drop "+00:00"
+
+
+def parse_dt(text: str | None) -> datetime | None:
+    """``format_dt``'s text (or any W3C Datetime) back to an aware datetime; None stays None."""
+    if text is None:
+        return None
+    if len(text) == 27 and text[26] == "Z":
+        return datetime.fromisoformat(text)  # our own fixed form: the C parser is fastest
+    return parse_w3c(text)
 
 
 @dataclass(slots=True)

@@ -40,7 +40,7 @@ from starlette.routing import Route
 from ..rs import model
 from ..rs.model import Entry, Head, Link, Md
 from ..rs.write import iter_document_bytes
-from ..store.state import connect
+from ..store.open import connect
 from ..websub.hub import Hub, HubLimits, delivery_client, topics_under
 from .upstream import ChangeRecord, Upstream
 

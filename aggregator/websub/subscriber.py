@@ -93,8 +93,7 @@ from ..rs.w3cdt import utcnow
 from ..store.calls import Closed, StoreCalls
 from ..store.interface import LeaseLost, StateStore
 from ..store.nodes import followed_by_live, follows
-from ..store.rows import NotifySubscription
-from ..store.state import format_dt
+from ..store.rows import NotifySubscription, format_dt
 
 log = logging.getLogger("rsagg.subscriber")
 T = TypeVar("T")

@@ -1,0 +1,204 @@
+"""How rows are encoded: the columns of the big tables, a resource row back as ``Resource``, links as
+JSON, and ``plan_batch`` (the rules of a batch of changes), for every dialect."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+from ...rs.model import CREATED, DELETED, UPDATED, Link
+from ..rows import Change, Resource, format_dt, parse_dt
+
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+#: Rows fetched per page by the iterators (bounded memory; no lock or connection held between pages).
+PAGE_SIZE = 1000
+SYNCHRONOUS = ("NORMAL", "FULL", "EXTRA")
+#: ``kind`` of a retry that ended (its URI is no longer listed upstream): kept to be seen, not tried.
+RETRY_ENDED = "ended"
+
+#: ``json.dumps(value, ensure_ascii=False, separators=(",", ":"))`` without building an encoder per call
+#: (dumps does for any argument but the defaults: a fifth of writing a resource row's links).
+_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+#: A JSON string literal as ``_compact`` writes one (json's C escaper, ensure_ascii off).
+_json_str = json.encoder.encode_basestring
+
+
+def links_json(links: Sequence[Link], when: Callable[[datetime], str | None] = format_dt) -> str | None:
+    """``links`` as the JSON the ``links`` column holds; ``when`` formats ``modified`` (format_dt, or a
+    batch's cache of it)."""
+    if not links:
+        return None
+    out = []
+    for ln in links:
+        if (ln.pri is None and ln.hash is None and ln.length is None and ln.type is None
+                and ln.encoding is None and ln.path is None and not ln.extra):  # fmt: skip
+            # The common link (rel, href, modified: a "via", a "collection") written directly, byte for
+            # byte what the encoder writes: building a dict per link cost a third of a row's write.
+            text = f'{{"rel":{_json_str(ln.rel)},"href":{_json_str(ln.href)}'
+            out.append(text + "}" if ln.modified is None else f'{text},"modified":"{when(ln.modified)}"}}')
+            continue
+        d: dict[str, Any] = {"rel": ln.rel, "href": ln.href}
+        for k in ("pri", "hash", "length", "type", "encoding", "path"):
+            v = getattr(ln, k)
+            if v is not None:
+                d[k] = v
+        if ln.modified is not None:
+            d["modified"] = when(ln.modified)
+        if ln.extra:
+            d["extra"] = ln.extra
+        out.append(_compact(d))
+    return f"[{','.join(out)}]"
+
+
+def links_from(text: str | None) -> list[Link]:
+    if not text:
+        return []
+    links = []
+    for d in json.loads(text):
+        if "modified" in d:
+            d["modified"] = parse_dt(d["modified"])
+        links.append(Link(**d))
+    return links
+
+
+def json_or_none(value: Any) -> str | None:
+    return _compact(value) if value else None
+
+
+SOURCE_STATUS_FIELDS = frozenset(
+    {"state", "last_error", "last_error_at", "last_success", "last_attempt", "next_attempt", "failures",
+     "progress_done", "progress_total", "progress_what", "using_url"}
+)  # fmt: skip
+SOURCE_TIMES = ("last_error_at", "last_success", "last_attempt", "next_attempt", "created_at", "updated_at")
+
+RES_COLS = (
+    "set_id", "uri", "sha256", "length", "type", "encoding", "md5", "sha1", "lastmod",
+    "upstream_datetime", "links", "md_extra", "entry_extra", "deleted", "generation", "updated_at",
+)  # fmt: skip
+SELECT_RES = "SELECT id, " + ", ".join(RES_COLS) + " FROM resources"
+# Positions in a row being written (RES_COLS order, its id appended last) ...
+_W_UPSTREAM, _W_DELETED, _W_GENERATION = (
+    RES_COLS.index(c) for c in ("upstream_datetime", "deleted", "generation")
+)
+# ... and in a row read by SELECT_RES (id first, then RES_COLS).
+(
+    _R_SET, R_URI, _R_SHA256, _R_LENGTH, _R_TYPE, _R_ENCODING, _R_MD5, _R_SHA1, _R_LASTMOD, _R_UPSTREAM,
+    _R_LINKS, _R_MD_EXTRA, _R_ENTRY_EXTRA, _R_DELETED, _R_GENERATION, _R_UPDATED,
+) = range(1, len(RES_COLS) + 1)  # fmt: skip
+# What _apply knows of a uri of the batch: [id, sha256, live, stored] (stored: the row exists on disk).
+_C_ID, _C_SHA256, _C_LIVE, C_STORED = range(4)
+LOG_COLS = ("seq", "set_id", "resource_id", "uri", "change", "datetime", "sha256", "length", "type")
+
+
+def plan_batch(
+    set_id: int,
+    changes: Sequence[Change],
+    current: dict[str, list],
+    open_generation: int | None,
+    now: Any,
+    new_id: Callable[[], int],
+    when: Callable[[datetime | None], Any],
+) -> tuple[dict[str, list], dict[int, tuple], dict[int, int], list[tuple], list[Change]]:
+    """What a batch does, change by change, against the rows as they stand (``State.apply`` says the
+    rules): one place for them, whatever the backend writes with.
+
+    ``current``: uri -> [id, sha256, live, stored] of the batch's stored rows (the ``_C_*`` positions;
+    updated as the batch goes); ``now`` the batch's changelog time and ``when`` a time as the backend
+    stores it; ``new_id()`` an id for a new row. Returns (rows: uri -> the ``RES_COLS`` values and the
+    id, the final row per uri; tombstones: stored row id -> (generation, upstream_datetime); seen: id ->
+    generation of no-ops during a baseline; log: changelog rows without seq; applied: the changes that
+    changed state, each with the logged kind).
+    """
+    # Records of a batch share a few datestamps, and formatting one cost more than the rest of its row.
+    when, stamp = functools.cache(when), functools.cache(format_dt)
+    # Collapse to the final row per uri; keep the log in order.
+    rows: dict[str, list] = {}  # uri -> column values (RES_COLS order) + [id] (the _W_* positions)
+    tombstones: dict[int, tuple] = {}  # id of a stored row -> (generation, upstream_datetime)
+    seen: dict[int, int] = {}  # id -> generation, for no-ops during a baseline
+    log: list[tuple] = []  # changelog rows
+    applied: list[Change] = []
+    for ch in changes:
+        gen = ch.generation if ch.generation is not None else open_generation
+        cur: Any = current.get(ch.uri)  # [id, sha256, live, stored] or None
+        live = cur is not None and cur[_C_LIVE]
+        if ch.change == DELETED:
+            if not live:
+                continue
+            cur[_C_LIVE] = False
+            row = rows.get(ch.uri)
+            if row is not None:  # created/updated earlier in this batch: write it as a tombstone
+                row[_W_DELETED] = True
+                if gen is not None:
+                    row[_W_GENERATION] = gen
+                if ch.upstream_datetime is not None:
+                    row[_W_UPSTREAM] = when(ch.upstream_datetime)
+            else:
+                tombstones[cur[_C_ID]] = (gen, when(ch.upstream_datetime))
+            log.append((set_id, cur[_C_ID], ch.uri, DELETED, now, None, None, None))
+            applied.append(ch)
+            continue
+        if live and cur[_C_SHA256] == ch.sha256:
+            if gen is not None:
+                if ch.uri in rows:
+                    rows[ch.uri][_W_GENERATION] = gen
+                else:
+                    seen[cur[_C_ID]] = gen
+            continue
+        kind = UPDATED if live else CREATED
+        if cur is None:
+            cur = current[ch.uri] = [new_id(), ch.sha256, True, False]
+        else:
+            cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
+            tombstones.pop(cur[_C_ID], None)
+        h = ch.hashes
+        rows[ch.uri] = [
+            set_id, ch.uri, ch.sha256, ch.length, ch.type, ch.encoding, h.get("md5"), h.get("sha-1"),
+            when(ch.lastmod), when(ch.upstream_datetime), links_json(ch.links, stamp),
+            json_or_none(ch.md_extra), json_or_none(ch.entry_extra), False, gen, now, cur[_C_ID],
+        ]  # fmt: skip
+        log.append((set_id, cur[_C_ID], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
+        applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
+    return rows, tombstones, seen, log, applied
+
+
+def check_sha(sha256: str) -> None:
+    if not isinstance(sha256, str) or not _SHA256.match(sha256):
+        raise ValueError(f"not a lowercase hex SHA-256: {sha256!r}")
+
+
+def resource_row(r: Sequence[Any], dt: Callable[[Any], Any] = parse_dt) -> Resource:
+    """A row read by ``SELECT_RES`` (id, then ``RES_COLS``) as a ``Resource``; ``dt`` reads a stored time."""
+    hashes = {}
+    if r[_R_SHA256] is not None:
+        hashes["sha-256"] = r[_R_SHA256]
+    if r[_R_MD5] is not None:
+        hashes["md5"] = r[_R_MD5]
+    if r[_R_SHA1] is not None:
+        hashes["sha-1"] = r[_R_SHA1]
+    md_extra, entry_extra = r[_R_MD_EXTRA], r[_R_ENTRY_EXTRA]
+    return Resource(
+        id=r[0], set_id=r[_R_SET], uri=r[R_URI], sha256=r[_R_SHA256], length=r[_R_LENGTH], type=r[_R_TYPE],
+        encoding=r[_R_ENCODING], hashes=hashes, lastmod=dt(r[_R_LASTMOD]),
+        upstream_datetime=dt(r[_R_UPSTREAM]), links=links_from(r[_R_LINKS]),
+        md_extra=json.loads(md_extra) if md_extra else {},
+        entry_extra=json.loads(entry_extra) if entry_extra else [],
+        deleted=bool(r[_R_DELETED]), updated_at=dt(r[_R_UPDATED]), generation=r[_R_GENERATION],
+    )  # fmt: skip
+
+
+@functools.cache
+def upsert(table: str, cols: tuple[str, ...], key: tuple[str, ...]) -> str:
+    """``INSERT`` of every column of a row, replacing the row of the same ``key``: what SQLite's
+    ``INSERT OR REPLACE`` did, spelled as both databases read it (the statement sets every column)."""
+    sets = ", ".join(f"{c} = excluded.{c}" for c in cols if c not in key)
+    return (
+        f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+        f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {sets}"
+    )

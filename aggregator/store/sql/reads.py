@@ -1,0 +1,431 @@
+"""Reading resources and the changelog: the harvester's lookups, the publisher's lists (aggregator/publish/)
+and the versions of one resource (publish/versions.py; §14.6, RFC 7089).
+
+A published set is a list of state sets (config [[sets]] grouping). Queries run per state set on the
+indexes of migration 1 (resources_live, the (set_id, uri) key, changelog_set_seq) and are merged by id /
+seq in Python, so a small set in a big database never scans other sets' rows.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from typing import Any
+
+from ..interface import ListingRow
+from ..retention import Retention, retained_sql
+from ..rows import LogRecord, Resource
+from . import codec
+from .base import SqlState
+from .codec import LOG_COLS, R_URI, RES_COLS, SELECT_RES, resource_row
+from .dialect import MAX_INT
+
+SELECT_RES_COLS = ("id", *RES_COLS)
+
+
+class Reads(SqlState):
+    def referenced_hashes(self, retention: Retention | None = None) -> Iterator[str]:
+        """Every sha256 gc must keep, each once, in ascending order, as of one instant.
+
+        That is the blobs of live resources, of every changelog record (rsagg's Change Dumps are
+        built from the changelog and need the content of past versions; pruning the changelog is what
+        lets old versions go) and of cached capability documents (the body answering a 304).
+        ``retention`` (``[publish] versions``): only the changelog records it retains count, and every
+        record after ``retention.floor_seq`` (not in a Change Dump yet); None: every record.
+        Ascending order lets gc merge this with ``FileBlobStore.iter_hashes`` without holding a set.
+        No index on sha256 serves this (random-order index pages made every commit ~3x slower): one
+        sorted snapshot (``_snapshot``), read in pages.
+        """
+        sql = (
+            "SELECT sha256 FROM resources WHERE deleted = 0 AND sha256 IS NOT NULL "
+            f"UNION {retained_sql(retention, lambda when: str(self.d.t(when)))} "
+            "UNION SELECT sha256 FROM documents WHERE sha256 IS NOT NULL ORDER BY 1"
+        )
+        for (sha,) in self._snapshot(sql):
+            yield sha
+
+    def iter_live_part_boundaries(self, set_ids: Sequence[int], size: int) -> Iterator[int]:
+        """The id of every ``size``-th live resource of the sets in id order (``live_part_boundaries``,
+        yielded as found): the sets' live ids read by keyset pages and merged, so nothing is held
+        between pages (a publisher's reader has one connection)."""
+        if size < 1:
+            raise ValueError("size must be at least 1")
+        sql = "SELECT id FROM resources WHERE set_id = ? AND deleted = 0 AND id > ? ORDER BY id LIMIT ?"
+        iters = [self._pages(sql, [sid], 0, 0, None) for sid in dict.fromkeys(set_ids)]
+        for n, (rid,) in enumerate(heapq.merge(*iters), 1):
+            if n % size == 0:
+                yield rid
+
+    def resource(self, set_id: int, uri: str) -> Resource | None:
+        dt = self.d.dt
+        with self._read() as c:
+            row = c.execute(SELECT_RES + " WHERE set_id = ? AND uri = ?", (set_id, uri)).fetchone()
+        return resource_row(row, dt) if row else None
+
+    def resources(self, set_id: int, uris: Sequence[str]) -> dict[str, Resource]:
+        """The stored rows of those of ``uris`` the set holds (one query; json_each: no variable limit)."""
+        dt = self.d.dt
+        if not uris:
+            return {}
+        with self._read() as c:
+            rows = c.execute(*self.d.by_uri(SELECT_RES_COLS, set_id, uris)).fetchall()
+        return {r[R_URI]: resource_row(r, dt) for r in rows}
+
+    def iter_resources(
+        self,
+        set_id: int | None = None,
+        *,
+        include_deleted: bool = False,
+        after_id: int = 0,
+        limit: int | None = None,
+    ) -> Iterator[Resource]:
+        """Resources by id (stable keyset paging: pass the last id seen as ``after_id``)."""
+        dt = self.d.dt
+        where: list[str] = []
+        params: list[Any] = []
+        if set_id is not None:
+            where.append("set_id = ?")
+            params.append(set_id)
+        if not include_deleted:
+            where.append("deleted = 0")
+        where.append("id > ?")
+        sql = f"{SELECT_RES} WHERE {' AND '.join(where)} ORDER BY id LIMIT ?"
+        for row in self._pages(sql, params, 0, after_id, limit):
+            yield resource_row(row, dt)
+
+    def count_resources(
+        self, set_id: int | None = None, *, source: str | None = None, include_deleted: bool = False
+    ) -> int:
+        """Live resources held (of a set, of a source, or all); tombstones too with include_deleted."""
+        where: list[str] = []
+        params: list[Any] = []
+        if set_id is not None:
+            where.append("set_id = ?")
+            params.append(set_id)
+        if source is not None:
+            where.append("set_id IN (SELECT id FROM sets WHERE source = ?)")
+            params.append(source)
+        if not include_deleted:
+            where.append("deleted = 0")
+        sql = "SELECT count(*) FROM resources" + (f" WHERE {' AND '.join(where)}" if where else "")
+        with self._read() as c:
+            return c.execute(sql, params).fetchone()[0]
+
+    def iter_changelog(
+        self, after_seq: int = 0, *, set_id: int | None = None, limit: int | None = None
+    ) -> Iterator[LogRecord]:
+        """Changelog records in seq order (== datetime order), after ``after_seq``."""
+        dt = self.d.dt
+        cols = ", ".join(LOG_COLS)
+        if set_id is None:
+            sql, params = f"SELECT {cols} FROM changelog WHERE seq > ? ORDER BY seq LIMIT ?", []
+        else:
+            sql = f"SELECT {cols} FROM changelog WHERE set_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+            params = [set_id]
+        for r in self._pages(sql, params, 0, after_seq, limit):
+            yield LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), r[6], r[7], r[8])
+
+    def last_seq(self) -> int:
+        """The highest changelog seq (0 when empty): where a reader starting now would begin."""
+        with self._read() as c:
+            return c.execute("SELECT coalesce(max(seq), 0) FROM changelog").fetchone()[0]
+
+    def history_start(self, set_ids: Sequence[int]) -> datetime | None:
+        """The earliest time the sets' change history covers: their creation, or their first changelog
+        record if the clock stepped back since (the ``from`` of their first Change List, §12.1)."""
+        dt = self.d.dt
+        if not set_ids:
+            return None
+        times: list[datetime] = []
+        with self._read() as c:
+            for sid in set_ids:
+                row = c.execute("SELECT created_at FROM sets WHERE id = ?", (sid,)).fetchone()
+                if row:
+                    times.append(dt(row[0]))
+                row = c.execute(
+                    "SELECT datetime FROM changelog WHERE set_id = ? ORDER BY seq LIMIT 1", (sid,)
+                ).fetchone()
+                if row:
+                    times.append(dt(row[0]))
+        return min(times) if times else None
+
+    def count_live(self, set_ids: Sequence[int]) -> int:
+        """Live resources of the sets (decides Resource List vs Resource List Index, §10.2)."""
+        with self._read() as c:
+            return sum(
+                c.execute(
+                    "SELECT count(*) FROM resources WHERE set_id = ? AND deleted = 0", (sid,)
+                ).fetchone()[0]
+                for sid in set_ids
+            )
+
+    def live_part_boundaries(self, set_ids: Sequence[int], size: int) -> list[int]:
+        """The id of every ``size``-th live resource of the sets in id order.
+
+        Part k of a Resource List Index then holds the live resources with ``b[k-1] < id <= b[k]``
+        (b[0] = 0), at most ``size`` each (§7: 50,000 per document, §10.2). One pass in SQLite.
+        """
+        return list(self.iter_live_part_boundaries(set_ids, size))
+
+    def live_more_than(self, set_ids: Sequence[int], n: int) -> bool:
+        """True when the sets hold more than ``n`` live resources: reads at most n+1 index entries (a
+        Resource List Index's head is written before its parts are counted out)."""
+        left = n + 1
+        with self._read() as c:
+            for sid in dict.fromkeys(set_ids):
+                left -= c.execute(
+                    "SELECT count(*) FROM "
+                    "(SELECT 1 FROM resources WHERE set_id = ? AND deleted = 0 LIMIT ?) AS x",
+                    (sid, left),
+                ).fetchone()[0]
+                if left <= 0:
+                    return True
+        return False
+
+    def live_part_boundary(self, set_id: int, after_id: int, size: int) -> int | None:
+        """The id of the ``size``-th live resource of one set after ``after_id`` (None: fewer follow):
+        ``iter_live_part_boundaries`` one part at a time, an index walk of ``size`` entries (10x faster
+        than numbering every row)."""
+        if size < 1:
+            raise ValueError("size must be at least 1")
+        with self._read() as c:
+            row = c.execute(
+                "SELECT id FROM resources WHERE set_id = ? AND deleted = 0 AND id > ? "
+                "ORDER BY id LIMIT 1 OFFSET ?",
+                (set_id, after_id, size - 1),
+            ).fetchone()
+        return None if row is None else row[0]
+
+    def live_after(self, set_ids: Sequence[int], after_id: int) -> bool:
+        """Whether the sets hold a live resource with ``id > after_id`` (an index seek per set)."""
+        with self._read() as c:
+            return any(
+                c.execute(
+                    "SELECT 1 FROM resources WHERE set_id = ? AND deleted = 0 AND id > ? LIMIT 1",
+                    (sid, after_id),
+                ).fetchone()
+                for sid in dict.fromkeys(set_ids)
+            )
+
+    def rows_version(
+        self, set_ids: Sequence[int], after_id: int = 0, until_id: int | None = None
+    ) -> tuple[int, datetime | None]:
+        """What changes whenever a row of the sets with ``after_id < id <= until_id`` changes (created,
+        updated, deleted): their count and newest ``updated_at``. A Resource List part renders the same
+        while these stay (one range scan of the rows)."""
+        dt = self.d.dt
+        top = MAX_INT if until_id is None else until_id
+        count = 0
+        newest: list[Any] = []
+        with self._read() as c:
+            for sid in dict.fromkeys(set_ids):
+                n, m = c.execute(
+                    "SELECT count(*), max(updated_at) FROM resources WHERE set_id = ? AND id > ? AND id <= ?",
+                    (sid, after_id, top),
+                ).fetchone()
+                count += n
+                if m is not None:
+                    newest.append(m)
+        return count, dt(max(newest)) if newest else None
+
+    def set_last_seq(self, set_ids: Sequence[int]) -> int:
+        """The sets' newest changelog seq (0: none): every change of their rows is logged, so lists
+        built from them render the same while it stays."""
+        with self._read() as c:
+            return max(
+                (
+                    c.execute(
+                        "SELECT coalesce(max(seq), 0) FROM changelog WHERE set_id = ?", (sid,)
+                    ).fetchone()[0]
+                    for sid in dict.fromkeys(set_ids)
+                ),
+                default=0,
+            )
+
+    def iter_live(
+        self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None
+    ) -> Iterator[Resource]:
+        """Live resources of the sets with ``after_id < id <= until_id`` (no upper bound when None), by id."""
+        dt = self.d.dt
+        top = MAX_INT if until_id is None else until_id
+        sql = f"{SELECT_RES} WHERE set_id = ? AND deleted = 0 AND id <= ? AND id > ? ORDER BY id LIMIT ?"
+        iters = [self._pages(sql, [sid, top], 0, after_id, None) for sid in dict.fromkeys(set_ids)]
+        rows = iters[0] if len(iters) == 1 else heapq.merge(*iters, key=lambda r: r[0])
+        for row in rows:
+            yield resource_row(row, dt)
+
+    def iter_live_listing(
+        self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None
+    ) -> Iterator[ListingRow | Resource]:
+        """``iter_live`` for list writers (``interface.ListingRow``): the columns a plain entry needs
+        and, per row, whether it has more; the rows that do are read whole, a page at a time."""
+        top = MAX_INT if until_id is None else until_id
+        sql = f"SELECT {self.d.listing_cols} FROM resources "
+        sql += "WHERE set_id = ? AND deleted = 0 AND id <= ? AND id > ? ORDER BY id LIMIT ?"
+        iters = [self._listing_pages(sql, sid, top, after_id) for sid in dict.fromkeys(set_ids)]
+        if len(iters) == 1:
+            yield from iters[0]
+        else:
+            yield from heapq.merge(*iters, key=lambda r: r[0] if type(r) is tuple else r.id)  # type: ignore[union-attr]
+
+    def _listing_pages(self, sql: str, set_id: int, top: int, after: int) -> Iterator[ListingRow | Resource]:
+        dt = self.d.dt
+        while True:
+            with self._read() as c:
+                rows = c.execute(sql, (set_id, top, after, codec.PAGE_SIZE)).fetchall()
+                rich = [r[0] for r in rows if r[-1]]
+                if rich:
+                    full = c.execute(
+                        f"{SELECT_RES} WHERE id IN (SELECT value FROM json_each(?))", (self.d.ids(rich),)
+                    ).fetchall()
+                    whole = {r[0]: resource_row(r, dt) for r in full}
+            if rich:
+                for r in rows:
+                    yield whole[r[0]] if r[-1] else r[:-1]
+            else:
+                for r in rows:
+                    yield r[:-1]
+            if len(rows) < codec.PAGE_SIZE:
+                return
+            after = rows[-1][0]
+
+    def resource_in(self, set_ids: Sequence[int], uri: str) -> Resource | None:
+        """The resource ``uri`` held in any of the sets: a live row if there is one (the most recently
+        changed when several sets hold it), else the most recent tombstone; None when never held."""
+        best: Resource | None = None
+        for sid in dict.fromkeys(set_ids):
+            r = self.resource(sid, uri)
+            if r is None:
+                continue
+            if best is None or (not r.deleted, r.updated_at) > (not best.deleted, best.updated_at):
+                best = r
+        return best
+
+    def live_set_of(self, set_ids: Sequence[int], uri: str) -> int | None:
+        """The first of the sets (in the order given) that holds ``uri`` live, else None: a cheap
+        "do we hold it?" for rewriting links to our copy (§14.5)."""
+        with self._read() as c:
+            for sid in dict.fromkeys(set_ids):
+                row = c.execute(
+                    "SELECT 1 FROM resources WHERE set_id = ? AND uri = ? AND deleted = 0", (sid, uri)
+                ).fetchone()
+                if row:
+                    return sid
+        return None
+
+    def iter_log_range(
+        self, set_ids: Sequence[int], after_seq: int = 0, until_seq: int | None = None
+    ) -> Iterator[tuple[LogRecord, Resource | None]]:
+        """Changelog records of the sets with ``after_seq < seq <= until_seq``, in seq order, each with
+        the resource row it names as that row is now (None if gone): the row holds what the record
+        does not (md5, links, upstream lastmod), valid for the record when their sha256 agree."""
+        dt = self.d.dt
+        top = MAX_INT if until_seq is None else until_seq
+        cols = ", ".join(f"c.{c}" for c in LOG_COLS)
+        res_cols = "r.id, " + ", ".join(f"r.{c}" for c in RES_COLS)
+        sql = (
+            f"SELECT {cols}, {res_cols} FROM changelog c LEFT JOIN resources r ON r.id = c.resource_id "
+            "WHERE c.set_id = ? AND c.seq <= ? AND c.seq > ? ORDER BY c.seq LIMIT ?"
+        )
+        iters = [self._pages(sql, [sid, top], 0, after_seq, None) for sid in dict.fromkeys(set_ids)]
+        if not iters:
+            return
+        rows = iters[0] if len(iters) == 1 else heapq.merge(*iters, key=lambda r: r[0])
+        n = len(LOG_COLS)
+        for r in rows:
+            rec = LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), r[6], r[7], r[8])
+            yield rec, (resource_row(r[n:], dt) if r[n] is not None else None)
+
+    def log_windows(self, set_ids: Sequence[int], size: int) -> list[int]:
+        """Numbers k of the windows ``((k-1)*size, k*size]`` of the global changelog seq that hold at
+        least one record of the sets, ascending. One index seek per set and window found."""
+        if size < 1:
+            raise ValueError("size must be at least 1")
+        out: list[int] = []
+        after = 0
+        ids = list(dict.fromkeys(set_ids))
+        while True:
+            nxt = None
+            with self._read() as c:
+                for sid in ids:
+                    row = c.execute(
+                        "SELECT seq FROM changelog WHERE set_id = ? AND seq > ? ORDER BY seq LIMIT 1",
+                        (sid, after),
+                    ).fetchone()
+                    if row and (nxt is None or row[0] < nxt):
+                        nxt = row[0]
+            if nxt is None:
+                return out
+            k = (nxt - 1) // size + 1
+            out.append(k)
+            after = k * size
+
+    def log_datetime(self, seq: int) -> datetime | None:
+        """The datetime of the last changelog record with seq <= ``seq`` (None when there is none): the
+        ``until`` of a closed Change List window ending at ``seq`` (§12.1)."""
+        dt = self.d.dt
+        with self._read() as c:
+            row = c.execute(
+                "SELECT datetime FROM changelog WHERE seq <= ? ORDER BY seq DESC LIMIT 1", (seq,)
+            ).fetchone()
+        return dt(row[0]) if row else None
+
+    def log_record(self, seq: int) -> LogRecord | None:
+        """The changelog record ``seq`` (None when there is none): a memento names its version by it."""
+        dt = self.d.dt
+        if not 0 <= seq <= MAX_INT:
+            return None
+        cols = ", ".join(LOG_COLS)
+        with self._read() as c:
+            r = c.execute(f"SELECT {cols} FROM changelog WHERE seq = ?", (seq,)).fetchone()
+        return LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), r[6], r[7], r[8]) if r else None
+
+    def iter_versions(
+        self, resource_id: int, after_seq: int = 0, limit: int | None = None
+    ) -> Iterator[LogRecord]:
+        """The changelog records of one resource row (deletions too), ascending seq, after ``after_seq``."""
+        dt = self.d.dt
+        cols = ", ".join(LOG_COLS)
+        sql = f"SELECT {cols} FROM changelog WHERE resource_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+        for r in self._pages(sql, [resource_id], 0, after_seq, limit):
+            yield LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), r[6], r[7], r[8])
+
+    def count_versions(self, resource_id: int, after_seq: int = 0, limit: int | None = None) -> int:
+        """How many versions (records that are not deletions) the row has after ``after_seq``, counted up
+        to ``limit`` (the retention check needs no more than N)."""
+        top = MAX_INT if limit is None else limit
+        with self._read() as c:
+            return c.execute(
+                "SELECT count(*) FROM (SELECT 1 FROM changelog WHERE resource_id = ? AND seq > ? "
+                "AND change != 'deleted' LIMIT ?) AS x",
+                (resource_id, after_seq, top),
+            ).fetchone()[0]
+
+    def version_at(self, resource_id: int, when: datetime) -> LogRecord | None:
+        """The version current at ``when`` (the last record that is not a deletion at or before it), else
+        the first version: the best memento for a TimeGate (RFC 7089 §4.1); None: no version at all."""
+        dt = self.d.dt
+        cols = ", ".join(LOG_COLS)
+        with self._read() as c:
+            # The changelog's datetime never decreases with seq (``_log_time``): the last seq at or
+            # before ``when`` (index changelog_datetime) bounds the row's records (changelog_resource):
+            # two index seeks, whatever the length of the history.
+            top = c.execute(
+                "SELECT seq FROM changelog WHERE datetime <= ? ORDER BY datetime DESC, seq DESC LIMIT 1",
+                (self.d.t(when),),
+            ).fetchone()
+            r = None
+            if top is not None:
+                r = c.execute(
+                    f"SELECT {cols} FROM changelog WHERE resource_id = ? AND seq <= ? "
+                    "AND change != 'deleted' ORDER BY seq DESC LIMIT 1",
+                    (resource_id, top[0]),
+                ).fetchone()
+            if r is None:
+                r = c.execute(
+                    f"SELECT {cols} FROM changelog WHERE resource_id = ? AND change != 'deleted' "
+                    "ORDER BY seq LIMIT 1",
+                    (resource_id,),
+                ).fetchone()
+        return LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), r[6], r[7], r[8]) if r else None
