@@ -362,6 +362,40 @@ async def _addresses(policy: AddressPolicy, name: str, port: int, timeout: float
     return addresses
 
 
+async def checked_addresses(
+    policy: AddressPolicy,
+    host: str,
+    port: int,
+    extra: tuple[IPNetwork, ...] = (),
+    timeout: float | None = None,
+) -> list[str]:
+    """The addresses of ``host`` that a new connection may be made to, in the resolver's order: ``host``
+    resolved now, each address judged by ``policy`` for the current requester (``extra``: the networks
+    pinned for this origin and requester). Raises ``OutboundRefused`` when none may be (named by the
+    first refused address's rule), httpcore's ConnectError/ConnectTimeout when the name does not
+    resolve. Every client connects only to what this returns: ``PolicedBackend`` (httpx) and
+    ``net/lean.py``'s pool."""
+    name = host.strip("[]")
+    requester = policy.requester()
+    addresses = await _addresses(policy, name, port, timeout)
+    allowed: list[str] = []
+    first_refusal: tuple[str, str] | None = None
+    for address in addresses:
+        rule = policy.rule_for(address, port=port, extra=extra, requester=requester)
+        if rule is None:
+            allowed.append(address)
+        elif first_refusal is None:
+            first_refusal = (address, rule)
+    if not allowed:
+        assert first_refusal is not None
+        if first_refusal[1] == "self":
+            note, hint = ", rsagg's own server.listen", "rsagg does not request its own server"
+        else:
+            note, hint = policy.refusal_note(name, port, requester)
+        raise policy.refused(name, port, *first_refusal, note, hint)
+    return allowed
+
+
 class PolicedBackend(httpcore.AsyncNetworkBackend):
     """An httpcore network backend that resolves, checks and connects to the checked address only.
 
@@ -386,27 +420,9 @@ class PolicedBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        policy = self.policy
-        name = host.strip("[]")
-        requester = policy.requester()
-        addresses = await _addresses(policy, name, port, timeout)
-        allowed: list[str] = []
-        first_refusal: tuple[str, str] | None = None
-        for address in addresses:
-            rule = policy.rule_for(address, port=port, extra=self.extra, requester=requester)
-            if rule is None:
-                allowed.append(address)
-            elif first_refusal is None:
-                first_refusal = (address, rule)
-        if not allowed:
-            assert first_refusal is not None
-            if first_refusal[1] == "self":
-                note, hint = ", rsagg's own server.listen", "rsagg does not request its own server"
-            else:
-                note, hint = policy.refusal_note(name, port, requester)
-            raise policy.refused(name, port, *first_refusal, note, hint)
+        allowed = await checked_addresses(self.policy, host, port, self.extra, timeout)
         error: Exception | None = None
-        for address in allowed:  # in the resolver's order; each one checked above
+        for address in allowed:  # in the resolver's order; each one checked
             try:
                 return await self._inner.connect_tcp(address, port, timeout, local_address, socket_options)
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
@@ -603,6 +619,7 @@ __all__ = [
     "PolicedTransport",
     "acting_for",
     "allowed_networks",
+    "checked_addresses",
     "client",
     "configured_pins",
     "implicit_networks",
