@@ -878,6 +878,7 @@ class Fetcher:
                     async with self._get(url, headers) as body:
                         self._check_status(body, allow=(304,))
                         resp = body.response
+                        assert isinstance(resp, httpx.Response)  # documents take the httpx path
                         decoder = _Decoder(
                             body.final_url, resp.headers.get("content-encoding"), sniff_gzip=True
                         )
@@ -928,6 +929,7 @@ class Fetcher:
                 async with self._get(url, headers) as body:
                     self._check_status(body)
                     resp = body.response
+                    assert isinstance(resp, httpx.Response)  # small bodies take the httpx path
                     decoder = _Decoder(body.final_url, resp.headers.get("content-encoding"))
                     parts: list[bytes] = []
                     size = 0

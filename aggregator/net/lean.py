@@ -100,6 +100,30 @@ def parse_url(text: str) -> URL | None:
     return URL(text, scheme, host, port, path + (query or ""))
 
 
+class Headers(dict[str, str]):
+    """Response headers by lower-case name, repeated fields joined with ", " (RFC 9110 §5.3), as
+    ``httpx.Headers.get`` answers them; ``get`` and ``[]`` take any case. Built once per response from
+    h11's (already lower-case, validated) fields, at a fraction of ``httpx.Headers``' cost."""
+
+    def __init__(self, fields: Iterable[tuple[bytes, bytes]]) -> None:
+        super().__init__()
+        for raw_name, raw_value in fields:
+            name = raw_name.decode("latin-1")
+            value = raw_value.decode("latin-1")
+            if name in self:
+                value = f"{dict.__getitem__(self, name)}, {value}"
+            dict.__setitem__(self, name, value)
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return dict.get(self, name.lower(), default)
+
+    def __getitem__(self, name: str) -> str:
+        return dict.__getitem__(self, name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and dict.__contains__(self, name.lower())
+
+
 class Request:
     """One GET hop: ``url`` and ``headers`` (an ``httpx.Headers``, which the request hook may change:
     credentials, User-Agent) -- the part of ``httpx.Request`` the hop's hooks use."""
@@ -143,22 +167,25 @@ class _Connection:
             self.pool._closed(self)
 
     async def receive(self, timeout: float) -> bytes:
+        # A bare CancelScope rather than trio.fail_after: the same deadline without a generator-based
+        # context manager around every read.
         try:
-            with trio.fail_after(timeout):
+            with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
                 return await self.stream.receive_some(READ_BYTES)  # type: ignore[return-value]
-        except trio.TooSlowError:
-            raise httpx.ReadTimeout(f"no data within {timeout}s") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise httpx.ReadError(str(exc) or type(exc).__name__) from exc
+        assert scope.cancelled_caught
+        raise httpx.ReadTimeout(f"no data within {timeout}s")
 
     async def send(self, data: bytes, timeout: float) -> None:
         try:
-            with trio.fail_after(timeout):
+            with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
                 await self.stream.send_all(data)
-        except trio.TooSlowError:
-            raise httpx.WriteTimeout(f"could not send within {timeout}s") from None
+                return
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise httpx.WriteError(str(exc) or type(exc).__name__) from exc
+        assert scope.cancelled_caught
+        raise httpx.WriteTimeout(f"could not send within {timeout}s")
 
 
 class _Stale(Exception):
@@ -176,7 +203,7 @@ class Response:
         self.url = url
         self.status_code: int = event.status_code
         self.reason_phrase = event.reason.decode("ascii", errors="replace")
-        self.headers = httpx.Headers(event.headers)
+        self.headers = Headers(event.headers)
         self._conn: _Connection | None = conn
         self._timeout = timeout
 
@@ -230,9 +257,24 @@ class Response:
             conn.close()
 
     async def aclose(self) -> None:
+        """Done with the answer. A body not read to its end closes the connection, unless what is left
+        of it is already received (a redirect's, a 304's or an error page's few bytes): then the
+        connection is kept. Never waits for more bytes."""
         conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+        if conn is None:
+            return
+        state = conn.h11
+        try:
+            while True:
+                event = state.next_event()
+                if event is h11.NEED_DATA or event is h11.PAUSED:
+                    break
+                if type(event) is h11.EndOfMessage:
+                    self.pool_back(conn)
+                    return
+        except h11.RemoteProtocolError:
+            pass
+        conn.close()
 
 
 class LeanPool:
@@ -442,4 +484,4 @@ async def _connect_any(addresses: Iterable[str], port: int, timeout: float) -> t
     raise error
 
 
-__all__ = ["URL", "LeanPool", "Request", "Response", "parse_url"]
+__all__ = ["URL", "Headers", "LeanPool", "Request", "Response", "parse_url"]

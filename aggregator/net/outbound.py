@@ -27,6 +27,7 @@ a name resolves to, the address connected to is checked. A connection opened und
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import posixpath
@@ -131,6 +132,7 @@ def origin(url: str) -> tuple[str, int] | None:
     return _host_key(parts.hostname), port
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of the text, asked on every request (pins, own URLs)
 def _host_key(host: str) -> str:
     """A host as the policy compares it: lower case, no brackets, no trailing dot of a fully
     qualified name (``agg.example.org.`` is ``agg.example.org``), an address in its canonical form."""
@@ -274,18 +276,22 @@ class AddressPolicy:
 
     def own_url(self, url: str) -> bool:
         """Whether ``url`` is rsagg's own (at or below ``server.base_url``), however it is spelt."""
+        if not self.own_urls:
+            return False
         o = origin(url)
         if o is None:
             return False
-        try:
-            path = _own_path(urlsplit(url).path)
-        except ValueError:
-            return False
+        path: str | None = None
         for base in self.own_urls:
             b = origin(base)
             # Same host; the same port, or the other default one (http://BASE reaches the proxy too).
             if b is None or b[0] != o[0] or (b[1] != o[1] and {b[1], o[1]} != {80, 443}):
                 continue
+            if path is None:  # only for a URL on rsagg's own host (checked on every request)
+                try:
+                    path = _own_path(urlsplit(url).path)
+                except ValueError:
+                    return False
             root = _own_path(urlsplit(base).path).rstrip("/")
             if not root or path == root or path.startswith(root + "/"):
                 return True
