@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import random
+import shutil
+import ssl
 import string
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -40,8 +43,9 @@ class Script:
         return path
 
 
-async def _serve_one(stream: trio.SocketStream, script: Script) -> None:
+async def _serve_one(tcp: trio.SocketStream, script: Script, tls: ssl.SSLContext | None = None) -> None:
     script.connections += 1
+    stream: trio.abc.Stream = tcp if tls is None else trio.SSLStream(tcp, tls, server_side=True)
     buf = b""
     try:
         while True:
@@ -70,14 +74,14 @@ async def _serve_one(stream: trio.SocketStream, script: Script) -> None:
 
 
 @asynccontextmanager
-async def scripted(script: Script) -> AsyncIterator[str]:
+async def scripted(script: Script, tls: ssl.SSLContext | None = None) -> AsyncIterator[str]:
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(
-            partial(trio.serve_tcp, lambda s: _serve_one(s, script), 0, host="127.0.0.1")
+            partial(trio.serve_tcp, lambda s: _serve_one(s, script, tls), 0, host="127.0.0.1")
         )
         port = listeners[0].socket.getsockname()[1]
         try:
-            yield f"http://127.0.0.1:{port}"
+            yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         finally:
             nursery.cancel_scope.cancel()
 
@@ -366,6 +370,43 @@ async def test_request_hook_sees_every_hop_on_the_lean_path(tmp_path: Path) -> N
     assert [h["x-token"] for _, h in script.requests] == ["secret", "secret"]
     assert {h["user-agent"] for _, h in script.requests} == {"ua-test"}
     assert all(h["accept-encoding"] == "identity" for _, h in script.requests)
+
+
+def _self_signed(tmp: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key (openssl on the command line)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = str(tmp / "cert.pem"), str(tmp / "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", key, "-out", cert],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+async def test_https_verified_like_httpx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """https on the lean path: refused like httpx when the certificate is not trusted (the default context:
+    certifi's bundle), fetched like httpx over the same context when it is; one connection reused."""
+    cert, key = _self_signed(tmp_path)
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    script = Script()
+    async with scripted(script, tls=server_tls) as base:
+        script.add("/r", response(200, BODY))
+        a, b, _ = await both(f"{base}/r", Expected({}), tmp_path)
+        assert a == b and a[:2] == ("error", "network") and script.requests == []
+        trusting = ssl.create_default_context(cafile=cert)
+        monkeypatch.setattr(httpx, "create_ssl_context", lambda *args, **kw: trusting)
+        a, b, lean_f = await both(f"{base}/r", Expected({"md5": md5(BODY)}), tmp_path)
+        assert a == b and a[0] == "ok"
+        assert lean_f._lean is not None and lean_f._lean.connections_opened == 1
+        store = FileBlobStore(tmp_path / "again")
+        async with fetcher() as f:
+            for _ in range(3):
+                assert (await outcome(f, store, f"{base}/r", Expected({})))[0] == "ok"
+            assert f._lean is not None and f._lean.connections_opened == 1
 
 
 # -- URLs: the lean path sends exactly what httpx would ---------------------------------------------------
