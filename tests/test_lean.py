@@ -409,6 +409,26 @@ async def test_https_verified_like_httpx(tmp_path: Path, monkeypatch: pytest.Mon
             assert f._lean is not None and f._lean.connections_opened == 1
 
 
+async def test_a_header_that_would_split_the_request_is_refused_on_both_paths(tmp_path: Path) -> None:
+    """A request hook's value with a line break: no request is sent on either path, the same error."""
+
+    async def hook(request: Any) -> None:
+        request.headers["X-Bad"] = "a\r\nInjected: yes"
+
+    script = Script()
+    outcomes = []
+    async with scripted(script) as base:
+        script.add("/r", response(200, BODY))
+        store = FileBlobStore(tmp_path)
+        for use_lean in (True, False):
+            async with fetcher(request_hook=hook) as f:
+                if not use_lean:
+                    f._lean = None
+                outcomes.append(await outcome(f, store, f"{base}/r", Expected({})))
+    assert outcomes[0] == outcomes[1] and outcomes[0][:4] == ("error", "network", None, False), outcomes
+    assert script.requests == []
+
+
 # -- URLs: the lean path sends exactly what httpx would ---------------------------------------------------
 
 _ALPHABET = string.ascii_letters + string.digits + "-._~!$&'()*+,;=:@/%?#[] \"<>`{}|\\^ä"
@@ -453,3 +473,12 @@ def test_response_headers_read_like_httpx() -> None:
     for name in ("Content-Type", "x-a", "X-A", "etag", "missing"):
         assert ours.get(name) == theirs.get(name), name
         assert (name in ours) == (name in theirs), name
+
+
+def test_the_lean_path_is_off_where_httpx_must_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Proxies in the environment (the client routes through them) or a transport given (a test double
+    answers for the network): every request takes httpx."""
+    assert Fetcher()._lean is not None
+    assert Fetcher(transport=httpx.MockTransport(lambda r: httpx.Response(200)))._lean is None
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    assert Fetcher()._lean is None

@@ -326,10 +326,14 @@ class LeanPool:
 
     @staticmethod
     def _head(request: Request) -> h11.Request:
+        """The request head, validated by h11 (a header value with a line break never reaches the wire)."""
         url = request.url
         headers: list[tuple[bytes, bytes]] = [(b"Host", url.authority.encode("ascii"))]
         headers += [(k, v) for k, v in request.headers.raw if k.lower() != b"host"]
-        return h11.Request(method=b"GET", target=url.target.encode("ascii"), headers=headers)
+        try:
+            return h11.Request(method=b"GET", target=url.target.encode("ascii"), headers=headers)
+        except h11.LocalProtocolError as exc:
+            raise httpx.LocalProtocolError(str(exc)) from exc
 
     async def _exchange(self, conn: _Connection, url: URL, head: h11.Request, *, reused: bool) -> Response:
         state = conn.h11
