@@ -124,7 +124,9 @@ async def outcome(f: Fetcher, store: FileBlobStore, url: str, expected: Expected
     except ResourceNotModified as exc:
         return ("not modified", exc.url)
     except FetchError as exc:
-        return ("error", exc.kind, exc.status, exc.transient, exc.retry_after, exc.url)
+        # The message too where it is rsagg's own words (a status, a size, a hash), not the client's.
+        words = str(exc) if exc.kind in ("http", "fixity", "size") else ""
+        return ("error", exc.kind, exc.status, exc.transient, exc.retry_after, exc.url, words)
     try:  # the bytes as stored are named by their hash and length
         return ("ok", got.url, got.info.sha256, got.info.length, got.content_type, got.encoding, got.etag,
                 got.last_modified)  # fmt: skip
@@ -183,6 +185,7 @@ def _cases() -> list[tuple[str, bytes, bool, dict]]:
         ("304 on a conditional GET", response(304, headers={"ETag": '"v1"'}), False,
          {"expected": Expected({}), "etag": '"v1"'}),
         ("404", response(404, b"gone"), False, ok),
+        ("404 without a reason phrase", response(404, b"gone", reason=""), False, ok),
         ("410", response(410), False, ok),
         ("429 Retry-After", response(429, headers={"Retry-After": "0"}), False, ok),
         ("503 Retry-After", response(503, b"busy", headers={"Retry-After": "0"}), False, ok),

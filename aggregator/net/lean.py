@@ -202,7 +202,7 @@ class Response:
     def __init__(self, url: URL, event: h11.Response, conn: _Connection, timeout: float) -> None:
         self.url = url
         self.status_code: int = event.status_code
-        self.reason_phrase = event.reason.decode("ascii", errors="replace")
+        self.reason_phrase = event.reason.decode("ascii", errors="ignore")  # as httpx decodes it
         self.headers = Headers(event.headers)
         self._conn: _Connection | None = conn
         self._timeout = timeout
