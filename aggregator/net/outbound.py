@@ -7,9 +7,10 @@ hubs upstream documents name). Left alone, that makes every rsagg a relay into i
 who asks, and the harvester would fetch and then *republish* whatever a hostile upstream points at on
 ``127.0.0.1``. Checking the URL's host is not enough: a name may resolve (or re-resolve, between a check
 and the connection: DNS rebinding) to an internal address. So every client rsagg builds for such requests
-uses ``PolicedTransport`` (this module is the one place: tests/test_outbound.py proves no other client is
-built), whose network backend resolves the name itself, drops the refused addresses and connects to a
-checked address only; a redirect is a new request and so a new check. See docs/security.md.
+uses ``PolicedTransport`` (this module is the one place: tests/test_outbound_paths.py proves no other client
+is built, but the Fetcher's lean pool, ``net/lean.py``, which connects through ``checked_addresses`` too),
+whose network backend resolves the name itself, drops the refused addresses and connects to a checked
+address only; a redirect is a new request and so a new check. See docs/security.md.
 
 Refused by default (rule names are the ``reason`` label of ``rsagg_outbound_refused_total``): loopback,
 private (RFC 1918, fc00::/7, RFC 6598 shared space), link-local (169.254/16 with the cloud metadata
