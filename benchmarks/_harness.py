@@ -40,9 +40,10 @@ class Finished:
         return self.usage.ru_utime + self.usage.ru_stime
 
 
-def run_child(cmd: list[str], cwd: Path, name: str) -> Finished:
-    """Run ``cmd`` in ``cwd``, this checkout first on PYTHONPATH; output goes to NAME.out / NAME.err there."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def run_child(cmd: list[str], cwd: Path, name: str, root: Path = ROOT) -> Finished:
+    """Run ``cmd`` in ``cwd``, ``root`` (this checkout) first on PYTHONPATH; output goes to NAME.out and
+    NAME.err there."""
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with (cwd / f"{name}.out").open("wb") as out, (cwd / f"{name}.err").open("wb") as err:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, env=env)
@@ -52,17 +53,20 @@ def run_child(cmd: list[str], cwd: Path, name: str) -> Finished:
     return Finished(wall, proc.returncode, usage)
 
 
-def harvest_once(folder: Path, base: str, *, state: str = "", per_host: int | None = PER_HOST) -> Finished:
+def harvest_once(
+    folder: Path, base: str, *, state: str = "", per_host: int | None = PER_HOST, root: Path = ROOT
+) -> Finished:
     """``rsagg harvest --once`` of the Source at ``base`` into a fresh store folder ``folder``
     (``rsagg.toml``, the store in ``data``); ``state``: a ``[store] state`` location ("": SQLite);
-    ``per_host``: ``harvest.per_host`` and ``harvest.workers`` (None: rsagg's defaults)."""
+    ``per_host``: ``harvest.per_host`` and ``harvest.workers`` (None: rsagg's defaults); ``root``: the
+    checkout whose rsagg runs (another one to compare with: bench_harvest.py ``--before``)."""
     folder.mkdir(parents=True)
     line = f'state = "{state}"\n' if state else ""
     harvest = f"\n[harvest]\nper_host = {per_host}\nworkers = {per_host}\n" if per_host else ""
     (folder / "rsagg.toml").write_text(
         f'[store]\npath = "data"\n{line}{harvest}\n[[sources]]\nname = "bench"\nurl = "{base}/"\n'
     )
-    return run_child(HARVEST_ONCE, folder, "rsagg")
+    return run_child(HARVEST_ONCE, folder, "rsagg", root)
 
 
 async def lifespan(scope, receive, send) -> bool:

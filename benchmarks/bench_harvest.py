@@ -16,6 +16,15 @@ resync fetches one resource at a time, so at 50 ms it manages ~19 resources/s (1
 ``--resync-sample M`` runs it at 50 ms on a Resource List of the first M resources only and extrapolates
 (conservatively: its start-up time is measured apart and not multiplied); the table says so.
 
+Before and after (``--before DIR``): DIR is another checkout of rsagg (e.g. ``git worktree add /tmp/before
+main``, with its parser extension built: ``python setup.py build_ext --inplace`` there, or the ``.so``
+copied). Case a (0 ms) is then run for both checkouts on the same site, interleaved ``--repeat`` times per
+size of ``--compare`` (e.g. ``10000,50000``), each run with the machine's load average next to it; the
+table gives CPU microseconds per resource (the child's user + system time / resources, start-up included),
+resources/s, the medians and the ratio, and with two sizes or more the marginal CPU per resource (the slope
+between the smallest and the largest size: start-up and documents left out). ``--compare-only`` runs just
+that (no resync, no case b, no memory run).
+
 Like with like: each tool runs with its defaults (rsagg: ``harvest.per_host = 8``, ``workers = 16``;
 resync: one request at a time), and the table says so. ``--per-host N`` gives rsagg ``per_host = N`` and
 ``workers = N`` instead (resync has no such setting), printed in the table too: rsagg's polite defaults
@@ -24,6 +33,7 @@ cap a 50 ms upstream at 160 resources/s, which is what they are for.
     python benchmarks/bench_harvest.py                        # 10,000 at 0 and 50 ms + 200,000 (~20 min)
     python benchmarks/bench_harvest.py --resync-sample 1000   # resync extrapolated at 50 ms (~5 min)
     python benchmarks/bench_harvest.py --resources 2000 --no-big --resync-sample 200   # quick look
+    python benchmarks/bench_harvest.py --before /tmp/before --compare 10000,50000 --compare-only
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -207,6 +218,8 @@ class Run:
     wall: float
     rss_mb: float
     server_cpu: float = 0.0  # CPU seconds the upstream spent serving this run
+    cpu: float = 0.0  # CPU seconds (user + system) of the tool's process
+    load: float = 0.0  # the machine's 1-minute load average when the run started
     note: str = ""
     extrapolated_from: int = 0
     ok: bool = True
@@ -216,16 +229,24 @@ class Run:
     def rate(self) -> float:
         return self.resources / self.wall if self.wall else float("inf")
 
+    @property
+    def cpu_us(self) -> float:
+        """CPU microseconds per resource (start-up included)."""
+        return self.cpu / self.resources * 1e6 if self.resources else 0.0
 
-def run_rsagg(case: str, base: str, n: int, folder: Path, per_host: int | None = None) -> Run:
-    done = harvest_once(folder, base, per_host=per_host)
-    run = Run(case, "rsagg", n, done.wall, done.rss_mb)
+
+def run_rsagg(
+    case: str, base: str, n: int, folder: Path, per_host: int | None = None, root: Path = ROOT
+) -> Run:
+    load = os.getloadavg()[0]
+    done = harvest_once(folder, base, per_host=per_host, root=root)
+    run = Run(case, "rsagg", n, done.wall, done.rss_mb, cpu=done.cpu, load=load)
     if done.code != 0:
         run.problems.append(f"exit code {done.code} (see {folder}/rsagg.err)")
     status = subprocess.run(
         [sys.executable, "-m", "aggregator", "status", "-c", "rsagg.toml", "--json"],
         cwd=folder, capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(root)},
     )  # fmt: skip
     try:
         src = json.loads(status.stdout)["sources"][0]
@@ -251,13 +272,14 @@ def run_resync(case: str, base: str, n: int, folder: Path, sample: int = 0, star
         cmd += ["--sitemap", f"{base}/sample-resourcelist.xml"]
         expected = sample
     cmd += [base, "dst"]
+    load = os.getloadavg()[0]
     done = run_child(cmd, folder, "resync")
     wall, code = done.wall, done.code
     text = (folder / "resync.out").read_text(errors="replace") + (folder / "resync.err").read_text(
         errors="replace"
     )
     held = sum(len(files) for _, _, files in os.walk(folder / "dst"))
-    run = Run(case, "resync", expected, wall, done.rss_mb)
+    run = Run(case, "resync", expected, wall, done.rss_mb, cpu=done.cpu, load=load)
     if code != 0 or "FatalError" in text or f"created={expected}," not in text:
         run.problems.append(f"resync did not report {expected:,} created (see {folder}/resync.err)")
     if held != expected:
@@ -284,14 +306,16 @@ def settings(per_host: int | None) -> str:
 
 def table(runs: list[Run], settings: str = "") -> str:
     head = (f"{'case':<26} {'tool':<7} {'resources':>10} {'wall s':>9} {'resources/s':>12}"
-            f" {'peak RSS MB':>12} {'ratio':>8} {'upstream CPU s':>15}  note")  # fmt: skip
+            f" {'CPU us/res':>11} {'peak RSS MB':>12} {'ratio':>8} {'upstream CPU s':>15}"
+            f" {'load':>5}  note")  # fmt: skip
     lines = [head, "-" * (len(head) + 30)]
     for r in runs:
         ref = next((x for x in runs if x.case == r.case and x.tool == "resync"), None)
         ratio = f"{r.rate / ref.rate:.1f}x" if ref else "-"
         note = r.note + ("" if r.ok else ("; " if r.note else "") + "FAILED: " + "; ".join(r.problems))
         lines.append(f"{r.case:<26} {r.tool:<7} {r.resources:>10,} {r.wall:>9.1f} {r.rate:>12,.1f}"
-                     f" {r.rss_mb:>12.1f} {ratio:>8} {r.server_cpu:>15.1f}  {note}")  # fmt: skip
+                     f" {r.cpu_us:>11,.0f} {r.rss_mb:>12.1f} {ratio:>8} {r.server_cpu:>15.1f} {r.load:>5.2f}"
+                     f"  {note}")  # fmt: skip
     lines.append(f"settings: {settings}" if settings else "settings: not recorded")
     lines.append("ratio = resources/s of the tool / resources/s of resync in the same case;")
     lines.append("upstream CPU = CPU time the static server spent on the run (for a sample: on the sample)")
@@ -326,6 +350,61 @@ def verdicts(runs: list[Run], latency_case: str, loopback_case: str, big_case: s
     return out
 
 
+# -- before and after: two checkouts of rsagg, interleaved -------------------------------------------------
+
+
+def compare(work: Path, sizes: list[int], before: Path, repeat: int, per_host: int | None) -> list[str]:
+    """Case a (0 ms) for the checkout ``before`` and this one, interleaved, per size; the table's lines."""
+    runs: list[tuple[int, str, Run]] = []
+    for n in sizes:
+        server = Server(work / f"cmp-site-{n}", work / f"cmp-server-{n}.log")
+        try:
+            base = make_site(work / f"cmp-site-{n}", n, server)
+            for i in range(repeat):
+                for label, root in (("before", before), ("after", ROOT)):
+                    print(f"  {n:,} resources, {label} #{i + 1} (load {os.getloadavg()[0]:.2f}) ...", end=" ",
+                          flush=True)  # fmt: skip
+                    folder = work / "runs" / f"cmp-{n}-{label}-{i}"
+                    cpu_before = server.cpu()
+                    run = run_rsagg(f"a) loopback {n}", base, n, folder, per_host, root=root)
+                    run.server_cpu = server.cpu() - cpu_before
+                    runs.append((n, label, run))
+                    failed = "" if run.ok else "  FAILED: " + "; ".join(run.problems)
+                    print(f"{run.wall:.1f} s, {run.cpu_us:,.0f} us CPU/resource{failed}", flush=True)
+                    shutil.rmtree(folder / "data", ignore_errors=True)
+        finally:
+            server.stop()
+    head = (f"{'resources':>10} {'checkout':<8} {'run':>4} {'load':>5} {'wall s':>8} {'resources/s':>12}"
+            f" {'CPU s':>7} {'CPU us/res':>11}")  # fmt: skip
+    lines = [f"before = {before}, after = {ROOT}; 0 ms (case a); {settings(per_host)}", head, "-" * len(head)]
+    for n, label, r in runs:
+        i = sum(1 for m, lab, _ in runs[: runs.index((n, label, r)) + 1] if m == n and lab == label)
+        bad = "" if r.ok else "  FAILED"
+        lines.append(f"{n:>10,} {label:<8} {i:>4} {r.load:>5.2f} {r.wall:>8.1f} {r.rate:>12,.0f}"
+                     f" {r.cpu:>7.2f} {r.cpu_us:>11,.0f}{bad}")  # fmt: skip
+    lines.append("medians:")
+    med: dict[tuple[int, str], tuple[float, float, float]] = {}
+    for n in sizes:
+        for label in ("before", "after"):
+            mine = [r for m, lab, r in runs if m == n and lab == label and r.ok]
+            if mine:
+                med[n, label] = (
+                    statistics.median(r.cpu_us for r in mine),
+                    statistics.median(r.rate for r in mine),
+                    statistics.median(r.cpu for r in mine),
+                )
+        if (n, "before") in med and (n, "after") in med:
+            b, a = med[n, "before"], med[n, "after"]
+            lines.append(f"  {n:>10,}: CPU us/resource {b[0]:,.0f} -> {a[0]:,.0f} ({b[0] / a[0]:.2f}x fewer);"
+                         f" resources/s {b[1]:,.0f} -> {a[1]:,.0f} ({a[1] / b[1]:.2f}x)")  # fmt: skip
+    lo, hi = min(sizes), max(sizes)
+    if lo != hi and all((n, lab) in med for n in (lo, hi) for lab in ("before", "after")):
+        slope = {lab: (med[hi, lab][2] - med[lo, lab][2]) / (hi - lo) * 1e6 for lab in ("before", "after")}
+        lines.append(f"  marginal CPU per resource ({lo:,} -> {hi:,}): {slope['before']:,.0f} -> "
+                     f"{slope['after']:,.0f} us ({slope['before'] / slope['after']:.2f}x fewer)")  # fmt: skip
+    return lines
+
+
 # -- driver ----------------------------------------------------------------------------------------------
 
 
@@ -343,6 +422,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resync-sample", type=int, default=0, metavar="M",
                    help="at the added latency, run resync on the first M resources and extrapolate"
                         f" (a multiple of {FILES_PER_DIR}; default 0: run it in full)")  # fmt: skip
+    p.add_argument(
+        "--before",
+        type=Path,
+        metavar="DIR",
+        help="another rsagg checkout to compare with at 0 ms, interleaved (see above)",
+    )
+    p.add_argument(
+        "--compare",
+        default="",
+        metavar="N,N",
+        help="resources per compared site with --before (default: --resources)",
+    )
+    p.add_argument("--repeat", type=int, default=2, help="runs per checkout and size with --before (2)")
+    p.add_argument("--compare-only", action="store_true", help="with --before: only the comparison")
     p.add_argument("--workdir", help="where sites and runs go (default: a temporary folder, removed after)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--serve", help=argparse.SUPPRESS)  # child mode: the static server
@@ -360,6 +453,22 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     servers: list[Server] = []
     runs: list[Run] = []
+    if args.before and not (args.before / "aggregator").is_dir():
+        p.error(f"--before {args.before}: no aggregator/ package there")
+    if args.compare_only and not args.before:
+        p.error("--compare-only needs --before")
+    if args.compare_only:
+        sizes = [int(x) for x in (args.compare or str(n)).split(",")]
+        print(f"work folder {work}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}", flush=True)
+        try:
+            lines = compare(work, sizes, args.before.resolve(), args.repeat, args.per_host)
+        finally:
+            if not (args.keep or args.workdir):
+                shutil.rmtree(work, ignore_errors=True)
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+        print()
+        print("\n".join(lines))
+        return 0
     loopback, delayed = "a) loopback", f"b) +{args.latency_ms:g} ms/request"
     big_case = "c) index, loopback"
     try:
@@ -408,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{run.wall:.1f} s" + ("" if run.ok else "  FAILED: " + "; ".join(run.problems)), flush=True
             )
             big_server.stop()
+        if args.before:
+            print("before / after, 0 ms:", flush=True)
+            sizes = [int(x) for x in (args.compare or str(n)).split(",")]
+            comparison = compare(work, sizes, args.before.resolve(), args.repeat, args.per_host)
     finally:
         for s in servers:
             s.stop()
@@ -419,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in verdicts(runs, delayed, loopback, big_case):
         print(line)
+    if args.before:
+        print()
+        print("\n".join(comparison))
     ours = next((r for r in runs if r.case == delayed and r.tool == "rsagg" and r.ok), None)
     if ours and args.latency_ms > 0:  # per_host requests at a time, each one round trip: C / RTT
         limit = (args.per_host or DEFAULT_PER_HOST) / (args.latency_ms / 1000)

@@ -554,6 +554,7 @@ async def test_a_hub_on_another_sources_origin_gets_no_subscription(tmp_path: Pa
 UNPOLICED = {
     "aggregator/net/outbound.py": "the policy itself: every client built for others' URLs comes from here",
     "aggregator/harvest/fetch.py": "the Fetcher's client: its transports are outbound.transport (below)",
+    "aggregator/net/lean.py": "the Fetcher's lean pool: connects only to outbound.checked_addresses (below)",
     "aggregator/run/workers.py": "a serving worker forwards to its own daemon at the loopback URL it got",
     "aggregator/commands/validate.py": "`rsagg validate URL`: the operator's own request on the command line",
     "aggregator/testing/notify.py": "a test double (never imported by runtime code: test_imports.py)",
@@ -622,6 +623,8 @@ async def test_the_daemons_clients_are_all_policed(tmp_path: Path) -> None:
             assert isinstance(t, outbound.PolicedTransport), t
             assert isinstance(t._pool._network_backend, outbound.PolicedBackend)
         assert fetcher.policy is not None and fetcher.policy.own_urls == ("https://agg.example.org",)
+        if fetcher._lean is not None:  # the lean path's pool judges by the same policy object
+            assert fetcher._lean.policy is fetcher.policy
         assert fetcher.policy.pins == {
             ("good.test", 1): {"good": (ipaddress.ip_network("127.0.0.1/32"),)},
         }

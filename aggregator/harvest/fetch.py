@@ -43,7 +43,7 @@ import trio
 
 from .. import __version__
 from ..errors import CountedError
-from ..net import outbound
+from ..net import lean, outbound
 from ..net.retry import backoff, retry_after, retryable_status
 from ..rs import parse
 from ..rs.fixity import Hasher, mismatches
@@ -66,7 +66,12 @@ DOCUMENT_ACCEPT = "application/xml, text/xml;q=0.9, */*;q=0.1"
 
 MetricsHook = Callable[[str, int | None, float, int], None]
 #: Called before each hop of a request is sent (``harvest/access.py``: credentials, rate); may wait.
-RequestHook = Callable[[httpx.Request], Awaitable[None]]
+#: It gets the hop's request: an ``httpx.Request``, or on the lean path a ``lean.Request``, whose
+#: ``url`` (``scheme``, ``host``, ``port``, ``str()``) and ``headers`` (an ``httpx.Headers``, to change
+#: in place) mean the same.
+RequestHook = Callable[[Any], Awaitable[None]]
+#: A response on either path: ``lean.Response`` reads like the part of ``httpx.Response`` used here.
+AnyResponse = httpx.Response | lean.Response
 
 
 class FetchError(CountedError):
@@ -188,23 +193,34 @@ def _transport_error(url: str, exc: Exception) -> FetchError:
     return FetchError(url, "network", f"{type(exc).__name__}: {detail}", transient=True)
 
 
-def _redirect(request: httpx.Request, response: httpx.Response) -> httpx.Request:
+def _redirect(
+    request: httpx.Request | lean.Request, response: AnyResponse, extensions: dict[str, Any] | None = None
+) -> httpx.Request | lean.Request:
     """The GET a redirect asks for: ``Location`` resolved against the request URL (RFC 9110 §10.2.2,
     §15.4; a fragment carries over when Location has none). Headers are kept but Host (it follows the
-    URL) and credentials or cookies (``harvest/access.py`` sets a source's own again on its origin only)."""
+    URL) and credentials or cookies (``harvest/access.py`` sets a source's own again on its origin only).
+    A lean hop's redirect stays on the lean path when the new URL is one it sends (``lean.parse_url``),
+    else it goes to httpx."""
+    base = request.url if isinstance(request, httpx.Request) else httpx.URL(str(request.url))
     try:
         url = httpx.URL(response.headers["location"])
         if url.scheme and not url.host:  # "http:/path": absolute form without a host
-            url = url.copy_with(host=request.url.host)
+            url = url.copy_with(host=base.host)
         if url.is_relative_url:
-            url = request.url.join(url)
-        if request.url.fragment and not url.fragment:
-            url = url.copy_with(fragment=request.url.fragment)
+            url = base.join(url)
+        if base.fragment and not url.fragment:
+            url = url.copy_with(fragment=base.fragment)
     except (httpx.InvalidURL, ValueError) as exc:
         raise FetchError(str(request.url), "http", f"bad redirect Location: {exc}") from exc
     drop = {"host", "authorization", "cookie"}
     headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in drop]
-    return httpx.Request("GET", url, headers=headers, extensions=request.extensions)
+    if isinstance(request, lean.Request):
+        lean_url = lean.parse_url(str(url))
+        if lean_url is not None:
+            return lean.Request(lean_url, httpx.Headers(headers))
+    if isinstance(request, httpx.Request):
+        extensions = request.extensions
+    return httpx.Request("GET", url, headers=headers, extensions=extensions or {})
 
 
 def _check_url(url: str) -> None:
@@ -313,9 +329,9 @@ class _Decoder:
 class _Body:
     """An open response; ``chunks()`` streams the raw body and turns httpx failures into FetchErrors."""
 
-    def __init__(self, url: str, response: httpx.Response) -> None:
+    def __init__(self, url: str, response: AnyResponse) -> None:
         self.url = url
-        self.response = response
+        self.response: AnyResponse = response
         self.received = 0
 
     @property
@@ -323,9 +339,11 @@ class _Body:
         return str(self.response.url)
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        if self.response.is_stream_consumed:  # read up front by the transport (httpx.MockTransport)
-            self.received += len(self.response.content)
-            yield self.response.content
+        response = self.response
+        if isinstance(response, httpx.Response) and response.is_stream_consumed:
+            # read up front by the transport (httpx.MockTransport)
+            self.received += len(response.content)
+            yield response.content
             return
         try:
             async for chunk in self.response.aiter_raw():
@@ -514,12 +532,14 @@ class _ShardedTransport(httpx.AsyncBaseTransport):
         max_connections: int,
         per_pool: int = CONNECTIONS_PER_POOL,
         policy: outbound.AddressPolicy | None = None,
+        ssl_context: Any = None,
     ) -> None:
         per_pool = max(1, min(per_pool, max_connections))
         sizes = [per_pool] * (max_connections // per_pool)
         if max_connections % per_pool:
             sizes.append(max_connections % per_pool)
-        ssl_context = httpx.create_ssl_context()  # one for all: each loads the CA bundle (~0.7 MB)
+        # One for all: each loads the CA bundle (~0.7 MB); the lean pool verifies with the same one.
+        ssl_context = ssl_context or httpx.create_ssl_context()
         self._pools = [
             outbound.transport(
                 policy,
@@ -551,6 +571,27 @@ class _ShardedTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         for pool in self._pools:
             await pool.aclose()
+
+
+class _HostSlot:
+    """``async with``: one slot of a host's limiter, taken at once when one is free (``acquire_nowait``
+    queues behind waiters as ``acquire`` does), else waited for. Why not ``async with limiter``: that
+    always passes through the scheduler once more, a cost on every request; the request's own I/O
+    follows at once and is where it may be cancelled."""
+
+    __slots__ = ("_limiter",)
+
+    def __init__(self, limiter: trio.CapacityLimiter) -> None:
+        self._limiter = limiter
+
+    async def __aenter__(self) -> None:
+        try:
+            self._limiter.acquire_nowait()
+        except trio.WouldBlock:
+            await self._limiter.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._limiter.release()
 
 
 # -- the fetcher ---------------------------------------------------------------------------------
@@ -609,7 +650,9 @@ class Fetcher:
         self._default_sharers = 1
         # pool=None: waiting for a free connection is not a failure; our own limiters bound the waits.
         timeouts = httpx.Timeout(timeout, pool=None)
-        transport = transport or _ShardedTransport(max_connections, policy=policy)
+        own_transport = transport is None
+        ssl_context = httpx.create_ssl_context() if own_transport else None
+        transport = transport or _ShardedTransport(max_connections, policy=policy, ssl_context=ssl_context)
         self._client = httpx.AsyncClient(
             timeout=timeouts,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
@@ -626,8 +669,19 @@ class Fetcher:
         self._direct: httpx.AsyncBaseTransport | None = None if urllib.request.getproxies() else transport
         self._base_headers = {"User-Agent": user_agent, "Accept": "*/*", "Connection": "keep-alive"}
         self._extensions = {"timeout": timeouts.as_dict()}
+        # The lean path (``net/lean.py``): resource and package GETs whose URL it can send as is, over
+        # its own keep-alive connections, same policy, same TLS context and timeout as the httpx pools.
+        # Not with a transport given (a test's MockTransport answers for the network) or with proxies in
+        # the environment (the client routes those): then every request takes the httpx path.
+        self._lean: lean.LeanPool | None = None
+        if own_transport and self._direct is not None:
+            self._lean = lean.LeanPool(
+                policy, timeout=timeout, ssl_context=ssl_context, max_connections=max_connections
+            )
 
     async def aclose(self) -> None:
+        if self._lean is not None:
+            await self._lean.aclose()
         await self._client.aclose()
 
     async def __aenter__(self) -> Fetcher:
@@ -686,22 +740,34 @@ class Fetcher:
         raise AssertionError("unreachable")
 
     @asynccontextmanager
-    async def _get(self, url: str, headers: dict[str, str]) -> AsyncIterator[_Body]:
-        """One GET, redirects followed (max 10), the per-host slot held while the response is open."""
+    async def _get(self, url: str, headers: dict[str, str], *, lean_ok: bool = False) -> AsyncIterator[_Body]:
+        """One GET, redirects followed (max 10), the per-host slot held while the response is open.
+
+        ``lean_ok``: the caller reads the body as served (no decoding): the GET takes the lean path
+        when there is one and it can send the URL as written (``lean.parse_url``), else httpx."""
         _check_url(url)
+        request: httpx.Request | lean.Request
+        lean_url = lean.parse_url(url) if lean_ok and self._lean is not None else None
         try:
-            request = httpx.Request("GET", url, headers={**self._base_headers, **headers},
-                                    extensions=self._extensions)  # fmt: skip
+            if lean_url is not None:
+                request = lean.Request(lean_url, httpx.Headers({**self._base_headers, **headers}))
+            else:  # the httpx path: documents, small bodies, URLs or set-ups the lean path does not take
+                request = httpx.Request("GET", url, headers={**self._base_headers, **headers},
+                                        extensions=self._extensions)  # fmt: skip
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise _transport_error(url, exc) from exc
         for _hop in range(MAX_REDIRECTS + 1):
             host = request.url.host
             if self.request_hook is not None:
                 await self.request_hook(request)
-            async with self._limiter(host):
+            async with _HostSlot(self._limiter(host)):
                 start = trio.current_time()
+                response: AnyResponse
                 try:
-                    if self._direct is not None:
+                    if isinstance(request, lean.Request):
+                        assert self._lean is not None
+                        response = await self._lean.send(request)
+                    elif self._direct is not None:
                         response = await self._direct.handle_async_request(request)
                         response.request = request
                     else:
@@ -712,7 +778,7 @@ class Fetcher:
                 body = _Body(url, response)
                 try:
                     if response.has_redirect_location:  # 301, 302, 303, 307, 308 with a Location
-                        request = _redirect(request, response)
+                        request = _redirect(request, response, self._extensions)
                         _check_url(str(request.url))
                         continue
                     yield body
@@ -833,6 +899,7 @@ class Fetcher:
                     async with self._get(url, headers) as body:
                         self._check_status(body, allow=(304,))
                         resp = body.response
+                        assert isinstance(resp, httpx.Response)  # documents take the httpx path
                         decoder = _Decoder(
                             body.final_url, resp.headers.get("content-encoding"), sniff_gzip=True
                         )
@@ -883,6 +950,7 @@ class Fetcher:
                 async with self._get(url, headers) as body:
                     self._check_status(body)
                     resp = body.response
+                    assert isinstance(resp, httpx.Response)  # small bodies take the httpx path
                     decoder = _Decoder(body.final_url, resp.headers.get("content-encoding"))
                     parts: list[bytes] = []
                     size = 0
@@ -919,7 +987,7 @@ class Fetcher:
         ``conditional`` headers, a 304 raises ResourceNotModified."""
         headers = {"Accept-Encoding": "identity", **(conditional or {})}
         limit = expected.length if expected is not None else None
-        async with self._get(url, headers) as body:
+        async with self._get(url, headers, lean_ok=True) as body:
             if conditional and body.response.status_code == 304:
                 raise ResourceNotModified(body.final_url)
             self._check_status(body)

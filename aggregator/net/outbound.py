@@ -7,9 +7,10 @@ hubs upstream documents name). Left alone, that makes every rsagg a relay into i
 who asks, and the harvester would fetch and then *republish* whatever a hostile upstream points at on
 ``127.0.0.1``. Checking the URL's host is not enough: a name may resolve (or re-resolve, between a check
 and the connection: DNS rebinding) to an internal address. So every client rsagg builds for such requests
-uses ``PolicedTransport`` (this module is the one place: tests/test_outbound.py proves no other client is
-built), whose network backend resolves the name itself, drops the refused addresses and connects to a
-checked address only; a redirect is a new request and so a new check. See docs/security.md.
+uses ``PolicedTransport`` (this module is the one place: tests/test_outbound_paths.py proves no other client
+is built, but the Fetcher's lean pool, ``net/lean.py``, which connects through ``checked_addresses`` too),
+whose network backend resolves the name itself, drops the refused addresses and connects to a checked
+address only; a redirect is a new request and so a new check. See docs/security.md.
 
 Refused by default (rule names are the ``reason`` label of ``rsagg_outbound_refused_total``): loopback,
 private (RFC 1918, fc00::/7, RFC 6598 shared space), link-local (169.254/16 with the cloud metadata
@@ -27,6 +28,7 @@ a name resolves to, the address connected to is checked. A connection opened und
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import posixpath
@@ -131,6 +133,7 @@ def origin(url: str) -> tuple[str, int] | None:
     return _host_key(parts.hostname), port
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of the text, asked on every request (pins, own URLs)
 def _host_key(host: str) -> str:
     """A host as the policy compares it: lower case, no brackets, no trailing dot of a fully
     qualified name (``agg.example.org.`` is ``agg.example.org``), an address in its canonical form."""
@@ -274,18 +277,22 @@ class AddressPolicy:
 
     def own_url(self, url: str) -> bool:
         """Whether ``url`` is rsagg's own (at or below ``server.base_url``), however it is spelt."""
+        if not self.own_urls:
+            return False
         o = origin(url)
         if o is None:
             return False
-        try:
-            path = _own_path(urlsplit(url).path)
-        except ValueError:
-            return False
+        path: str | None = None
         for base in self.own_urls:
             b = origin(base)
             # Same host; the same port, or the other default one (http://BASE reaches the proxy too).
             if b is None or b[0] != o[0] or (b[1] != o[1] and {b[1], o[1]} != {80, 443}):
                 continue
+            if path is None:  # only for a URL on rsagg's own host (checked on every request)
+                try:
+                    path = _own_path(urlsplit(url).path)
+                except ValueError:
+                    return False
             root = _own_path(urlsplit(base).path).rstrip("/")
             if not root or path == root or path.startswith(root + "/"):
                 return True
@@ -362,6 +369,40 @@ async def _addresses(policy: AddressPolicy, name: str, port: int, timeout: float
     return addresses
 
 
+async def checked_addresses(
+    policy: AddressPolicy,
+    host: str,
+    port: int,
+    extra: tuple[IPNetwork, ...] = (),
+    timeout: float | None = None,
+) -> list[str]:
+    """The addresses of ``host`` that a new connection may be made to, in the resolver's order: ``host``
+    resolved now, each address judged by ``policy`` for the current requester (``extra``: the networks
+    pinned for this origin and requester). Raises ``OutboundRefused`` when none may be (named by the
+    first refused address's rule), httpcore's ConnectError/ConnectTimeout when the name does not
+    resolve. Every client connects only to what this returns: ``PolicedBackend`` (httpx) and
+    ``net/lean.py``'s pool."""
+    name = host.strip("[]")
+    requester = policy.requester()
+    addresses = await _addresses(policy, name, port, timeout)
+    allowed: list[str] = []
+    first_refusal: tuple[str, str] | None = None
+    for address in addresses:
+        rule = policy.rule_for(address, port=port, extra=extra, requester=requester)
+        if rule is None:
+            allowed.append(address)
+        elif first_refusal is None:
+            first_refusal = (address, rule)
+    if not allowed:
+        assert first_refusal is not None
+        if first_refusal[1] == "self":
+            note, hint = ", rsagg's own server.listen", "rsagg does not request its own server"
+        else:
+            note, hint = policy.refusal_note(name, port, requester)
+        raise policy.refused(name, port, *first_refusal, note, hint)
+    return allowed
+
+
 class PolicedBackend(httpcore.AsyncNetworkBackend):
     """An httpcore network backend that resolves, checks and connects to the checked address only.
 
@@ -386,27 +427,9 @@ class PolicedBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        policy = self.policy
-        name = host.strip("[]")
-        requester = policy.requester()
-        addresses = await _addresses(policy, name, port, timeout)
-        allowed: list[str] = []
-        first_refusal: tuple[str, str] | None = None
-        for address in addresses:
-            rule = policy.rule_for(address, port=port, extra=self.extra, requester=requester)
-            if rule is None:
-                allowed.append(address)
-            elif first_refusal is None:
-                first_refusal = (address, rule)
-        if not allowed:
-            assert first_refusal is not None
-            if first_refusal[1] == "self":
-                note, hint = ", rsagg's own server.listen", "rsagg does not request its own server"
-            else:
-                note, hint = policy.refusal_note(name, port, requester)
-            raise policy.refused(name, port, *first_refusal, note, hint)
+        allowed = await checked_addresses(self.policy, host, port, self.extra, timeout)
         error: Exception | None = None
-        for address in allowed:  # in the resolver's order; each one checked above
+        for address in allowed:  # in the resolver's order; each one checked
             try:
                 return await self._inner.connect_tcp(address, port, timeout, local_address, socket_options)
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
@@ -603,6 +626,7 @@ __all__ = [
     "PolicedTransport",
     "acting_for",
     "allowed_networks",
+    "checked_addresses",
     "client",
     "configured_pins",
     "implicit_networks",
