@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import datetime
+from urllib.parse import urlsplit
 
 import trio
 
@@ -228,6 +229,13 @@ class _Workers:
     no task is free, so a set of a few changes starts a few tasks, not ``harvest.workers`` of them (all
     started and ended per pipeline, they were part of the per-source cost of many small sources:
     benchmarks/bench_many_sources.py). Used like a send channel: ``send``, and ``async with`` to close.
+
+    ``ready(item)``: whether one more task would get to work on ``item`` now; when it says no (e.g. every
+    request slot of the item's host is taken, ``Fetcher.host_busy``) no task is started for it and the
+    item waits for a running one, which starts more once the item it finished says yes again. The first
+    task is always started, so every pipeline moves. Why: many small sources on one host each started
+    their tasks at once, thousands of them parked on that host's few slots, each holding its coroutine
+    frames, a blob writer and a request (the GC and the scheduler walked them all).
     """
 
     def __init__(
@@ -237,16 +245,28 @@ class _Workers:
         most: int,
         buffer: int,
         *outs: trio.MemorySendChannel,
+        ready: Callable[[object], bool] | None = None,
     ) -> None:
         self._nursery, self._handle, self._most, self._outs = nursery, handle, most, outs
+        self._ready = ready
         self._send, self._recv = trio.open_memory_channel[object](buffer)
         self._started = self._free = self._queued = 0
+        self._closed = False
 
-    async def send(self, item: object) -> None:
-        if self._queued >= self._free and self._started < self._most:
+    def _grow(self, item: object) -> None:
+        """Start one more task when items would wait for one and ``item`` says it could work now."""
+        if (
+            not self._closed
+            and self._queued >= self._free
+            and self._started < self._most
+            and (self._started == 0 or self._ready is None or self._ready(item))
+        ):
             self._started += 1
             self._free += 1
             self._nursery.start_soon(self._run, self._recv.clone(), [o.clone() for o in self._outs])
+
+    async def send(self, item: object) -> None:
+        self._grow(item)
         self._queued += 1
         await self._send.send(item)
 
@@ -258,6 +278,8 @@ class _Workers:
                     self._free -= 1
                     await self._handle(item, *outs)
                     self._free += 1
+                    if self._queued > self._free and self._ready is not None:
+                        self._grow(item)  # items wait that were not given a task: one may start now
         finally:
             for out in outs:
                 await out.aclose()
@@ -271,6 +293,7 @@ class _Workers:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._closed = True  # the items sent are with the running tasks; none is started any more
         await self._send.aclose()
         await self._recv.aclose()
         for out in self._outs:
@@ -353,7 +376,7 @@ class Pipeline:
                     else:
                         nursery.start_soon(self._produce, items, new_send)
                     workers = _Workers(nursery, self._work_one, self._workers, self._workers * 2,
-                                       result_send.clone())  # fmt: skip
+                                       result_send.clone(), ready=self._host_free)  # fmt: skip
                     nursery.start_soon(self._look_up, new_recv, workers, result_send.clone())
                 nursery.start_soon(self._commit, result_recv)
         except BaseExceptionGroup as group:
@@ -502,6 +525,13 @@ class Pipeline:
                 if v is not None and v.sha256 == r.sha256:  # type: ignore[union-attr]
                     out[i] = (r, unchanged(r, w.entry, exists, v.lastmod), v)
         return out
+
+    def _host_free(self, item: object) -> bool:
+        """A fetch of this change (``_work_one``'s item) would get a request slot of its host now."""
+        entry = item[1].entry  # type: ignore[index]
+        duplicates = entry.links_by_rel("duplicate") if entry.links else ()
+        host = urlsplit(duplicates[0].href if duplicates else entry.loc).hostname
+        return host is None or not self.ctx.fetcher.host_busy(host)
 
     async def _work_one(
         self, item: tuple[int, Work, Resource | None, ResourceValidators | None], send: trio.MemorySendChannel
