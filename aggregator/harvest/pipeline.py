@@ -23,6 +23,7 @@ import trio
 from ..rs.model import CREATED, DELETED, PATCH_REL, RS_NS, UPDATED, Entry
 from ..store.blobs import BlobInfo, BlobWriter
 from ..store.calls import limiter_of
+from ..store.interface import StateStore
 from ..store.rows import FailedChange, ResourceValidators, RetryChanges
 from ..store.state import Change, Cursor, Resource
 from .access import for_source
@@ -758,11 +759,11 @@ class Pipeline:
         retries = self._retry_bookkeeping(batch)
         if self._progress:  # before the write, so that the progress it saves counts this batch too
             self._progress(len(batch))
-        applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor, retries)
-        # After the commit: validators name the version now held (a crash before costs a full fetch).
+        # After the commit, in the same thread hop: validators name the version now held (a crash
+        # between the two costs a full fetch, never a wrong 304).
         kept = [r.validators for r in batch if r.validators is not None and r.change is not None]
-        if kept:
-            await self.ctx.write(self.ctx.writer.put_resource_validators, self.set_id, kept)
+        applied = await self.ctx.write(_apply_then_keep, self.ctx.writer, self.set_id, changes, cursor,
+                                       retries, kept)  # fmt: skip
         if self._on_batch is not None:
             self._on_batch(
                 [r.work.entry.loc for r in batch], applied, [r.failure for r in batch if r.failure]
@@ -785,6 +786,22 @@ class Pipeline:
             if dt is not None:
                 self.stats.last_datetime = dt
                 break
+
+
+def _apply_then_keep(
+    writer: StateStore,
+    set_id: int,
+    changes: list[Change],
+    cursor: Cursor | None,
+    retries: RetryChanges | None,
+    kept: list[ResourceValidators],
+) -> list[Change]:
+    """One batch's state writes in one call (one thread hop): the changes, the cursor and the retries in
+    one transaction, then, once that committed, the upstream's validators of what was fetched."""
+    applied = writer.apply(set_id, changes, cursor, retries)
+    if kept:
+        writer.put_resource_validators(set_id, kept)
+    return applied
 
 
 def _one_version_each(batch: list[_Result]) -> list[list[_Result]]:
