@@ -32,11 +32,13 @@ from aggregator.harvest import context as context_mod
 from aggregator.harvest import pipeline
 from aggregator.harvest.access import Access
 from aggregator.harvest.context import HarvestContext
+from aggregator.harvest.source import sync_source
 from aggregator.net import outbound
 from aggregator.observe.metrics import current_source
 from aggregator.rs import parse
 from aggregator.rs.model import RS_NS, SITEMAP_NS
 from aggregator.rs.parse import DocumentError, DocumentReader
+from aggregator.run.compose import open_context
 from aggregator.store.state import State, open_state
 from aggregator.testing.upstream import Upstream
 from tests.harvesting import harvest, make_config
@@ -479,3 +481,47 @@ async def test_a_harvest_of_many_sources_makes_fewer_write_hops_than_writes(
     assert shared.hops < shared.calls * 3 // 4, (shared.hops, shared.calls)
     with open_state(config) as state:
         assert {s.name: s.state for s in state.sources()} == {n: "ok" for n in names}
+
+
+# -- an unchanged poll: nothing read or written again but what says so ------------------------------------
+
+
+async def test_an_unchanged_poll_parses_no_document_and_writes_little(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parsers: list[dict]
+) -> None:
+    """A daemon's second poll of a Source that did not change: its Capability List and Resource List are
+    asked for conditionally and answered 304, so no document is parsed again; its state writes are
+    three, whatever the Source holds. A changed Resource List is read again; the Capability List is not."""
+    writes: list[str] = []
+    real_write = HarvestContext.write
+
+    async def write(self, fn, *args, **kwargs):
+        writes.append(getattr(fn, "__name__", ""))
+        return await real_write(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(HarvestContext, "write", write)
+    up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
+    for j in range(3):
+        up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a")
+    async with up.serving():
+        config = make_config(tmp_path / "store", {"a": up.doc_url("capabilitylist.xml", "a")})
+        src = config.sources[0]
+        async with open_context(config) as ctx:
+            first = await sync_source(ctx, src)
+            assert first.ok and len(parsers) == 2  # the Capability List, the Resource List
+            for _poll in range(2):
+                parsers.clear()
+                writes.clear()
+                again = await sync_source(ctx, src)
+                assert again.ok and again.sets == 1
+                assert parsers == []  # both answered 304: nothing parsed
+                # The set (the "syncing" status rides along), the baseline opened before its list is
+                # asked for (changes applied meanwhile are never swept), the final status.
+                assert len(writes) <= 3, writes
+            up.update("r1.txt", b"resource 1, changed", set_name="a")
+            parsers.clear()
+            changed = await sync_source(ctx, src)
+            assert changed.ok and sum(s.fetched for s in changed.stats) == 1
+            assert len(parsers) == 1  # the Resource List only
+    with open_state(config) as state:
+        assert [(s.name, s.state) for s in state.sources()] == [("a", "ok")]

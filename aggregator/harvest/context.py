@@ -85,6 +85,10 @@ class HarvestContext:
     _progress_saved_at: float = 0.0
     #: source -> state writes that ride along with the next write made for that source (``write_later``).
     _later: dict[str, list[Callable[[], object]]] = field(default_factory=dict)
+    #: source -> URL -> the capability documents its last discovery read, with their validators
+    #: (``discovery.Known``): the next sync asks for them conditionally. In memory only: a restart
+    #: reads each once afresh.
+    discovered: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: The writes waiting for the worker thread, taken together by its next hop (``_SharedHops``).
     _writes: _SharedHops | None = None
 
