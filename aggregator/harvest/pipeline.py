@@ -345,6 +345,7 @@ class Pipeline:
         # Records appended after this point are announced (rsagg_change_published).
         self._last_seq = 0
         self._primed = False
+        self._hosts: dict[str, str] = {}  # scheme://authority -> host (``_host_free``)
 
     async def _prime(self) -> None:
         """What the run starts from, read from the state once (``HarvestContext.read``: not in the event
@@ -531,8 +532,12 @@ class Pipeline:
         """A fetch of this change (``_work_one``'s item) would get a request slot of its host now."""
         entry = item[1].entry  # type: ignore[index]
         duplicates = entry.links_by_rel("duplicate") if entry.links else ()
-        host = urlsplit(duplicates[0].href if duplicates else entry.loc).hostname
-        return host is None or not self.ctx.fetcher.host_busy(host)
+        url = duplicates[0].href if duplicates else entry.loc
+        origin = url[: url.find("/", url.find("//") + 2) % (len(url) + 1)]  # scheme://authority
+        host = self._hosts.get(origin)
+        if host is None:
+            host = self._hosts[origin] = urlsplit(origin).hostname or ""
+        return not host or not self.ctx.fetcher.host_busy(host)
 
     async def _work_one(
         self, item: tuple[int, Work, Resource | None, ResourceValidators | None], send: trio.MemorySendChannel
