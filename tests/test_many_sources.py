@@ -525,3 +525,24 @@ async def test_an_unchanged_poll_parses_no_document_and_writes_little(
             assert len(parsers) == 1  # the Resource List only
     with open_state(config) as state:
         assert [(s.name, s.state) for s in state.sources()] == [("a", "ok")]
+
+
+@pytest.mark.parametrize("events", [False, True])
+async def test_a_pipeline_reads_its_set_name_only_for_event_hooks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, events: bool
+) -> None:
+    """The set's name is what the event hooks are told: without any, a pipeline does not read the sets."""
+    counted = StateCalls(monkeypatch)
+    real_init = pipeline.Pipeline.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self._events = events
+
+    monkeypatch.setattr(pipeline.Pipeline, "__init__", init)
+    up, names = many_sources(3)
+    async with up.serving():
+        config = make_config(tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n in names})
+        results = await harvest(config)
+    assert all(r.ok for r in results.values())
+    assert (counted.calls["sets"] > 0) == events, counted.calls

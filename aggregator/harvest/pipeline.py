@@ -353,10 +353,11 @@ class Pipeline:
         if self._primed:
             return
         ctx, set_id = self.ctx, self.set_id
-        # The source's own sets only: reading every set of every source made a harvest of N sources
-        # cost N^2 rows (benchmarks/bench_many_sources.py).
-        sets = await ctx.read(ctx.reader.sets, self.source)
-        self._set_name = next((s.name for s in sets if s.id == set_id), str(set_id))
+        if self._events:  # the set's name is for the event hooks only (``announce``)
+            # The source's own sets only: reading every set of every source made a harvest of N
+            # sources cost N^2 rows (benchmarks/bench_many_sources.py).
+            sets = await ctx.read(ctx.reader.sets, self.source)
+            self._set_name = next((s.name for s in sets if s.id == set_id), str(set_id))
         self._retrying = await ctx.read(ctx.reader.retry_uris, set_id)
         self._waiting = frozenset(e.loc for e, _, _ in await ctx.read(ctx.reader.pending_retries, set_id))
         self._last_seq = await ctx.read(ctx.reader.last_seq) if self._events else 0
