@@ -546,3 +546,30 @@ async def test_a_pipeline_reads_its_set_name_only_for_event_hooks(
         results = await harvest(config)
     assert all(r.ok for r in results.values())
     assert (counted.calls["sets"] > 0) == events, counted.calls
+
+
+async def test_a_batch_and_its_validators_take_one_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's changes and the upstream's validators of what it fetched are one write call (one wait
+    for the writer thread), the validators after the changes: both are stored."""
+    writes: list[str] = []
+    real_write = HarvestContext.write
+
+    async def write(self, fn, *args, **kwargs):
+        writes.append(getattr(fn, "__name__", ""))
+        return await real_write(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(HarvestContext, "write", write)
+    up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
+    uris = [up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a") for j in range(5)]
+    async with up.serving():
+        config = make_config(tmp_path / "store", {"a": up.doc_url("capabilitylist.xml", "a")})
+        results = await harvest(config)
+        urls = [up.url(f"r{j}.txt", "a") for j in range(len(uris))]
+    assert results["a"].ok
+    assert "put_resource_validators" not in writes and writes.count("_apply_then_keep") == 1, writes
+    with open_state(config) as state:
+        set_id = state.sets("a")[0].id
+        kept = state.resource_validators(set_id, urls)
+    assert sorted(kept) == sorted(urls) and all(v.etag for v in kept.values())
