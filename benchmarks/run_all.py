@@ -50,6 +50,7 @@ BENCHES = [
     Bench("blobs", "bench_blobs.py", (), ("--small", "200", "--large", "10", "--backends", "fs")),
     Bench("publish", "bench_publish.py", (),
           ("--resources", "5000", "--duration", "3", "--warmup", "1", "--rounds", "1", "--requests", "2000")),
+    Bench("fetch", "bench_fetch.py", (), ("--resources", "1000", "--rounds", "1")),
     Bench("harvest", "bench_harvest.py", ("--resync-sample", "1000"),
           ("--resources", "1000", "--no-big", "--resync-sample", "100")),
     Bench("oaipmh", "bench_oaipmh.py", (), ("--records", "1000", "--repeat", "1")),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import trio
 from lxml import etree
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,10 +32,12 @@ from aggregator.harvest import context as context_mod
 from aggregator.harvest import pipeline
 from aggregator.harvest.access import Access
 from aggregator.harvest.context import HarvestContext
+from aggregator.harvest.source import sync_source
 from aggregator.net import outbound
 from aggregator.rs import parse
 from aggregator.rs.model import RS_NS, SITEMAP_NS
 from aggregator.rs.parse import DocumentError, DocumentReader
+from aggregator.run.compose import open_context
 from aggregator.scope import current_source
 from aggregator.store.open import open_state
 from aggregator.store.state import State
@@ -320,3 +323,254 @@ async def test_a_request_finds_its_source_without_walking_every_source(tmp_path:
                 current_source.reset(token)
             assert request.headers["User-Agent"]
     assert _CountedList.walks <= 2, _CountedList.walks
+
+
+# -- fetch tasks only where a host has a free slot -----------------------------------------------------
+
+
+@pytest.mark.parametrize("free_after", [0, 1, 5, 1000])
+async def test_a_change_whose_host_is_busy_starts_no_task_of_its_own(free_after: int) -> None:
+    """``_Workers`` with ``ready``: while it says no (the host's slots are all taken), the items wait for
+    the task already running instead of each starting one; once it says yes, tasks start again, up to
+    the bound. Every item is handled, once."""
+    handled: list[int] = []
+    calls = [0]
+
+    def ready(item: object) -> bool:
+        calls[0] += 1
+        return calls[0] > free_after
+
+    async def handle(item: int) -> None:
+        await trio.sleep(0)
+        handled.append(item)
+
+    async with trio.open_nursery() as nursery:
+        async with pipeline._Workers(nursery, handle, 16, 4, ready=ready) as workers:
+            for i in range(40):
+                await workers.send(i)
+    assert sorted(handled) == list(range(40))
+    if free_after >= 1000:  # never free: the first task alone took them all
+        assert workers.started == 1
+    else:
+        assert 1 < workers.started <= 16
+
+
+async def test_sources_on_a_busy_host_start_fewer_fetch_tasks_than_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twelve sources of six resources on one host of two slots: the fetch tasks started are bounded by
+    what the host could serve, not one per change (each source's ``harvest.workers``)."""
+    started: list[int] = []
+    real_init = pipeline._Workers.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        started.append(id(self))
+        self.__dict__["_ready_seen"] = kwargs.get("ready") is not None
+
+    tasks = [0]
+    real_run = pipeline._Workers._run
+
+    async def run(self, *args):
+        if self.__dict__.get("_ready_seen"):
+            tasks[0] += 1
+        return await real_run(self, *args)
+
+    monkeypatch.setattr(pipeline._Workers, "__init__", init)
+    monkeypatch.setattr(pipeline._Workers, "_run", run)
+    names = [f"s{i}" for i in range(12)]
+    up = Upstream(sets=names, resource_dump=False, change_dump=False, change_list=False)
+    for name in names:
+        for j in range(6):
+            up.create(f"r{j}.txt", f"resource {j} of {name}".encode(), set_name=name)
+    async with up.serving():
+        config = make_config(
+            tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n in names}, per_host=2
+        )
+        results = await harvest(config)
+    assert all(r.ok for r in results.values()) and sum(r.stats[0].fetched for r in results.values()) == 72
+    # Each pipeline starts its first task; more only while the host had a free slot.
+    assert len(names) <= tasks[0] < 72 * 2 // 3, tasks[0]
+
+
+# -- state writes share thread hops ----------------------------------------------------------------------
+
+
+async def _writes_at_once(k: int, failing: set[int], cancelled: set[int]) -> tuple[int, int]:
+    """``k`` writes asked at once through one ``_SharedHops`` (those in ``failing`` raise, the callers
+    in ``cancelled`` are cancelled just after asking); checks each ran once, in order, with its own
+    answer. Returns (hops made, writes dropped by a cancellation)."""
+    ran: list[int] = []
+    asked: list[int] = []
+    hops: list[int] = []
+    got: dict[int, object] = {}
+
+    async def hop(fn) -> None:
+        hops.append(1)
+        await trio.to_thread.run_sync(fn)
+
+    shared = context_mod._SharedHops(hop)
+
+    def call(i: int) -> int:
+        ran.append(i)
+        if i in failing:
+            raise ValueError(f"write {i} refused")
+        return i * 10
+
+    async def one(i: int, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                asked.append(i)  # no checkpoint between this and the write's place in line
+                got[i] = await shared.run(functools.partial(call, i))
+            except ValueError as exc:
+                got[i] = str(exc)
+
+    scopes = {i: trio.CancelScope() for i in range(k)}
+    async with trio.open_nursery() as nursery:
+        for i in range(k):
+            nursery.start_soon(one, i, scopes[i])
+        await trio.sleep(0)  # all of them asked (the first one's hop is under way)
+        for i in cancelled:
+            scopes[i].cancel()
+    assert ran == [i for i in asked if i in ran] and len(set(ran)) == len(ran)  # in order, each once
+    for i in ran:
+        if i in got:  # ran and its caller had the answer (a cancelled caller may not)
+            assert got[i] == (f"write {i} refused" if i in failing else i * 10)
+    assert set(range(k)) - cancelled <= set(ran)  # nothing lost but what was cancelled
+    assert all(i in got for i in set(range(k)) - cancelled)
+    assert len(hops) == shared.hops
+    return shared.hops, len(cancelled - set(ran))
+
+
+async def test_writes_asked_while_a_hop_runs_share_the_next_hop() -> None:
+    """Writes from many tasks at once: each runs once, in the order asked, with its own result or its
+    own error; those that waited for a hop went together (a few hops, not one each); a write whose caller
+    is cancelled before a hop took it never runs."""
+    rng = random.Random(7)
+    dropped = 0
+    for _round in range(20):
+        k = rng.randrange(1, 40)
+        failing = {i for i in range(k) if rng.random() < 0.2}
+        cancelled = {i for i in range(k) if rng.random() < 0.15}
+        hops, lost = await _writes_at_once(k, failing, cancelled)
+        assert hops <= 3, (k, hops)
+        dropped += lost
+    assert dropped > 0  # the cancellations did reach writes still waiting
+
+
+async def test_a_harvest_of_many_sources_makes_fewer_write_hops_than_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twelve sources syncing at once: their state writes (each its own transaction) share the writer
+    thread's hops instead of taking one each, and every source ends "ok"."""
+    made: list[context_mod._SharedHops] = []
+    real_init = context_mod._SharedHops.__init__
+
+    def init(self, hop):
+        real_init(self, hop)
+        made.append(self)
+
+    monkeypatch.setattr(context_mod._SharedHops, "__init__", init)
+    up, names = many_sources(12)
+    async with up.serving():
+        config = make_config(tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n in names})
+        results = await harvest(config)
+    assert all(r.ok for r in results.values())
+    assert len(made) == 1
+    shared = made[0]
+    assert shared.calls >= 4 * len(names)  # a set, a baseline begun and finished, a batch, a status...
+    assert shared.hops < shared.calls * 3 // 4, (shared.hops, shared.calls)
+    with open_state(config) as state:
+        assert {s.name: s.state for s in state.sources()} == {n: "ok" for n in names}
+
+
+# -- an unchanged poll: nothing read or written again but what says so ------------------------------------
+
+
+async def test_an_unchanged_poll_parses_no_document_and_writes_little(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parsers: list[dict]
+) -> None:
+    """A daemon's second poll of a Source that did not change: its Capability List and Resource List are
+    asked for conditionally and answered 304, so no document is parsed again; its state writes are
+    three, whatever the Source holds. A changed Resource List is read again; the Capability List is not."""
+    writes: list[str] = []
+    real_write = HarvestContext.write
+
+    async def write(self, fn, *args, **kwargs):
+        writes.append(getattr(fn, "__name__", ""))
+        return await real_write(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(HarvestContext, "write", write)
+    up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
+    for j in range(3):
+        up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a")
+    async with up.serving():
+        config = make_config(tmp_path / "store", {"a": up.doc_url("capabilitylist.xml", "a")})
+        src = config.sources[0]
+        async with open_context(config) as ctx:
+            first = await sync_source(ctx, src)
+            assert first.ok and len(parsers) == 2  # the Capability List, the Resource List
+            for _poll in range(2):
+                parsers.clear()
+                writes.clear()
+                again = await sync_source(ctx, src)
+                assert again.ok and again.sets == 1
+                assert parsers == []  # both answered 304: nothing parsed
+                # The set (the "syncing" status rides along), the baseline opened before its list is
+                # asked for (changes applied meanwhile are never swept), the final status.
+                assert len(writes) <= 3, writes
+            up.update("r1.txt", b"resource 1, changed", set_name="a")
+            parsers.clear()
+            changed = await sync_source(ctx, src)
+            assert changed.ok and sum(s.fetched for s in changed.stats) == 1
+            assert len(parsers) == 1  # the Resource List only
+    with open_state(config) as state:
+        assert [(s.name, s.state) for s in state.sources()] == [("a", "ok")]
+
+
+@pytest.mark.parametrize("events", [False, True])
+async def test_a_pipeline_reads_its_set_name_only_for_event_hooks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, events: bool
+) -> None:
+    """The set's name is what the event hooks are told: without any, a pipeline does not read the sets."""
+    counted = StateCalls(monkeypatch)
+    real_init = pipeline.Pipeline.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self._events = events
+
+    monkeypatch.setattr(pipeline.Pipeline, "__init__", init)
+    up, names = many_sources(3)
+    async with up.serving():
+        config = make_config(tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n in names})
+        results = await harvest(config)
+    assert all(r.ok for r in results.values())
+    assert (counted.calls["sets"] > 0) == events, counted.calls
+
+
+async def test_a_batch_and_its_validators_take_one_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's changes and the upstream's validators of what it fetched are one write call (one wait
+    for the writer thread), the validators after the changes: both are stored."""
+    writes: list[str] = []
+    real_write = HarvestContext.write
+
+    async def write(self, fn, *args, **kwargs):
+        writes.append(getattr(fn, "__name__", ""))
+        return await real_write(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(HarvestContext, "write", write)
+    up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
+    uris = [up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a") for j in range(5)]
+    async with up.serving():
+        config = make_config(tmp_path / "store", {"a": up.doc_url("capabilitylist.xml", "a")})
+        results = await harvest(config)
+        urls = [up.url(f"r{j}.txt", "a") for j in range(len(uris))]
+    assert results["a"].ok
+    assert "put_resource_validators" not in writes and writes.count("_apply_then_keep") == 1, writes
+    with open_state(config) as state:
+        set_id = state.sets("a")[0].id
+        kept = state.resource_validators(set_id, urls)
+    assert sorted(kept) == sorted(urls) and all(v.etag for v in kept.values())

@@ -29,8 +29,8 @@ from ._common import add_config_arguments, start
 if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
     from ..config import Config
     from ..store.blobs import BlobStore
+    from ..store.interface import StateStore
     from ..store.retention import Retention
-    from ..store.state import State
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Garbage:
 
 
 def collect_garbage(
-    state: State,
+    state: StateStore,
     blobs: BlobStore,
     *,
     grace: float,
@@ -123,7 +123,7 @@ def collect_garbage(
     return Garbage(removed, freed, kept)
 
 
-def retention_for(config: Config, state: State) -> Retention:
+def retention_for(config: Config, state: StateStore) -> Retention:
     """``[publish] versions``, with the seq after which every record is kept: the lowest, over the
     published sets, of the last seq their Change Dump packages hold (0: a set without any yet), while
     dumps are built; the changelog records after it still go into packages to come."""

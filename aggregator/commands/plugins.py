@@ -58,7 +58,9 @@ def collect(plugins: Plugins) -> list[dict[str, Any]]:
         elif name in plugins.disabled:
             try:
                 module = (
-                    importlib.import_module(DEFAULT_PLUGINS[name]) if name in DEFAULT_PLUGINS else ep.load()
+                    importlib.import_module(DEFAULT_PLUGINS[name])
+                    if name in DEFAULT_PLUGINS or ep is None
+                    else ep.load()
                 )
                 row["hooks"] = _declared_hooks(module)
             except Exception:  # it loaded once; if it does not now, there is nothing more to show

@@ -9,6 +9,7 @@ A retry ends by itself when the upstream no longer lists its URI: it then stays 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         rows: list[dict] = []
         cleared = 0
     else:
-        with state_handle(config) as state:
+        with contextlib.closing(state_handle(config)) as state:
             rows = [r for r in state.retry_rows(args.source) if not args.ended or r["state"] == "ended"]
             cleared = state.clear_retries(args.source, ended_only=args.ended) if args.clear else 0
     if args.json:

@@ -8,6 +8,7 @@ last change applied; for a set read from its Resource List alone, the time since
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if not state_exists(config):  # a SQLite state not made yet (a server's is always there)
         status = unharvested(config)
     else:
-        with state_handle(config) as state:
+        with contextlib.closing(state_handle(config)) as state:
             status = collect(state, config, running=harvester_running(config.store_path))
     if args.json:
         json.dump(status, sys.stdout, indent=2)

@@ -12,7 +12,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -95,6 +95,12 @@ class HarvestContext:
     _progress_saved_at: float = 0.0
     #: source -> state writes that ride along with the next write made for that source (``write_later``).
     _later: dict[str, list[Callable[[], object]]] = field(default_factory=dict)
+    #: source -> URL -> the capability documents its last discovery read, with their validators
+    #: (``discovery.Known``): the next sync asks for them conditionally. In memory only: a restart
+    #: reads each once afresh.
+    discovered: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The writes waiting for the worker thread, taken together by its next hop (``_SharedHops``).
+    _writes: _SharedHops | None = None
 
     def committed(self) -> None:
         for listener in self.commit_listeners:
@@ -122,7 +128,9 @@ class HarvestContext:
                 step()
             return fn(*args, **kwargs)
 
-        return await in_thread(call, limiter=self._write_limiter)
+        if self._writes is None:
+            self._writes = _SharedHops(partial(in_thread, limiter=self._write_limiter))
+        return await self._writes.run(call)
 
     def write_later(self, source: str, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         """A state write for ``source`` (its status) that needs no thread hop of its own: it runs, in the
@@ -188,6 +196,103 @@ class HarvestContext:
         # whole in a thread, each of its syscalls handed the GIL back and forth with this busy loop).
         for slow in steps(writers):
             await trio.to_thread.run_sync(slow, abandon_on_cancel=False)
+
+
+class _Waiting:
+    """One write call waiting for a hop, and what came of it."""
+
+    __slots__ = ("call", "done", "error", "lead", "ran", "result", "taken", "wake")
+
+    def __init__(self, call: Callable[[], Any], wake: Any) -> None:
+        self.call, self.wake = call, wake
+        self.taken = self.ran = self.done = self.lead = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _SharedHops:
+    """State writes that share worker-thread hops: the writes asked for while a hop runs go together in
+    the next one, each still its own call (its own transaction, its own result or error), in the order
+    they were asked for. Why: with many sources syncing at once, their writes (a set, a baseline begun
+    and finished, a batch, a status) queued for the one writer thread a hop each, and the hops (and the
+    fetched content waiting for its commit) were much of a small source's cost
+    (benchmarks/bench_many_sources.py). A write alone still takes one hop, at once.
+
+    A waiting write whose caller is cancelled before a hop takes it is dropped (as a write waiting for
+    the writer was); once taken it runs to its end and its caller waits for it (``in_thread``).
+    """
+
+    def __init__(self, hop: Callable[[Callable[[], None]], Awaitable[object]]) -> None:
+        self._hop = hop
+        self._queue: list[_Waiting] = []
+        self._leading = False
+        #: Hops made and calls run in them (tests count them).
+        self.hops = self.calls = 0
+
+    async def run(self, call: Callable[[], T]) -> T:
+        import trio
+
+        me = _Waiting(call, trio.Event())
+        self._queue.append(me)
+        if self._leading:  # a hop runs: wait to be taken by the next one, or to be handed the lead
+            try:
+                await me.wake.wait()
+            except trio.Cancelled:
+                if not me.taken:
+                    self._queue.remove(me)
+                    if me.lead:
+                        self._hand_on()
+                    raise
+                with trio.CancelScope(shield=True):  # taken: it runs whole; wait for it
+                    await me.wake.wait()
+                raise
+        else:
+            self._leading = True
+        if not me.done:  # leading: this task's hop takes every write waiting, this one included
+            try:
+                with trio.CancelScope(shield=True):  # the others wait on this hop
+                    await self._one_hop()
+            finally:
+                self._hand_on()
+        if me.error is not None:
+            raise me.error
+        return me.result  # type: ignore[no-any-return]
+
+    def _hand_on(self) -> None:
+        """The lead to the first write still waiting (it makes the next hop), or to nobody."""
+        if self._queue:
+            nxt = self._queue[0]
+            nxt.lead = True
+            nxt.wake.set()
+        else:
+            self._leading = False
+
+    async def _one_hop(self) -> None:
+        batch, self._queue = self._queue, []
+        for w in batch:
+            w.taken = True
+
+        def run_all() -> None:
+            for w in batch:
+                try:
+                    w.result = w.call()
+                except BaseException as exc:  # handed to its caller, raised there
+                    w.error = exc
+                w.ran = True
+
+        self.hops += 1
+        self.calls += len(batch)
+        try:
+            await self._hop(run_all)
+        except BaseException as exc:  # the hop itself failed (no thread): what did not run fails with it
+            for w in batch:
+                if not w.ran:
+                    w.error = exc
+            raise
+        finally:
+            for w in batch:
+                w.done = True
+                w.wake.set()
 
 
 def prepare_store(config: Config, *, create: bool = True) -> Path:

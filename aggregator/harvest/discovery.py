@@ -178,6 +178,16 @@ class _Doc:
         return self.head.capability
 
 
+@dataclass
+class Known:
+    """A capability document read by an earlier sync, with the validators it was served with: the next
+    sync asks for it conditionally, and a 304 reuses it as read (nothing downloaded or parsed again)."""
+
+    etag: str | None
+    last_modified: str | None
+    doc: _Doc
+
+
 def _needs_entries(head: Head) -> bool:
     return head.capability in (model.DESCRIPTION, model.CAPABILITYLIST)
 
@@ -191,6 +201,8 @@ class _Discovery:
     fetches: int = 0
     not_a_document: bool = False  # the last failed fetch was a body that is no capability document
     fallback: str | None = None  # the configured URL failed: what was used instead (see run)
+    #: URL -> the document as an earlier sync read it (``Known``); None: every document read afresh.
+    known: dict[str, Known] | None = None
 
     def note(self, url: str, why: str) -> None:
         self.attempts.append((url, why))
@@ -224,10 +236,16 @@ class _Discovery:
             self.note(url, "not an http(s) URL")
             return None
         self._count(url)
+        prior = self.known.get(url) if self.known is not None else None
         try:
-            async with self.fetcher.document(url) as stream:
+            async with self.fetcher.document(
+                url, etag=prior.etag if prior else None, last_modified=prior.last_modified if prior else None
+            ) as stream:
+                if stream.not_modified and prior is not None:  # 304: the document read last time
+                    self.cache[url] = prior.doc
+                    return prior.doc
                 head = stream.head
-                if head is None:  # pragma: no cover - no conditional request is made here
+                if head is None:  # pragma: no cover - a 304 comes only to a conditional request
                     self.note(url, "no document")
                     return None
                 entries = None
@@ -239,9 +257,17 @@ class _Discovery:
                             self.note(url, f"more than {MAX_DESCRIPTION_ENTRIES} entries")
                             return None
                 found = _Doc(url, stream.url or url, head, entries, stream.link_header)
+                validators = (stream.etag, stream.last_modified)
         except (FetchError, DocumentError) as exc:
+            if self.known is not None:
+                self.known.pop(url, None)
             self._failed(url, exc)
             return None
+        if self.known is not None:
+            if any(validators):
+                self.known[url] = Known(*validators, found)
+            else:
+                self.known.pop(url, None)
         self.cache[url] = found
         return found
 
@@ -428,13 +454,19 @@ def _dedup(sets: list[SetInfo]) -> list[SetInfo]:
 
 
 async def discover(
-    fetcher: Fetcher, url: str, *, on_fallback: Callable[[str | None], None] | None = None
+    fetcher: Fetcher,
+    url: str,
+    *,
+    on_fallback: Callable[[str | None], None] | None = None,
+    known: dict[str, Known] | None = None,
 ) -> list[SetInfo]:
     """The sets of the Source at ``url`` (§6.3); raises DiscoveryError naming everything tried.
 
     ``on_fallback`` hears, once the sets are found, what was used instead of ``url`` when ``url`` itself
-    failed (e.g. "URL answered HTTP 404; using CAPABILITYLIST"), or None when ``url`` led to the sets."""
-    d = _Discovery(fetcher)
+    failed (e.g. "URL answered HTTP 404; using CAPABILITYLIST"), or None when ``url`` led to the sets.
+    ``known``: the documents an earlier discovery of this Source read (kept by the caller, updated
+    here): each is asked for conditionally, and one not modified is not downloaded or parsed again."""
+    d = _Discovery(fetcher, known=known)
     sets = await d.run(url)
     if not sets:
         raise DiscoveryError(url, d.attempts, transient=d.transient)

@@ -16,12 +16,14 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import datetime
+from urllib.parse import urlsplit
 
 import trio
 
 from ..rs.model import CREATED, DELETED, PATCH_REL, RS_NS, UPDATED, Entry
 from ..store.blobs import BlobInfo, BlobWriter
 from ..store.calls import limiter_of
+from ..store.interface import StateStore
 from ..store.rows import Change, Cursor, FailedChange, Resource, ResourceValidators, RetryChanges
 from .access import for_source
 from .context import HarvestContext
@@ -227,6 +229,13 @@ class _Workers:
     no task is free, so a set of a few changes starts a few tasks, not ``harvest.workers`` of them (all
     started and ended per pipeline, they were part of the per-source cost of many small sources:
     benchmarks/bench_many_sources.py). Used like a send channel: ``send``, and ``async with`` to close.
+
+    ``ready(item)``: whether one more task would get to work on ``item`` now; when it says no (e.g. every
+    request slot of the item's host is taken, ``Fetcher.host_busy``) no task is started for it and the
+    item waits for a running one, which starts more once the item it finished says yes again. The first
+    task is always started, so every pipeline moves. Why: many small sources on one host each started
+    their tasks at once, thousands of them parked on that host's few slots, each holding its coroutine
+    frames, a blob writer and a request (the GC and the scheduler walked them all).
     """
 
     def __init__(
@@ -236,16 +245,28 @@ class _Workers:
         most: int,
         buffer: int,
         *outs: trio.MemorySendChannel,
+        ready: Callable[[object], bool] | None = None,
     ) -> None:
         self._nursery, self._handle, self._most, self._outs = nursery, handle, most, outs
+        self._ready = ready
         self._send, self._recv = trio.open_memory_channel[object](buffer)
         self._started = self._free = self._queued = 0
+        self._closed = False
 
-    async def send(self, item: object) -> None:
-        if self._queued >= self._free and self._started < self._most:
+    def _grow(self, item: object) -> None:
+        """Start one more task when items would wait for one and ``item`` says it could work now."""
+        if (
+            not self._closed
+            and self._queued >= self._free
+            and self._started < self._most
+            and (self._started == 0 or self._ready is None or self._ready(item))
+        ):
             self._started += 1
             self._free += 1
             self._nursery.start_soon(self._run, self._recv.clone(), [o.clone() for o in self._outs])
+
+    async def send(self, item: object) -> None:
+        self._grow(item)
         self._queued += 1
         await self._send.send(item)
 
@@ -257,6 +278,8 @@ class _Workers:
                     self._free -= 1
                     await self._handle(item, *outs)
                     self._free += 1
+                    if self._queued > self._free and self._ready is not None:
+                        self._grow(item)  # items wait that were not given a task: one may start now
         finally:
             for out in outs:
                 await out.aclose()
@@ -270,6 +293,7 @@ class _Workers:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._closed = True  # the items sent are with the running tasks; none is started any more
         await self._send.aclose()
         await self._recv.aclose()
         for out in self._outs:
@@ -320,6 +344,7 @@ class Pipeline:
         # Records appended after this point are announced (rsagg_change_published).
         self._last_seq = 0
         self._primed = False
+        self._hosts: dict[str, str] = {}  # scheme://authority -> host (``_host_free``)
 
     async def _prime(self) -> None:
         """What the run starts from, read from the state once (``HarvestContext.read``: not in the event
@@ -327,10 +352,11 @@ class Pipeline:
         if self._primed:
             return
         ctx, set_id = self.ctx, self.set_id
-        # The source's own sets only: reading every set of every source made a harvest of N sources
-        # cost N^2 rows (benchmarks/bench_many_sources.py).
-        sets = await ctx.read(ctx.reader.sets, self.source)
-        self._set_name = next((s.name for s in sets if s.id == set_id), str(set_id))
+        if self._events:  # the set's name is for the event hooks only (``announce``)
+            # The source's own sets only: reading every set of every source made a harvest of N
+            # sources cost N^2 rows (benchmarks/bench_many_sources.py).
+            sets = await ctx.read(ctx.reader.sets, self.source)
+            self._set_name = next((s.name for s in sets if s.id == set_id), str(set_id))
         self._retrying = await ctx.read(ctx.reader.retry_uris, set_id)
         self._waiting = frozenset(e.loc for e, _, _ in await ctx.read(ctx.reader.pending_retries, set_id))
         self._last_seq = await ctx.read(ctx.reader.last_seq) if self._events else 0
@@ -352,7 +378,7 @@ class Pipeline:
                     else:
                         nursery.start_soon(self._produce, items, new_send)
                     workers = _Workers(nursery, self._work_one, self._workers, self._workers * 2,
-                                       result_send.clone())  # fmt: skip
+                                       result_send.clone(), ready=self._host_free)  # fmt: skip
                     nursery.start_soon(self._look_up, new_recv, workers, result_send.clone())
                 nursery.start_soon(self._commit, result_recv)
         except BaseExceptionGroup as group:
@@ -501,6 +527,17 @@ class Pipeline:
                 if v is not None and v.sha256 == r.sha256:  # type: ignore[union-attr]
                     out[i] = (r, unchanged(r, w.entry, exists, v.lastmod), v)
         return out
+
+    def _host_free(self, item: object) -> bool:
+        """A fetch of this change (``_work_one``'s item) would get a request slot of its host now."""
+        entry = item[1].entry  # type: ignore[index]
+        duplicates = entry.links_by_rel("duplicate") if entry.links else ()
+        url = duplicates[0].href if duplicates else entry.loc
+        origin = url[: url.find("/", url.find("//") + 2) % (len(url) + 1)]  # scheme://authority
+        host = self._hosts.get(origin)
+        if host is None:
+            host = self._hosts[origin] = urlsplit(origin).hostname or ""
+        return not host or not self.ctx.fetcher.host_busy(host)
 
     async def _work_one(
         self, item: tuple[int, Work, Resource | None, ResourceValidators | None], send: trio.MemorySendChannel
@@ -727,11 +764,11 @@ class Pipeline:
         retries = self._retry_bookkeeping(batch)
         if self._progress:  # before the write, so that the progress it saves counts this batch too
             self._progress(len(batch))
-        applied = await self.ctx.write(self.ctx.writer.apply, self.set_id, changes, cursor, retries)
-        # After the commit: validators name the version now held (a crash before costs a full fetch).
+        # After the commit, in the same thread hop: validators name the version now held (a crash
+        # between the two costs a full fetch, never a wrong 304).
         kept = [r.validators for r in batch if r.validators is not None and r.change is not None]
-        if kept:
-            await self.ctx.write(self.ctx.writer.put_resource_validators, self.set_id, kept)
+        applied = await self.ctx.write(_apply_then_keep, self.ctx.writer, self.set_id, changes, cursor,
+                                       retries, kept)  # fmt: skip
         if self._on_batch is not None:
             self._on_batch(
                 [r.work.entry.loc for r in batch], applied, [r.failure for r in batch if r.failure]
@@ -754,6 +791,22 @@ class Pipeline:
             if dt is not None:
                 self.stats.last_datetime = dt
                 break
+
+
+def _apply_then_keep(
+    writer: StateStore,
+    set_id: int,
+    changes: list[Change],
+    cursor: Cursor | None,
+    retries: RetryChanges | None,
+    kept: list[ResourceValidators],
+) -> list[Change]:
+    """One batch's state writes in one call (one thread hop): the changes, the cursor and the retries in
+    one transaction, then, once that committed, the upstream's validators of what was fetched."""
+    applied = writer.apply(set_id, changes, cursor, retries)
+    if kept:
+        writer.put_resource_validators(set_id, kept)
+    return applied
 
 
 def _one_version_each(batch: list[_Result]) -> list[list[_Result]]:

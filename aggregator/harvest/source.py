@@ -162,7 +162,10 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
             result.sets, sets = 1, []
         else:
             fallback: list[str | None] = []  # what discovery used instead of a failing src.url (status)
-            sets = await discover(ctx.fetcher, src.url, on_fallback=fallback.append)
+            # The documents read by this source's last discovery are asked for conditionally: an
+            # unchanged Source Description or Capability List costs a 304 (HarvestContext.discovered).
+            known = ctx.discovered.setdefault(src.name, {})
+            sets = await discover(ctx.fetcher, src.url, on_fallback=fallback.append, known=known)
             using = fallback[0] if fallback else None
             ctx.write_later(src.name, ctx.writer.set_source_status, src.name, using_url=using)
             result.sets = len(sets)

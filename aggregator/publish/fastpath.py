@@ -183,7 +183,8 @@ class HotCache:
                 self._seen = reader.version()
             except Exception as exc:  # a backend's own error type: the hot cache just stays off meanwhile
                 self._mark, self._seen, self._seen_at = -1, None, float("-inf")
-                return self._unreadable(exc)
+                self._unreadable(exc)
+                return None
             self._mark, self._seen_at = mark, started
             return self._seen
         if started - self._seen_at <= self.remote_age:
@@ -210,7 +211,6 @@ class HotCache:
     def _unreadable(self, exc: Exception) -> None:
         log.debug("hot cache: state version unreadable: %s", exc)
         self.close()
-        return None
 
     async def fresh(self) -> bool:
         """Drop everything when the state changed since the last call; False: do not cache now."""
@@ -297,12 +297,13 @@ class ResourceFastPath:
                 return
             scope["route"] = self._route(lookup[0] == self._lookup_memento)  # bound: equal, not same
             try:
-                hot = await self.pub.run(*lookup)
+                found: Hot = await self.pub.run(*lookup)
             except self.busy[0] as exc:
                 await (await self.busy[1](Request(scope), exc))(scope, receive, send)
                 return
             if cacheable:
-                self.cache.put(raw, hot)
+                self.cache.put(raw, found)
+            hot = found
         scope["route"] = self._route(hot.memento)
         wanted = [(k, v) for k, v in scope["headers"] if k in _WANTED]
         if not wanted and hot.plain is not None:  # the common case: headers and bytes ready to send
@@ -332,11 +333,12 @@ class ResourceFastPath:
             if lookup is None:
                 return None
             try:
-                hot = await self.pub.run(*lookup)
+                found: Hot = await self.pub.run(*lookup)
             except self.busy[0]:
                 return None  # the ordinary path answers 503
             if cacheable:
-                self.cache.put(raw, hot)
+                self.cache.put(raw, found)
+            hot = found
         if hot.plain is None:
             return None
         status, headers, body = hot.plain
