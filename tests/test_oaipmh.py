@@ -462,12 +462,35 @@ def test_a_page_too_big_for_a_tree_is_parsed_incrementally_with_the_same_result(
 def test_get_record_urls_quote_identifiers_as_urllib_does():
     from urllib.parse import quote
 
-    from aggregator.harvest.oaipmh import _quote_all
+    from aggregator.harvest.oaipage import quote_all
 
     heads = ("oai:arXiv.org:", "oai:x:é 日本/%:", "", ":", "a b:", "oai:x")
     tails = ("cs/0112017", "".join(map(chr, range(128))), "1234", "abc", "é1", "", ":")
     for text in [h + t for h in heads for t in tails] * 2:  # the second time from the quoted heads
-        assert _quote_all(text) == quote(text, safe="")
+        assert quote_all(text) == quote(text, safe="")
+
+
+def test_a_records_ready_change_is_what_change_from_makes():
+    """``OaiHarvest._work`` makes each record's state change itself (``Work.ready``), without
+    ``change_from``'s copies: for every kind of record (deleted, created in a full walk, updated in an
+    incremental one, with and without a datestamp, any identifier) it must be the change ``change_from``
+    makes of the same work, which the pipeline used before."""
+    from aggregator.harvest.oaipmh import OaiHarvest
+    from aggregator.harvest.pipeline import change_from
+
+    stamps = (None, datetime(2024, 5, 6, 7, 8, 9, tzinfo=UTC))
+    for identifier in ("oai:x:1", "oai:x:é/ 2", ""):
+        for stamp in stamps:
+            for generation in (None, 3):
+                via = "http://h/oai?verb=GetRecord&identifier=" + identifier
+                records = [
+                    (identifier, stamp, True, None, 0, None, via),
+                    (identifier, stamp, False, "a" * 64, 123, "b" * 32, via),
+                ]
+                for rec in records:
+                    work = OaiHarvest._work(rec, generation)
+                    assert work.ready is not None
+                    assert work.ready == change_from(work, work.info), (rec, generation)
 
 
 async def test_day_granularity_overlap_is_idempotent(tmp_path: Path):

@@ -38,13 +38,12 @@ committed. Memory is bounded by a few times PREFETCH pages, whatever the reposit
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import trio
 
@@ -53,6 +52,7 @@ from ..rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
 from ..rs.w3cdt import utcnow
 from ..store.blobs import BlobInfo
 from ..store.interface import EmptySnapshot
+from ..store.rows import Change
 from ..store.state import Cursor
 from .access import for_source
 from .context import HarvestContext
@@ -140,30 +140,6 @@ class _Request:
         return self._stored
 
 
-#: ``quote(s, safe="")`` of each ASCII character: all but RFC 3986's unreserved ones escaped.
-_QUOTED = {c: f"%{c:02X}" for c in range(128) if not (chr(c).isalnum() or chr(c) in "_.-~")}
-
-
-def _quote_all(text: str) -> str:
-    """``urllib.parse.quote(text, safe="")``. Why not quote itself: its loop per character cost a
-    quarter of making a record's change. An identifier ``head:tail`` with an alphanumeric ASCII tail
-    (nearly all: ``oai:repository.org:1234``) reuses its quoted head; other ASCII ones are quoted by one
-    ``translate``."""
-    head, colon, tail = text.rpartition(":")
-    if colon and tail.isascii() and tail.isalnum():
-        return _quoted_head(head) + tail
-    return _quote_text(text)
-
-
-@functools.lru_cache(maxsize=1024)  # bounded: a repository has a few heads, a hostile one many
-def _quoted_head(head: str) -> str:
-    return _quote_text(head) + "%3A"
-
-
-def _quote_text(text: str) -> str:
-    return text.translate(_QUOTED) if text.isascii() else quote(text, safe="")
-
-
 def format_from(dt: datetime, granularity: str) -> str:
     """``from``/``until`` at the repository's granularity (§3.3.2), in UTC."""
     dt = dt.astimezone(UTC) if dt.tzinfo else dt.replace(tzinfo=UTC)
@@ -239,7 +215,7 @@ class OaiHarvest:
     async def _store_page(self, data: bytes, url: str) -> tuple[Page, list[StoredRecord], Exception | None]:
         offload = self.ctx.offload
         assert offload is not None  # HarvestContext always holds one (its own, when not given one)
-        return await offload.run(store_page, data, url)
+        return await offload.run(store_page, data, url, self._get_record)
 
     def _check(self, page: Page, url: str) -> None:
         """Raise the page's OAI-PMH error (§3.6), but noRecordsMatch: an empty list, not a failure."""
@@ -311,7 +287,8 @@ class OaiHarvest:
                     at.started = page.response_date
                 job = _Stored(page, at.started, error=error)
                 if error is None:
-                    job.works = [self._work(rec, generation) for rec in stored]
+                    work = self._work
+                    job.works = [work(rec, generation) for rec in stored]
                 await send.send(("page", job))
                 at.token = page.token
                 if not at.token:
@@ -477,19 +454,41 @@ class OaiHarvest:
         )  # fmt: skip
         return stats
 
-    def _work(self, rec: StoredRecord, generation: int | None) -> Work:
-        # Positional, in the dataclasses' field order: this runs per record, on the event loop.
-        identifier, stamp, deleted, sha256, length, md5 = rec
-        links = [Link("via", self._get_record + _quote_all(identifier), None, stamp)]
+    @staticmethod
+    def _work(rec: StoredRecord, generation: int | None) -> Work:
+        """The record's work, with its state change made (``Work.ready``: what ``change_from`` would
+        make of it, tests/test_oaipmh.py). Positional, in the dataclasses' field order, one list of links
+        and one dict of hashes shared by the entry and the change (nothing changes them after): this runs
+        per record, on the event loop, the walk's busiest part."""
+        identifier, stamp, deleted, sha256, length, md5, via = rec
+        links = [Link("via", via, None, stamp)]
         if deleted:
-            return Work(
-                Entry(identifier, stamp, None, Md(None, DELETED, stamp), links), DELETED, None, generation
+            entry = Entry(identifier, stamp, None, Md(None, DELETED, stamp), links)
+            ready = Change(
+                identifier, DELETED, None, None, None, None, {}, stamp, stamp, links, {}, [], generation
             )
+            return Work(entry, DELETED, None, generation, None, None, ready)
         assert sha256 is not None and md5 is not None
         md = Md(None, UPDATED, stamp, None, None, None, None, None, None, CONTENT_TYPE)
-        info = BlobInfo(sha256, length, {"sha-256": sha256, "md5": md5})
+        hashes = {"sha-256": sha256, "md5": md5}
         change = CREATED if generation is not None else UPDATED
-        return Work(Entry(identifier, stamp, None, md, links), change, None, generation, None, info)
+        ready = Change(
+            identifier,
+            change,
+            sha256,
+            length,
+            CONTENT_TYPE,
+            None,
+            hashes,
+            stamp,
+            stamp,
+            links,
+            {},
+            [],
+            generation,
+        )
+        info = BlobInfo(sha256, length, hashes)
+        return Work(Entry(identifier, stamp, None, md, links), change, None, generation, None, info, ready)
 
 
 @for_source

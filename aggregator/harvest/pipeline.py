@@ -63,6 +63,9 @@ class Work:
     #: What ``blob`` holds; or, without a writer, content already durable in the store (an OAI-PMH
     #: record stored by a worker process: ``harvest/offload.py``).
     info: BlobInfo | None = None
+    #: The state change already made, exactly what ``change_from(self, self.info)`` makes (an OAI-PMH
+    #: record: ``OaiHarvest._work``); ``run_batches`` takes it as it is, for a work no plugin replaced.
+    ready: Change | None = None
 
 
 @dataclass
@@ -382,6 +385,8 @@ class Pipeline:
                     work = await self._filtered(listed) if self._filtering else listed
                     if work is None:
                         results.append(_Result(listed, None))
+                    elif work.ready is not None and not self._filtering:  # a plugin saw the entry
+                        results.append(_Result(work, work.ready, work.blob))
                     elif work.change == DELETED:
                         results.append(_Result(work, change_from(work, None)))
                     elif work.blob is not None or work.info is not None:
