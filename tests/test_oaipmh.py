@@ -470,27 +470,40 @@ def test_get_record_urls_quote_identifiers_as_urllib_does():
         assert quote_all(text) == quote(text, safe="")
 
 
-def test_a_records_ready_change_is_what_change_from_makes():
-    """``OaiHarvest._work`` makes each record's state change itself (``Work.ready``), without
-    ``change_from``'s copies: for every kind of record (deleted, created in a full walk, updated in an
-    incremental one, with and without a datestamp, any identifier) it must be the change ``change_from``
-    makes of the same work, which the pipeline used before."""
-    from aggregator.harvest.oaipmh import OaiHarvest
+def test_a_records_work_is_the_record_it_stores():
+    """``OaiHarvest._work`` makes each record's state change itself (``Work.ready``) and its entry and
+    blob info only when asked: for every kind of record (deleted, created in a full walk, updated in an
+    incremental one, with and without a datestamp, any identifier) the entry must be the one the record
+    describes, and the change what ``change_from`` makes of the work (what the pipeline used before)."""
+    from aggregator.harvest.oaipmh import CONTENT_TYPE, OaiHarvest
     from aggregator.harvest.pipeline import change_from
+    from aggregator.rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
+    from aggregator.store.blobs import BlobInfo
 
     stamps = (None, datetime(2024, 5, 6, 7, 8, 9, tzinfo=UTC))
     for identifier in ("oai:x:1", "oai:x:é/ 2", ""):
         for stamp in stamps:
             for generation in (None, 3):
                 via = "http://h/oai?verb=GetRecord&identifier=" + identifier
-                records = [
-                    (identifier, stamp, True, None, 0, None, via),
-                    (identifier, stamp, False, "a" * 64, 123, "b" * 32, via),
-                ]
-                for rec in records:
-                    work = OaiHarvest._work(rec, generation)
-                    assert work.ready is not None
-                    assert work.ready == change_from(work, work.info), (rec, generation)
+                links = [Link("via", via, None, stamp)]
+                gone = (identifier, stamp, True, None, 0, None, via)
+                work = OaiHarvest._work(gone, generation)
+                assert (work.change, work.generation, work.info, work.blob) == (
+                    DELETED,
+                    generation,
+                    None,
+                    None,
+                )
+                assert work.entry == Entry(identifier, stamp, None, Md(None, DELETED, stamp), links)
+                assert work.ready == change_from(work, work.info), (gone, generation)
+                held = (identifier, stamp, False, "a" * 64, 123, "b" * 32, via)
+                work = OaiHarvest._work(held, generation)
+                md = Md(None, UPDATED, stamp, type=CONTENT_TYPE)
+                assert work.entry == Entry(identifier, stamp, None, md, links)
+                assert work.info == BlobInfo("a" * 64, 123, {"sha-256": "a" * 64, "md5": "b" * 32})
+                assert work.change == (CREATED if generation is not None else UPDATED)
+                assert work.generation == generation and work.blob is None and work.cursor_after is None
+                assert work.ready == change_from(work, work.info), (held, generation)
 
 
 async def test_day_granularity_overlap_is_idempotent(tmp_path: Path):
