@@ -768,6 +768,8 @@ def _one_version_each(batch: list[_Result]) -> list[list[_Result]]:
     (rsagg's clock at that commit), so the versions of a resource are told apart by time, not only by
     their order. A batch without such a repeat (every batch of a Source without mementos) stays whole.
     """
+    if not any(r.memento for r in batch):
+        return [batch]
     parts: list[list[_Result]] = [[]]
     seen: set[str] = set()
     for r in batch:
