@@ -64,8 +64,14 @@ class Page:
 
 
 def _datestamp(text: str | None) -> datetime | None:
-    if not text:
-        return None
+    return _parse_stamp(text) if text else None
+
+
+@functools.lru_cache(maxsize=1024)  # bounded: a hostile page of distinct stamps only evicts
+def _parse_stamp(text: str) -> datetime | None:
+    """A datestamp, parsed once: the records of a page often share one (day granularity, a repository
+    loaded in bulk), and the one object shared is also pickled once when the page's records go back to
+    the daemon from a worker process (``store_page``). A datetime is immutable: sharing it is safe."""
     try:
         return parse_w3c(text.strip())
     except ValueError:
