@@ -31,8 +31,10 @@ token it read. Each page is parsed and its records' content made durable blobs i
 canonical form and the hashes are the walk's CPU-bound part, and the event loop keeps fetching and
 committing meanwhile), while the pages before it commit their state transactions in walk order
 (``Pipeline.run_batches``; pages already stored join one transaction, up to ``harvest.batch_size``
-records). A page up to TREE_BYTES is parsed whole, a bigger one incrementally, each record cleared once
-read. A page that cannot be fetched, parsed or stored stops the walk after the pages before it have
+records). The event loop is the walk's busiest part (fetches, the state writer's thread, the pipeline):
+per record it only makes the state change from what the worker sent back (``_RecordWork``: the record's
+GetRecord URL is made in the worker, its entry only if something asks for it). A page up to TREE_BYTES
+is parsed whole, a bigger one incrementally, each record cleared once read. A page that cannot be fetched, parsed or stored stops the walk after the pages before it have
 committed. Memory is bounded by a few times PREFETCH pages, whatever the repository's size.
 """
 
