@@ -34,8 +34,9 @@ committing meanwhile), while the pages before it commit their state transactions
 records). The event loop is the walk's busiest part (fetches, the state writer's thread, the pipeline):
 per record it only makes the state change from what the worker sent back (``_RecordWork``: the record's
 GetRecord URL is made in the worker, its entry only if something asks for it). A page up to TREE_BYTES
-is parsed whole, a bigger one incrementally, each record cleared once read. A page that cannot be fetched, parsed or stored stops the walk after the pages before it have
-committed. Memory is bounded by a few times PREFETCH pages, whatever the repository's size.
+is parsed whole, a bigger one incrementally, each record cleared once read. A page that cannot be
+fetched, parsed or stored stops the walk after the pages before it have committed. Memory is bounded by
+a few times PREFETCH pages, whatever the repository's size.
 """
 
 from __future__ import annotations
