@@ -462,12 +462,48 @@ def test_a_page_too_big_for_a_tree_is_parsed_incrementally_with_the_same_result(
 def test_get_record_urls_quote_identifiers_as_urllib_does():
     from urllib.parse import quote
 
-    from aggregator.harvest.oaipmh import _quote_all
+    from aggregator.harvest.oaipage import quote_all
 
     heads = ("oai:arXiv.org:", "oai:x:é 日本/%:", "", ":", "a b:", "oai:x")
     tails = ("cs/0112017", "".join(map(chr, range(128))), "1234", "abc", "é1", "", ":")
     for text in [h + t for h in heads for t in tails] * 2:  # the second time from the quoted heads
-        assert _quote_all(text) == quote(text, safe="")
+        assert quote_all(text) == quote(text, safe="")
+
+
+def test_a_records_work_is_the_record_it_stores():
+    """``OaiHarvest._work`` makes each record's state change itself (``Work.ready``) and its entry and
+    blob info only when asked: for every kind of record (deleted, created in a full walk, updated in an
+    incremental one, with and without a datestamp, any identifier) the entry must be the one the record
+    describes, and the change what ``change_from`` makes of the work (what the pipeline used before)."""
+    from aggregator.harvest.oaipmh import CONTENT_TYPE, OaiHarvest
+    from aggregator.harvest.pipeline import change_from
+    from aggregator.rs.model import CREATED, DELETED, UPDATED, Entry, Link, Md
+    from aggregator.store.blobs import BlobInfo
+
+    stamps = (None, datetime(2024, 5, 6, 7, 8, 9, tzinfo=UTC))
+    for identifier in ("oai:x:1", "oai:x:é/ 2", ""):
+        for stamp in stamps:
+            for generation in (None, 3):
+                via = "http://h/oai?verb=GetRecord&identifier=" + identifier
+                links = [Link("via", via, None, stamp)]
+                gone = (identifier, stamp, True, None, 0, None, via)
+                work = OaiHarvest._work(gone, generation)
+                assert (work.change, work.generation, work.info, work.blob) == (
+                    DELETED,
+                    generation,
+                    None,
+                    None,
+                )
+                assert work.entry == Entry(identifier, stamp, None, Md(None, DELETED, stamp), links)
+                assert work.ready == change_from(work, work.info), (gone, generation)
+                held = (identifier, stamp, False, "a" * 64, 123, "b" * 32, via)
+                work = OaiHarvest._work(held, generation)
+                md = Md(None, UPDATED, stamp, type=CONTENT_TYPE)
+                assert work.entry == Entry(identifier, stamp, None, md, links)
+                assert work.info == BlobInfo("a" * 64, 123, {"sha-256": "a" * 64, "md5": "b" * 32})
+                assert work.change == (CREATED if generation is not None else UPDATED)
+                assert work.generation == generation and work.blob is None and work.cursor_after is None
+                assert work.ready == change_from(work, work.info), (held, generation)
 
 
 async def test_day_granularity_overlap_is_idempotent(tmp_path: Path):
@@ -598,3 +634,99 @@ async def test_filter_plugin_decides_per_record(tmp_path: Path):
         assert [u for u, c, _ in log if c == "updated"] == [repo.ident(3)]
         assert {u for u, c, _ in log if c == "deleted"} == {repo.ident(i) for i in range(4, 200, 10)}
         assert len(log) == 21 and set(held(cfg)) == {u for u in repo.live() if u[-1] not in "45"}
+
+
+def _generated_page(rng, n: int) -> tuple[bytes, list[tuple[str, bool, bytes | None]], str | None, int]:
+    """A ListRecords page of ``n`` generated records, and what a harvester must store of it: per
+    record kept (identifier, deleted, exclusive C14N of its metadata element, or None when deleted);
+    the token (None: the list is complete) and how many records are skipped (no identifier, no
+    metadata). Identifiers and texts carry character references and entities (&amp; &lt; &#233;)."""
+    from xml.sax.saxutils import escape
+
+    oai = "http://www.openarchives.org/OAI/2.0/"
+    texts = ["plain", "a & b < c", "é 日本", "  spaced  ", "quote \" and '", ""]
+    body, kept, skipped = [], [], 0
+    for i in range(n):
+        ident = f"oai:x:{i}/{rng.choice(texts).strip()}"
+        stamp = f"<datestamp>2026-01-{rng.randint(1, 28):02d}</datestamp>" if rng.random() < 0.9 else ""
+        kind = rng.choice(["live", "live", "live", "deleted", "no-metadata", "no-identifier", "empty-meta"])
+        # a character reference for one character of the identifier: the same identifier once parsed
+        head = escape(ident).replace("x", "&#120;", 1)
+        if kind == "deleted":
+            body.append(
+                f'<record><header status="deleted"><identifier>{head}</identifier>{stamp}</header></record>'
+            )
+            kept.append((ident, True, None))
+            continue
+        if kind == "no-identifier":
+            body.append(f"<record><header>{stamp}</header><metadata><m/></metadata></record>")
+            skipped += 1
+            continue
+        if kind == "no-metadata":
+            body.append(f"<record><header><identifier>{head}</identifier>{stamp}</header></record>")
+            skipped += 1
+            continue
+        if kind == "empty-meta":  # a metadata element with nothing in it: no record content
+            header = f"<header><identifier>{head}</identifier>{stamp}</header>"
+            body.append(f"<record>{header}<metadata> </metadata></record>")
+            skipped += 1
+            continue
+        prefix = rng.choice(["", "dc:", "oai_dc:"])
+        decl = f'xmlns{":" + prefix[:-1] if prefix else ""}="http://www.openarchives.org/OAI/2.0/oai_dc/"'
+        meta = (f'<{prefix}dc {decl} lang="en"><{prefix}title>{escape(rng.choice(texts))}</{prefix}title>'
+                f"<{prefix}n>{i}</{prefix}n></{prefix}dc>")  # fmt: skip
+        body.append(
+            f"<record><header><identifier>{head}</identifier>{stamp}</header><metadata>{meta}</metadata></record>"
+        )
+        kept.append((ident, False, etree.tostring(etree.fromstring(meta), method="c14n", exclusive=True)))
+    token = rng.choice([None, "", "tok&amp;1", "t-2"])
+    size = rng.randint(n, 10 * n + 1)
+    if token is None:
+        tail = ""
+    elif token == "":  # the last page of a list: an empty token, with attributes (§3.5)
+        tail = f'<resumptionToken completeListSize="{size}" cursor="3"/>'
+    else:
+        attrs = f'expirationDate="2030-01-01T00:00:00Z" completeListSize="{size}" cursor="0"'
+        tail = f"<resumptionToken {attrs}>{token}</resumptionToken>"
+    doc = (f'<?xml version="1.0" encoding="UTF-8"?>\n<OAI-PMH xmlns="{oai}">'
+           "<responseDate>2026-01-02T03:04:05Z</responseDate>"
+           f"<ListRecords>{''.join(body)}{tail}</ListRecords></OAI-PMH>")  # fmt: skip
+    return doc.encode(), kept, (token.replace("&amp;", "&") or None) if token is not None else None, skipped
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["tree", "incremental"])
+def test_the_records_stored_are_the_records_served(tmp_path: Path, monkeypatch, whole: bool):
+    """Generated pages (deleted records, records without identifier or metadata, character references,
+    tokens with attributes, the empty token of the last page), parsed whole and incrementally: every
+    record served is stored, with its identifier, its deletion, the exclusive C14N of its metadata as
+    a durable blob and its GetRecord URL; the skipped ones are counted as problems; the token is read
+    as served."""
+    import random
+    from urllib.parse import quote
+
+    import aggregator.harvest.oaipage as oaipage
+    from aggregator.harvest.oaipage import store_page
+    from aggregator.plugins.defaults.filesystem import create_store
+
+    if not whole:
+        monkeypatch.setattr(oaipage, "TREE_BYTES", 0)
+    blobs = create_store({}, tmp_path)
+    get_record = "http://h/oai?verb=GetRecord&metadataPrefix=oai_dc&identifier="
+    rng = random.Random(28)
+    try:
+        for n in [0, 1, 2, 5, 17, 60] * 4:
+            data, kept, token, skipped = _generated_page(rng, n)
+            page, stored, error = store_page(blobs, data, "http://h/oai", get_record)
+            assert error is None and page.records == [] and not page.errors
+            assert (page.token, len(page.problems)) == (token, skipped), data
+            assert [(s[0], s[2]) for s in stored] == [(ident, gone) for ident, gone, _ in kept]
+            for (ident, gone, content), (_, _, _, sha, length, md5, via) in zip(kept, stored, strict=True):
+                assert via == get_record + quote(ident, safe="")
+                if gone:
+                    assert (sha, md5) == (None, None)
+                    continue
+                assert sha is not None and length == len(content) and blobs.exists(sha)
+                with blobs.open(sha) as f:
+                    assert f.read() == content
+    finally:
+        blobs.close()

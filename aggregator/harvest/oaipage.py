@@ -7,6 +7,7 @@ or state store: a worker starts sooner and holds about 25 MB less. The walk itse
 
 from __future__ import annotations
 
+import functools
 import html
 import io
 import pickle
@@ -14,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
+from urllib.parse import quote
 
 from lxml import etree
 
@@ -62,8 +64,14 @@ class Page:
 
 
 def _datestamp(text: str | None) -> datetime | None:
-    if not text:
-        return None
+    return _parse_stamp(text) if text else None
+
+
+@functools.lru_cache(maxsize=1024)  # bounded: a hostile page of distinct stamps only evicts
+def _parse_stamp(text: str) -> datetime | None:
+    """A datestamp, parsed once: the records of a page often share one (day granularity, a repository
+    loaded in bulk), and the one object shared is also pickled once when the page's records go back to
+    the daemon from a worker process (``store_page``). A datetime is immutable: sharing it is safe."""
     try:
         return parse_w3c(text.strip())
     except ValueError:
@@ -191,19 +199,48 @@ def peek_token(data: bytes) -> str | None:
     return token or None
 
 
+#: ``quote(s, safe="")`` of each ASCII character: all but RFC 3986's unreserved ones escaped.
+_QUOTED = {c: f"%{c:02X}" for c in range(128) if not (chr(c).isalnum() or chr(c) in "_.-~")}
+
+
+def quote_all(text: str) -> str:
+    """``urllib.parse.quote(text, safe="")``. Why not quote itself: its loop per character cost a
+    quarter of making a record's change. An identifier ``head:tail`` with an alphanumeric ASCII tail
+    (nearly all: ``oai:repository.org:1234``) reuses its quoted head; other ASCII ones are quoted by one
+    ``translate``."""
+    head, colon, tail = text.rpartition(":")
+    if colon and tail.isascii() and tail.isalnum():
+        return _quoted_head(head) + tail
+    return _quote_text(text)
+
+
+@functools.lru_cache(maxsize=1024)  # bounded: a repository has a few heads, a hostile one many
+def _quoted_head(head: str) -> str:
+    return _quote_text(head) + "%3A"
+
+
+def _quote_text(text: str) -> str:
+    return text.translate(_QUOTED) if text.isascii() else quote(text, safe="")
+
+
 #: Hashes of a record besides sha-256: md5 is what resync compares by default.
 _MD5 = frozenset({"md5"})
-#: A record once its content is a durable blob (``store_page``): identifier, datestamp, deleted, and the
-#: blob's sha-256, length and md5 (None when deleted). A plain tuple: a worker process sends a page of
-#: them back pickled, and dataclasses cost five times as much to unpickle.
-StoredRecord = tuple[str, datetime | None, bool, str | None, int, str | None]
+#: A record once its content is a durable blob (``store_page``): identifier, datestamp, deleted, the
+#: blob's sha-256, length and md5 (None when deleted), and the record's GetRecord URL (its ``via``
+#: link). A plain tuple: a worker process sends a page of them back pickled, and dataclasses cost five
+#: times as much to unpickle. The URL is made here, in the worker, not on the daemon's event loop, which
+#: is the walk's busiest part.
+StoredRecord = tuple[str, datetime | None, bool, str | None, int, str | None, str]
 
 
-def store_page(blobs: BlobStore, data: bytes, url: str) -> tuple[Page, list[StoredRecord], Exception | None]:
+def store_page(
+    blobs: BlobStore, data: bytes, url: str, get_record: str = ""
+) -> tuple[Page, list[StoredRecord], Exception | None]:
     """Parse a page and make its records' content durable blobs, in one call: in a worker process
     (``harvest/offload.py``), while the daemon fetches the next pages and commits the pages before it
     (blobs before state: the rows that name them come after, in walk order; until then a blob is named
-    by nothing, and ``rsagg gc`` removes it if the walk never commits it).
+    by nothing, and ``rsagg gc`` removes it if the walk never commits it). ``get_record``: the GetRecord
+    URL of the repository, less the identifier (a record's ``via`` is it + the quoted identifier).
 
     Returns the page without its records (``Page.records`` is emptied: their content stays here), the
     records stored, in page order, and the error that stopped storing them (the walk raises it in walk
@@ -217,15 +254,16 @@ def store_page(blobs: BlobStore, data: bytes, url: str) -> tuple[Page, list[Stor
     writers: list[BlobWriter] = []
     try:
         for rec in records:
+            via = get_record + quote_all(rec.identifier)
             if rec.content is None:
-                stored.append((rec.identifier, rec.datestamp, True, None, 0, None))
+                stored.append((rec.identifier, rec.datestamp, True, None, 0, None, via))
                 continue
             writer = begin_spooled(blobs, _MD5)
             writers.append(writer)
             writer.write(rec.content)
             info = writer.finish()
             stored.append(
-                (rec.identifier, rec.datestamp, False, info.sha256, info.length, info.hashes["md5"])
+                (rec.identifier, rec.datestamp, False, info.sha256, info.length, info.hashes["md5"], via)
             )
         blobs.commit(writers)
     except Exception as exc:
@@ -244,4 +282,14 @@ def _portable(exc: Exception) -> Exception:
     return exc
 
 
-__all__ = ["OAI", "OaiError", "Page", "Record", "StoredRecord", "parse_page", "peek_token", "store_page"]
+__all__ = [
+    "OAI",
+    "OaiError",
+    "Page",
+    "Record",
+    "StoredRecord",
+    "parse_page",
+    "peek_token",
+    "quote_all",
+    "store_page",
+]

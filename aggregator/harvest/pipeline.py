@@ -64,6 +64,9 @@ class Work:
     #: What ``blob`` holds; or, without a writer, content already durable in the store (an OAI-PMH
     #: record stored by a worker process: ``harvest/offload.py``).
     info: BlobInfo | None = None
+    #: The state change already made, exactly what ``change_from(self, self.info)`` makes (an OAI-PMH
+    #: record: ``OaiHarvest._work``); ``run_batches`` takes it as it is, for a work no plugin replaced.
+    ready: Change | None = None
 
 
 @dataclass
@@ -407,6 +410,8 @@ class Pipeline:
                     work = await self._filtered(listed) if self._filtering else listed
                     if work is None:
                         results.append(_Result(listed, None))
+                    elif work.ready is not None and not self._filtering:  # a plugin saw the entry
+                        results.append(_Result(work, work.ready, work.blob))
                     elif work.change == DELETED:
                         results.append(_Result(work, change_from(work, None)))
                     elif work.blob is not None or work.info is not None:
@@ -815,6 +820,8 @@ def _one_version_each(batch: list[_Result]) -> list[list[_Result]]:
     (rsagg's clock at that commit), so the versions of a resource are told apart by time, not only by
     their order. A batch without such a repeat (every batch of a Source without mementos) stays whole.
     """
+    if not any(r.memento for r in batch):
+        return [batch]
     parts: list[list[_Result]] = [[]]
     seen: set[str] = set()
     for r in batch:
