@@ -1,7 +1,7 @@
 """rsagg's plugin hooks: each one a seam in the flow upstream → harvest → store → publish.
 
 Every hook may be implemented by any plugin; built-in behaviour is itself registered as default plugins
-(``aggregator/plugins/defaults/``), so these are the paths rsagg really takes. A hook may return an
+(each stage's ``defaults.py``), so these are the paths rsagg really takes. A hook may return an
 awaitable where noted (it is awaited). ``plugin`` is a ``PluginContext``: ``plugin.settings(name,
 source=None)`` gives a plugin its own settings table from the configuration.
 """

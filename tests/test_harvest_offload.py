@@ -10,8 +10,8 @@ import pytest
 
 from aggregator.harvest.oaipage import OaiError, store_page
 from aggregator.harvest.offload import Offload, OffloadError, StoreRecipe
-from aggregator.plugins.defaults.filesystem import create_store
 from aggregator.store.blobs import FileBlobStore
+from aggregator.store.defaults import create_store
 
 from .faultystores import full_disk
 

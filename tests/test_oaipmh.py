@@ -706,7 +706,7 @@ def test_the_records_stored_are_the_records_served(tmp_path: Path, monkeypatch, 
 
     import aggregator.harvest.oaipage as oaipage
     from aggregator.harvest.oaipage import store_page
-    from aggregator.plugins.defaults.filesystem import create_store
+    from aggregator.store.defaults import create_store
 
     if not whole:
         monkeypatch.setattr(oaipage, "TREE_BYTES", 0)

@@ -24,11 +24,11 @@ import rsagg_xmlpatch as xmlpatch
 from aggregator.cli import main
 from aggregator.config import ConfigError, parse_config
 from aggregator.hookspecs import hookimpl
-from aggregator.plugins.defaults import filesystem
 from aggregator.plugins.manager import DEFAULT_PLUGINS, PluginError, Plugins
 from aggregator.publish.links import LinkPolicy, PluginLinks
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.model import Entry, Link, Md
+from aggregator.store import defaults as filesystem
 from aggregator.store.rows import Resource
 from aggregator.testing.upstream import Upstream
 
@@ -459,7 +459,7 @@ def test_rsagg_plugins_lists_name_version_origin_enabled_and_hooks(
     by_name = {r["name"]: r for r in rows}
     assert by_name["linkpolicy"] == {
         "name": "linkpolicy", "version": "builtin", "origin": "builtin",
-        "module": "aggregator.plugins.defaults.linkpolicy", "distribution": None, "enabled": True,
+        "module": "aggregator.publish.defaults", "distribution": None, "enabled": True,
         "loaded": True, "hooks": ["rsagg_republish_links"],
     }  # fmt: skip
     assert by_name["xmlpatch"]["enabled"] is False and by_name["xmlpatch"]["hooks"] == ["rsagg_patch_formats"]

@@ -311,7 +311,7 @@ async def test_concurrent_gets_stay_within_the_idle_pool(tmp_path: Path, monkeyp
     """More requests in flight than the pool keeps idle must not open a connection per request."""
     opened: list[Path] = []
 
-    import aggregator.store.state as state_module
+    import aggregator.store.open as state_module
 
     connect = state_module.connect  # the composition opens every state connection through it (run/parts.py)
 

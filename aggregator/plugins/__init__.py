@@ -1,2 +1,2 @@
-"""pluggy's plugin manager for rsagg (``manager``) and rsagg's own behaviour as default plugins
-(``defaults``)."""
+"""pluggy's plugin manager for rsagg (``manager``); rsagg's own behaviour at each seam is a default plugin
+in the stage it belongs to (``store/defaults.py``, ``harvest/defaults.py``, ``publish/defaults.py``)."""

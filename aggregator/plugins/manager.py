@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from .. import hookspecs
+import aggregator.hookspecs as hookspecs  # the module itself: pluggy reads its specs
+
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # pydantic loads with a configuration, not with the plugins (``rsagg plugins``)
@@ -50,9 +51,9 @@ log = logging.getLogger("rsagg.plugins")
 
 #: rsagg's own behaviour, registered as plugins (name -> module).
 DEFAULT_PLUGINS = {
-    "filesystem": "aggregator.plugins.defaults.filesystem",
-    "jsonpatch": "aggregator.plugins.defaults.jsonpatch",
-    "linkpolicy": "aggregator.plugins.defaults.linkpolicy",
+    "filesystem": "aggregator.store.defaults",
+    "jsonpatch": "aggregator.harvest.defaults",
+    "linkpolicy": "aggregator.publish.defaults",
 }
 GROUP = "rsagg"
 

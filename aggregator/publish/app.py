@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import anyio.lowlevel
 import trio
@@ -73,7 +73,7 @@ from .documents import (
     no_dumps,
     no_extra_capabilities,
 )
-from .fastpath import ResourceFastPath
+from .fastpath import ResourceFastPath, ServedCounter
 from .resources import LiteRequest, gone, http_date, remote_response, resource_answer, validators_match
 from .site import build_site, link_policy, publish_filter
 from .streaming import DOC_CHUNK, XML, DocumentResponse
@@ -92,13 +92,6 @@ READER_WAIT = 10.0
 Build = Callable[[Site, StateStore, PublishedSet, datetime], "Doc | None"]
 Validate = Callable[[Site, StateStore, PublishedSet], "Validity | None"]
 FILE_CHUNK = 256 * 1024
-
-
-class ServedCounter(Protocol):
-    """What the publisher reports of the requests it serves (``observe.metrics.Metrics`` is one): the
-    fast path counts the requests it answers itself, past the middleware that counts the others."""
-
-    def served(self, route: str, method: str, code: int, seconds: float) -> None: ...
 
 
 class ServerBusy(Exception):

@@ -40,6 +40,7 @@ from ..rs.model import (
     RESOURCELIST,
     RS_NS,
     SITEMAPINDEX,
+    Doc,
     Entry,
     Head,
     Link,
@@ -63,8 +64,6 @@ CACHE_CLOSED = "public, max-age=86400"
 DUMP_CAPABILITIES = (RESOURCEDUMP, CHANGEDUMP)
 _URI_CACHE = 4096
 
-#: A document: its head and its entries (or, where asked for, their ready-written lines).
-Doc = tuple[Head, Iterator[Entry]] | tuple[Head, Iterator[Entry | str]]
 #: ``dumps_available(set name)``: the dump capabilities a Capability List lists, capability -> URL.
 DumpsAvailable = Callable[[str], dict[str, str]]
 #: ``extra_capabilities(set name)``: more Capability List entries (e.g. notification channels).

@@ -53,7 +53,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
 from starlette.requests import Request
@@ -85,9 +85,36 @@ from .versions import (
 )
 
 if TYPE_CHECKING:
-    from .app import Publisher
+    from ..config import Config
+    from ..store.blobs import BlobStore
+    from .documents import Site
 
 log = logging.getLogger("rsagg.publish")
+
+_T = TypeVar("_T")
+
+
+class ServedCounter(Protocol):
+    """What the publisher reports of each request it serves (``observe.metrics.Metrics`` is one)."""
+
+    def served(self, route: str, method: str, code: int, seconds: float) -> None: ...
+
+
+class FastPathPublisher(Protocol):
+    """What the fast path reads of the publisher (``app.Publisher`` is one)."""
+
+    config: Config
+    blobs: BlobStore
+    metrics: ServedCounter
+    open_watcher: Callable[[], StateStore]
+
+    @property
+    def base_url(self) -> str: ...
+
+    def site(self, state: StateStore) -> Site: ...
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T: ...
+
 
 #: Lookups kept (each a few hundred bytes plus the blob when small), and blob bytes kept in all.
 HOT_ENTRIES = 20_000
@@ -256,7 +283,7 @@ class ResourceFastPath:
     def __init__(
         self,
         app: ASGIApp,
-        publisher: Publisher,
+        publisher: FastPathPublisher,
         route: Any,
         busy: tuple[
             type[Exception] | tuple[type[Exception], ...], Callable[[Request, Exception], Awaitable[Response]]
@@ -485,4 +512,12 @@ def _local_blob(path: Path | None) -> tuple[int | None, bytes | None]:
         return None, None
 
 
-__all__ = ["HOT_BYTES", "HOT_ENTRIES", "Hot", "HotCache", "ResourceFastPath"]
+__all__ = [
+    "HOT_BYTES",
+    "HOT_ENTRIES",
+    "FastPathPublisher",
+    "Hot",
+    "HotCache",
+    "ResourceFastPath",
+    "ServedCounter",
+]

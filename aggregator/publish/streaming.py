@@ -15,7 +15,7 @@ from ..rs.write import iter_document_bytes
 from .doccache import CacheWriter
 
 if TYPE_CHECKING:
-    from .documents import Doc
+    from ..rs.model import Doc
 
 log = logging.getLogger("rsagg.publish")
 

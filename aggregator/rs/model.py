@@ -8,6 +8,7 @@ time; writers take a head and an iterator of entries. Nothing here holds a whole
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -182,6 +183,11 @@ class Head:
             if has_rel(ln, rel):
                 return ln
         return None
+
+
+#: A document as parsers yield it and writers take it: its head and its entries (or, where a writer
+#: is handed them, entries already written as lines).
+Doc = tuple[Head, Iterator[Entry]] | tuple[Head, Iterator[Entry | str]]
 
 
 def kind_name(head: Head) -> str:

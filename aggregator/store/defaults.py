@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...hookspecs import hookimpl
-from ...store.blobs import INLINE_BYTES, FileBlobStore
+from ..hookspecs import hookimpl
+from .blobs import INLINE_BYTES, FileBlobStore
 
 #: ``[store.settings]`` of this backend: ``path`` (default ``store.path``/blobs) and ``inline_bytes``
 #: (blobs up to this size are rows of small.db; 0 = a file each, as a store shared over NFS needs).

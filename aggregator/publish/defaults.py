@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ...hookspecs import hookimpl
+from ..hookspecs import hookimpl
 
 
 @hookimpl
 def rsagg_republish_links(plugin, set_name, resource, uri_of, record):
-    from ...publish.links import LinkPolicy  # the state's modules: loaded when publishing asks, not here
+    from .links import LinkPolicy  # the state's modules: loaded when publishing asks, not here
 
     s = plugin.settings("linkpolicy")
     policy = LinkPolicy(bool(s.get("keep_collection", False)), bool(s.get("keep_canonical", False)))

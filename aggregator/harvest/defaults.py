@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ...hookspecs import hookimpl
+from ..hookspecs import hookimpl
 
 
 @hookimpl
 def rsagg_patch_formats():
-    from ...harvest.patch import builtin_patch_formats  # trio, httpx: loaded when a harvest asks, not here
+    from .patch import builtin_patch_formats  # trio, httpx: loaded when a harvest asks, not here
 
     return builtin_patch_formats()
