@@ -144,7 +144,7 @@ def pg_facts(url: str) -> dict:
 
 
 @pytest.mark.slow
-def test_a_released_v14_postgres_state_is_this_schema_and_opens_unchanged(pg_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_released_v14_postgres_state_migrates_to_this_schema_and_works(pg_server) -> None:  # type: ignore[no-untyped-def]
     import psycopg
 
     old, new = pg_server.fresh_url(), pg_server.fresh_url()
