@@ -153,13 +153,15 @@ def plan_batch(
     """What a batch does, change by change, against the rows as they stand (``State.apply`` says the
     rules): one place for them, whatever the backend writes with.
 
-    ``current``: uri -> [id, sha256, live, stored] of the batch's stored rows (the ``_C_*`` positions;
-    updated as the batch goes); ``now`` the batch's changelog time and ``when`` a time as the backend
-    stores it; ``new_id()`` an id for a new row. Returns (rows: uri -> the ``RES_COLS`` values and the
-    id, the final row per uri; tombstones: stored row id -> (generation, upstream_datetime); seen: id ->
-    generation of no-ops during a baseline; log: changelog rows without seq; applied: the changes that
-    changed state, each with the logged kind).
+    ``changes`` have been checked (``check_sha``, ``check_hashes``). ``current``: uri -> [id, sha256,
+    live, stored] of the batch's stored rows (the ``_C_*`` positions; updated as the batch goes);
+    ``now`` the batch's changelog time and ``when`` a time as the backend stores it; ``new_id()`` an
+    id for a new row. Returns (rows: uri -> the ``RES_COLS`` values and the id, the final row per uri;
+    tombstones: stored row id -> (generation, upstream_datetime); seen: id -> generation of no-ops
+    during a baseline; log: changelog rows without seq; applied: the changes that changed state, each
+    with the logged kind).
     """
+    fromhex = bytes.fromhex
     # Records of a batch share a few datestamps, and formatting one cost more than the rest of its row.
     when, stamp = functools.cache(when), functools.cache(format_dt)
     # Collapse to the final row per uri; keep the log in order.
@@ -201,11 +203,13 @@ def plan_batch(
         else:
             cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
             tombstones.pop(cur[_C_ID], None)
+        # hashes binary (checked as hex by ``State.apply`` before the batch: no second check per row)
         h = ch.hashes
-        sha = hash_in(ch.sha256)
+        sha = None if ch.sha256 is None else fromhex(ch.sha256)
+        md5, sha1 = h.get("md5"), h.get("sha-1")
         rows[ch.uri] = [
-            set_id, ch.uri, sha, ch.length, ch.type, ch.encoding, hash_in(h.get("md5")),
-            hash_in(h.get("sha-1")), when(ch.lastmod), when(ch.upstream_datetime),
+            set_id, ch.uri, sha, ch.length, ch.type, ch.encoding, None if md5 is None else fromhex(md5),
+            None if sha1 is None else fromhex(sha1), when(ch.lastmod), when(ch.upstream_datetime),
             links_json(ch.links, stamp), json_or_none(ch.md_extra), json_or_none(ch.entry_extra),
             False, gen, now, cur[_C_ID],
         ]  # fmt: skip
