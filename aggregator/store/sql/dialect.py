@@ -45,16 +45,15 @@ class Dialect:
 
     def hex(self, column: str) -> str:
         """A stored binary hash column read as the seam's lowercase hex (NULL stays NULL; no stored hash
-        is empty), converted by the database: a list writer's row needs no Python per hash."""
+        is empty), converted by the database: for a sorted list of hashes (gc)."""
         return f"nullif(lower(hex({column})), '')"
 
     @functools.cached_property
     def listing_cols(self) -> str:
         """``iter_live_listing``'s columns: interface.ListingRow's, then whether the row has more."""
         times = ", ".join(self.w3c(c) for c in ("lastmod", "upstream_datetime", "updated_at"))
-        sha256, md5, sha1 = (self.hex(c) for c in ("sha256", "md5", "sha1"))
-        return (
-            f"id, uri, {sha256}, length, type, encoding, {md5}, {sha1}, {times}, "
+        return (  # hashes binary: Reads._listing_pages turns them to hex (SQLite's lower(hex()) cost more)
+            f"id, uri, sha256, length, type, encoding, md5, sha1, {times}, "
             "(links IS NOT NULL OR md_extra IS NOT NULL OR entry_extra IS NOT NULL)"
         )
 

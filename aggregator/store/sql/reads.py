@@ -279,12 +279,14 @@ class Reads(SqlState):
                         f"{SELECT_RES} WHERE id IN (SELECT value FROM json_each(?))", (self.d.ids(rich),)
                     ).fetchall()
                     whole = {r[0]: resource_row(r, dt) for r in full}
-            if rich:
-                for r in rows:
-                    yield whole[r[0]] if r[-1] else r[:-1]
-            else:
-                for r in rows:
-                    yield r[:-1]
+            # ListingRow: the stored binary hashes (sha256, md5, sha1) as hex; the last column dropped
+            for r in rows:
+                if r[-1]:
+                    yield whole[r[0]]
+                else:
+                    sha, md5, sha1 = r[2], r[6], r[7]
+                    yield (r[0], r[1], sha and sha.hex(), r[3], r[4], r[5], md5 and md5.hex(),
+                           sha1 and sha1.hex(), r[8], r[9], r[10])  # fmt: skip
             if len(rows) < codec.PAGE_SIZE:
                 return
             after = rows[-1][0]
