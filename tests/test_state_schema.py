@@ -352,6 +352,32 @@ def test_a_v14_postgres_state_with_data_migrates_with_every_answer_unchanged(pg_
         assert next_change(st) == [(before["last_seq"] + 1, "https://repository.example.org/new")]
 
 
+@pytest.mark.slow
+def test_a_hash_that_is_not_hex_fails_the_postgres_migration_and_leaves_v14(pg_server) -> None:  # type: ignore[no-untyped-def]
+    import psycopg
+
+    url = pg_server.fresh_url()
+    with psycopg.connect(url) as conn:
+        for statement in V14["postgresql"]:
+            conn.execute(statement)
+        conn.execute(
+            "INSERT INTO sources (name, url, created_at, updated_at) VALUES ('s', 'u', now(), now())"
+        )
+        conn.execute(
+            "INSERT INTO sets (id, source, capabilitylist_url, name, created_at) "
+            "VALUES (1, 's', 'c', 'n', now())"
+        )
+        conn.execute(
+            "INSERT INTO resources (id, set_id, uri, sha256, deleted, updated_at) "
+            "VALUES (1, 1, 'x', 'zz', false, now())"
+        )
+    with pytest.raises(Exception, match="hexadecimal"):
+        connect(url)
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchone() == (14,)
+        assert conn.execute("SELECT sha256 FROM resources").fetchone() == ("zz",)
+
+
 # -- the codec boundary: hex in, bytes stored, hex out --------------------------------------------
 
 _RNG = random.Random(15)
