@@ -1,4 +1,5 @@
 """The state's hot paths on both backends: a batch of changes applied, resource reads, a changelog page,
+a Resource List's listing, a Change List's log range,
 ``version()`` and ``cursor()``; the best of several repeats (robust on a loaded machine).
 
 The SQL is written once for both backends (aggregator/store/sql/); ``--root`` times another checkout
@@ -56,6 +57,12 @@ def measure(st: Any, batch: int) -> dict[str, float]:
         f"resources({batch}) (ms)": best(lambda: st.resources(sid, uris), 3) * 1e3,
         "resource() (µs)": best(lambda: st.resource(sid, "http://x.example/r/5"), 200) * 1e6,
         "changelog page of 1000 (ms)": best(lambda: sum(1 for _ in st.iter_changelog(limit=1000)), 3) * 1e3,
+        # a Resource List's rows (publish/listing.py) and a Change List window's records with their rows
+        "live listing of 1000 (ms)": best(
+            lambda: sum(1 for _ in st.iter_live_listing([sid], until_id=1000)), 3
+        )
+        * 1e3,
+        "log range of 1000 (ms)": best(lambda: sum(1 for _ in st.iter_log_range([sid], 0, 1000)), 3) * 1e3,
         "version() (µs)": best(st.version, 1000) * 1e6,
         "cursor() (µs)": best(lambda: st.cursor(sid), 1000) * 1e6,
     }

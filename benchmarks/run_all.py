@@ -46,6 +46,7 @@ BENCHES = [
     Bench("entry_order", "bench_entry_order.py", (), ("--entries", "10000")),
     Bench("state_calls", "bench_state_calls.py", (), ("--calls", "500")),
     Bench("state_paths", "bench_state_paths.py", (), ("--batch", "200", "--no-pg")),
+    Bench("state_size", "bench_state_size.py", (), ("--n", "2000", "--no-pg")),
     Bench("documents", "bench_documents.py", (), ("--entries", "20000", "--parts", "2")),
     Bench("blobs", "bench_blobs.py", (), ("--small", "200", "--large", "10", "--backends", "fs")),
     Bench("publish", "bench_publish.py", (),

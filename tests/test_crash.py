@@ -164,10 +164,13 @@ class Harvester:
             con.close()
 
     def live(self) -> dict[str, str]:
-        return dict(self.query("SELECT uri, sha256 FROM resources WHERE deleted = 0"))
+        return dict(self.query("SELECT uri, lower(hex(sha256)) FROM resources WHERE deleted = 0"))
 
     def changelog(self) -> Log:
-        return self.query("SELECT uri, change, sha256 FROM changelog ORDER BY seq")
+        return self.query(
+            "SELECT r.uri, c.change, lower(hex(c.sha256)) FROM changelog c "
+            "JOIN resources r ON r.id = c.resource_id ORDER BY c.seq"
+        )
 
     def cursor_datetime(self) -> datetime | None:
         rows = self.query("SELECT last_datetime FROM cursors")
@@ -334,8 +337,8 @@ def check_no_temp_files(h: Harvester) -> None:
 def check_store(h: Harvester) -> int:
     """No row names a missing blob; no unfinished baseline; gc leaves exactly the blobs that are named.
     Returns how many blobs gc removed (committed by a run killed before its state transaction)."""
-    named = {sha for (sha,) in h.query("SELECT sha256 FROM resources WHERE sha256 IS NOT NULL")}
-    named |= {sha for (sha,) in h.query("SELECT sha256 FROM changelog WHERE sha256 IS NOT NULL")}
+    named = {sha for (sha,) in h.query("SELECT lower(hex(sha256)) FROM resources WHERE sha256 IS NOT NULL")}
+    named |= {sha for (sha,) in h.query("SELECT lower(hex(sha256)) FROM changelog WHERE sha256 IS NOT NULL")}
     with FileBlobStore(h.store / "blobs") as blobs:
         missing = sorted(sha for sha in named if not blobs.exists(sha))
         assert not missing, f"{len(missing)} blob(s) named by the state are not stored, e.g. {missing[0]}"

@@ -191,7 +191,7 @@ def status_resources(config: Path) -> int:
 def held(db: Path) -> dict[str, str]:
     """uri -> sha256 of every live resource in rsagg's state database."""
     with sqlite3.connect(db) as c:
-        return dict(c.execute("SELECT uri, sha256 FROM resources WHERE deleted = 0"))
+        return dict(c.execute("SELECT uri, lower(hex(sha256)) FROM resources WHERE deleted = 0"))
 
 
 def changelog_since(db: Path, seq: int) -> tuple[int, Counter[str]]:

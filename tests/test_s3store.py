@@ -575,7 +575,10 @@ async def test_scenarios_pass_unchanged_on_s3(scenario, seaweed: SeaweedFS, s3, 
     named = set()
     for db in tmp_path.rglob("state.db"):
         with sqlite3.connect(db) as conn:
-            named |= {row[0] for row in conn.execute("SELECT sha256 FROM resources WHERE sha256 IS NOT NULL")}
+            named |= {
+                row[0]
+                for row in conn.execute("SELECT lower(hex(sha256)) FROM resources WHERE sha256 IS NOT NULL")
+            }
     assert named, "the scenario stored something"
     keys = set()
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="blobs/"):

@@ -64,7 +64,9 @@ INTEGRITY_ERRORS = (sqlite3.IntegrityError, psycopg.IntegrityError)
 def fail_changelog_insert(st: State) -> Callable[[str], None]:
     """Makes the state fail (``disk says no``) to insert a changelog record for one uri."""
     return lambda uri: st.conn.execute(
-        f"CREATE TEMP TRIGGER fail_log BEFORE INSERT ON changelog WHEN NEW.uri = '{uri}' "
+        # the changelog names its row by id (schema step 15): resources are written first
+        "CREATE TEMP TRIGGER fail_log BEFORE INSERT ON changelog WHEN "
+        f"(SELECT uri FROM resources WHERE id = NEW.resource_id) = '{uri}' "
         "BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
     )
 

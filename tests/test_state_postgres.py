@@ -103,7 +103,8 @@ def fail_changelog_insert(url: str) -> Callable[[str], None]:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(
                 "CREATE FUNCTION fail_log() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                f"IF NEW.uri = '{uri}' THEN RAISE EXCEPTION 'disk says no'; END IF; RETURN NEW; END $$"
+                f"IF (SELECT uri FROM resources WHERE id = NEW.resource_id) = '{uri}' "
+                "THEN RAISE EXCEPTION 'disk says no'; END IF; RETURN NEW; END $$"
             )
             conn.execute(
                 "CREATE TRIGGER fail_log BEFORE INSERT ON changelog FOR EACH ROW EXECUTE FUNCTION fail_log()"

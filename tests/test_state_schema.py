@@ -1,24 +1,33 @@
-"""The one schema (aggregator/store/sql/schema.py) is the schema rsagg's last release created, on both
-backends: a state it left at version 14 opens unchanged (nothing to migrate) and works with this rsagg.
+"""The one schema (aggregator/store/sql/schema.py) migrates a state rsagg's last release left at version
+14 to the schema this rsagg creates, on both backends, and the state works with this rsagg.
 
 tests/data/state_v14_schema.json holds that release's DDL (generated from its migration lists): a
-state is built from it, compared with a state this rsagg creates (tables, columns, types, defaults,
-keys, indexes), then opened and used through every concern of the state."""
+state is built from it, opened (step 15 converts it: binary hashes, no uri per changelog row),
+compared with a state this rsagg creates (tables, columns, types, defaults, keys, indexes), then used
+through every concern of the state. A v14 state with data migrates with every answer unchanged."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import random
 import re
 import sqlite3
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
+from aggregator.publish import documents
+from aggregator.publish.links import LinkPolicy
+from aggregator.rs.write import iter_document_bytes
 from aggregator.store.interface import StateStore
 from aggregator.store.open import connect
 from aggregator.store.rows import Change, Cursor, DumpPart, HubVerification, ResourceValidators
+from aggregator.store.sets import PublishedSet
+from aggregator.store.sql import codec
 
 V14 = json.loads((Path(__file__).parent / "data" / "state_v14_schema.json").read_text())
 
@@ -100,18 +109,16 @@ def v14_sqlite(tmp_path: Path) -> Path:
     return path
 
 
-def test_this_rsagg_creates_the_released_sqlite_schema(v14_sqlite: Path, tmp_path: Path) -> None:
+def test_a_released_v14_sqlite_state_migrates_to_this_schema_and_works(
+    v14_sqlite: Path, tmp_path: Path
+) -> None:
     with connect(tmp_path / "new.db"):
         pass
-    assert sqlite_facts(tmp_path / "new.db") == sqlite_facts(v14_sqlite)
-
-
-def test_a_released_v14_sqlite_state_opens_unchanged_and_works(v14_sqlite: Path) -> None:
-    before = sqlite_facts(v14_sqlite)
     with connect(v14_sqlite) as st:
-        assert st.schema_version == 14
+        assert st.schema_version == 15
         exercise(st)
-    assert sqlite_facts(v14_sqlite) == before  # nothing migrated, nothing added
+    assert sqlite_facts(v14_sqlite) == sqlite_facts(tmp_path / "new.db")
+    assert sqlite_facts(v14_sqlite)["changelog"]["autoincrement"]
 
 
 PG_FACTS = (
@@ -137,7 +144,7 @@ def pg_facts(url: str) -> dict:
 
 
 @pytest.mark.slow
-def test_a_released_v14_postgres_state_is_this_schema_and_opens_unchanged(pg_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_released_v14_postgres_state_migrates_to_this_schema_and_works(pg_server) -> None:  # type: ignore[no-untyped-def]
     import psycopg
 
     old, new = pg_server.fresh_url(), pg_server.fresh_url()
@@ -146,9 +153,306 @@ def test_a_released_v14_postgres_state_is_this_schema_and_opens_unchanged(pg_ser
             conn.execute(statement)
     with connect(new):
         pass
-    before = pg_facts(old)
-    assert pg_facts(new) == before
     with connect(old) as st:
-        assert st.schema_version == 14
+        assert st.schema_version == 15
         exercise(st)
-    assert pg_facts(old) == before
+    assert pg_facts(old) == pg_facts(new)
+
+
+# -- step 15 with data: every answer the same before and after ------------------------------------
+
+T0 = datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC)
+BASE = "https://agg.example/rs"
+
+
+def _clock() -> Callable[[], datetime]:
+    ticks = itertools.count()
+    return lambda: T0 + timedelta(seconds=next(ticks))
+
+
+def fill(st: StateStore) -> None:
+    """Two sets of resources as harvests leave them: created (sha-256 + md5, some sha-1, some without
+    any hash), updated, deleted (one by a baseline), recreated."""
+    st.upsert_source("src", "https://example.org/sd.xml")
+    sets = [st.ensure_set("src", f"https://example.org/cl{i}.xml") for i in range(2)]
+    for n, sid in enumerate(sets):
+        uri = f"https://repository.example.org/objects/{n}/item-%05d/datastreams/content.xml"
+        changes = []
+        for i in range(40):
+            body = f"{n}/{i}".encode()
+            hashes = {"md5": hashlib.md5(body).hexdigest()}
+            if i % 3 == 0:
+                hashes["sha-1"] = hashlib.sha1(body).hexdigest()
+            sha = None if i % 7 == 6 else hashlib.sha256(body).hexdigest()
+            changes.append(
+                Change(uri % i, "created", sha, len(body), "text/xml", hashes=hashes if sha else {})
+            )
+        st.apply(sid, changes)
+        st.apply(sid, [Change(uri % i, "updated", _sha(f"{n}/{i}b"), 9, "text/xml") for i in range(0, 40, 4)])
+        st.apply(sid, [Change(uri % i, "deleted") for i in range(1, 40, 5)])
+        st.apply(sid, [Change(uri % 1, "created", _sha("again"), 5, "text/plain", hashes={"md5": "ab" * 16})])
+    gen = st.begin_baseline(sets[1])
+    st.apply(
+        sets[1], [Change(r.uri, "created", r.sha256, generation=gen) for r in st.iter_live([sets[1]])][:30]
+    )
+    st.finish_baseline(sets[1], gen, Cursor(baseline_at=T0))
+
+
+def answers(st: StateStore) -> dict:
+    """Everything a reader of the resources and the changelog gets: rows, pages, Change Lists."""
+    sids = [s.id for s in st.sets()]
+    ps = PublishedSet("all", tuple(sids))
+    site = documents.Site(BASE, {"all": ps}, LinkPolicy(), 25)
+    lists = {}
+    for k in range(1, st.last_seq() // 25 + 2):
+        doc = documents.change_list_window(site, st, ps, k, T0 + timedelta(days=1))
+        lists[k] = doc and b"".join(iter_document_bytes(*doc, flush_head=True))
+    head, entries = documents.resource_list_part(site, st, ps, 0, None, T0, lines=True)
+    resources = list(st.iter_resources(include_deleted=True))
+    return {
+        "resources": resources,
+        "by_uri": [st.resources(r.set_id, [r.uri]) for r in resources],
+        "changelog": list(st.iter_changelog()),
+        "pages": [
+            list(st.iter_changelog(after, set_id=sid, limit=7)) for sid in sids for after in (0, 13, 50)
+        ],
+        "log_range": list(st.iter_log_range(sids, 10, 90)),
+        "versions": [list(st.iter_versions(r.id)) for r in resources],
+        "version_at": [st.version_at(r.id, T0 + timedelta(seconds=3)) for r in resources],
+        "record": [st.log_record(seq) for seq in range(st.last_seq() + 2)],
+        "hashes": list(st.referenced_hashes()),
+        "listing": list(st.iter_live_listing(sids)),
+        "change_lists": lists,
+        "resource_list": b"".join(iter_document_bytes(head, entries, flush_head=True)),
+        "last_seq": st.last_seq(),
+    }
+
+
+def next_change(st: StateStore) -> list:
+    """A change applied after the migration: its seq follows the last one (AUTOINCREMENT kept)."""
+    sid = st.sets()[0].id
+    st.apply(sid, [Change("https://repository.example.org/new", "created", _sha("new"))])
+    return [(r.seq, r.uri) for r in st.iter_changelog(st.last_seq() - 1)]
+
+
+def downgrade_sqlite(path: Path) -> None:
+    """Put a state this rsagg wrote back into the last release's form (version 14: hex text hashes, half
+    of them uppercase as some writers left them, the uri on every changelog row)."""
+    ddl = [s for s in V14["sqlite"] if re.search(r"\b(TABLE|ON) (resources|changelog)\b", s)]
+    c = sqlite3.connect(path)
+    c.executescript(
+        "ALTER TABLE resources RENAME TO r15; ALTER TABLE changelog RENAME TO c15;"
+        "DROP INDEX resources_set_id; DROP INDEX resources_live; DROP INDEX changelog_set_seq;"
+        "DROP INDEX changelog_datetime; DROP INDEX changelog_resource;"
+    )
+    for statement in ddl:
+        c.execute(statement)
+    hx = "CASE WHEN {0} IS NULL THEN NULL WHEN id % 2 THEN upper(hex({0})) ELSE lower(hex({0})) END"
+    c.execute(
+        "INSERT INTO resources SELECT id, set_id, uri, {}, length, type, encoding, {}, {}, lastmod, "
+        "upstream_datetime, links, md_extra, entry_extra, deleted, generation, updated_at FROM r15".format(
+            hx.format("sha256"), hx.format("md5"), hx.format("sha1")
+        )
+    )
+    c.execute(
+        "INSERT INTO changelog SELECT c.seq, c.set_id, c.resource_id, r.uri, c.change, c.datetime, "
+        "lower(hex(c.sha256)), c.length, c.type FROM c15 c JOIN r15 r ON r.id = c.resource_id"
+    )
+    c.execute("UPDATE changelog SET sha256 = NULL WHERE sha256 = ''")
+    c.executescript("DROP TABLE r15; DROP TABLE c15; PRAGMA user_version = 14")
+    c.commit()
+    c.close()
+
+
+def test_a_v14_sqlite_state_with_data_migrates_with_every_answer_unchanged(
+    v14_sqlite: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "data.db"
+    with connect(path, clock=_clock()) as st:
+        fill(st)
+        before = answers(st)
+    downgrade_sqlite(path)
+    assert sqlite_facts(path) == sqlite_facts(v14_sqlite)  # the last release's form, exactly
+    raw = sqlite3.connect(path)
+    assert raw.execute("SELECT count(*) FROM resources WHERE sha256 <> lower(sha256)").fetchone()[0] > 0
+    raw.close()
+    with connect(path, clock=_clock()) as st:
+        assert st.schema_version == 15
+        assert answers(st) == before
+        assert next_change(st) == [(before["last_seq"] + 1, "https://repository.example.org/new")]
+    raw = sqlite3.connect(path)
+    assert raw.execute("SELECT count(*) FROM changelog WHERE uri IS NOT NULL").fetchone()[0] == 0
+    assert {t for (t,) in raw.execute("SELECT DISTINCT typeof(sha256) FROM resources")} == {"blob", "null"}
+    raw.close()
+
+
+def test_a_changelog_row_whose_resource_row_is_gone_keeps_its_uri(v14_sqlite: Path) -> None:
+    c = sqlite3.connect(v14_sqlite)
+    c.execute("INSERT INTO sources (name, url, created_at, updated_at) VALUES ('s', 'u', 't', 't')")
+    c.execute(
+        "INSERT INTO sets (id, source, capabilitylist_url, name, created_at) VALUES (1, 's', 'c', 'n', 't')"
+    )
+    c.execute(
+        "INSERT INTO changelog (set_id, resource_id, uri, change, datetime, sha256) VALUES "
+        f"(1, 99, 'https://gone.example/x', 'created', '2026-01-01T00:00:00.000000Z', '{_sha('x').upper()}')"
+    )
+    c.commit()
+    c.close()
+    with connect(v14_sqlite) as st:
+        [rec] = st.iter_changelog()
+    assert (rec.uri, rec.sha256) == ("https://gone.example/x", _sha("x"))
+
+
+def test_a_hash_that_is_not_hex_fails_the_migration_and_leaves_v14(v14_sqlite: Path) -> None:
+    c = sqlite3.connect(v14_sqlite)
+    c.execute("INSERT INTO sources (name, url, created_at, updated_at) VALUES ('s', 'u', 't', 't')")
+    c.execute(
+        "INSERT INTO sets (id, source, capabilitylist_url, name, created_at) VALUES (1, 's', 'c', 'n', 't')"
+    )
+    c.execute(
+        "INSERT INTO resources (id, set_id, uri, sha256, deleted, updated_at) "
+        "VALUES (1, 1, 'x', 'zz', 0, 't')"
+    )
+    c.commit()
+    c.close()
+    with pytest.raises(ValueError, match="schema step 15 cannot convert a stored hash: not a hex hash: 'zz'"):
+        connect(v14_sqlite)
+    assert sqlite_facts(v14_sqlite)["version"] == 14
+
+
+@pytest.mark.slow
+def test_a_v14_postgres_state_with_data_migrates_with_every_answer_unchanged(pg_server) -> None:  # type: ignore[no-untyped-def]
+    import psycopg
+
+    url, ref = pg_server.fresh_url(), pg_server.fresh_url()
+    with psycopg.connect(ref) as conn:
+        for statement in V14["postgresql"]:
+            conn.execute(statement)
+    with connect(url, clock=_clock()) as st:
+        fill(st)
+        before = answers(st)
+    hx = "CASE WHEN id % 2 = 1 THEN upper(encode({0}, 'hex')) ELSE encode({0}, 'hex') END"
+    with psycopg.connect(url) as conn:  # back to the last release's form (as downgrade_sqlite)
+        conn.execute(
+            "ALTER TABLE resources ALTER COLUMN sha256 TYPE TEXT USING {}, ALTER COLUMN md5 TYPE TEXT "
+            "USING {}, ALTER COLUMN sha1 TYPE TEXT USING {}".format(
+                hx.format("sha256"), hx.format("md5"), hx.format("sha1")
+            )
+        )
+        conn.execute("UPDATE changelog c SET uri = r.uri FROM resources r WHERE r.id = c.resource_id")
+        conn.execute(
+            "ALTER TABLE changelog ALTER COLUMN uri SET NOT NULL, "
+            "ALTER COLUMN sha256 TYPE TEXT USING encode(sha256, 'hex')"
+        )
+        conn.execute("UPDATE schema_version SET version = 14")
+    assert pg_facts(url) == pg_facts(ref)
+    with connect(url, clock=_clock()) as st:
+        assert st.schema_version == 15
+        assert answers(st) == before
+        assert next_change(st) == [(before["last_seq"] + 1, "https://repository.example.org/new")]
+
+
+@pytest.mark.slow
+def test_a_hash_that_is_not_hex_fails_the_postgres_migration_and_leaves_v14(pg_server) -> None:  # type: ignore[no-untyped-def]
+    import psycopg
+
+    url = pg_server.fresh_url()
+    with psycopg.connect(url) as conn:
+        for statement in V14["postgresql"]:
+            conn.execute(statement)
+        conn.execute(
+            "INSERT INTO sources (name, url, created_at, updated_at) VALUES ('s', 'u', now(), now())"
+        )
+        conn.execute(
+            "INSERT INTO sets (id, source, capabilitylist_url, name, created_at) "
+            "VALUES (1, 's', 'c', 'n', now())"
+        )
+        conn.execute(
+            "INSERT INTO resources (id, set_id, uri, sha256, deleted, updated_at) "
+            "VALUES (1, 1, 'x', 'zz', false, now())"
+        )
+    with pytest.raises(Exception, match="hexadecimal"):
+        connect(url)
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchone() == (14,)
+        assert conn.execute("SELECT sha256 FROM resources").fetchone() == ("zz",)
+
+
+# -- the codec boundary: hex in, bytes stored, hex out --------------------------------------------
+
+_RNG = random.Random(15)
+#: Generated hashes: every digest length the state holds and some odd ones, either case, none.
+HASHES = [None] + [
+    _RNG.randbytes(n).hex() if i % 2 else _RNG.randbytes(n).hex().upper()
+    for i, n in enumerate([1, 16, 16, 20, 20, 32, 32, 64, *(_RNG.randrange(1, 80) for _ in range(40))])
+]
+#: Generated strings that are not hex (a hash the state refuses instead of losing).
+JUNK = [
+    "",
+    "a",
+    "abc",
+    "0x12",
+    "g0",
+    "ab cd",
+    "12\n",
+    "é1",
+    *("".join(_RNG.choices("0123456789abcdefXYZ -", k=_RNG.randrange(1, 9))) + "z" for _ in range(20)),
+]
+
+
+@pytest.mark.parametrize("value", HASHES)
+def test_hashes_round_trip_through_the_codec(value: str | None) -> None:
+    stored = codec.hash_in(value)
+    assert codec.hash_out(stored) == (None if value is None else value.lower())
+    if value is not None:
+        assert stored is not None and len(stored) == len(value) // 2  # half the bytes of the hex text
+
+
+@pytest.mark.parametrize("junk", JUNK)
+def test_a_hash_that_is_not_hex_is_refused(junk: str) -> None:
+    with pytest.raises(ValueError, match="not a hex hash"):
+        codec.hash_in(junk)
+
+
+def _uri(rng: random.Random) -> str:
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789-._~%/?=;:@!$()*+,"
+    return (
+        "https://example.org/" + "".join(rng.choices(chars, k=rng.randrange(0, 90))) + "é" * rng.randrange(2)
+    )
+
+
+def test_a_change_s_hashes_read_back_as_given(tmp_path: Path) -> None:
+    """Generated changes (uris, sha-256 or none, md5 only, sha-1, either case) read back with their
+    hashes as given (lowercase), from the row, the changelog and the listing."""
+    rng = random.Random(1515)
+    with connect(tmp_path / "s.db") as st:
+        st.upsert_source("s", "https://example.org/sd.xml")
+        sid = st.ensure_set("s", "https://example.org/cl.xml")
+        want = {}
+        for i in range(200):
+            uri = _uri(rng) + f"#{i}"
+            sha = rng.choice([None, rng.randbytes(32).hex()])
+            hashes = {}
+            if rng.random() < 0.7:
+                hashes["md5"] = rng.randbytes(16).hex()
+            if rng.random() < 0.3:
+                hashes["sha-1"] = rng.randbytes(20).hex()
+            if rng.random() < 0.5:
+                hashes = {k: v.upper() for k, v in hashes.items()}
+            want[uri] = (sha, {k: v.lower() for k, v in hashes.items()} | ({"sha-256": sha} if sha else {}))
+            st.apply(sid, [Change(uri, "created", sha, hashes=hashes)])
+        got = {r.uri: (r.sha256, r.hashes) for r in st.iter_resources()}
+        log = {rec.uri: rec.sha256 for rec in st.iter_changelog()}
+        listing = {row[1]: (row[2], row[6], row[7]) for row in st.iter_live_listing([sid])}
+    assert got == want
+    assert log == {u: sha for u, (sha, _) in want.items()}
+    assert listing == {u: (sha, h.get("md5"), h.get("sha-1")) for u, (sha, h) in want.items()}
+
+
+def test_a_change_with_a_hash_that_is_not_hex_is_refused_before_writing(tmp_path: Path) -> None:
+    with connect(tmp_path / "s.db") as st:
+        st.upsert_source("s", "https://example.org/sd.xml")
+        sid = st.ensure_set("s", "https://example.org/cl.xml")
+        with pytest.raises(ValueError, match="not a hex md5"):
+            st.apply(sid, [Change("https://example.org/x", "created", _sha("x"), hashes={"md5": "nope"})])
+        assert st.last_seq() == 0

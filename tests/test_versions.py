@@ -454,7 +454,7 @@ def _check_definitions(open_state, when) -> None:
         for policy in [1, 2, 5, "1h", "6h", "2d", "30d"]:
             r = parse_retention(policy).at_time(now)
             sql = f"SELECT sha256 FROM ({retained_sql(r, when)}) AS q"
-            by_sql = {row[0] for row in _query(st, sql)}
+            by_sql = {bytes(row[0]).hex() for row in _query(st, sql)}  # stored binary
             by_def = set()
             for rec in records:
                 if rec.change == "deleted":

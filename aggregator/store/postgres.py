@@ -323,7 +323,7 @@ class PostgresState(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, 
             with cur.copy(f"COPY changelog ({', '.join(LOG_COLS)}) FROM STDIN") as copy:
                 for i, r in enumerate(log, seq + 1):
                     copy.write_row((i, *r))
-            cur.execute("UPDATE changelog_head SET seq = %s, datetime = %s", (seq + len(log), log[-1][4]))
+            cur.execute("UPDATE changelog_head SET seq = %s, datetime = %s", (seq + len(log), log[-1][3]))
 
     def _new_ids(self, c: _Conn, n: int) -> Callable[[], int]:
         # ids from the sequence: never reused, whichever process asks

@@ -37,6 +37,7 @@ from .sql.cluster import Cluster
 from .sql.codec import (
     RES_COLS,
     SYNCHRONOUS,
+    hash_in,
 )
 from .sql.dialect import SQLITE
 from .sql.dumps import Dumps
@@ -63,9 +64,16 @@ _UPDATE_RES = (
     + " WHERE id = ?"
 )
 _INSERT_LOG = (
-    "INSERT INTO changelog (set_id, resource_id, uri, change, datetime, sha256, length, type) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO changelog (set_id, resource_id, change, datetime, sha256, length, type) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
+
+
+def _unhex(value: str | bytes | None) -> bytes | None:
+    """Schema step 15: a stored hex hash (either case) as its bytes; NULL stays NULL."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return hash_in(value)
 
 
 @contextlib.contextmanager
@@ -204,6 +212,28 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
             return self.conn.execute("PRAGMA user_version").fetchone()[0]
 
     def _migrate(self) -> None:
+        # step 15's hex decoder (SQLite's own unhex() is 3.41+); a value that is not hex fails the step,
+        # named in the error (sqlite3 only says a function raised)
+        refused: list[str] = []
+
+        def unhex(value: str | bytes | None) -> bytes | None:
+            try:
+                return _unhex(value)
+            except ValueError as exc:
+                refused.append(str(exc))
+                raise
+
+        self.conn.create_function("rsagg_unhex", 1, unhex, deterministic=True)
+        try:
+            self._run_migrations()
+        except sqlite3.OperationalError as exc:
+            if not refused:
+                raise
+            raise ValueError(
+                f"{self.path}: schema step 15 cannot convert a stored hash: {refused[0]}"
+            ) from exc
+
+    def _run_migrations(self) -> None:
         with self._write(fence=False):
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
             if version > len(MIGRATIONS):

@@ -16,7 +16,7 @@ from typing import Any
 from ...rs.model import CHANGES, DELETED
 from ..interface import EmptySnapshot
 from ..rows import Change, Cursor, RetryChanges
-from .codec import C_STORED, check_sha, plan_batch
+from .codec import C_STORED, check_hashes, check_sha, plan_batch
 from .retries import Retries
 from .sources import Sources
 
@@ -86,6 +86,8 @@ class Changes(Sources, Retries):
                 raise ValueError(f"{ch.uri}: unknown change {ch.change!r}")
             if ch.sha256 is not None:
                 check_sha(ch.sha256)
+            if ch.hashes:
+                check_hashes(ch.hashes)
         with self._write() as c:
             row = c.execute("SELECT baseline_generation FROM sets WHERE id = ?", (set_id,)).fetchone()
             if row is None:
@@ -109,7 +111,7 @@ class Changes(Sources, Retries):
             for rid, uri, sha, deleted in c.execute(
                 *self.d.by_uri(("id", "uri", "sha256", "deleted"), set_id, uris)
             ):
-                current[uri] = [rid, sha, not deleted, True]
+                current[uri] = [rid, None if sha is None else sha.hex(), not deleted, True]
         # 2. Decide, change by change (plan_batch: the rules).
         new_id = self._new_ids(c, len(uris) - len(current))
         rows, tombstones, seen, log, applied = plan_batch(
@@ -183,9 +185,7 @@ class Changes(Sources, Retries):
                     "WHERE id IN (SELECT value FROM json_each(?))",
                     (True, generation, now, self.d.ids([rid for rid, _ in gone])),
                 )
-                self._append_log(
-                    c, seq, [(set_id, rid, uri, DELETED, now, None, None, None) for rid, uri in gone]
-                )
+                self._append_log(c, seq, [(set_id, rid, DELETED, now, None, None, None) for rid, _ in gone])
             self._put_cursor(c, set_id, cursor, now)
             c.execute("UPDATE sets SET baseline_generation = NULL WHERE id = ?", (set_id,))
             if retries is not None:

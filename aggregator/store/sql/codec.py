@@ -12,9 +12,11 @@ from datetime import datetime
 from typing import Any
 
 from ...rs.model import CREATED, DELETED, UPDATED, Link
-from ..rows import Change, Resource, format_dt, parse_dt
+from ..rows import Change, LogRecord, Resource, format_dt, parse_dt
 
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+#: A hash the state stores (md5, sha-1, sha-256): hex digits, an even number of them, either case.
+_HEX = re.compile(r"(?:[0-9a-fA-F]{2})+\Z")
 #: Rows fetched per page by the iterators (bounded memory; no lock or connection held between pages).
 PAGE_SIZE = 1000
 SYNCHRONOUS = ("NORMAL", "FULL", "EXTRA")
@@ -72,6 +74,34 @@ def json_or_none(value: Any) -> str | None:
     return _compact(value) if value else None
 
 
+# Hashes are stored binary (schema step 15: half the bytes of their hex text); the seam's rows keep
+# lowercase hex strings. These two are the boundary, for every dialect (sqlite3 and psycopg both take
+# and give ``bytes`` for BLOB / bytea).
+
+
+def hash_in(value: str | None) -> bytes | None:
+    """A hex hash (either case) as the state stores it; None stays None. Anything but hex digits is a
+    ValueError naming it (``check_hashes`` says so before a batch's transaction begins)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _HEX.match(value):
+        raise ValueError(f"not a hex hash: {value!r}")
+    return bytes.fromhex(value)
+
+
+def hash_out(value: bytes | None) -> str | None:
+    """A stored hash back as the seam's lowercase hex (None stays None)."""
+    return None if value is None else value.hex()
+
+
+def check_hashes(hashes: dict[str, str]) -> None:
+    """The md5 / sha-1 of a change are hex (they are stored binary): a clear error, not a failed batch."""
+    for alg in ("md5", "sha-1"):
+        v = hashes.get(alg)
+        if v is not None and (not isinstance(v, str) or not _HEX.match(v)):
+            raise ValueError(f"not a hex {alg}: {v!r}")
+
+
 SOURCE_STATUS_FIELDS = frozenset(
     {"state", "last_error", "last_error_at", "last_success", "last_attempt", "next_attempt", "failures",
      "progress_done", "progress_total", "progress_what", "using_url"}
@@ -94,7 +124,21 @@ _W_UPSTREAM, _W_DELETED, _W_GENERATION = (
 ) = range(1, len(RES_COLS) + 1)  # fmt: skip
 # What _apply knows of a uri of the batch: [id, sha256, live, stored] (stored: the row exists on disk).
 _C_ID, _C_SHA256, _C_LIVE, C_STORED = range(4)
-LOG_COLS = ("seq", "set_id", "resource_id", "uri", "change", "datetime", "sha256", "length", "type")
+#: The changelog's columns as written (step 15: no uri, the resource row ``resource_id`` has it) ...
+LOG_COLS = ("seq", "set_id", "resource_id", "change", "datetime", "sha256", "length", "type")
+#: ... and a record as read (``LogRecord``'s fields): the uri from the row the record names, or the
+#: record's own for a record whose row is gone (none today: rows are never deleted, only whole sets
+#: with their log; schema step 15 keeps the uri of any such record).
+LOG_SELECT = (
+    "SELECT c.seq, c.set_id, c.resource_id, coalesce(c.uri, r.uri), c.change, c.datetime, "
+    "c.sha256, c.length, c.type FROM changelog c LEFT JOIN resources r ON r.id = c.resource_id"
+)
+
+
+def log_record(r: Sequence[Any], dt: Callable[[Any], Any] = parse_dt) -> LogRecord:
+    """A row read by ``LOG_SELECT`` as a ``LogRecord``."""
+    sha = r[6]
+    return LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), None if sha is None else sha.hex(), r[7], r[8])
 
 
 def plan_batch(
@@ -109,13 +153,15 @@ def plan_batch(
     """What a batch does, change by change, against the rows as they stand (``State.apply`` says the
     rules): one place for them, whatever the backend writes with.
 
-    ``current``: uri -> [id, sha256, live, stored] of the batch's stored rows (the ``_C_*`` positions;
-    updated as the batch goes); ``now`` the batch's changelog time and ``when`` a time as the backend
-    stores it; ``new_id()`` an id for a new row. Returns (rows: uri -> the ``RES_COLS`` values and the
-    id, the final row per uri; tombstones: stored row id -> (generation, upstream_datetime); seen: id ->
-    generation of no-ops during a baseline; log: changelog rows without seq; applied: the changes that
-    changed state, each with the logged kind).
+    ``changes`` have been checked (``check_sha``, ``check_hashes``). ``current``: uri -> [id, sha256,
+    live, stored] of the batch's stored rows (the ``_C_*`` positions; updated as the batch goes);
+    ``now`` the batch's changelog time and ``when`` a time as the backend stores it; ``new_id()`` an
+    id for a new row. Returns (rows: uri -> the ``RES_COLS`` values and the id, the final row per uri;
+    tombstones: stored row id -> (generation, upstream_datetime); seen: id -> generation of no-ops
+    during a baseline; log: changelog rows without seq; applied: the changes that changed state, each
+    with the logged kind).
     """
+    fromhex = bytes.fromhex
     # Records of a batch share a few datestamps, and formatting one cost more than the rest of its row.
     when, stamp = functools.cache(when), functools.cache(format_dt)
     # Collapse to the final row per uri; keep the log in order.
@@ -141,7 +187,7 @@ def plan_batch(
                     row[_W_UPSTREAM] = when(ch.upstream_datetime)
             else:
                 tombstones[cur[_C_ID]] = (gen, when(ch.upstream_datetime))
-            log.append((set_id, cur[_C_ID], ch.uri, DELETED, now, None, None, None))
+            log.append((set_id, cur[_C_ID], DELETED, now, None, None, None))
             applied.append(ch)
             continue
         if live and cur[_C_SHA256] == ch.sha256:
@@ -157,13 +203,17 @@ def plan_batch(
         else:
             cur[_C_SHA256], cur[_C_LIVE] = ch.sha256, True
             tombstones.pop(cur[_C_ID], None)
+        # hashes binary (checked as hex by ``State.apply`` before the batch: no second check per row)
         h = ch.hashes
+        sha = None if ch.sha256 is None else fromhex(ch.sha256)
+        md5, sha1 = h.get("md5"), h.get("sha-1")
         rows[ch.uri] = [
-            set_id, ch.uri, ch.sha256, ch.length, ch.type, ch.encoding, h.get("md5"), h.get("sha-1"),
-            when(ch.lastmod), when(ch.upstream_datetime), links_json(ch.links, stamp),
-            json_or_none(ch.md_extra), json_or_none(ch.entry_extra), False, gen, now, cur[_C_ID],
+            set_id, ch.uri, sha, ch.length, ch.type, ch.encoding, None if md5 is None else fromhex(md5),
+            None if sha1 is None else fromhex(sha1), when(ch.lastmod), when(ch.upstream_datetime),
+            links_json(ch.links, stamp), json_or_none(ch.md_extra), json_or_none(ch.entry_extra),
+            False, gen, now, cur[_C_ID],
         ]  # fmt: skip
-        log.append((set_id, cur[_C_ID], ch.uri, kind, now, ch.sha256, ch.length, ch.type))
+        log.append((set_id, cur[_C_ID], kind, now, sha, ch.length, ch.type))
         applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
     return rows, tombstones, seen, log, applied
 
@@ -176,15 +226,16 @@ def check_sha(sha256: str) -> None:
 def resource_row(r: Sequence[Any], dt: Callable[[Any], Any] = parse_dt) -> Resource:
     """A row read by ``SELECT_RES`` (id, then ``RES_COLS``) as a ``Resource``; ``dt`` reads a stored time."""
     hashes = {}
-    if r[_R_SHA256] is not None:
-        hashes["sha-256"] = r[_R_SHA256]
+    sha = r[_R_SHA256]
+    if sha is not None:
+        hashes["sha-256"] = sha = sha.hex()
     if r[_R_MD5] is not None:
-        hashes["md5"] = r[_R_MD5]
+        hashes["md5"] = r[_R_MD5].hex()
     if r[_R_SHA1] is not None:
-        hashes["sha-1"] = r[_R_SHA1]
+        hashes["sha-1"] = r[_R_SHA1].hex()
     md_extra, entry_extra = r[_R_MD_EXTRA], r[_R_ENTRY_EXTRA]
     return Resource(
-        id=r[0], set_id=r[_R_SET], uri=r[R_URI], sha256=r[_R_SHA256], length=r[_R_LENGTH], type=r[_R_TYPE],
+        id=r[0], set_id=r[_R_SET], uri=r[R_URI], sha256=sha, length=r[_R_LENGTH], type=r[_R_TYPE],
         encoding=r[_R_ENCODING], hashes=hashes, lastmod=dt(r[_R_LASTMOD]),
         upstream_datetime=dt(r[_R_UPSTREAM]), links=links_from(r[_R_LINKS]),
         md_extra=json.loads(md_extra) if md_extra else {},

@@ -43,11 +43,16 @@ class Dialect:
         """A time column read as ``rows.format_dt``'s text (what a list writer puts in a document)."""
         return column
 
+    def hex(self, column: str) -> str:
+        """A stored binary hash column read as the seam's lowercase hex (NULL stays NULL; no stored hash
+        is empty), converted by the database: for a sorted list of hashes (gc)."""
+        return f"nullif(lower(hex({column})), '')"
+
     @functools.cached_property
     def listing_cols(self) -> str:
         """``iter_live_listing``'s columns: interface.ListingRow's, then whether the row has more."""
         times = ", ".join(self.w3c(c) for c in ("lastmod", "upstream_datetime", "updated_at"))
-        return (
+        return (  # hashes binary: Reads._listing_pages turns them to hex (SQLite's lower(hex()) cost more)
             f"id, uri, sha256, length, type, encoding, md5, sha1, {times}, "
             "(links IS NOT NULL OR md_extra IS NOT NULL OR entry_extra IS NOT NULL)"
         )
@@ -111,6 +116,9 @@ class PostgresDialect(Dialect):
     @staticmethod
     def ids(values: Sequence[Any]) -> Any:
         return list(values)
+
+    def hex(self, column: str) -> str:
+        return f"encode({column}, 'hex')"
 
     def w3c(self, column: str) -> str:
         return f"""to_char({column} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')"""

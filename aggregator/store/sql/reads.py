@@ -18,7 +18,7 @@ from ..retention import Retention, retained_sql
 from ..rows import LogRecord, Resource
 from . import codec
 from .base import SqlState
-from .codec import LOG_COLS, R_URI, RES_COLS, SELECT_RES, resource_row
+from .codec import LOG_SELECT, R_URI, RES_COLS, SELECT_RES, log_record, resource_row
 from .dialect import MAX_INT
 
 SELECT_RES_COLS = ("id", *RES_COLS)
@@ -37,9 +37,9 @@ class Reads(SqlState):
         No index on sha256 serves this (random-order index pages made every commit ~3x slower): one
         sorted snapshot (``_snapshot``), read in pages.
         """
-        sql = (
-            "SELECT sha256 FROM resources WHERE deleted = 0 AND sha256 IS NOT NULL "
-            f"UNION {retained_sql(retention, lambda when: str(self.d.t(when)))} "
+        sql = (  # resources and changelog store binary hashes (step 15), documents hex text
+            f"SELECT {self.d.hex('b.sha256')} FROM (SELECT sha256 FROM resources WHERE deleted = 0 "
+            f"AND sha256 IS NOT NULL UNION {retained_sql(retention, lambda when: str(self.d.t(when)))}) AS b "
             "UNION SELECT sha256 FROM documents WHERE sha256 IS NOT NULL ORDER BY 1"
         )
         for (sha,) in self._snapshot(sql):
@@ -117,14 +117,13 @@ class Reads(SqlState):
     ) -> Iterator[LogRecord]:
         """Changelog records in seq order (== datetime order), after ``after_seq``."""
         dt = self.d.dt
-        cols = ", ".join(LOG_COLS)
         if set_id is None:
-            sql, params = f"SELECT {cols} FROM changelog WHERE seq > ? ORDER BY seq LIMIT ?", []
+            sql, params = f"{LOG_SELECT} WHERE c.seq > ? ORDER BY c.seq LIMIT ?", []
         else:
-            sql = f"SELECT {cols} FROM changelog WHERE set_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+            sql = f"{LOG_SELECT} WHERE c.set_id = ? AND c.seq > ? ORDER BY c.seq LIMIT ?"
             params = [set_id]
         for r in self._pages(sql, params, 0, after_seq, limit):
-            yield LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), r[6], r[7], r[8])
+            yield log_record(r, dt)
 
     def last_seq(self) -> int:
         """The highest changelog seq (0 when empty): where a reader starting now would begin."""
@@ -280,12 +279,14 @@ class Reads(SqlState):
                         f"{SELECT_RES} WHERE id IN (SELECT value FROM json_each(?))", (self.d.ids(rich),)
                     ).fetchall()
                     whole = {r[0]: resource_row(r, dt) for r in full}
-            if rich:
-                for r in rows:
-                    yield whole[r[0]] if r[-1] else r[:-1]
-            else:
-                for r in rows:
-                    yield r[:-1]
+            # ListingRow: the stored binary hashes (sha256, md5, sha1) as hex; the last column dropped
+            for r in rows:
+                if r[-1]:
+                    yield whole[r[0]]
+                else:
+                    sha, md5, sha1 = r[2], r[6], r[7]
+                    yield (r[0], r[1], sha and sha.hex(), r[3], r[4], r[5], md5 and md5.hex(),
+                           sha1 and sha1.hex(), r[8], r[9], r[10])  # fmt: skip
             if len(rows) < codec.PAGE_SIZE:
                 return
             after = rows[-1][0]
@@ -322,20 +323,18 @@ class Reads(SqlState):
         does not (md5, links, upstream lastmod), valid for the record when their sha256 agree."""
         dt = self.d.dt
         top = MAX_INT if until_seq is None else until_seq
-        cols = ", ".join(f"c.{c}" for c in LOG_COLS)
         res_cols = "r.id, " + ", ".join(f"r.{c}" for c in RES_COLS)
         sql = (
-            f"SELECT {cols}, {res_cols} FROM changelog c LEFT JOIN resources r ON r.id = c.resource_id "
-            "WHERE c.set_id = ? AND c.seq <= ? AND c.seq > ? ORDER BY c.seq LIMIT ?"
+            LOG_SELECT.replace(" FROM ", f", {res_cols} FROM ", 1)
+            + " WHERE c.set_id = ? AND c.seq <= ? AND c.seq > ? ORDER BY c.seq LIMIT ?"
         )
         iters = [self._pages(sql, [sid, top], 0, after_seq, None) for sid in dict.fromkeys(set_ids)]
         if not iters:
             return
         rows = iters[0] if len(iters) == 1 else heapq.merge(*iters, key=lambda r: r[0])
-        n = len(LOG_COLS)
+        n = 9  # LOG_SELECT's columns
         for r in rows:
-            rec = LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), r[6], r[7], r[8])
-            yield rec, (resource_row(r[n:], dt) if r[n] is not None else None)
+            yield log_record(r, dt), (resource_row(r[n:], dt) if r[n] is not None else None)
 
     def log_windows(self, set_ids: Sequence[int], size: int) -> list[int]:
         """Numbers k of the windows ``((k-1)*size, k*size]`` of the global changelog seq that hold at
@@ -376,20 +375,18 @@ class Reads(SqlState):
         dt = self.d.dt
         if not 0 <= seq <= MAX_INT:
             return None
-        cols = ", ".join(LOG_COLS)
         with self._read() as c:
-            r = c.execute(f"SELECT {cols} FROM changelog WHERE seq = ?", (seq,)).fetchone()
-        return LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), r[6], r[7], r[8]) if r else None
+            r = c.execute(f"{LOG_SELECT} WHERE c.seq = ?", (seq,)).fetchone()
+        return log_record(r, dt) if r else None
 
     def iter_versions(
         self, resource_id: int, after_seq: int = 0, limit: int | None = None
     ) -> Iterator[LogRecord]:
         """The changelog records of one resource row (deletions too), ascending seq, after ``after_seq``."""
         dt = self.d.dt
-        cols = ", ".join(LOG_COLS)
-        sql = f"SELECT {cols} FROM changelog WHERE resource_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+        sql = f"{LOG_SELECT} WHERE c.resource_id = ? AND c.seq > ? ORDER BY c.seq LIMIT ?"
         for r in self._pages(sql, [resource_id], 0, after_seq, limit):
-            yield LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), r[6], r[7], r[8])
+            yield log_record(r, dt)
 
     def count_versions(self, resource_id: int, after_seq: int = 0, limit: int | None = None) -> int:
         """How many versions (records that are not deletions) the row has after ``after_seq``, counted up
@@ -406,7 +403,6 @@ class Reads(SqlState):
         """The version current at ``when`` (the last record that is not a deletion at or before it), else
         the first version: the best memento for a TimeGate (RFC 7089 §4.1); None: no version at all."""
         dt = self.d.dt
-        cols = ", ".join(LOG_COLS)
         with self._read() as c:
             # The changelog's datetime never decreases with seq (``_log_time``): the last seq at or
             # before ``when`` (index changelog_datetime) bounds the row's records (changelog_resource):
@@ -418,14 +414,13 @@ class Reads(SqlState):
             r = None
             if top is not None:
                 r = c.execute(
-                    f"SELECT {cols} FROM changelog WHERE resource_id = ? AND seq <= ? "
-                    "AND change != 'deleted' ORDER BY seq DESC LIMIT 1",
+                    f"{LOG_SELECT} WHERE c.resource_id = ? AND c.seq <= ? "
+                    "AND c.change != 'deleted' ORDER BY c.seq DESC LIMIT 1",
                     (resource_id, top[0]),
                 ).fetchone()
             if r is None:
                 r = c.execute(
-                    f"SELECT {cols} FROM changelog WHERE resource_id = ? AND change != 'deleted' "
-                    "ORDER BY seq LIMIT 1",
+                    f"{LOG_SELECT} WHERE c.resource_id = ? AND c.change != 'deleted' ORDER BY c.seq LIMIT 1",
                     (resource_id,),
                 ).fetchone()
-        return LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), r[6], r[7], r[8]) if r else None
+        return log_record(r, dt) if r else None

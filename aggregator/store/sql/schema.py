@@ -4,7 +4,8 @@ Never edit a released step; append a new one.
 The statements are SQLite's, with the column types that differ in braces (``TYPES``: a time is
 fixed-width W3C text in SQLite, ``timestamptz`` in PostgreSQL; a 64-bit integer, a blob, a boolean...)
 and ``deleted = 0`` as ``Dialect.sql`` rewrites it; ``PostgresOnly`` marks the few statements only
-PostgreSQL runs (its changelog head, the resource id sequence, the version sequence). How the version
+PostgreSQL runs (its changelog head, the resource id sequence, the version sequence) and ``SqliteOnly`` the
+few only SQLite runs (step 15's table rebuilds). How the version
 is kept is the backend's: ``PRAGMA user_version`` (store/state.py), the ``schema_version`` table under
 an advisory lock (store/postgres.py).
 """
@@ -19,6 +20,12 @@ from .dialect import Dialect
 
 class PostgresOnly(str):
     """A statement only PostgreSQL runs."""
+
+    __slots__ = ()
+
+
+class SqliteOnly(str):
+    """A statement only SQLite runs (a table rebuilt where PostgreSQL alters it in place)."""
 
     __slots__ = ()
 
@@ -359,6 +366,82 @@ STEPS: list[tuple[str, ...]] = [
         # read by resource id; without this index every lookup scanned the changelog.
         "CREATE INDEX IF NOT EXISTS changelog_resource ON changelog(resource_id, seq)",
     ),
+    (  # 15: hashes stored binary (half the bytes of hex text), and the changelog names its resource row
+        # by id only: readers join for the uri (codec.LOG_SELECT; the join is served by the resources
+        # primary key). ``uri`` stays, NULL, kept only on a record whose row is gone or names another
+        # uri (none: rows are never deleted but with their whole set and its log), so every Change List
+        # reads the same. Existing rows are converted in place; a hash that is not hex fails the step
+        # (and its transaction) instead of being lost. SQLite rebuilds both tables (it cannot change a
+        # column's type); ``rsagg_unhex`` is the backend's hex decoder (store/state.py).
+        SqliteOnly("""CREATE TABLE resources_v15 (
+            id INTEGER PRIMARY KEY,
+            set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+            uri TEXT NOT NULL,
+            sha256 BLOB,                -- the digest's bytes (codec.hash_in / hash_out)
+            length INTEGER,
+            type TEXT,
+            encoding TEXT,
+            md5 BLOB,
+            sha1 BLOB,
+            lastmod TEXT,
+            upstream_datetime TEXT,
+            links TEXT,                 -- JSON list of rs:ln attribute objects, NULL when none
+            md_extra TEXT,              -- JSON object, NULL when empty
+            entry_extra TEXT,           -- JSON list of XML strings, NULL when empty
+            deleted INTEGER NOT NULL DEFAULT 0,
+            generation INTEGER,
+            updated_at TEXT NOT NULL,
+            UNIQUE (set_id, uri)
+        )"""),
+        SqliteOnly(
+            "INSERT INTO resources_v15 SELECT id, set_id, uri, rsagg_unhex(sha256), length, type, encoding, "
+            "rsagg_unhex(md5), rsagg_unhex(sha1), lastmod, upstream_datetime, links, md_extra, entry_extra, "
+            "deleted, generation, updated_at FROM resources"
+        ),
+        SqliteOnly("""CREATE TABLE changelog_v15 (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- never reused, even after pruning
+            set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+            resource_id INTEGER NOT NULL,            -- no FK: the log outlives pruned rows
+            change TEXT NOT NULL CHECK (change IN ('created', 'updated', 'deleted')),
+            datetime TEXT NOT NULL,                  -- rsagg's clock, fixed-width W3C, non-decreasing
+            sha256 BLOB,                             -- the change's own (not the row's current) values
+            length INTEGER,
+            type TEXT,
+            uri TEXT                                 -- NULL: the uri of resource_id's row
+        )"""),
+        SqliteOnly(
+            "INSERT INTO changelog_v15 SELECT c.seq, c.set_id, c.resource_id, c.change, c.datetime, "
+            "rsagg_unhex(c.sha256), c.length, c.type, CASE WHEN r.uri IS c.uri THEN NULL ELSE c.uri END "
+            "FROM changelog c LEFT JOIN resources r ON r.id = c.resource_id"
+        ),
+        # seq is never reused: the new table's AUTOINCREMENT counter carries on from the old one's
+        SqliteOnly("DELETE FROM sqlite_sequence WHERE name = 'changelog_v15'"),
+        SqliteOnly(
+            "INSERT INTO sqlite_sequence (name, seq) "
+            "SELECT 'changelog_v15', seq FROM sqlite_sequence WHERE name = 'changelog'"
+        ),
+        SqliteOnly("DROP TABLE changelog"),
+        SqliteOnly("DROP TABLE resources"),
+        SqliteOnly("ALTER TABLE resources_v15 RENAME TO resources"),
+        SqliteOnly("ALTER TABLE changelog_v15 RENAME TO changelog"),
+        SqliteOnly("CREATE INDEX resources_set_id ON resources(set_id, id)"),
+        SqliteOnly("CREATE INDEX resources_live ON resources(set_id, id) WHERE deleted = 0"),
+        SqliteOnly("CREATE INDEX changelog_set_seq ON changelog(set_id, seq)"),
+        SqliteOnly("CREATE INDEX changelog_datetime ON changelog(datetime)"),
+        SqliteOnly("CREATE INDEX changelog_resource ON changelog(resource_id, seq)"),
+        # PostgreSQL alters in place: the uri emptied first, then the type changes rewrite each table
+        # once (which also drops the dead row versions the UPDATE left).
+        PostgresOnly("ALTER TABLE changelog ALTER COLUMN uri DROP NOT NULL"),
+        PostgresOnly(
+            "UPDATE changelog c SET uri = NULL FROM resources r WHERE r.id = c.resource_id AND r.uri = c.uri"
+        ),
+        PostgresOnly("ALTER TABLE changelog ALTER COLUMN sha256 TYPE BYTEA USING decode(sha256, 'hex')"),
+        PostgresOnly(
+            "ALTER TABLE resources ALTER COLUMN sha256 TYPE BYTEA USING decode(sha256, 'hex'), "
+            "ALTER COLUMN md5 TYPE BYTEA USING decode(md5, 'hex'), "
+            "ALTER COLUMN sha1 TYPE BYTEA USING decode(sha1, 'hex')"
+        ),
+    ),
 ]
 
 
@@ -373,7 +456,7 @@ def migrations(d: Dialect) -> list[tuple[str, ...]]:
         tuple(
             d.sql(_BRACE.sub(lambda m: types[m.group(1)], s))
             for s in step
-            if d.name == "postgresql" or not isinstance(s, PostgresOnly)
+            if not isinstance(s, SqliteOnly if d.name == "postgresql" else PostgresOnly)
         )
         for step in STEPS
     ]
