@@ -139,13 +139,14 @@ class Request:
 class _Connection:
     """One keep-alive connection: a trio stream and the h11 state of the exchange on it."""
 
-    __slots__ = ("h11", "idle_since", "key", "pool", "sock", "stream")
+    __slots__ = ("h11", "idle_since", "key", "plain", "pool", "sock", "stream")
 
     def __init__(self, pool: LeanPool, key: tuple, stream: trio.abc.Stream, sock: Any) -> None:
         self.pool = pool
         self.key = key
         self.stream = stream
         self.sock = sock  # the socket under the stream (for the idle check and a synchronous close)
+        self.plain = type(stream) is trio.SocketStream  # no TLS: the socket is read and written directly
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.idle_since = 0.0
 
@@ -154,7 +155,7 @@ class _Connection:
         server closed it, or sent bytes nobody asked for). One non-blocking peek, on this socket only."""
         if now - self.idle_since > KEEPALIVE_EXPIRY:
             return False
-        if type(self.stream) is not trio.SocketStream:
+        if not self.plain:
             return True  # TLS: the raw socket may hold a session ticket; a stale one is retried (send)
         # Readable while idle: closed by the server (EOF), or bytes nobody asked for. One poll() of
         # this socket only (httpcore polls every connection of its pool on every request).
@@ -168,9 +169,15 @@ class _Connection:
 
     async def receive(self, timeout: float) -> bytes:
         # A bare CancelScope rather than trio.fail_after: the same deadline without a generator-based
-        # context manager around every read.
+        # context manager around every read. On plain TCP the trio socket is read directly: what
+        # ``SocketStream.receive_some`` adds (a generator-based context manager translating errors, a
+        # conflict detector) is done here, once, by the except clause.
         try:
             with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
+                if self.plain:
+                    if self.sock is None:
+                        raise trio.ClosedResourceError("the connection was closed")
+                    return await self.sock.recv(READ_BYTES)  # type: ignore[no-any-return]
                 return await self.stream.receive_some(READ_BYTES)  # type: ignore[return-value]
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise httpx.ReadError(str(exc) or type(exc).__name__) from exc
@@ -180,6 +187,13 @@ class _Connection:
     async def send(self, data: bytes, timeout: float) -> None:
         try:
             with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
+                if self.plain:
+                    view = memoryview(data)
+                    while view:
+                        if self.sock is None:
+                            raise trio.ClosedResourceError("the connection was closed")
+                        view = view[await self.sock.send(view) :]
+                    return
                 await self.stream.send_all(data)
                 return
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
