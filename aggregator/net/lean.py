@@ -23,6 +23,7 @@ proxies, HTTP/2, content decoding (bodies are handed over as served), anything b
 
 from __future__ import annotations
 
+import os
 import re
 import ssl
 from collections.abc import Iterable
@@ -39,6 +40,10 @@ from . import outbound
 READ_BYTES = 64 * 1024
 #: The largest status line + header block accepted (httpcore's figure for h11).
 MAX_HEAD_BYTES = 100 * 1024
+#: Reads in a row that found their bytes already there before one pass through the scheduler.
+EAGER_READS = 4
+#: Plain sockets are read and written through their descriptor (``os.read``/``os.write``), POSIX only.
+_FD_IO = os.name == "posix"
 #: An idle connection older than this is closed rather than reused (httpx's default keep-alive expiry).
 KEEPALIVE_EXPIRY = 5.0
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
@@ -103,12 +108,17 @@ def parse_url(text: str) -> URL | None:
 class Headers(dict[str, str]):
     """Response headers by lower-case name, repeated fields joined with ", " (RFC 9110 §5.3), as
     ``httpx.Headers.get`` answers them; ``get`` and ``[]`` take any case. Built once per response from
-    h11's (already lower-case, validated) fields, at a fraction of ``httpx.Headers``' cost."""
+    h11's validated fields in one pass, at a fraction of ``httpx.Headers``' cost."""
 
     def __init__(self, fields: Iterable[tuple[bytes, bytes]]) -> None:
-        super().__init__()
+        """``fields``: (name, value) as received (h11's ``raw_items()``: validated, names as sent)."""
+        fields = list(fields)
+        super().__init__((n.decode("latin-1").lower(), v.decode("latin-1")) for n, v in fields)
+        if len(self) == len(fields):
+            return  # no field repeated: the common answer, built in one pass
+        self.clear()
         for raw_name, raw_value in fields:
-            name = raw_name.decode("latin-1")
+            name = raw_name.decode("latin-1").lower()
             value = raw_value.decode("latin-1")
             if name in self:
                 value = f"{dict.__getitem__(self, name)}, {value}"
@@ -139,14 +149,17 @@ class Request:
 class _Connection:
     """One keep-alive connection: a trio stream and the h11 state of the exchange on it."""
 
-    __slots__ = ("h11", "idle_since", "key", "plain", "pool", "sock", "stream")
+    __slots__ = ("eager", "fd", "h11", "idle_since", "key", "plain", "pool", "sock", "stream")
 
     def __init__(self, pool: LeanPool, key: tuple, stream: trio.abc.Stream, sock: Any) -> None:
         self.pool = pool
         self.key = key
         self.stream = stream
         self.sock = sock  # the socket under the stream (for the idle check and a synchronous close)
-        self.plain = type(stream) is trio.SocketStream  # no TLS: the socket is read and written directly
+        # No TLS: the socket's descriptor is read and written directly (``_read``, ``_write``).
+        self.plain = type(stream) is trio.SocketStream and _FD_IO
+        self.fd = sock.fileno() if sock is not None else -1
+        self.eager = 0  # reads in a row that did not wait (``_read``)
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.idle_since = 0.0
 
@@ -168,16 +181,13 @@ class _Connection:
             self.pool._closed(self)
 
     async def receive(self, timeout: float) -> bytes:
-        # A bare CancelScope rather than trio.fail_after: the same deadline without a generator-based
-        # context manager around every read. On plain TCP the trio socket is read directly: what
-        # ``SocketStream.receive_some`` adds (a generator-based context manager translating errors, a
-        # conflict detector) is done here, once, by the except clause.
+        """The next bytes of the answer (b"" at its end), waiting at most ``timeout`` for each."""
         try:
+            if self.plain:
+                return await self._read(timeout)
+            # A bare CancelScope rather than trio.fail_after: the same deadline without a
+            # generator-based context manager around every read.
             with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-                if self.plain:
-                    if self.sock is None:
-                        raise trio.ClosedResourceError("the connection was closed")
-                    return await self.sock.recv(READ_BYTES)  # type: ignore[no-any-return]
                 return await self.stream.receive_some(READ_BYTES)  # type: ignore[return-value]
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise httpx.ReadError(str(exc) or type(exc).__name__) from exc
@@ -186,20 +196,58 @@ class _Connection:
 
     async def send(self, data: bytes, timeout: float) -> None:
         try:
+            if self.plain:
+                await self._write(data, timeout)
+                return
             with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-                if self.plain:
-                    view = memoryview(data)
-                    while view:
-                        if self.sock is None:
-                            raise trio.ClosedResourceError("the connection was closed")
-                        view = view[await self.sock.send(view) :]
-                    return
                 await self.stream.send_all(data)
                 return
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise httpx.WriteError(str(exc) or type(exc).__name__) from exc
         assert scope.cancelled_caught
         raise httpx.WriteTimeout(f"could not send within {timeout}s")
+
+    async def _read(self, timeout: float) -> bytes:
+        """Plain TCP: bytes from the socket, read at once when they are there, else once it is readable
+        (within ``timeout``).
+
+        Why not ``sock.recv`` (or ``SocketStream.receive_some``): trio's wrappers pass through the
+        scheduler even when the bytes are already there, inside generator-based context managers, and
+        a deadline scope was entered around every read. Here only a wait has a deadline, and a read
+        that need not wait does not yield -- but never more than ``EAGER_READS`` in a row (a large
+        body arriving as fast as it is read must not hold the event loop): then one checkpoint."""
+        while True:
+            if self.sock is None:  # closed by this task or another (close() is synchronous)
+                raise trio.ClosedResourceError("the connection was closed")
+            try:
+                data = os.read(self.fd, READ_BYTES)
+            except BlockingIOError:
+                self.eager = 0
+                with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
+                    await trio.lowlevel.wait_readable(self.sock)  # a checkpoint: cancellation lands here
+                if scope.cancelled_caught:
+                    raise httpx.ReadTimeout(f"no data within {timeout}s") from None
+                continue
+            self.eager += 1
+            if self.eager > EAGER_READS:
+                self.eager = 0
+                await trio.lowlevel.checkpoint()
+            return data
+
+    async def _write(self, data: bytes, timeout: float) -> None:
+        """Plain TCP: all of ``data``, waiting (within ``timeout`` each time) only when the socket's
+        buffer is full (``_read``'s reasons)."""
+        view = memoryview(data)
+        while view:
+            if self.sock is None:
+                raise trio.ClosedResourceError("the connection was closed")
+            try:
+                view = view[os.write(self.fd, view) :]
+            except BlockingIOError:
+                with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
+                    await trio.lowlevel.wait_writable(self.sock)
+                if scope.cancelled_caught:
+                    raise httpx.WriteTimeout(f"could not send within {timeout}s") from None
 
 
 _END = h11.EndOfMessage()  # immutable: one for every request
@@ -230,7 +278,7 @@ class Response:
         self.url = url
         self.status_code: int = event.status_code
         self.reason_phrase = event.reason.decode("ascii", errors="ignore")  # as httpx decodes it
-        self.headers = Headers(event.headers)
+        self.headers = Headers(event.headers.raw_items())
         self._conn: _Connection | None = conn
         self._timeout = timeout
 
