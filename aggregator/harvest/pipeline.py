@@ -462,8 +462,13 @@ class Pipeline:
             async for work in items:
                 if work.entry.loc in self._waiting:
                     self._listed.add(work.entry.loc)
-                await self._inflight.acquire()
-                await send.send((seq, work))
+                try:  # as ``_hand``: no pass through the scheduler while there is room
+                    self._inflight.acquire_nowait()
+                except trio.WouldBlock:
+                    await self._inflight.acquire()
+                pending = send.send((seq, work)) if isinstance(send, _Workers) else _hand(send, (seq, work))
+                if pending is not None:
+                    await pending
                 seq += 1
                 self.stats.seen += 1
 
