@@ -485,3 +485,44 @@ def test_the_lean_path_is_off_where_httpx_must_route(monkeypatch: pytest.MonkeyP
     assert Fetcher(transport=httpx.MockTransport(lambda r: httpx.Response(200)))._lean is None
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     assert Fetcher()._lean is None
+
+
+def test_own_origin_is_true_wherever_own_url_is() -> None:
+    """The lean path asks ``own_url`` only where ``own_origin`` says an own URL may be: on generated
+    URLs and bases, every URL ``own_url`` refuses has ``own_origin`` true (no own URL slips past)."""
+    rng = random.Random(2)
+    hosts = ["agg.example", "other.example", "127.0.0.1", "AGG.example"]
+    hits = 0
+    for _ in range(3000):
+        base = f"{rng.choice(['http', 'https'])}://{rng.choice(hosts)}{rng.choice(['', ':8080', ':443'])}"
+        base += rng.choice(["", "/", "/rs", "/rs/"])
+        policy = outbound.AddressPolicy(own_urls=(base,))
+        text = f"{rng.choice(['http', 'https'])}://{rng.choice(hosts).lower()}"
+        text += rng.choice(["", ":8080", ":80"]) + rng.choice(["/", "/rs", "/rs/x", "/rsx", "/a"])
+        url = lean.parse_url(text)
+        if url is None:
+            continue
+        if policy.own_url(text):
+            hits += 1
+            assert policy.own_origin(url.host, url.effective_port), (base, text)
+    assert hits > 100
+    assert not outbound.AddressPolicy().own_origin("agg.example", 80)
+
+
+def test_the_request_head_is_what_h11_writes() -> None:
+    """``LeanPool._head`` writes the fields h11 validated once and the target per request: byte for
+    byte what h11 writes for the whole request, for generated targets and header sets."""
+    import h11
+
+    rng = random.Random(3)
+    pool = lean.LeanPool(None, timeout=5)
+    for _ in range(300):
+        url = lean.parse_url(f"http://example.org{rng.choice(['', ':8080'])}/{rng.randrange(10**6)}?q=1")
+        assert url is not None
+        fields = {"User-Agent": "rsagg", "Accept": "*/*"}
+        if rng.random() < 0.5:
+            fields["If-None-Match"] = f'"{rng.randrange(100)}"'
+        head = pool._head(lean.Request(url, httpx.Headers(fields)))
+        raw = [(b"Host", url.authority.encode())] + [(k.encode(), v.encode()) for k, v in fields.items()]
+        ref = h11.Connection(h11.CLIENT).send(h11.Request(method="GET", target=url.target, headers=raw))
+        assert head.wire == ref, url

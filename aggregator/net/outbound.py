@@ -133,6 +133,11 @@ def origin(url: str) -> tuple[str, int] | None:
     return _host_key(parts.hostname), port
 
 
+@functools.lru_cache(maxsize=64)  # own_urls rarely change: their origins, parsed once
+def _origins(urls: tuple[str, ...]) -> tuple[tuple[str, int] | None, ...]:
+    return tuple(origin(u) for u in urls)
+
+
 @functools.lru_cache(maxsize=4096)  # a pure function of the text, asked on every request (pins, own URLs)
 def _host_key(host: str) -> str:
     """A host as the policy compares it: lower case, no brackets, no trailing dot of a fully
@@ -274,6 +279,16 @@ class AddressPolicy:
 
     def _own_socket(self, ip: IPAddress, port: int) -> bool:
         return any(p == port and ip.version == n.version and ip in n for n, p in self.own_sockets)
+
+    def own_origin(self, host: str, port: int) -> bool:
+        """Whether an own URL (``server.base_url``) may be on (host, port): only then does ``own_url``
+        have a path to judge. Why: asked before every lean GET (``net/lean.py``), which already has the
+        URL's parts; the answer for other origins is a set lookup, not two URL parses."""
+        if not self.own_urls:
+            return False
+        key = _host_key(host)
+        return any(b is not None and b[0] == key and (b[1] == port or {b[1], port} == {80, 443})
+                   for b in _origins(self.own_urls))  # fmt: skip
 
     def own_url(self, url: str) -> bool:
         """Whether ``url`` is rsagg's own (at or below ``server.base_url``), however it is spelt."""
