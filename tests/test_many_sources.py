@@ -94,19 +94,25 @@ def many_sources(k: int) -> tuple[Upstream, list[str]]:
     return up, names
 
 
-async def test_state_calls_and_rows_grow_linearly_with_the_sources(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(context_mod, "PROGRESS_SAVE_EVERY", 1e9)  # no progress saves on the clock
-    counted = StateCalls(monkeypatch)
-    writes: list[str] = []
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of every function a harvest hands to the writer thread (``HarvestContext.write``)."""
+    names: list[str] = []
     real_write = HarvestContext.write
 
     async def write(self, fn, *args, **kwargs):
-        writes.append(getattr(fn, "__name__", ""))
+        names.append(getattr(fn, "__name__", ""))
         return await real_write(self, fn, *args, **kwargs)
 
     monkeypatch.setattr(HarvestContext, "write", write)
+    return names
+
+
+async def test_state_calls_and_rows_grow_linearly_with_the_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writes: list[str]
+) -> None:
+    monkeypatch.setattr(context_mod, "PROGRESS_SAVE_EVERY", 1e9)  # no progress saves on the clock
+    counted = StateCalls(monkeypatch)
     costs: dict[int, int] = {}
     for k in (1, 4, 12):
         up, names = many_sources(k)
@@ -488,19 +494,11 @@ async def test_a_harvest_of_many_sources_makes_fewer_write_hops_than_writes(
 
 
 async def test_an_unchanged_poll_parses_no_document_and_writes_little(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parsers: list[dict]
+    tmp_path: Path, parsers: list[dict], writes: list[str]
 ) -> None:
     """A daemon's second poll of a Source that did not change: its Capability List and Resource List are
     asked for conditionally and answered 304, so no document is parsed again; its state writes are
     three, whatever the Source holds. A changed Resource List is read again; the Capability List is not."""
-    writes: list[str] = []
-    real_write = HarvestContext.write
-
-    async def write(self, fn, *args, **kwargs):
-        writes.append(getattr(fn, "__name__", ""))
-        return await real_write(self, fn, *args, **kwargs)
-
-    monkeypatch.setattr(HarvestContext, "write", write)
     up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
     for j in range(3):
         up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a")
@@ -549,19 +547,9 @@ async def test_a_pipeline_reads_its_set_name_only_for_event_hooks(
     assert (counted.calls["sets"] > 0) == events, counted.calls
 
 
-async def test_a_batch_and_its_validators_take_one_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_batch_and_its_validators_take_one_write(tmp_path: Path, writes: list[str]) -> None:
     """A batch's changes and the upstream's validators of what it fetched are one write call (one wait
     for the writer thread), the validators after the changes: both are stored."""
-    writes: list[str] = []
-    real_write = HarvestContext.write
-
-    async def write(self, fn, *args, **kwargs):
-        writes.append(getattr(fn, "__name__", ""))
-        return await real_write(self, fn, *args, **kwargs)
-
-    monkeypatch.setattr(HarvestContext, "write", write)
     up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
     uris = [up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a") for j in range(5)]
     async with up.serving():

@@ -241,16 +241,13 @@ def _hand(send: trio.MemorySendChannel, item: object) -> Awaitable[None] | None:
     return None
 
 
-def _take(recv: trio.MemoryReceiveChannel) -> Any:
-    """The next item already in ``recv``, else ``_WAIT`` (then await ``recv.receive()``): the
+async def _receive(recv: trio.MemoryReceiveChannel) -> Any:
+    """The next item of ``recv``, without a pass through the scheduler when one is already there: the
     receiving side of ``_hand``. Raises EndOfChannel when ``recv`` is closed and empty."""
     try:
         return recv.receive_nowait()
     except trio.WouldBlock:
-        return _WAIT
-
-
-_WAIT = object()
+        return await recv.receive()
 
 
 class _Workers:
@@ -307,9 +304,7 @@ class _Workers:
             async with recv:
                 while True:
                     try:
-                        item = _take(recv)
-                        if item is _WAIT:
-                            item = await recv.receive()
+                        item = await _receive(recv)
                     except trio.EndOfChannel:
                         break
                     self._queued -= 1
@@ -776,9 +771,7 @@ class Pipeline:
         async with recv:
             while True:
                 try:
-                    got = _take(recv)
-                    if got is _WAIT:
-                        got = await recv.receive()
+                    got = await _receive(recv)
                 except trio.EndOfChannel:
                     break
                 seq, result = got
