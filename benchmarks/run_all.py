@@ -9,6 +9,10 @@ prefixed with the benchmark's name. The load average (1 minute) is sampled every
 the header of its table and the summary at the end give its range next to the figures (a benchmark that
 ran while the load was high says so). A benchmark that fails is reported and the others still run.
 
+A benchmark marks the figures that answer a target with a ``headline | figure | value | target`` line
+(``benchmarks/_headline.py``); the last table gathers them, each with the load average while its
+benchmark ran: the README's figures are that table (``--markdown FILE`` writes it as Markdown too).
+
 The rules the benchmarks keep (docs/benchmarks.md): each tool runs with its defaults, or both with the
 same explicit settings printed in the table; each static server with the shipped configuration.
 """
@@ -23,6 +27,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _headline import PREFIX
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -67,6 +74,25 @@ BENCHES = [
 ]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Headline:
+    """A figure a benchmark printed as answering a target."""
+
+    figure: str
+    value: str
+    target: str
+
+
+def parse_headline(line: str) -> Headline | None:
+    """The headline a benchmark's output line carries, if it is one (``_headline.py`` writes them)."""
+    if not line.startswith(PREFIX):
+        return None
+    parts = [p.strip() for p in line[len(PREFIX) :].rstrip("\n").split("|")]
+    if len(parts) != 3 or not parts[0] or not parts[1]:
+        return None
+    return Headline(*parts)
+
+
 @dataclass
 class Outcome:
     name: str
@@ -74,6 +100,7 @@ class Outcome:
     code: int = 0
     wall: float = 0.0
     loads: list[float] = field(default_factory=list)
+    headlines: list[Headline] = field(default_factory=list)
 
     @property
     def load(self) -> str:
@@ -107,6 +134,9 @@ def run_one(bench: Bench, quick: bool) -> Outcome:
         assert proc.stdout is not None
         for line in proc.stdout:
             print(f"[{bench.name}] {line}", end="", flush=True)
+            found = parse_headline(line)
+            if found is not None:
+                out.headlines.append(found)
         out.code = proc.wait()
     except KeyboardInterrupt:
         proc.terminate()
@@ -121,11 +151,21 @@ def run_one(bench: Bench, quick: bool) -> Outcome:
     return out
 
 
+def headline_table(outcomes: list[Outcome]) -> str:
+    """The headline figures of every benchmark that printed some, as a Markdown table."""
+    rows = ["| benchmark | figure | value | target | load average |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        for h in o.headlines:
+            rows.append(f"| {o.name} | {h.figure} | {h.value} | {h.target or '-'} | {o.load} |")
+    return "\n".join(rows) + "\n" if len(rows) > 2 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
     p.add_argument("--quick", action="store_true", help="small sizes: minutes, not hours")
     p.add_argument("--only", default="", help="comma-separated names: " + ", ".join(b.name for b in BENCHES))
+    p.add_argument("--markdown", type=Path, help="also write the headline figures' table to this file")
     args = p.parse_args(argv)
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - {b.name for b in BENCHES})
@@ -138,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     for o in outcomes:
         result = "ok" if o.code == 0 else f"FAILED (exit {o.code})"
         print(f"{o.name:<14} {result:<18} {o.wall:>8.1f}  {o.load}")
+    table = headline_table(outcomes)
+    if table:
+        print(f"\nHeadline figures ({'quick' if args.quick else 'full'} sizes)\n\n{table}", end="")
+        if args.markdown is not None:
+            args.markdown.write_text(table)
     return 0 if all(o.code == 0 for o in outcomes) else 1
 
 
