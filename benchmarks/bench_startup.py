@@ -10,7 +10,8 @@ run compile rsagg's own modules from source, which the table's first line says.
 
 ``--before DIR`` times the same commands in another checkout too (the tree before a change, e.g. a
 detached ``git worktree`` of main), the two trees taking turns command by command, so both columns meet
-the same load; ``--root DIR`` times another checkout alone.
+the same load; ``--root DIR`` times another checkout alone. A checkout with a ``.venv`` of its own is run
+by that venv's Python (its plugins, installed editable from its tree, are its own), else by this one.
 
 The commands that read a configuration run against a small one in a temporary folder (one source, an
 empty store), so the figure is start-up and the command's own small work, not a harvest.
@@ -32,13 +33,20 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGET = 0.15
 
 
-def commands(folder: Path) -> list[tuple[str, list[str]]]:
+def python_of(root: Path) -> str:
+    """The interpreter that runs ``root``'s rsagg: its own ``.venv`` when it has one (its plugins are
+    installed there, editable, from its own tree), else this one."""
+    own = root / ".venv" / "bin" / "python"
+    return str(own) if own.exists() else sys.executable
+
+
+def commands(folder: Path, python: str = sys.executable) -> list[tuple[str, list[str]]]:
     """(label, argv) of each command timed; ``folder`` holds ``rsagg.toml`` and a sample document."""
-    rsagg = [sys.executable, "-m", "aggregator"]
+    rsagg = [python, "-m", "aggregator"]
     config = str(folder / "rsagg.toml")
     doc = str(folder / "resourcelist.xml")
     return [
-        ("python -c pass", [sys.executable, "-c", "pass"]),
+        ("python -c pass", [python, "-c", "pass"]),
         ("rsagg --version", [*rsagg, "--version"]),
         ("rsagg --help", [*rsagg, "--help"]),
         ("rsagg audit --help", [*rsagg, "audit", "--help"]),
@@ -47,7 +55,7 @@ def commands(folder: Path) -> list[tuple[str, list[str]]]:
         ("rsagg status -c", [*rsagg, "status", "-c", config]),
         ("rsagg retries -c", [*rsagg, "retries", "-c", config]),
         ("rsagg plugins", [*rsagg, "plugins"]),
-        ("import aggregator.cli", [sys.executable, "-c", "import aggregator.cli"]),
+        ("import aggregator.cli", [python, "-c", "import aggregator.cli"]),
     ]
 
 
@@ -94,20 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         folder = Path(tmp)
         prepare(folder)
+        argvs = {root: dict(commands(folder, python_of(root))) for root in roots}
         cases = commands(folder)
         keys = [(label, root) for label, _ in cases for root in roots]
         walls: dict[tuple[str, Path], list[float]] = {key: [] for key in keys}
         cpus: dict[tuple[str, Path], list[float]] = {key: [] for key in keys}
         loads: dict[str, list[float]] = {label: [] for label, _ in cases}
         if args.bytecode:  # writes __pycache__ beside the sources, as pip does on install
-            for _, cmd in cases:
+            for label, _ in cases:
                 for root in roots:
-                    time_one(cmd, folder, root, bytecode=True)
+                    time_one(argvs[root][label], folder, root, bytecode=True)
         for run in range(args.runs):  # the commands (and the trees) take turns: a burst of load hits all
-            for label, cmd in cases:
+            for label, _ in cases:
                 loads[label].append(os.getloadavg()[0])
                 for root in roots if run % 2 == 0 else roots[::-1]:
-                    wall, cpu = time_one(cmd, folder, root, bytecode=args.bytecode)
+                    wall, cpu = time_one(argvs[root][label], folder, root, bytecode=args.bytecode)
                     walls[label, root].append(wall)
                     cpus[label, root].append(cpu)
     cached = args.bytecode or not os.environ.get("PYTHONDONTWRITEBYTECODE")
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median
     if args.before is None:
         root = roots[0]
-        print(f"rsagg from {root}; bytecode cache: {state}")
+        print(f"rsagg from {root} ({python_of(root)}); bytecode cache: {state}")
         print(
             f"start-up, median of {args.runs} runs each (target for one-shot commands: {TARGET:.2f} s wall)"
         )
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:<24} {med(w):8.3f} {min(w):8.3f} {med(c):8.3f} {med(loads[label]):8.2f}")
         return 0
     before, after = roots
-    print(f"before: rsagg from {before}\nafter:  rsagg from {after}\nbytecode cache: {state}")
+    print(f"before: rsagg from {before} ({python_of(before)})")
+    print(f"after:  rsagg from {after} ({python_of(after)})\nbytecode cache: {state}")
     print(
         f"start-up, median of {args.runs} runs each, the trees taking turns "
         f"(target for one-shot commands: {TARGET:.2f} s wall)"
