@@ -140,20 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         f"start-up, median of {args.runs} runs each, the trees taking turns "
         f"(target for one-shot commands: {TARGET:.2f} s wall)"
     )
-    head = ("wall before", "wall after", "cpu before", "cpu after", "cpu ratio", "load 1m")
+    print("(cpu min: the least CPU time of the runs, the steadiest figure on a loaded machine)")
+    head = ("wall before", "wall after", "cpu before", "cpu after", "min before", "min after", "load 1m")
     print(f"{'command':<24} " + " ".join(f"{h:>11}" for h in head))
     for label, _ in cases:
         wb, wa = med(walls[label, before]), med(walls[label, after])
         cb, ca = med(cpus[label, before]), med(cpus[label, after])
-        figures = (
-            f"{wb:.3f}",
-            f"{wa:.3f}",
-            f"{cb:.3f}",
-            f"{ca:.3f}",
-            f"{ca / cb:.2f}",
-            f"{med(loads[label]):.2f}",
-        )
-        print(f"{label:<24} " + " ".join(f"{f:>11}" for f in figures))
+        mb, ma = min(cpus[label, before]), min(cpus[label, after])
+        figures = " ".join(f"{f:>11.3f}" for f in (wb, wa, cb, ca, mb, ma))
+        print(f"{label:<24} {figures} {med(loads[label]):>11.2f}")
     return 0
 
 
