@@ -22,6 +22,9 @@ HEAVY = (
     "botocore", "lxml", "pydantic", "pydantic_core", "sqlite_utils", "prometheus_client", "pluggy",
     "psycopg", "psycopg_pool", "jinja2", "aggregator.config", "aggregator.store", "aggregator.harvest",
     "aggregator.publish", "aggregator.websub", "aggregator.run.daemon", "aggregator.run.compose",
+    # the standard library's heavier parts that only a command's work needs (``demo``'s free port and
+    # temporary store, the probe of the store folder by ``status`` and ``harvest``)
+    "socket", "tempfile", "random",
 )  # fmt: skip
 
 _PROBE = """
