@@ -9,6 +9,7 @@ registers it here.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Iterable, Mapping
@@ -18,31 +19,39 @@ if TYPE_CHECKING:
     from .config import Config
 
 REDACTED = "[redacted]"
-#: What a credential looks like in a log line, whoever wrote it (the secret is group "s").
-_PATTERNS = [
-    # A header in any spelling: "Authorization: Bearer x", "'Authorization': b'AWS4-HMAC-SHA256 ...'",
-    # "authorization=...": everything up to the end of the quoted value or of the line.
-    re.compile(
-        r"""(?i)(?P<k>\b(?:proxy-)?authorization|\bx-amz-security-token|\bx-api-key|\bcookie|\bset-cookie"""
-        r"""|\bx-hub-signature(?:-256)?)(?P<sep>['"]?\s*[:=]\s*(?:b(?=['"]))?['"]?)"""
-        r"""(?P<s>[^'"\r\n]+)"""
-    ),
-    # AWS signature version 4 pieces, also in query strings (presigned URLs).
-    re.compile(
-        r"(?i)(?P<k>\bcredential|\bx-amz-credential|\bsignature|\bx-amz-signature)(?P<sep>=)(?P<s>[^&,\s'\"]+)"
-    ),
-    re.compile(
-        r"(?i)(?P<k>\b(?:aws_)?(?:secret_access_key|secret_key|access_key_id|session_token))"
-        r"(?P<sep>['\"]?\s*[:=]\s*['\"]?)(?P<s>[^'\",\s}]+)"
-    ),
-    re.compile(r"(?i)(?P<k>\bbearer)(?P<sep>\s+)(?P<s>[A-Za-z0-9._~+/=-]{8,})"),
-    # user:password@ in a URL (not one rsagg already shows as ``***``, store.state's way).
-    re.compile(
-        r"(?P<k>[a-z][a-z0-9+.-]*://[^/@\s:'\"]+)(?P<sep>:)(?!\*\*\*@)(?P<s>[^/@\s'\"]+)(?=@)", re.IGNORECASE
-    ),
-    # An AWS access key id wherever it stands.
-    re.compile(r"(?P<k>)(?P<sep>)(?P<s>\b(?:AKIA|ASIA)[A-Z0-9]{12,}\b)"),
-]
+
+
+@functools.cache
+def _patterns() -> tuple[re.Pattern[str], ...]:
+    """What a credential looks like in a log line, whoever wrote it (the secret is group "s"): compiled
+    on the first line scrubbed, not at start-up (a one-shot command that logs nothing never needs them)."""
+    return (
+        # A header in any spelling: "Authorization: Bearer x", "'Authorization': b'AWS4-HMAC-SHA256 ...'",
+        # "authorization=...": everything up to the end of the quoted value or of the line.
+        re.compile(
+            r"""(?i)(?P<k>\b(?:proxy-)?authorization|\bx-amz-security-token|\bx-api-key|\bcookie|\bset-cookie"""
+            r"""|\bx-hub-signature(?:-256)?)(?P<sep>['"]?\s*[:=]\s*(?:b(?=['"]))?['"]?)"""
+            r"""(?P<s>[^'"\r\n]+)"""
+        ),
+        # AWS signature version 4 pieces, also in query strings (presigned URLs).
+        re.compile(
+            r"(?i)(?P<k>\bcredential|\bx-amz-credential|\bsignature|\bx-amz-signature)(?P<sep>=)(?P<s>[^&,\s'\"]+)"
+        ),
+        re.compile(
+            r"(?i)(?P<k>\b(?:aws_)?(?:secret_access_key|secret_key|access_key_id|session_token))"
+            r"(?P<sep>['\"]?\s*[:=]\s*['\"]?)(?P<s>[^'\",\s}]+)"
+        ),
+        re.compile(r"(?i)(?P<k>\bbearer)(?P<sep>\s+)(?P<s>[A-Za-z0-9._~+/=-]{8,})"),
+        # user:password@ in a URL (not one rsagg already shows as ``***``, store.state's way).
+        re.compile(
+            r"(?P<k>[a-z][a-z0-9+.-]*://[^/@\s:'\"]+)(?P<sep>:)(?!\*\*\*@)(?P<s>[^/@\s'\"]+)(?=@)",
+            re.IGNORECASE,
+        ),
+        # An AWS access key id wherever it stands.
+        re.compile(r"(?P<k>)(?P<sep>)(?P<s>\b(?:AKIA|ASIA)[A-Z0-9]{12,}\b)"),
+    )
+
+
 _secrets: set[str] = set()
 _secrets_lock = threading.Lock()
 _secrets_re: re.Pattern[str] | None = None
@@ -87,7 +96,7 @@ def redact(text: str) -> str:
     pattern = _secrets_re
     if pattern is not None:
         text = pattern.sub(REDACTED, text)
-    for rx in _PATTERNS:
+    for rx in _patterns():
         text = rx.sub(lambda m: f"{m['k']}{m['sep']}{REDACTED}", text)
     return text
 

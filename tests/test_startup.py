@@ -22,6 +22,9 @@ HEAVY = (
     "botocore", "lxml", "pydantic", "pydantic_core", "sqlite_utils", "prometheus_client", "pluggy",
     "psycopg", "psycopg_pool", "jinja2", "aggregator.config", "aggregator.store", "aggregator.harvest",
     "aggregator.publish", "aggregator.websub", "aggregator.run.daemon", "aggregator.run.compose",
+    # the standard library's heavier parts that only a command's work needs (``demo``'s free port and
+    # temporary store, the probe of the store folder by ``status`` and ``harvest``)
+    "socket", "tempfile", "random",
 )  # fmt: skip
 
 _PROBE = """
@@ -98,11 +101,23 @@ def test_loading_the_plugins_imports_no_storage_client() -> None:
     assert [m for m in loaded if m.split(".")[0] in ("boto3", "botocore", "s3transfer")] == []  # ... alone
 
 
+def test_the_xml_plugins_load_without_the_xml_library() -> None:
+    """The shipped plugins that work on XML (xmlpatch, metadatafilter) import lxml when a hook of theirs
+    is called (tests/test_xmlpatch.py, tests/test_plugins.py call them), not when they are loaded: every
+    ``status``, ``retries`` and ``plugins`` loads them."""
+    pytest.importorskip("rsagg_xmlpatch")
+    pytest.importorskip("rsagg_metadatafilter")
+    loaded = _loaded(["plugins", "--json"])
+    assert {"rsagg_xmlpatch", "rsagg_metadatafilter"} <= set(loaded)  # the plugins were loaded ...
+    assert [m for m in loaded if m.split(".")[0] == "lxml"] == []  # ... without lxml
+
+
 #: What a command that reads the configuration and the state (``status``, ``retries``) or loads the plugins
-#: (``plugins``) does not use: the harvest's and the server's libraries and modules. The configuration
-#: (pydantic), the state (sqlite-utils) and pluggy are theirs to load.
+#: (``plugins``) does not use: the harvest's and the server's libraries and modules, and the document
+#: parser (lxml: the shipped XML plugins import it when a hook of theirs is called, not when loaded). The
+#: configuration (pydantic), the state (sqlite3) and pluggy are theirs to load.
 NOT_READING = (
-    "trio", "trio_parallel", "httpx", "httpcore", "h11", "h2", "starlette", "hypercorn", "boto3",
+    "trio", "trio_parallel", "httpx", "httpcore", "h11", "h2", "starlette", "hypercorn", "boto3", "lxml",
     "botocore", "prometheus_client", "psycopg", "psycopg_pool", "jinja2", "aggregator.publish",
     "aggregator.websub", "aggregator.run.daemon", "aggregator.run.compose", "aggregator.run.cluster",
     "aggregator.observe.metrics", "aggregator.net.outbound",

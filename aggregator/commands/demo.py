@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._common import add_global_arguments
 
 if TYPE_CHECKING:  # imported when the command runs, not at start-up (aggregator/cli.py)
+    import random
+
     from ..config import Config
     from ..run.compose import Assembly
     from ..run.daemon import ListenError
@@ -32,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _free_port() -> int:
+    import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -81,6 +82,8 @@ async def _keep_changing(up: Upstream, every: float, rng: random.Random) -> None
 
 
 async def run_demo(args: argparse.Namespace, data: Path) -> None:
+    import random
+
     import trio
 
     from ..run.daemon import run_daemon
@@ -148,6 +151,8 @@ def _run(args: argparse.Namespace, data: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import tempfile
+
     from ..observe.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)

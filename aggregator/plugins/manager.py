@@ -35,7 +35,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points, version
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -115,8 +115,9 @@ class Plugins:
                         f"{_one_line(exc)} (fix or uninstall it, or set [plugins.{ep.name}] enabled = false)",
                     ) from None  # fmt: skip
                 self._register(obj, ep.name, file)
-                dist = ep.dist.name if ep.dist else None
-                self.versions[ep.name] = version(dist) if dist else "unknown"
+                # The distribution the scan found (the first of its name on sys.path, as ``version()``
+                # would find it again by a second scan of sys.path for each plugin).
+                self.versions[ep.name] = ep.dist.version if ep.dist else "unknown"
         for name in sorted(off):
             if self.pm.get_plugin(name) is not None:
                 self.pm.unregister(name=name)

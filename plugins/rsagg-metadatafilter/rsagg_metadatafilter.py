@@ -42,11 +42,25 @@ import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
-
-from lxml import etree
+from typing import TYPE_CHECKING, Any
 
 from aggregator.plugin_api import hookimpl
+
+if TYPE_CHECKING:
+    from lxml import etree
+else:
+
+    class _LazyEtree:
+        """``lxml.etree``, imported when its filter reads a record: every command that loads the plugins
+        (``rsagg status``, ``retries``, ``plugins``) loads this module and calls none of its hooks."""
+
+        def __getattr__(self, name: str) -> Any:
+            from lxml import etree as module
+
+            globals()["etree"] = module
+            return getattr(module, name)
+
+    etree = _LazyEtree()
 
 log = logging.getLogger("rsagg.plugins.metadatafilter")
 

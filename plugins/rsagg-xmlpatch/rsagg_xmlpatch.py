@@ -53,11 +53,25 @@ import copy
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from lxml import etree
+from typing import TYPE_CHECKING, Any
 
 from aggregator.plugin_api import hookimpl
+
+if TYPE_CHECKING:
+    from lxml import etree
+else:
+
+    class _LazyEtree:
+        """``lxml.etree``, imported when a patch is applied: every command that loads the plugins
+        (``rsagg status``, ``retries``, ``plugins``) loads this module and calls none of its hooks."""
+
+        def __getattr__(self, name: str) -> Any:
+            from lxml import etree as module
+
+            globals()["etree"] = module
+            return getattr(module, name)
+
+    etree = _LazyEtree()
 
 PatchApplier = Callable[[bytes, bytes], bytes]  # same shape as aggregator.harvest.patch.PatchApplier
 
