@@ -262,6 +262,10 @@ def next_change(st: StateStore) -> list:
     return [(r.seq, r.uri) for r in st.iter_changelog(st.last_seq() - 1)]
 
 
+#: A change kind's code (codec.LOG_KINDS) as the text versions 14 and 15 stored.
+KIND_TEXT = "CASE change WHEN 0 THEN 'created' WHEN 1 THEN 'updated' WHEN 2 THEN 'deleted' END"
+
+
 def _big_tables_ddl(ddl: dict) -> list[str]:
     return [s for s in ddl["sqlite"] if re.search(r"\b(TABLE|ON) \"?(resources|changelog)\b", s)]
 
@@ -285,7 +289,7 @@ def downgrade_sqlite(path: Path, to: int = 14) -> None:
         "w3c(updated_at) FROM r16"
     )
     c.execute(
-        "INSERT INTO changelog SELECT seq, set_id, resource_id, change, w3c(datetime), sha256, length, "
+        f"INSERT INTO changelog SELECT seq, set_id, resource_id, {KIND_TEXT}, w3c(datetime), sha256, length, "
         "type, uri FROM c16"
     )
     c.execute("UPDATE sqlite_sequence SET seq = (SELECT seq FROM sqlite_sequence WHERE name = 'c16') "
@@ -438,6 +442,11 @@ def test_an_older_postgres_state_with_data_migrates_with_every_answer_unchanged(
         conn.execute("ALTER TABLE resources DROP COLUMN uri_key")
         conn.execute("ALTER TABLE resources ADD CONSTRAINT resources_set_id_uri_key UNIQUE (set_id, uri)")
         conn.execute("CREATE INDEX changelog_datetime ON changelog(datetime)")
+        conn.execute(
+            "ALTER TABLE changelog DROP CONSTRAINT changelog_change_check, "
+            f"ALTER COLUMN change TYPE TEXT USING {KIND_TEXT}, "
+            "ADD CONSTRAINT changelog_change_check CHECK (change IN ('created', 'updated', 'deleted'))"
+        )
         conn.execute("UPDATE schema_version SET version = 15")
     if version == 14:
         hx = "CASE WHEN id % 2 = 1 THEN upper(encode({0}, 'hex')) ELSE encode({0}, 'hex') END"

@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ..config import parse_versions
+from .sql.codec import DELETED_CODE
 
 
 class RetentionError(ValueError):
@@ -96,7 +97,7 @@ def retained_sql(retention: Retention | None, when: Callable[[datetime], Any]) -
         cond = f"superseded IS NULL OR superseded > {cutoff}"
     return (
         "SELECT sha256 FROM (SELECT seq, sha256, "
-        "row_number() OVER (PARTITION BY resource_id, change = 'deleted' ORDER BY seq DESC) AS rank, "
+        f"row_number() OVER (PARTITION BY resource_id, change = {DELETED_CODE} ORDER BY seq DESC) AS rank, "
         "lead(datetime) OVER (PARTITION BY resource_id ORDER BY seq) AS superseded "
         f"FROM changelog) AS v WHERE sha256 IS NOT NULL AND ({cond}{floor})"
     )

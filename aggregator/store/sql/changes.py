@@ -16,7 +16,7 @@ from typing import Any
 from ...rs.model import CHANGES, DELETED
 from ..interface import EmptySnapshot
 from ..rows import Change, Cursor, RetryChanges
-from .codec import C_STORED, check_hashes, check_sha, plan_batch
+from .codec import C_STORED, DELETED_CODE, check_hashes, check_sha, plan_batch
 from .retries import Retries
 from .sources import Sources
 
@@ -187,7 +187,7 @@ class Changes(Sources, Retries):
                     (True, generation, now_row, self.d.ids([rid for rid, _ in gone])),
                 )
                 self._append_log(
-                    c, seq, [(set_id, rid, DELETED, now_row, None, None, None) for rid, _ in gone]
+                    c, seq, [(set_id, rid, DELETED_CODE, now_row, None, None, None) for rid, _ in gone]
                 )
             self._put_cursor(c, set_id, cursor, now)
             c.execute("UPDATE sets SET baseline_generation = NULL WHERE id = ?", (set_id,))

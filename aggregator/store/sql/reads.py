@@ -19,7 +19,7 @@ from ..retention import Retention, retained_sql
 from ..rows import LogRecord, Resource
 from . import codec, dialect
 from .base import SqlState
-from .codec import LOG_SELECT, R_URI, RES_COLS, SELECT_RES, log_record, resource_row
+from .codec import DELETED_CODE, LOG_SELECT, R_URI, RES_COLS, SELECT_RES, log_record, resource_row
 from .dialect import MAX_INT, uri_key
 
 SELECT_RES_COLS = ("id", *RES_COLS)
@@ -405,7 +405,7 @@ class Reads(SqlState):
         with self._read() as c:
             return c.execute(
                 "SELECT count(*) FROM (SELECT 1 FROM changelog WHERE resource_id = ? AND seq > ? "
-                "AND change != 'deleted' LIMIT ?) AS x",
+                f"AND change != {DELETED_CODE} LIMIT ?) AS x",
                 (resource_id, after_seq, top),
             ).fetchone()[0]
 
@@ -420,12 +420,13 @@ class Reads(SqlState):
             # step 16 dropped the index on datetime alone: 40 bytes a record, for this one query).
             r = c.execute(
                 f"{LOG_SELECT} WHERE c.resource_id = ? AND c.datetime <= ? "
-                "AND c.change != 'deleted' ORDER BY c.seq DESC LIMIT 1",
+                f"AND c.change != {DELETED_CODE} ORDER BY c.seq DESC LIMIT 1",
                 (resource_id, self.d.t_row(when)),
             ).fetchone()
             if r is None:
                 r = c.execute(
-                    f"{LOG_SELECT} WHERE c.resource_id = ? AND c.change != 'deleted' ORDER BY c.seq LIMIT 1",
+                    f"{LOG_SELECT} WHERE c.resource_id = ? AND c.change != {DELETED_CODE} "
+                    "ORDER BY c.seq LIMIT 1",
                     (resource_id,),
                 ).fetchone()
         return log_record(r, dt) if r else None

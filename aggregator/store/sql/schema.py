@@ -30,6 +30,9 @@ class SqliteOnly(str):
     __slots__ = ()
 
 
+#: Step 16: a change kind's text as its code (codec.LOG_KINDS; the CHECK of step 1 allows no other).
+_KIND_CODE = "CASE change WHEN 'created' THEN 0 WHEN 'updated' THEN 1 WHEN 'deleted' THEN 2 END"
+
 #: Per dialect name, what each brace of ``STEPS`` reads as.
 TYPES = {
     "sqlite": {
@@ -449,6 +452,7 @@ STEPS: list[tuple[str, ...]] = [
         # set in PostgreSQL). (b) SQLite stores the times of both tables as integer microseconds since
         # the epoch (dialect.to_us: 8 bytes, not 27; PostgreSQL's timestamptz is that already). (c) The
         # index changelog_datetime goes: its one query (version_at) walks the row's records instead.
+        # (d) The change kind is a small integer (codec.LOG_KINDS; 0 and 1 take no byte in SQLite).
         # A stored time that does not parse fails the step (rsagg_us: the state stays as it was).
         SqliteOnly("""CREATE TABLE resources_v16 (
             id INTEGER PRIMARY KEY,
@@ -479,7 +483,7 @@ STEPS: list[tuple[str, ...]] = [
             seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- never reused, even after pruning
             set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
             resource_id INTEGER NOT NULL,            -- no FK: the log outlives pruned rows
-            change TEXT NOT NULL CHECK (change IN ('created', 'updated', 'deleted')),
+            change INTEGER NOT NULL CHECK (change IN (0, 1, 2)),  -- codec.LOG_KINDS: created, updated...
             datetime INTEGER NOT NULL,               -- rsagg's clock (dialect.to_us), non-decreasing
             sha256 BLOB,                             -- the change's own (not the row's current) values
             length INTEGER,
@@ -487,8 +491,8 @@ STEPS: list[tuple[str, ...]] = [
             uri TEXT                                 -- NULL: the uri of resource_id's row
         )"""),
         SqliteOnly(
-            "INSERT INTO changelog_v16 SELECT seq, set_id, resource_id, change, rsagg_us(datetime), sha256, "
-            "length, type, uri FROM changelog"
+            f"INSERT INTO changelog_v16 SELECT seq, set_id, resource_id, {_KIND_CODE}, rsagg_us(datetime), "
+            "sha256, length, type, uri FROM changelog"
         ),
         SqliteOnly("DELETE FROM sqlite_sequence WHERE name = 'changelog_v16'"),
         SqliteOnly(
@@ -512,6 +516,11 @@ STEPS: list[tuple[str, ...]] = [
         ),
         PostgresOnly("ALTER TABLE resources DROP CONSTRAINT resources_set_id_uri_key"),
         PostgresOnly("DROP INDEX changelog_datetime"),
+        PostgresOnly(
+            "ALTER TABLE changelog DROP CONSTRAINT changelog_change_check, "
+            f"ALTER COLUMN change TYPE SMALLINT USING {_KIND_CODE}, "
+            "ADD CONSTRAINT changelog_change_check CHECK (change IN (0, 1, 2))"
+        ),
         "CREATE INDEX resources_uri ON resources(set_id, uri_key)",
     ),
 ]
