@@ -25,7 +25,7 @@ MAX_INT = 2**63 - 1
 
 def uri_key(uri: str) -> int:
     """The lookup key of a resource row (schema step 16): the first 4 bytes of the MD5 of the uri's
-    UTF-8, as a signed 32-bit integer. The index ``resources_uri (set_id, uri_key)`` is 16 bytes an
+    UTF-8, as a signed 32-bit integer. The index ``resources_uri (uri_key, set_id)`` is 16 bytes an
     entry where ``(set_id, uri)``'s was a hundred; a lookup names both the key and the uri (two uris may
     share a key: the key only narrows, the uri decides). PostgreSQL computes the same value in SQL
     (``URI_KEY_SQL``, step 16's conversion)."""
@@ -197,7 +197,7 @@ class PostgresDialect(Dialect):
         return f"""to_char({column} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')"""
 
     def by_uri(self, cols: Sequence[str], set_id: int, uris: Sequence[str]) -> tuple[str, tuple]:
-        # One (set_id, uri_key) key lookup per uri, whatever the planner's statistics say (``uri = ANY(...)``
+        # One (uri_key, set_id) key lookup per uri, whatever the planner's statistics say (``uri = ANY(...)``
         # on a table not analysed yet scanned the whole set for every batch).
         uris = list(dict.fromkeys(uris))
         return (

@@ -2,7 +2,7 @@
 and the versions of one resource (publish/versions.py; §14.6, RFC 7089).
 
 A published set is a list of state sets (config [[sets]] grouping). Queries run per state set on the
-indexes of the schema (resources_live, the (set_id, uri_key) key, changelog_set_seq) and are merged by id /
+indexes of the schema (resources_live, the (uri_key, set_id) key, changelog_set_seq) and are merged by id /
 seq in Python, so a small set in a big database never scans other sets' rows.
 """
 
