@@ -1,5 +1,5 @@
 """The state's hot paths on both backends: a batch of changes applied, resource reads, a changelog page,
-a Resource List's listing, a Change List's log range,
+a Resource List's listing, a Change List's log range, a TimeGate's ``version_at()``,
 ``version()`` and ``cursor()``; the best of several repeats (robust on a loaded machine).
 
 The SQL is written once for both backends (aggregator/store/sql/); ``--root`` times another checkout
@@ -51,9 +51,14 @@ def measure(st: Any, batch: int) -> dict[str, float]:
                        for i in range(batch)])  # fmt: skip
 
     uris = [f"http://x.example/r/{i}" for i in range(batch)]
-    return {
+
+    out = {
         f"apply {batch} created (ms)": best(create, 1, 9) * 1e3,
         f"apply {batch} updated (ms)": best(update, 1, 9) * 1e3,
+    }
+    res = st.resource(sid, "http://x.example/r/5")  # updated 9 times: a history of 10 versions
+    first = next(iter(st.iter_versions(res.id))).datetime
+    return out | {
         f"resources({batch}) (ms)": best(lambda: st.resources(sid, uris), 3) * 1e3,
         "resource() (µs)": best(lambda: st.resource(sid, "http://x.example/r/5"), 200) * 1e6,
         "changelog page of 1000 (ms)": best(lambda: sum(1 for _ in st.iter_changelog(limit=1000)), 3) * 1e3,
@@ -63,6 +68,8 @@ def measure(st: Any, batch: int) -> dict[str, float]:
         )
         * 1e3,
         "log range of 1000 (ms)": best(lambda: sum(1 for _ in st.iter_log_range([sid], 0, 1000)), 3) * 1e3,
+        # a TimeGate's choice (publish/versions.py) of a row's oldest version, its whole history walked
+        "version_at() (µs)": best(lambda: st.version_at(res.id, first), 200) * 1e6,
         "version() (µs)": best(st.version, 1000) * 1e6,
         "cursor() (µs)": best(lambda: st.cursor(sid), 1000) * 1e6,
     }

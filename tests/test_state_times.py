@@ -184,3 +184,64 @@ def test_postgres_computes_the_same_uri_key(pg_server) -> None:  # type: ignore[
             f"SELECT {URI_KEY_SQL} FROM unnest(%s::text[]) WITH ORDINALITY AS u(uri, n) ORDER BY n", (uris,)
         ).fetchall()
     assert [k for (k,) in got] == [uri_key(u) for u in uris]
+
+
+# -- plans: a lookup by uri is a key lookup on both backends -----------------------------------------
+
+
+def _filled(st: StateStore, n: int = 3000) -> tuple[int, int, list[str]]:
+    st.upsert_source("s", "https://example.org/sd.xml")
+    st.upsert_source("t", "https://example.org/td.xml")
+    big, small = (
+        st.ensure_set("s", "https://example.org/cl.xml"),
+        st.ensure_set("t", "https://example.org/c2.xml"),
+    )
+    uris = [f"https://example.org/r/{i}" for i in range(n)]
+    for b in range(0, n, 1000):
+        st.apply(big, [Change(u, "created", _sha(i)) for i, u in enumerate(uris[b : b + 1000], b)])
+    st.apply(small, [Change(u, "created", _sha(i)) for i, u in enumerate(uris[:20])])
+    return big, small, uris
+
+
+def test_sqlite_plans_use_the_uri_key_only_for_lookups_by_uri(tmp_path: Path) -> None:
+    from aggregator.store.sql.dialect import SQLITE
+
+    with connect(tmp_path / "s.db") as st:
+        big, small, uris = _filled(st)
+
+        def plan(sql: str, params: tuple) -> str:
+            return " | ".join(r[3] for r in st.conn.execute("EXPLAIN QUERY PLAN " + sql, params))
+
+        q = SQLITE.by_uri(("id", "uri"), big, uris[:50])
+        assert "USING INDEX resources_uri (uri_key=? AND set_id=?)" in plan(*q)
+        one = (big, uri_key(uris[7]), uris[7])
+        assert "resources_uri (uri_key=? AND set_id=?)" in plan(
+            "SELECT id FROM resources WHERE set_id = ? AND uri_key = ? AND uri = ?", one
+        )
+        # a whole set's rows: never the key index (it is the smallest, and SQLite liked it for counts)
+        whole = [
+            "SELECT count(*) FROM resources WHERE set_id = ? AND deleted = 0",
+            "SELECT 1 FROM resources WHERE set_id = ? AND generation = 3 LIMIT 1",
+            "SELECT count(*), max(updated_at) FROM resources WHERE set_id = ? AND id > 5",
+        ]
+        for sql in whole:
+            assert "resources_uri" not in plan(sql, (small,)), sql
+
+
+@pytest.mark.slow
+def test_postgres_looks_up_each_uri_by_its_key_analysed_or_not(pg_server) -> None:  # type: ignore[no-untyped-def]
+    import psycopg
+
+    from aggregator.store.sql.dialect import POSTGRES
+
+    url = pg_server.fresh_url()
+    with connect(url) as st:
+        big, _, uris = _filled(st)
+    sql, params = POSTGRES.by_uri(("id", "uri"), big, uris[:200])
+    with psycopg.connect(url, autocommit=True) as conn:
+        for analyse in (False, True):
+            if analyse:
+                conn.execute("ANALYZE resources")
+            plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql, params))
+            assert "Index Scan using resources_uri" in plan and "Nested Loop" in plan, plan
+            assert "Seq Scan on resources" not in plan and "Hash Join" not in plan, plan

@@ -198,12 +198,13 @@ class PostgresDialect(Dialect):
 
     def by_uri(self, cols: Sequence[str], set_id: int, uris: Sequence[str]) -> tuple[str, tuple]:
         # One (uri_key, set_id) key lookup per uri, whatever the planner's statistics say (``uri = ANY(...)``
-        # on a table not analysed yet scanned the whole set for every batch).
+        # on a table not analysed yet scanned the whole set for every batch); OFFSET 0 keeps the subquery
+        # a lookup per uri (pulled up into the join, it became a hash join over the whole set).
         uris = list(dict.fromkeys(uris))
         return (
             f"SELECT {', '.join('r.' + c for c in cols)} FROM unnest(%s::int[], %s::text[]) AS u(k, uri) "
             "CROSS JOIN LATERAL (SELECT * FROM resources "
-            "WHERE set_id = %s AND uri_key = u.k AND uri = u.uri) AS r",
+            "WHERE set_id = %s AND uri_key = u.k AND uri = u.uri OFFSET 0) AS r",
             ([uri_key(u) for u in uris], uris, set_id),
         )
 
