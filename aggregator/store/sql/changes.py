@@ -106,13 +106,15 @@ class Changes(Sources, Retries):
     ) -> list[Change]:
         """``apply``'s work in its transaction; ``now``: the log time as the big tables store it (t_row)."""
         # 1. What is stored now, for every uri of the batch (one query).
-        uris = list(dict.fromkeys(ch.uri for ch in changes))
+        wanted = dict.fromkeys(ch.uri for ch in changes)
+        uris = list(wanted)
         current: dict[str, list] = {}  # uri -> [id, sha256, live, stored] (codec's _C_* positions)
         if uris:
             for rid, uri, sha, deleted in c.execute(
                 *self.d.by_uri(("id", "uri", "sha256", "deleted"), set_id, uris)
             ):
-                current[uri] = [rid, None if sha is None else sha.hex(), not deleted, True]
+                if uri in wanted:  # not another uri of the same key (by_uri)
+                    current[uri] = [rid, None if sha is None else sha.hex(), not deleted, True]
         # 2. Decide, change by change (plan_batch: the rules).
         new_id = self._new_ids(c, len(uris) - len(current))
         rows, tombstones, seen, log, applied = plan_batch(

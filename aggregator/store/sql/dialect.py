@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import re
+import struct
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,7 +30,10 @@ def uri_key(uri: str) -> int:
     entry where ``(set_id, uri)``'s was a hundred; a lookup names both the key and the uri (two uris may
     share a key: the key only narrows, the uri decides). PostgreSQL computes the same value in SQL
     (``URI_KEY_SQL``, step 16's conversion)."""
-    return int.from_bytes(hashlib.md5(uri.encode()).digest()[:4], "big", signed=True)
+    return _key_of(hashlib.md5(uri.encode(), usedforsecurity=False).digest())[0]
+
+
+_key_of = struct.Struct(">i").unpack_from
 
 
 #: ``uri_key`` in PostgreSQL's SQL, of a column ``uri``.
@@ -53,12 +57,17 @@ def to_us(dt: datetime | None) -> int | None:
 
 def from_us(value: int | None) -> datetime | None:
     """``to_us``'s integer back as an aware UTC datetime (what ``rows.parse_dt`` gives for the text)."""
-    return None if value is None else _EPOCH + timedelta(microseconds=value)
+    return None if value is None else _EPOCH + timedelta(0, 0, value)  # positional: twice as fast
+
+
+#: ``from_us`` remembering the last values: the rows of a batch share their ``updated_at``, the records
+#: of a batch their datetime (a hit costs a fifth of a conversion); datetimes are immutable.
+from_us_cached = functools.lru_cache(maxsize=4096)(from_us)
 
 
 def us_text(value: int | None) -> str | None:
     """``to_us``'s integer as ``rows.format_dt``'s text (``YYYY-MM-DDThh:mm:ss.ffffffZ``)."""
-    return None if value is None else format_dt(_EPOCH + timedelta(microseconds=value))
+    return None if value is None else format_dt(_EPOCH + timedelta(0, 0, value))
 
 
 def us_of_text(text: str | None) -> int | None:
@@ -88,7 +97,7 @@ class Dialect:
     #: already (8 bytes), so there it is ``t``.
     t_row: Callable[[datetime | None], Any] = staticmethod(to_us)
     #: A stored time of the big tables back as an aware datetime.
-    dt_row: Callable[[Any], Any] = staticmethod(from_us)
+    dt_row: Callable[[Any], Any] = staticmethod(from_us_cached)
     #: A time of the big tables as read by ``w3c`` (``listing_cols``) to ``rows.format_dt``'s text.
     text_row: Callable[[Any], Any] = staticmethod(us_text)
     #: Appended to a claim's SELECT: skip rows another transaction is granting (SQLite has one writer).
@@ -125,12 +134,13 @@ class Dialect:
 
     def by_uri(self, cols: Sequence[str], set_id: int, uris: Sequence[str]) -> tuple[str, tuple]:
         """A query (and its parameters) for ``cols`` of the resources of ``uris`` in one set, in one
-        statement whatever their number (SQLite: ``json_each``, no variable limit)."""
-        uris = list(dict.fromkeys(uris))
-        return (  # the key index narrows to the keys, the uri decides (uri_key)
-            f"SELECT {', '.join(cols)} FROM resources WHERE set_id = ? "
-            "AND uri_key IN (SELECT value FROM json_each(?)) AND uri IN (SELECT value FROM json_each(?))",
-            (set_id, json.dumps([uri_key(u) for u in uris]), json.dumps(uris)),
+        statement whatever their number (SQLite: ``json_each``, no variable limit). ``cols`` must hold
+        ``uri``: the rows are those of the uris' keys (``uri_key``), and the caller keeps the uris it
+        asked for (in Python: a third cheaper than SQLite matching a second list)."""
+        return (
+            f"SELECT {', '.join(cols)} FROM resources "
+            "WHERE set_id = ? AND uri_key IN (SELECT value FROM json_each(?))",
+            (set_id, json.dumps([uri_key(u) for u in dict.fromkeys(uris)])),
         )
 
     @staticmethod

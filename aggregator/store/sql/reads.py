@@ -73,7 +73,8 @@ class Reads(SqlState):
             return {}
         with self._read() as c:
             rows = c.execute(*self.d.by_uri(SELECT_RES_COLS, set_id, uris)).fetchall()
-        return {r[R_URI]: resource_row(r, dt) for r in rows}
+        wanted = set(uris)  # not another uri of the same key (by_uri)
+        return {r[R_URI]: resource_row(r, dt) for r in rows if r[R_URI] in wanted}
 
     def iter_resources(
         self,
