@@ -5,9 +5,10 @@ The statements are SQLite's, with the column types that differ in braces (``TYPE
 fixed-width W3C text in SQLite, ``timestamptz`` in PostgreSQL; a 64-bit integer, a blob, a boolean...)
 and ``deleted = 0`` as ``Dialect.sql`` rewrites it; ``PostgresOnly`` marks the few statements only
 PostgreSQL runs (its changelog head, the resource id sequence, the version sequence, in-place
-conversions) and ``SqliteOnly`` the few only SQLite runs (steps 15 and 16's table rebuilds). How the version
-is kept is the backend's: ``PRAGMA user_version`` (store/state.py), the ``schema_version`` table under
-an advisory lock (store/postgres.py).
+conversions) and ``SqliteOnly`` the few only SQLite runs (steps 15 and 16's table rebuilds: since
+step 16 SQLite's ``resources`` and ``changelog`` keep their times as integer microseconds,
+``Dialect.t_row``). How the version is kept is the backend's: ``PRAGMA user_version``
+(store/state.py), the ``schema_version`` table under an advisory lock (store/postgres.py).
 """
 
 from __future__ import annotations
