@@ -245,3 +245,60 @@ def test_postgres_looks_up_each_uri_by_its_key_analysed_or_not(pg_server) -> Non
             plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql, params))
             assert "Index Scan using resources_uri" in plan and "Nested Loop" in plan, plan
             assert "Seq Scan on resources" not in plan and "Hash Join" not in plan, plan
+
+
+# -- one row per uri and set, without a unique index --------------------------------------------------
+
+
+def check_one_row_per_uri(handles: list[StateStore]) -> None:
+    """Writers racing to create the same uris (each its own handle, in threads) leave one row per uri:
+    the writers take turns (SQLite's write lock; PostgreSQL's changelog head, locked before the rows
+    are read), which is what keeps a uri to one row since step 16 dropped the UNIQUE (set_id, uri)."""
+    import threading
+
+    first = handles[0]
+    first.upsert_source("s", "https://example.org/sd.xml")
+    sid = first.ensure_set("s", "https://example.org/cl.xml")
+    uris = [f"https://example.org/race/{i}" for i in range(40)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(handles))
+
+    def write(st: StateStore, n: int) -> None:
+        try:
+            start.wait(timeout=60)
+            for round_ in range(5):
+                st.apply(
+                    sid, [Change(u, "created", _sha(n * 1000 + round_ * 100 + i)) for i, u in enumerate(uris)]
+                )
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(st, n)) for n, st in enumerate(handles)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    rows = list(first.iter_resources(sid, include_deleted=True))
+    assert sorted(r.uri for r in rows) == sorted(uris)
+    assert first.count_resources(set_id=sid, include_deleted=True) == len(uris)
+
+
+def test_racing_writers_leave_one_row_per_uri_on_sqlite(tmp_path: Path) -> None:
+    handles = [connect(tmp_path / "s.db") for _ in range(4)]
+    try:
+        check_one_row_per_uri(handles)
+    finally:
+        for st in handles:
+            st.close()
+
+
+@pytest.mark.slow
+def test_racing_writers_leave_one_row_per_uri_on_postgres(pg_server) -> None:  # type: ignore[no-untyped-def]
+    url = pg_server.fresh_url()
+    handles = [connect(url) for _ in range(4)]
+    try:
+        check_one_row_per_uri(handles)
+    finally:
+        for st in handles:
+            st.close()
