@@ -450,9 +450,10 @@ STEPS: list[tuple[str, ...]] = [
         # the uri's MD5, dialect.uri_key) with the uri checked: the index (uri_key, set_id) replaces the
         # UNIQUE (set_id, uri) key, whose entries held the whole uri (a hundred bytes a row). The writers
         # keep a uri to one row per set: they take turns (SQLite's write lock; in PostgreSQL every batch
-        # locks changelog_head before it reads the rows it changes: tests/test_state_times.py races them). (b) SQLite stores the times of both tables as integer microseconds since
-        # the epoch (dialect.to_us: 8 bytes, not 27; PostgreSQL's timestamptz is that already). (c) The
-        # index changelog_datetime goes: its one query (version_at) walks the row's records instead.
+        # locks changelog_head before it reads the rows it changes; tests/test_state_times.py races
+        # them). (b) SQLite stores the times of both tables as integer microseconds since the epoch
+        # (dialect.to_us: 8 bytes, not 27; PostgreSQL's timestamptz is that already). (c) The index
+        # changelog_datetime goes: its one query (version_at) walks the row's records instead.
         # (d) The change kind is a small integer (codec.LOG_KINDS; 0 and 1 take no byte in SQLite).
         # A stored time that does not parse fails the step (rsagg_us: the state stays as it was).
         SqliteOnly("""CREATE TABLE resources_v16 (
