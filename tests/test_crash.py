@@ -168,7 +168,8 @@ class Harvester:
 
     def changelog(self) -> Log:
         return self.query(
-            "SELECT r.uri, c.change, lower(hex(c.sha256)) FROM changelog c "
+            "SELECT r.uri, CASE c.change WHEN 0 THEN 'created' WHEN 1 THEN 'updated' ELSE 'deleted' END, "
+            "lower(hex(c.sha256)) FROM changelog c "
             "JOIN resources r ON r.id = c.resource_id ORDER BY c.seq"
         )
 

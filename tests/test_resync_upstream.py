@@ -41,6 +41,7 @@ import httpx
 import pytest
 
 from aggregator.rs.parse import parse_bytes
+from aggregator.store.sql.codec import LOG_KINDS
 
 from .harvesting import rsagg as run_rsagg
 
@@ -199,7 +200,12 @@ def changelog_since(db: Path, seq: int) -> tuple[int, Counter[str]]:
     with sqlite3.connect(db) as c:
         last = c.execute("SELECT coalesce(max(seq), 0) FROM changelog").fetchone()[0]
         kinds = Counter(
-            dict(c.execute("SELECT change, count(*) FROM changelog WHERE seq > ? GROUP BY 1", (seq,)))
+            {
+                LOG_KINDS[code]: n
+                for code, n in c.execute(
+                    "SELECT change, count(*) FROM changelog WHERE seq > ? GROUP BY 1", (seq,)
+                )
+            }
         )
     return last, kinds
 

@@ -15,6 +15,7 @@ from aggregator.rs.model import Link
 from aggregator.store.interface import EmptySnapshot, StateStore
 from aggregator.store.rows import Change, Cursor, DocumentRow, LogRecord, format_dt, parse_dt
 from aggregator.store.sql import codec
+from aggregator.store.sql.dialect import SQLITE
 from aggregator.store.state import MIGRATIONS, State
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -203,10 +204,11 @@ def test_changelog_seq_and_datetime_are_monotonic(
     assert [r.seq for r in recs] == [1, 2, 3]
     assert [r.datetime for r in recs] == [t1, t1, T0 + timedelta(microseconds=1)]
     assert all(r.datetime.tzinfo is not None for r in recs)
-    if isinstance(st, State):  # stored text sorts like the times it stands for
-        texts = [row[0] for row in st.conn.execute("SELECT datetime FROM changelog ORDER BY seq")]
-        assert texts == sorted(texts)
-        assert all(len(t) == 27 and t.endswith("Z") for t in texts)
+    if isinstance(st, State):  # stored microseconds (schema step 16) sort like the times they stand for
+        stored = [row[0] for row in st.conn.execute("SELECT datetime FROM changelog ORDER BY seq")]
+        assert stored == sorted(stored)
+        assert all(type(v) is int for v in stored)
+        assert [SQLITE.dt_row(v) for v in stored] == [r.datetime for r in recs]
     # and the clock floor survives a restart
     st.close()
     clock.now = T0 - timedelta(days=1)

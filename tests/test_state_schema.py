@@ -1,10 +1,13 @@
 """The one schema (aggregator/store/sql/schema.py) migrates a state rsagg's last release left at version
-14 to the schema this rsagg creates, on both backends, and the state works with this rsagg.
+14, and a state at version 15, to the schema this rsagg creates, on both backends, and the state works
+with this rsagg.
 
-tests/data/state_v14_schema.json holds that release's DDL (generated from its migration lists): a
-state is built from it, opened (step 15 converts it: binary hashes, no uri per changelog row),
-compared with a state this rsagg creates (tables, columns, types, defaults, keys, indexes), then used
-through every concern of the state. A v14 state with data migrates with every answer unchanged."""
+tests/data/state_v14_schema.json holds that release's DDL, state_v15_schema.json the DDL of version 15
+(both generated from the migration lists of their time): a state is built from it, opened (step 15
+converts it: binary hashes, no uri per changelog row; step 16: rows found by a uri key, SQLite's times
+of resources and changelog as integers, no changelog_datetime index), compared with a state this
+rsagg creates (tables, columns, types, defaults, keys, indexes), then used through every concern of
+the state. A v14 or v15 state with data migrates with every answer unchanged."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import random
 import re
 import sqlite3
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -25,11 +28,16 @@ from aggregator.publish.links import LinkPolicy
 from aggregator.rs.write import iter_document_bytes
 from aggregator.store.interface import StateStore
 from aggregator.store.open import connect
-from aggregator.store.rows import Change, Cursor, DumpPart, HubVerification, ResourceValidators
+from aggregator.store.rows import Change, Cursor, DumpPart, HubVerification, ResourceValidators, format_dt
 from aggregator.store.sets import PublishedSet
 from aggregator.store.sql import codec
+from aggregator.store.sql.dialect import from_us
+from aggregator.store.sql.schema import STEPS
 
 V14 = json.loads((Path(__file__).parent / "data" / "state_v14_schema.json").read_text())
+V15 = json.loads((Path(__file__).parent / "data" / "state_v15_schema.json").read_text())
+#: The version this rsagg creates and migrates to.
+VERSION = len(STEPS)
 
 
 def _sha(text: str) -> str:
@@ -96,29 +104,40 @@ def exercise(st: StateStore) -> None:
     assert st.leases()[0].node == "node-a" and st.release_lease(fence)
 
 
-@pytest.fixture
-def v14_sqlite(tmp_path: Path) -> Path:
-    """A SQLite state as the last release left it at version 14."""
-    path = tmp_path / "state.db"
+def _sqlite_at(path: Path, ddl: dict, version: int) -> Path:
     c = sqlite3.connect(path)
-    for statement in V14["sqlite"]:
+    for statement in ddl["sqlite"]:
         c.execute(statement)
-    c.execute("PRAGMA user_version = 14")
+    c.execute(f"PRAGMA user_version = {version}")
     c.commit()
     c.close()
     return path
 
 
-def test_a_released_v14_sqlite_state_migrates_to_this_schema_and_works(
-    v14_sqlite: Path, tmp_path: Path
+@pytest.fixture
+def v14_sqlite(tmp_path: Path) -> Path:
+    """A SQLite state as the last release left it at version 14."""
+    return _sqlite_at(tmp_path / "state.db", V14, 14)
+
+
+@pytest.fixture
+def v15_sqlite(tmp_path: Path) -> Path:
+    """A SQLite state at version 15 (before step 16)."""
+    return _sqlite_at(tmp_path / "state15.db", V15, 15)
+
+
+@pytest.mark.parametrize("old", ["v14_sqlite", "v15_sqlite"])
+def test_an_older_sqlite_state_migrates_to_this_schema_and_works(
+    old: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
+    path = request.getfixturevalue(old)
     with connect(tmp_path / "new.db"):
         pass
-    with connect(v14_sqlite) as st:
-        assert st.schema_version == 15
+    with connect(path) as st:
+        assert st.schema_version == VERSION
         exercise(st)
-    assert sqlite_facts(v14_sqlite) == sqlite_facts(tmp_path / "new.db")
-    assert sqlite_facts(v14_sqlite)["changelog"]["autoincrement"]
+    assert sqlite_facts(path) == sqlite_facts(tmp_path / "new.db")
+    assert sqlite_facts(path)["changelog"]["autoincrement"]
 
 
 PG_FACTS = (
@@ -144,17 +163,18 @@ def pg_facts(url: str) -> dict:
 
 
 @pytest.mark.slow
-def test_a_released_v14_postgres_state_migrates_to_this_schema_and_works(pg_server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("ddl", [V14, V15], ids=["v14", "v15"])
+def test_an_older_postgres_state_migrates_to_this_schema_and_works(pg_server, ddl: dict) -> None:  # type: ignore[no-untyped-def]
     import psycopg
 
     old, new = pg_server.fresh_url(), pg_server.fresh_url()
     with psycopg.connect(old) as conn:
-        for statement in V14["postgresql"]:
+        for statement in ddl["postgresql"]:
             conn.execute(statement)
     with connect(new):
         pass
     with connect(old) as st:
-        assert st.schema_version == 15
+        assert st.schema_version == VERSION
         exercise(st)
     assert pg_facts(old) == pg_facts(new)
 
@@ -184,9 +204,16 @@ def fill(st: StateStore) -> None:
             if i % 3 == 0:
                 hashes["sha-1"] = hashlib.sha1(body).hexdigest()
             sha = None if i % 7 == 6 else hashlib.sha256(body).hexdigest()
-            changes.append(
-                Change(uri % i, "created", sha, len(body), "text/xml", hashes=hashes if sha else {})
+            # times of every kind: microseconds, before 1970, far future, another zone, none
+            lastmod = T0 - timedelta(days=1000 * i, microseconds=7 * i) if i % 2 else None
+            zone = timezone(timedelta(hours=i % 12 - 5, minutes=30 * (i % 2)))
+            upstream = (
+                (T0 + timedelta(days=10_000 * i, microseconds=i)).astimezone(zone) if i % 5 == 0 else None
             )
+            changes.append(
+                Change(uri % i, "created", sha, len(body), "text/xml", hashes=hashes if sha else {},
+                       lastmod=lastmod, upstream_datetime=upstream)
+            )  # fmt: skip
         st.apply(sid, changes)
         st.apply(sid, [Change(uri % i, "updated", _sha(f"{n}/{i}b"), 9, "text/xml") for i in range(0, 40, 4)])
         st.apply(sid, [Change(uri % i, "deleted") for i in range(1, 40, 5)])
@@ -235,17 +262,49 @@ def next_change(st: StateStore) -> list:
     return [(r.seq, r.uri) for r in st.iter_changelog(st.last_seq() - 1)]
 
 
-def downgrade_sqlite(path: Path) -> None:
-    """Put a state this rsagg wrote back into the last release's form (version 14: hex text hashes, half
-    of them uppercase as some writers left them, the uri on every changelog row)."""
-    ddl = [s for s in V14["sqlite"] if re.search(r"\b(TABLE|ON) (resources|changelog)\b", s)]
+#: A change kind's code (codec.LOG_KINDS) as the text versions 14 and 15 stored.
+KIND_TEXT = "CASE change WHEN 0 THEN 'created' WHEN 1 THEN 'updated' WHEN 2 THEN 'deleted' END"
+
+
+def _big_tables_ddl(ddl: dict) -> list[str]:
+    return [s for s in ddl["sqlite"] if re.search(r"\b(TABLE|ON) \"?(resources|changelog)\b", s)]
+
+
+def downgrade_sqlite(path: Path, to: int = 14) -> None:
+    """Put a state this rsagg wrote back into the form of version 15 (times as format_dt's text, no
+    uri_key, the (set_id, uri) key and changelog_datetime) and, ``to`` 14, of the last release (hex
+    text hashes, half of them uppercase as some writers left them, the uri on every changelog row)."""
     c = sqlite3.connect(path)
+    c.create_function("w3c", 1, lambda us: format_dt(from_us(us)))
+    c.executescript(
+        "ALTER TABLE resources RENAME TO r16; ALTER TABLE changelog RENAME TO c16;"
+        "DROP INDEX resources_set_id; DROP INDEX resources_live; DROP INDEX changelog_set_seq;"
+        "DROP INDEX resources_uri; DROP INDEX changelog_resource;"
+    )
+    for statement in _big_tables_ddl(V15):
+        c.execute(statement)
+    c.execute(
+        "INSERT INTO resources SELECT id, set_id, uri, sha256, length, type, encoding, md5, sha1, "
+        "w3c(lastmod), w3c(upstream_datetime), links, md_extra, entry_extra, deleted, generation, "
+        "w3c(updated_at) FROM r16"
+    )
+    c.execute(
+        f"INSERT INTO changelog SELECT seq, set_id, resource_id, {KIND_TEXT}, w3c(datetime), sha256, length, "
+        "type, uri FROM c16"
+    )
+    c.execute("UPDATE sqlite_sequence SET seq = (SELECT seq FROM sqlite_sequence WHERE name = 'c16') "
+              "WHERE name = 'changelog'")  # fmt: skip
+    c.executescript("DROP TABLE r16; DROP TABLE c16; PRAGMA user_version = 15")
+    c.commit()
+    if to == 15:
+        c.close()
+        return
     c.executescript(
         "ALTER TABLE resources RENAME TO r15; ALTER TABLE changelog RENAME TO c15;"
         "DROP INDEX resources_set_id; DROP INDEX resources_live; DROP INDEX changelog_set_seq;"
         "DROP INDEX changelog_datetime; DROP INDEX changelog_resource;"
     )
-    for statement in ddl:
+    for statement in _big_tables_ddl(V14):
         c.execute(statement)
     hx = "CASE WHEN {0} IS NULL THEN NULL WHEN id % 2 THEN upper(hex({0})) ELSE lower(hex({0})) END"
     c.execute(
@@ -264,26 +323,70 @@ def downgrade_sqlite(path: Path) -> None:
     c.close()
 
 
-def test_a_v14_sqlite_state_with_data_migrates_with_every_answer_unchanged(
-    v14_sqlite: Path, tmp_path: Path
+@pytest.mark.parametrize("version", [14, 15])
+def test_an_older_sqlite_state_with_data_migrates_with_every_answer_unchanged(
+    version: int, tmp_path: Path
 ) -> None:
     path = tmp_path / "data.db"
     with connect(path, clock=_clock()) as st:
         fill(st)
         before = answers(st)
-    downgrade_sqlite(path)
-    assert sqlite_facts(path) == sqlite_facts(v14_sqlite)  # the last release's form, exactly
+    downgrade_sqlite(path, to=version)
+    form = _sqlite_at(tmp_path / "form.db", V14 if version == 14 else V15, version)
+    assert sqlite_facts(path) == sqlite_facts(form)  # that version's form, exactly
     raw = sqlite3.connect(path)
-    assert raw.execute("SELECT count(*) FROM resources WHERE sha256 <> lower(sha256)").fetchone()[0] > 0
+    if version == 14:
+        assert raw.execute("SELECT count(*) FROM resources WHERE sha256 <> lower(sha256)").fetchone()[0] > 0
+    # times as text then: lastmod, upstream datetimes (some), the log's clock
+    assert {t for (t,) in raw.execute("SELECT DISTINCT typeof(updated_at) FROM resources")} == {"text"}
+    assert raw.execute("SELECT count(*) FROM resources WHERE typeof(lastmod) = 'text'").fetchone()[0] > 0
     raw.close()
     with connect(path, clock=_clock()) as st:
-        assert st.schema_version == 15
+        assert st.schema_version == VERSION
         assert answers(st) == before
         assert next_change(st) == [(before["last_seq"] + 1, "https://repository.example.org/new")]
     raw = sqlite3.connect(path)
     assert raw.execute("SELECT count(*) FROM changelog WHERE uri IS NOT NULL").fetchone()[0] == 0
     assert {t for (t,) in raw.execute("SELECT DISTINCT typeof(sha256) FROM resources")} == {"blob", "null"}
+    for table, column in [("resources", "updated_at"), ("resources", "lastmod"), ("changelog", "datetime")]:
+        kinds = {t for (t,) in raw.execute(f"SELECT DISTINCT typeof({column}) FROM {table}")}
+        assert kinds <= {"integer", "null"} and "integer" in kinds, (table, column, kinds)
     raw.close()
+
+
+@pytest.mark.parametrize(
+    ("table", "column", "value"),
+    [("resources", "updated_at", "yesterday"), ("resources", "lastmod", "2026-13-01T00:00:00Z"),
+     ("changelog", "datetime", "")],
+)  # fmt: skip
+def test_a_time_that_does_not_parse_fails_step_16_and_leaves_v15(
+    v15_sqlite: Path, table: str, column: str, value: str
+) -> None:
+    c = sqlite3.connect(v15_sqlite)
+    c.execute("INSERT INTO sources (name, url, created_at, updated_at) VALUES ('s', 'u', 't', 't')")
+    c.execute(
+        "INSERT INTO sets (id, source, capabilitylist_url, name, created_at) VALUES (1, 's', 'c', 'n', 't')"
+    )
+    ok = "2026-01-01T00:00:00.000000Z"
+    c.execute(
+        "INSERT INTO resources (id, set_id, uri, deleted, lastmod, updated_at) VALUES (1, 1, 'x', 0, ?, ?)",
+        (value if column == "lastmod" else ok, value if column == "updated_at" else ok),
+    )
+    c.execute(
+        "INSERT INTO changelog (set_id, resource_id, change, datetime) VALUES (1, 1, 'created', ?)",
+        (value if table == "changelog" else ok,),
+    )
+    c.commit()
+    c.close()
+    with pytest.raises(ValueError) as caught:
+        connect(v15_sqlite)
+    assert str(caught.value) == (
+        f"{v15_sqlite}: schema step 16 cannot convert a stored time: not a W3C datetime: {value!r}"
+    )
+    assert sqlite_facts(v15_sqlite) == sqlite_facts(_sqlite_at(v15_sqlite.with_name("f.db"), V15, 15))
+    c = sqlite3.connect(v15_sqlite)
+    assert c.execute(f"SELECT {column} FROM {table}").fetchone() == (value,)
+    c.close()
 
 
 def test_a_changelog_row_whose_resource_row_is_gone_keeps_its_uri(v14_sqlite: Path) -> None:
@@ -321,33 +424,48 @@ def test_a_hash_that_is_not_hex_fails_the_migration_and_leaves_v14(v14_sqlite: P
 
 
 @pytest.mark.slow
-def test_a_v14_postgres_state_with_data_migrates_with_every_answer_unchanged(pg_server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("version", [14, 15])
+def test_an_older_postgres_state_with_data_migrates_with_every_answer_unchanged(
+    pg_server, version: int
+) -> None:  # type: ignore[no-untyped-def]
     import psycopg
 
     url, ref = pg_server.fresh_url(), pg_server.fresh_url()
     with psycopg.connect(ref) as conn:
-        for statement in V14["postgresql"]:
+        for statement in (V14 if version == 14 else V15)["postgresql"]:
             conn.execute(statement)
     with connect(url, clock=_clock()) as st:
         fill(st)
         before = answers(st)
-    hx = "CASE WHEN id % 2 = 1 THEN upper(encode({0}, 'hex')) ELSE encode({0}, 'hex') END"
-    with psycopg.connect(url) as conn:  # back to the last release's form (as downgrade_sqlite)
+    with psycopg.connect(url) as conn:  # back to version 15's form (as downgrade_sqlite)
+        conn.execute("DROP INDEX resources_uri")
+        conn.execute("ALTER TABLE resources DROP COLUMN uri_key")
+        conn.execute("ALTER TABLE resources ADD CONSTRAINT resources_set_id_uri_key UNIQUE (set_id, uri)")
+        conn.execute("CREATE INDEX changelog_datetime ON changelog(datetime)")
         conn.execute(
-            "ALTER TABLE resources ALTER COLUMN sha256 TYPE TEXT USING {}, ALTER COLUMN md5 TYPE TEXT "
-            "USING {}, ALTER COLUMN sha1 TYPE TEXT USING {}".format(
-                hx.format("sha256"), hx.format("md5"), hx.format("sha1")
+            "ALTER TABLE changelog DROP CONSTRAINT changelog_change_check, "
+            f"ALTER COLUMN change TYPE TEXT USING {KIND_TEXT}, "
+            "ADD CONSTRAINT changelog_change_check CHECK (change IN ('created', 'updated', 'deleted'))"
+        )
+        conn.execute("UPDATE schema_version SET version = 15")
+    if version == 14:
+        hx = "CASE WHEN id % 2 = 1 THEN upper(encode({0}, 'hex')) ELSE encode({0}, 'hex') END"
+        with psycopg.connect(url) as conn:  # and to the last release's form
+            conn.execute(
+                "ALTER TABLE resources ALTER COLUMN sha256 TYPE TEXT USING {}, ALTER COLUMN md5 TYPE TEXT "
+                "USING {}, ALTER COLUMN sha1 TYPE TEXT USING {}".format(
+                    hx.format("sha256"), hx.format("md5"), hx.format("sha1")
+                )
             )
-        )
-        conn.execute("UPDATE changelog c SET uri = r.uri FROM resources r WHERE r.id = c.resource_id")
-        conn.execute(
-            "ALTER TABLE changelog ALTER COLUMN uri SET NOT NULL, "
-            "ALTER COLUMN sha256 TYPE TEXT USING encode(sha256, 'hex')"
-        )
-        conn.execute("UPDATE schema_version SET version = 14")
+            conn.execute("UPDATE changelog c SET uri = r.uri FROM resources r WHERE r.id = c.resource_id")
+            conn.execute(
+                "ALTER TABLE changelog ALTER COLUMN uri SET NOT NULL, "
+                "ALTER COLUMN sha256 TYPE TEXT USING encode(sha256, 'hex')"
+            )
+            conn.execute("UPDATE schema_version SET version = 14")
     assert pg_facts(url) == pg_facts(ref)
     with connect(url, clock=_clock()) as st:
-        assert st.schema_version == 15
+        assert st.schema_version == VERSION
         assert answers(st) == before
         assert next_change(st) == [(before["last_seq"] + 1, "https://repository.example.org/new")]
 

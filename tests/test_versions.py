@@ -413,16 +413,17 @@ def test_retention_sql_and_version_at_match_their_definitions(tmp_path: Path):
     """The SQL gc runs and ``Retention.retained`` (what the mementos answer) agree, and ``version_at``
     (the TimeGate's choice) is the last version at or before the instant, else the first, for a
     random history and every policy (SQLite here, PostgreSQL in the test below)."""
-    from aggregator.store.rows import format_dt
+    from aggregator.store.sql.dialect import SQLITE
 
-    _check_definitions(lambda clock: State(tmp_path / "s.db", clock=clock), format_dt)
+    _check_definitions(lambda clock: State(tmp_path / "s.db", clock=clock), SQLITE.literal_row)
 
 
 def test_retention_sql_and_version_at_on_postgres(pg_server):
     from aggregator.store.open import connect
+    from aggregator.store.sql.dialect import POSTGRES
 
     url = pg_server.fresh_url()
-    _check_definitions(lambda clock: connect(url, clock=clock), lambda d: d.isoformat())
+    _check_definitions(lambda clock: connect(url, clock=clock), POSTGRES.literal_row)
 
 
 def _check_definitions(open_state, when) -> None:

@@ -53,7 +53,7 @@ from .sql.codec import (
     RES_COLS,
     SYNCHRONOUS,
 )
-from .sql.dialect import POSTGRES
+from .sql.dialect import POSTGRES, uri_key
 from .sql.dumps import Dumps
 from .sql.hub import Hub
 from .sql.notify import Notifications
@@ -73,7 +73,7 @@ MIGRATIONS = migrations(POSTGRES)
 #: A time as SQLite stores it (state.format_dt: ``YYYY-MM-DDThh:mm:ss.ffffffZ``, UTC), written by the server.
 _W3C = """to_char({} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')"""
 #: iter_live_listing: interface.ListingRow's columns, then whether the row has more than those.
-_COPY_RES = "COPY {table} (id, " + ", ".join(RES_COLS) + ") FROM STDIN"
+_COPY_RES = "COPY {table} (id, " + ", ".join(RES_COLS) + ", uri_key) FROM STDIN"
 #: Stored rows changed by a batch are copied into this temporary table, then updated in one statement.
 _BATCH = "rsagg_changed_rows"
 _UPDATE_FROM_BATCH = (
@@ -360,14 +360,14 @@ class PostgresState(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, 
                     (now, list(tombstones), [g for g, _ in tombstones.values()],
                      [up for _, up in tombstones.values()]),
                 )  # fmt: skip
-            if new:
+            if new:  # with its uri_key (schema step 16), as are the old (the batch table's NOT NULL)
                 with cur.copy(_COPY_RES.format(table="resources")) as copy:
                     for r in new:
-                        copy.write_row(r)
+                        copy.write_row((*r, uri_key(r[2])))
             if old:
                 with cur.copy(_COPY_RES.format(table=_BATCH)) as copy:
                     for r in old:
-                        copy.write_row(r)
+                        copy.write_row((*r, uri_key(r[2])))
                 cur.execute(_UPDATE_FROM_BATCH)
 
     def _lock_set_names(self, c: _Conn) -> None:

@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ..config import parse_versions
+from .sql.codec import DELETED_CODE
 
 
 class RetentionError(ValueError):
@@ -81,7 +82,8 @@ def parse_retention(value: Any) -> Retention:
 
 def retained_sql(retention: Retention | None, when: Callable[[datetime], Any]) -> str:
     """``SELECT sha256 FROM changelog ...`` of the records ``retention`` keeps (SQLite and PostgreSQL:
-    window functions, no placeholders; ``when`` writes a datetime as the store compares it)."""
+    window functions, no placeholders; ``when`` writes a datetime as an SQL literal the store compares
+    with a changelog datetime: ``Dialect.literal_row``)."""
     if retention is None or retention.keeps_all:
         return "SELECT sha256 FROM changelog WHERE sha256 IS NOT NULL"
     floor = "" if retention.floor_seq is None else f" OR seq > {int(retention.floor_seq)}"
@@ -92,10 +94,10 @@ def retained_sql(retention: Retention | None, when: Callable[[datetime], Any]) -
 
         assert retention.younger is not None
         cutoff = when((retention.at or utcnow()) - timedelta(seconds=retention.younger))
-        cond = f"superseded IS NULL OR superseded > '{cutoff}'"
+        cond = f"superseded IS NULL OR superseded > {cutoff}"
     return (
         "SELECT sha256 FROM (SELECT seq, sha256, "
-        "row_number() OVER (PARTITION BY resource_id, change = 'deleted' ORDER BY seq DESC) AS rank, "
+        f"row_number() OVER (PARTITION BY resource_id, change = {DELETED_CODE} ORDER BY seq DESC) AS rank, "
         "lead(datetime) OVER (PARTITION BY resource_id ORDER BY seq) AS superseded "
         f"FROM changelog) AS v WHERE sha256 IS NOT NULL AND ({cond}{floor})"
     )

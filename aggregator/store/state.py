@@ -4,7 +4,8 @@ The state's SQL is written once in store/sql/ (one mixin per concern, one schema
 SQLite backend: the connection (WAL mode, one per handle), its write transactions (BEGIN IMMEDIATE),
 the version counter (``PRAGMA data_version``), the schema version (``PRAGMA user_version``) and how a
 batch of rows is written (``executemany``). Times are stored as fixed-width W3C text
-(``rows.format_dt``: text order equals time order).
+(``rows.format_dt``: text order equals time order), but in the two big tables (``resources``,
+``changelog``) as integer microseconds since the epoch (``dialect.to_us``, schema step 16).
 
 Threads: the harvester calls ``State`` from worker threads, so the connection is opened with
 ``check_same_thread=False`` and every method takes ``self._lock``: nobody reads another thread's
@@ -39,7 +40,7 @@ from .sql.codec import (
     SYNCHRONOUS,
     hash_in,
 )
-from .sql.dialect import SQLITE
+from .sql.dialect import SQLITE, uri_key, us_of_text
 from .sql.dumps import Dumps
 from .sql.hub import Hub
 from .sql.notify import Notifications
@@ -56,7 +57,8 @@ MIGRATIONS = migrations(SQLITE)
 # INSERT .. ON CONFLICT upsert, measured). Rows are never deleted (tombstones), so ids are never reused;
 # a future purge of tombstones must keep that true (e.g. keep the highest row) or use a counter.
 _INSERT_RES = (
-    f"INSERT INTO resources (id, {', '.join(RES_COLS)}) VALUES ({', '.join('?' * (len(RES_COLS) + 1))})"
+    f"INSERT INTO resources (id, {', '.join(RES_COLS)}, uri_key) "
+    f"VALUES ({', '.join('?' * (len(RES_COLS) + 2))})"
 )
 _UPDATE_RES = (
     "UPDATE resources SET "
@@ -212,26 +214,31 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
             return self.conn.execute("PRAGMA user_version").fetchone()[0]
 
     def _migrate(self) -> None:
-        # step 15's hex decoder (SQLite's own unhex() is 3.41+); a value that is not hex fails the step,
-        # named in the error (sqlite3 only says a function raised)
+        # The converters of the steps that rewrite stored values: step 15's hex decoder (SQLite's own
+        # unhex() is 3.41+), step 16's time text to microseconds. A value that does not convert fails
+        # the step (the transaction rolls back: the state stays as it was), named in the error (sqlite3
+        # only says a function raised).
         refused: list[str] = []
 
-        def unhex(value: str | bytes | None) -> bytes | None:
-            try:
-                return _unhex(value)
-            except ValueError as exc:
-                refused.append(str(exc))
-                raise
+        def converter(step: int, what: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            def convert(value: Any) -> Any:
+                try:
+                    return fn(value)
+                except ValueError as exc:
+                    refused.append(f"schema step {step} cannot convert a stored {what}: {exc}")
+                    raise
 
-        self.conn.create_function("rsagg_unhex", 1, unhex, deterministic=True)
+            return convert
+
+        self.conn.create_function("rsagg_unhex", 1, converter(15, "hash", _unhex), deterministic=True)
+        self.conn.create_function("rsagg_us", 1, converter(16, "time", us_of_text), deterministic=True)
+        self.conn.create_function("rsagg_uri_key", 1, uri_key, deterministic=True)
         try:
             self._run_migrations()
         except sqlite3.OperationalError as exc:
             if not refused:
                 raise
-            raise ValueError(
-                f"{self.path}: schema step 15 cannot convert a stored hash: {refused[0]}"
-            ) from exc
+            raise ValueError(f"{self.path}: {refused[0]}") from exc
 
     def _run_migrations(self) -> None:
         with self._write(fence=False):
@@ -328,8 +335,8 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
                 "upstream_datetime = COALESCE(?, upstream_datetime), updated_at = ? WHERE id = ?",
                 [(g, up, now, rid) for rid, (g, up) in tombstones.items()],
             )
-        if new:
-            c.executemany(_INSERT_RES, new)
+        if new:  # with its uri_key (schema step 16); a row's uri never changes, nor then its key
+            c.executemany(_INSERT_RES, [(*r, uri_key(r[2])) for r in new])
         if old:  # _UPDATE_RES: the columns after uri, then the id
             c.executemany(_UPDATE_RES, [(*r[3:], r[0]) for r in old])
 

@@ -16,7 +16,7 @@ from typing import Any
 from ...rs.model import CHANGES, DELETED
 from ..interface import EmptySnapshot
 from ..rows import Change, Cursor, RetryChanges
-from .codec import C_STORED, check_hashes, check_sha, plan_batch
+from .codec import C_STORED, DELETED_CODE, check_hashes, check_sha, plan_batch
 from .retries import Retries
 from .sources import Sources
 
@@ -56,7 +56,7 @@ class Changes(Sources, Retries):
         last record is read inside the write transaction: other processes (cluster nodes) append to the
         same changelog, so this process's memory of it is not enough."""
         seq, last = self._log_head(c)
-        now, last_dt = self._now(), self.d.dt(last)
+        now, last_dt = self._now(), self.d.dt_row(last)
         return seq, (last_dt if last_dt is not None and now < last_dt else now)
 
     def apply(
@@ -93,8 +93,8 @@ class Changes(Sources, Retries):
             if row is None:
                 raise KeyError(f"unknown set {set_id}")
             seq, log_time = self._log_time(c)
-            now = self.d.t(log_time)
-            applied = self._apply(c, set_id, changes, row[0], seq, now)
+            now = self.d.t(log_time)  # the cursor's and the retries' tables store times as ``t``
+            applied = self._apply(c, set_id, changes, row[0], seq, self.d.t_row(log_time))
             if cursor is not None:
                 self._put_cursor(c, set_id, cursor, now)
             if retries is not None:  # bookkeeping that must commit with the changes
@@ -104,18 +104,21 @@ class Changes(Sources, Retries):
     def _apply(
         self, c: Any, set_id: int, changes: Sequence[Change], open_generation: int | None, seq: int, now: Any
     ) -> list[Change]:
+        """``apply``'s work in its transaction; ``now``: the log time as the big tables store it (t_row)."""
         # 1. What is stored now, for every uri of the batch (one query).
-        uris = list(dict.fromkeys(ch.uri for ch in changes))
+        wanted = dict.fromkeys(ch.uri for ch in changes)
+        uris = list(wanted)
         current: dict[str, list] = {}  # uri -> [id, sha256, live, stored] (codec's _C_* positions)
         if uris:
             for rid, uri, sha, deleted in c.execute(
                 *self.d.by_uri(("id", "uri", "sha256", "deleted"), set_id, uris)
             ):
-                current[uri] = [rid, None if sha is None else sha.hex(), not deleted, True]
+                if uri in wanted:  # not another uri of the same key (by_uri)
+                    current[uri] = [rid, None if sha is None else sha.hex(), not deleted, True]
         # 2. Decide, change by change (plan_batch: the rules).
         new_id = self._new_ids(c, len(uris) - len(current))
         rows, tombstones, seen, log, applied = plan_batch(
-            set_id, changes, current, open_generation, now, new_id, self.d.t
+            set_id, changes, current, open_generation, now, new_id, self.d.t_row
         )
         # 3. Write: no-op marks, tombstones, new rows, changed rows, then the log.
         new: list[tuple] = []
@@ -178,14 +181,16 @@ class Changes(Sources, Retries):
             ):
                 raise EmptySnapshot(f"it saw no resource, {len(gone)} held: none deleted")
             seq, log_time = self._log_time(c)
-            now = self.d.t(log_time)
+            now, now_row = self.d.t(log_time), self.d.t_row(log_time)
             if gone:
                 c.execute(
                     "UPDATE resources SET deleted = ?, generation = ?, updated_at = ? "
                     "WHERE id IN (SELECT value FROM json_each(?))",
-                    (True, generation, now, self.d.ids([rid for rid, _ in gone])),
+                    (True, generation, now_row, self.d.ids([rid for rid, _ in gone])),
                 )
-                self._append_log(c, seq, [(set_id, rid, DELETED, now, None, None, None) for rid, _ in gone])
+                self._append_log(
+                    c, seq, [(set_id, rid, DELETED_CODE, now_row, None, None, None) for rid, _ in gone]
+                )
             self._put_cursor(c, set_id, cursor, now)
             c.execute("UPDATE sets SET baseline_generation = NULL WHERE id = ?", (set_id,))
             if retries is not None:

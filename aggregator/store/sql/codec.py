@@ -124,6 +124,12 @@ _W_UPSTREAM, _W_DELETED, _W_GENERATION = (
 ) = range(1, len(RES_COLS) + 1)  # fmt: skip
 # What _apply knows of a uri of the batch: [id, sha256, live, stored] (stored: the row exists on disk).
 _C_ID, _C_SHA256, _C_LIVE, C_STORED = range(4)
+#: A change kind as the changelog stores it (schema step 16: a small integer, no bytes at all in SQLite
+#: for 0 and 1, where the text took 8), and back (``LOG_KINDS[code]``).
+LOG_KINDS = (CREATED, UPDATED, DELETED)
+KIND_CODE = {kind: code for code, kind in enumerate(LOG_KINDS)}
+#: ``deleted``'s code, spelled into SQL (``change != {DELETED_CODE}``).
+DELETED_CODE = KIND_CODE[DELETED]
 #: The changelog's columns as written (step 15: no uri, the resource row ``resource_id`` has it) ...
 LOG_COLS = ("seq", "set_id", "resource_id", "change", "datetime", "sha256", "length", "type")
 #: ... and a record as read (``LogRecord``'s fields): the uri from the row the record names, or the
@@ -138,7 +144,9 @@ LOG_SELECT = (
 def log_record(r: Sequence[Any], dt: Callable[[Any], Any] = parse_dt) -> LogRecord:
     """A row read by ``LOG_SELECT`` as a ``LogRecord``."""
     sha = r[6]
-    return LogRecord(r[0], r[1], r[2], r[3], r[4], dt(r[5]), None if sha is None else sha.hex(), r[7], r[8])
+    return LogRecord(
+        r[0], r[1], r[2], r[3], LOG_KINDS[r[4]], dt(r[5]), None if sha is None else sha.hex(), r[7], r[8]
+    )
 
 
 def plan_batch(
@@ -187,7 +195,7 @@ def plan_batch(
                     row[_W_UPSTREAM] = when(ch.upstream_datetime)
             else:
                 tombstones[cur[_C_ID]] = (gen, when(ch.upstream_datetime))
-            log.append((set_id, cur[_C_ID], DELETED, now, None, None, None))
+            log.append((set_id, cur[_C_ID], DELETED_CODE, now, None, None, None))
             applied.append(ch)
             continue
         if live and cur[_C_SHA256] == ch.sha256:
@@ -213,7 +221,7 @@ def plan_batch(
             links_json(ch.links, stamp), json_or_none(ch.md_extra), json_or_none(ch.entry_extra),
             False, gen, now, cur[_C_ID],
         ]  # fmt: skip
-        log.append((set_id, cur[_C_ID], kind, now, sha, ch.length, ch.type))
+        log.append((set_id, cur[_C_ID], KIND_CODE[kind], now, sha, ch.length, ch.type))
         applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
     return rows, tombstones, seen, log, applied
 

@@ -2,12 +2,13 @@
 and the versions of one resource (publish/versions.py; §14.6, RFC 7089).
 
 A published set is a list of state sets (config [[sets]] grouping). Queries run per state set on the
-indexes of migration 1 (resources_live, the (set_id, uri) key, changelog_set_seq) and are merged by id /
+indexes of the schema (resources_live, the (uri_key, set_id) key, changelog_set_seq) and are merged by id /
 seq in Python, so a small set in a big database never scans other sets' rows.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Iterator, Sequence
 from datetime import datetime
@@ -16,10 +17,10 @@ from typing import Any
 from ..interface import ListingRow
 from ..retention import Retention, retained_sql
 from ..rows import LogRecord, Resource
-from . import codec
+from . import codec, dialect
 from .base import SqlState
-from .codec import LOG_SELECT, R_URI, RES_COLS, SELECT_RES, log_record, resource_row
-from .dialect import MAX_INT
+from .codec import DELETED_CODE, LOG_SELECT, R_URI, RES_COLS, SELECT_RES, log_record, resource_row
+from .dialect import MAX_INT, uri_key
 
 SELECT_RES_COLS = ("id", *RES_COLS)
 
@@ -39,7 +40,7 @@ class Reads(SqlState):
         """
         sql = (  # resources and changelog store binary hashes (step 15), documents hex text
             f"SELECT {self.d.hex('b.sha256')} FROM (SELECT sha256 FROM resources WHERE deleted = 0 "
-            f"AND sha256 IS NOT NULL UNION {retained_sql(retention, lambda when: str(self.d.t(when)))}) AS b "
+            f"AND sha256 IS NOT NULL UNION {retained_sql(retention, self.d.literal_row)}) AS b "
             "UNION SELECT sha256 FROM documents WHERE sha256 IS NOT NULL ORDER BY 1"
         )
         for (sha,) in self._snapshot(sql):
@@ -58,19 +59,22 @@ class Reads(SqlState):
                 yield rid
 
     def resource(self, set_id: int, uri: str) -> Resource | None:
-        dt = self.d.dt
+        dt = self.d.dt_row
         with self._read() as c:
-            row = c.execute(SELECT_RES + " WHERE set_id = ? AND uri = ?", (set_id, uri)).fetchone()
+            row = c.execute(
+                SELECT_RES + " WHERE set_id = ? AND uri_key = ? AND uri = ?", (set_id, uri_key(uri), uri)
+            ).fetchone()
         return resource_row(row, dt) if row else None
 
     def resources(self, set_id: int, uris: Sequence[str]) -> dict[str, Resource]:
         """The stored rows of those of ``uris`` the set holds (one query; json_each: no variable limit)."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         if not uris:
             return {}
         with self._read() as c:
             rows = c.execute(*self.d.by_uri(SELECT_RES_COLS, set_id, uris)).fetchall()
-        return {r[R_URI]: resource_row(r, dt) for r in rows}
+        wanted = set(uris)  # not another uri of the same key (by_uri)
+        return {r[R_URI]: resource_row(r, dt) for r in rows if r[R_URI] in wanted}
 
     def iter_resources(
         self,
@@ -81,7 +85,7 @@ class Reads(SqlState):
         limit: int | None = None,
     ) -> Iterator[Resource]:
         """Resources by id (stable keyset paging: pass the last id seen as ``after_id``)."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         where: list[str] = []
         params: list[Any] = []
         if set_id is not None:
@@ -116,7 +120,7 @@ class Reads(SqlState):
         self, after_seq: int = 0, *, set_id: int | None = None, limit: int | None = None
     ) -> Iterator[LogRecord]:
         """Changelog records in seq order (== datetime order), after ``after_seq``."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         if set_id is None:
             sql, params = f"{LOG_SELECT} WHERE c.seq > ? ORDER BY c.seq LIMIT ?", []
         else:
@@ -133,7 +137,7 @@ class Reads(SqlState):
     def history_start(self, set_ids: Sequence[int]) -> datetime | None:
         """The earliest time the sets' change history covers: their creation, or their first changelog
         record if the clock stepped back since (the ``from`` of their first Change List, §12.1)."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         if not set_ids:
             return None
         times: list[datetime] = []
@@ -141,7 +145,7 @@ class Reads(SqlState):
             for sid in set_ids:
                 row = c.execute("SELECT created_at FROM sets WHERE id = ?", (sid,)).fetchone()
                 if row:
-                    times.append(dt(row[0]))
+                    times.append(self.d.dt(row[0]))  # sets: a time as ``t`` stores it
                 row = c.execute(
                     "SELECT datetime FROM changelog WHERE set_id = ? ORDER BY seq LIMIT 1", (sid,)
                 ).fetchone()
@@ -213,7 +217,7 @@ class Reads(SqlState):
         """What changes whenever a row of the sets with ``after_id < id <= until_id`` changes (created,
         updated, deleted): their count and newest ``updated_at``. A Resource List part renders the same
         while these stay (one range scan of the rows)."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         top = MAX_INT if until_id is None else until_id
         count = 0
         newest: list[Any] = []
@@ -246,7 +250,7 @@ class Reads(SqlState):
         self, set_ids: Sequence[int], *, after_id: int = 0, until_id: int | None = None
     ) -> Iterator[Resource]:
         """Live resources of the sets with ``after_id < id <= until_id`` (no upper bound when None), by id."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         top = MAX_INT if until_id is None else until_id
         sql = f"{SELECT_RES} WHERE set_id = ? AND deleted = 0 AND id <= ? AND id > ? ORDER BY id LIMIT ?"
         iters = [self._pages(sql, [sid, top], 0, after_id, None) for sid in dict.fromkeys(set_ids)]
@@ -269,7 +273,12 @@ class Reads(SqlState):
             yield from heapq.merge(*iters, key=lambda r: r[0] if type(r) is tuple else r.id)  # type: ignore[union-attr]
 
     def _listing_pages(self, sql: str, set_id: int, top: int, after: int) -> Iterator[ListingRow | Resource]:
-        dt = self.d.dt
+        dt = self.d.dt_row
+        # ListingRow's times are format_dt's text: SQLite's integers turned to it here; the rows of a
+        # batch share their updated_at, so one conversion per distinct value (bounded by the page)
+        text = self.d.text_row
+        if text is not dialect.POSTGRES.text_row:
+            text = functools.lru_cache(maxsize=codec.PAGE_SIZE)(text)
         while True:
             with self._read() as c:
                 rows = c.execute(sql, (set_id, top, after, codec.PAGE_SIZE)).fetchall()
@@ -286,7 +295,7 @@ class Reads(SqlState):
                 else:
                     sha, md5, sha1 = r[2], r[6], r[7]
                     yield (r[0], r[1], sha and sha.hex(), r[3], r[4], r[5], md5 and md5.hex(),
-                           sha1 and sha1.hex(), r[8], r[9], r[10])  # fmt: skip
+                           sha1 and sha1.hex(), text(r[8]), text(r[9]), text(r[10]))  # fmt: skip
             if len(rows) < codec.PAGE_SIZE:
                 return
             after = rows[-1][0]
@@ -306,10 +315,12 @@ class Reads(SqlState):
     def live_set_of(self, set_ids: Sequence[int], uri: str) -> int | None:
         """The first of the sets (in the order given) that holds ``uri`` live, else None: a cheap
         "do we hold it?" for rewriting links to our copy (§14.5)."""
+        key = uri_key(uri)
         with self._read() as c:
             for sid in dict.fromkeys(set_ids):
                 row = c.execute(
-                    "SELECT 1 FROM resources WHERE set_id = ? AND uri = ? AND deleted = 0", (sid, uri)
+                    "SELECT 1 FROM resources WHERE set_id = ? AND uri_key = ? AND uri = ? AND deleted = 0",
+                    (sid, key, uri),
                 ).fetchone()
                 if row:
                     return sid
@@ -321,7 +332,7 @@ class Reads(SqlState):
         """Changelog records of the sets with ``after_seq < seq <= until_seq``, in seq order, each with
         the resource row it names as that row is now (None if gone): the row holds what the record
         does not (md5, links, upstream lastmod), valid for the record when their sha256 agree."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         top = MAX_INT if until_seq is None else until_seq
         res_cols = "r.id, " + ", ".join(f"r.{c}" for c in RES_COLS)
         sql = (
@@ -363,7 +374,7 @@ class Reads(SqlState):
     def log_datetime(self, seq: int) -> datetime | None:
         """The datetime of the last changelog record with seq <= ``seq`` (None when there is none): the
         ``until`` of a closed Change List window ending at ``seq`` (§12.1)."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         with self._read() as c:
             row = c.execute(
                 "SELECT datetime FROM changelog WHERE seq <= ? ORDER BY seq DESC LIMIT 1", (seq,)
@@ -372,7 +383,7 @@ class Reads(SqlState):
 
     def log_record(self, seq: int) -> LogRecord | None:
         """The changelog record ``seq`` (None when there is none): a memento names its version by it."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         if not 0 <= seq <= MAX_INT:
             return None
         with self._read() as c:
@@ -383,7 +394,7 @@ class Reads(SqlState):
         self, resource_id: int, after_seq: int = 0, limit: int | None = None
     ) -> Iterator[LogRecord]:
         """The changelog records of one resource row (deletions too), ascending seq, after ``after_seq``."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         sql = f"{LOG_SELECT} WHERE c.resource_id = ? AND c.seq > ? ORDER BY c.seq LIMIT ?"
         for r in self._pages(sql, [resource_id], 0, after_seq, limit):
             yield log_record(r, dt)
@@ -395,32 +406,28 @@ class Reads(SqlState):
         with self._read() as c:
             return c.execute(
                 "SELECT count(*) FROM (SELECT 1 FROM changelog WHERE resource_id = ? AND seq > ? "
-                "AND change != 'deleted' LIMIT ?) AS x",
+                f"AND change != {DELETED_CODE} LIMIT ?) AS x",
                 (resource_id, after_seq, top),
             ).fetchone()[0]
 
     def version_at(self, resource_id: int, when: datetime) -> LogRecord | None:
         """The version current at ``when`` (the last record that is not a deletion at or before it), else
         the first version: the best memento for a TimeGate (RFC 7089 §4.1); None: no version at all."""
-        dt = self.d.dt
+        dt = self.d.dt_row
         with self._read() as c:
-            # The changelog's datetime never decreases with seq (``_log_time``): the last seq at or
-            # before ``when`` (index changelog_datetime) bounds the row's records (changelog_resource):
-            # two index seeks, whatever the length of the history.
-            top = c.execute(
-                "SELECT seq FROM changelog WHERE datetime <= ? ORDER BY datetime DESC, seq DESC LIMIT 1",
-                (self.d.t(when),),
+            # The row's records newest first (index changelog_resource), the first at or before
+            # ``when``: the changelog's datetime never decreases with seq (``_log_time``), so that is
+            # the last one by time too. A walk over the row's versions newer than ``when`` only (schema
+            # step 16 dropped the index on datetime alone: 40 bytes a record, for this one query).
+            r = c.execute(
+                f"{LOG_SELECT} WHERE c.resource_id = ? AND c.datetime <= ? "
+                f"AND c.change != {DELETED_CODE} ORDER BY c.seq DESC LIMIT 1",
+                (resource_id, self.d.t_row(when)),
             ).fetchone()
-            r = None
-            if top is not None:
-                r = c.execute(
-                    f"{LOG_SELECT} WHERE c.resource_id = ? AND c.seq <= ? "
-                    "AND c.change != 'deleted' ORDER BY c.seq DESC LIMIT 1",
-                    (resource_id, top[0]),
-                ).fetchone()
             if r is None:
                 r = c.execute(
-                    f"{LOG_SELECT} WHERE c.resource_id = ? AND c.change != 'deleted' ORDER BY c.seq LIMIT 1",
+                    f"{LOG_SELECT} WHERE c.resource_id = ? AND c.change != {DELETED_CODE} "
+                    "ORDER BY c.seq LIMIT 1",
                     (resource_id,),
                 ).fetchone()
         return log_record(r, dt) if r else None

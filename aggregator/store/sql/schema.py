@@ -4,10 +4,11 @@ Never edit a released step; append a new one.
 The statements are SQLite's, with the column types that differ in braces (``TYPES``: a time is
 fixed-width W3C text in SQLite, ``timestamptz`` in PostgreSQL; a 64-bit integer, a blob, a boolean...)
 and ``deleted = 0`` as ``Dialect.sql`` rewrites it; ``PostgresOnly`` marks the few statements only
-PostgreSQL runs (its changelog head, the resource id sequence, the version sequence) and ``SqliteOnly`` the
-few only SQLite runs (step 15's table rebuilds). How the version
-is kept is the backend's: ``PRAGMA user_version`` (store/state.py), the ``schema_version`` table under
-an advisory lock (store/postgres.py).
+PostgreSQL runs (its changelog head, the resource id sequence, the version sequence, in-place
+conversions) and ``SqliteOnly`` the few only SQLite runs (steps 15 and 16's table rebuilds: since
+step 16 SQLite's ``resources`` and ``changelog`` keep their times as integer microseconds,
+``Dialect.t_row``). How the version is kept is the backend's: ``PRAGMA user_version``
+(store/state.py), the ``schema_version`` table under an advisory lock (store/postgres.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import functools
 import re
 
-from .dialect import Dialect
+from .dialect import URI_KEY_SQL, Dialect
 
 
 class PostgresOnly(str):
@@ -29,6 +30,9 @@ class SqliteOnly(str):
 
     __slots__ = ()
 
+
+#: Step 16: a change kind's text as its code (codec.LOG_KINDS; the CHECK of step 1 allows no other).
+_KIND_CODE = "CASE change WHEN 'created' THEN 0 WHEN 'updated' THEN 1 WHEN 'deleted' THEN 2 END"
 
 #: Per dialect name, what each brace of ``STEPS`` reads as.
 TYPES = {
@@ -441,6 +445,87 @@ STEPS: list[tuple[str, ...]] = [
             "ALTER COLUMN md5 TYPE BYTEA USING decode(md5, 'hex'), "
             "ALTER COLUMN sha1 TYPE BYTEA USING decode(sha1, 'hex')"
         ),
+    ),
+    (  # 16: the bytes of a resource halved with step 15. (a) Rows are found by ``uri_key`` (4 bytes of
+        # the uri's MD5, dialect.uri_key) with the uri checked: the index (uri_key, set_id) replaces the
+        # UNIQUE (set_id, uri) key, whose entries held the whole uri (a hundred bytes a row). The writers
+        # keep a uri to one row per set: they take turns (SQLite's write lock; in PostgreSQL every batch
+        # locks changelog_head before it reads the rows it changes; tests/test_state_times.py races
+        # them). (b) SQLite stores the times of both tables as integer microseconds since the epoch
+        # (dialect.to_us: 8 bytes, not 27; PostgreSQL's timestamptz is that already). (c) The index
+        # changelog_datetime goes: its one query (version_at) walks the row's records instead.
+        # (d) The change kind is a small integer (codec.LOG_KINDS; 0 and 1 take no byte in SQLite).
+        # A stored time that does not parse fails the step (rsagg_us: the state stays as it was).
+        SqliteOnly("""CREATE TABLE resources_v16 (
+            id INTEGER PRIMARY KEY,
+            set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+            uri TEXT NOT NULL,
+            sha256 BLOB,                -- the digest's bytes (codec.hash_in / hash_out)
+            length INTEGER,
+            type TEXT,
+            encoding TEXT,
+            md5 BLOB,
+            sha1 BLOB,
+            lastmod INTEGER,            -- microseconds since 1970-01-01T00:00:00Z (dialect.to_us)
+            upstream_datetime INTEGER,
+            links TEXT,                 -- JSON list of rs:ln attribute objects, NULL when none
+            md_extra TEXT,              -- JSON object, NULL when empty
+            entry_extra TEXT,           -- JSON list of XML strings, NULL when empty
+            deleted INTEGER NOT NULL DEFAULT 0,
+            generation INTEGER,
+            updated_at INTEGER NOT NULL,
+            uri_key INTEGER NOT NULL    -- dialect.uri_key(uri)
+        )"""),
+        SqliteOnly(
+            "INSERT INTO resources_v16 SELECT id, set_id, uri, sha256, length, type, encoding, md5, sha1, "
+            "rsagg_us(lastmod), rsagg_us(upstream_datetime), links, md_extra, entry_extra, deleted, "
+            "generation, rsagg_us(updated_at), rsagg_uri_key(uri) FROM resources"
+        ),
+        SqliteOnly("""CREATE TABLE changelog_v16 (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- never reused, even after pruning
+            set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+            resource_id INTEGER NOT NULL,            -- no FK: the log outlives pruned rows
+            change INTEGER NOT NULL CHECK (change IN (0, 1, 2)),  -- codec.LOG_KINDS: created, updated...
+            datetime INTEGER NOT NULL,               -- rsagg's clock (dialect.to_us), non-decreasing
+            sha256 BLOB,                             -- the change's own (not the row's current) values
+            length INTEGER,
+            type TEXT,
+            uri TEXT                                 -- NULL: the uri of resource_id's row
+        )"""),
+        SqliteOnly(
+            f"INSERT INTO changelog_v16 SELECT seq, set_id, resource_id, {_KIND_CODE}, rsagg_us(datetime), "
+            "sha256, length, type, uri FROM changelog"
+        ),
+        SqliteOnly("DELETE FROM sqlite_sequence WHERE name = 'changelog_v16'"),
+        SqliteOnly(
+            "INSERT INTO sqlite_sequence (name, seq) "
+            "SELECT 'changelog_v16', seq FROM sqlite_sequence WHERE name = 'changelog'"
+        ),
+        SqliteOnly("DROP TABLE changelog"),
+        SqliteOnly("DROP TABLE resources"),
+        SqliteOnly("ALTER TABLE resources_v16 RENAME TO resources"),
+        SqliteOnly("ALTER TABLE changelog_v16 RENAME TO changelog"),
+        SqliteOnly("CREATE INDEX resources_set_id ON resources(set_id, id)"),
+        SqliteOnly("CREATE INDEX resources_live ON resources(set_id, id) WHERE deleted = 0"),
+        SqliteOnly("CREATE INDEX changelog_set_seq ON changelog(set_id, seq)"),
+        SqliteOnly("CREATE INDEX changelog_resource ON changelog(resource_id, seq)"),
+        # PostgreSQL: the key computed by the server (URI_KEY_SQL), one table rewrite (ALTER ... USING
+        # may read the row's other columns; an UPDATE would leave a dead version of every row).
+        PostgresOnly("ALTER TABLE resources ADD COLUMN uri_key INTEGER"),
+        PostgresOnly(
+            f"ALTER TABLE resources ALTER COLUMN uri_key TYPE INTEGER USING {URI_KEY_SQL}, "
+            "ALTER COLUMN uri_key SET NOT NULL"
+        ),
+        PostgresOnly("ALTER TABLE resources DROP CONSTRAINT resources_set_id_uri_key"),
+        PostgresOnly("DROP INDEX changelog_datetime"),
+        PostgresOnly(
+            "ALTER TABLE changelog DROP CONSTRAINT changelog_change_check, "
+            f"ALTER COLUMN change TYPE SMALLINT USING {_KIND_CODE}, "
+            "ADD CONSTRAINT changelog_change_check CHECK (change IN (0, 1, 2))"
+        ),
+        # uri_key first: no query of a whole set picks this index (it is smaller than resources_live,
+        # and SQLite chose it for counts of live rows, reading every row)
+        "CREATE INDEX resources_uri ON resources(uri_key, set_id)",
     ),
 ]
 
