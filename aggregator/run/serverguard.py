@@ -82,14 +82,25 @@ _OVER_CAP = (
 
 
 class _SendBounded(trio.abc.HalfCloseableStream):
-    """A socket stream whose writes give up after ``timeout`` (a client that never reads its response)."""
+    """A socket stream whose writes give up after ``timeout`` (a client that never reads its response).
 
-    def __init__(self, stream: trio.SocketStream, limits: ServerLimits) -> None:
+    ``on_close`` is called once, when the socket is closed (its slot of ``max_connections_per_client``
+    is free then, even while an app told of the disconnect still finishes)."""
+
+    def __init__(
+        self, stream: trio.SocketStream, limits: ServerLimits, on_close: Callable[[], None] | None = None
+    ) -> None:
         self._stream = stream
         self._limits = limits
         self._timeout = limits.send_timeout
+        self._on_close = on_close
         self.sent = False  # anything sent to the client (else it never completed a request head)
         self.socket = stream.socket  # hypercorn reads peer and local addresses from it
+
+    def _closed(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         self.sent = True
@@ -98,7 +109,10 @@ class _SendBounded(trio.abc.HalfCloseableStream):
         if scope.cancelled_caught:
             log.info("closing a connection whose client did not read for %.0f s", self._timeout)
             self._limits.refused("slow_reader")
-            await trio.aclose_forcefully(self._stream)
+            try:
+                await trio.aclose_forcefully(self._stream)
+            finally:
+                self._closed()
             raise trio.BrokenResourceError(f"client did not read for {self._timeout} s")
 
     async def wait_send_all_might_not_block(self) -> None:
@@ -111,7 +125,35 @@ class _SendBounded(trio.abc.HalfCloseableStream):
         await self._stream.send_eof()
 
     async def aclose(self) -> None:
+        try:
+            self._stream.socket.close()  # at once: the slot is free no later than the descriptor
+        finally:
+            self._closed()
         await self._stream.aclose()
+
+
+class _GuardedTCPServer(TCPServer):
+    """hypercorn's ``TCPServer``, which lets a connection go as soon as its client closed it.
+
+    hypercorn's own ends its read loop at the client's EOF, but closes the socket only once every task
+    of the connection's task group has ended, its keep-alive timer among them: a connection its client
+    closed after a response (a harvester's keep-alive client letting go of a connection) stayed in
+    CLOSE_WAIT, holding its file descriptor and its slot of ``max_connections_per_client``, until that
+    timer ran out (``header_timeout``), and a client that churns connections got 429. Here the end of
+    the read loop (EOF, a broken or closed stream) stops the timer and closes the socket at once. An
+    app still answering was told (``http.disconnect``, by hypercorn); what it still sends is dropped,
+    as for a client that went away mid-response (nginx's 499). The connection's task ends with the app.
+    """
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.idle_task.stop()
+                # not ``_close``: its send_eof would collide with an app's write under way; closing
+                # wakes that write (ClosedResourceError, which hypercorn takes for a closed client)
+                await self.stream.aclose()
 
 
 class _Prefixed(trio.abc.HalfCloseableStream):
@@ -259,7 +301,17 @@ class _Connections:
             await self._refuse(stream)
             return
         self.open[peer] += 1
-        bounded = _SendBounded(stream, self.limits)
+        released = False
+
+        def release() -> None:  # once: when the socket is closed, or at the latest when this ends
+            nonlocal released
+            if not released:
+                released = True
+                self.open[peer] -= 1
+                if not self.open[peer]:
+                    del self.open[peer]
+
+        bounded = _SendBounded(stream, self.limits, release)
         start = trio.current_time()
         try:
             if self.lane is None:
@@ -276,9 +328,7 @@ class _Connections:
             if not bounded.sent and trio.current_time() - start >= self.limits.header_timeout:
                 self.limits.refused("head_time")  # closed by hypercorn's timer before a request head
         finally:
-            self.open[peer] -= 1
-            if not self.open[peer]:
-                del self.open[peer]
+            release()
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         text = b"too many connections from your address; try again later\n"
@@ -388,7 +438,9 @@ async def serve_guarded(
                 sock.listen(config.backlog)
                 listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
-            server = partial(TCPServer, wrapped, config, context, ConnectionState(lifespan_state.copy()))
+            server = partial(
+                _GuardedTCPServer, wrapped, config, context, ConnectionState(lifespan_state.copy())
+            )
             lane = getattr(getattr(app, "state", None), "fast_lane", None)
             fast = _FastLane(lane, limits, config, context) if lane is not None else None
             connections = _Connections(limits, server, fast)  # type: ignore[arg-type]
