@@ -313,10 +313,10 @@ def _lane_app(app: App) -> Starlette:
     everything else to hypercorn."""
     starlette = app.starlette()
 
-    async def lane(method: bytes, target: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+    async def lane(method: bytes, target: bytes) -> tuple[bytes, bytes] | None:
         if target != b"/lane":
             return None
-        return 200, [(b"content-length", b"2")], b"" if method == b"HEAD" else b"ok"
+        return b"HTTP/1.1 200 \r\ncontent-length: 2\r\n", b"" if method == b"HEAD" else b"ok"
 
     starlette.state.fast_lane = lane
     return starlette

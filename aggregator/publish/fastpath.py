@@ -147,6 +147,8 @@ class Hot:
     #: The answer to a GET without Range or validators: status, raw headers, body (a HEAD's: no body);
     #: None: build it per request.
     plain: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None
+    #: ``plain``'s status line and headers as the server's fast lane writes them (``serverguard.Lane``).
+    lane_head: bytes | None = None
     #: A memento (``/SET/memento/...``, versions.py): its row is that version; its answers say
     #: Memento-Datetime and Cache-Control immutable, its 410 is "beyond retention".
     memento: bool = False
@@ -345,10 +347,11 @@ class ResourceFastPath:
             return
         await response(scope, receive, send)
 
-    async def lane(self, method: bytes, target: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+    async def lane(self, method: bytes, target: bytes) -> tuple[bytes, bytes] | None:
         """The answer to a plain GET/HEAD (no validators, no Range) of ``target`` (the raw request
-        target) for the server's fast lane (``serverguard._FastLane``): status, headers and body as
-        ``__call__`` sends them, or None for anything else (the ordinary path answers it)."""
+        target) for the server's fast lane (``serverguard._FastLane``): the status line and headers
+        (made once per cached answer) and the body, as ``__call__`` sends them, or None for anything
+        else (the ordinary path answers it)."""
         start = time.perf_counter()
         raw = strip_base_path(target.partition(b"?")[0], self.prefix)  # uris.BasePath, for this lane
         if b"/r/" not in raw and b"/memento/" not in raw:
@@ -366,14 +369,13 @@ class ResourceFastPath:
             if cacheable:
                 self.cache.put(raw, found)
             hot = found
-        if hot.plain is None:
+        if hot.plain is None or hot.lane_head is None:
             return None
-        status, headers, body = hot.plain
         head = method == b"HEAD"
         self.pub.metrics.served(
-            self._route(hot.memento).path, "HEAD" if head else "GET", status, time.perf_counter() - start
+            self._route(hot.memento).path, "HEAD" if head else "GET", hot.status, time.perf_counter() - start
         )
-        return status, headers, b"" if head else body
+        return hot.lane_head, b"" if head else hot.plain[2]
 
     def _parse(self, raw: bytes) -> tuple[Any, ...] | None:
         """(lookup, its arguments) for a raw request path (no query): a resource or a memento; None
@@ -487,6 +489,10 @@ class ResourceFastPath:
         plain = self._answer(LiteRequest("GET", {}), hot)
         if plain is not None and (hot.status != 200 or hot.target is not None or hot.body is not None):
             hot.plain = plain.status_code, plain.raw_headers, bytes(plain.body)
+            hot.lane_head = b"HTTP/1.1 %d \r\n%s" % (
+                plain.status_code,
+                b"".join(b"%s: %s\r\n" % h for h in plain.raw_headers),
+            )
         return hot
 
     def close(self) -> None:

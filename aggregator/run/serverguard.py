@@ -27,6 +27,10 @@ the send deadline. No TLS here: TLS ends at the reverse proxy (docs/deployment).
 from __future__ import annotations
 
 import logging
+import math
+import os
+import re
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -187,9 +191,11 @@ class _Prefixed(trio.abc.HalfCloseableStream):
         await self._stream.aclose()
 
 
-#: ``lane(method, target) -> (status, raw headers, body) | None``: a request answered without hypercorn
-#: (the publisher's hot resource route, ``publish/fastpath.py``); None: hypercorn answers it.
-Lane = Callable[[bytes, bytes], Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes] | None]]
+#: ``lane(method, target) -> (head, body) | None``: a request answered without hypercorn (the
+#: publisher's hot resource route, ``publish/fastpath.py``); ``head``: the status line and the headers,
+#: each ending in CRLF, without the blank line and without the server's own headers (Date, Server: the
+#: lane adds them as hypercorn does); None: hypercorn answers it.
+Lane = Callable[[bytes, bytes], Awaitable[tuple[bytes, bytes] | None]]
 #: Request headers the fast lane leaves to hypercorn (bodies, upgrades, connection handling) or to the
 #: app's ordinary route (validators and ranges decide per request).
 _LANE_HANDS_OVER = frozenset(
@@ -206,42 +212,83 @@ class _FastLane:
     take (anything but an origin-form GET/HEAD with a Host and plain headers, or one ``lane`` declines)
     and the rest of the connection go to hypercorn, with the bytes read so far: whatever the lane
     cannot answer exactly as hypercorn would is hypercorn's to answer. Same bounds: the head within
-    ``header_timeout`` and ``max_header_bytes``; writes bounded by the stream (``send_timeout``)."""
+    ``header_timeout`` and ``max_header_bytes``; writes bounded by the stream (``send_timeout``).
+
+    Per request it costs one wait for the socket to be readable, one read and (almost always) one
+    write of the whole answer: the socket's descriptor is read and written directly, not through
+    trio's stream methods (a try that fails, a cancel scope and a schedule point each), and the head
+    deadline is one cancel scope per connection whose deadline moves. The Date and Server headers are
+    made once a second."""
 
     def __init__(self, lane: Lane, limits: ServerLimits, config: Config, context: WorkerContext) -> None:
         self.lane, self.limits, self.config, self.context = lane, limits, config, context
+        self._second = -1
+        self._own = b""  # the server's own headers (Date, Server) of ``_second``
+
+    def _own_headers(self) -> bytes:
+        """``Config.response_headers`` as bytes, made again when the second changes (Date's precision)."""
+        now = int(time.time())
+        if now != self._second:
+            own = self.config.response_headers("h11")
+            self._second, self._own = now, b"".join(b"%s: %s\r\n" % h for h in own)
+        return self._own
 
     async def serve(self, stream: _SendBounded) -> bytes | None:
         """Answer requests while the lane can; the bytes read but not answered (hypercorn's to answer),
         or None when the connection is done (closed by the client, idle too long, shutting down)."""
+        fd = stream.socket.fileno()
+        limits, lane, terminated = self.limits, self.lane, self.context.terminated
         buf = b""
-        while True:
-            if self.context.terminated.is_set():
-                return None
-            with trio.move_on_after(self.limits.header_timeout):
-                while b"\r\n\r\n" not in buf:
-                    if len(buf) > self.limits.max_header_bytes:
+        with trio.CancelScope() as head_time:  # its deadline: the head's, moved for each request
+            while True:
+                if terminated.is_set():
+                    return None
+                head_time.deadline = trio.current_time() + limits.header_timeout
+                end = buf.find(b"\r\n\r\n")
+                if end >= 0:  # pipelined: already here; still a schedule point for the others
+                    await trio.lowlevel.checkpoint()
+                while end < 0:
+                    if len(buf) > limits.max_header_bytes:
                         return buf
-                    data = await stream.receive_some(_RECV)
+                    await trio.lowlevel.wait_readable(fd)
+                    try:
+                        data = os.read(fd, _RECV)
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # reset by the client
+                        return None
                     if not data:
-                        return None if not buf else buf
+                        return buf or None
                     buf += data
-            if b"\r\n\r\n" not in buf:  # idle (or dripping a head) past the deadline: closed
-                return None
-            head, _, rest = buf.partition(b"\r\n\r\n")
-            request = _plain_request(head) if len(head) <= self.limits.max_header_bytes else None
-            if request is None:
-                return buf
-            answer = await self.lane(*request)
-            if answer is None:
-                return buf
-            status, headers, body = answer
-            out = [b"HTTP/1.1 %d \r\n" % status]
-            out += [b"%s: %s\r\n" % h for h in headers]
-            out += [b"%s: %s\r\n" % h for h in self.config.response_headers("h11")]
-            out += [b"\r\n", body]
-            await stream.send_all(b"".join(out))
-            buf = rest
+                    end = buf.find(b"\r\n\r\n")
+                head_time.deadline = math.inf
+                request = _plain_request(buf[:end]) if end <= limits.max_header_bytes else None
+                if request is None:
+                    return buf
+                answer = await lane(*request)
+                if answer is None:
+                    return buf
+                await self._send(stream, fd, b"".join((answer[0], self._own_headers(), b"\r\n", answer[1])))
+                buf = buf[end + 4 :]
+        return None  # idle, or dripping a head, past the deadline: closed
+
+    @staticmethod
+    async def _send(stream: _SendBounded, fd: int, data: bytes) -> None:
+        """Write ``data``: at once when the socket buffer takes it all (the common case), else the rest
+        through the stream (which waits at most ``send_timeout`` for the client to read)."""
+        stream.sent = True
+        try:
+            sent = os.write(fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:  # the client is gone
+            raise trio.BrokenResourceError(str(exc)) from exc
+        if sent < len(data):
+            await stream.send_all(memoryview(data)[sent:])
+
+
+#: A byte a plain header line has not: a control character but tab, or one beyond ASCII.
+_NOT_PLAIN = re.compile(rb"[\x00-\x08\x0a-\x1f\x80-\xff]")
 
 
 def _plain_request(head: bytes) -> tuple[bytes, bytes] | None:
@@ -256,9 +303,7 @@ def _plain_request(head: bytes) -> tuple[bytes, bytes] | None:
     hosts = 0
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
-        if not sep or not name or name[-1:] in (b" ", b"\t") or b"\n" in line or b"\x00" in line:
-            return None
-        if not line.isascii() or any(c < 32 and c != 9 for c in line):
+        if not sep or not name or name[-1:] in (b" ", b"\t") or _NOT_PLAIN.search(line):
             return None
         name = name.lower()
         if name in _LANE_HANDS_OVER:
