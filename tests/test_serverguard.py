@@ -391,3 +391,42 @@ async def test_connections_closed_by_the_client_are_let_go_at_once() -> None:
                     await s.aclose()
                 await _let_go(fds)
     assert refused["connections"] == 0
+
+
+async def test_the_fast_lane_closes_connections_without_a_request_head_in_time() -> None:
+    """The fast lane's head deadline (``_FastLane.reap``): a connection that sends nothing, one idle
+    after a keep-alive response, and one dripping a head are all closed by the server (header_timeout
+    1 s here; the waits are hang guards), while a client that asks is served meanwhile."""
+    app = App()
+    limits, refused = counting()
+    async with serving(_lane_app(app), limits=limits) as base:
+        silent, idle, drip = await _raw(base), await _raw(base), await _raw(base)
+        await _after_response(idle, "/lane")
+        closed: list[str] = []
+
+        async def dripping() -> None:
+            await drip.send_all(b"GET /lane HTTP/1.1\r\n")
+            try:
+                for i in range(300):  # would take 60 s: the server closes it long before
+                    await drip.send_all(b"X-Drip-%d: y\r\n" % i)
+                    await trio.sleep(0.2)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                closed.append("drip")
+
+        async def until_closed(name: str, s: trio.SocketStream) -> None:
+            rest = await _read_all(s)
+            assert b"HTTP/1.1" not in rest  # closed without an answer
+            closed.append(name)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(until_closed, "silent", silent)
+                nursery.start_soon(until_closed, "idle", idle)
+                nursery.start_soon(dripping)
+                s = await _raw(base)
+                await _after_response(s, "/lane")  # served meanwhile
+                await s.aclose()
+        for s in (silent, idle, drip):
+            await s.aclose()
+    assert sorted(closed) == ["drip", "idle", "silent"]
+    assert refused["head_time"] >= 1  # the silent one never sent a head

@@ -27,7 +27,6 @@ the send deadline. No TLS here: TLS ends at the reverse proxy (docs/deployment).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import time
@@ -216,14 +215,27 @@ class _FastLane:
 
     Per request it costs one wait for the socket to be readable, one read and (almost always) one
     write of the whole answer: the socket's descriptor is read and written directly, not through
-    trio's stream methods (a try that fails, a cancel scope and a schedule point each), and the head
-    deadline is one cancel scope per connection whose deadline moves. The Date and Server headers are
-    made once a second."""
+    trio's stream methods (a try that fails, a cancel scope and a schedule point each); the head
+    deadline is kept by ``reap`` (one task for all connections: a connection waiting for a head longer
+    than ``header_timeout`` is cancelled, at most a tenth of it late), not by a deadline per request.
+    The Date and Server headers are made once a second."""
 
     def __init__(self, lane: Lane, limits: ServerLimits, config: Config, context: WorkerContext) -> None:
         self.lane, self.limits, self.config, self.context = lane, limits, config, context
         self._second = -1
         self._own = b""  # the server's own headers (Date, Server) of ``_second``
+        self._open: set[_Waiting] = set()  # the lane's connections
+
+    async def reap(self) -> None:
+        """Close the connections that wait for a request head longer than ``header_timeout`` (runs
+        for as long as the server)."""
+        timeout = self.limits.header_timeout
+        while True:
+            await trio.sleep(max(timeout / 10, 0.01))
+            late = time.monotonic() - timeout
+            for conn in self._open:
+                if conn.waiting and conn.since < late:
+                    conn.scope.cancel()
 
     def _own_headers(self) -> bytes:
         """``Config.response_headers`` as bytes, made again when the second changes (Date's precision)."""
@@ -237,40 +249,50 @@ class _FastLane:
         """Answer requests while the lane can; the bytes read but not answered (hypercorn's to answer),
         or None when the connection is done (closed by the client, idle too long, shutting down)."""
         fd = stream.socket.fileno()
+        with trio.CancelScope() as scope:  # cancelled by ``reap``: no head within header_timeout
+            conn = _Waiting(scope)
+            self._open.add(conn)
+            try:
+                return await self._serve(stream, fd, conn)
+            finally:
+                self._open.discard(conn)
+        return None  # idle, or dripping a head, past the deadline: closed
+
+    async def _serve(self, stream: _SendBounded, fd: int, conn: _Waiting) -> bytes | None:
         limits, lane, terminated = self.limits, self.lane, self.context.terminated
         buf = b""
-        with trio.CancelScope() as head_time:  # its deadline: the head's, moved for each request
-            while True:
-                if terminated.is_set():
+        while True:
+            if terminated.is_set():
+                return None
+            conn.since, conn.waiting = time.monotonic(), True
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:  # pipelined: already here; still a schedule point for the others
+                await trio.lowlevel.checkpoint()
+            while end < 0:
+                if len(buf) > limits.max_header_bytes:
+                    return buf
+                await trio.lowlevel.wait_readable(fd)
+                try:
+                    data = os.read(fd, _RECV)
+                except BlockingIOError:
+                    continue
+                except OSError:  # reset by the client
                     return None
-                head_time.deadline = trio.current_time() + limits.header_timeout
+                if not data:
+                    return buf or None
+                buf += data
                 end = buf.find(b"\r\n\r\n")
-                if end >= 0:  # pipelined: already here; still a schedule point for the others
-                    await trio.lowlevel.checkpoint()
-                while end < 0:
-                    if len(buf) > limits.max_header_bytes:
-                        return buf
-                    await trio.lowlevel.wait_readable(fd)
-                    try:
-                        data = os.read(fd, _RECV)
-                    except BlockingIOError:
-                        continue
-                    except OSError:  # reset by the client
-                        return None
-                    if not data:
-                        return buf or None
-                    buf += data
-                    end = buf.find(b"\r\n\r\n")
-                head_time.deadline = math.inf
-                request = _plain_request(buf[:end]) if end <= limits.max_header_bytes else None
-                if request is None:
-                    return buf
-                answer = await lane(*request)
-                if answer is None:
-                    return buf
-                await self._send(stream, fd, b"".join((answer[0], self._own_headers(), b"\r\n", answer[1])))
-                buf = buf[end + 4 :]
-        return None  # idle, or dripping a head, past the deadline: closed
+            conn.waiting = False
+            if conn.scope.cancel_called:  # too late: ``reap`` cancelled it as the head came in
+                return None
+            request = _plain_request(buf[:end]) if end <= limits.max_header_bytes else None
+            if request is None:
+                return buf
+            answer = await lane(*request)
+            if answer is None:
+                return buf
+            await self._send(stream, fd, b"".join((answer[0], self._own_headers(), b"\r\n", answer[1])))
+            buf = buf[end + 4 :]
 
     @staticmethod
     async def _send(stream: _SendBounded, fd: int, data: bytes) -> None:
@@ -289,6 +311,15 @@ class _FastLane:
 
 #: A byte a plain header line has not: a control character but tab, or one beyond ASCII.
 _NOT_PLAIN = re.compile(rb"[\x00-\x08\x0a-\x1f\x80-\xff]")
+
+
+class _Waiting:
+    """One connection of the fast lane: ``waiting`` for a request head ``since`` (monotonic)."""
+
+    __slots__ = ("scope", "since", "waiting")
+
+    def __init__(self, scope: trio.CancelScope) -> None:
+        self.scope, self.since, self.waiting = scope, 0.0, False
 
 
 def _plain_request(head: bytes) -> tuple[bytes, bytes] | None:
@@ -495,6 +526,8 @@ async def serve_guarded(
                     if shutdown_trigger is not None:
                         nursery.start_soon(raise_shutdown, shutdown_trigger)
                     nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    if fast is not None:
+                        nursery.start_soon(fast.reap)
                     nursery.start_soon(
                         partial(
                             trio.serve_listeners,
