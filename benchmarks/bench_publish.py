@@ -232,8 +232,9 @@ def cpu_seconds(procs: list[subprocess.Popen]) -> float:
     return total
 
 
-def child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def child_env(root: Path = ROOT) -> dict[str, str]:
+    """The environment of a child: the tree ``root`` first on its path (``--before``: another tree)."""
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def wait_until_up(url: str, proc: subprocess.Popen, limit: float = 60.0) -> None:
@@ -257,8 +258,8 @@ class Servers:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, cmd: list[str], **kw) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, env=child_env(), **kw)
+    def start(self, cmd: list[str], root: Path = ROOT, **kw) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, env=child_env(root), **kw)
         self.procs.append(proc)
         return proc
 
@@ -313,7 +314,7 @@ def start_rsagg(
     cmd = [python, script, "--serve", str(store), "--port", str(port), "--offload", offload]
     cmd += ["--plugins"] if plugins else []
     cmd += ["--dumps", dumps]
-    proc = servers.start(cmd)
+    proc = servers.start(cmd, root=tree or ROOT)
     base = f"http://127.0.0.1:{port}"
     wait_until_up(base + "/robots.txt", proc)
     return proc, base
