@@ -324,26 +324,46 @@ class _Waiting:
 
 def _plain_request(head: bytes) -> tuple[bytes, bytes] | None:
     """(method, target) of a request head the fast lane may answer, else None."""
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
+    line, _, fields = head.partition(b"\r\n")
+    parts = line.split(b" ")
     if len(parts) != 3 or parts[2] != b"HTTP/1.1" or parts[0] not in (b"GET", b"HEAD"):
         return None
     target = parts[1]
     if target[:1] != b"/" or not target.isascii() or b"#" in target:
         return None
+    plain = _PLAIN_FIELDS.get(fields)
+    if plain is None:
+        plain = _plain_fields(fields)
+        if len(fields) <= _REMEMBERED_FIELDS_BYTES:
+            if len(_PLAIN_FIELDS) >= _REMEMBERED_FIELDS:
+                _PLAIN_FIELDS.clear()
+            _PLAIN_FIELDS[fields] = plain
+    return (parts[0], target) if plain else None
+
+
+#: The verdicts of ``_plain_fields`` on the header blocks seen last: a client sends the same headers
+#: with every request (its Host, its User-Agent...), so most requests skip the per-line checks. Bounded
+#: in count and in the size of what is kept.
+_PLAIN_FIELDS: dict[bytes, bool] = {}
+_REMEMBERED_FIELDS = 1024
+_REMEMBERED_FIELDS_BYTES = 512
+
+
+def _plain_fields(fields: bytes) -> bool:
+    """Whether a request's header lines are plain: well-formed, one Host, nothing the lane hands over."""
     hosts = 0
-    for line in lines[1:]:
+    for line in fields.split(b"\r\n") if fields else ():
         name, sep, value = line.partition(b":")
         if not sep or not name or name[-1:] in (b" ", b"\t") or _NOT_PLAIN.search(line):
-            return None
+            return False
         name = name.lower()
         if name in _LANE_HANDS_OVER:
-            return None
+            return False
         if name == b"host":
             hosts += 1
         elif name == b"connection" and value.strip().lower() != b"keep-alive":
-            return None
-    return (parts[0], target) if hosts == 1 else None
+            return False
+    return hosts == 1
 
 
 class _Connections:
