@@ -21,7 +21,9 @@ What bounds what (docs/security.md has the table):
 
 hypercorn's trio worker has no hook for accepted connections, so ``serve_guarded`` runs hypercorn's own
 ``TCPServer`` per connection (as ``hypercorn.trio.run.worker_serve`` does), behind the per-address cap and
-the send deadline. No TLS here: TLS ends at the reverse proxy (docs/deployment).
+the send deadline, changed in one respect: a connection its client closed is closed at once
+(``_GuardedTCPServer``), not when the keep-alive timer runs out. No TLS here: TLS ends at the reverse
+proxy (docs/deployment).
 """
 
 from __future__ import annotations
