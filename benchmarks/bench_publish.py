@@ -16,7 +16,11 @@ the rsagg publisher in its own process and, from this process:
   servers holding the same bytes as files ``r/<i>.txt`` (nginx when installed, ``python -m http.server``):
   requests/s and the ratios. All four are up at once and take turns, ``--rounds`` times (default 2);
   each one's best round counts. Load generator: ``wrk`` when installed (``-d 10s -c 32 -t 2``), else an
-  httpx client in its own process (bounded request count).
+  httpx client in its own process (bounded request count). Beside each rate: the CPU time the server's
+  processes (nginx: master and workers; rsagg behind nginx: both) spent per request in that round;
+* ``--before DIR``: one more rsagg alone, run from the tree ``DIR`` (a worktree of an earlier commit,
+  with its own ``.venv`` if it has one), on the same store and taking turns with the others: before
+  and after, interleaved.
 
 Every server listens on 127.0.0.1 and is stopped at the end, also on errors.
 
@@ -212,8 +216,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def cpu_seconds(procs: list[subprocess.Popen]) -> float:
+    """User + system CPU seconds of these processes and their children (nginx's workers) so far."""
+    import psutil
+
+    total = 0.0
+    for proc in procs:
+        try:
+            p = psutil.Process(proc.pid)
+            for q in [p, *p.children(recursive=True)]:
+                t = q.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def child_env(root: Path = ROOT) -> dict[str, str]:
+    """The environment of a child: the tree ``root`` first on its path (``--before``: another tree)."""
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def wait_until_up(url: str, proc: subprocess.Popen, limit: float = 60.0) -> None:
@@ -237,8 +258,8 @@ class Servers:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, cmd: list[str], **kw) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, env=child_env(), **kw)
+    def start(self, cmd: list[str], root: Path = ROOT, **kw) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, env=child_env(root), **kw)
         self.procs.append(proc)
         return proc
 
@@ -274,13 +295,26 @@ class Servers:
 
 
 def start_rsagg(
-    servers: Servers, store: Path, offload: str = "none", plugins: bool = False, dumps: str = "off"
+    servers: Servers,
+    store: Path,
+    offload: str = "none",
+    plugins: bool = False,
+    dumps: str = "off",
+    tree: Path | None = None,
 ) -> tuple[subprocess.Popen, str]:
+    """An rsagg publisher on ``store``; ``tree``: run from that source tree (and its ``.venv``)."""
     port = free_port()
-    cmd = [sys.executable, __file__, "--serve", str(store), "--port", str(port), "--offload", offload]
+    python, script = sys.executable, __file__
+    if tree is not None:
+        venv = tree / ".venv" / "bin" / "python"
+        python, script = (
+            str(venv) if venv.exists() else python,
+            str(tree / "benchmarks" / Path(__file__).name),
+        )
+    cmd = [python, script, "--serve", str(store), "--port", str(port), "--offload", offload]
     cmd += ["--plugins"] if plugins else []
     cmd += ["--dumps", dumps]
-    proc = servers.start(cmd)
+    proc = servers.start(cmd, root=tree or ROOT)
     base = f"http://127.0.0.1:{port}"
     wait_until_up(base + "/robots.txt", proc)
     return proc, base
@@ -438,7 +472,19 @@ def _nginx_up(
     return proc, base
 
 
-def run_load(name: str, base: str, paths: list[str], work: Path, args: argparse.Namespace) -> dict:
+def run_load(
+    name: str, base: str, paths: list[str], work: Path, args: argparse.Namespace, procs: list | None = None
+) -> dict:
+    """A GET load on ``paths``; with ``procs`` (the server's processes) also their CPU µs per request."""
+    r = _run_load(name, base, paths, work, args, procs or [])
+    if procs and r["requests"]:
+        r["cpu_us"] = r.pop("cpu") / r["requests"] * 1e6
+    return r
+
+
+def _run_load(
+    name: str, base: str, paths: list[str], work: Path, args: argparse.Namespace, procs: list
+) -> dict:
     urls = [base + p for p in paths]
     wrk = shutil.which("wrk")
     if wrk and not args.no_wrk:
@@ -454,7 +500,9 @@ def run_load(name: str, base: str, paths: list[str], work: Path, args: argparse.
         if args.warmup:  # every server gets the same: first lookups, OS caches, nginx's open files
             warm = [*cmd[:2], f"{args.warmup}s", *cmd[3:]]
             subprocess.run(warm, capture_output=True, timeout=args.warmup + 60)
+        cpu = cpu_seconds(procs)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration + 60).stdout
+        cpu = cpu_seconds(procs) - cpu
         rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
         done = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
         bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -465,13 +513,22 @@ def run_load(name: str, base: str, paths: list[str], work: Path, args: argparse.
             "requests": int(done.group(1)) if done else 0,
             "errors": errors,
             "tool": "wrk",
+            "cpu": cpu,
         }
     urls_file = work / f"{name}.urls"
     urls_file.write_text("\n".join(urls))
     cmd = [sys.executable, __file__, "--load", str(urls_file), "--requests", str(args.requests),
            "--concurrency", str(args.concurrency), "--timeout", "60"]  # fmt: skip
+    cpu = cpu_seconds(procs)
     r = json.loads(subprocess.run(cmd, capture_output=True, env=child_env(), timeout=120, check=True).stdout)
-    return {"rps": r["ok"] / r["seconds"], "requests": r["ok"], "errors": r["errors"], "tool": "httpx"}
+    cpu = cpu_seconds(procs) - cpu
+    return {
+        "rps": r["ok"] / r["seconds"],
+        "requests": r["ok"],
+        "errors": r["errors"],
+        "tool": "httpx",
+        "cpu": cpu,
+    }
 
 
 def row(metric: str, value: str, target: str = "", ok: bool | None = None) -> str:
@@ -491,6 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-wrk", action="store_true", help="use the httpx load generator even if wrk is here")
     p.add_argument("--no-nginx", action="store_true", help="do not compare with nginx")
+    p.add_argument(
+        "--before",
+        metavar="DIR",
+        help="also load an rsagg alone run from the source tree DIR (e.g. a worktree of main), interleaved",
+    )
     p.add_argument(
         "--dumps",
         choices=("off", "thread", "low"),
@@ -562,17 +624,22 @@ def main(argv: list[str] | None = None) -> int:
             # Every server is up at once (idle ones cost nothing) and the loads take turns, ``--rounds``
             # times: each server's best round counts, so a burst of other work on the shared machine
             # does not decide a ratio alone.
-            targets: dict[str, tuple[str, list[str]]] = {}
+            targets: dict[str, tuple[str, list[str], list[subprocess.Popen]]] = {}
             alone, base = start_rsagg(servers, store, plugins=args.plugins, dumps=args.dumps)
-            targets["rsagg"] = (base, rsagg_paths)
+            targets["rsagg"] = (base, rsagg_paths, [alone])
+            if args.before:
+                before, base = start_rsagg(
+                    servers, store, plugins=args.plugins, dumps=args.dumps, tree=Path(args.before).resolve()
+                )
+                targets["rsagg (before)"] = (base, rsagg_paths, [before])
             if not args.no_nginx and nginx_binary():
-                _, base = start_rsagg(servers, store, "x-accel", args.plugins)
+                offloading, base = start_rsagg(servers, store, "x-accel", args.plugins)
                 started = start_nginx_offload(servers, base, store / "blobs", work / "nginx-offload")
                 if started:
-                    targets["rsagg+nginx"] = (started[1], rsagg_paths)
+                    targets["rsagg+nginx"] = (started[1], rsagg_paths, [started[0], offloading])
                 started = start_nginx(servers, static, work / "nginx")
                 if started:
-                    targets["nginx"] = (started[1], paths)
+                    targets["nginx"] = (started[1], paths, [started[0]])
             port = free_port()
             proc = servers.start(
                 [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory",
@@ -580,12 +647,15 @@ def main(argv: list[str] | None = None) -> int:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             wait_until_up(f"http://127.0.0.1:{port}/", proc)
-            targets["http.server"] = (f"http://127.0.0.1:{port}", paths)
+            targets["http.server"] = (f"http://127.0.0.1:{port}", paths, [proc])
             for n in range(max(1, args.rounds)):
-                for name, (base, ps) in targets.items():
-                    r = run_load(name.replace("+", "-").replace(".", ""), base, ps, work, args)
+                for name, (base, ps, procs) in targets.items():
+                    slug = re.sub(r"[^a-z]+", "-", name).strip("-")
+                    r = run_load(slug, base, ps, work, args, procs)
                     r["load"] = os.getloadavg()[0]  # the machine's load over the run, beside its figure
-                    print(f"  round {n + 1}: {name} {r['rps']:,.0f} req/s", flush=True)
+                    cpu = f"{r.get('cpu_us', 0):,.0f} CPU µs/req"
+                    print(f"  round {n + 1}: {name} {r['rps']:,.0f} req/s, {cpu}, load {r['load']:.2f}",
+                          flush=True)  # fmt: skip
                     if name not in loads or r["rps"] > loads[name]["rps"]:
                         loads[name] = r
             load_rss, load_rss_wait4 = servers.stop(alone)
@@ -629,12 +699,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in loads.items():
         lines.append(row(f"GET {name} ({r['tool']}, c={args.concurrency})", f"{r['rps']:,.0f} req/s",
                          f"load {r['load']:.2f}"))  # fmt: skip
+        if "cpu_us" in r:
+            lines.append(row(f"  GET {name} server CPU per request", f"{r['cpu_us']:,.0f} µs"))
         lines.append(row(f"  GET {name} errors / requests", f"{r['errors']} / {r['requests']:,}"))
     if args.dumps != "off":
         lines.append(f"rsagg alone built Resource Dumps meanwhile (--dumps {args.dumps})")
     if "nginx" in loads:
         lines.append("nginx (static) runs with the shipped config/nginx.conf's settings (open_file_cache...)")
     for ours, theirs, target in (("rsagg", "http.server", 1.0), ("rsagg", "nginx", 0.25),
+                                 ("rsagg (before)", "nginx", 0.25),
                                  ("rsagg+nginx", "nginx", 0.9)):  # fmt: skip
         if ours in loads and theirs in loads and loads[theirs]["rps"]:
             ratio = loads[ours]["rps"] / loads[theirs]["rps"]

@@ -124,3 +124,42 @@ async def test_lane_answers_as_the_ordinary_path(tmp_path: Path, monkeypatch):
         finally:
             await lane.aclose()
             await ordinary.aclose()
+
+
+#: Header lines and whether each leaves a head plain (None: only counts as a Host).
+_LINES = [
+    (b"Host: test", None),
+    (b"User-Agent: rsagg", True),
+    (b"Connection: keep-alive", True),
+    (b"Connection: close", False),
+    (b"Range: bytes=0-1", False),
+    (b'If-None-Match: "x"', False),
+    (b"Content-Length: 0", False),
+    (b"X-Bad\x01: y", False),
+    (b"X-Latin: \xe9", False),
+    (b" folded", False),
+    (b"Name : spaced", False),
+    (b"no-colon", False),
+]
+
+
+def test_plain_request_verdicts_are_the_same_from_its_memory() -> None:
+    """Every combination of up to three header lines: the verdict of ``_plain_request`` (one Host, no
+    line the lane hands over or that is not plain) is the same computed afresh and remembered."""
+    import itertools
+
+    from aggregator.run import serverguard
+
+    serverguard._PLAIN_FIELDS.clear()
+    heads = []
+    for n in range(4):
+        for combo in itertools.product(_LINES, repeat=n):
+            hosts = sum(1 for _, ok in combo if ok is None)
+            plain = hosts == 1 and all(ok is not False for _, ok in combo)
+            head = b"\r\n".join([b"GET /s/r/x HTTP/1.1", *(line for line, _ in combo)])
+            heads.append((head, plain))
+    for _ in range(2):  # the first pass computes (and remembers), the second finds it remembered
+        for head, plain in heads:
+            got = serverguard._plain_request(head)
+            assert (got == (b"GET", b"/s/r/x")) if plain else got is None, head
+    assert len(serverguard._PLAIN_FIELDS) <= serverguard._REMEMBERED_FIELDS

@@ -67,11 +67,13 @@ async def test_a_commit_in_this_process_shows_at_once(tmp_path: Path, name: str,
             cache.put(KEY, Hot(404, None))
             for _ in range(20):  # no commit: the cached answer stands, no version read
                 before = readers[0].reads
+                assert cache.settled()  # the lane's shortcut agrees: no need to await fresh()
                 assert await cache.fresh() and cache.get(KEY) is not None
                 assert readers[0].reads == before
             mark = local_commit_mark()
             write(writer, i)
             assert local_commit_mark() != mark
+            assert not cache.settled()
             before = readers[0].reads
             assert await cache.fresh() and cache.get(KEY) is None, f"{name} #{i} did not show"
             assert readers[0].reads == before + 1
@@ -107,8 +109,10 @@ async def test_another_process_commit_shows_after_local_age(tmp_path: Path) -> N
             "st = State(sys.argv[1]); st.upsert_source('o', 'http://o.example/'); st.close()"
         )
         subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=120)
+        assert cache.settled()
         assert await cache.fresh() and cache.get(KEY) is not None  # within local_age: kept
         cache.local_age = 0
+        assert not cache.settled()
         assert await cache.fresh() and cache.get(KEY) is None  # read again: the commit shows
     finally:
         cache.close()

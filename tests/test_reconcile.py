@@ -16,7 +16,6 @@ from aggregator.cli import main
 from aggregator.observe import report as status
 from aggregator.observe.metrics import Metrics
 from aggregator.rs import model
-from aggregator.run.serverguard import ServerLimits
 from aggregator.run.serving import serving
 from aggregator.store.open import open_state
 from aggregator.testing.upstream import Upstream
@@ -190,10 +189,7 @@ async def test_property_one_reconciliation_makes_the_store_the_resource_list(tmp
     rng = random.Random(20240601)
     failures_seen = repairs = 0
     src = ListSource()
-    # A stand-in for a third-party Source's server, which caps no client: rsagg's own server guard holds
-    # a connection its client closed until its idle timer (``header_timeout``) ends it, and the ~70
-    # harvests and audits of this test close their connections faster than that.
-    async with serving(src.app(), limits=ServerLimits(max_connections_per_client=0)) as base:
+    async with serving(src.app()) as base:
         for case in range(CASES):
             src.__init__(  # type: ignore[misc]
                 hashes=rng.random() < 0.5,

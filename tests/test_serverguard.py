@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -302,3 +303,130 @@ async def test_hub_count_and_length_limits(tmp_path: Path) -> None:
             assert r.status_code == 400 and "longer than 100 characters" in r.text
         assert (await trio.to_thread.run_sync(hub.pending))["verifications"] == 2
         await hub.aclose()
+
+
+# -- a connection its client closed is let go at once -------------------------------------------------
+
+
+def _lane_app(app: App) -> Starlette:
+    """``app`` with a fast lane (``serverguard._FastLane``) that answers ``/lane`` itself and hands
+    everything else to hypercorn."""
+    starlette = app.starlette()
+
+    async def lane(method: bytes, target: bytes) -> tuple[bytes, bytes] | None:
+        if target != b"/lane":
+            return None
+        return b"HTTP/1.1 200 \r\ncontent-length: 2\r\n", b"" if method == b"HEAD" else b"ok"
+
+    starlette.state.fast_lane = lane
+    return starlette
+
+
+async def _let_go(fds: int) -> None:
+    """Wait until this process (the server runs in it) holds no more file descriptors than ``fds``: the
+    server closed its side of every connection its client closed. (Its socket would show in CLOSE_WAIT,
+    or in no state at all when the client's close reset it, so the descriptors are what to count.)"""
+    with trio.fail_after(20):  # a hang guard, far below the idle timer (60 s here)
+        while psutil.Process().num_fds() > fds:
+            await trio.sleep(0.01)
+
+
+async def _response_head(s: trio.SocketStream) -> bytes:
+    buf = b""
+    with trio.fail_after(30):
+        while b"\r\n\r\n" not in buf:
+            data = await s.receive_some(65536)
+            assert data, "closed before a response"
+            buf += data
+    return buf
+
+
+async def _after_response(s: trio.SocketStream, path: str) -> None:  # keep-alive, idle, then closed
+    await s.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert (await _response_head(s)).startswith(b"HTTP/1.1 200 ")
+
+
+async def _two_requests(s: trio.SocketStream, path: str) -> None:  # a second response not read
+    await s.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\nGET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await _response_head(s)
+
+
+async def _mid_head(s: trio.SocketStream, path: str) -> None:
+    await s.send_all(f"GET {path} HTTP/1.1\r\nHo".encode())
+
+
+async def _mid_response(s: trio.SocketStream, path: str) -> None:  # /big: 32 MB, closed after the head
+    await s.send_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+    await _response_head(s)
+
+
+async def _nothing(s: trio.SocketStream, path: str) -> None:
+    pass
+
+
+async def test_connections_closed_by_the_client_are_let_go_at_once() -> None:
+    """Every way a client may close (before a request, mid-head, after a keep-alive response, with a
+    response unread, mid-response), on every path (hypercorn's, the fast lane's, a request the lane
+    hands to hypercorn): the server closes its side at once (no CLOSE_WAIT left; without this it waited
+    for its idle timer, here 60 s) and the slot is free: a client churning many more connections than
+    ``max_connections_per_client`` is never answered 429."""
+    app = App()
+    limits, refused = counting()
+    limits = replace(limits, header_timeout=60.0, max_connections_per_client=3)  # the idle timer far off
+    behaviours = (_nothing, _mid_head, _after_response, _two_requests, _mid_response)
+    async with serving(_lane_app(app), limits=limits) as base:
+        fds = psutil.Process().num_fds()
+        for path in ("/ok", "/lane"):  # hypercorn's path; the fast lane's (and /ok: its handing over)
+            for behave in behaviours:
+                for _ in range(2 * limits.max_connections_per_client):  # more than the cap, one by one
+                    s = await _raw(base, "127.0.0.3")
+                    await behave(s, path)
+                    await s.aclose()
+                    await _let_go(fds)
+                # the slots are free: as many connections as the cap, at once, are all served
+                held = [await _raw(base, "127.0.0.3") for _ in range(limits.max_connections_per_client)]
+                for s in held:
+                    await _after_response(s, path)
+                for s in held:
+                    await s.aclose()
+                await _let_go(fds)
+    assert refused["connections"] == 0
+
+
+async def test_the_fast_lane_closes_connections_without_a_request_head_in_time() -> None:
+    """The fast lane's head deadline (``_FastLane.reap``): a connection that sends nothing, one idle
+    after a keep-alive response, and one dripping a head are all closed by the server (header_timeout
+    1 s here; the waits are hang guards), while a client that asks is served meanwhile."""
+    app = App()
+    limits, refused = counting()
+    async with serving(_lane_app(app), limits=limits) as base:
+        silent, idle, drip = await _raw(base), await _raw(base), await _raw(base)
+        await _after_response(idle, "/lane")
+        closed: list[str] = []
+
+        async def dripping() -> None:
+            await drip.send_all(b"GET /lane HTTP/1.1\r\n")
+            try:
+                for i in range(300):  # would take 60 s: the server closes it long before
+                    await drip.send_all(b"X-Drip-%d: y\r\n" % i)
+                    await trio.sleep(0.2)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                closed.append("drip")
+
+        async def until_closed(name: str, s: trio.SocketStream) -> None:
+            rest = await _read_all(s)
+            assert b"HTTP/1.1" not in rest  # closed without an answer
+            closed.append(name)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(until_closed, "silent", silent)
+                nursery.start_soon(until_closed, "idle", idle)
+                nursery.start_soon(dripping)
+                s = await _raw(base)
+                await _after_response(s, "/lane")  # served meanwhile
+                await s.aclose()
+        for s in (silent, idle, drip):
+            await s.aclose()
+    assert sorted(closed) == ["drip", "idle", "silent"]
+    assert refused["head_time"] >= 1  # the silent one never sent a head

@@ -21,12 +21,17 @@ What bounds what (docs/security.md has the table):
 
 hypercorn's trio worker has no hook for accepted connections, so ``serve_guarded`` runs hypercorn's own
 ``TCPServer`` per connection (as ``hypercorn.trio.run.worker_serve`` does), behind the per-address cap and
-the send deadline. No TLS here: TLS ends at the reverse proxy (docs/deployment).
+the send deadline, changed in one respect: a connection its client closed is closed at once
+(``_GuardedTCPServer``), not when the keep-alive timer runs out. No TLS here: TLS ends at the reverse
+proxy (docs/deployment).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -82,14 +87,25 @@ _OVER_CAP = (
 
 
 class _SendBounded(trio.abc.HalfCloseableStream):
-    """A socket stream whose writes give up after ``timeout`` (a client that never reads its response)."""
+    """A socket stream whose writes give up after ``timeout`` (a client that never reads its response).
 
-    def __init__(self, stream: trio.SocketStream, limits: ServerLimits) -> None:
+    ``on_close`` is called once, when the socket is closed (its slot of ``max_connections_per_client``
+    is free then, even while an app told of the disconnect still finishes)."""
+
+    def __init__(
+        self, stream: trio.SocketStream, limits: ServerLimits, on_close: Callable[[], None] | None = None
+    ) -> None:
         self._stream = stream
         self._limits = limits
         self._timeout = limits.send_timeout
+        self._on_close = on_close
         self.sent = False  # anything sent to the client (else it never completed a request head)
         self.socket = stream.socket  # hypercorn reads peer and local addresses from it
+
+    def _closed(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         self.sent = True
@@ -98,7 +114,10 @@ class _SendBounded(trio.abc.HalfCloseableStream):
         if scope.cancelled_caught:
             log.info("closing a connection whose client did not read for %.0f s", self._timeout)
             self._limits.refused("slow_reader")
-            await trio.aclose_forcefully(self._stream)
+            try:
+                await trio.aclose_forcefully(self._stream)
+            finally:
+                self._closed()
             raise trio.BrokenResourceError(f"client did not read for {self._timeout} s")
 
     async def wait_send_all_might_not_block(self) -> None:
@@ -111,7 +130,35 @@ class _SendBounded(trio.abc.HalfCloseableStream):
         await self._stream.send_eof()
 
     async def aclose(self) -> None:
+        try:
+            self._stream.socket.close()  # at once: the slot is free no later than the descriptor
+        finally:
+            self._closed()
         await self._stream.aclose()
+
+
+class _GuardedTCPServer(TCPServer):
+    """hypercorn's ``TCPServer``, which lets a connection go as soon as its client closed it.
+
+    hypercorn's own ends its read loop at the client's EOF, but closes the socket only once every task
+    of the connection's task group has ended, its keep-alive timer among them: a connection its client
+    closed after a response (a harvester's keep-alive client letting go of a connection) stayed in
+    CLOSE_WAIT, holding its file descriptor and its slot of ``max_connections_per_client``, until that
+    timer ran out (``header_timeout``), and a client that churns connections got 429. Here the end of
+    the read loop (EOF, a broken or closed stream) stops the timer and closes the socket at once. An
+    app still answering was told (``http.disconnect``, by hypercorn); what it still sends is dropped,
+    as for a client that went away mid-response (nginx's 499). The connection's task ends with the app.
+    """
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.idle_task.stop()
+                # not ``_close``: its send_eof would collide with an app's write under way; closing
+                # wakes that write (ClosedResourceError, which hypercorn takes for a closed client)
+                await self.stream.aclose()
 
 
 class _Prefixed(trio.abc.HalfCloseableStream):
@@ -145,9 +192,11 @@ class _Prefixed(trio.abc.HalfCloseableStream):
         await self._stream.aclose()
 
 
-#: ``lane(method, target) -> (status, raw headers, body) | None``: a request answered without hypercorn
-#: (the publisher's hot resource route, ``publish/fastpath.py``); None: hypercorn answers it.
-Lane = Callable[[bytes, bytes], Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes] | None]]
+#: ``lane(method, target) -> (head, body) | None``: a request answered without hypercorn (the
+#: publisher's hot resource route, ``publish/fastpath.py``); ``head``: the status line and the headers,
+#: each ending in CRLF, without the blank line and without the server's own headers (Date, Server: the
+#: lane adds them as hypercorn does); None: hypercorn answers it.
+Lane = Callable[[bytes, bytes], Awaitable[tuple[bytes, bytes] | None]]
 #: Request headers the fast lane leaves to hypercorn (bodies, upgrades, connection handling) or to the
 #: app's ordinary route (validators and ranges decide per request).
 _LANE_HANDS_OVER = frozenset(
@@ -164,68 +213,159 @@ class _FastLane:
     take (anything but an origin-form GET/HEAD with a Host and plain headers, or one ``lane`` declines)
     and the rest of the connection go to hypercorn, with the bytes read so far: whatever the lane
     cannot answer exactly as hypercorn would is hypercorn's to answer. Same bounds: the head within
-    ``header_timeout`` and ``max_header_bytes``; writes bounded by the stream (``send_timeout``)."""
+    ``header_timeout`` and ``max_header_bytes``; writes bounded by the stream (``send_timeout``).
+
+    Per request it costs one wait for the socket to be readable, one read and (almost always) one
+    write of the whole answer: the socket's descriptor is read and written directly, not through
+    trio's stream methods (a try that fails, a cancel scope and a schedule point each); the head
+    deadline is kept by ``reap`` (one task for all connections: a connection waiting for a head longer
+    than ``header_timeout`` is cancelled, at most a tenth of it late), not by a deadline per request.
+    The Date and Server headers are made once a second."""
 
     def __init__(self, lane: Lane, limits: ServerLimits, config: Config, context: WorkerContext) -> None:
         self.lane, self.limits, self.config, self.context = lane, limits, config, context
+        self._second = -1
+        self._own = b""  # the server's own headers (Date, Server) of ``_second``
+        self._open: set[_Waiting] = set()  # the lane's connections
+
+    async def reap(self) -> None:
+        """Close the connections that wait for a request head longer than ``header_timeout`` (runs
+        for as long as the server)."""
+        timeout = self.limits.header_timeout
+        while True:
+            await trio.sleep(max(timeout / 10, 0.01))
+            late = time.monotonic() - timeout
+            for conn in self._open:
+                if conn.waiting and conn.since < late:
+                    conn.scope.cancel()
+
+    def _own_headers(self) -> bytes:
+        """``Config.response_headers`` as bytes, made again when the second changes (Date's precision)."""
+        now = int(time.time())
+        if now != self._second:
+            own = self.config.response_headers("h11")
+            self._second, self._own = now, b"".join(b"%s: %s\r\n" % h for h in own)
+        return self._own
 
     async def serve(self, stream: _SendBounded) -> bytes | None:
         """Answer requests while the lane can; the bytes read but not answered (hypercorn's to answer),
         or None when the connection is done (closed by the client, idle too long, shutting down)."""
+        fd = stream.socket.fileno()
+        with trio.CancelScope() as scope:  # cancelled by ``reap``: no head within header_timeout
+            conn = _Waiting(scope)
+            self._open.add(conn)
+            try:
+                return await self._serve(stream, fd, conn)
+            finally:
+                self._open.discard(conn)
+        return None  # idle, or dripping a head, past the deadline: closed
+
+    async def _serve(self, stream: _SendBounded, fd: int, conn: _Waiting) -> bytes | None:
+        limits, lane, terminated = self.limits, self.lane, self.context.terminated
         buf = b""
         while True:
-            if self.context.terminated.is_set():
+            if terminated.is_set():
                 return None
-            with trio.move_on_after(self.limits.header_timeout):
-                while b"\r\n\r\n" not in buf:
-                    if len(buf) > self.limits.max_header_bytes:
-                        return buf
-                    data = await stream.receive_some(_RECV)
-                    if not data:
-                        return None if not buf else buf
-                    buf += data
-            if b"\r\n\r\n" not in buf:  # idle (or dripping a head) past the deadline: closed
+            conn.since, conn.waiting = time.monotonic(), True
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:  # pipelined: already here; still a schedule point for the others
+                await trio.lowlevel.checkpoint()
+            while end < 0:
+                if len(buf) > limits.max_header_bytes:
+                    return buf
+                await trio.lowlevel.wait_readable(fd)
+                try:
+                    data = os.read(fd, _RECV)
+                except BlockingIOError:
+                    continue
+                except OSError:  # reset by the client
+                    return None
+                if not data:
+                    return buf or None
+                buf += data
+                end = buf.find(b"\r\n\r\n")
+            conn.waiting = False
+            if conn.scope.cancel_called:  # too late: ``reap`` cancelled it as the head came in
                 return None
-            head, _, rest = buf.partition(b"\r\n\r\n")
-            request = _plain_request(head) if len(head) <= self.limits.max_header_bytes else None
+            request = _plain_request(buf[:end]) if end <= limits.max_header_bytes else None
             if request is None:
                 return buf
-            answer = await self.lane(*request)
+            answer = await lane(*request)
             if answer is None:
                 return buf
-            status, headers, body = answer
-            out = [b"HTTP/1.1 %d \r\n" % status]
-            out += [b"%s: %s\r\n" % h for h in headers]
-            out += [b"%s: %s\r\n" % h for h in self.config.response_headers("h11")]
-            out += [b"\r\n", body]
-            await stream.send_all(b"".join(out))
-            buf = rest
+            await self._send(stream, fd, b"".join((answer[0], self._own_headers(), b"\r\n", answer[1])))
+            buf = buf[end + 4 :]
+
+    @staticmethod
+    async def _send(stream: _SendBounded, fd: int, data: bytes) -> None:
+        """Write ``data``: at once when the socket buffer takes it all (the common case), else the rest
+        through the stream (which waits at most ``send_timeout`` for the client to read)."""
+        stream.sent = True
+        try:
+            sent = os.write(fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:  # the client is gone
+            raise trio.BrokenResourceError(str(exc)) from exc
+        if sent < len(data):
+            await stream.send_all(memoryview(data)[sent:])
+
+
+#: A byte a plain header line has not: a control character but tab, or one beyond ASCII.
+_NOT_PLAIN = re.compile(rb"[\x00-\x08\x0a-\x1f\x80-\xff]")
+
+
+class _Waiting:
+    """One connection of the fast lane: ``waiting`` for a request head ``since`` (monotonic)."""
+
+    __slots__ = ("scope", "since", "waiting")
+
+    def __init__(self, scope: trio.CancelScope) -> None:
+        self.scope, self.since, self.waiting = scope, 0.0, False
 
 
 def _plain_request(head: bytes) -> tuple[bytes, bytes] | None:
     """(method, target) of a request head the fast lane may answer, else None."""
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
+    line, _, fields = head.partition(b"\r\n")
+    parts = line.split(b" ")
     if len(parts) != 3 or parts[2] != b"HTTP/1.1" or parts[0] not in (b"GET", b"HEAD"):
         return None
     target = parts[1]
     if target[:1] != b"/" or not target.isascii() or b"#" in target:
         return None
+    plain = _PLAIN_FIELDS.get(fields)
+    if plain is None:
+        plain = _plain_fields(fields)
+        if len(fields) <= _REMEMBERED_FIELDS_BYTES:
+            if len(_PLAIN_FIELDS) >= _REMEMBERED_FIELDS:
+                _PLAIN_FIELDS.clear()
+            _PLAIN_FIELDS[fields] = plain
+    return (parts[0], target) if plain else None
+
+
+#: The verdicts of ``_plain_fields`` on the header blocks seen last: a client sends the same headers
+#: with every request (its Host, its User-Agent...), so most requests skip the per-line checks. Bounded
+#: in count and in the size of what is kept.
+_PLAIN_FIELDS: dict[bytes, bool] = {}
+_REMEMBERED_FIELDS = 1024
+_REMEMBERED_FIELDS_BYTES = 512
+
+
+def _plain_fields(fields: bytes) -> bool:
+    """Whether a request's header lines are plain: well-formed, one Host, nothing the lane hands over."""
     hosts = 0
-    for line in lines[1:]:
+    for line in fields.split(b"\r\n") if fields else ():
         name, sep, value = line.partition(b":")
-        if not sep or not name or name[-1:] in (b" ", b"\t") or b"\n" in line or b"\x00" in line:
-            return None
-        if not line.isascii() or any(c < 32 and c != 9 for c in line):
-            return None
+        if not sep or not name or name[-1:] in (b" ", b"\t") or _NOT_PLAIN.search(line):
+            return False
         name = name.lower()
         if name in _LANE_HANDS_OVER:
-            return None
+            return False
         if name == b"host":
             hosts += 1
         elif name == b"connection" and value.strip().lower() != b"keep-alive":
-            return None
-    return (parts[0], target) if hosts == 1 else None
+            return False
+    return hosts == 1
 
 
 class _Connections:
@@ -259,7 +399,17 @@ class _Connections:
             await self._refuse(stream)
             return
         self.open[peer] += 1
-        bounded = _SendBounded(stream, self.limits)
+        released = False
+
+        def release() -> None:  # once: when the socket is closed, or at the latest when this ends
+            nonlocal released
+            if not released:
+                released = True
+                self.open[peer] -= 1
+                if not self.open[peer]:
+                    del self.open[peer]
+
+        bounded = _SendBounded(stream, self.limits, release)
         start = trio.current_time()
         try:
             if self.lane is None:
@@ -276,9 +426,7 @@ class _Connections:
             if not bounded.sent and trio.current_time() - start >= self.limits.header_timeout:
                 self.limits.refused("head_time")  # closed by hypercorn's timer before a request head
         finally:
-            self.open[peer] -= 1
-            if not self.open[peer]:
-                del self.open[peer]
+            release()
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         text = b"too many connections from your address; try again later\n"
@@ -388,7 +536,9 @@ async def serve_guarded(
                 sock.listen(config.backlog)
                 listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
-            server = partial(TCPServer, wrapped, config, context, ConnectionState(lifespan_state.copy()))
+            server = partial(
+                _GuardedTCPServer, wrapped, config, context, ConnectionState(lifespan_state.copy())
+            )
             lane = getattr(getattr(app, "state", None), "fast_lane", None)
             fast = _FastLane(lane, limits, config, context) if lane is not None else None
             connections = _Connections(limits, server, fast)  # type: ignore[arg-type]
@@ -398,6 +548,8 @@ async def serve_guarded(
                     if shutdown_trigger is not None:
                         nursery.start_soon(raise_shutdown, shutdown_trigger)
                     nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    if fast is not None:
+                        nursery.start_soon(fast.reap)
                     nursery.start_soon(
                         partial(
                             trio.serve_listeners,
