@@ -103,8 +103,8 @@ class _Request:
     nothing: ``rsagg gc`` removes it). A FetchError, the OaiError of a page that is not XML, or the
     OffloadError of a worker process that died is raised where the walk takes the page."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, token: str | None) -> None:
+        self.url, self.token = url, token  # the token it continues the walk from (None: the first page)
         self._fetched = trio.Event()
         self._done = trio.Event()
         self._data: bytes | None = None
@@ -178,8 +178,10 @@ class OaiHarvest:
         return await self._parse(await self._fetch(url), url)
 
     async def _fetch(self, url: str) -> bytes:
-        got = await self.ctx.fetcher.get_bytes(url, max_bytes=self.ctx.config.harvest.max_document_bytes)
-        return got.content
+        # The lean keep-alive path (``net/lean.py``): a walk is a chain of GETs to one origin, and at
+        # low latency httpx's layers cost the event loop more than the bytes do.
+        fetcher, cap = self.ctx.fetcher, self.ctx.config.harvest.max_document_bytes
+        return (await fetcher.get_bytes(url, max_bytes=cap, lean_ok=True)).content
 
     async def _parse(self, data: bytes, url: str) -> Page:
         return self._noted(await trio.to_thread.run_sync(parse_page, data, url), url)
@@ -270,7 +272,7 @@ class OaiHarvest:
         False when it goes on from ``at.token`` (a wrong guess, a token refused, no guess ahead)."""
         async with requests:
             async for this in requests:
-                if this.url != self._list_url(at.token, walk_from):
+                if this.token != at.token:  # the URL follows from the token (walk_from is the walk's)
                     return False
                 page, stored, error = await this.stored()
                 page = self._noted(page, this.url)
@@ -305,7 +307,7 @@ class OaiHarvest:
         guess). Stops at a page without a token to read, or one whose request failed."""
         async with send:
             while True:
-                request = _Request(self._list_url(token, walk_from))
+                request = _Request(self._list_url(token, walk_from), token)
                 nursery.start_soon(request.run, self._fetch, self._store_page)
                 await send.send(request)
                 try:
@@ -485,16 +487,13 @@ class _RecordWork(Work):
     loop, for nothing, was a tenth of the walk's time there. The entry made is the one the record
     describes (tests/test_oaipmh.py compares both ways)."""
 
+    # Per record only what differs from these class-level defaults is set (``cursor_after`` and ``blob``
+    # are Work's class-level None): three attributes, on the event loop, per record.
+    _entry: Entry | None = None
+    _info: BlobInfo | None = None
+
     def __init__(self, ready: Change) -> None:  # not Work's: no entry, no info made yet
-        self.change, self.cursor_after, self.generation, self.blob = (
-            ready.change,
-            None,
-            ready.generation,
-            None,
-        )
-        self.ready = ready
-        self._entry: Entry | None = None
-        self._info: BlobInfo | None = None
+        self.change, self.generation, self.ready = ready.change, ready.generation, ready
 
     @property  # type: ignore[override]
     def entry(self) -> Entry:
