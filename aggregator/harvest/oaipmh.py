@@ -25,15 +25,15 @@ restarts the walk from ``last_datetime``, once per sync.
 
 A walk is a pipeline of pages. Requests run ahead of the walk, up to PREFETCH pages: each next one is
 asked for as soon as a page has arrived, with the token read from its last bytes (``peek_token``); the
-parsed page confirms that guess, or the requests ahead are cancelled and the walk goes on from the
-token it read. Every request of a walk takes the Fetcher's lean keep-alive path (``net/lean.py``, the
-resource GETs' client: same address policy, credentials, retries, redirects; the body decoded by
-``get_bytes``): a walk is a chain of GETs to one origin, where httpx's layers cost the event loop more
-than the bytes (``python benchmarks/bench_oaipmh.py``). Each page is parsed and its records' content
-made durable blobs in one call (``store_page``), in a worker process (``harvest.processes``, ``harvest/offload.py``: the parse, the
-canonical form and the hashes are the walk's CPU-bound part, and the event loop keeps fetching and
-committing meanwhile), while the pages before it commit their state transactions in walk order
-(``Pipeline.run_batches``; pages already stored join one transaction, up to ``harvest.batch_size``
+parsed page confirms that guess, or the requests ahead are cancelled and the walk goes on from the token
+it read. Every request of a walk takes the Fetcher's lean keep-alive path (``net/lean.py``, the resource
+GETs' client: same address policy, credentials, retries, redirects; the body decoded by ``get_bytes``):
+a walk is a chain of GETs to one origin, where httpx's layers cost the event loop more than the bytes
+(``python benchmarks/bench_oaipmh.py``). Each page is parsed and its records' content made durable blobs
+in one call (``store_page``), in a worker process (``harvest.processes``, ``harvest/offload.py``: the
+parse, the canonical form and the hashes are the walk's CPU-bound part, and the event loop keeps
+fetching and committing meanwhile), while the pages before it commit their state transactions in walk
+order (``Pipeline.run_batches``; pages already stored join one transaction, up to ``harvest.batch_size``
 records). The event loop is the walk's busiest part (fetches, the state writer's thread, the pipeline):
 per record it only makes the state change from what the worker sent back (``_RecordWork``: the record's
 GetRecord URL is made in the worker, its entry only if something asks for it). A page up to TREE_BYTES
