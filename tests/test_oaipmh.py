@@ -22,6 +22,7 @@ from lxml import etree
 
 from aggregator.config import parse_config
 from aggregator.harvest.oaipage import parse_page, peek_token
+from aggregator.net import lean
 from aggregator.publish.dumps import DumpBuilder
 from aggregator.publish.uris import rsagg_uri
 from aggregator.rs.validate import ERROR, validate_source
@@ -730,3 +731,100 @@ def test_the_records_stored_are_the_records_served(tmp_path: Path, monkeypatch, 
                     assert f.read() == content
     finally:
         blobs.close()
+
+
+# -- pages over the lean client ------------------------------------------------------------------------
+
+
+def _coded(body: bytes, coding: str) -> bytes:
+    import gzip
+    import zlib
+
+    return {"gzip": gzip.compress, "deflate": zlib.compress}.get(coding, lambda b: b)(body)
+
+
+def _get_bytes_cases() -> list[tuple[str, bytes, bool, int]]:
+    """(name, raw response, server closes after it, max_bytes): content codings x framings x statuses x
+    sizes, generated, as an OAI-PMH walk may meet them."""
+    import random
+
+    from .test_lean import response
+
+    rng = random.Random(28)
+    cases = []
+    for i in range(30):
+        status = rng.choice([200, 200, 200, 404, 500, 503])
+        coding = rng.choice(["identity", "gzip", "deflate"])
+        framing = rng.choice(["length", "chunked", "close"])
+        body = b"<OAI-PMH>" + rng.randbytes(rng.choice([0, 10, 3000, 70000])).hex().encode() + b"</OAI-PMH>"
+        headers = {"Content-Type": "text/xml"}
+        if coding != "identity":
+            headers["Content-Encoding"] = coding
+        if status == 503:
+            headers["Retry-After"] = "0"
+        cap = rng.choice([10**6, 10**6, 1000])
+        raw = response(status, _coded(body, coding), framing=framing, headers=headers)
+        cases.append(
+            (f"{i}: {status} {coding} {framing} {len(body)}B cap={cap}", raw, framing == "close", cap)
+        )
+    return cases
+
+
+GET_BYTES_CASES = _get_bytes_cases()
+
+
+@pytest.mark.parametrize("case", range(len(GET_BYTES_CASES)), ids=[c[0] for c in GET_BYTES_CASES])
+async def test_pages_over_the_lean_client_read_as_over_httpx(case: int) -> None:
+    """A walk fetches its pages over the lean keep-alive client (``get_bytes(lean_ok=True)``): the page
+    it reads (decoded), its status and its failures are what the httpx path gives for the same answer."""
+    from aggregator.harvest.fetch import FetchError
+
+    from .test_lean import Script, fetcher, scripted
+
+    name, raw, close, cap = GET_BYTES_CASES[case]
+    outcomes = []
+    for lean_ok in (True, False):
+        script = Script()
+        async with scripted(script) as base:
+            url = base + script.add("/oai?verb=ListRecords&resumptionToken=t", raw, close=close)
+            async with fetcher() as f:
+                try:
+                    got = await f.get_bytes(url, max_bytes=cap, lean_ok=lean_ok)
+                    outcomes.append(("ok", got.status, got.content, got.content_type))
+                except FetchError as exc:
+                    outcomes.append(("error", exc.kind, exc.status, exc.transient, exc.retry_after))
+                assert f._lean is not None
+                assert (f._lean.connections_opened >= 1) == lean_ok, name  # which path ran
+        assert script.requests[0][1].get("accept-encoding") == "gzip, deflate", name
+    assert outcomes[0] == outcomes[1], name
+
+
+async def test_a_walk_fetches_its_pages_over_the_lean_client(tmp_path: Path) -> None:
+    """Every request of a walk (Identify, the ListRecords pages) goes over the lean client's keep-alive
+    connections: a handful of connections for many pages."""
+    repo = Repository()
+    repo.bulk_add(0, 250)
+    sent: list[str] = []
+    opened = 0
+    real_send, real_aclose = lean.LeanPool.send, lean.LeanPool.aclose
+
+    async def send(self: lean.LeanPool, request: lean.Request) -> lean.Response:
+        sent.append(str(request.url))
+        return await real_send(self, request)
+
+    async def aclose(self: lean.LeanPool) -> None:
+        nonlocal opened
+        opened += self.connections_opened
+        await real_aclose(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lean.LeanPool, "send", send)
+        mp.setattr(lean.LeanPool, "aclose", aclose)
+        async with serve_app(OaiApp(repo, page_size=50)) as base:
+            repo.base_url = f"{base}/oai"
+            cfg = oai_config(tmp_path, f"{base}/oai")
+            result = (await harvest(cfg))["oai"]
+            assert result.ok, result.error
+    assert len(held(cfg)) == 250
+    assert sum("verb=ListRecords" in u for u in sent) == 5 and any("verb=Identify" in u for u in sent)
+    assert 1 <= opened < len(sent)

@@ -170,7 +170,7 @@ class FetchedBytes:
     status: int
     content: bytes
     content_type: str | None
-    headers: httpx.Headers = field(repr=False)
+    headers: httpx.Headers | lean.Headers = field(repr=False)
 
     @property
     def link_header(self) -> str | None:
@@ -961,16 +961,18 @@ class Fetcher:
 
     # -- small bodies, resources, packages ------------------------------------------------------
 
-    async def get_bytes(self, url: str, *, max_bytes: int) -> FetchedBytes:
-        """A small body, decoded and held in memory (robots.txt, HTML, metadata records)."""
+    async def get_bytes(self, url: str, *, max_bytes: int, lean_ok: bool = False) -> FetchedBytes:
+        """A small body, decoded and held in memory (robots.txt, HTML, metadata records).
+
+        ``lean_ok``: the GET may take the lean path (``_get``; the body is decoded here either way), for
+        a caller that makes many of them in a row to one origin (OAI-PMH pages)."""
 
         async def attempt() -> FetchedBytes:
             with trio.move_on_after(self.document_deadline):
                 headers = {"Accept-Encoding": "gzip, deflate"}
-                async with self._get(url, headers) as body:
+                async with self._get(url, headers, lean_ok=lean_ok) as body:
                     self._check_status(body)
                     resp = body.response
-                    assert isinstance(resp, httpx.Response)  # small bodies take the httpx path
                     decoder = _Decoder(body.final_url, resp.headers.get("content-encoding"))
                     parts: list[bytes] = []
                     size = 0

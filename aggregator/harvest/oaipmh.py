@@ -25,12 +25,15 @@ restarts the walk from ``last_datetime``, once per sync.
 
 A walk is a pipeline of pages. Requests run ahead of the walk, up to PREFETCH pages: each next one is
 asked for as soon as a page has arrived, with the token read from its last bytes (``peek_token``); the
-parsed page confirms that guess, or the requests ahead are cancelled and the walk goes on from the
-token it read. Each page is parsed and its records' content made durable blobs in one call
-(``store_page``), in a worker process (``harvest.processes``, ``harvest/offload.py``: the parse, the
-canonical form and the hashes are the walk's CPU-bound part, and the event loop keeps fetching and
-committing meanwhile), while the pages before it commit their state transactions in walk order
-(``Pipeline.run_batches``; pages already stored join one transaction, up to ``harvest.batch_size``
+parsed page confirms that guess, or the requests ahead are cancelled and the walk goes on from the token
+it read. Every request of a walk takes the Fetcher's lean keep-alive path (``net/lean.py``, the resource
+GETs' client: same address policy, credentials, retries, redirects; the body decoded by ``get_bytes``):
+a walk is a chain of GETs to one origin, where httpx's layers cost the event loop more than the bytes
+(``python benchmarks/bench_oaipmh.py``). Each page is parsed and its records' content made durable blobs
+in one call (``store_page``), in a worker process (``harvest.processes``, ``harvest/offload.py``: the
+parse, the canonical form and the hashes are the walk's CPU-bound part, and the event loop keeps
+fetching and committing meanwhile), while the pages before it commit their state transactions in walk
+order (``Pipeline.run_batches``; pages already stored join one transaction, up to ``harvest.batch_size``
 records). The event loop is the walk's busiest part (fetches, the state writer's thread, the pipeline):
 per record it only makes the state change from what the worker sent back (``_RecordWork``: the record's
 GetRecord URL is made in the worker, its entry only if something asks for it). A page up to TREE_BYTES
@@ -103,8 +106,8 @@ class _Request:
     nothing: ``rsagg gc`` removes it). A FetchError, the OaiError of a page that is not XML, or the
     OffloadError of a worker process that died is raised where the walk takes the page."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, token: str | None) -> None:
+        self.url, self.token = url, token  # the token it continues the walk from (None: the first page)
         self._fetched = trio.Event()
         self._done = trio.Event()
         self._data: bytes | None = None
@@ -178,8 +181,8 @@ class OaiHarvest:
         return await self._parse(await self._fetch(url), url)
 
     async def _fetch(self, url: str) -> bytes:
-        got = await self.ctx.fetcher.get_bytes(url, max_bytes=self.ctx.config.harvest.max_document_bytes)
-        return got.content
+        fetcher, cap = self.ctx.fetcher, self.ctx.config.harvest.max_document_bytes
+        return (await fetcher.get_bytes(url, max_bytes=cap, lean_ok=True)).content
 
     async def _parse(self, data: bytes, url: str) -> Page:
         return self._noted(await trio.to_thread.run_sync(parse_page, data, url), url)
@@ -270,7 +273,7 @@ class OaiHarvest:
         False when it goes on from ``at.token`` (a wrong guess, a token refused, no guess ahead)."""
         async with requests:
             async for this in requests:
-                if this.url != self._list_url(at.token, walk_from):
+                if this.token != at.token:  # the URL follows from the token (walk_from is the walk's)
                     return False
                 page, stored, error = await this.stored()
                 page = self._noted(page, this.url)
@@ -305,7 +308,7 @@ class OaiHarvest:
         guess). Stops at a page without a token to read, or one whose request failed."""
         async with send:
             while True:
-                request = _Request(self._list_url(token, walk_from))
+                request = _Request(self._list_url(token, walk_from), token)
                 nursery.start_soon(request.run, self._fetch, self._store_page)
                 await send.send(request)
                 try:
@@ -485,16 +488,13 @@ class _RecordWork(Work):
     loop, for nothing, was a tenth of the walk's time there. The entry made is the one the record
     describes (tests/test_oaipmh.py compares both ways)."""
 
+    # Per record only what differs from these class-level defaults is set (``cursor_after`` and ``blob``
+    # are Work's class-level None): three attributes, on the event loop, per record.
+    _entry: Entry | None = None
+    _info: BlobInfo | None = None
+
     def __init__(self, ready: Change) -> None:  # not Work's: no entry, no info made yet
-        self.change, self.cursor_after, self.generation, self.blob = (
-            ready.change,
-            None,
-            ready.generation,
-            None,
-        )
-        self.ready = ready
-        self._entry: Entry | None = None
-        self._info: BlobInfo | None = None
+        self.change, self.generation, self.ready = ready.change, ready.generation, ready
 
     @property  # type: ignore[override]
     def entry(self) -> Entry:
