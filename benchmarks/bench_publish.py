@@ -407,16 +407,19 @@ def start_nginx(servers: Servers, folder: Path, work: Path) -> tuple[subprocess.
 
 
 def start_nginx_offload(
-    servers: Servers, rsagg: str, blobs: Path, work: Path
+    servers: Servers, rsagg: str, blobs: Path, work: Path, conf: Path | None = None
 ) -> tuple[subprocess.Popen, str] | None:
-    """nginx in front of rsagg (``server.offload = "x-accel"``) with the shipped ``config/nginx.conf``."""
-    port = free_port()
-    text = (ROOT / "config" / "nginx.conf").read_text()
+    """nginx in front of rsagg (``server.offload = "x-accel"``) with the shipped ``config/nginx.conf``
+    (``conf``: another one, e.g. an older tree's, whose marked lines are the same)."""
+    port, files = free_port(), free_port()
+    text = (conf or ROOT / "config" / "nginx.conf").read_text()
     for old, new in (
         ("server 127.0.0.1:8080;", f"server {rsagg.split('//', 1)[1]};"),
         ("listen 127.0.0.1:8000;", f"listen 127.0.0.1:{port};"),
+        ("server 127.0.0.1:8001;", f"server 127.0.0.1:{files};"),  # nginx's own second server, if any
+        ("listen 127.0.0.1:8001;", f"listen 127.0.0.1:{files};"),
         ("alias /var/lib/rsagg/blobs/;", f"alias {blobs}/;"),
-        ("root /var/lib/rsagg/blobs;", f"root {blobs};"),
+        ("root /var/lib/rsagg/blobs;", f"root {blobs};"),  # (config/nginx.conf before the answer cache)
         ("worker_processes auto;", "worker_processes 2;"),
     ):
         text = text.replace(old, new)

@@ -57,13 +57,15 @@ def free_port() -> int:
 
 
 def nginx_conf(folder: Path, port: int, upstream_port: int, blobs: Path) -> Path:
-    """The shipped example with its four marked lines set for this test (and root's workers)."""
+    """The shipped example with its marked lines set for this test (and root's workers)."""
     text = (REPO / "config" / "nginx.conf").read_text()
+    files = free_port()  # nginx's own second server (the answer cache's source)
     for old, new in (
         ("server 127.0.0.1:8080;", f"server 127.0.0.1:{upstream_port};"),
         ("listen 127.0.0.1:8000;", f"listen 127.0.0.1:{port};"),
+        ("server 127.0.0.1:8001;", f"server 127.0.0.1:{files};"),
+        ("listen 127.0.0.1:8001;", f"listen 127.0.0.1:{files};"),
         ("alias /var/lib/rsagg/blobs/;", f"alias {blobs}/;"),
-        ("root /var/lib/rsagg/blobs;", f"root {blobs};"),
         ("worker_processes auto;", "worker_processes 1;"),
     ):
         assert old in text, old
@@ -164,6 +166,7 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                         assert again.status_code == 200 and again.headers["etag"] == first.headers["etag"]
                     # (at most one: the decision may expire once while the three go out, not twice)
                     assert await resource_requests() <= before + 1
+                    assert any(p.is_file() for p in (ngx / "answers").rglob("*"))  # nginx's answer cache
                     after = await resource_requests()
                     assert (
                         await client.get(front + path("b.bin"), headers={"if-none-match": "*"})
