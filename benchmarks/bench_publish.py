@@ -67,7 +67,9 @@ def third_party_plugins() -> list[str]:
     return sorted({ep.name for ep in entry_points(group=GROUP)})
 
 
-def bench_config(store: Path, port: int, offload: str = "none", plugins: bool = False):
+def bench_config(
+    store: Path, port: int, offload: str = "none", plugins: bool = False, cache_seconds: int | None = None
+):
     """rsagg as deployed: its own plugins only (``plugins``: also the installed third-party ones, e.g.
     a development environment's example plugin, whose publish filter is called for every entry)."""
     from aggregator.config import parse_config
@@ -78,6 +80,7 @@ def bench_config(store: Path, port: int, offload: str = "none", plugins: bool = 
                 "listen": f"127.0.0.1:{port}",
                 "base_url": f"http://127.0.0.1:{port}",
                 "offload": offload,
+                **({} if cache_seconds is None else {"offload_cache_seconds": cache_seconds}),
             },
             "store": {"path": str(store)},
             "sources": [{"name": SOURCE, "url": "http://upstream.example/.well-known/resourcesync"}],
@@ -122,7 +125,9 @@ def fill(store: Path, n: int) -> dict:
     return {"seconds": time.perf_counter() - start, "set": name}
 
 
-def serve_rsagg(store: Path, port: int, offload: str, plugins: bool, dumps: str = "off") -> None:
+def serve_rsagg(
+    store: Path, port: int, offload: str, plugins: bool, dumps: str = "off", cache_seconds: int | None = None
+) -> None:
     """The publisher alone; ``dumps``: also build a Resource Dump of the whole set over and over meanwhile
     (as the daemon does at its interval, here without pause and without skipping an unchanged set), in a
     trio worker thread at normal priority (``thread``) or as the daemon does (``low``:
@@ -137,7 +142,7 @@ def serve_rsagg(store: Path, port: int, offload: str, plugins: bool, dumps: str 
     from aggregator.store.blobs import FileBlobStore
 
     blobs = FileBlobStore(store / "blobs")
-    config = bench_config(store, port, offload, plugins)
+    config = bench_config(store, port, offload, plugins, cache_seconds)
     loaded = load_plugins(config)
     metrics = Metrics(plugins=lambda: [loaded], store=blobs)
     app = publisher_app(config, blobs=blobs, plugins=loaded, metrics=metrics, state_path=store / "state.db")
@@ -274,12 +279,18 @@ class Servers:
 
 
 def start_rsagg(
-    servers: Servers, store: Path, offload: str = "none", plugins: bool = False, dumps: str = "off"
+    servers: Servers,
+    store: Path,
+    offload: str = "none",
+    plugins: bool = False,
+    dumps: str = "off",
+    cache_seconds: int | None = None,
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, __file__, "--serve", str(store), "--port", str(port), "--offload", offload]
     cmd += ["--plugins"] if plugins else []
     cmd += ["--dumps", dumps]
+    cmd += [] if cache_seconds is None else ["--offload-cache-seconds", str(cache_seconds)]
     proc = servers.start(cmd)
     base = f"http://127.0.0.1:{port}"
     wait_until_up(base + "/robots.txt", proc)
@@ -441,7 +452,29 @@ def _nginx_up(
     return proc, base
 
 
-def run_load(name: str, base: str, paths: list[str], work: Path, args: argparse.Namespace) -> dict:
+def process_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by ``pids`` and their child processes (nginx's workers)."""
+    wanted, total = set(pids), 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry.name) in wanted or int(fields[1]) in wanted:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def run_load(
+    name: str,
+    base: str,
+    paths: list[str],
+    work: Path,
+    args: argparse.Namespace,
+    pids: list[int] | None = None,
+) -> dict:
     urls = [base + p for p in paths]
     wrk = shutil.which("wrk")
     if wrk and not args.no_wrk:
@@ -454,9 +487,13 @@ def run_load(name: str, base: str, paths: list[str], work: Path, args: argparse.
         )
         cmd = [wrk, "-d", f"{args.duration}s", "-c", str(args.concurrency), "-t", "2", "--timeout", "10s",
                "-s", str(script), base + "/"]  # fmt: skip
+        warm_cpu = 0.0
         if args.warmup:  # every server gets the same: first lookups, OS caches, nginx's open files
             warm = [*cmd[:2], f"{args.warmup}s", *cmd[3:]]
+            pids = pids or []
+            before = process_cpu(pids)
             subprocess.run(warm, capture_output=True, timeout=args.warmup + 60)
+            warm_cpu = process_cpu(pids) - before
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration + 60).stdout
         rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
         done = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
@@ -468,6 +505,7 @@ def run_load(name: str, base: str, paths: list[str], work: Path, args: argparse.
             "requests": int(done.group(1)) if done else 0,
             "errors": errors,
             "tool": "wrk",
+            "warm_cpu": warm_cpu,
         }
     urls_file = work / f"{name}.urls"
     urls_file.write_text("\n".join(urls))
@@ -495,6 +533,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-wrk", action="store_true", help="use the httpx load generator even if wrk is here")
     p.add_argument("--no-nginx", action="store_true", help="do not compare with nginx")
     p.add_argument(
+        "--offload-cache-seconds",
+        type=int,
+        metavar="N",
+        help="rsagg behind nginx: server.offload_cache_seconds (default: rsagg's default, 10)",
+    )
+    p.add_argument(
+        "--nginx-conf-before",
+        metavar="CONF",
+        help="also run rsagg behind nginx with this configuration (e.g. an older tree's config/nginx.conf, "
+        "same marked lines), taking turns with the others: before and after in the same run",
+    )
+    p.add_argument(
         "--dumps",
         choices=("off", "thread", "low"),
         default="off",
@@ -517,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(fill(Path(args.fill), args.resources)))
         return 0
     if args.serve:
-        serve_rsagg(Path(args.serve), args.port, args.offload, args.plugins, args.dumps)
+        serve_rsagg(
+            Path(args.serve), args.port, args.offload, args.plugins, args.dumps, args.offload_cache_seconds
+        )
         return 0
     if args.load:
         print(json.dumps(load(Path(args.load), args.requests, args.concurrency, args.timeout)))
@@ -565,17 +617,24 @@ def main(argv: list[str] | None = None) -> int:
             # Every server is up at once (idle ones cost nothing) and the loads take turns, ``--rounds``
             # times: each server's best round counts, so a burst of other work on the shared machine
             # does not decide a ratio alone.
-            targets: dict[str, tuple[str, list[str]]] = {}
+            # (each with the processes whose CPU time it costs: nginx's master and workers, rsagg)
+            targets: dict[str, tuple[str, list[str], list[int]]] = {}
             alone, base = start_rsagg(servers, store, plugins=args.plugins, dumps=args.dumps)
-            targets["rsagg"] = (base, rsagg_paths)
+            targets["rsagg"] = (base, rsagg_paths, [alone.pid])
             if not args.no_nginx and nginx_binary():
-                _, base = start_rsagg(servers, store, "x-accel", args.plugins)
-                started = start_nginx_offload(servers, base, store / "blobs", work / "nginx-offload")
-                if started:
-                    targets["rsagg+nginx"] = (started[1], rsagg_paths)
+                confs = {"rsagg+nginx": None}
+                if args.nginx_conf_before:
+                    confs["rsagg+nginx-before"] = Path(args.nginx_conf_before)
+                for name, conf in confs.items():
+                    rsagg, base = start_rsagg(
+                        servers, store, "x-accel", args.plugins, cache_seconds=args.offload_cache_seconds
+                    )
+                    started = start_nginx_offload(servers, base, store / "blobs", work / name, conf)
+                    if started:
+                        targets[name] = (started[1], rsagg_paths, [started[0].pid, rsagg.pid])
                 started = start_nginx(servers, static, work / "nginx")
                 if started:
-                    targets["nginx"] = (started[1], paths)
+                    targets["nginx"] = (started[1], paths, [started[0].pid])
             port = free_port()
             proc = servers.start(
                 [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory",
@@ -583,14 +642,26 @@ def main(argv: list[str] | None = None) -> int:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             wait_until_up(f"http://127.0.0.1:{port}/", proc)
-            targets["http.server"] = (f"http://127.0.0.1:{port}", paths)
+            targets["http.server"] = (f"http://127.0.0.1:{port}", paths, [proc.pid])
+            cpus: dict[str, list[float]] = {}
             for n in range(max(1, args.rounds)):
-                for name, (base, ps) in targets.items():
-                    r = run_load(name.replace("+", "-").replace(".", ""), base, ps, work, args)
+                for name, (base, ps, pids) in targets.items():
+                    cpu = process_cpu(pids)
+                    r = run_load(name.replace("+", "-").replace(".", ""), base, ps, work, args, pids)
+                    # the servers' CPU time per request of the measured run (warm-up excluded as far as
+                    # wrk's own warm-up run ends before; a shared machine does not inflate it as req/s)
+                    cpu = process_cpu(pids) - cpu - r.pop("warm_cpu", 0.0)
+                    cpus.setdefault(name, []).append(cpu / max(1, r["requests"]) * 1e6)
                     r["load"] = os.getloadavg()[0]  # the machine's load over the run, beside its figure
-                    print(f"  round {n + 1}: {name} {r['rps']:,.0f} req/s", flush=True)
+                    print(
+                        f"  round {n + 1}: {name} {r['rps']:,.0f} req/s, {cpus[name][-1]:.1f} us CPU/req "
+                        f"(load {r['load']:.2f})",
+                        flush=True,
+                    )
                     if name not in loads or r["rps"] > loads[name]["rps"]:
                         loads[name] = r
+            for name, values in cpus.items():
+                loads[name]["cpu_us"] = sorted(values)[len(values) // 2]  # the median round
             load_rss, load_rss_wait4 = servers.stop(alone)
             for name, r in loads.items():
                 print(
@@ -632,19 +703,26 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in loads.items():
         lines.append(row(f"GET {name} ({r['tool']}, c={args.concurrency})", f"{r['rps']:,.0f} req/s",
                          f"load {r['load']:.2f}"))  # fmt: skip
+        if "cpu_us" in r:  # servers' CPU (nginx master + workers, rsagg) per request, median round
+            lines.append(row(f"  GET {name} server CPU per request", f"{r['cpu_us']:.1f} us"))
         lines.append(row(f"  GET {name} errors / requests", f"{r['errors']} / {r['requests']:,}"))
     if args.dumps != "off":
         lines.append(f"rsagg alone built Resource Dumps meanwhile (--dumps {args.dumps})")
     if "nginx" in loads:
         lines.append("nginx (static) runs with the shipped config/nginx.conf's settings (open_file_cache...)")
     for ours, theirs, target in (("rsagg", "http.server", 1.0), ("rsagg", "nginx", 0.25),
-                                 ("rsagg+nginx", "nginx", 0.9)):  # fmt: skip
+                                 ("rsagg+nginx", "nginx", 0.9),
+                                 ("rsagg+nginx-before", "nginx", 0.9)):  # fmt: skip
         if ours in loads and theirs in loads and loads[theirs]["rps"]:
             ratio = loads[ours]["rps"] / loads[theirs]["rps"]
             goal = f">= {target}x" if target else ""
             lines.append(
                 row(f"ratio {ours} / {theirs}", f"{ratio:.3f}x", goal, ratio >= target if target else None)
             )
+    for ours in ("rsagg+nginx", "rsagg+nginx-before"):  # nginx static's CPU per request over ours
+        if loads.get(ours, {}).get("cpu_us") and loads.get("nginx", {}).get("cpu_us"):
+            ratio = loads["nginx"]["cpu_us"] / loads[ours]["cpu_us"]
+            lines.append(row(f"ratio {ours} / nginx by CPU per request", f"{ratio:.3f}x"))
     print()
     print("\n".join(lines))
     return 0
