@@ -130,8 +130,10 @@ def serve_rsagg(
 ) -> None:
     """The publisher alone; ``dumps``: also build a Resource Dump of the whole set over and over meanwhile
     (as the daemon does at its interval, here without pause and without skipping an unchanged set), in a
-    trio worker thread at normal priority (``thread``) or as the daemon does (``low``:
-    ``schedule.run_low_priority``), so a GET load shows what building dumps costs serving."""
+    trio worker thread at normal priority (``thread``), in a niced thread (``low``:
+    ``schedule.run_low_priority``, the daemon's way before) or as the daemon does (``process``: a niced
+    worker process of its own, ``run/dumpworker.py``), so a GET load shows what building dumps costs
+    serving."""
     from functools import partial
 
     import trio
@@ -148,6 +150,23 @@ def serve_rsagg(
     app = publisher_app(config, blobs=blobs, plugins=loaded, metrics=metrics, state_path=store / "state.db")
     if dumps == "off":
         trio.run(serve, app, "127.0.0.1", port)
+        return
+    if dumps == "process":
+        import trio_parallel
+
+        from aggregator.run.dumpworker import _lower_priority
+
+        async def in_process() -> None:
+            async with (
+                trio_parallel.open_worker_context(init=_lower_priority) as ctx,
+                trio.open_nursery() as nursery,
+            ):
+                nursery.start_soon(
+                    partial(ctx.run_sync, build_in_worker, store, port, plugins, kill_on_cancel=True)
+                )
+                await serve(app, "127.0.0.1", port)
+
+        trio.run(in_process)
         return
     from aggregator.publish.schedule import build_due, run_low_priority
     from aggregator.run.parts import dump_builder
@@ -170,6 +189,24 @@ def serve_rsagg(
             await serve(app, "127.0.0.1", port)
 
     trio.run(main)
+
+
+def build_in_worker(store: Path, port: int, plugins: bool) -> None:
+    """``--dumps process``: in the niced dump worker process (``run/dumpworker.py``'s ``init``), the
+    builder opened as that worker opens it, building the whole set's Resource Dump over and over."""
+    from aggregator.publish.schedule import build_due
+    from aggregator.run.parts import dump_builder, load_plugins
+    from aggregator.store.blobs import FileBlobStore
+
+    config = bench_config(store, port, "none", plugins)
+    loaded = load_plugins(config)
+    builder = dump_builder(
+        config, FileBlobStore(store / "blobs"), get_config=lambda: config, get_plugins=lambda: loaded
+    )
+    assert builder is not None
+    builder._changed_since = lambda run, ids: True  # a benchmark: build again every round
+    while True:
+        build_due(builder, resource_dumps=True)
 
 
 def load(urls_file: Path, requests: int, concurrency: int, timeout: float) -> dict:
@@ -546,10 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--dumps",
-        choices=("off", "thread", "low"),
+        choices=("off", "thread", "low", "process"),
         default="off",
-        help="rsagg alone builds Resource Dumps without pause meanwhile: in a trio worker thread (thread) "
-        "or as the daemon does, a niced thread of its own (low); the table says which",
+        help="rsagg alone builds Resource Dumps without pause meanwhile: in a trio worker thread (thread), "
+        "a niced thread of its own (low: the daemon before) or as the daemon does, a niced worker "
+        "process of its own (process); the table says which",
     )
     p.add_argument(
         "--plugins",
