@@ -110,14 +110,18 @@ async def test_a_failing_build_is_named_and_the_schedule_goes_on(tmp_path: Path,
             broken = StoreRecipe(_broken_store, {}, config.store_path)
             runner = partial(dumpworker.dump_process, ctx.blobs, broken, builder)
             stop = trio.Event()
+            failed: list[Exception] = []  # the daemon counts them (rsagg_errors{kind="dump"})
             with caplog.at_level(logging.ERROR, logger="rsagg.publish"):
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(run_dumps, builder, lambda: config, stop.wait, None, runner)
+                    nursery.start_soon(
+                        run_dumps, builder, lambda: config, stop.wait, None, runner, failed.append
+                    )
                     with trio.fail_after(BOUND):
                         while "building dumps failed" not in caplog.text:
                             await trio.sleep(0.05)
                     stop.set()
             assert "building dumps failed: OSError: the disk under data is gone" in caplog.text
+            assert failed and all(isinstance(e, OSError) for e in failed)
             assert builder.available("up") == {}  # nothing half built is served
 
 

@@ -126,18 +126,20 @@ async def run_dumps(
     stop_when: Callable[[], Awaitable[Any]],
     wake: Wake | None = None,
     runner: Callable[[], AbstractAsyncContextManager[BuildRunner | None]] | None = None,
+    on_error: Callable[[Exception], None] | None = None,
 ) -> None:
     """The daemon task: Resource Dumps on their interval, Change Dump packages as windows close; ends
     when ``stop_when()`` returns (the daemon's shutdown). ``get_config``: the running configuration;
     ``wake``: set on a reload, starts a round (withdraw, rebuild) at once; ``runner``: where a round
     runs while the task runs (``run/dumpworker.py``: a process of its own, stopped with the task; it may
-    yield None); None, or a None it yields: a niced thread of this process (``run_low_priority``)."""
+    yield None); None, or a None it yields: a niced thread of this process (``run_low_priority``);
+    ``on_error``: told of each failed round (the daemon counts it), besides the log naming it."""
     if builder is None:
         return
     async with (runner or _no_runner)() as build:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
-                _build_forever, builder, get_config, wake or Wake(), build or in_thread(builder)
+                _build_forever, builder, get_config, wake or Wake(), build or in_thread(builder), on_error
             )
             await stop_when()
             nursery.cancel_scope.cancel()
@@ -175,7 +177,11 @@ def first_due(builder: DumpBuilder, config: Config) -> float:
 
 
 async def _build_forever(
-    builder: DumpBuilder, get_config: Callable[[], Config], wake: Wake, build: BuildRunner
+    builder: DumpBuilder,
+    get_config: Callable[[], Config],
+    wake: Wake,
+    build: BuildRunner,
+    on_error: Callable[[Exception], None] | None = None,
 ) -> None:
     first = await trio.to_thread.run_sync(first_due, builder, get_config())
     next_resource_dump = trio.current_time() + first
@@ -190,6 +196,8 @@ async def _build_forever(
                 log.info("built %d dump package(s)", built)
         except Exception as exc:  # a failed dump must not stop the daemon; the next round tries again
             log.error("building dumps failed: %s: %s", type(exc).__name__, exc)
+            if on_error is not None:
+                on_error(exc)
         if due:
             next_resource_dump = trio.current_time() + get_config().publish.dump_interval
         await wake.sleep(min(CHANGE_DUMP_PERIOD, max(1.0, next_resource_dump - trio.current_time())))

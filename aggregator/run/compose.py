@@ -216,6 +216,10 @@ class Assembly:
         # plugins_for is called from worker threads (the notifier's rounds, a reload's app) and the loop
         self._plugins_lock = threading.Lock()
 
+    def dump_failed(self, exc: Exception) -> None:
+        """A dump round failed (the schedule logs it by name): ``rsagg_errors{source="",kind="dump"}``."""
+        self.metrics.error("", "dump")
+
     @property
     def harvest(self) -> HarvestContext:
         assert self.harvest_context is not None, "built by open_assembly"
@@ -273,6 +277,7 @@ class Assembly:
                 trio.sleep_forever,
                 self.dumps_wake,
                 self.dump_runner,
+                self.dump_failed,
             )
         }
         if self.notifications is not None:
@@ -332,7 +337,13 @@ async def run_assembly(
     await run_notifications(nursery, parts.notifications, stop_when=stop_when, publishing=not node)
     if not node:
         nursery.start_soon(
-            run_dumps, parts.dumps, lambda: parts.config, stop_when, parts.dumps_wake, parts.dump_runner
+            run_dumps,
+            parts.dumps,
+            lambda: parts.config,
+            stop_when,
+            parts.dumps_wake,
+            parts.dump_runner,
+            parts.dump_failed,
         )
 
 
