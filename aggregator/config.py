@@ -233,9 +233,10 @@ class ServerConfig:
     #: answering resources and lists; the harvester, hub, notifier and dump builder run once, in the
     #: daemon, which also answers what the others forward (``aggregator/run/workers.py``).
     workers: Annotated[StrictInt, Field(ge=1, le=64)] = 1
-    #: "x-accel": seconds nginx may keep rsagg's answer for a resource (``X-Accel-Expires``) and send the
-    #: bytes without asking again (``config/nginx.conf`` caches these decisions); a change, a deletion or
-    #: a publish-filter change shows through nginx at most this late. 0 = nginx asks rsagg every time.
+    #: "x-accel": seconds nginx may keep rsagg's answer for a resource (``X-Accel-Expires``) and send it
+    #: without asking again (``config/nginx.conf`` caches these answers, bytes included); a change, a
+    #: deletion or a publish-filter change shows through nginx at most this late. 0 = nginx asks rsagg
+    #: every time.
     offload_cache_seconds: Annotated[StrictInt, Field(ge=0, le=86400)] = 10
 
 

@@ -17,7 +17,7 @@ the rsagg publisher in its own process and, from this process:
   requests/s and the ratios. All four are up at once and take turns, ``--rounds`` times (default 2);
   each one's best round counts. Load generator: ``wrk`` when installed (``-d 10s -c 32 -t 2``), else an
   httpx client in its own process (bounded request count). Beside each rate: the CPU time the server's
-  processes (nginx: master and workers; rsagg behind nginx: both) spent per request in that round;
+  processes (nginx: master and workers; rsagg behind nginx: both) spent per request, median round;
 * ``--before DIR``: one more rsagg alone, run from the tree ``DIR`` (a worktree of an earlier commit,
   with its own ``.venv`` if it has one), on the same store and taking turns with the others: before
   and after, interleaved.
@@ -71,7 +71,9 @@ def third_party_plugins() -> list[str]:
     return sorted({ep.name for ep in entry_points(group=GROUP)})
 
 
-def bench_config(store: Path, port: int, offload: str = "none", plugins: bool = False):
+def bench_config(
+    store: Path, port: int, offload: str = "none", plugins: bool = False, cache_seconds: int | None = None
+):
     """rsagg as deployed: its own plugins only (``plugins``: also the installed third-party ones, e.g.
     a development environment's example plugin, whose publish filter is called for every entry)."""
     from aggregator.config import parse_config
@@ -82,6 +84,7 @@ def bench_config(store: Path, port: int, offload: str = "none", plugins: bool = 
                 "listen": f"127.0.0.1:{port}",
                 "base_url": f"http://127.0.0.1:{port}",
                 "offload": offload,
+                **({} if cache_seconds is None else {"offload_cache_seconds": cache_seconds}),
             },
             "store": {"path": str(store)},
             "sources": [{"name": SOURCE, "url": "http://upstream.example/.well-known/resourcesync"}],
@@ -126,11 +129,15 @@ def fill(store: Path, n: int) -> dict:
     return {"seconds": time.perf_counter() - start, "set": name}
 
 
-def serve_rsagg(store: Path, port: int, offload: str, plugins: bool, dumps: str = "off") -> None:
+def serve_rsagg(
+    store: Path, port: int, offload: str, plugins: bool, dumps: str = "off", cache_seconds: int | None = None
+) -> None:
     """The publisher alone; ``dumps``: also build a Resource Dump of the whole set over and over meanwhile
     (as the daemon does at its interval, here without pause and without skipping an unchanged set), in a
-    trio worker thread at normal priority (``thread``) or as the daemon does (``low``:
-    ``schedule.run_low_priority``), so a GET load shows what building dumps costs serving."""
+    trio worker thread at normal priority (``thread``), in a niced thread (``low``:
+    ``schedule.run_low_priority``, the daemon's way before) or as the daemon does (``process``: a niced
+    worker process of its own, ``run/dumpworker.py``), so a GET load shows what building dumps costs
+    serving."""
     from functools import partial
 
     import trio
@@ -141,12 +148,29 @@ def serve_rsagg(store: Path, port: int, offload: str, plugins: bool, dumps: str 
     from aggregator.store.blobs import FileBlobStore
 
     blobs = FileBlobStore(store / "blobs")
-    config = bench_config(store, port, offload, plugins)
+    config = bench_config(store, port, offload, plugins, cache_seconds)
     loaded = load_plugins(config)
     metrics = Metrics(plugins=lambda: [loaded], store=blobs)
     app = publisher_app(config, blobs=blobs, plugins=loaded, metrics=metrics, state_path=store / "state.db")
     if dumps == "off":
         trio.run(serve, app, "127.0.0.1", port)
+        return
+    if dumps == "process":
+        import trio_parallel
+
+        from aggregator.run.dumpworker import _lower_priority
+
+        async def in_process() -> None:
+            async with (
+                trio_parallel.open_worker_context(init=_lower_priority) as ctx,
+                trio.open_nursery() as nursery,
+            ):
+                nursery.start_soon(
+                    partial(ctx.run_sync, build_in_worker, store, port, plugins, kill_on_cancel=True)
+                )
+                await serve(app, "127.0.0.1", port)
+
+        trio.run(in_process)
         return
     from aggregator.publish.schedule import build_due, run_low_priority
     from aggregator.run.parts import dump_builder
@@ -169,6 +193,24 @@ def serve_rsagg(store: Path, port: int, offload: str, plugins: bool, dumps: str 
             await serve(app, "127.0.0.1", port)
 
     trio.run(main)
+
+
+def build_in_worker(store: Path, port: int, plugins: bool) -> None:
+    """``--dumps process``: in the niced dump worker process (``run/dumpworker.py``'s ``init``), the
+    builder opened as that worker opens it, building the whole set's Resource Dump over and over."""
+    from aggregator.publish.schedule import build_due
+    from aggregator.run.parts import dump_builder, load_plugins
+    from aggregator.store.blobs import FileBlobStore
+
+    config = bench_config(store, port, "none", plugins)
+    loaded = load_plugins(config)
+    builder = dump_builder(
+        config, FileBlobStore(store / "blobs"), get_config=lambda: config, get_plugins=lambda: loaded
+    )
+    assert builder is not None
+    builder._changed_since = lambda run, ids: True  # a benchmark: build again every round
+    while True:
+        build_due(builder, resource_dumps=True)
 
 
 def load(urls_file: Path, requests: int, concurrency: int, timeout: float) -> dict:
@@ -214,22 +256,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_seconds(procs: list[subprocess.Popen]) -> float:
-    """User + system CPU seconds of these processes and their children (nginx's workers) so far."""
-    import psutil
-
-    total = 0.0
-    for proc in procs:
-        try:
-            p = psutil.Process(proc.pid)
-            for q in [p, *p.children(recursive=True)]:
-                t = q.cpu_times()
-                total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def child_env(root: Path = ROOT) -> dict[str, str]:
@@ -300,6 +326,7 @@ def start_rsagg(
     offload: str = "none",
     plugins: bool = False,
     dumps: str = "off",
+    cache_seconds: int | None = None,
     tree: Path | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """An rsagg publisher on ``store``; ``tree``: run from that source tree (and its ``.venv``)."""
@@ -314,6 +341,7 @@ def start_rsagg(
     cmd = [python, script, "--serve", str(store), "--port", str(port), "--offload", offload]
     cmd += ["--plugins"] if plugins else []
     cmd += ["--dumps", dumps]
+    cmd += [] if cache_seconds is None else ["--offload-cache-seconds", str(cache_seconds)]
     proc = servers.start(cmd, root=tree or ROOT)
     base = f"http://127.0.0.1:{port}"
     wait_until_up(base + "/robots.txt", proc)
@@ -441,16 +469,19 @@ def start_nginx(servers: Servers, folder: Path, work: Path) -> tuple[subprocess.
 
 
 def start_nginx_offload(
-    servers: Servers, rsagg: str, blobs: Path, work: Path
+    servers: Servers, rsagg: str, blobs: Path, work: Path, conf: Path | None = None
 ) -> tuple[subprocess.Popen, str] | None:
-    """nginx in front of rsagg (``server.offload = "x-accel"``) with the shipped ``config/nginx.conf``."""
-    port = free_port()
-    text = (ROOT / "config" / "nginx.conf").read_text()
+    """nginx in front of rsagg (``server.offload = "x-accel"``) with the shipped ``config/nginx.conf``
+    (``conf``: another one, e.g. an older tree's, whose marked lines are the same)."""
+    port, files = free_port(), free_port()
+    text = (conf or ROOT / "config" / "nginx.conf").read_text()
     for old, new in (
         ("server 127.0.0.1:8080;", f"server {rsagg.split('//', 1)[1]};"),
         ("listen 127.0.0.1:8000;", f"listen 127.0.0.1:{port};"),
+        ("server 127.0.0.1:8001;", f"server 127.0.0.1:{files};"),  # nginx's own second server, if any
+        ("listen 127.0.0.1:8001;", f"listen 127.0.0.1:{files};"),
         ("alias /var/lib/rsagg/blobs/;", f"alias {blobs}/;"),
-        ("root /var/lib/rsagg/blobs;", f"root {blobs};"),
+        ("root /var/lib/rsagg/blobs;", f"root {blobs};"),  # (config/nginx.conf before the answer cache)
         ("worker_processes auto;", "worker_processes 2;"),
     ):
         text = text.replace(old, new)
@@ -472,18 +503,28 @@ def _nginx_up(
     return proc, base
 
 
+def process_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by ``pids`` and their child processes (nginx's workers)."""
+    wanted, total = set(pids), 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry.name) in wanted or int(fields[1]) in wanted:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def run_load(
-    name: str, base: str, paths: list[str], work: Path, args: argparse.Namespace, procs: list | None = None
-) -> dict:
-    """A GET load on ``paths``; with ``procs`` (the server's processes) also their CPU µs per request."""
-    r = _run_load(name, base, paths, work, args, procs or [])
-    if procs and r["requests"]:
-        r["cpu_us"] = r.pop("cpu") / r["requests"] * 1e6
-    return r
-
-
-def _run_load(
-    name: str, base: str, paths: list[str], work: Path, args: argparse.Namespace, procs: list
+    name: str,
+    base: str,
+    paths: list[str],
+    work: Path,
+    args: argparse.Namespace,
+    pids: list[int] | None = None,
 ) -> dict:
     urls = [base + p for p in paths]
     wrk = shutil.which("wrk")
@@ -497,12 +538,14 @@ def _run_load(
         )
         cmd = [wrk, "-d", f"{args.duration}s", "-c", str(args.concurrency), "-t", "2", "--timeout", "10s",
                "-s", str(script), base + "/"]  # fmt: skip
+        warm_cpu = 0.0
         if args.warmup:  # every server gets the same: first lookups, OS caches, nginx's open files
             warm = [*cmd[:2], f"{args.warmup}s", *cmd[3:]]
+            pids = pids or []
+            before = process_cpu(pids)
             subprocess.run(warm, capture_output=True, timeout=args.warmup + 60)
-        cpu = cpu_seconds(procs)
+            warm_cpu = process_cpu(pids) - before
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration + 60).stdout
-        cpu = cpu_seconds(procs) - cpu
         rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
         done = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
         bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -513,22 +556,14 @@ def _run_load(
             "requests": int(done.group(1)) if done else 0,
             "errors": errors,
             "tool": "wrk",
-            "cpu": cpu,
+            "warm_cpu": warm_cpu,
         }
     urls_file = work / f"{name}.urls"
     urls_file.write_text("\n".join(urls))
     cmd = [sys.executable, __file__, "--load", str(urls_file), "--requests", str(args.requests),
            "--concurrency", str(args.concurrency), "--timeout", "60"]  # fmt: skip
-    cpu = cpu_seconds(procs)
     r = json.loads(subprocess.run(cmd, capture_output=True, env=child_env(), timeout=120, check=True).stdout)
-    cpu = cpu_seconds(procs) - cpu
-    return {
-        "rps": r["ok"] / r["seconds"],
-        "requests": r["ok"],
-        "errors": r["errors"],
-        "tool": "httpx",
-        "cpu": cpu,
-    }
+    return {"rps": r["ok"] / r["seconds"], "requests": r["ok"], "errors": r["errors"], "tool": "httpx"}
 
 
 def row(metric: str, value: str, target: str = "", ok: bool | None = None) -> str:
@@ -554,11 +589,24 @@ def main(argv: list[str] | None = None) -> int:
         help="also load an rsagg alone run from the source tree DIR (e.g. a worktree of main), interleaved",
     )
     p.add_argument(
+        "--offload-cache-seconds",
+        type=int,
+        metavar="N",
+        help="rsagg behind nginx: server.offload_cache_seconds (default: rsagg's default, 10)",
+    )
+    p.add_argument(
+        "--nginx-conf-before",
+        metavar="CONF",
+        help="also run rsagg behind nginx with this configuration (e.g. an older tree's config/nginx.conf, "
+        "same marked lines), taking turns with the others: before and after in the same run",
+    )
+    p.add_argument(
         "--dumps",
-        choices=("off", "thread", "low"),
+        choices=("off", "thread", "low", "process"),
         default="off",
-        help="rsagg alone builds Resource Dumps without pause meanwhile: in a trio worker thread (thread) "
-        "or as the daemon does, a niced thread of its own (low); the table says which",
+        help="rsagg alone builds Resource Dumps without pause meanwhile: in a trio worker thread (thread), "
+        "a niced thread of its own (low: the daemon before) or as the daemon does, a niced worker "
+        "process of its own (process); the table says which",
     )
     p.add_argument(
         "--plugins",
@@ -576,7 +624,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(fill(Path(args.fill), args.resources)))
         return 0
     if args.serve:
-        serve_rsagg(Path(args.serve), args.port, args.offload, args.plugins, args.dumps)
+        serve_rsagg(
+            Path(args.serve), args.port, args.offload, args.plugins, args.dumps, args.offload_cache_seconds
+        )
         return 0
     if args.load:
         print(json.dumps(load(Path(args.load), args.requests, args.concurrency, args.timeout)))
@@ -624,22 +674,29 @@ def main(argv: list[str] | None = None) -> int:
             # Every server is up at once (idle ones cost nothing) and the loads take turns, ``--rounds``
             # times: each server's best round counts, so a burst of other work on the shared machine
             # does not decide a ratio alone.
-            targets: dict[str, tuple[str, list[str], list[subprocess.Popen]]] = {}
+            # (each with the processes whose CPU time it costs: nginx's master and workers, rsagg)
+            targets: dict[str, tuple[str, list[str], list[int]]] = {}
             alone, base = start_rsagg(servers, store, plugins=args.plugins, dumps=args.dumps)
-            targets["rsagg"] = (base, rsagg_paths, [alone])
+            targets["rsagg"] = (base, rsagg_paths, [alone.pid])
             if args.before:
                 before, base = start_rsagg(
                     servers, store, plugins=args.plugins, dumps=args.dumps, tree=Path(args.before).resolve()
                 )
-                targets["rsagg (before)"] = (base, rsagg_paths, [before])
+                targets["rsagg (before)"] = (base, rsagg_paths, [before.pid])
             if not args.no_nginx and nginx_binary():
-                offloading, base = start_rsagg(servers, store, "x-accel", args.plugins)
-                started = start_nginx_offload(servers, base, store / "blobs", work / "nginx-offload")
-                if started:
-                    targets["rsagg+nginx"] = (started[1], rsagg_paths, [started[0], offloading])
+                confs = {"rsagg+nginx": None}
+                if args.nginx_conf_before:
+                    confs["rsagg+nginx-before"] = Path(args.nginx_conf_before)
+                for name, conf in confs.items():
+                    rsagg, base = start_rsagg(
+                        servers, store, "x-accel", args.plugins, cache_seconds=args.offload_cache_seconds
+                    )
+                    started = start_nginx_offload(servers, base, store / "blobs", work / name, conf)
+                    if started:
+                        targets[name] = (started[1], rsagg_paths, [started[0].pid, rsagg.pid])
                 started = start_nginx(servers, static, work / "nginx")
                 if started:
-                    targets["nginx"] = (started[1], paths, [started[0]])
+                    targets["nginx"] = (started[1], paths, [started[0].pid])
             port = free_port()
             proc = servers.start(
                 [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory",
@@ -647,17 +704,27 @@ def main(argv: list[str] | None = None) -> int:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             wait_until_up(f"http://127.0.0.1:{port}/", proc)
-            targets["http.server"] = (f"http://127.0.0.1:{port}", paths, [proc])
+            targets["http.server"] = (f"http://127.0.0.1:{port}", paths, [proc.pid])
+            cpus: dict[str, list[float]] = {}
             for n in range(max(1, args.rounds)):
-                for name, (base, ps, procs) in targets.items():
+                for name, (base, ps, pids) in targets.items():
+                    cpu = process_cpu(pids)
                     slug = re.sub(r"[^a-z]+", "-", name).strip("-")
-                    r = run_load(slug, base, ps, work, args, procs)
+                    r = run_load(slug, base, ps, work, args, pids)
+                    # the servers' CPU time per request of the measured run (warm-up excluded as far as
+                    # wrk's own warm-up run ends before; a shared machine does not inflate it as req/s)
+                    cpu = process_cpu(pids) - cpu - r.pop("warm_cpu", 0.0)
+                    cpus.setdefault(name, []).append(cpu / max(1, r["requests"]) * 1e6)
                     r["load"] = os.getloadavg()[0]  # the machine's load over the run, beside its figure
-                    cpu = f"{r.get('cpu_us', 0):,.0f} CPU µs/req"
-                    print(f"  round {n + 1}: {name} {r['rps']:,.0f} req/s, {cpu}, load {r['load']:.2f}",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"  round {n + 1}: {name} {r['rps']:,.0f} req/s, {cpus[name][-1]:.1f} us CPU/req "
+                        f"(load {r['load']:.2f})",
+                        flush=True,
+                    )
                     if name not in loads or r["rps"] > loads[name]["rps"]:
                         loads[name] = r
+            for name, values in cpus.items():
+                loads[name]["cpu_us"] = sorted(values)[len(values) // 2]  # the median round
             load_rss, load_rss_wait4 = servers.stop(alone)
             for name, r in loads.items():
                 print(
@@ -699,8 +766,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in loads.items():
         lines.append(row(f"GET {name} ({r['tool']}, c={args.concurrency})", f"{r['rps']:,.0f} req/s",
                          f"load {r['load']:.2f}"))  # fmt: skip
-        if "cpu_us" in r:
-            lines.append(row(f"  GET {name} server CPU per request", f"{r['cpu_us']:,.0f} µs"))
+        if "cpu_us" in r:  # servers' CPU (nginx master + workers, rsagg) per request, median round
+            lines.append(row(f"  GET {name} server CPU per request", f"{r['cpu_us']:.1f} us"))
         lines.append(row(f"  GET {name} errors / requests", f"{r['errors']} / {r['requests']:,}"))
     if args.dumps != "off":
         lines.append(f"rsagg alone built Resource Dumps meanwhile (--dumps {args.dumps})")
@@ -708,13 +775,18 @@ def main(argv: list[str] | None = None) -> int:
         lines.append("nginx (static) runs with the shipped config/nginx.conf's settings (open_file_cache...)")
     for ours, theirs, target in (("rsagg", "http.server", 1.0), ("rsagg", "nginx", 0.25),
                                  ("rsagg (before)", "nginx", 0.25),
-                                 ("rsagg+nginx", "nginx", 0.9)):  # fmt: skip
+                                 ("rsagg+nginx", "nginx", 0.9),
+                                 ("rsagg+nginx-before", "nginx", 0.9)):  # fmt: skip
         if ours in loads and theirs in loads and loads[theirs]["rps"]:
             ratio = loads[ours]["rps"] / loads[theirs]["rps"]
             goal = f">= {target}x" if target else ""
             lines.append(
                 row(f"ratio {ours} / {theirs}", f"{ratio:.3f}x", goal, ratio >= target if target else None)
             )
+    for ours in ("rsagg+nginx", "rsagg+nginx-before"):  # nginx static's CPU per request over ours
+        if loads.get(ours, {}).get("cpu_us") and loads.get("nginx", {}).get("cpu_us"):
+            ratio = loads["nginx"]["cpu_us"] / loads[ours]["cpu_us"]
+            lines.append(row(f"ratio {ours} / nginx by CPU per request", f"{ratio:.3f}x"))
     print()
     print("\n".join(lines))
     return 0

@@ -1,6 +1,6 @@
 """``server.offload = "x-accel"`` with a real nginx (Debian's) in front of a real ``rsagg run``.
 
-nginx runs the shipped ``config/nginx.conf`` (only its four marked lines changed: ports and the blob
+nginx runs the shipped ``config/nginx.conf`` (only its marked lines changed: ports and the blob
 folder) as a private instance in the test's folder. Every resource must answer the same through nginx
 (which sends the bytes from the blob file) as from rsagg serving them itself: status, bytes and every
 header a client reads, with Range, conditional requests, a resource hidden by a publish filter (404) and
@@ -57,13 +57,15 @@ def free_port() -> int:
 
 
 def nginx_conf(folder: Path, port: int, upstream_port: int, blobs: Path) -> Path:
-    """The shipped example with its four marked lines set for this test (and root's workers)."""
+    """The shipped example with its marked lines set for this test (and root's workers)."""
     text = (REPO / "config" / "nginx.conf").read_text()
+    files = free_port()  # nginx's own second server (the answer cache's source)
     for old, new in (
         ("server 127.0.0.1:8080;", f"server 127.0.0.1:{upstream_port};"),
         ("listen 127.0.0.1:8000;", f"listen 127.0.0.1:{port};"),
+        ("server 127.0.0.1:8001;", f"server 127.0.0.1:{files};"),
+        ("listen 127.0.0.1:8001;", f"listen 127.0.0.1:{files};"),
         ("alias /var/lib/rsagg/blobs/;", f"alias {blobs}/;"),
-        ("root /var/lib/rsagg/blobs;", f"root {blobs};"),
         ("worker_processes auto;", "worker_processes 1;"),
     ):
         assert old in text, old
@@ -148,7 +150,7 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                     seconds = cfg.server.offload_cache_seconds  # at most, a fifth less for some
                     assert seconds - seconds // 5 <= int(direct.headers["x-accel-expires"]) <= seconds
 
-                    # nginx answers plain GETs and HEADs of a resource from its cached decision
+                    # nginx answers plain GETs and HEADs of a resource from its cached answer
                     async def resource_requests() -> float:
                         text = (await client.get(f"http://127.0.0.1:{rport}/metrics")).text
                         return sum(
@@ -162,8 +164,9 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                     for method in ("GET", "HEAD", "GET"):
                         again = await client.request(method, front + path("b.bin"))
                         assert again.status_code == 200 and again.headers["etag"] == first.headers["etag"]
-                    # (at most one: the decision may expire once while the three go out, not twice)
+                    # (at most one: the answer may expire once while the three go out, not twice)
                     assert await resource_requests() <= before + 1
+                    assert any(p.is_file() for p in (ngx / "answers").rglob("*"))  # nginx's answer cache
                     after = await resource_requests()
                     assert (
                         await client.get(front + path("b.bin"), headers={"if-none-match": "*"})
@@ -173,6 +176,11 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                         return await resource_requests() > after
 
                     await wait_for(judged_by_rsagg, "the conditional request to reach rsagg")
+
+                    # the first request of a resource (nginx keeps no answer yet) with a Range, a HEAD
+                    data = FILES["same-as-a.json"][0]
+                    assert (await same("same-as-a.json", range="bytes=2-5")).content == data[2:6]
+                    assert (await same("big.bin", "HEAD")).headers["content-length"] == str(300 * 1024)
 
                     for name, (data, type_) in FILES.items():
                         if name.startswith("drafts/"):
@@ -226,7 +234,7 @@ async def test_nginx_offload_answers_as_rsagg_alone(tmp_path: Path):
                     async def deleted_behind_nginx() -> bool:  # within server.offload_cache_seconds
                         return (await client.get(front + path("gone.txt"))).status_code == 410
 
-                    await wait_for(deleted_behind_nginx, "nginx's cached decision to expire")
+                    await wait_for(deleted_behind_nginx, "nginx's cached answer to expire")
                     assert (await same("gone.txt")).status_code == 410
                     assert (await same("gone.txt", "HEAD")).status_code == 410
         finally:

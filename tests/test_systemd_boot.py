@@ -383,17 +383,19 @@ def test_deploy_under_systemd(machine: Machine, tmp_path: Path) -> None:
 
 
 def nginx_conf(rsagg_port: int, nginx_port: int) -> str:
-    """config/nginx.conf as shipped (its user www-data, the blob root /var/lib/rsagg/blobs), with the two
-    marked ports set and one worker."""
+    """config/nginx.conf as shipped (its user www-data, the blob root /var/lib/rsagg/blobs), with the
+    marked ports set (nginx's own second server on the port after nginx's) and one worker."""
     text = (REPO / "config" / "nginx.conf").read_text()
     for old, new in (
         ("server 127.0.0.1:8080;", f"server 127.0.0.1:{rsagg_port};"),
         ("listen 127.0.0.1:8000;", f"listen 127.0.0.1:{nginx_port};"),
+        ("server 127.0.0.1:8001;", f"server 127.0.0.1:{nginx_port + 1};"),
+        ("listen 127.0.0.1:8001;", f"listen 127.0.0.1:{nginx_port + 1};"),
         ("worker_processes auto;", "worker_processes 1;"),
     ):
         assert old in text, old
         text = text.replace(old, new)
-    assert "\nuser www-data;\n" in text and "root /var/lib/rsagg/blobs;" in text
+    assert "\nuser www-data;\n" in text and "alias /var/lib/rsagg/blobs/;" in text
     return text
 
 

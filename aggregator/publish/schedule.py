@@ -9,6 +9,10 @@ The builder reads the running configuration and plugins through getters (a reloa
 round builds with the publish filter of the moment, and a round starts at once when the daemon reloads
 (``Wake``), so the dumps built under the filter before are withdrawn and built again without waiting for
 the next interval (publish/dumps.py: fingerprints).
+
+A round runs off the serving event loop: in the daemon, in a process of its own at a lower priority
+(``run/dumpworker.py``: a thread, even niced, shares the GIL with the event loop and slowed serving);
+without one (a blob store another process cannot open, tests), in a niced thread (``run_low_priority``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -39,6 +44,9 @@ CHANGE_DUMP_PERIOD = 60.0
 DUMP_NICE = 10
 
 T = TypeVar("T")
+
+#: One round of ``build_due`` with the given running configuration, off the event loop: the count built.
+BuildRunner = Callable[[Config, bool], Awaitable[int]]
 
 
 class Wake:
@@ -117,16 +125,39 @@ async def run_dumps(
     get_config: Callable[[], Config],
     stop_when: Callable[[], Awaitable[Any]],
     wake: Wake | None = None,
+    runner: Callable[[], AbstractAsyncContextManager[BuildRunner | None]] | None = None,
+    on_error: Callable[[Exception], None] | None = None,
 ) -> None:
     """The daemon task: Resource Dumps on their interval, Change Dump packages as windows close; ends
     when ``stop_when()`` returns (the daemon's shutdown). ``get_config``: the running configuration;
-    ``wake``: set on a reload, starts a round (withdraw, rebuild) at once."""
+    ``wake``: set on a reload, starts a round (withdraw, rebuild) at once; ``runner``: where a round
+    runs while the task runs (``run/dumpworker.py``: a process of its own, stopped with the task; it may
+    yield None); None, or a None it yields: a niced thread of this process (``run_low_priority``);
+    ``on_error``: told of each failed round (the daemon counts it), besides the log naming it."""
     if builder is None:
         return
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_build_forever, builder, get_config, wake or Wake())
-        await stop_when()
-        nursery.cancel_scope.cancel()
+    async with (runner or _no_runner)() as build:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                _build_forever, builder, get_config, wake or Wake(), build or in_thread(builder), on_error
+            )
+            await stop_when()
+            nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _no_runner() -> AsyncIterator[None]:
+    yield None
+
+
+def in_thread(builder: DumpBuilder) -> BuildRunner:
+    """A round in a niced thread of this process (``run_low_priority``), with ``builder`` (which reads the
+    running configuration through its own getters)."""
+
+    async def build(config: Config, resource_dumps: bool) -> int:
+        return await run_low_priority(partial(build_due, builder, resource_dumps=resource_dumps))
+
+    return build
 
 
 def first_due(builder: DumpBuilder, config: Config) -> float:
@@ -145,19 +176,28 @@ def first_due(builder: DumpBuilder, config: Config) -> float:
     return max(0.0, config.publish.dump_interval - age)
 
 
-async def _build_forever(builder: DumpBuilder, get_config: Callable[[], Config], wake: Wake) -> None:
+async def _build_forever(
+    builder: DumpBuilder,
+    get_config: Callable[[], Config],
+    wake: Wake,
+    build: BuildRunner,
+    on_error: Callable[[Exception], None] | None = None,
+) -> None:
     first = await trio.to_thread.run_sync(first_due, builder, get_config())
     next_resource_dump = trio.current_time() + first
     while True:
         due = trio.current_time() >= next_resource_dump
         try:
-            # abandon_on_cancel: a stop must not wait for a long build. An abandoned build dies with the
-            # process before its rows commit (one transaction after its blobs), leaving temp files only.
-            built = await run_low_priority(partial(build_due, builder, resource_dumps=due))
+            # A stop must not wait for a long build: an abandoned build (a thread) dies with the process,
+            # a worker process is killed, before its rows commit (one transaction after its blobs),
+            # leaving temp files only.
+            built = await build(get_config(), due)
             if built:
                 log.info("built %d dump package(s)", built)
         except Exception as exc:  # a failed dump must not stop the daemon; the next round tries again
             log.error("building dumps failed: %s: %s", type(exc).__name__, exc)
+            if on_error is not None:
+                on_error(exc)
         if due:
             next_resource_dump = trio.current_time() + get_config().publish.dump_interval
         await wake.sleep(min(CHANGE_DUMP_PERIOD, max(1.0, next_resource_dump - trio.current_time())))

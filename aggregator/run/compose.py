@@ -50,10 +50,12 @@ from . import parts as build
 from .cluster import Node, StartSource, StopSource
 
 if TYPE_CHECKING:
+    from contextlib import AbstractAsyncContextManager
+
     from starlette.types import ASGIApp
 
     from ..publish.dumps import DumpBuilder
-    from ..publish.schedule import Wake
+    from ..publish.schedule import BuildRunner, Wake
     from ..websub.hub import HubLimits
     from ..websub.service import Notifications
     from ..websub.subscriber import SubscriberSettings
@@ -150,6 +152,12 @@ async def _open(
                     config, blobs, get_config=lambda: parts.config, get_plugins=lambda: parts.plugins
                 )
                 available = parts.dumps.available if parts.dumps is not None else None
+                if parts.dumps is not None:  # built in a process of its own
+                    from .dumpworker import dump_process
+
+                    parts.dump_runner = partial(
+                        dump_process, blobs, store_recipe(config, plugins), parts.dumps
+                    )
                 own = build.publishing(
                     lambda: parts.config, blobs, policy=fetcher.policy,
                     view_of=build.published_views(parts.plugins_for, available),
@@ -197,6 +205,8 @@ class Assembly:
         self.metrics = metrics
         self.harvest_context: HarvestContext | None = None
         self.dumps: DumpBuilder | None = None
+        #: Where the dump schedule runs a round (None: a niced thread of the daemon).
+        self.dump_runner: Callable[[], AbstractAsyncContextManager[BuildRunner | None]] | None = None
         self.notifications: Notifications | None = None
         #: Set on a reload: the dump schedule starts a round at once (withdraws, rebuilds).
         self.dumps_wake: Wake = _wake()
@@ -205,6 +215,10 @@ class Assembly:
         self._seen = seen
         # plugins_for is called from worker threads (the notifier's rounds, a reload's app) and the loop
         self._plugins_lock = threading.Lock()
+
+    def dump_failed(self, exc: Exception) -> None:
+        """A dump round failed (the schedule logs it by name): ``rsagg_errors{source="",kind="dump"}``."""
+        self.metrics.error("", "dump")
 
     @property
     def harvest(self) -> HarvestContext:
@@ -256,7 +270,15 @@ class Assembly:
         from ..publish.schedule import run_dumps
 
         roles: dict[str, Callable[[], Awaitable[Any]]] = {
-            "@dumps": partial(run_dumps, self.dumps, lambda: self.config, trio.sleep_forever, self.dumps_wake)
+            "@dumps": partial(
+                run_dumps,
+                self.dumps,
+                lambda: self.config,
+                trio.sleep_forever,
+                self.dumps_wake,
+                self.dump_runner,
+                self.dump_failed,
+            )
         }
         if self.notifications is not None:
             roles["@hub"] = self.notifications.run_publishing
@@ -314,7 +336,15 @@ async def run_assembly(
     node = parts.config.cluster.enabled
     await run_notifications(nursery, parts.notifications, stop_when=stop_when, publishing=not node)
     if not node:
-        nursery.start_soon(run_dumps, parts.dumps, lambda: parts.config, stop_when, parts.dumps_wake)
+        nursery.start_soon(
+            run_dumps,
+            parts.dumps,
+            lambda: parts.config,
+            stop_when,
+            parts.dumps_wake,
+            parts.dump_runner,
+            parts.dump_failed,
+        )
 
 
 def start_node(

@@ -1,0 +1,145 @@
+"""Dump builds in a niced worker process of their own (run/dumpworker.py), run by the daemon's schedule
+(publish/schedule.py ``run_dumps``): built there and served here, niced, stopped with the schedule, a
+failure named in the log, and a worker that cannot build turning the schedule to its niced thread."""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+
+from aggregator.config import parse_config
+from aggregator.harvest.context import store_recipe
+from aggregator.harvest.offload import StoreRecipe
+from aggregator.publish import schedule
+from aggregator.publish.schedule import run_dumps
+from aggregator.run import dumpworker, parts
+from aggregator.run.compose import open_context
+from aggregator.testing.upstream import Upstream
+
+from .apps import open_dump_builder
+from .harvesting import harvest
+
+# Spawns worker processes (about a second of imports each).
+pytestmark = pytest.mark.slow
+
+BOUND = 60  # seconds: a generous bound for a condition, never a timing assertion
+
+
+def _children() -> dict[int, int]:
+    """This process's child processes: pid -> nice value (Linux /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():
+            found[int(entry.name)] = int(fields[16])
+    return found
+
+
+def _broken_store(settings: dict, path: Path):
+    """A blob store factory that fails in the worker (module level: it travels pickled)."""
+    raise OSError(f"the disk under {path.name} is gone")
+
+
+def _die(*args: object) -> None:
+    """In the worker: it dies as a sandbox's refusal or the OOM killer would end it."""
+    os._exit(9)
+
+
+async def _harvested(tmp_path: Path, n: int = 12):
+    up = Upstream(resource_dump=False, change_dump=False)
+    up.bulk_create(n)
+    return up
+
+
+def _config(tmp_path: Path, base: str):
+    raw = {
+        "store": {"path": str(tmp_path / "data")},
+        "harvest": {"retries": 1, "backoff_base": 0.01},
+        "publish": {"dump_interval": 3600, "changelist_size": 5},
+        "sources": [{"name": "up", "url": base}],
+    }
+    return parse_config(raw, str(tmp_path / "rsagg.toml"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+async def test_dumps_build_in_a_niced_worker_and_stop_with_the_schedule(tmp_path: Path) -> None:
+    up = await _harvested(tmp_path)
+    async with up.serving() as base:
+        config = _config(tmp_path, base)
+        assert (await harvest(config))["up"].ok
+        async with open_context(config) as ctx:
+            builder = open_dump_builder(config, ctx.blobs)
+            assert builder is not None
+            plugins = parts.load_plugins(config)
+            runner = partial(dumpworker.dump_process, ctx.blobs, store_recipe(config, plugins), builder)
+            before = set(_children())
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_dumps, builder, lambda: config, stop.wait, None, runner)
+                with trio.fail_after(BOUND):  # built by the worker, read here from the state
+                    while not set(builder.available("up")) >= {"resourcedump", "changedump"}:
+                        await trio.sleep(0.05)
+                workers = {pid: nice for pid, nice in _children().items() if pid not in before}
+                own = os.getpriority(os.PRIO_PROCESS, 0)
+                # trio-parallel's spawn worker (beside multiprocessing's resource tracker), niced
+                assert min(19, own + schedule.DUMP_NICE) in workers.values(), workers
+                stop.set()
+            with trio.fail_after(BOUND):  # the worker is stopped with the schedule
+                while any(pid in _children() for pid, nice in workers.items() if nice != own):
+                    await trio.sleep(0.05)
+
+
+async def test_a_failing_build_is_named_and_the_schedule_goes_on(tmp_path: Path, caplog) -> None:
+    up = await _harvested(tmp_path)
+    async with up.serving() as base:
+        config = _config(tmp_path, base)
+        assert (await harvest(config))["up"].ok
+        async with open_context(config) as ctx:
+            builder = open_dump_builder(config, ctx.blobs)
+            assert builder is not None
+            broken = StoreRecipe(_broken_store, {}, config.store_path)
+            runner = partial(dumpworker.dump_process, ctx.blobs, broken, builder)
+            stop = trio.Event()
+            failed: list[Exception] = []  # the daemon counts them (rsagg_errors{kind="dump"})
+            with caplog.at_level(logging.ERROR, logger="rsagg.publish"):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(
+                        run_dumps, builder, lambda: config, stop.wait, None, runner, failed.append
+                    )
+                    with trio.fail_after(BOUND):
+                        while "building dumps failed" not in caplog.text:
+                            await trio.sleep(0.05)
+                    stop.set()
+            assert "building dumps failed: OSError: the disk under data is gone" in caplog.text
+            assert failed and all(isinstance(e, OSError) for e in failed)
+            assert builder.available("up") == {}  # nothing half built is served
+
+
+async def test_a_worker_that_cannot_run_turns_the_schedule_to_its_thread(tmp_path: Path, monkeypatch) -> None:
+    """A worker that dies before it ever finished a build (a sandbox forbidding processes): that round
+    fails by name, the next ones build in the niced thread."""
+    up = await _harvested(tmp_path)
+    async with up.serving() as base:
+        config = _config(tmp_path, base)
+        assert (await harvest(config))["up"].ok
+        async with open_context(config) as ctx:
+            builder = open_dump_builder(config, ctx.blobs)
+            assert builder is not None
+            runner = partial(dumpworker.dump_process, ctx.blobs, store_recipe(config, ctx.plugins), builder)
+            monkeypatch.setattr(dumpworker, "_build_in_worker", _die)  # the worker dies at once
+            async with runner() as build:
+                assert build is not None
+                with pytest.raises(dumpworker.DumpWorkerError, match="died"):
+                    await build(config, True)
+                assert await build(config, True) >= 1  # in the thread now
+            assert set(builder.available("up")) >= {"resourcedump"}
