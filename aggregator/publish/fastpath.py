@@ -36,8 +36,9 @@ its cached answer expires then (``Hot.expires``). A memento's x-accel answer say
   the answer (ETag, Last-Modified, Content-Type, Content-Encoding, Link); nginx sends the bytes from
   the blob file (sendfile, Range); rsagg still answers 304, 404 and 410 itself. With
   ``server.offload_cache_seconds`` the answer says ``X-Accel-Expires``: nginx may keep it (the shipped
-  ``config/nginx.conf`` does, as the decision of an ``auth_request``) and answer plain GETs and HEADs
-  of that resource alone for that long;
+  ``config/nginx.conf`` does: its second, loopback server follows the redirect to the blob file and
+  the front server caches the whole answer, headers and bytes) and answer plain GETs and HEADs of that
+  resource alone for that long;
 - ``redirect``: 307 to ``BlobStore.url`` (an S3 presigned URL, kept for half its lifetime, or a public
   bucket URL); 304/404/410 as above.
 """
