@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _headline import headline
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 TARGET = 1.0  # rsagg records/s / sickle records/s, rsagg storing every record
@@ -273,6 +275,9 @@ def main() -> None:
             f"| {ratio:.2f}x ({each}) | >= {TARGET}x {ok} | {min(load):.1f}-{max(load):.1f} "
             f"| {served:.2f} s |"
         )
+        cpu = f"CPU {r_main + r_workers:.2f} vs {s_cpu:.2f} s"
+        headline(f"OAI-PMH records/s, rsagg / sickle, {ms:.0f} ms per request",
+                 f"{ratio:.2f}× ({r:,.0f} vs {s:,.0f} records/s; {cpu})", f"≥ {TARGET}×")  # fmt: skip
 
 
 if __name__ == "__main__":

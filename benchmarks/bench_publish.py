@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _headline import headline
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "bench"
 TARGET_RSS_MB = 150
@@ -783,6 +785,11 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(
                 row(f"ratio {ours} / {theirs}", f"{ratio:.3f}x", goal, ratio >= target if target else None)
             )
+            if theirs == "nginx":
+                cpu = loads[ours].get("cpu_us"), loads[theirs].get("cpu_us")
+                by_cpu = f", {cpu[1] / cpu[0]:.2f}× by CPU per request" if all(cpu) else ""
+                headline(f"serving: {ours} / nginx static, resource GETs (c={args.concurrency})",
+                         f"{ratio:.2f}× by req/s{by_cpu}", f"≥ {target}×")  # fmt: skip
     for ours in ("rsagg+nginx", "rsagg+nginx-before"):  # nginx static's CPU per request over ours
         if loads.get(ours, {}).get("cpu_us") and loads.get("nginx", {}).get("cpu_us"):
             ratio = loads["nginx"]["cpu_us"] / loads[ours]["cpu_us"]

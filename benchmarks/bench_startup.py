@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _headline import headline
+
 ROOT = Path(__file__).resolve().parent.parent
 #: The target for one-shot commands (seconds of wall time on an idle machine).
 TARGET = 0.15
@@ -132,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         for label, _ in cases:
             w, c = walls[label, root], cpus[label, root]
             print(f"{label:<24} {med(w):8.3f} {min(w):8.3f} {med(c):8.3f} {med(loads[label]):8.2f}")
+        slowest = max(
+            (label for label, _ in cases if label != "python -c pass"), key=lambda k: med(walls[k, root])
+        )
+        headline(f"start-up, slowest one-shot command ({slowest})",
+                 f"{med(walls[slowest, root]):.3f} s wall, {med(cpus[slowest, root]):.3f} s CPU (medians)",
+                 f"≤ {TARGET:.2f} s")  # fmt: skip
         return 0
     before, after = roots
     print(f"before: rsagg from {before} ({python_of(before)})")
