@@ -31,6 +31,7 @@ from typing import Any
 
 import h11
 import httpcore
+import httptools
 import httpx
 import trio
 
@@ -147,9 +148,9 @@ class Request:
 
 
 class _Connection:
-    """One keep-alive connection: a trio stream and the h11 state of the exchange on it."""
+    """One keep-alive connection: a trio stream and the parser of the answers on it."""
 
-    __slots__ = ("eager", "fd", "h11", "idle_since", "key", "plain", "pool", "sock", "stream")
+    __slots__ = ("eager", "fd", "idle_since", "key", "parser", "plain", "pool", "sock", "stream")
 
     def __init__(self, pool: LeanPool, key: tuple, stream: trio.abc.Stream, sock: Any) -> None:
         self.pool = pool
@@ -160,7 +161,7 @@ class _Connection:
         self.plain = type(stream) is trio.SocketStream and _FD_IO
         self.fd = sock.fileno() if sock is not None else -1
         self.eager = 0  # reads in a row that did not wait (``_read``)
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.parser = ResponseParser()
         self.idle_since = 0.0
 
     def usable(self, now: float) -> bool:
@@ -250,17 +251,142 @@ class _Connection:
                     raise httpx.WriteTimeout(f"could not send within {timeout}s") from None
 
 
-_END = h11.EndOfMessage()  # immutable: one for every request
+class _AfterEnd(Exception):
+    """Bytes after the answer that nobody asked for: raised inside the parser to stop it there."""
 
 
-class _Head:
-    """A request head: ``wire`` (the bytes sent) and ``event`` (the same fields as an h11 event)."""
+class ResponseParser:
+    """The answers on one connection, parsed by httptools (llhttp, in C): what a GET needs of them.
 
-    __slots__ = ("event", "wire")
+    Why not h11: it parses in Python, and was a fifth of a harvest's CPU at 0 ms; llhttp is the parser
+    Node.js ships, bound by httptools (MagicStack, the parser under uvicorn). What h11 did besides
+    parsing is done here, per answer: the head is bounded (``MAX_HEAD_BYTES``), 1xx answers are
+    skipped (RFC 9110 §15.2), a Transfer-Encoding other than ``chunked`` alone is refused (as h11
+    refuses it), a close-delimited body ends at EOF and any other body ending there is an error
+    (RFC 9112 §6.3, §8), and bytes after the answer make the connection unfit for reuse. Every
+    failure is an ``httpx.RemoteProtocolError`` with one line saying what was wrong, never a parser
+    exception.
 
-    def __init__(self, wire: bytes, event: h11.Request) -> None:
-        self.wire = wire
-        self.event = event
+    Use: ``start()`` before each request, ``feed(bytes)`` as they arrive, ``eof()`` when the socket
+    says end; read ``head_done``, ``status``, ``reason``, ``headers``, ``take_body()``, ``complete``
+    and ``reusable``."""
+
+    __slots__ = ("_fields", "_head_bytes", "_parser", "body", "complete", "head_done", "headers",
+                 "keep_alive", "reason", "status")  # fmt: skip
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self._fields: list[tuple[bytes, bytes]] = []
+        self.reason = b""
+        self.status = 0
+        self.headers: Headers | None = None
+        self.body: list[bytes] = []
+        self.head_done = self.complete = self.keep_alive = False
+        self._head_bytes = 0
+
+    def start(self) -> None:
+        """A new request was sent: its answer is the next message."""
+        self._fields = []
+        self.reason = b""
+        self.status = 0
+        self.headers = None
+        self.body = []
+        self.head_done = self.complete = self.keep_alive = False
+        self._head_bytes = 0
+
+    @property
+    def reusable(self) -> bool:
+        """The answer ended where its framing said, and the server keeps the connection open."""
+        return self.complete and self.keep_alive
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data``, the next bytes received (never empty: the end is ``eof``)."""
+        if not self.head_done:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if not self.complete:
+                raise httpx.RemoteProtocolError("the server switched protocols unasked (101)") from None
+            self.keep_alive = False
+        except httptools.HttpParserError as exc:
+            if self.complete:  # bytes after the answer (or after its Connection: close): never reused
+                self.keep_alive = False
+                return
+            cause = exc.__context__
+            if isinstance(cause, httpx.RemoteProtocolError):
+                raise cause from None
+            detail = str(exc) or type(exc).__name__
+            raise httpx.RemoteProtocolError(f"malformed response: {detail}") from None
+        if not self.head_done and self._head_bytes > MAX_HEAD_BYTES:
+            raise httpx.RemoteProtocolError(f"response head larger than {MAX_HEAD_BYTES} bytes")
+
+    def eof(self) -> None:
+        """The server closed the connection: the end of a close-delimited body, else an error."""
+        if self.complete:
+            return
+        if not self.head_done:
+            if self._head_bytes:
+                raise httpx.RemoteProtocolError("server disconnected in the middle of the response head")
+            raise httpx.RemoteProtocolError("server disconnected without sending a response")
+        headers = self.headers
+        assert headers is not None
+        if (
+            "content-length" not in headers
+            and "transfer-encoding" not in headers
+            and self.status not in (204, 304)
+        ):  # close-delimited (RFC 9112 §6.3 item 8): EOF is its end
+            self.complete, self.keep_alive = True, False
+            return
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    def take_body(self) -> bytes:
+        """The body bytes parsed so far and not yet taken (b"" when none)."""
+        body = self.body
+        if not body:
+            return b""
+        self.body = []
+        return body[0] if len(body) == 1 else b"".join(body)
+
+    # -- llhttp's callbacks (httptools calls those that exist) ----------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _AfterEnd()
+        self._fields = []  # after a 1xx: the final answer's own
+        self.reason = b""
+
+    def on_status(self, data: bytes) -> None:
+        self.reason += data  # in parts when it is split across reads
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # llhttp drops the whitespace before a value, not the whitespace after it (RFC 9112 §5.1: OWS on
+        # both sides is not part of the value; h11 drops both).
+        self._fields.append((name, value.rstrip(b" \t")))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                raise httpx.RemoteProtocolError("the server switched protocols unasked (101)")
+            return  # 1xx (RFC 9110 §15.2): the answer follows
+        headers = Headers(self._fields)
+        coding = headers.get("transfer-encoding")
+        if coding is not None and [c.strip().lower() for c in coding.split(",")] != ["chunked"]:
+            raise httpx.RemoteProtocolError(f"unsupported Transfer-Encoding {coding!r} (only chunked)")
+        self.status = status
+        self.headers = headers
+        # HTTP/1.0's keep-alive is not reused (as h11 and httpx do not): HTTP/1.1 without close only
+        parser = self._parser
+        self.keep_alive = parser.should_keep_alive() and parser.get_http_version() == "1.1"
+        self.head_done = True
+
+    def on_body(self, data: bytes) -> None:
+        self.body.append(data)
+
+    def on_message_complete(self) -> None:
+        if self.head_done:
+            self.complete = True
 
 
 class _Stale(Exception):
@@ -274,11 +400,13 @@ class Response:
     connection goes back to its pool once the body has been read to its end; ``aclose`` before that
     closes it (an unread body is not drained)."""
 
-    def __init__(self, url: URL, event: h11.Response, conn: _Connection, timeout: float) -> None:
+    def __init__(self, url: URL, parser: ResponseParser, conn: _Connection, timeout: float) -> None:
+        """``parser``: the connection's, its head parsed (``head_done``)."""
+        assert parser.headers is not None
         self.url = url
-        self.status_code: int = event.status_code
-        self.reason_phrase = event.reason.decode("ascii", errors="ignore")  # as httpx decodes it
-        self.headers = Headers(event.headers.raw_items())
+        self.status_code: int = parser.status
+        self.reason_phrase = parser.reason.decode("ascii", errors="ignore")  # as httpx decodes it
+        self.headers: Headers = parser.headers
         self._conn: _Connection | None = conn
         self._timeout = timeout
 
@@ -296,24 +424,20 @@ class Response:
         conn = self._conn
         if conn is None:
             raise StopAsyncIteration
-        state = conn.h11
+        parser = conn.parser
         try:
             while True:
-                try:
-                    event = state.next_event()
-                except h11.RemoteProtocolError as exc:  # e.g. the body ended before its Content-Length
-                    raise httpx.RemoteProtocolError(str(exc)) from exc
-                if event is h11.NEED_DATA:
-                    state.receive_data(await conn.receive(self._timeout))
-                    continue
-                kind = type(event)
-                if kind is h11.Data:
-                    return bytes(event.data)  # type: ignore[union-attr,return-value]
-                if kind is h11.EndOfMessage:
+                if parser.body:
+                    return parser.take_body()
+                if parser.complete:
                     self._conn = None
                     self.pool_back(conn)
                     raise StopAsyncIteration
-                raise httpx.RemoteProtocolError(f"unexpected {kind.__name__} in a response body")
+                data = await conn.receive(self._timeout)
+                if data:
+                    parser.feed(data)
+                else:
+                    parser.eof()
         except StopAsyncIteration:
             raise
         except BaseException:
@@ -324,11 +448,9 @@ class Response:
 
     @staticmethod
     def pool_back(conn: _Connection) -> None:
-        state = conn.h11
-        if state.our_state is h11.DONE and state.their_state is h11.DONE:
-            state.start_next_cycle()
+        if conn.parser.reusable:
             conn.pool._release(conn)
-        else:  # Connection: close, HTTP/1.0, or a close-delimited body
+        else:  # Connection: close, HTTP/1.0, a close-delimited body, bytes after the answer
             conn.close()
 
     async def aclose(self) -> None:
@@ -338,18 +460,10 @@ class Response:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        state = conn.h11
-        try:
-            while True:
-                event = state.next_event()
-                if event is h11.NEED_DATA or event is h11.PAUSED:
-                    break
-                if type(event) is h11.EndOfMessage:
-                    self.pool_back(conn)
-                    return
-        except h11.RemoteProtocolError:
-            pass
-        conn.close()
+        if conn.parser.complete:
+            self.pool_back(conn)
+        else:
+            conn.close()
 
 
 class LeanPool:
@@ -371,8 +485,8 @@ class LeanPool:
         self.timeout = timeout
         self._ssl_context = ssl_context
         self._idle: dict[tuple, list[_Connection]] = {}
-        #: (authority, header fields) -> (the validated h11 event, the fields as sent): ``_head``.
-        self._fields: dict[tuple, tuple[h11.Request, bytes]] = {}
+        #: (authority, header fields) -> the fields as sent, validated by h11 once: ``_head``.
+        self._fields: dict[tuple, bytes] = {}
         self._slots = trio.Semaphore(max_connections)
         self._open: set[_Connection] = set()
         #: Connections opened so far (tests and benchmarks read it: reuse is visible).
@@ -403,7 +517,7 @@ class LeanPool:
         except _Stale as exc:  # not on a new connection
             raise httpx.RemoteProtocolError("server disconnected without sending a response") from exc
 
-    def _head(self, request: Request) -> _Head:
+    def _head(self, request: Request) -> bytes:
         """The request head: its header fields validated by h11 once per origin and set of fields (a
         header value with a line break never reaches the wire), the request line written per request.
 
@@ -423,53 +537,38 @@ class LeanPool:
                 raise httpx.LocalProtocolError(str(exc)) from exc
             wire = h11.Connection(h11.CLIENT).send(event)
             assert wire is not None
-            fields = (event, wire[wire.index(b"\r\n") + 2 :])  # the fields and the blank line after
+            fields = wire[wire.index(b"\r\n") + 2 :]  # the fields and the blank line after
             if len(self._fields) >= 256:  # conditional GETs carry per-resource validators: bounded
                 self._fields.clear()
             self._fields[key] = fields
-        return _Head(b"GET " + url.target.encode("ascii") + b" HTTP/1.1\r\n" + fields[1], fields[0])
+        return b"GET " + url.target.encode("ascii") + b" HTTP/1.1\r\n" + fields
 
-    async def _exchange(self, conn: _Connection, url: URL, head: _Head, *, reused: bool) -> Response:
-        state = conn.h11
+    async def _exchange(self, conn: _Connection, url: URL, head: bytes, *, reused: bool) -> Response:
+        parser = conn.parser
+        parser.start()
         timeout = self.timeout
         try:
             try:
-                # h11 follows the exchange (its states, the method the answer's framing depends on)
-                # from the cached event; the bytes sent are ``head.wire``: the same fields, this target.
-                state.send(head.event)
-                state.send(_END)
-            except h11.LocalProtocolError as exc:
-                raise httpx.LocalProtocolError(str(exc)) from exc
-            try:
-                await conn.send(head.wire, timeout)
+                await conn.send(head, timeout)
             except httpx.WriteError:
                 if reused:
                     raise _Stale() from None
                 raise
             received = False
-            while True:
+            while not parser.head_done:
                 try:
-                    event = state.next_event()
-                except h11.RemoteProtocolError as exc:
-                    raise httpx.RemoteProtocolError(str(exc)) from exc
-                if event is h11.NEED_DATA:
-                    try:
-                        chunk = await conn.receive(timeout)
-                    except httpx.ReadError:
-                        if reused and not received:
-                            raise _Stale() from None
-                        raise
-                    if not chunk and reused and not received:
+                    chunk = await conn.receive(timeout)
+                except httpx.ReadError:
+                    if reused and not received:
+                        raise _Stale() from None
+                    raise
+                if not chunk:
+                    if reused and not received:
                         raise _Stale()
-                    received = True
-                    state.receive_data(chunk)
-                    continue
-                kind = type(event)
-                if kind is h11.Response:
-                    return Response(url, event, conn, timeout)  # type: ignore[arg-type]
-                if kind is h11.InformationalResponse:
-                    continue  # 1xx (RFC 9110 §15.2): the answer follows
-                raise httpx.RemoteProtocolError(f"unexpected {kind.__name__} before the response")
+                    parser.eof()  # raises: no head
+                received = True
+                parser.feed(chunk)
+            return Response(url, parser, conn, timeout)
         except BaseException:
             conn.close()
             raise
