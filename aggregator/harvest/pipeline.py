@@ -322,6 +322,11 @@ class _Workers:
         """Tasks started so far."""
         return self._started
 
+    @property
+    def idle(self) -> int:
+        """Tasks started that hold no item (just started, or between two): each takes the next one."""
+        return self._free
+
     async def __aenter__(self) -> _Workers:
         return self
 
@@ -378,6 +383,7 @@ class Pipeline:
         self._last_seq = 0
         self._primed = False
         self._hosts: dict[str, str] = {}  # scheme://authority -> host (``_host_free``)
+        self._fetch_tasks: _Workers | None = None  # ``run``'s fetch tasks (``_host_free``)
 
     async def _prime(self) -> None:
         """What the run starts from, read from the state once (``HarvestContext.read``: not in the event
@@ -412,6 +418,7 @@ class Pipeline:
                         nursery.start_soon(self._produce, items, new_send)
                     workers = _Workers(nursery, self._work_one, self._workers, self._workers * 2,
                                        result_send.clone(), ready=self._host_free)  # fmt: skip
+                    self._fetch_tasks = workers
                     nursery.start_soon(self._look_up, new_recv, workers, result_send.clone())
                 nursery.start_soon(self._commit, result_recv)
         except BaseExceptionGroup as group:
@@ -579,7 +586,11 @@ class Pipeline:
         host = self._hosts.get(origin)
         if host is None:
             host = self._hosts[origin] = urlsplit(origin).hostname or ""
-        return not host or not self.ctx.fetcher.host_busy(host)
+        # Tasks started and not yet at their request count as taking a slot: else a burst of changes
+        # (the first ones of a list) starts ``harvest.workers`` tasks for a host of fewer slots, and
+        # the extra tasks then wait for a slot on every request (a park and a wake-up per resource).
+        tasks = self._fetch_tasks
+        return not host or not self.ctx.fetcher.host_busy(host, tasks.idle if tasks is not None else 0)
 
     async def _work_one(
         self, item: tuple[int, Work, Resource | None, ResourceValidators | None], send: trio.MemorySendChannel

@@ -181,11 +181,12 @@ class _Connection:
             self.sock = None
             self.pool._closed(self)
 
-    async def receive(self, timeout: float) -> bytes:
-        """The next bytes of the answer (b"" at its end), waiting at most ``timeout`` for each."""
+    async def receive(self, timeout: float, *, wait: bool = False) -> bytes:
+        """The next bytes of the answer (b"" at its end), waiting at most ``timeout`` for each.
+        ``wait``: the bytes are not there yet (the request was just sent): wait before reading."""
         try:
             if self.plain:
-                return await self._read(timeout)
+                return await self._read(timeout, wait)
             # A bare CancelScope rather than trio.fail_after: the same deadline without a
             # generator-based context manager around every read.
             with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
@@ -208,7 +209,7 @@ class _Connection:
         assert scope.cancelled_caught
         raise httpx.WriteTimeout(f"could not send within {timeout}s")
 
-    async def _read(self, timeout: float) -> bytes:
+    async def _read(self, timeout: float, wait: bool = False) -> bytes:
         """Plain TCP: bytes from the socket, read at once when they are there, else once it is readable
         (within ``timeout``).
 
@@ -216,24 +217,30 @@ class _Connection:
         scheduler even when the bytes are already there, inside generator-based context managers, and
         a deadline scope was entered around every read. Here only a wait has a deadline, and a read
         that need not wait does not yield -- but never more than ``EAGER_READS`` in a row (a large
-        body arriving as fast as it is read must not hold the event loop): then one checkpoint."""
+        body arriving as fast as it is read must not hold the event loop): then one checkpoint.
+
+        ``wait``: the first read of an answer to a request just sent would all but always find nothing
+        (the server has yet to run): wait for the socket first rather than fail a read."""
         while True:
             if self.sock is None:  # closed by this task or another (close() is synchronous)
                 raise trio.ClosedResourceError("the connection was closed")
-            try:
-                data = os.read(self.fd, READ_BYTES)
-            except BlockingIOError:
-                self.eager = 0
-                with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-                    await trio.lowlevel.wait_readable(self.sock)  # a checkpoint: cancellation lands here
-                if scope.cancelled_caught:
-                    raise httpx.ReadTimeout(f"no data within {timeout}s") from None
-                continue
-            self.eager += 1
-            if self.eager > EAGER_READS:
-                self.eager = 0
-                await trio.lowlevel.checkpoint()
-            return data
+            if not wait:
+                try:
+                    data = os.read(self.fd, READ_BYTES)
+                except BlockingIOError:
+                    pass
+                else:
+                    self.eager += 1
+                    if self.eager > EAGER_READS:
+                        self.eager = 0
+                        await trio.lowlevel.checkpoint()
+                    return data
+            wait = False
+            self.eager = 0
+            with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
+                await trio.lowlevel.wait_readable(self.sock)  # a checkpoint: cancellation lands here
+            if scope.cancelled_caught:
+                raise httpx.ReadTimeout(f"no data within {timeout}s") from None
 
     async def _write(self, data: bytes, timeout: float) -> None:
         """Plain TCP: all of ``data``, waiting (within ``timeout`` each time) only when the socket's
@@ -274,9 +281,11 @@ class ResponseParser:
     __slots__ = ("_fields", "_head_bytes", "_parser", "body", "complete", "head_done", "headers",
                  "keep_alive", "reason", "status")  # fmt: skip
 
+    _fields: Headers
+
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
-        self._fields: list[tuple[bytes, bytes]] = []
+        self._fields = Headers(())
         self.reason = b""
         self.status = 0
         self.headers: Headers | None = None
@@ -286,7 +295,6 @@ class ResponseParser:
 
     def start(self) -> None:
         """A new request was sent: its answer is the next message."""
-        self._fields = []
         self.reason = b""
         self.status = 0
         self.headers = None
@@ -353,16 +361,26 @@ class ResponseParser:
     def on_message_begin(self) -> None:
         if self.complete:
             raise _AfterEnd()
-        self._fields = []  # after a 1xx: the final answer's own
+        self._fields = Headers(())  # after a 1xx: the final answer's own
         self.reason = b""
 
     def on_status(self, data: bytes) -> None:
         self.reason += data  # in parts when it is split across reads
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        """One field into the answer's ``Headers`` as ``Headers(fields)`` would put it (repeated fields
+        joined), without a list of fields first. A chunked body's trailer fields are not headers
+        (RFC 9112 §7.1.2; neither h11 nor httpx merges them): left out."""
+        if self.head_done:
+            return
+        key = name.decode("latin-1").lower()
         # llhttp drops the whitespace before a value, not the whitespace after it (RFC 9112 §5.1: OWS on
         # both sides is not part of the value; h11 drops both).
-        self._fields.append((name, value.rstrip(b" \t")))
+        text = value.rstrip(b" \t").decode("latin-1")
+        fields = self._fields
+        if dict.__contains__(fields, key):
+            text = f"{dict.__getitem__(fields, key)}, {text}"
+        dict.__setitem__(fields, key, text)
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
@@ -370,8 +388,8 @@ class ResponseParser:
             if status == 101:
                 raise httpx.RemoteProtocolError("the server switched protocols unasked (101)")
             return  # 1xx (RFC 9110 §15.2): the answer follows
-        headers = Headers(self._fields)
-        coding = headers.get("transfer-encoding")
+        headers = self._fields
+        coding = dict.get(headers, "transfer-encoding")
         if coding is not None and [c.strip().lower() for c in coding.split(",")] != ["chunked"]:
             raise httpx.RemoteProtocolError(f"unsupported Transfer-Encoding {coding!r} (only chunked)")
         self.status = status
@@ -557,7 +575,7 @@ class LeanPool:
             received = False
             while not parser.head_done:
                 try:
-                    chunk = await conn.receive(timeout)
+                    chunk = await conn.receive(timeout, wait=not received)
                 except httpx.ReadError:
                     if reused and not received:
                         raise _Stale() from None
