@@ -1,11 +1,13 @@
-"""Lean keep-alive HTTP/1.1 GETs: h11 over trio streams, a small pool of connections per origin.
+"""Lean keep-alive HTTP/1.1 GETs over trio streams, a small pool of connections per origin.
 
 Why: a harvest is mostly resource GETs, one small body each, and at 0 ms latency the layers of
 httpx + httpcore (request and URL models, the pool that polls every idle connection on every request,
 traces, nested context managers) cost several times what the bytes do. This client keeps what a
-resource GET needs and nothing else: HTTP parsing stays in h11 (the library httpcore uses too), the
-connection is a ``trio.SocketStream`` (or ``trio.SSLStream`` for https, with the caller's
-``ssl.SSLContext``: the same verification as the httpx pools, which are given the same context).
+resource GET needs and nothing else. HTTP parsing stays in well-kept libraries: answers are parsed by
+llhttp through httptools (``ResponseParser``: h11's framing rules kept around it), request heads are
+validated by h11 (the library httpcore uses) once per origin and set of fields. The connection is a
+``trio.SocketStream`` (or ``trio.SSLStream`` for https, with the caller's ``ssl.SSLContext``: the
+same verification as the httpx pools, which are given the same context).
 
 Safety is the same as the httpx path's, by the same code: every request passes
 ``AddressPolicy.check_request`` (rsagg's own URLs), every new connection resolves and checks the
