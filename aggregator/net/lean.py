@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import ssl
 from collections.abc import Iterable
 from typing import Any
@@ -152,7 +153,7 @@ class Request:
 class _Connection:
     """One keep-alive connection: a trio stream and the parser of the answers on it."""
 
-    __slots__ = ("eager", "fd", "idle_since", "key", "parser", "plain", "pool", "sock", "stream")
+    __slots__ = ("eager", "fd", "idle_poll", "idle_since", "key", "parser", "plain", "pool", "sock", "stream")
 
     def __init__(self, pool: LeanPool, key: tuple, stream: trio.abc.Stream, sock: Any) -> None:
         self.pool = pool
@@ -163,6 +164,11 @@ class _Connection:
         self.plain = type(stream) is trio.SocketStream and _FD_IO
         self.fd = sock.fileno() if sock is not None else -1
         self.eager = 0  # reads in a row that did not wait (``_read``)
+        # ``usable``'s poll of this socket alone, made once (trio's ``is_readable`` makes one per call)
+        self.idle_poll: Any = None
+        if self.plain and self.fd >= 0:
+            self.idle_poll = select.poll()
+            self.idle_poll.register(self.fd, select.POLLIN)
         self.parser = ResponseParser()
         self.idle_since = 0.0
 
@@ -171,11 +177,11 @@ class _Connection:
         server closed it, or sent bytes nobody asked for). One non-blocking peek, on this socket only."""
         if now - self.idle_since > KEEPALIVE_EXPIRY:
             return False
-        if not self.plain:
+        if self.idle_poll is None:
             return True  # TLS: the raw socket may hold a session ticket; a stale one is retried (send)
         # Readable while idle: closed by the server (EOF), or bytes nobody asked for. One poll() of
         # this socket only (httpcore polls every connection of its pool on every request).
-        return not self.sock.is_readable()
+        return not self.idle_poll.poll(0)
 
     def close(self) -> None:
         if self.sock is not None:
