@@ -273,7 +273,7 @@ class _AfterEnd(Exception):
 class ResponseParser:
     """The answers on one connection, parsed by httptools (llhttp, in C): what a GET needs of them.
 
-    Why not h11: it parses in Python, and was a fifth of a harvest's CPU at 0 ms; llhttp is the parser
+    Why not h11: it parses in Python, and was about a fifth of a harvest's event-loop CPU at 0 ms; llhttp is the parser
     Node.js ships, bound by httptools (MagicStack, the parser under uvicorn). What h11 did besides
     parsing is done here, per answer: the head is bounded (``MAX_HEAD_BYTES``), 1xx answers are
     skipped (RFC 9110 §15.2), a Transfer-Encoding other than ``chunked`` alone is refused (as h11
