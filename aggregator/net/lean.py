@@ -273,14 +273,14 @@ class _AfterEnd(Exception):
 class ResponseParser:
     """The answers on one connection, parsed by httptools (llhttp, in C): what a GET needs of them.
 
-    Why not h11: it parses in Python, and was about a fifth of a harvest's event-loop CPU at 0 ms; llhttp is the parser
-    Node.js ships, bound by httptools (MagicStack, the parser under uvicorn). What h11 did besides
-    parsing is done here, per answer: the head is bounded (``MAX_HEAD_BYTES``), 1xx answers are
-    skipped (RFC 9110 §15.2), a Transfer-Encoding other than ``chunked`` alone is refused (as h11
-    refuses it), a close-delimited body ends at EOF and any other body ending there is an error
-    (RFC 9112 §6.3, §8), and bytes after the answer make the connection unfit for reuse. Every
-    failure is an ``httpx.RemoteProtocolError`` with one line saying what was wrong, never a parser
-    exception.
+    Why not h11: it parses in Python, and was about a fifth of a harvest's event-loop CPU at 0 ms;
+    llhttp is the parser Node.js ships, bound by httptools (MagicStack, the parser under uvicorn).
+    What h11 did besides parsing is done here, per answer: the head is bounded (``MAX_HEAD_BYTES``),
+    1xx answers are skipped (RFC 9110 §15.2), a Transfer-Encoding other than ``chunked`` alone is
+    refused (as h11 refuses it), a close-delimited body ends at EOF and any other body ending there
+    is an error (RFC 9112 §6.3, §8), HTTP/1.0 connections are not reused, trailer fields are not
+    headers, and bytes after the answer make the connection unfit for reuse. Every failure is an
+    ``httpx.RemoteProtocolError`` with one line saying what was wrong, never a parser exception.
 
     Use: ``start()`` before each request, ``feed(bytes)`` as they arrive, ``eof()`` when the socket
     says end; read ``head_done``, ``status``, ``reason``, ``headers``, ``take_body()``, ``complete``
