@@ -202,6 +202,33 @@ def test_bytes_after_the_answer_make_the_connection_unfit() -> None:
         assert not parser.reusable, extra
 
 
+# Unusual answers h11 reads: the parser reads them the same way.
+UNUSUAL = [
+    ("lines ended by LF alone", b"HTTP/1.1 200 OK\nContent-Length: 3\nX: y\n\nabc", False),
+    ("Content-Length beside chunked", b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked"
+     b"\r\n\r\n2\r\nab\r\n0\r\n\r\n", False),
+    ("no reason phrase, no space", b"HTTP/1.1 200\r\nContent-Length: 0\r\n\r\n", False),
+    ("obs-text in a value", b"HTTP/1.1 200 OK\r\nX: caf\xe9\r\nContent-Length: 0\r\n\r\n", False),
+    ("HTTP/1.0, close-delimited", b"HTTP/1.0 200 OK\r\n\r\nabc", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", UNUSUAL, ids=[c[0] for c in UNUSUAL])
+def test_unusual_answers_h11_reads_are_read_the_same(case: tuple) -> None:
+    _, raw, close = case
+    rng = random.Random(raw)
+    for _ in range(5):
+        pieces = cuts(rng, raw)
+        assert by_lean(pieces, close) == by_h11(pieces, close)
+
+
+# Stricter than h11, on purpose (llhttp's checks): refused as malformed.
+STRICTER = [
+    ("a folded header line (obs-fold)", b"HTTP/1.1 200 OK\r\nX: a\r\n b\r\nContent-Length: 0\r\n\r\n"),
+    ("DEL in a value", b"HTTP/1.1 200 OK\r\nX: a\x7fb\r\nContent-Length: 0\r\n\r\n"),
+]
+
+
 MALFORMED = [
     ("not http", b"this is not http\r\n\r\n"),
     ("bad version", b"HTTP/9.9 200 OK\r\nContent-Length: 0\r\n\r\n"),
@@ -230,6 +257,7 @@ MALFORMED = [
     ("truncated chunked body", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", "eof"),
     ("truncated head", b"HTTP/1.1 200 OK\r\nContent-Le", "eof"),
     ("nothing", b"", "eof"),
+    *STRICTER,
 ]
 
 
@@ -292,7 +320,7 @@ async def test_the_fetcher_names_the_url_of_a_malformed_answer(case: tuple, tmp_
     assert info.value.url == f"{base}/bad"
     assert info.value.kind == "network" and f"{base}/bad" in str(info.value)
     assert "\n" not in str(info.value)
-    if name == "bad version":  # h11 reads any HTTP/d.d; llhttp only the HTTP/1.x of RFC 9112 §2.3
+    if name == "bad version" or name in dict(STRICTER):  # stricter than h11 (HTTP/d.d, obs-fold, DEL)
         assert httpx_outcome[0] == "ok"
     else:
         assert lean_outcome == httpx_outcome  # refused on the httpx path too, the same way

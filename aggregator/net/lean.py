@@ -293,6 +293,10 @@ class ResponseParser:
 
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
+        # Read as h11 (the httpx path) reads them: a line ended by LF alone (RFC 9112 §2.2: a recipient
+        # MAY take it as a line's end), and a chunked answer that also has a Content-Length (§6.3 item
+        # 3: Transfer-Encoding wins). Neither is a smuggling risk for a client reading its own answers.
+        self._parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True, lenient_chunked_length=True)
         self._fields = Headers(())
         self.reason = b""
         self.status = 0
