@@ -399,6 +399,35 @@ async def test_sources_on_a_busy_host_start_fewer_fetch_tasks_than_changes(
     assert len(names) <= tasks[0] < 72 * 2 // 3, tasks[0]
 
 
+@pytest.mark.parametrize("per_host", [1, 2, 3])
+async def test_one_source_starts_no_more_fetch_tasks_than_its_host_has_slots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_host: int
+) -> None:
+    """A list of 40 changes arrives at once, ``harvest.workers`` is 16: tasks started but not yet at
+    their request count as taking a slot, so the pipeline starts about as many fetch tasks as the host
+    has slots (each extra one would wait for a slot on every request it makes), and all are fetched."""
+    tasks = [0]
+    real_run = pipeline._Workers._run
+
+    async def run(self, *args):
+        if self._ready is not None:  # the fetch tasks (the filter tasks have no ``ready``)
+            tasks[0] += 1
+        return await real_run(self, *args)
+
+    monkeypatch.setattr(pipeline._Workers, "_run", run)
+    up = Upstream(resource_dump=False, change_dump=False, change_list=False)
+    for j in range(40):
+        up.create(f"r{j}.txt", f"resource {j}".encode())
+    async with up.serving():
+        config = make_config(
+            tmp_path / "store", {"s": up.doc_url("capabilitylist.xml")}, per_host=per_host, workers=16
+        )
+        results = await harvest(config)
+    assert results["s"].ok and results["s"].stats[0].fetched == 40
+    # One more than the slots at most: a task between its item and its request holds neither.
+    assert 1 <= tasks[0] <= per_host + 1, tasks[0]
+
+
 # -- state writes share thread hops ----------------------------------------------------------------------
 
 

@@ -699,11 +699,14 @@ class Fetcher:
             lim = self._limiters[host] = trio.CapacityLimiter(self.host_limit(host))
         return lim
 
-    def host_busy(self, host: str) -> bool:
-        """Every request slot of ``host`` is taken now: one more request to it would only wait (a caller
-        need not start a task for it: ``pipeline._Workers``)."""
+    def host_busy(self, host: str, coming: int = 0) -> bool:
+        """Every request slot of ``host`` is taken now, or will be by ``coming`` requests about to be
+        made: one more request to it would only wait (a caller need not start a task for it:
+        ``pipeline._Workers``)."""
         lim = self._limiters.get(host)
-        return lim is not None and lim.borrowed_tokens >= lim.total_tokens
+        if lim is None:
+            return coming >= self.host_limit(host)
+        return lim.borrowed_tokens + coming >= lim.total_tokens
 
     def host_limit(self, host: str) -> int:
         """Requests this process may have open to ``host`` at once: its share of ``per_host``."""

@@ -227,7 +227,7 @@ def change_from(work: Work, info: BlobInfo | None, content_type: str | None = No
     )
 
 
-def _hand(send: trio.MemorySendChannel, item: object) -> Awaitable[None] | None:
+def _hand(send: trio.MemorySendChannel | _InOrder, item: Any) -> Awaitable[None] | None:
     """Hand ``item`` on at once when ``send`` has room (None), else the send to await.
 
     Why: ``await send.send(item)`` passes through trio's scheduler even when the channel has room, and
@@ -248,6 +248,66 @@ async def _receive(recv: trio.MemoryReceiveChannel) -> Any:
         return recv.receive_nowait()
     except trio.WouldBlock:
         return await recv.receive()
+
+
+class _InOrder:
+    """The sending side of the results channel: ``(seq, result)`` items come from many tasks in any
+    order; the commit task receives them in ``seq`` order, a full batch (``batch_size``) at a time,
+    and what is left at the end from ``rest()``. Used like a ``MemorySendChannel`` (``send_nowait``,
+    ``send``, ``clone``, ``aclose``, ``async with``); clones share the order.
+
+    Why: the commit task took one result at a time, each one a wake-up and a pass through the
+    scheduler per resource; it only ever acted on a full batch (or the end), so the batches are
+    formed where the results are handed over, synchronously, exactly as it formed them."""
+
+    __slots__ = ("_order", "_send")
+
+    def __init__(self, send: trio.MemorySendChannel, order: _Order) -> None:
+        self._send = send  # unbounded: a batch never waits to be handed over
+        self._order = order
+
+    def send_nowait(self, item: tuple[int, _Result]) -> None:
+        order = self._order
+        seq, result = item
+        pending = order.pending
+        pending[seq] = result
+        while order.next_seq in pending:
+            order.batch.append(pending.pop(order.next_seq))
+            order.next_seq += 1
+            if len(order.batch) >= order.size:
+                batch, order.batch = order.batch, []
+                self._send.send_nowait(batch)
+
+    async def send(self, item: tuple[int, _Result]) -> None:
+        self.send_nowait(item)
+        await trio.lowlevel.checkpoint()
+
+    def clone(self) -> _InOrder:
+        return _InOrder(self._send.clone(), self._order)
+
+    async def aclose(self) -> None:
+        await self._send.aclose()
+
+    async def __aenter__(self) -> _InOrder:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+@dataclass
+class _Order:
+    """What ``_InOrder``'s clones share: results waiting for those before them, the batch forming."""
+
+    size: int
+    pending: dict[int, _Result] = field(default_factory=dict)
+    next_seq: int = 0
+    batch: list[_Result] = field(default_factory=list)
+
+    def rest(self) -> list[_Result]:
+        """The last batch, short of ``size``: what the end of the results releases."""
+        batch, self.batch = self.batch, []
+        return batch
 
 
 class _Workers:
@@ -271,7 +331,7 @@ class _Workers:
         handle: Callable[..., Awaitable[None]],
         most: int,
         buffer: int,
-        *outs: trio.MemorySendChannel,
+        *outs: trio.MemorySendChannel | _InOrder,
         ready: Callable[[object], bool] | None = None,
     ) -> None:
         self._nursery, self._handle, self._most, self._outs = nursery, handle, most, outs
@@ -299,7 +359,9 @@ class _Workers:
         if pending is not None:
             await pending
 
-    async def _run(self, recv: trio.MemoryReceiveChannel, outs: list[trio.MemorySendChannel]) -> None:
+    async def _run(
+        self, recv: trio.MemoryReceiveChannel, outs: list[trio.MemorySendChannel | _InOrder]
+    ) -> None:
         try:
             async with recv:
                 while True:
@@ -321,6 +383,11 @@ class _Workers:
     def started(self) -> int:
         """Tasks started so far."""
         return self._started
+
+    @property
+    def idle(self) -> int:
+        """Tasks started that hold no item (just started, or between two): each takes the next one."""
+        return self._free
 
     async def __aenter__(self) -> _Workers:
         return self
@@ -378,6 +445,7 @@ class Pipeline:
         self._last_seq = 0
         self._primed = False
         self._hosts: dict[str, str] = {}  # scheme://authority -> host (``_host_free``)
+        self._fetch_tasks: _Workers | None = None  # ``run``'s fetch tasks (``_host_free``)
 
     async def _prime(self) -> None:
         """What the run starts from, read from the state once (``HarvestContext.read``: not in the event
@@ -399,7 +467,9 @@ class Pipeline:
     async def run(self, items: AsyncGenerator[Work, None]) -> PipelineStats:
         await self._prime()
         new_send, new_recv = trio.open_memory_channel[tuple[int, Work]](LOOKUP_BATCH)
-        result_send, result_recv = trio.open_memory_channel[tuple[int, _Result]](math.inf)
+        batches, result_recv = trio.open_memory_channel[list[_Result]](math.inf)
+        order = _Order(self._batch_size)
+        result_send = _InOrder(batches, order)
         try:
             async with trio.open_nursery() as nursery:
                 async with result_send:
@@ -412,8 +482,9 @@ class Pipeline:
                         nursery.start_soon(self._produce, items, new_send)
                     workers = _Workers(nursery, self._work_one, self._workers, self._workers * 2,
                                        result_send.clone(), ready=self._host_free)  # fmt: skip
+                    self._fetch_tasks = workers
                     nursery.start_soon(self._look_up, new_recv, workers, result_send.clone())
-                nursery.start_soon(self._commit, result_recv)
+                nursery.start_soon(self._commit, result_recv, order)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
         return self.stats
@@ -472,9 +543,7 @@ class Pipeline:
                 seq += 1
                 self.stats.seen += 1
 
-    async def _filter_one(
-        self, item: tuple[int, Work], send: trio.MemorySendChannel, done: trio.MemorySendChannel
-    ) -> None:
+    async def _filter_one(self, item: tuple[int, Work], send: trio.MemorySendChannel, done: _InOrder) -> None:
         """``rsagg_filter_harvest``: an entry any plugin refuses is not harvested. In a baseline it is not
         marked seen, so a copy we hold is tombstoned when the baseline finishes; in incremental sync a
         refused created/updated becomes a deletion of what we hold. Runs before the lookup, so narrowing a
@@ -501,9 +570,7 @@ class Pipeline:
             return None
         return Work(work.entry, DELETED, work.cursor_after)
 
-    async def _look_up(
-        self, recv: trio.MemoryReceiveChannel, work: _Workers, done: trio.MemorySendChannel
-    ) -> None:
+    async def _look_up(self, recv: trio.MemoryReceiveChannel, work: _Workers, done: _InOrder) -> None:
         """Find the stored row of each change, in batches off the event loop; unchanged ones are done.
 
         Why: one indexed query per change on the trio thread cost ~35 us each of the loop's time (and a
@@ -579,10 +646,14 @@ class Pipeline:
         host = self._hosts.get(origin)
         if host is None:
             host = self._hosts[origin] = urlsplit(origin).hostname or ""
-        return not host or not self.ctx.fetcher.host_busy(host)
+        # Tasks started and not yet at their request count as taking a slot: else a burst of changes
+        # (the first ones of a list) starts ``harvest.workers`` tasks for a host of fewer slots, and
+        # the extra tasks then wait for a slot on every request (a park and a wake-up per resource).
+        tasks = self._fetch_tasks
+        return not host or not self.ctx.fetcher.host_busy(host, tasks.idle if tasks is not None else 0)
 
     async def _work_one(
-        self, item: tuple[int, Work, Resource | None, ResourceValidators | None], send: trio.MemorySendChannel
+        self, item: tuple[int, Work, Resource | None, ResourceValidators | None], send: _InOrder
     ) -> None:
         seq, work, existing, validators = item
         pending = _hand(send, (seq, await self._prepare(work, existing, validators)))
@@ -763,26 +834,17 @@ class Pipeline:
             )  # fmt: skip
             self._last_seq = rec.seq
 
-    async def _commit(self, recv: trio.MemoryReceiveChannel) -> None:
-        """Release results in input order, in batches: blobs durable first, then one state transaction."""
-        pending: dict[int, _Result] = {}
-        next_seq = 0
-        batch: list[_Result] = []
+    async def _commit(self, recv: trio.MemoryReceiveChannel, order: _Order) -> None:
+        """Release results in input order, in batches (``_InOrder`` forms them): blobs durable first,
+        then one state transaction."""
         async with recv:
             while True:
                 try:
-                    got = await _receive(recv)
+                    batch = await _receive(recv)
                 except trio.EndOfChannel:
                     break
-                seq, result = got
-                pending[seq] = result
-                while next_seq in pending:
-                    batch.append(pending.pop(next_seq))
-                    next_seq += 1
-                    if len(batch) >= self._batch_size:
-                        await self._flush(batch)
-                        batch = []
-            await self._flush(batch)
+                await self._flush(batch)
+            await self._flush(order.rest())
 
     async def _flush(self, batch: list[_Result], release: bool = True) -> None:
         """``release``: the changes hold the in-flight bound (``run``'s, not ``run_batches``')."""

@@ -1,11 +1,13 @@
-"""Lean keep-alive HTTP/1.1 GETs: h11 over trio streams, a small pool of connections per origin.
+"""Lean keep-alive HTTP/1.1 GETs over trio streams, a small pool of connections per origin.
 
 Why: a harvest is mostly resource GETs, one small body each, and at 0 ms latency the layers of
 httpx + httpcore (request and URL models, the pool that polls every idle connection on every request,
 traces, nested context managers) cost several times what the bytes do. This client keeps what a
-resource GET needs and nothing else: HTTP parsing stays in h11 (the library httpcore uses too), the
-connection is a ``trio.SocketStream`` (or ``trio.SSLStream`` for https, with the caller's
-``ssl.SSLContext``: the same verification as the httpx pools, which are given the same context).
+resource GET needs and nothing else. HTTP parsing stays in well-kept libraries: answers are parsed by
+llhttp through httptools (``ResponseParser``: h11's framing rules kept around it), request heads are
+validated by h11 (the library httpcore uses) once per origin and set of fields. The connection is a
+``trio.SocketStream`` (or ``trio.SSLStream`` for https, with the caller's ``ssl.SSLContext``: the
+same verification as the httpx pools, which are given the same context).
 
 Safety is the same as the httpx path's, by the same code: every request passes
 ``AddressPolicy.check_request`` (rsagg's own URLs), every new connection resolves and checks the
@@ -25,12 +27,14 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import ssl
 from collections.abc import Iterable
 from typing import Any
 
 import h11
 import httpcore
+import httptools
 import httpx
 import trio
 
@@ -147,9 +151,9 @@ class Request:
 
 
 class _Connection:
-    """One keep-alive connection: a trio stream and the h11 state of the exchange on it."""
+    """One keep-alive connection: a trio stream and the parser of the answers on it."""
 
-    __slots__ = ("eager", "fd", "h11", "idle_since", "key", "plain", "pool", "sock", "stream")
+    __slots__ = ("eager", "fd", "idle_poll", "idle_since", "key", "parser", "plain", "pool", "sock", "stream")
 
     def __init__(self, pool: LeanPool, key: tuple, stream: trio.abc.Stream, sock: Any) -> None:
         self.pool = pool
@@ -160,7 +164,12 @@ class _Connection:
         self.plain = type(stream) is trio.SocketStream and _FD_IO
         self.fd = sock.fileno() if sock is not None else -1
         self.eager = 0  # reads in a row that did not wait (``_read``)
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        # ``usable``'s poll of this socket alone, made once (trio's ``is_readable`` makes one per call)
+        self.idle_poll: Any = None
+        if self.plain and self.fd >= 0:
+            self.idle_poll = select.poll()
+            self.idle_poll.register(self.fd, select.POLLIN)
+        self.parser = ResponseParser()
         self.idle_since = 0.0
 
     def usable(self, now: float) -> bool:
@@ -168,11 +177,11 @@ class _Connection:
         server closed it, or sent bytes nobody asked for). One non-blocking peek, on this socket only."""
         if now - self.idle_since > KEEPALIVE_EXPIRY:
             return False
-        if not self.plain:
+        if self.idle_poll is None:
             return True  # TLS: the raw socket may hold a session ticket; a stale one is retried (send)
         # Readable while idle: closed by the server (EOF), or bytes nobody asked for. One poll() of
         # this socket only (httpcore polls every connection of its pool on every request).
-        return not self.sock.is_readable()
+        return not self.idle_poll.poll(0)
 
     def close(self) -> None:
         if self.sock is not None:
@@ -180,11 +189,12 @@ class _Connection:
             self.sock = None
             self.pool._closed(self)
 
-    async def receive(self, timeout: float) -> bytes:
-        """The next bytes of the answer (b"" at its end), waiting at most ``timeout`` for each."""
+    async def receive(self, timeout: float, *, wait: bool = False) -> bytes:
+        """The next bytes of the answer (b"" at its end), waiting at most ``timeout`` for each.
+        ``wait``: the bytes are not there yet (the request was just sent): wait before reading."""
         try:
             if self.plain:
-                return await self._read(timeout)
+                return await self._read(timeout, wait)
             # A bare CancelScope rather than trio.fail_after: the same deadline without a
             # generator-based context manager around every read.
             with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
@@ -207,7 +217,7 @@ class _Connection:
         assert scope.cancelled_caught
         raise httpx.WriteTimeout(f"could not send within {timeout}s")
 
-    async def _read(self, timeout: float) -> bytes:
+    async def _read(self, timeout: float, wait: bool = False) -> bytes:
         """Plain TCP: bytes from the socket, read at once when they are there, else once it is readable
         (within ``timeout``).
 
@@ -215,24 +225,30 @@ class _Connection:
         scheduler even when the bytes are already there, inside generator-based context managers, and
         a deadline scope was entered around every read. Here only a wait has a deadline, and a read
         that need not wait does not yield -- but never more than ``EAGER_READS`` in a row (a large
-        body arriving as fast as it is read must not hold the event loop): then one checkpoint."""
+        body arriving as fast as it is read must not hold the event loop): then one checkpoint.
+
+        ``wait``: the first read of an answer to a request just sent would all but always find nothing
+        (the server has yet to run): wait for the socket first rather than fail a read."""
         while True:
             if self.sock is None:  # closed by this task or another (close() is synchronous)
                 raise trio.ClosedResourceError("the connection was closed")
-            try:
-                data = os.read(self.fd, READ_BYTES)
-            except BlockingIOError:
-                self.eager = 0
-                with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-                    await trio.lowlevel.wait_readable(self.sock)  # a checkpoint: cancellation lands here
-                if scope.cancelled_caught:
-                    raise httpx.ReadTimeout(f"no data within {timeout}s") from None
-                continue
-            self.eager += 1
-            if self.eager > EAGER_READS:
-                self.eager = 0
-                await trio.lowlevel.checkpoint()
-            return data
+            if not wait:
+                try:
+                    data = os.read(self.fd, READ_BYTES)
+                except BlockingIOError:
+                    pass
+                else:
+                    self.eager += 1
+                    if self.eager > EAGER_READS:
+                        self.eager = 0
+                        await trio.lowlevel.checkpoint()
+                    return data
+            wait = False
+            self.eager = 0
+            with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
+                await trio.lowlevel.wait_readable(self.sock)  # a checkpoint: cancellation lands here
+            if scope.cancelled_caught:
+                raise httpx.ReadTimeout(f"no data within {timeout}s") from None
 
     async def _write(self, data: bytes, timeout: float) -> None:
         """Plain TCP: all of ``data``, waiting (within ``timeout`` each time) only when the socket's
@@ -250,17 +266,157 @@ class _Connection:
                     raise httpx.WriteTimeout(f"could not send within {timeout}s") from None
 
 
-_END = h11.EndOfMessage()  # immutable: one for every request
+class _AfterEnd(Exception):
+    """Bytes after the answer that nobody asked for: raised inside the parser to stop it there."""
 
 
-class _Head:
-    """A request head: ``wire`` (the bytes sent) and ``event`` (the same fields as an h11 event)."""
+class ResponseParser:
+    """The answers on one connection, parsed by httptools (llhttp, in C): what a GET needs of them.
 
-    __slots__ = ("event", "wire")
+    Why not h11: it parses in Python, and was about a fifth of a harvest's event-loop CPU at 0 ms;
+    llhttp is the parser Node.js ships, bound by httptools (MagicStack, the parser under uvicorn).
+    What h11 did besides parsing is done here, per answer: the head is bounded (``MAX_HEAD_BYTES``),
+    1xx answers are skipped (RFC 9110 §15.2), a Transfer-Encoding other than ``chunked`` alone is
+    refused (as h11 refuses it), a close-delimited body ends at EOF and any other body ending there
+    is an error (RFC 9112 §6.3, §8), HTTP/1.0 connections are not reused, trailer fields are not
+    headers, and bytes after the answer make the connection unfit for reuse. Every failure is an
+    ``httpx.RemoteProtocolError`` with one line saying what was wrong, never a parser exception.
 
-    def __init__(self, wire: bytes, event: h11.Request) -> None:
-        self.wire = wire
-        self.event = event
+    Use: ``start()`` before each request, ``feed(bytes)`` as they arrive, ``eof()`` when the socket
+    says end; read ``head_done``, ``status``, ``reason``, ``headers``, ``take_body()``, ``complete``
+    and ``reusable``."""
+
+    __slots__ = ("_fields", "_head_bytes", "_parser", "body", "complete", "head_done", "headers",
+                 "keep_alive", "reason", "status")  # fmt: skip
+
+    _fields: Headers
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        # Read as h11 (the httpx path) reads them: a line ended by LF alone (RFC 9112 §2.2: a recipient
+        # MAY take it as a line's end), and a chunked answer that also has a Content-Length (§6.3 item
+        # 3: Transfer-Encoding wins). Neither is a smuggling risk for a client reading its own answers.
+        self._parser.set_dangerous_leniencies(lenient_optional_cr_before_lf=True, lenient_chunked_length=True)
+        self._fields = Headers(())
+        self.reason = b""
+        self.status = 0
+        self.headers: Headers | None = None
+        self.body: list[bytes] = []
+        self.head_done = self.complete = self.keep_alive = False
+        self._head_bytes = 0
+
+    def start(self) -> None:
+        """A new request was sent: its answer is the next message."""
+        self.reason = b""
+        self.status = 0
+        self.headers = None
+        self.body = []
+        self.head_done = self.complete = self.keep_alive = False
+        self._head_bytes = 0
+
+    @property
+    def reusable(self) -> bool:
+        """The answer ended where its framing said, and the server keeps the connection open."""
+        return self.complete and self.keep_alive
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data``, the next bytes received (never empty: the end is ``eof``)."""
+        if not self.head_done:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if not self.complete:
+                raise httpx.RemoteProtocolError("the server switched protocols unasked (101)") from None
+            self.keep_alive = False
+        except httptools.HttpParserError as exc:
+            if self.complete:  # bytes after the answer (or after its Connection: close): never reused
+                self.keep_alive = False
+                return
+            cause = exc.__context__
+            if isinstance(cause, httpx.RemoteProtocolError):
+                raise cause from None
+            detail = str(exc) or type(exc).__name__
+            raise httpx.RemoteProtocolError(f"malformed response: {detail}") from None
+        if not self.head_done and self._head_bytes > MAX_HEAD_BYTES:
+            raise httpx.RemoteProtocolError(f"response head larger than {MAX_HEAD_BYTES} bytes")
+
+    def eof(self) -> None:
+        """The server closed the connection: the end of a close-delimited body, else an error."""
+        if self.complete:
+            return
+        if not self.head_done:
+            if self._head_bytes:
+                raise httpx.RemoteProtocolError("server disconnected in the middle of the response head")
+            raise httpx.RemoteProtocolError("server disconnected without sending a response")
+        headers = self.headers
+        assert headers is not None
+        if (
+            "content-length" not in headers
+            and "transfer-encoding" not in headers
+            and self.status not in (204, 304)
+        ):  # close-delimited (RFC 9112 §6.3 item 8): EOF is its end
+            self.complete, self.keep_alive = True, False
+            return
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    def take_body(self) -> bytes:
+        """The body bytes parsed so far and not yet taken (b"" when none)."""
+        body = self.body
+        if not body:
+            return b""
+        self.body = []
+        return body[0] if len(body) == 1 else b"".join(body)
+
+    # -- llhttp's callbacks (httptools calls those that exist) ----------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _AfterEnd()
+        self._fields = Headers(())  # after a 1xx: the final answer's own
+        self.reason = b""
+
+    def on_status(self, data: bytes) -> None:
+        self.reason += data  # in parts when it is split across reads
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """One field into the answer's ``Headers`` as ``Headers(fields)`` would put it (repeated fields
+        joined), without a list of fields first. A chunked body's trailer fields are not headers
+        (RFC 9112 §7.1.2; neither h11 nor httpx merges them): left out."""
+        if self.head_done:
+            return
+        key = name.decode("latin-1").lower()
+        # llhttp drops the whitespace before a value, not the whitespace after it (RFC 9112 §5.1: OWS on
+        # both sides is not part of the value; h11 drops both).
+        text = value.rstrip(b" \t").decode("latin-1")
+        fields = self._fields
+        if dict.__contains__(fields, key):
+            text = f"{dict.__getitem__(fields, key)}, {text}"
+        dict.__setitem__(fields, key, text)
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                raise httpx.RemoteProtocolError("the server switched protocols unasked (101)")
+            return  # 1xx (RFC 9110 §15.2): the answer follows
+        headers = self._fields
+        coding = dict.get(headers, "transfer-encoding")
+        if coding is not None and [c.strip().lower() for c in coding.split(",")] != ["chunked"]:
+            raise httpx.RemoteProtocolError(f"unsupported Transfer-Encoding {coding!r} (only chunked)")
+        self.status = status
+        self.headers = headers
+        # HTTP/1.0's keep-alive is not reused (as h11 and httpx do not): HTTP/1.1 without close only
+        parser = self._parser
+        self.keep_alive = parser.should_keep_alive() and parser.get_http_version() == "1.1"
+        self.head_done = True
+
+    def on_body(self, data: bytes) -> None:
+        self.body.append(data)
+
+    def on_message_complete(self) -> None:
+        if self.head_done:
+            self.complete = True
 
 
 class _Stale(Exception):
@@ -274,11 +430,13 @@ class Response:
     connection goes back to its pool once the body has been read to its end; ``aclose`` before that
     closes it (an unread body is not drained)."""
 
-    def __init__(self, url: URL, event: h11.Response, conn: _Connection, timeout: float) -> None:
+    def __init__(self, url: URL, parser: ResponseParser, conn: _Connection, timeout: float) -> None:
+        """``parser``: the connection's, its head parsed (``head_done``)."""
+        assert parser.headers is not None
         self.url = url
-        self.status_code: int = event.status_code
-        self.reason_phrase = event.reason.decode("ascii", errors="ignore")  # as httpx decodes it
-        self.headers = Headers(event.headers.raw_items())
+        self.status_code: int = parser.status
+        self.reason_phrase = parser.reason.decode("ascii", errors="ignore")  # as httpx decodes it
+        self.headers: Headers = parser.headers
         self._conn: _Connection | None = conn
         self._timeout = timeout
 
@@ -296,24 +454,20 @@ class Response:
         conn = self._conn
         if conn is None:
             raise StopAsyncIteration
-        state = conn.h11
+        parser = conn.parser
         try:
             while True:
-                try:
-                    event = state.next_event()
-                except h11.RemoteProtocolError as exc:  # e.g. the body ended before its Content-Length
-                    raise httpx.RemoteProtocolError(str(exc)) from exc
-                if event is h11.NEED_DATA:
-                    state.receive_data(await conn.receive(self._timeout))
-                    continue
-                kind = type(event)
-                if kind is h11.Data:
-                    return bytes(event.data)  # type: ignore[union-attr,return-value]
-                if kind is h11.EndOfMessage:
+                if parser.body:
+                    return parser.take_body()
+                if parser.complete:
                     self._conn = None
                     self.pool_back(conn)
                     raise StopAsyncIteration
-                raise httpx.RemoteProtocolError(f"unexpected {kind.__name__} in a response body")
+                data = await conn.receive(self._timeout)
+                if data:
+                    parser.feed(data)
+                else:
+                    parser.eof()
         except StopAsyncIteration:
             raise
         except BaseException:
@@ -324,11 +478,9 @@ class Response:
 
     @staticmethod
     def pool_back(conn: _Connection) -> None:
-        state = conn.h11
-        if state.our_state is h11.DONE and state.their_state is h11.DONE:
-            state.start_next_cycle()
+        if conn.parser.reusable:
             conn.pool._release(conn)
-        else:  # Connection: close, HTTP/1.0, or a close-delimited body
+        else:  # Connection: close, HTTP/1.0, a close-delimited body, bytes after the answer
             conn.close()
 
     async def aclose(self) -> None:
@@ -338,18 +490,10 @@ class Response:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        state = conn.h11
-        try:
-            while True:
-                event = state.next_event()
-                if event is h11.NEED_DATA or event is h11.PAUSED:
-                    break
-                if type(event) is h11.EndOfMessage:
-                    self.pool_back(conn)
-                    return
-        except h11.RemoteProtocolError:
-            pass
-        conn.close()
+        if conn.parser.complete:
+            self.pool_back(conn)
+        else:
+            conn.close()
 
 
 class LeanPool:
@@ -371,8 +515,8 @@ class LeanPool:
         self.timeout = timeout
         self._ssl_context = ssl_context
         self._idle: dict[tuple, list[_Connection]] = {}
-        #: (authority, header fields) -> (the validated h11 event, the fields as sent): ``_head``.
-        self._fields: dict[tuple, tuple[h11.Request, bytes]] = {}
+        #: (authority, header fields) -> the fields as sent, validated by h11 once: ``_head``.
+        self._fields: dict[tuple, bytes] = {}
         self._slots = trio.Semaphore(max_connections)
         self._open: set[_Connection] = set()
         #: Connections opened so far (tests and benchmarks read it: reuse is visible).
@@ -403,7 +547,7 @@ class LeanPool:
         except _Stale as exc:  # not on a new connection
             raise httpx.RemoteProtocolError("server disconnected without sending a response") from exc
 
-    def _head(self, request: Request) -> _Head:
+    def _head(self, request: Request) -> bytes:
         """The request head: its header fields validated by h11 once per origin and set of fields (a
         header value with a line break never reaches the wire), the request line written per request.
 
@@ -423,53 +567,38 @@ class LeanPool:
                 raise httpx.LocalProtocolError(str(exc)) from exc
             wire = h11.Connection(h11.CLIENT).send(event)
             assert wire is not None
-            fields = (event, wire[wire.index(b"\r\n") + 2 :])  # the fields and the blank line after
+            fields = wire[wire.index(b"\r\n") + 2 :]  # the fields and the blank line after
             if len(self._fields) >= 256:  # conditional GETs carry per-resource validators: bounded
                 self._fields.clear()
             self._fields[key] = fields
-        return _Head(b"GET " + url.target.encode("ascii") + b" HTTP/1.1\r\n" + fields[1], fields[0])
+        return b"GET " + url.target.encode("ascii") + b" HTTP/1.1\r\n" + fields
 
-    async def _exchange(self, conn: _Connection, url: URL, head: _Head, *, reused: bool) -> Response:
-        state = conn.h11
+    async def _exchange(self, conn: _Connection, url: URL, head: bytes, *, reused: bool) -> Response:
+        parser = conn.parser
+        parser.start()
         timeout = self.timeout
         try:
             try:
-                # h11 follows the exchange (its states, the method the answer's framing depends on)
-                # from the cached event; the bytes sent are ``head.wire``: the same fields, this target.
-                state.send(head.event)
-                state.send(_END)
-            except h11.LocalProtocolError as exc:
-                raise httpx.LocalProtocolError(str(exc)) from exc
-            try:
-                await conn.send(head.wire, timeout)
+                await conn.send(head, timeout)
             except httpx.WriteError:
                 if reused:
                     raise _Stale() from None
                 raise
             received = False
-            while True:
+            while not parser.head_done:
                 try:
-                    event = state.next_event()
-                except h11.RemoteProtocolError as exc:
-                    raise httpx.RemoteProtocolError(str(exc)) from exc
-                if event is h11.NEED_DATA:
-                    try:
-                        chunk = await conn.receive(timeout)
-                    except httpx.ReadError:
-                        if reused and not received:
-                            raise _Stale() from None
-                        raise
-                    if not chunk and reused and not received:
+                    chunk = await conn.receive(timeout, wait=not received)
+                except httpx.ReadError:
+                    if reused and not received:
+                        raise _Stale() from None
+                    raise
+                if not chunk:
+                    if reused and not received:
                         raise _Stale()
-                    received = True
-                    state.receive_data(chunk)
-                    continue
-                kind = type(event)
-                if kind is h11.Response:
-                    return Response(url, event, conn, timeout)  # type: ignore[arg-type]
-                if kind is h11.InformationalResponse:
-                    continue  # 1xx (RFC 9110 §15.2): the answer follows
-                raise httpx.RemoteProtocolError(f"unexpected {kind.__name__} before the response")
+                    parser.eof()  # raises: no head
+                received = True
+                parser.feed(chunk)
+            return Response(url, parser, conn, timeout)
         except BaseException:
             conn.close()
             raise
