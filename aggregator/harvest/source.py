@@ -124,7 +124,14 @@ async def end_unlisted_retries(
 
 @for_source
 async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
-    """Bring one source up to date; never raises for upstream problems (they are the result)."""
+    """Bring one source up to date; never raises for upstream problems (they are the result).
+
+    Waits its turn first when many Sources of its host sync at once (``harvest/admission.py``)."""
+    async with ctx.admissions.admitted(src.url, ctx.fetcher.host_limit):
+        return await _sync_admitted(ctx, src)
+
+
+async def _sync_admitted(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     try:
         with collecting(Deviations(src.name, ctx.metrics.deviation)) as deviations:
             return await _sync_source(ctx, src, deviations)
