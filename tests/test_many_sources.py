@@ -698,3 +698,25 @@ async def test_a_harvest_runs_a_few_syncs_of_one_host_at_once(
     assert most == admission.PER_SLOT
     with open_state(config) as state:
         assert {s.name: s.state for s in state.sources()} == {n: "ok" for n in names}
+
+
+# -- the garbage collector of the commands' processes (run/heap.py) ---------------------------------------
+
+
+def test_settle_freezes_start_up_and_collects_the_young_less_often() -> None:
+    """What start-up built leaves the collector's walks; the youngest generation is collected after
+    ``YOUNG_THRESHOLD`` allocations, the older ones as before. (Restored after: the test process keeps
+    its own settings, as any process that is not a command's.)"""
+    import gc
+
+    from aggregator.run import heap
+
+    before = gc.get_threshold()
+    try:
+        gc.unfreeze()
+        heap.settle()
+        assert gc.get_freeze_count() > 1000
+        assert gc.get_threshold() == (max(heap.YOUNG_THRESHOLD, before[0]), before[1], before[2])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
