@@ -14,6 +14,7 @@ the speed is measured by benchmarks/bench_many_sources.py).
 from __future__ import annotations
 
 import functools
+import math
 import random
 import threading
 from collections import Counter
@@ -22,14 +23,16 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+import trio.testing
 from lxml import etree
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from aggregator.harvest import admission, pipeline
 from aggregator.harvest import context as context_mod
-from aggregator.harvest import pipeline
+from aggregator.harvest import source as source_mod
 from aggregator.harvest.access import Access
 from aggregator.harvest.context import HarvestContext
 from aggregator.harvest.source import sync_source
@@ -591,3 +594,158 @@ async def test_a_batch_and_its_validators_take_one_write(tmp_path: Path, writes:
         set_id = state.sets("a")[0].id
         kept = state.resource_validators(set_id, urls)
     assert sorted(kept) == sorted(urls) and all(v.etag for v in kept.values())
+
+
+# -- a few syncs of one host at once (harvest/admission.py) ---------------------------------------------
+
+
+def _admissions_run(rng: random.Random) -> tuple[list[dict], admission.Admissions, float]:
+    """Syncs of a few hosts arriving at random times, each running a random time (some far longer than
+    the lease), some cancelled while they wait; in virtual time. Returns each sync's record."""
+    lease = 10.0
+    adm = admission.Admissions(lease=lease)
+    slots = {f"h{i}": rng.randrange(1, 4) for i in range(3)}
+    syncs = [
+        {"i": i, "host": rng.choice(list(slots)), "arrive": rng.uniform(0, 40), "hold": rng.choice(
+            [rng.uniform(0.1, 3), rng.uniform(0.1, 3), rng.uniform(20, 60)]), "cancel_after": (
+            rng.uniform(0.1, 15) if rng.random() < 0.15 else None), "admitted": None, "left": None}
+        for i in range(rng.randrange(5, 60))
+    ]  # fmt: skip
+
+    async def one(s: dict) -> None:
+        await trio.sleep(s["arrive"])
+        url = f"http://{s['host']}.example:8080/caps.xml"
+        with trio.move_on_after(s["cancel_after"] if s["cancel_after"] is not None else math.inf) as scope:
+            async with adm.admitted(url, lambda host: slots[host.split(".")[0]]):
+                scope.deadline = math.inf  # admitted: it runs to its end
+                s["admitted"] = trio.current_time()
+                await trio.sleep(s["hold"])
+                s["left"] = trio.current_time()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for s in syncs:
+                nursery.start_soon(one, s)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    for s in syncs:
+        s["most"] = admission.PER_SLOT * slots[s["host"]]
+    return syncs, adm, lease
+
+
+def test_syncs_of_a_host_are_admitted_a_few_at_a_time_first_come_first_served() -> None:
+    """Whatever the arrivals, durations and cancellations: a host never has more than its share of syncs
+    counted at once (admitted less than a lease ago, not ended); those that waited are admitted in the
+    order they came; a sync waits only while its host is full; every sync not cancelled runs; nothing
+    is left held or waiting; a long sync holds up the others for one lease at most."""
+    rng = random.Random(2028)
+    waited = expired_room = 0
+    for _round in range(60):
+        syncs, adm, lease = _admissions_run(rng)
+        for s in syncs:
+            if s["cancel_after"] is None:
+                assert s["admitted"] is not None and s["left"] is not None, s
+        ran = [s for s in syncs if s["admitted"] is not None]
+        for s in ran:
+            t, host = s["admitted"], s["host"]
+            counted = [o for o in ran if o["host"] == host and o["admitted"] <= t
+                       and o["admitted"] + lease > t and (o["left"] is None or o["left"] > t)]  # fmt: skip
+            assert len(counted) <= s["most"], (s, counted)
+            if t > s["arrive"] + 1e-9:  # it waited: its host was full (counting those ahead of it)
+                waited += 1
+                full = [o for o in ran if o["host"] == host and o["admitted"] <= s["arrive"]
+                        and o["admitted"] + lease > s["arrive"]
+                        and (o["left"] is None or o["left"] > s["arrive"])]  # fmt: skip
+                ahead = [o for o in syncs if o["host"] == host and o["arrive"] < s["arrive"]
+                         and (o["admitted"] or math.inf) > s["arrive"]]  # fmt: skip
+                assert len(full) >= s["most"] or ahead, s
+                # ...and it was let in when a place came free: one left, or a lease ended
+                freed = [o for o in ran if o["host"] == host and (
+                    abs((o["left"] or -1) - t) < 1e-9 or abs(o["admitted"] + lease - t) < 1e-9)]  # fmt: skip
+                cancelled_then = [o for o in syncs if o["host"] == host and o["admitted"] is None
+                                  and abs(o["arrive"] + o["cancel_after"] - t) < 1e-9]  # fmt: skip
+                assert freed or cancelled_then, s
+                expired_room += any(abs(o["admitted"] + lease - t) < 1e-9 for o in freed)
+        by_host: dict[str, list[dict]] = {}
+        for s in sorted(ran, key=lambda s: s["arrive"]):
+            by_host.setdefault(s["host"], []).append(s)
+        for host, order in by_host.items():
+            admitted = [s["admitted"] for s in order]
+            assert admitted == sorted(admitted), host  # first come, first served
+        assert adm._hosts == {}
+    assert waited > 100 and expired_room > 10  # the cases did reach full hosts and expired leases
+
+
+async def test_a_url_without_a_host_is_never_held_back() -> None:
+    adm = admission.Admissions()
+    entered = 0
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+
+            async def one() -> None:
+                nonlocal entered
+                async with adm.admitted("file:///sources/caps.xml", lambda host: 1):
+                    entered += 1
+                    await trio.sleep_forever()
+
+            nursery.start_soon(one)
+        await wait_until(lambda: entered == 10)
+        nursery.cancel_scope.cancel()
+
+
+async def wait_until(condition, bound: float = 30.0) -> None:
+    with trio.fail_after(bound):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+async def test_a_harvest_runs_a_few_syncs_of_one_host_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twelve Sources of one host, one request slot: at most two syncs run at once (``PER_SLOT`` per
+    slot), and every Source ends "ok"."""
+    running = most = 0
+    real = source_mod._sync_admitted
+
+    async def counted(ctx, src):
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            return await real(ctx, src)
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(source_mod, "_sync_admitted", counted)
+    up, names = many_sources(12)
+    async with up.serving():
+        config = make_config(
+            tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n in names}, per_host=1
+        )
+        results = await harvest(config)
+    assert all(r.ok for r in results.values()) and len(results) == 12
+    assert most == admission.PER_SLOT
+    with open_state(config) as state:
+        assert {s.name: s.state for s in state.sources()} == {n: "ok" for n in names}
+
+
+# -- the garbage collector of the commands' processes (run/heap.py) ---------------------------------------
+
+
+def test_settle_freezes_start_up_and_collects_the_young_less_often() -> None:
+    """What start-up built leaves the collector's walks; the youngest generation is collected after
+    ``YOUNG_THRESHOLD`` allocations, the older ones as before. (Restored after: the test process keeps
+    its own settings, as any process that is not a command's.)"""
+    import gc
+
+    from aggregator.run import heap
+
+    before = gc.get_threshold()
+    try:
+        gc.unfreeze()
+        heap.settle()
+        assert gc.get_freeze_count() > 1000
+        assert gc.get_threshold() == (max(heap.YOUNG_THRESHOLD, before[0]), before[1], before[2])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

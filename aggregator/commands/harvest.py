@@ -23,8 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-async def harvest_once(config, names: list[str], *, progress_to: TextIO | None = None) -> list[SourceResult]:
-    """Sync the sources once; ``progress_to``: a terminal to draw the baselines' progress line on."""
+async def harvest_once(
+    config, names: list[str], *, progress_to: TextIO | None = None, settle: bool = False
+) -> list[SourceResult]:
+    """Sync the sources once; ``progress_to``: a terminal to draw the baselines' progress line on;
+    ``settle``: this is the command's own process, set its garbage collector once started (run/heap.py)."""
     import trio
 
     from ..harvest.progress import ProgressLine
@@ -33,6 +36,10 @@ async def harvest_once(config, names: list[str], *, progress_to: TextIO | None =
 
     results: list[SourceResult] = []
     async with open_context(config, _selected(config, names)) as ctx:
+        if settle:
+            from ..run.heap import settle as settle_heap
+
+            settle_heap()
         line = ProgressLine(progress_to or sys.stderr, ctx.progress, width=shutil.get_terminal_size().columns)
         with line.while_shown() if progress_to else contextlib.nullcontext():
             async with trio.open_nursery() as nursery:
@@ -61,8 +68,10 @@ async def _poll_forever(config, names: list[str]) -> None:
 
     from ..harvest.source import poll_source
     from ..run.compose import open_context
+    from ..run.heap import settle
 
     async with open_context(config, _selected(config, names)) as ctx, trio.open_nursery() as nursery:
+        settle()  # the command's own process (run/heap.py)
         for src in config.sources:
             if src.enabled and (not names or src.name in names):
                 nursery.start_soon(poll_source, ctx, src)
@@ -92,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.once:
                 trio.run(_poll_forever, config, args.source)
                 return 0
-            results = trio.run(partial(harvest_once, config, args.source, progress_to=tty))
+            results = trio.run(partial(harvest_once, config, args.source, progress_to=tty, settle=True))
     except ConfigError as exc:  # e.g. a source's secret file or variable is missing
         print(f"rsagg harvest: config error: {exc}", file=sys.stderr)
         return 2

@@ -40,7 +40,11 @@ def run(args: argparse.Namespace) -> int:
             # Serving alone only reads: a read-only state.db serves (docs/troubleshooting.md).
             if not args.no_harvest:
                 check_writable(config)
-            trio.run(lambda: run_daemon(config, config_path=args.config, harvest=not args.no_harvest))
+            trio.run(
+                lambda: run_daemon(
+                    config, config_path=args.config, harvest=not args.no_harvest, on_ready=_settle
+                )
+            )
     except ListenError as exc:
         print(f"rsagg run: {exc}", file=sys.stderr)
         return 1
@@ -48,3 +52,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"rsagg: config error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+async def _settle(parts: object, url: str) -> None:
+    """The daemon serves: set this process's garbage collector once (run/heap.py)."""
+    from ..run.heap import settle
+
+    settle()

@@ -173,8 +173,13 @@ async def run_baseline(
     progress: Callable[[int], None] | None = None,
     total: Callable[[int], None] | None = None,
     validators: Validators | None = None,
+    opened: int | None = None,
 ) -> PipelineStats | None:
     """Synchronize one set from a snapshot; returns the pipeline's figures.
+
+    ``opened``: a baseline generation the caller began for it already (``begin_baseline``, in the thread
+    hop that found the set: ``source._open_set``); the first snapshot read takes it, any other (a dump
+    that failed, then the list) begins its own.
 
     With ``validators`` (a set already baselined and without Change List, re-read on every poll) an
     unchanged Resource List (or Resource Dump) returns None without touching the store.
@@ -187,9 +192,12 @@ async def run_baseline(
     if RESOURCELIST not in caps and RESOURCEDUMP not in caps:
         raise SyncError(f"{info.capabilitylist_url}: advertises neither a Resource List nor a Resource Dump")
     set_total = total or (lambda n: None)
+    generations = [opened] if opened is not None else []
     if RESOURCELIST not in caps:  # the dump is the only snapshot
         try:
-            return await _baseline_from(ctx, info, set_id, source, "dump", progress, set_total, validators)
+            return await _baseline_from(
+                ctx, info, set_id, source, "dump", progress, set_total, validators, generations
+            )
         except NotModified:
             log.debug("source=%s set=%s resource dump not modified", source, info.capabilitylist_url)
             return None
@@ -198,14 +206,18 @@ async def run_baseline(
     dumps_cover = RESOURCELIST not in caps or len(info.urls(RESOURCEDUMP)) >= len(info.urls(RESOURCELIST))
     if use_dumps and RESOURCEDUMP in caps and dumps_cover:
         try:
-            return await _baseline_from(ctx, info, set_id, source, "dump", progress, set_total, None)
+            return await _baseline_from(
+                ctx, info, set_id, source, "dump", progress, set_total, None, generations
+            )
         except (DumpError, FetchError, SyncError) as exc:
             if RESOURCELIST not in caps:
                 raise
             log.warning("source=%s url=%s resource dump unusable, using the resource list: %s",
                         source, caps[RESOURCEDUMP].url, exc)  # fmt: skip
     try:
-        return await _baseline_from(ctx, info, set_id, source, "list", progress, set_total, validators)
+        return await _baseline_from(
+            ctx, info, set_id, source, "list", progress, set_total, validators, generations
+        )
     except NotModified:
         log.debug("source=%s set=%s resource list not modified", source, info.capabilitylist_url)
         return None
@@ -220,13 +232,15 @@ async def _baseline_from(
     progress: Callable[[int], None] | None,
     total: Callable[[int], None],
     validators: Validators | None,
+    opened: list[int],
 ) -> PipelineStats:
+    """``opened``: a generation begun already and not used yet (taken from the list), else none."""
     urls = info.urls(RESOURCEDUMP if how == "dump" else RESOURCELIST)
     if not urls:  # never a generation without a snapshot to fill it: its sweep would empty the set
         raise SyncError(
             f"{info.capabilitylist_url}: no Resource {'Dump' if how == 'dump' else 'List'} to read"
         )
-    generation = await ctx.write(ctx.writer.begin_baseline, set_id)
+    generation = opened.pop() if opened else await ctx.write(ctx.writer.begin_baseline, set_id)
     pipeline = Pipeline(ctx, set_id, source, progress=progress)
     snaps = [Snapshot() for _ in urls]
     skipped: list[str] = []

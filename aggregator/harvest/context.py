@@ -22,6 +22,7 @@ from ..config import Config, ConfigError
 from ..plugins.manager import Plugins
 from ..progress_text import progress_figures
 from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
+from .admission import Admissions
 
 if TYPE_CHECKING:  # the harvest's libraries (trio, httpx, prometheus-client) load with a HarvestContext:
     # ``rsagg status`` and ``retries`` import this module for prepare_store only (benchmarks/bench_startup.py)
@@ -101,6 +102,8 @@ class HarvestContext:
     discovered: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: The writes waiting for the worker thread, taken together by its next hop (``_SharedHops``).
     _writes: _SharedHops | None = None
+    #: Which syncs run now, a few per host (``harvest/admission.py``).
+    admissions: Admissions = field(default_factory=Admissions)
 
     def committed(self) -> None:
         for listener in self.commit_listeners:

@@ -14,9 +14,10 @@ import trio
 
 from ..config import SourceConfig
 from ..errors import StoreFailure, environmental_leaf, leading_line, operator_line, store_failure
-from ..rs.model import CHANGELIST
+from ..rs.model import CHANGELIST, RESOURCEDUMP, RESOURCELIST
 from ..rs.w3cdt import format_w3c, utcnow
-from ..store.interface import LeaseLost
+from ..store.interface import LeaseLost, StateStore
+from ..store.rows import Cursor
 from .access import for_source
 from .audit import still_listed
 from .baseline import run_baseline
@@ -124,7 +125,14 @@ async def end_unlisted_retries(
 
 @for_source
 async def sync_source(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
-    """Bring one source up to date; never raises for upstream problems (they are the result)."""
+    """Bring one source up to date; never raises for upstream problems (they are the result).
+
+    Waits its turn first when many Sources of its host sync at once (``harvest/admission.py``)."""
+    async with ctx.admissions.admitted(src.url, ctx.fetcher.host_limit):
+        return await _sync_admitted(ctx, src)
+
+
+async def _sync_admitted(ctx: HarvestContext, src: SourceConfig) -> SourceResult:
     try:
         with collecting(Deviations(src.name, ctx.metrics.deviation)) as deviations:
             return await _sync_source(ctx, src, deviations)
@@ -171,10 +179,15 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
             result.sets = len(sets)
         result.discovered = sets
         for info in sets:
-            set_id = await ctx.write(ctx.writer.ensure_set, src.name, info.capabilitylist_url)
+            # A baseline is opened with the set only for a set that offers its snapshot now (one read
+            # from an archive, or none at all, opens its own or none, as ``run_baseline`` decides).
+            snapshot = RESOURCELIST in info.capabilities or RESOURCEDUMP in info.capabilities
+            set_id, cursor, opened = await ctx.write(
+                _open_set, ctx.writer, src.name, info.capabilitylist_url, CHANGELIST in info.capabilities,
+                snapshot,
+            )  # fmt: skip
             # failed in earlier runs: URI -> attempts so far
             waiting = {e.loc: n for e, _, n in await ctx.read(ctx.reader.pending_retries, set_id)}
-            cursor = await ctx.read(ctx.reader.cursor, set_id)
             baseline = cursor is None or CHANGELIST not in info.capabilities
             if not baseline:
                 assert cursor is not None
@@ -198,6 +211,7 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
                     ctx, info, set_id, src.name, use_dumps=ctx.config.use_dumps(src) and not polled,
                     progress=progress.add, total=progress.set_total,
                     validators=Validators(partial(ctx.read, ctx.reader.document), conditional=polled),
+                    opened=opened,
                 )  # fmt: skip
                 if stats is not None:
                     result.baselines += 1
@@ -266,6 +280,19 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
         src.name, result.ok, time.monotonic() - started, stopped_by, degraded=state == "degraded"
     )
     return result
+
+
+def _open_set(
+    writer: StateStore, source: str, capabilitylist_url: str, changelist: bool, snapshot: bool
+) -> tuple[int, Cursor | None, int | None]:
+    """The set (created on first sight), its cursor and, when it is to be baselined whatever comes
+    next (no cursor yet, or no Change List: re-read on every poll), its new baseline generation: one
+    write call, one thread hop, where these were two and a read (in the same order: the set, then the
+    baseline opened before its snapshot is asked for, ``baseline.run_baseline``)."""
+    set_id = writer.ensure_set(source, capabilitylist_url)
+    cursor = writer.cursor(set_id)
+    opened = writer.begin_baseline(set_id) if snapshot and (cursor is None or not changelist) else None
+    return set_id, cursor, opened
 
 
 async def _baseline_finished(ctx: HarvestContext, source: str, set_id: int) -> bool:
