@@ -306,9 +306,15 @@ def test_mutated_answers_never_raise_anything_but_a_protocol_error() -> None:
     assert refused > 100
 
 
-@pytest.mark.parametrize("case", [c for c in MALFORMED if c[0] != "nothing"], ids=lambda c: c[0])
+#: Heads llhttp refuses and h11 reads (HTTP/d.d, obs-fold, DEL): the Fetcher asks again over httpx.
+H11_READS = {"bad version", *dict(STRICTER)}
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in MALFORMED if c[0] not in H11_READS and c[0] != "nothing"], ids=lambda c: c[0]
+)
 async def test_the_fetcher_names_the_url_of_a_malformed_answer(case: tuple, tmp_path: Path) -> None:
-    name, raw, *_ = case
+    _name, raw, *_ = case
     script = Script()
     async with scripted(script) as base, fetcher() as f:
         assert f._lean is not None
@@ -320,7 +326,19 @@ async def test_the_fetcher_names_the_url_of_a_malformed_answer(case: tuple, tmp_
     assert info.value.url == f"{base}/bad"
     assert info.value.kind == "network" and f"{base}/bad" in str(info.value)
     assert "\n" not in str(info.value)
-    if name == "bad version" or name in dict(STRICTER):  # stricter than h11 (HTTP/d.d, obs-fold, DEL)
-        assert httpx_outcome[0] == "ok"
-    else:
-        assert lean_outcome == httpx_outcome  # refused on the httpx path too, the same way
+    assert lean_outcome == httpx_outcome  # refused on the httpx path too, the same way
+
+
+@pytest.mark.parametrize("case", [c for c in MALFORMED if c[0] in H11_READS], ids=lambda c: c[0])
+async def test_a_head_only_llhttp_refuses_is_read_as_the_httpx_path_reads_it(
+    case: tuple, tmp_path: Path
+) -> None:
+    _name, raw, *_ = case
+    with pytest.raises(lean.HeadRefused):
+        _parse_all([raw], eof=True)
+    script = Script()
+    async with scripted(script) as base:
+        script.add("/odd", raw, close=True)
+        lean_outcome, httpx_outcome, _ = await both(f"{base}/odd", Expected({}), tmp_path)
+    assert httpx_outcome[0] == "ok"
+    assert lean_outcome == httpx_outcome  # asked again over httpx: the same bytes, status, outcome

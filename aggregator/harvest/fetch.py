@@ -789,12 +789,14 @@ class Fetcher:
                 try:
                     if isinstance(request, lean.Request):
                         assert self._lean is not None
-                        response = await self._lean.send(request)
-                    elif self._direct is not None:
-                        response = await self._direct.handle_async_request(request)
-                        response.request = request
+                        try:
+                            response = await self._lean.send(request)
+                        except lean.HeadRefused:  # the httpx path's reading decides (``HeadRefused``)
+                            request = httpx.Request("GET", str(request.url), headers=request.headers,
+                                                    extensions=self._extensions)  # fmt: skip
+                            response = await self._send_httpx(request)
                     else:
-                        response = await self._client.send(request, stream=True, follow_redirects=False)
+                        response = await self._send_httpx(request)
                 except (httpx.HTTPError, httpx.InvalidURL) as exc:
                     self._report(host, None, start, 0)
                     raise _transport_error(str(request.url), exc) from exc
@@ -810,6 +812,13 @@ class Fetcher:
                     await response.aclose()
                     self._report(host, response.status_code, start, body.received)
         raise FetchError(url, "http", f"more than {MAX_REDIRECTS} redirects")
+
+    async def _send_httpx(self, request: httpx.Request) -> httpx.Response:
+        if self._direct is not None:
+            response = await self._direct.handle_async_request(request)
+            response.request = request
+            return response
+        return await self._client.send(request, stream=True, follow_redirects=False)
 
     @staticmethod
     def _check_status(body: _Body, *, allow: tuple[int, ...] = ()) -> None:

@@ -138,6 +138,12 @@ class Headers(dict[str, str]):
         return isinstance(name, str) and dict.__contains__(self, name.lower())
 
 
+class HeadRefused(httpx.RemoteProtocolError):
+    """llhttp refused an answer's head. It is stricter than h11, the httpx path's parser (an obs-fold,
+    a DEL in a value, a version other than 1.x): the caller asks again over httpx, which reads what
+    h11 reads (RFC 9112 §5.2: a user agent reads an obs-fold as a space) and refuses the rest."""
+
+
 class Request:
     """One GET hop: ``url`` and ``headers`` (an ``httpx.Headers``, which the request hook may change:
     credentials, User-Agent) -- the part of ``httpx.Request`` the hop's hooks use."""
@@ -337,7 +343,8 @@ class ResponseParser:
             if isinstance(cause, httpx.RemoteProtocolError):
                 raise cause from None
             detail = str(exc) or type(exc).__name__
-            raise httpx.RemoteProtocolError(f"malformed response: {detail}") from None
+            refused = httpx.RemoteProtocolError if self.head_done else HeadRefused
+            raise refused(f"malformed response: {detail}") from None
         if not self.head_done and self._head_bytes > MAX_HEAD_BYTES:
             raise httpx.RemoteProtocolError(f"response head larger than {MAX_HEAD_BYTES} bytes")
 
@@ -712,4 +719,4 @@ async def _connect_any(addresses: Iterable[str], port: int, timeout: float) -> t
     raise error
 
 
-__all__ = ["URL", "Headers", "LeanPool", "Request", "Response", "parse_url"]
+__all__ = ["URL", "HeadRefused", "Headers", "LeanPool", "Request", "Response", "parse_url"]
