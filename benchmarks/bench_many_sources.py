@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _harness import Finished, lifespan, run_child, serve_until_sigterm
+from _headline import headline
 
 TARGET = 1.3  # many/one, per resource
 RS = "http://www.openarchives.org/rs/terms/"
@@ -299,6 +300,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         if runs:
             print(table(runs, n, m))
+            c1, cn = median(runs, "one", lambda r: r.done.cpu), median(runs, "many", lambda r: r.done.cpu)
+            m1, mn = (
+                median(runs, "one", lambda r: r.done.rss_mb),
+                median(runs, "many", lambda r: r.done.rss_mb),
+            )
+            extra = f"{(cn - c1) / (n - 1) * 1000:+.1f} ms, {(mn - m1) * 1024 / (n - 1):+.0f} KB"
+            headline(f"many Sources: CPU of {n} × {m} over 1 × {n * m}",
+                     f"{cn / c1:.2f}× ({extra} per extra Source)", f"≤ {TARGET}×")  # fmt: skip
         if args.profile:
             for sources in (0, n):
                 up = Upstream(n if sources else 0, m, 0 if sources else n * m, work / "upstream.log")
