@@ -3,6 +3,7 @@
     python benchmarks/run_all.py                 # the full sizes (an hour or more; on a quiet machine)
     python benchmarks/run_all.py --quick         # small sizes: a few minutes, to see that all run
     python benchmarks/run_all.py --only publish,startup [--quick]
+    python benchmarks/run_all.py --targets       # the benchmarks with speed targets, at sizes that show them
 
 Each benchmark runs as a child process with this interpreter; its output is shown as it comes, each line
 prefixed with the benchmark's name. The load average (1 minute) is sampled every second while it runs:
@@ -37,36 +38,42 @@ ROOT = HERE.parent
 
 @dataclass(frozen=True)
 class Bench:
-    """One benchmark script with its full-size and its quick arguments."""
+    """One benchmark script with its full-size and its quick arguments, and those of ``--targets``
+    (``None``: it has no target figure)."""
 
     name: str
     script: str
     full: tuple[str, ...] = ()
     quick: tuple[str, ...] = ()
+    targets: tuple[str, ...] | None = None
 
 
 #: Every benchmark, the cheap ones first. The quick sizes show that each runs and roughly how it does;
 #: only the full sizes give the figures quoted in docs/benchmarks.md and the README.
 BENCHES = [
-    Bench("startup", "bench_startup.py", (), ("--runs", "3")),
+    Bench("startup", "bench_startup.py", (), ("--runs", "3"), ("--runs", "7", "--bytecode")),
     Bench("for_source", "bench_for_source.py", (), ("20000",)),
     Bench("entry_order", "bench_entry_order.py", (), ("--entries", "10000")),
     Bench("state_calls", "bench_state_calls.py", (), ("--calls", "500")),
     Bench("state_paths", "bench_state_paths.py", (), ("--batch", "200", "--no-pg")),
-    Bench("state_size", "bench_state_size.py", (), ("--n", "2000", "--no-pg")),
+    Bench("state_size", "bench_state_size.py", (), ("--n", "2000", "--no-pg"), ("--n", "100000")),
     Bench("documents", "bench_documents.py", (), ("--entries", "20000", "--parts", "2")),
     Bench("blobs", "bench_blobs.py", (), ("--small", "200", "--large", "10", "--backends", "fs")),
     Bench("publish", "bench_publish.py", (),
-          ("--resources", "5000", "--duration", "3", "--warmup", "1", "--rounds", "1", "--requests", "2000")),
+          ("--resources", "5000", "--duration", "3", "--warmup", "1", "--rounds", "1", "--requests", "2000"),
+          ("--resources", "20000", "--duration", "5", "--warmup", "2", "--rounds", "3")),
     Bench("fetch", "bench_fetch.py", (), ("--resources", "1000", "--rounds", "1")),
     Bench("harvest", "bench_harvest.py", ("--resync-sample", "1000"),
-          ("--resources", "1000", "--no-big", "--resync-sample", "100")),
-    Bench("oaipmh", "bench_oaipmh.py", (), ("--records", "1000", "--repeat", "1")),
+          ("--resources", "1000", "--no-big", "--resync-sample", "100"),
+          ("--resources", "10000", "--no-big", "--resync-sample", "500")),
+    Bench("oaipmh", "bench_oaipmh.py", (), ("--records", "1000", "--repeat", "1"),
+          ("--records", "20000", "--repeat", "3")),
     Bench("notify", "bench_notify.py", (), ("--changes", "20")),
     Bench("abuse", "bench_abuse.py", (), ("--seconds", "5")),
     Bench("cluster", "bench_cluster.py", (),
           ("--resources=500", "--repeat=1", "--sources=12", "--per-source=5")),
-    Bench("many_sources", "bench_many_sources.py", (), ("--sources", "30", "--repeat", "1")),
+    Bench("many_sources", "bench_many_sources.py", (), ("--sources", "30", "--repeat", "1"),
+          ("--repeat", "3")),
     Bench("reconcile", "bench_reconcile.py", (), ("--entries", "20000")),
     Bench("versions_in", "bench_versions_in.py", (), ("--resources", "100")),
     Bench("memento", "bench_memento.py", (),
@@ -116,9 +123,10 @@ def _sample_load(into: list[float], stop: threading.Event) -> None:
             return
 
 
-def run_one(bench: Bench, quick: bool) -> Outcome:
+def run_one(bench: Bench, quick: bool, targets: bool = False) -> Outcome:
     """Run one benchmark, its output shown line by line, the load sampled meanwhile."""
-    argv = [sys.executable, str(HERE / bench.script), *(bench.quick if quick else bench.full)]
+    sizes = bench.targets if targets and bench.targets is not None else bench.quick if quick else bench.full
+    argv = [sys.executable, str(HERE / bench.script), *sizes]
     out = Outcome(bench.name, argv[1:])
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_load, args=(out.loads, stop), daemon=True)
@@ -164,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
     p.add_argument("--quick", action="store_true", help="small sizes: minutes, not hours")
+    p.add_argument(
+        "--targets",
+        action="store_true",
+        help="only the benchmarks with speed targets, at the sizes that show them (about half an hour)",
+    )
     p.add_argument("--only", default="", help="comma-separated names: " + ", ".join(b.name for b in BENCHES))
     p.add_argument("--markdown", type=Path, help="also write the headline figures' table to this file")
     args = p.parse_args(argv)
@@ -171,16 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - {b.name for b in BENCHES})
     if unknown:
         p.error(f"--only: no benchmark named {', '.join(unknown)}")
-    chosen = [b for b in BENCHES if not names or b.name in names]
-    print(f"{os.cpu_count()} CPUs; {'quick' if args.quick else 'full'} sizes; {len(chosen)} benchmark(s)")
-    outcomes = [run_one(b, args.quick) for b in chosen]
+    chosen = [
+        b for b in BENCHES if (not names or b.name in names) and (not args.targets or b.targets is not None)
+    ]
+    sizes = "target" if args.targets else "quick" if args.quick else "full"
+    print(f"{os.cpu_count()} CPUs; {sizes} sizes; {len(chosen)} benchmark(s)")
+    outcomes = [run_one(b, args.quick, args.targets) for b in chosen]
     print(f"\n{'benchmark':<14} {'result':<18} {'wall s':>8}  load average (1 min) while it ran")
     for o in outcomes:
         result = "ok" if o.code == 0 else f"FAILED (exit {o.code})"
         print(f"{o.name:<14} {result:<18} {o.wall:>8.1f}  {o.load}")
     table = headline_table(outcomes)
     if table:
-        print(f"\nHeadline figures ({'quick' if args.quick else 'full'} sizes)\n\n{table}", end="")
+        print(f"\nHeadline figures ({sizes} sizes)\n\n{table}", end="")
         if args.markdown is not None:
             args.markdown.write_text(table)
     return 0 if all(o.code == 0 for o in outcomes) else 1

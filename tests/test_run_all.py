@@ -99,3 +99,32 @@ def test_run_all_gathers_headlines_with_the_load(tmp_path: Path, monkeypatch, ca
     assert table[2].startswith("| fake | rate | 12 req/s | >= 10 req/s | ")
     assert table[3].startswith("| fake | memory | 80 MB | - | ")
     assert len(table) == 4 and table[2] in printed
+
+
+def test_targets_runs_only_the_benchmarks_with_target_sizes(tmp_path: Path, monkeypatch, capsys) -> None:
+    run_all = _run_all()
+    assert {b.name for b in run_all.BENCHES if b.targets is not None} >= {
+        "startup",
+        "state_size",
+        "publish",
+        "harvest",
+        "oaipmh",
+        "many_sources",
+    }
+    for name in ("a", "b"):
+        (tmp_path / f"bench_{name}.py").write_text("import sys\nprint('args', *sys.argv[1:])\n")
+    monkeypatch.setattr(run_all, "HERE", tmp_path)
+    monkeypatch.setattr(
+        run_all,
+        "BENCHES",
+        [
+            run_all.Bench("a", "bench_a.py", ("--full",), ("--quick",), ("--target-size",)),
+            run_all.Bench("b", "bench_b.py", ("--full",), ("--quick",)),
+        ],
+    )
+    assert run_all.main(["--targets"]) == 0
+    printed = capsys.readouterr().out
+    assert "[a] args --target-size" in printed and "[b]" not in printed
+    assert run_all.main(["--quick"]) == 0
+    printed = capsys.readouterr().out
+    assert "[a] args --quick" in printed and "[b] args --quick" in printed
