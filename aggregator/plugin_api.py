@@ -12,7 +12,9 @@ modules these names live in are rsagg's internals and may move. What is here:
   ``BlobWriter`` (with ``SpooledBlobWriter``, a writer that spools to a local temporary file), and the
   helpers a backend reuses — ``TempArea`` (temporary files under the store's local root), ``put_bytes``,
   ``pending_writers`` (writers still open, for the crash/leak checks), ``check_sha256`` and
-  ``blob_name`` (the ``ab/cd/<sha256>`` name every store gives a blob, which offloading relies on).
+  ``blob_name`` (the ``ab/cd/<sha256>`` name every store gives a blob, which offloading relies on);
+- ``lazy_module``, a module a plugin imports when one of its hooks first uses it: the commands that load
+  every plugin and call none of their hooks (``rsagg status``, ``retries``, ``plugins``) start without it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,30 @@ _LAZY = {
 }
 
 
+class _LazyModule:
+    """Stands for a module until an attribute is first asked for; then imports it, puts it in its place
+    in the plugin module's namespace (later uses go straight to the module) and answers."""
+
+    __slots__ = ("_into", "_module", "_name")
+
+    def __init__(self, module: str, into: dict[str, object], name: str) -> None:
+        self._module, self._into, self._name = module, into, name
+
+    def __getattr__(self, attr: str) -> object:
+        import importlib
+
+        module = importlib.import_module(self._module)
+        self._into[self._name] = module
+        return getattr(module, attr)
+
+
+def lazy_module(module: str, into: dict[str, object], name: str) -> _typing.Any:
+    """``module`` imported on first use and bound to ``name`` in ``into`` (the plugin's ``globals()``).
+
+    ``etree = lazy_module("lxml.etree", globals(), "etree")`` (under ``if not TYPE_CHECKING``)."""
+    return _LazyModule(module, into, name)
+
+
 def __getattr__(name: str) -> object:
     """A name of ``_LAZY``, imported on first use and kept."""
     if name in _LAZY:
@@ -83,6 +109,7 @@ __all__ = [
     "blob_name",
     "check_sha256",
     "hookimpl",
+    "lazy_module",
     "pending_writers",
     "put_bytes",
 ]

@@ -769,3 +769,20 @@ def test_shipped_plugins_and_the_example_import_nothing_of_rsagg_but_the_plugin_
             for name in names:
                 if name.split(".")[0] == "aggregator":
                     assert name == "aggregator.plugin_api", f"{file.name} imports {name}"
+
+
+def test_lazy_module_imports_on_first_use_and_takes_its_place(tmp_path: Path, monkeypatch) -> None:
+    from aggregator.plugin_api import lazy_module
+
+    (tmp_path / "rsagg_lazy_probe.py").write_text("VALUE = 42\ndef twice(x):\n    return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "rsagg_lazy_probe", raising=False)
+    namespace: dict[str, object] = {}
+    namespace["probe"] = lazy_module("rsagg_lazy_probe", namespace, "probe")
+    assert "rsagg_lazy_probe" not in sys.modules  # nothing imported until asked
+    assert namespace["probe"].VALUE == 42  # type: ignore[attr-defined]
+    assert namespace["probe"] is sys.modules["rsagg_lazy_probe"]  # the module itself from then on
+    assert namespace["probe"].twice(2) == 4  # type: ignore[attr-defined]
+    missing = lazy_module("rsagg_no_such_module", {}, "x")
+    with pytest.raises(ModuleNotFoundError):
+        getattr(missing, "anything")  # noqa: B009

@@ -44,23 +44,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from aggregator.plugin_api import hookimpl
+from aggregator.plugin_api import hookimpl, lazy_module
 
 if TYPE_CHECKING:
     from lxml import etree
-else:
-
-    class _LazyEtree:
-        """``lxml.etree``, imported when its filter reads a record: every command that loads the plugins
-        (``rsagg status``, ``retries``, ``plugins``) loads this module and calls none of its hooks."""
-
-        def __getattr__(self, name: str) -> Any:
-            from lxml import etree as module
-
-            globals()["etree"] = module
-            return getattr(module, name)
-
-    etree = _LazyEtree()
+else:  # imported when a hook first uses it: ``rsagg status`` loads this module and calls no hook
+    etree = lazy_module("lxml.etree", globals(), "etree")
 
 log = logging.getLogger("rsagg.plugins.metadatafilter")
 

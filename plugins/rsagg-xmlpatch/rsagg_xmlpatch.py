@@ -55,23 +55,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aggregator.plugin_api import hookimpl
+from aggregator.plugin_api import hookimpl, lazy_module
 
 if TYPE_CHECKING:
     from lxml import etree
-else:
-
-    class _LazyEtree:
-        """``lxml.etree``, imported when a patch is applied: every command that loads the plugins
-        (``rsagg status``, ``retries``, ``plugins``) loads this module and calls none of its hooks."""
-
-        def __getattr__(self, name: str) -> Any:
-            from lxml import etree as module
-
-            globals()["etree"] = module
-            return getattr(module, name)
-
-    etree = _LazyEtree()
+else:  # imported when a hook first uses it: ``rsagg status`` loads this module and calls no hook
+    etree = lazy_module("lxml.etree", globals(), "etree")
 
 PatchApplier = Callable[[bytes, bytes], bytes]  # same shape as aggregator.harvest.patch.PatchApplier
 
