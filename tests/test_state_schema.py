@@ -574,3 +574,44 @@ def test_a_change_with_a_hash_that_is_not_hex_is_refused_before_writing(tmp_path
         with pytest.raises(ValueError, match="not a hex md5"):
             st.apply(sid, [Change("https://example.org/x", "created", _sha("x"), hashes={"md5": "nope"})])
         assert st.last_seq() == 0
+
+
+_OPEN_WHEN_TOLD = """
+import sys, time
+from pathlib import Path
+from aggregator.store.state import State
+go = Path(sys.argv[2])
+Path(sys.argv[3]).touch()  # imported and ready
+while not go.exists():
+    pass
+State(sys.argv[1]).close()
+"""
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_processes_opening_a_new_state_at_once_all_open_it(tmp_path: Path, round_: int) -> None:
+    """SQLite does not wait (busy_timeout) to switch a file to WAL: processes creating one state at once
+    (a cluster's nodes started together) must still all open it, and migrate it once."""
+    import subprocess
+    import sys
+    import time
+
+    go, db = tmp_path / "go", tmp_path / "state.db"
+    ready = [tmp_path / f"ready-{i}" for i in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OPEN_WHEN_TOLD, str(db), str(go), str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in ready
+    ]
+    while not all(r.exists() for r in ready) and all(p.poll() is None for p in procs):
+        time.sleep(0.01)
+    go.touch()  # all at once
+    outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outputs
+    from aggregator.store.state import MIGRATIONS
+
+    with connect(db) as state:
+        assert state.schema_version == len(MIGRATIONS)

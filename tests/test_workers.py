@@ -36,11 +36,21 @@ def free_port() -> int:
 
 
 def children(pid: int) -> list[int]:
+    """The serving worker processes of ``pid`` (``aggregator.run.workers``): not its other children,
+    such as the niced dump worker (``run/dumpworker.py``) or the harvest's page workers."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         text = (task / "children").read_text().split()
-        out += [int(c) for c in text]
+        out += [int(c) for c in text if _is_serving_worker(int(c))]
     return out
+
+
+def _is_serving_worker(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # gone already
+        return False
+    return b"aggregator.run.workers" in argv
 
 
 def listening(port: int) -> int:

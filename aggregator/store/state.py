@@ -21,6 +21,7 @@ import json
 import secrets
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -184,7 +185,7 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
             conn.execute("PRAGMA query_only = ON")
             return
         with self._unwritable():
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            mode = self._journal_mode_wal(busy_timeout)
             if str(mode).lower() != "wal" and str(self.path) != ":memory:":
                 raise RuntimeError(f"could not switch {self.path} to WAL (journal_mode={mode})")
             conn.execute(f"PRAGMA synchronous = {sync}")
@@ -266,6 +267,21 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
                     self._check_fence(conn, current)
                 yield conn
             self._commits += 1
+
+    def _journal_mode_wal(self, busy_timeout: float) -> str:
+        """Switch to WAL, waiting up to ``busy_timeout`` for others opening the same file. SQLite does
+        not call its busy handler for this switch: processes opening a new state at once (a cluster's
+        nodes started together) got "database is locked" at once, whatever the timeout."""
+        deadline = time.monotonic() + busy_timeout
+        pause = 0.005
+        while True:
+            try:
+                return str(self.conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+            except sqlite3.OperationalError as exc:
+                if ("locked" not in str(exc) and "busy" not in str(exc)) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     @contextlib.contextmanager
     def _unwritable(self) -> Iterator[None]:
