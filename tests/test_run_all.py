@@ -128,3 +128,12 @@ def test_targets_runs_only_the_benchmarks_with_target_sizes(tmp_path: Path, monk
     assert run_all.main(["--quick"]) == 0
     printed = capsys.readouterr().out
     assert "[a] args --quick" in printed and "[b] args --quick" in printed
+
+
+def test_every_benchmark_with_targets_prints_its_headlines() -> None:
+    """The README's figures are the headline table of ``--targets``: a benchmark run there says which of
+    its figures answer a target, or the table silently lacks it."""
+    for bench in _run_all().BENCHES:
+        if bench.targets is not None:
+            text = (BENCHMARKS / bench.script).read_text()
+            assert "from _headline import headline" in text and "headline(" in text, bench.script
