@@ -31,6 +31,7 @@ Every server listens on 127.0.0.1 and is stopped at the end, also on errors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -507,17 +508,17 @@ def _nginx_up(
 
 def process_cpu(pids: list[int]) -> float:
     """CPU seconds (user + system) used so far by ``pids`` and their child processes (nginx's workers)."""
-    wanted, total = set(pids), 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(entry.name) in wanted or int(fields[1]) in wanted:
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            proc = psutil.Process(pid)
+            for p in [proc, *proc.children()]:
+                with contextlib.suppress(psutil.Error):
+                    times = p.cpu_times()
+                    total += times.user + times.system
+    return total
 
 
 def run_load(

@@ -4,11 +4,13 @@ failure named in the log, and a worker that cannot build turning the schedule to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from functools import partial
 from pathlib import Path
 
+import psutil
 import pytest
 import trio
 
@@ -31,17 +33,11 @@ BOUND = 60  # seconds: a generous bound for a condition, never a timing assertio
 
 
 def _children() -> dict[int, int]:
-    """This process's child processes: pid -> nice value (Linux /proc)."""
+    """This process's child processes: pid -> nice value."""
     found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid():
-            found[int(entry.name)] = int(fields[16])
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            found[child.pid] = child.nice()
     return found
 
 
