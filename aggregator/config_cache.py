@@ -4,8 +4,9 @@ it without pydantic (importing pydantic and building its validators is about a t
 
 The snapshot is the checked ``Config`` written as tagged JSON, under a key that is a SHA-256 of all that
 the check depends on: the config file's bytes, the path it was named by (``Config.file``: relative store
-paths are taken from it), the sources of ``config.py`` (the models and their rules) and of this module (the
-format), rsagg's version, the Python version and the installed pydantic and pydantic-core files. The
+paths are taken from it), the sources of ``config.py`` (the models and their rules: a new rsagg
+that changes them changes it) and of this module (the format), the Python version and the installed pydantic and
+pydantic-core files. The
 configuration reads no other file and no environment variable, so nothing else can change what a check
 of the same bytes gives; any other byte misses, and a miss is checked in full (errors come from there, as
 without the cache; a configuration that fails is never written).
@@ -33,7 +34,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from . import __version__
 from .config import MODELS, Config, ConfigError, _trusted, parse_toml
 
 #: The environment variable naming the cache folder (set empty to turn snapshots off).
@@ -51,10 +51,11 @@ def cache_folder() -> Path | None:
 
 
 def _schema() -> bytes:
-    """What the check of the same bytes depends on besides them: the models, this format, the versions."""
+    """What the check of the same bytes depends on besides them: the models and their rules (the source of
+    config.py: an rsagg that changes them changes it), this format, the versions of Python and pydantic."""
     from importlib.util import find_spec
 
-    parts = [_FORMAT, __version__.encode(), sys.version.encode()]
+    parts = [_FORMAT, sys.version.encode()]
     for module in (sys.modules[Config.__module__], sys.modules[__name__]):
         parts.append(Path(str(module.__file__)).read_bytes())
     for name in ("pydantic", "pydantic_core"):  # an upgrade rewrites their files
