@@ -4,12 +4,11 @@ it without pydantic (importing pydantic and building its validators is about a t
 
 The snapshot is the checked ``Config`` written as tagged JSON, under a key that is a SHA-256 of all that
 the check depends on: the config file's bytes, the path it was named by (``Config.file``: relative store
-paths are taken from it), the sources of ``config.py`` (the models and their rules: a new rsagg
-that changes them changes it) and of this module (the format), the Python version and the installed pydantic and
-pydantic-core files. The
-configuration reads no other file and no environment variable, so nothing else can change what a check
-of the same bytes gives; any other byte misses, and a miss is checked in full (errors come from there, as
-without the cache; a configuration that fails is never written).
+paths are taken from it), the sources of ``config.py`` (the models and their rules: a new rsagg that
+changes them changes it) and of this module (the format), the Python version and the installed pydantic
+and pydantic-core files. The configuration reads no other file and no environment variable, so nothing
+else can change what a check of the same bytes gives; any other byte misses, and a miss is checked in
+full (errors come from there, as without the cache; a configuration that fails is never written).
 
 Where: ``$RSAGG_CACHE_DIR`` (empty: no snapshot), else ``$XDG_CACHE_HOME/rsagg``, else ``~/.cache/rsagg``;
 in its ``config/`` folder, made 0700, one file per config path (its latest), written 0600 through a
