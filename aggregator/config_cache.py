@@ -15,8 +15,9 @@ in its ``config/`` folder, made 0700, one file per config path (its latest), wri
 rename. A snapshot is read only from a folder and a file the user owns that no one else may write or
 read; anything else, an unreadable or malformed file, or a folder that cannot be written, is a miss.
 
-Secrets: a configuration may hold some inline (secret-looking keys of ``[store.settings]`` and plugin
-tables, ``redact.config_secrets``; a password in ``store.state``'s URL). Such a configuration is not
+Secrets: a configuration may hold some inline (secret-looking keys of ``[store.settings]``, of plugin
+tables and of sources' plugin tables, as ``redact`` recognises them; a URL with a password there or in
+``store.state``). Such a configuration is not
 written at all: its secrets stay in the config file alone, protected as the operator protects it, and
 no copy outlives a rotation. (Credentials named by ``*_file``/``*_env`` keys are references, read when a
 harvest starts, not values of the configuration.)
@@ -100,12 +101,30 @@ def load_config_cached(path: str | Path) -> Config:
 
 
 def holds_secrets(config: Config) -> bool:
-    """Whether the configuration holds a secret itself (not only a reference to one)."""
-    from .redact import config_secrets
+    """Whether the configuration holds a secret itself (not only a reference to one): a secret-looking
+    key in ``[store.settings]``, a plugin's table or a source's plugin table (``redact.secret_settings``),
+    or a URL with a password anywhere in those tables or in ``store.state``."""
+    from .redact import secret_settings
 
-    if config_secrets(config):
+    tables: list[Any] = [config.store.settings, config.plugins, *(s.plugins for s in config.sources)]
+    if any(secret_settings(t) for t in tables):
         return True
-    return bool(config.store.state) and urlsplit(config.store.state).password is not None
+    return any(_password_in(v) for v in [config.store.state, *tables])
+
+
+def _password_in(value: Any) -> bool:
+    if isinstance(value, str):
+        if "@" not in value or "://" not in value:
+            return False
+        try:
+            return urlsplit(value.strip()).password is not None
+        except ValueError:
+            return True  # not a URL one can read: assume the worst
+    if isinstance(value, dict):
+        return any(_password_in(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_password_in(v) for v in value)
+    return False
 
 
 # --- the snapshot's form: JSON, every container tagged ---------------------------------------------------

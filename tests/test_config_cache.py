@@ -188,17 +188,22 @@ def test_a_broken_file_gives_the_same_error_and_no_snapshot(
     assert [p.read_bytes() for p in _snapshots(cache)] == written  # the good one's snapshot stays as is
 
 
-SECRETS = [
-    '[store.settings]\nsecret_access_key = "AKIAsecretvalue"\n',
-    '[plugins.s3sink]\napi_key = "sk-0123456789"\n',
-    '[store]\nstate = "postgresql://rsagg:hunter22@db:5432/rsagg"\n',
-]
+SECRETS = {
+    "store.settings": ('[store.settings]\nsecret_access_key = "AKIAsecretvalue"\n', ""),
+    "plugin": ('[plugins.s3sink]\napi_key = "sk-0123456789"\n', ""),
+    "state URL": ('[store]\nstate = "postgresql://rsagg:hunter22@db:5432/rsagg"\n', ""),
+    "source plugin": ("", 'plugins = { sink = { nested = { password = "hunter22x" } } }\n'),
+    "URL in a table": ('[store.settings]\nendpoint = "https://u:hunter22@s3.example/"\n', ""),
+    "URL in a list": ("", 'plugins = { sink = { mirrors = ["http://a/", "http://u:p@b/"] } }\n'),
+}
 
 
-@pytest.mark.parametrize("secret", SECRETS, ids=["store.settings", "plugin", "state URL"])
-def test_a_configuration_holding_a_secret_is_not_written(tmp_path: Path, cache: Path, secret: str) -> None:
+@pytest.mark.parametrize(("top", "in_source"), SECRETS.values(), ids=SECRETS)
+def test_a_configuration_holding_a_secret_is_not_written(
+    tmp_path: Path, cache: Path, top: str, in_source: str
+) -> None:
     path = tmp_path / "rsagg.toml"
-    path.write_text(secret + '[[sources]]\nname = "a"\nurl = "http://x/"\n')
+    path.write_text(top + '[[sources]]\nname = "a"\nurl = "http://x/"\n' + in_source)
     assert repr(load_config_cached(path)) == repr(load_config(path))
     assert _snapshots(cache) == []
     path.write_text('[[sources]]\nname = "a"\nurl = "http://x/"\n')  # the same file without it is
