@@ -47,6 +47,8 @@ FILES = {
     "big.bin": (os.urandom(300 * 1024), "application/octet-stream"),  # above SMALL_BLOB
     "drafts/secret.txt": (b"not for publishing\n", "text/plain"),  # hidden by the publish filter
     "gone.txt": (b"deleted later\n", "text/plain"),
+    # rsagg's headers name the URI thrice (Link): beyond the page nginx reads a cached answer with
+    "/".join(["long"] + ["d" * 120] * 16) + ".txt": (b"a long name\n", "text/plain"),
 }
 
 
