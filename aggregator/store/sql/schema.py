@@ -33,6 +33,12 @@ class SqliteOnly(str):
 
 #: Step 16: a change kind's text as its code (codec.LOG_KINDS; the CHECK of step 1 allows no other).
 _KIND_CODE = "CASE change WHEN 'created' THEN 0 WHEN 'updated' THEN 1 WHEN 'deleted' THEN 2 END"
+#: Step 17 (PostgreSQL): the columns of the two big tables, copied by name into their rebuilt tables.
+_RES_V17 = (
+    "id, updated_at, length, lastmod, upstream_datetime, set_id, uri_key, generation, deleted, uri, "
+    "sha256, md5, sha1, type, encoding, links, md_extra, entry_extra"
+)
+_LOG_V17 = "seq, resource_id, datetime, length, set_id, change, sha256, type, uri"
 
 #: Per dialect name, what each brace of ``STEPS`` reads as.
 TYPES = {
@@ -526,6 +532,76 @@ STEPS: list[tuple[str, ...]] = [
         # uri_key first: no query of a whole set picks this index (it is smaller than resources_live,
         # and SQLite chose it for counts of live rows, reading every row)
         "CREATE INDEX resources_uri ON resources(uri_key, set_id)",
+    ),
+    (  # 17: PostgreSQL's bytes of a resource cut again (SQLite's are not: it packs rows without padding
+        # and its index entries end with the rowid; its step is empty). (a) Both big tables rebuilt with
+        # their columns widest first (8-byte, then 4, 2, 1, then the variable-length ones, which need no
+        # alignment): no padding between columns; their set_id is a 4-byte integer (a set is a Capability
+        # List: two billion are not in sight; sets.id stays 8 bytes). (b) One index of a set's rows,
+        # (set_id, id) carrying ``deleted`` (INCLUDE), instead of resources_set_id and the partial
+        # resources_live: live pages and counts still read the index alone (index-only scans, skipping
+        # tombstones). (c) The uri key index is (uri_key) alone: a lookup checks set_id and uri on the
+        # row it reads anyway (a uri is rarely held by several sets). (d) The changelog's seq indexes are
+        # append-only (seq only grows, a record is never updated): their pages are filled whole
+        # (fillfactor 100) where B-trees leave a tenth free for inserts that never come. changelog_resource
+        # stays (resource_id, seq): without statistics, a planner given (resource_id) alone walked the
+        # whole changelog backwards by seq for version_at. The rows are copied in id and seq order, the
+        # statistics taken again (ANALYZE) for the planner.
+        PostgresOnly("""CREATE TABLE resources_v17 (
+            id BIGINT PRIMARY KEY,
+            updated_at TIMESTAMPTZ NOT NULL,
+            length BIGINT,
+            lastmod TIMESTAMPTZ,
+            upstream_datetime TIMESTAMPTZ,
+            set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+            uri_key INTEGER NOT NULL,       -- dialect.uri_key(uri)
+            generation INTEGER,
+            deleted BOOLEAN NOT NULL DEFAULT false,
+            uri TEXT NOT NULL,
+            sha256 BYTEA,                   -- the digest's bytes (codec.hash_in / hash_out)
+            md5 BYTEA,
+            sha1 BYTEA,
+            type TEXT,
+            encoding TEXT,
+            links TEXT,                     -- JSON list of rs:ln attribute objects, NULL when none
+            md_extra TEXT,                  -- JSON object, NULL when empty
+            entry_extra TEXT                -- JSON list of XML strings, NULL when empty
+        )"""),
+        PostgresOnly(f"INSERT INTO resources_v17 ({_RES_V17}) SELECT {_RES_V17} FROM resources ORDER BY id"),
+        PostgresOnly("""CREATE TABLE changelog_v17 (
+            seq BIGINT PRIMARY KEY WITH (fillfactor = 100),   -- never reused, even after pruning
+            resource_id BIGINT NOT NULL,            -- no FK: the log outlives pruned rows
+            datetime TIMESTAMPTZ NOT NULL,          -- rsagg's clock, non-decreasing
+            length BIGINT,                          -- the change's own (not the row's current) values
+            set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+            change SMALLINT NOT NULL CHECK (change IN (0, 1, 2)),  -- codec.LOG_KINDS
+            sha256 BYTEA,
+            type TEXT,
+            uri TEXT                                -- NULL: the uri of resource_id's row
+        )"""),
+        PostgresOnly(f"INSERT INTO changelog_v17 ({_LOG_V17}) SELECT {_LOG_V17} FROM changelog ORDER BY seq"),
+        PostgresOnly("DROP TABLE changelog"),
+        PostgresOnly("DROP TABLE resources"),
+        PostgresOnly("ALTER TABLE resources_v17 RENAME TO resources"),
+        PostgresOnly("ALTER TABLE changelog_v17 RENAME TO changelog"),
+        # the names the constraints had (later steps name them)
+        PostgresOnly("ALTER INDEX resources_v17_pkey RENAME TO resources_pkey"),
+        PostgresOnly("ALTER INDEX changelog_v17_pkey RENAME TO changelog_pkey"),
+        PostgresOnly(
+            "ALTER TABLE resources RENAME CONSTRAINT resources_v17_set_id_fkey TO resources_set_id_fkey"
+        ),
+        PostgresOnly(
+            "ALTER TABLE changelog RENAME CONSTRAINT changelog_v17_set_id_fkey TO changelog_set_id_fkey"
+        ),
+        PostgresOnly(
+            "ALTER TABLE changelog RENAME CONSTRAINT changelog_v17_change_check TO changelog_change_check"
+        ),
+        PostgresOnly("CREATE INDEX resources_set ON resources(set_id, id) INCLUDE (deleted)"),
+        PostgresOnly("CREATE INDEX resources_uri ON resources(uri_key)"),
+        PostgresOnly("CREATE INDEX changelog_set_seq ON changelog(set_id, seq) WITH (fillfactor = 100)"),
+        PostgresOnly("CREATE INDEX changelog_resource ON changelog(resource_id, seq)"),
+        PostgresOnly("ANALYZE resources"),
+        PostgresOnly("ANALYZE changelog"),
     ),
 ]
 
