@@ -5,10 +5,11 @@ The statements are SQLite's, with the column types that differ in braces (``TYPE
 fixed-width W3C text in SQLite, ``timestamptz`` in PostgreSQL; a 64-bit integer, a blob, a boolean...)
 and ``deleted = 0`` as ``Dialect.sql`` rewrites it; ``PostgresOnly`` marks the few statements only
 PostgreSQL runs (its changelog head, the resource id sequence, the version sequence, in-place
-conversions) and ``SqliteOnly`` the few only SQLite runs (steps 15 and 16's table rebuilds: since
-step 16 SQLite's ``resources`` and ``changelog`` keep their times as integer microseconds,
-``Dialect.t_row``). How the version is kept is the backend's: ``PRAGMA user_version``
-(store/state.py), the ``schema_version`` table under an advisory lock (store/postgres.py).
+conversions, step 17's rebuild of the two big tables for its row layout) and ``SqliteOnly`` the few
+only SQLite runs (steps 15 and 16's table rebuilds: since step 16 SQLite's ``resources`` and
+``changelog`` keep their times as integer microseconds, ``Dialect.t_row``). How the version is kept
+is the backend's: ``PRAGMA user_version`` (store/state.py), the ``schema_version`` table under an
+advisory lock (store/postgres.py).
 """
 
 from __future__ import annotations
@@ -546,8 +547,7 @@ STEPS: list[tuple[str, ...]] = [
         # append-only (seq only grows, a record is never updated): their pages are filled whole
         # (fillfactor 100) where B-trees leave a tenth free for inserts that never come. changelog_resource
         # stays (resource_id, seq): without statistics, a planner given (resource_id) alone walked the
-        # whole changelog backwards by seq for version_at. The rows are copied in id and seq order, the
-        # statistics taken again (ANALYZE) for the planner.
+        # whole changelog backwards by seq for version_at. The rows are copied in id and seq order.
         PostgresOnly("""CREATE TABLE resources_v17 (
             id BIGINT PRIMARY KEY,
             updated_at TIMESTAMPTZ NOT NULL,
@@ -601,8 +601,11 @@ STEPS: list[tuple[str, ...]] = [
         PostgresOnly("CREATE INDEX resources_uri ON resources(uri_key, set_id)"),
         PostgresOnly("CREATE INDEX changelog_set_seq ON changelog(set_id, seq) WITH (fillfactor = 100)"),
         PostgresOnly("CREATE INDEX changelog_resource ON changelog(resource_id, seq)"),
-        PostgresOnly("ANALYZE resources"),
-        PostgresOnly("ANALYZE changelog"),
+        # statistics for the planner at once when there are rows (a new state stays never analysed)
+        PostgresOnly(
+            "DO $$ BEGIN IF EXISTS (SELECT FROM resources) THEN ANALYZE resources; ANALYZE changelog; "
+            "END IF; END $$"
+        ),
     ),
 ]
 
