@@ -548,13 +548,14 @@ STEPS: list[tuple[str, ...]] = [
         # (fillfactor 100) where B-trees leave a tenth free for inserts that never come. changelog_resource
         # stays (resource_id, seq): without statistics, a planner given (resource_id) alone walked the
         # whole changelog backwards by seq for version_at. The rows are copied in id and seq order.
+        # The keys and the set references are added once the rows are in (one index build, one check).
         PostgresOnly("""CREATE TABLE resources_v17 (
-            id BIGINT PRIMARY KEY,
+            id BIGINT NOT NULL,
             updated_at TIMESTAMPTZ NOT NULL,
             length BIGINT,
             lastmod TIMESTAMPTZ,
             upstream_datetime TIMESTAMPTZ,
-            set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+            set_id INTEGER NOT NULL,
             uri_key INTEGER NOT NULL,       -- dialect.uri_key(uri)
             generation INTEGER,
             deleted BOOLEAN NOT NULL DEFAULT false,
@@ -570,12 +571,12 @@ STEPS: list[tuple[str, ...]] = [
         )"""),
         PostgresOnly(f"INSERT INTO resources_v17 ({_RES_V17}) SELECT {_RES_V17} FROM resources ORDER BY id"),
         PostgresOnly("""CREATE TABLE changelog_v17 (
-            seq BIGINT PRIMARY KEY WITH (fillfactor = 100),   -- never reused, even after pruning
+            seq BIGINT NOT NULL,                    -- never reused, even after pruning
             resource_id BIGINT NOT NULL,            -- no FK: the log outlives pruned rows
             datetime TIMESTAMPTZ NOT NULL,          -- rsagg's clock, non-decreasing
             length BIGINT,                          -- the change's own (not the row's current) values
-            set_id INTEGER NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
-            change SMALLINT NOT NULL CHECK (change IN (0, 1, 2)),  -- codec.LOG_KINDS
+            set_id INTEGER NOT NULL,
+            change SMALLINT NOT NULL CONSTRAINT changelog_change_check CHECK (change IN (0, 1, 2)),
             sha256 BYTEA,
             type TEXT,
             uri TEXT                                -- NULL: the uri of resource_id's row
@@ -585,17 +586,13 @@ STEPS: list[tuple[str, ...]] = [
         PostgresOnly("DROP TABLE resources"),
         PostgresOnly("ALTER TABLE resources_v17 RENAME TO resources"),
         PostgresOnly("ALTER TABLE changelog_v17 RENAME TO changelog"),
-        # the names the constraints had (later steps name them)
-        PostgresOnly("ALTER INDEX resources_v17_pkey RENAME TO resources_pkey"),
-        PostgresOnly("ALTER INDEX changelog_v17_pkey RENAME TO changelog_pkey"),
         PostgresOnly(
-            "ALTER TABLE resources RENAME CONSTRAINT resources_v17_set_id_fkey TO resources_set_id_fkey"
+            "ALTER TABLE resources ADD CONSTRAINT resources_pkey PRIMARY KEY (id), ADD CONSTRAINT "
+            "resources_set_id_fkey FOREIGN KEY (set_id) REFERENCES sets(id) ON DELETE CASCADE"
         ),
         PostgresOnly(
-            "ALTER TABLE changelog RENAME CONSTRAINT changelog_v17_set_id_fkey TO changelog_set_id_fkey"
-        ),
-        PostgresOnly(
-            "ALTER TABLE changelog RENAME CONSTRAINT changelog_v17_change_check TO changelog_change_check"
+            "ALTER TABLE changelog ADD CONSTRAINT changelog_pkey PRIMARY KEY (seq) WITH (fillfactor = 100), "
+            "ADD CONSTRAINT changelog_set_id_fkey FOREIGN KEY (set_id) REFERENCES sets(id) ON DELETE CASCADE"
         ),
         PostgresOnly("CREATE INDEX resources_set ON resources(set_id, id) INCLUDE (deleted)"),
         PostgresOnly("CREATE INDEX resources_uri ON resources(uri_key, set_id)"),
