@@ -19,6 +19,14 @@ harvester also makes one untimed walk before the timed pairs.
     python benchmarks/bench_oaipmh.py --repeat 1           # one sickle/rsagg pair per latency (default 3)
     python benchmarks/bench_oaipmh.py --inline-bytes 0     # every record a file of its own (no small.db)
     python benchmarks/bench_oaipmh.py --processes 0        # page work in rsagg's threads, no worker process
+    python benchmarks/bench_oaipmh.py --no-settle          # rsagg with Python's default garbage collector
+
+Garbage collector: each harvester with its own process's settings. rsagg's commands (``rsagg harvest``,
+``rsagg run``) set theirs once started (``run/heap.py``: start-up's objects frozen, a larger first-generation
+threshold), so rsagg's runs call ``harvest_once`` with ``settle=True`` as ``rsagg harvest`` does; sickle's
+runs get Python's default thresholds back (the objects frozen by then are this benchmark's and rsagg's
+imports, which sickle's own process would not hold). ``--no-settle``: rsagg with Python's defaults too, as
+this benchmark ran it until it ran rsagg the way its commands do.
 
 CPU: seconds of CPU per run, user + system: sickle's is this process's; rsagg's is this process's (the event
 loop and the state writer's thread) plus its worker processes' (the page work), given as "main + workers".
@@ -28,6 +36,7 @@ The load average is read after each pair; a row gives the range over its pairs.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import resource
 import statistics
@@ -42,6 +51,7 @@ from _headline import headline
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 TARGET = 1.0  # rsagg records/s / sickle records/s, rsagg storing every record
+DEFAULT_GC = gc.get_threshold()  # Python's, before anything changed them
 
 
 def serve(port_file: str, records: int, page: int, latency: float) -> None:
@@ -141,6 +151,7 @@ def cpu_seconds(server: subprocess.Popen) -> tuple[float, float]:
 def run_sickle(url: str) -> tuple[float, int]:
     from sickle import Sickle
 
+    gc.set_threshold(*DEFAULT_GC)  # a plain Python process's collector (rsagg's runs set their own)
     start = time.perf_counter()
     n = sum(1 for _ in Sickle(url, timeout=60).ListRecords(metadataPrefix="oai_dc", ignore_deleted=False))
     return time.perf_counter() - start, n
@@ -148,8 +159,10 @@ def run_sickle(url: str) -> tuple[float, int]:
 
 def run_rsagg(
     url: str, folder: Path, inline_bytes: int | None = None, processes: int | None = None,
-    server: subprocess.Popen | None = None,
+    server: subprocess.Popen | None = None, settle: bool = True,
 ) -> tuple[float, int, float, tuple[float, float]]:  # fmt: skip
+    from functools import partial
+
     import httpx
     import trio
 
@@ -173,7 +186,9 @@ def run_rsagg(
     cfg = parse_config(settings, str(folder / "bench.toml"))
     cpu_before = cpu_seconds(server) if server is not None else (0.0, 0.0)
     start = time.perf_counter()
-    (result,) = trio.run(harvest_once, cfg, [])
+    if not settle:
+        gc.set_threshold(*DEFAULT_GC)
+    (result,) = trio.run(partial(harvest_once, cfg, [], settle=settle))  # settle: as ``rsagg harvest``
     took = time.perf_counter() - start
     cpu_after = cpu_seconds(server) if server is not None else (0.0, 0.0)
     cpu = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
@@ -218,6 +233,8 @@ def main() -> None:
                     "(default: the store's own; 0: a file per record, as before small.db)")  # fmt: skip
     ap.add_argument("--processes", type=int, help="harvest.processes of rsagg (default: the config's "
                     "default; 0: page work in the daemon's threads)")  # fmt: skip
+    ap.add_argument("--no-settle", dest="settle", action="store_false", help="rsagg with Python's default "
+                    "garbage collector (default: as its commands set it, run/heap.py)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3, help="sickle/rsagg pairs per latency, run in turn; "
                     "the table gives the medians (on a shared machine one run says little)")  # fmt: skip
     args = ap.parse_args()
@@ -231,14 +248,14 @@ def main() -> None:
             # (requests' first connections and imports), which made the first pair's ratio look better.
             run_sickle(url)
             with tempfile.TemporaryDirectory(prefix="rsagg-bench-oaipmh-", dir=args.workdir) as d:
-                run_rsagg(url, Path(d), args.inline_bytes, args.processes)
+                run_rsagg(url, Path(d), args.inline_bytes, args.processes, settle=args.settle)
             for _ in range(args.repeat):
                 before = cpu_seconds(proc)[0]
                 s_took, s_n = run_sickle(url)
                 s_cpu = cpu_seconds(proc)[0] - before
                 with tempfile.TemporaryDirectory(prefix="rsagg-bench-oaipmh-", dir=args.workdir) as d:
                     r_took, r_n, served, r_cpu = run_rsagg(
-                        url, Path(d), args.inline_bytes, args.processes, server=proc
+                        url, Path(d), args.inline_bytes, args.processes, server=proc, settle=args.settle
                     )
                 assert s_n == args.records and r_n == args.records, (s_n, r_n)
                 pairs.append((s_n / s_took, r_n / r_took, served, s_cpu, *r_cpu, os.getloadavg()[0]))
@@ -255,7 +272,8 @@ def main() -> None:
         f"\nOAI-PMH harvest, {args.records:,} oai_dc records in pages of {args.page} (PyPI oaipmh server), "
         f"medians of {args.repeat} runs each; rsagg's store: inline_bytes "
         f"{'default' if args.inline_bytes is None else args.inline_bytes}, harvest.processes "
-        f"{'default' if args.processes is None else args.processes}.\n"
+        f"{'default' if args.processes is None else args.processes}; rsagg's garbage collector: "
+        f"{'as its commands set it (run/heap.py)' if args.settle else 'Python defaults (--no-settle)'}.\n"
         "sickle: fetches and parses each record (requests + lxml), stores nothing. rsagg: fetches, parses, "
         "canonicalises, hashes (sha-256, md5) and stores each record as a durable blob, then commits its "
         "row, changelog record and the walk's cursor (one transaction per page or batch); checked after "

@@ -13,7 +13,8 @@ from aggregator.store.blobs import BlobWriter, FileBlobStore, SpooledBlobWriter
 
 
 class FullDiskStore(FileBlobStore):
-    """The default store, but a commit holding a blob that contains ``marker`` fails with ENOSPC."""
+    """The default store, but a commit (or ``put_small``) holding a blob that contains ``marker`` fails with
+    ENOSPC."""
 
     def __init__(self, root: Path, marker: bytes) -> None:
         super().__init__(root)
@@ -23,6 +24,11 @@ class FullDiskStore(FileBlobStore):
         if any(self.marker in (w.held() or b"") for w in writers if isinstance(w, SpooledBlobWriter)):
             raise OSError(errno.ENOSPC, "No space left on device")
         super().commit(writers)
+
+    def put_small(self, contents: Sequence[bytes], algorithms: frozenset[str] = frozenset()) -> list | None:
+        if any(self.marker in c for c in contents):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().put_small(contents, algorithms)
 
 
 def full_disk(settings: dict, root: Path) -> FullDiskStore:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -93,6 +94,52 @@ def test_a_batch_is_one_step_and_counts_what_was_new(store: FileBlobStore) -> No
     assert store.read_inline(sha(b"two")) == b"two"
     assert counted == [(1, 0), (2, 2)]  # "one" and "two" new; the second "one" and "stored before" not
     assert blob_files(store) == [] and temp_files(store) == []
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_put_small_stores_and_counts_as_commit_does(tmp_path: Path, seed: int) -> None:
+    """``put_small`` (a page of small records at once, no writer each) against writers and ``commit``,
+    on generated batches: repeats inside a batch, contents stored before, empty ones, every extra hash
+    algorithm. Same BlobInfos in order, same rows, same counts of written vs deduplicated."""
+    rng = random.Random(seed)
+    pool = [rng.randbytes(rng.randrange(0, 40)) for _ in range(8)]
+    algorithms = frozenset(rng.sample(["md5", "sha-1", "sha-512", "sha-256"], rng.randrange(0, 4)))
+    earlier = rng.sample(pool, rng.randrange(0, 4))
+    batch = [rng.choice(pool) for _ in range(rng.randrange(0, 12))]
+    results = []
+    for way in ("writers", "put_small"):
+        with FileBlobStore(tmp_path / way, inline_bytes=64) as store:
+            counted: list[tuple[list[str], list[str]]] = []
+            store.commit([spooled(store, d) for d in earlier])
+            store.on_commit = lambda new, dup, counted=counted: counted.append(
+                (sorted(i.sha256 for i in new), sorted(i.sha256 for i in dup))
+            )
+            if way == "writers":
+                writers = []
+                for d in batch:
+                    w = store.begin(algorithms, spool=64 * 1024)
+                    w.write(d)
+                    writers.append(w)
+                infos = [w.finish() for w in writers]
+                store.commit(writers)
+            else:
+                got = store.put_small(batch, algorithms)
+                assert got is not None
+                infos = got
+            assert all(store.read_inline(i.sha256) == d for i, d in zip(infos, batch, strict=True))
+            assert blob_files(store) == [] and temp_files(store) == []
+            results.append((infos, counted, sorted(store.iter_hashes())))
+    assert results[0] == results[1]
+
+
+def test_put_small_leaves_bigger_blobs_to_writers(tmp_path: Path) -> None:
+    """None, with nothing stored, when one blob is over ``inline_bytes`` or the store keeps none inline."""
+    with FileBlobStore(tmp_path / "blobs", inline_bytes=8) as store:
+        assert store.put_small([b"tiny", b"a bigger blob"]) is None
+        assert list(store.iter_hashes()) == []
+    with FileBlobStore(tmp_path / "off", inline_bytes=0) as store:
+        assert store.put_small([b"tiny"]) is None
+        assert list(store.iter_hashes()) == []
 
 
 def test_a_mixed_batch_stores_rows_first_then_files(tmp_path: Path) -> None:

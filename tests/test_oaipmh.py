@@ -695,13 +695,16 @@ def _generated_page(rng, n: int) -> tuple[bytes, list[tuple[str, bool, bytes | N
     return doc.encode(), kept, (token.replace("&amp;", "&") or None) if token is not None else None, skipped
 
 
+@pytest.mark.parametrize("inline", [{}, {"inline_bytes": 0}], ids=["put_small", "writers"])
 @pytest.mark.parametrize("whole", [True, False], ids=["tree", "incremental"])
-def test_the_records_stored_are_the_records_served(tmp_path: Path, monkeypatch, whole: bool):
+def test_the_records_stored_are_the_records_served(tmp_path: Path, monkeypatch, whole: bool, inline: dict):
     """Generated pages (deleted records, records without identifier or metadata, character references,
     tokens with attributes, the empty token of the last page), parsed whole and incrementally: every
     record served is stored, with its identifier, its deletion, the exclusive C14N of its metadata as
     a durable blob and its GetRecord URL; the skipped ones are counted as problems; the token is read
-    as served."""
+    as served. Both ways a page's records become blobs: rows of small.db at once (``put_small``), or a
+    writer each (a store without small.db)."""
+    import hashlib
     import random
     from urllib.parse import quote
 
@@ -711,7 +714,7 @@ def test_the_records_stored_are_the_records_served(tmp_path: Path, monkeypatch, 
 
     if not whole:
         monkeypatch.setattr(oaipage, "TREE_BYTES", 0)
-    blobs = create_store({}, tmp_path)
+    blobs = create_store(inline, tmp_path)
     get_record = "http://h/oai?verb=GetRecord&metadataPrefix=oai_dc&identifier="
     rng = random.Random(28)
     try:
@@ -727,6 +730,8 @@ def test_the_records_stored_are_the_records_served(tmp_path: Path, monkeypatch, 
                     assert (sha, md5) == (None, None)
                     continue
                 assert sha is not None and length == len(content) and blobs.exists(sha)
+                assert (sha, md5) == (hashlib.sha256(content).hexdigest(), hashlib.md5(content).hexdigest())
+                assert (blobs.read_inline(sha) is not None) == (not inline)  # a row, or a file each
                 with blobs.open(sha) as f:
                     assert f.read() == content
     finally:

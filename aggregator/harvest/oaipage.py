@@ -253,6 +253,28 @@ def store_page(
     stored: list[StoredRecord] = []
     writers: list[BlobWriter] = []
     try:
+        put_small = getattr(blobs, "put_small", None)  # FileBlobStore's: small records, no writer each
+        infos = put_small([r.content for r in records if r.content is not None], _MD5) if put_small else None
+        if infos is not None:
+            found = iter(infos)
+            for rec in records:
+                via = get_record + quote_all(rec.identifier)
+                if rec.content is None:
+                    stored.append((rec.identifier, rec.datestamp, True, None, 0, None, via))
+                else:
+                    info = next(found)
+                    stored.append(
+                        (
+                            rec.identifier,
+                            rec.datestamp,
+                            False,
+                            info.sha256,
+                            info.length,
+                            info.hashes["md5"],
+                            via,
+                        )
+                    )
+            return page, stored, None
         for rec in records:
             via = get_record + quote_all(rec.identifier)
             if rec.content is None:

@@ -17,6 +17,7 @@ import ctypes
 import errno
 import fcntl
 import functools
+import hashlib
 import heapq
 import inspect
 import io
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, cast, runtime_checkable
 
-from ..rs.fixity import Hasher
+from ..rs.fixity import ALGORITHMS, Hasher
 from .inline import INLINE_FILE, InlineBlobs
 
 log = logging.getLogger(__name__)
@@ -648,6 +649,46 @@ class FileBlobStore:
 
     def put_bytes(self, data: bytes) -> BlobInfo:
         return put_bytes(self, data, spool=self.inline_bytes)  # small ones stay in memory: inline
+
+    def put_small(
+        self, contents: Sequence[bytes], algorithms: frozenset[str] = frozenset()
+    ) -> list[BlobInfo] | None:
+        """Store blobs whole in memory, each of at most ``inline_bytes``, as rows of ``small.db`` in one
+        durable transaction: what ``commit`` does with such blobs held by spooled writers, without a
+        writer, a Hasher and the commit's bookkeeping per blob (an OAI-PMH page's records, in a worker
+        process: that bookkeeping cost a sixth of a page's work there). Their BlobInfos, in order
+        (``algorithms``: extra hash tokens, as ``begin``'s). None, with nothing stored, when the store keeps
+        no blob inline or one is bigger: the caller then uses writers. Blocking; ``on_commit`` as ``commit``.
+        """
+        if self._inline is None or not self.inline_bytes or any(len(c) > self.inline_bytes for c in contents):
+            return None
+        extra = [(a, getattr(hashlib, ALGORITHMS[a])) for a in sorted(algorithms) if a in ALGORITHMS]
+        extra = [(a, new) for a, new in extra if a != "sha-256"]
+        sha256 = hashlib.sha256
+        infos: list[BlobInfo] = []
+        first: dict[str, bytes] = {}  # per content, its bytes (a repeat in the batch is stored once)
+        for data in contents:
+            sha = sha256(data).hexdigest()
+            hashes = {"sha-256": sha}
+            for a, new in extra:
+                hashes[a] = new(data).hexdigest()
+            infos.append(BlobInfo(sha, len(data), hashes))
+            first.setdefault(sha, data)
+        if not first:
+            return infos
+        added = self._inline.put_many(list(first.items()))
+        if self.on_commit is not None:  # durable now: as ``commit_steps`` counts them
+            fresh = {sha for sha, new in zip(first, added, strict=True) if new}
+            written: list[BlobInfo] = []
+            found: list[BlobInfo] = []
+            for info in infos:
+                if info.sha256 in fresh:
+                    fresh.discard(info.sha256)  # a repeat in the batch: deduplicated
+                    written.append(info)
+                else:
+                    found.append(info)
+            self.on_commit(written, found)
+        return infos
 
     def commit(self, writers: Sequence[BlobWriter]) -> None:
         """Make every finished writer's blob durable and visible (see ``commit_steps``); blocking."""

@@ -24,6 +24,9 @@ from ..rows import format_dt, parse_dt
 MAX_INT = 2**63 - 1
 
 
+#: Cached: ``State.apply`` keys a batch's uris twice (the lookup of what is stored, then the rows it
+#: inserts), and a key is a tenth of a new row's time in Python; bounded, so a big harvest only evicts.
+@functools.lru_cache(maxsize=4096)
 def uri_key(uri: str) -> int:
     """The lookup key of a resource row (schema step 16): the first 4 bytes of the MD5 of the uri's
     UTF-8, as a signed 32-bit integer. The index ``resources_uri (uri_key, set_id)`` is 16 bytes an
