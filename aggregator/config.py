@@ -7,40 +7,34 @@ in one field (duplicate names, ``[[sets]]`` naming known sources, auth that neve
 is checked after it, in the same error form. Configs built in code (``Config()``, ``dataclasses.replace``)
 are checked by the same types, raising pydantic's ValidationError.
 
-Why pydantic rather than msgspec: its dataclasses stay standard frozen dataclasses, so every caller's
+The classes are standard frozen dataclasses, and this module does not import pydantic when it is
+imported: the types carry their rules as small metadata objects (``_Scalar``, ``_Rule``, ``_Before``,
+``_After``) that pydantic turns into its validators through ``__get_pydantic_core_schema__`` when it
+checks a configuration. So a configuration can be rebuilt from a snapshot of one already checked
+(``aggregator/config_cache.py``) without pydantic, which is a third of a one-shot command's start-up.
+
+Why pydantic rather than msgspec: the classes stay standard frozen dataclasses, so every caller's
 ``dataclasses.replace``, ``fields`` and ``repr`` (a cache key of renderings) keep working, and each error
 comes with a structured location, type and context we turn into our own wording; msgspec's Structs are
-not dataclasses and its errors carry the path only inside the message text. Speed does not matter for a
-file read at start and on reload.
+not dataclasses and its errors carry the path only inside the message text.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import re
-import tomllib
-from collections.abc import Callable
-from dataclasses import field
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 from urllib.parse import urlsplit
 
-from pydantic import (
-    AfterValidator,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    TypeAdapter,
-    ValidationError,
-)
-from pydantic.dataclasses import dataclass
-from pydantic_core import PydanticCustomError
-
 from .errors import ConfigError  # defined there: `rsagg plugins` raises it without pydantic
+
+if TYPE_CHECKING:
+    from pydantic import TypeAdapter
+    from pydantic_core import PydanticCustomError
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}\Z")
 #: ``server.offload``: who sends a resource's bytes (see ServerConfig).
@@ -51,25 +45,120 @@ SourceKind = Literal["resourcesync", "oai-pmh"]
 SOURCE_KINDS: tuple[str, ...] = get_args(SourceKind)
 
 
-#: Unknown keys are errors; numbers are finite. Scalars are strict through their types below (containers
-#: stay lax: a TOML array becomes a tuple, a table a dataclass).
-_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+# The rules as metadata of the field types. pydantic asks each for its part of the validator
+# (``__get_pydantic_core_schema__``) when it builds one; nothing here imports pydantic before that.
 
 
-def _rule(ok: Callable[[Any], bool], problem: Callable[[Any], str]) -> AfterValidator:
+class _Scalar:
+    """Keys of pydantic-core's scalar schema: ``strict`` ("5" is no int, 5 no str, true no int), bounds
+    (``ge``, ``gt``, ``le``, ``min_length``): the same validators, and errors, as pydantic's ``Strict``
+    and ``Field(ge=...)``."""
+
+    def __init__(self, **keys: Any) -> None:
+        self.keys = keys
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Callable[[Any], Any]) -> Any:
+        return {**handler(source), **self.keys}
+
+
+class _Rule:
     """A one-field check whose failure reads as ``problem(value)`` at that field's key."""
 
-    def check(value: Any) -> Any:
-        if not ok(value):
-            raise _fail(problem(value))
+    def __init__(self, ok: Callable[[Any], Any], problem: Callable[[Any], str]) -> None:
+        self.ok, self.problem = ok, problem
+
+    def check(self, value: Any) -> Any:
+        if not self.ok(value):
+            raise _fail(self.problem(value))
         return value
 
-    return AfterValidator(check)
+    def __get_pydantic_core_schema__(self, source: Any, handler: Callable[[Any], Any]) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+
+class _After:
+    """A conversion of the checked value (pydantic's ``AfterValidator``)."""
+
+    def __init__(self, convert: Callable[[Any], Any]) -> None:
+        self.convert = convert
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Callable[[Any], Any]) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_after_validator_function(self.convert, handler(source))
+
+
+class _Before:
+    """A check and conversion of the raw value before its type's (pydantic's ``BeforeValidator``)."""
+
+    def __init__(self, convert: Callable[[Any], Any]) -> None:
+        self.convert = convert
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Callable[[Any], Any]) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_before_validator_function(self.convert, handler(source))
+
+
+def _rule(ok: Callable[[Any], Any], problem: Callable[[Any], str]) -> _Rule:
+    return _Rule(ok, problem)
 
 
 def _fail(problem: str) -> PydanticCustomError:
     """An error whose text is ours, word for word (``_problem`` passes it through)."""
+    from pydantic_core import PydanticCustomError
+
     return PydanticCustomError("rsagg", "{problem}", {"problem": problem})
+
+
+#: Unknown keys are errors; numbers are finite. Scalars are strict through their types below (containers
+#: stay lax: a TOML array becomes a tuple, a table a dataclass). pydantic reads it from each model class.
+_STRICT: dict[str, Any] = {"extra": "forbid", "allow_inf_nan": False}
+
+_checking = threading.local()  # .depth > 0: instances are made by a check, not by a caller
+
+
+@contextmanager
+def _trusted() -> Iterator[None]:
+    """Instances made inside are not checked again on their own (pydantic makes them while it checks;
+    ``config_cache`` rebuilds a configuration checked before)."""
+    _checking.depth = getattr(_checking, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _checking.depth -= 1
+
+
+_ADAPTERS: dict[type, TypeAdapter[Any]] = {}
+
+
+def _adapter(cls: type) -> TypeAdapter[Any]:
+    """pydantic's validator of a model class, built once (it is what takes time: imports and the build)."""
+    adapter = _ADAPTERS.get(cls)
+    if adapter is None:
+        from pydantic import TypeAdapter
+
+        adapter = _ADAPTERS[cls] = TypeAdapter(cls)
+    return adapter
+
+
+class _Model:
+    """The base of the config dataclasses: an instance made in code (``Config()``,
+    ``dataclasses.replace``) is checked by pydantic as a parsed one is, its values converted alike (an
+    array to a tuple, an int to the float it stands for); a failure raises pydantic's ValidationError."""
+
+    __pydantic_config__: ClassVar[dict[str, Any]] = _STRICT
+
+    def __post_init__(self) -> None:
+        if getattr(_checking, "depth", 0):
+            return
+        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        with _trusted():
+            checked = _adapter(type(self)).validate_python(values)
+        for name in values:
+            object.__setattr__(self, name, getattr(checked, name))
 
 
 def _is_url(value: str) -> bool:
@@ -89,18 +178,21 @@ def _is_offload_location(loc: str) -> bool:
 _HUB_PATH = re.compile(r"/[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*\Z")
 
 # The field types: strict scalars, their ranges and one-field rules (a failure names the field's key).
+StrictInt = Annotated[int, _Scalar(strict=True)]
+StrictFloat = Annotated[float, _Scalar(strict=True)]
+StrictStr = Annotated[str, _Scalar(strict=True)]
 Float = StrictFloat
-Bool = StrictBool
+Bool = Annotated[bool, _Scalar(strict=True)]
 Str = StrictStr
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
-NonNegFloat = Annotated[StrictFloat, Field(ge=0)]
-AtLeastOne = Annotated[StrictInt, Field(ge=1)]
-Positive = Annotated[StrictFloat, Field(gt=0)]
+NonNegInt = Annotated[int, _Scalar(strict=True, ge=0)]
+NonNegFloat = Annotated[float, _Scalar(strict=True, ge=0)]
+AtLeastOne = Annotated[int, _Scalar(strict=True, ge=1)]
+Positive = Annotated[float, _Scalar(strict=True, gt=0)]
 Url = Annotated[StrictStr, _rule(_is_url, lambda v: f"not an http(s) URL: {v!r}")]
 Name = Annotated[
     StrictStr, _rule(NAME_RE.match, lambda v: f"{v!r} is not a short URL-safe name ([a-z0-9_-], max 63)")
 ]
-NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+NonEmptyStr = Annotated[str, _Scalar(strict=True, min_length=1)]
 Table = dict[str, Any]
 
 
@@ -198,20 +290,22 @@ def _networks(value: Any) -> tuple[str, ...] | None:
         return None
     if not isinstance(value, list | tuple) or not all(isinstance(a, str) for a in value):
         raise _fail(f"must be an array of networks (CIDR), not {value!r}")
+    from ipaddress import ip_network  # here: only a check needs it
+
     for net in value:
         try:
-            ipaddress.ip_network(net.strip(), strict=True)
+            ip_network(net.strip(), strict=True)
         except ValueError as exc:
             raise _fail(f"{net!r} is not a network: {exc}") from None
     return tuple(a.strip() for a in value)
 
 
-@dataclass(frozen=True, config=_STRICT)
-class ServerConfig:
+@dataclass(frozen=True)
+class ServerConfig(_Model):
     #: Where the daemon serves, HOST:PORT.
     listen: _Listen = "127.0.0.1:8080"
     #: rsagg's public URL, used in everything it republishes (a trailing "/" is dropped).
-    base_url: Annotated[Url, AfterValidator(lambda v: v.rstrip("/"))] = "http://127.0.0.1:8080"
+    base_url: Annotated[Url, _After(lambda v: v.rstrip("/"))] = "http://127.0.0.1:8080"
     #: Database connections serving requests at once (each document stream holds one while it streams);
     #: past it a request waits up to 10 s, then gets 503 + Retry-After. Bounds the server's memory under
     #: a crawl.
@@ -232,16 +326,16 @@ class ServerConfig:
     #: Serving processes: the daemon itself and ``workers - 1`` more on the same port (SO_REUSEPORT),
     #: answering resources and lists; the harvester, hub, notifier and dump builder run once, in the
     #: daemon, which also answers what the others forward (``aggregator/run/workers.py``).
-    workers: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    workers: Annotated[int, _Scalar(strict=True, ge=1, le=64)] = 1
     #: "x-accel": seconds nginx may keep rsagg's answer for a resource (``X-Accel-Expires``) and send it
     #: without asking again (``config/nginx.conf`` caches these answers, bytes included); a change, a
     #: deletion or a publish-filter change shows through nginx at most this late. 0 = nginx asks rsagg
     #: every time.
-    offload_cache_seconds: Annotated[StrictInt, Field(ge=0, le=86400)] = 10
+    offload_cache_seconds: Annotated[int, _Scalar(strict=True, ge=0, le=86400)] = 10
 
 
-@dataclass(frozen=True, config=_STRICT)
-class StoreConfig:
+@dataclass(frozen=True)
+class StoreConfig(_Model):
     #: Folder of the state database (``state.db``) and the blob store (``blobs/``), caches and the store
     #: lock; relative to the configuration file.
     path: Str = "./data"
@@ -264,8 +358,8 @@ class StoreConfig:
     settings: Table = field(default_factory=dict)
 
 
-@dataclass(frozen=True, config=_STRICT)
-class HarvestConfig:
+@dataclass(frozen=True)
+class HarvestConfig(_Model):
     """Defaults for every source; a source may override the ones marked per-source."""
 
     interval: NonNegFloat = 300.0  # seconds between polls (per source)
@@ -303,8 +397,8 @@ class HarvestConfig:
     reconcile_interval: NonNegFloat = 86_400.0
 
 
-@dataclass(frozen=True, config=_STRICT)
-class SourceConfig:
+@dataclass(frozen=True)
+class SourceConfig(_Model):
     name: Name  # short URL-safe name ([a-z0-9_-]), unique; the published set's name by default
     #: A well-known URI, Source Description, Capability List, Resource List or a bare site root (for
     #: ``kind = "oai-pmh"``: the OAI-PMH base URL).
@@ -333,7 +427,7 @@ class SourceConfig:
     #: host name is trusted, e.g. ["10.0.0.5/32"]. Checked on the address of every connection to that
     #: origin made for this source only; a name that moves elsewhere is refused (docs/security.md). A
     #: literal address in ``url`` (or ``localhost``) is trusted without it.
-    addresses: Annotated[tuple[str, ...], BeforeValidator(_networks)] = ()
+    addresses: Annotated[tuple[str, ...], _Before(_networks)] = ()
     #: A line shown with the source on the home page and in ``rsagg status`` (what it is, what its
     #: counts hold: e.g. "each record comes with its metadata record, so twice as many resources").
     note: NonEmptyStr | None = None
@@ -342,8 +436,8 @@ class SourceConfig:
     reconcile_interval: NonNegFloat | None = None
 
 
-@dataclass(frozen=True, config=_STRICT)
-class PublishConfig:
+@dataclass(frozen=True)
+class PublishConfig(_Model):
     """How rsagg republishes what it holds (spec §6-§14)."""
 
     changelist_size: AtLeastOne = 10_000  # changes per Change List window (global changelog seq)
@@ -359,8 +453,8 @@ class PublishConfig:
     versions: _Versions = "all"
 
 
-@dataclass(frozen=True, config=_STRICT)
-class NotificationsConfig:
+@dataclass(frozen=True)
+class NotificationsConfig(_Model):
     """Change and Framework Notification over WebSub, both ways (``websub/``).
 
     ``hub`` empty: rsagg's embedded hub at ``hub_path`` carries rsagg's own channels; else that external
@@ -376,14 +470,14 @@ class NotificationsConfig:
     notified_interval: Positive = 3600.0  # default poll interval of a source whose channels are live
 
 
-@dataclass(frozen=True, config=_STRICT)
-class OutboundConfig:
+@dataclass(frozen=True)
+class OutboundConfig(_Model):
     """Where rsagg's own requests may connect (``outbound.py``, docs/security.md)."""
 
     #: Networks opened although the policy refuses them (loopback, private, link-local, ...), exactly as
     #: named, e.g. ["10.1.0.0/16", "fd00:1::/64"]. Unset: none, except loopback on a local instance
     #: (``server.listen`` and ``server.base_url`` both loopback: the demo, development, tests).
-    allow: Annotated[tuple[str, ...] | None, BeforeValidator(_networks)] = None
+    allow: Annotated[tuple[str, ...] | None, _Before(_networks)] = None
 
 
 _NodeName = Annotated[
@@ -395,8 +489,8 @@ _NodeName = Annotated[
 ]
 
 
-@dataclass(frozen=True, config=_STRICT)
-class ClusterConfig:
+@dataclass(frozen=True)
+class ClusterConfig(_Model):
     """Many ``rsagg run`` nodes sharing one state and one blob store (``cluster.py``, docs/cluster.md)."""
 
     #: Take sources by lease instead of harvesting them all: every node of a cluster sets it.
@@ -405,20 +499,20 @@ class ClusterConfig:
     node: _NodeName = ""
     #: Seconds a lease (and a node's heartbeat) lasts; renewed every third of it. A dead node's sources
     #: are taken over within about 1.3 lease times; a node paused longer than this loses its sources.
-    lease_seconds: Annotated[StrictFloat, Field(ge=1)] = 30.0
+    lease_seconds: Annotated[float, _Scalar(strict=True, ge=1)] = 30.0
 
 
-@dataclass(frozen=True, config=_STRICT)
-class SetConfig:
+@dataclass(frozen=True)
+class SetConfig(_Model):
     """A published set grouping the state sets of several sources under one Capability List (§9)."""
 
     name: Name  # the published set's name (``/NAME/capabilitylist.xml``)
-    sources: Annotated[tuple[str, ...], BeforeValidator(_source_names)]  # the sources it groups
+    sources: Annotated[tuple[str, ...], _Before(_source_names)]  # the sources it groups
     describedby: Url | None = None  # §8/§9: a document about the set
 
 
-@dataclass(frozen=True, config=_STRICT)
-class Config:
+@dataclass(frozen=True)
+class Config(_Model):
     file: Str = "<defaults>"
     server: ServerConfig = field(default_factory=ServerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -474,15 +568,23 @@ class Config:
         return self.notifications.notified_interval
 
 
-_CONFIG = TypeAdapter(Config)
+#: The model classes, by name (``config_cache`` rebuilds these and only these).
+MODELS: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (ServerConfig, StoreConfig, HarvestConfig, SourceConfig, PublishConfig, NotificationsConfig,
+                OutboundConfig, ClusterConfig, SetConfig, Config)
+}  # fmt: skip
 
 
 def parse_config(data: dict[str, Any], file: str = "<config>") -> Config:
     """Check and build a Config from parsed TOML."""
+    from pydantic import ValidationError
+
     if "file" in data:  # the one field of Config that is not a section
         raise ConfigError(file, "file", f"unknown section (known: {', '.join(_known(()))})")
     try:
-        config = _CONFIG.validate_python({**data, "file": file})
+        with _trusted():
+            config = _adapter(Config).validate_python({**data, "file": file})
     except ValidationError as exc:
         problems = [(_key(e["loc"]), _problem(e)) for e in exc.errors(include_url=False)]
         (key, problem), *more = problems
@@ -510,18 +612,20 @@ def _key(loc: tuple[int | str, ...]) -> str:
 
 def _known(loc: tuple[int | str, ...]) -> list[str]:
     """The keys the table at ``loc`` may hold (the fields of its dataclass), for "unknown key" errors."""
+    from typing import get_type_hints
+
     cls: Any = Config
     for part in loc:
         if isinstance(part, int):
             cls = get_args(cls)[0]  # tuple[X, ...]
         else:
-            fields_ = getattr(cls, "__pydantic_fields__", None)
-            if not fields_ or part not in fields_:
+            hints = get_type_hints(cls) if cls in MODELS.values() else {}
+            if part not in hints:
                 return []
-            cls = fields_[part].annotation
-    return sorted(
-        name for name in getattr(cls, "__pydantic_fields__", {}) if cls is not Config or name != "file"
-    )
+            cls = hints[part]
+    if cls not in MODELS.values():
+        return []
+    return sorted(f.name for f in fields(cls) if cls is not Config or f.name != "file")
 
 
 _TYPE_NAMES = {"int_type": "int", "float_type": "float", "bool_type": "bool", "string_type": "str"}
@@ -663,6 +767,13 @@ def load_config(path: str | Path) -> Config:
         raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(file, "-", f"cannot read: {exc.strerror or exc}") from None
+    return parse_toml(raw, file)
+
+
+def parse_toml(raw: bytes, file: str) -> Config:
+    """Check and build a Config from the bytes of a config file (``load_config`` without the read)."""
+    import tomllib
+
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _config_snapshots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The commands the tests run keep their configuration snapshots (aggregator/config_cache.py) in the
+    session's folder, not in the user's cache; tests/test_config_cache.py points each at its own."""
+    before = os.environ.get("RSAGG_CACHE_DIR")
+    os.environ["RSAGG_CACHE_DIR"] = str(tmp_path_factory.mktemp("rsagg-cache"))
+    yield
+    if before is None:
+        os.environ.pop("RSAGG_CACHE_DIR", None)
+    else:
+        os.environ["RSAGG_CACHE_DIR"] = before
 
 
 @pytest.fixture

@@ -27,13 +27,13 @@ PUBLIC = "http://rsagg.test"
 
 
 class FakeEntryPoint:
-    """Quacks like ``importlib.metadata.EntryPoint`` as far as ``Plugins`` looks at one."""
+    """Quacks like ``aggregator.plugins.entrypoints.EntryPoint`` as far as ``Plugins`` looks at one."""
 
     def __init__(self, name: str, obj: Any, error: Exception | None = None) -> None:
         self.name, self.obj, self.error = name, obj, error
         self.group = aggregator.plugins.manager.GROUP
         self.value = f"tests:{name}"
-        self.dist = None
+        self.distribution = self.version = ""  # no distribution
 
     def load(self) -> Any:
         if self.error is not None:

@@ -43,7 +43,7 @@ def _model_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every key path of the model, walked independently of the generator (pydantic's own field table)."""
     out: list[str] = []
     hints = typing.get_type_hints(cls)
-    for name in cls.__pydantic_fields__:  # type: ignore[attr-defined]
+    for name in (f.name for f in dataclasses.fields(cls)):  # type: ignore[arg-type]
         if cls is Config and name == "file":
             continue
         hint = hints[name]

@@ -137,7 +137,7 @@ class Rule:
 
 
 #: The ground floor: what every part may use.
-GROUND = _a("config", "errors", "scope", "redact", "progress_text", "hookspecs")
+GROUND = _a("config", "config_cache", "errors", "scope", "redact", "progress_text", "hookspecs")
 #: The floor above it: the state, the blobs, published sets; the outbound policy and retries.
 FLOORS = _a("store", "net")
 #: What runs the parts, and who may start them.
@@ -149,7 +149,7 @@ RULES = [
     ),
     Rule(
         "the ground floor",
-        "config, errors, scope, redact, progress_text, hookspecs: rs/ and each other",
+        "config, config_cache, errors, scope, redact, progress_text, hookspecs: rs/ and each other",
         GROUND,
         only=(*GROUND, "aggregator.rs"),
     ),

@@ -205,3 +205,14 @@ def test_commands_that_read_still_work(argv: list[str], configured: Path) -> Non
         assert {"rsagg_patch_formats", "rsagg_republish_links"} <= {
             h for p in out["plugins"] for h in p["hooks"]
         }
+
+
+@pytest.mark.parametrize("command", ["status", "retries"])
+def test_a_configuration_checked_before_loads_without_pydantic(command: str, configured: Path) -> None:
+    """The second run of a command on the same file builds the configuration from its snapshot
+    (aggregator/config_cache.py): pydantic, a third of the start-up, is not imported."""
+    first = _loaded([command, "-c", str(configured)])
+    assert "aggregator.store.state" in first  # the command did its work
+    loaded = _loaded([command, "-c", str(configured)])
+    assert "aggregator.store.state" in loaded and "aggregator.config" in loaded
+    assert _matching(loaded, ("pydantic", "pydantic_core", "annotated_types")) == []

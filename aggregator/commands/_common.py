@@ -34,7 +34,8 @@ def start(args: argparse.Namespace, *, sources_needed: bool = True) -> Config | 
 
     A configuration without ``[[sources]]`` is refused by the commands that work on sources
     (``sources_needed``): doing nothing and exiting 0 would look like success."""
-    from ..config import ConfigError, load_config
+    from ..config import ConfigError
+    from ..config_cache import load_config_cached
     from ..observe.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
@@ -42,7 +43,7 @@ def start(args: argparse.Namespace, *, sources_needed: bool = True) -> Config | 
         print(f"rsagg {args.command}: -c/--config FILE is required (the configuration file)", file=sys.stderr)
         return None
     try:
-        config = load_config(args.config)
+        config = load_config_cached(args.config)  # without pydantic when the file was checked before
     except ConfigError as exc:
         print(f"rsagg {args.command}: config error: {exc}", file=sys.stderr)
         return None

@@ -34,8 +34,7 @@ def _declared_hooks(obj: Any) -> list[str]:
 
 def collect(plugins: Plugins) -> list[dict[str, Any]]:
     """One row per plugin known to the manager, in loading order (defaults first, then entry points)."""
-    from importlib.metadata import entry_points
-
+    from ..plugins.entrypoints import entry_points
     from ..plugins.manager import DEFAULT_PLUGINS, GROUP
 
     eps = {ep.name: ep for ep in entry_points(group=GROUP)}
@@ -48,7 +47,7 @@ def collect(plugins: Plugins) -> list[dict[str, Any]]:
             "version": plugins.versions.get(name, "unknown"),
             "origin": "builtin" if name in DEFAULT_PLUGINS else "entry point",
             "module": DEFAULT_PLUGINS.get(name) or (ep.value if ep else None),
-            "distribution": ep.dist.name if ep and ep.dist else None,
+            "distribution": ep.distribution or None if ep else None,
             "enabled": name not in plugins.disabled and plugins.pm.get_plugin(name) is not None,
             "loaded": plugins.pm.get_plugin(name) is not None or name in plugins.disabled,
             "hooks": [],

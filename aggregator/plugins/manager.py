@@ -35,7 +35,6 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -43,6 +42,7 @@ import pluggy
 import aggregator.hookspecs as hookspecs  # the module itself: pluggy reads its specs
 
 from ..errors import ConfigError
+from .entrypoints import entry_points  # not importlib.metadata's: a tenth of a one-shot command's start
 
 if TYPE_CHECKING:  # pydantic loads with a configuration, not with the plugins (``rsagg plugins``)
     from ..config import Config
@@ -117,7 +117,7 @@ class Plugins:
                 self._register(obj, ep.name, file)
                 # The distribution the scan found (the first of its name on sys.path, as ``version()``
                 # would find it again by a second scan of sys.path for each plugin).
-                self.versions[ep.name] = ep.dist.version if ep.dist else "unknown"
+                self.versions[ep.name] = ep.version or "unknown"
         for name in sorted(off):
             if self.pm.get_plugin(name) is not None:
                 self.pm.unregister(name=name)

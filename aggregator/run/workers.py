@@ -321,12 +321,12 @@ async def _until_stdin_closes() -> str:
 async def serve_worker(
     config_path: Path, host: str, port: int, daemon_url: str, *, watch_stdin: bool = False
 ) -> None:
-    from ..config import load_config
+    from ..config_cache import load_config_cached
     from .compose import worker_app
     from .serverguard import ServerLimits
     from .serving import serve
 
-    config = load_config(config_path)
+    config = load_config_cached(config_path)  # the daemon checked it: from its snapshot, without pydantic
     with worker_app(config) as (app, metrics):
         limits = ServerLimits(
             max_connections_per_client=config.server.max_connections_per_client,

@@ -227,6 +227,8 @@ def markdown() -> str:
         out.append(f"### `{section}`\n")
         cls = _hint(model.Config, section.strip("[]"))
         doc = inspect.getdoc(cls) if cls is not None else None
+        if doc and cls is not None and doc.startswith(f"{cls.__name__}("):
+            doc = None  # the signature dataclasses writes into a class without a docstring
         if doc:
             out.append(_md(doc.split("\n\n")[0]) + "\n")
         out.append("| key | type | default | meaning |")
