@@ -436,7 +436,11 @@ def nginx_binary() -> str | None:
     return shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 
 
-def start_nginx_with(servers: Servers, conf_text: str, work: Path) -> subprocess.Popen | None:
+def start_nginx_with(
+    servers: Servers, conf_text: str, work: Path, wrap: list[str] | None = None
+) -> subprocess.Popen | None:
+    """nginx with ``conf_text`` in the prefix folder ``work``; ``wrap``: under that command (valgrind),
+    as one process (no master, no workers)."""
     nginx = nginx_binary()
     if nginx is None:
         return None
@@ -444,8 +448,11 @@ def start_nginx_with(servers: Servers, conf_text: str, work: Path) -> subprocess
     conf = work / "nginx.conf"
     conf_text = re.sub(r"(?m)^user [^;\n]*;\n", "", conf_text)  # config/nginx.conf names www-data
     conf.write_text(("user root;\n" if os.geteuid() == 0 else "") + conf_text)  # workers read our files
+    options = "daemon off;" + (" master_process off;" if wrap else "")
     return servers.start(
-        [nginx, "-p", str(work), "-c", str(conf), "-g", "daemon off;"], stderr=subprocess.DEVNULL
+        [*(wrap or []), nginx, "-p", str(work), "-c", str(conf), "-g", options],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
@@ -476,7 +483,15 @@ def start_nginx_offload(
 ) -> tuple[subprocess.Popen, str] | None:
     """nginx in front of rsagg (``server.offload = "x-accel"``) with the shipped ``config/nginx.conf``
     (``conf``: another one, e.g. an older tree's, whose marked lines are the same)."""
-    port, files = free_port(), free_port()
+    port = free_port()
+    proc = start_nginx_with(servers, offload_conf(rsagg, blobs, port, conf), work)
+    return _nginx_up(servers, proc, f"http://127.0.0.1:{port}")
+
+
+def offload_conf(rsagg: str, blobs: Path, port: int, conf: Path | None = None) -> str:
+    """``conf`` (the shipped ``config/nginx.conf``) with its marked lines set: rsagg at ``rsagg``, the
+    blobs in ``blobs``, listening on ``port`` (its second server on a free port)."""
+    files = free_port()
     text = (conf or ROOT / "config" / "nginx.conf").read_text()
     for old, new in (
         ("server 127.0.0.1:8080;", f"server {rsagg.split('//', 1)[1]};"),
@@ -488,8 +503,7 @@ def start_nginx_offload(
         ("worker_processes auto;", "worker_processes 2;"),
     ):
         text = text.replace(old, new)
-    proc = start_nginx_with(servers, text, work)
-    return _nginx_up(servers, proc, f"http://127.0.0.1:{port}")
+    return text
 
 
 def _nginx_up(
@@ -504,6 +518,77 @@ def _nginx_up(
         servers.stop(proc)
         return None
     return proc, base
+
+
+def nginx_instructions(
+    servers: Servers, conf_text: str, work: Path, port: int, paths: list[str], seconds: int
+) -> dict | None:
+    """nginx's own instructions per request (user space, libraries included; valgrind's callgrind), as
+    one process with ``conf_text``: every path fetched once (nginx's answer cache filled), the counters
+    zeroed, then ``seconds`` of wrk (c=4) counted. Unlike req/s and CPU time, this count does not swing
+    with the machine's load: it tells what one configuration asks of nginx next to another. None when
+    valgrind or wrk is missing."""
+    import httpx
+
+    valgrind, control, wrk = (shutil.which(n) for n in ("valgrind", "callgrind_control", "wrk"))
+    if not (valgrind and control and wrk):
+        return None
+    out = work / "callgrind.out"
+    proc = start_nginx_with(
+        servers, conf_text, work, [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}"]
+    )
+    assert proc is not None
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(base + "/", proc, 120)
+        with httpx.Client(timeout=60) as client:
+            for path in paths:
+                client.get(base + path)
+        subprocess.run([control, "-z", str(proc.pid)], capture_output=True, check=True)
+        script = work / "paths.lua"
+        quoted = ",".join(json.dumps(p[1:]) for p in paths)
+        script.write_text(
+            f"local paths = {{{quoted}}}\nlocal i = 0\nrequest = function()\n  i = i + 1\n"
+            '  return wrk.format("GET", "/" .. paths[(i % #paths) + 1])\nend\n'
+        )
+        cmd = [wrk, "-d", f"{seconds}s", "-c", "4", "-t", "1", "-s", str(script), base + "/"]
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120).stdout
+        subprocess.run([control, "-d", str(proc.pid)], capture_output=True, check=True)
+    finally:
+        servers.stop(proc)
+    done = re.search(r"(\d+) requests in", text)
+    dumps = sorted(work.glob("callgrind.out.*"))  # the counted run's (-d); callgrind.out: from then to exit
+    if done is None or not dumps:
+        return None
+    requests = int(done.group(1))
+    total, parse = callgrind_costs(dumps[0], "ngx_http_parse_header_line")
+    return {"requests": requests, "ir": total / requests, "parse": parse / requests}
+
+
+def callgrind_costs(dump: Path, function: str) -> tuple[int, int]:
+    """A callgrind dump's total instructions and those of ``function`` itself (not its callees)."""
+    names: dict[str, str] = {}
+    total = own = 0
+    current = ""
+    after_call = False
+    for line in dump.read_text().splitlines():
+        m = re.match(r"(c?fn)=\((\d+)\)(?: (.*))?$", line)
+        if m:
+            if m.group(3):
+                names[m.group(2)] = m.group(3)
+            if m.group(1) == "fn":
+                current = names.get(m.group(2), "")
+            continue
+        if line.startswith("calls="):
+            after_call = True  # the next cost line is the call's inclusive cost, not this function's
+            continue
+        if line[:1].isdigit() or line[:1] in "+-*":
+            fields = line.split()
+            if len(fields) >= 2 and not after_call:
+                total += int(fields[1])
+                own += int(fields[1]) if current == function else 0
+            after_call = False
+    return total, own
 
 
 def process_cpu(pids: list[int]) -> float:
@@ -569,6 +654,46 @@ def run_load(
     return {"rps": r["ok"] / r["seconds"], "requests": r["ok"], "errors": r["errors"], "tool": "httpx"}
 
 
+def count_instructions(
+    servers: Servers,
+    store: Path,
+    static: Path,
+    work: Path,
+    paths: list[str],
+    rsagg_paths: list[str],
+    confs: dict[str, Path | None],
+    args: argparse.Namespace,
+) -> dict[str, dict]:
+    """``--instructions``: nginx static and each offloading configuration under callgrind, in turn."""
+    counted: dict[str, dict] = {}
+    port = free_port()
+    got = nginx_instructions(
+        servers, static_conf(static, port), work / "count-static", port, paths, args.duration
+    )
+    if got is None:
+        print("  --instructions: valgrind (callgrind) or wrk is not installed", flush=True)
+        return counted
+    counted["nginx"] = got
+    rsagg, base = start_rsagg(servers, store, "x-accel", args.plugins, cache_seconds=600)  # hits only
+    try:
+        for name, conf in confs.items():
+            port = free_port()
+            text = offload_conf(base, store / "blobs", port, conf)
+            slug = re.sub(r"[^a-z]+", "-", name).strip("-")
+            got = nginx_instructions(servers, text, work / f"count-{slug}", port, rsagg_paths, args.duration)
+            if got is not None:
+                counted[name] = got
+    finally:
+        servers.stop(rsagg)
+    for name, c in counted.items():
+        print(
+            f"  {name}: {c['ir']:,.0f} instructions per request, {c['parse']:,.0f} of them parsing header "
+            f"lines ({c['requests']:,} requests counted)",
+            flush=True,
+        )
+    return counted
+
+
 def row(metric: str, value: str, target: str = "", ok: bool | None = None) -> str:
     verdict = "" if ok is None else ("OK" if ok else "MISSED")
     return f"{metric:<44} {value:>18}  {target:<12} {verdict}"
@@ -602,6 +727,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="CONF",
         help="also run rsagg behind nginx with this configuration (e.g. an older tree's config/nginx.conf, "
         "same marked lines), taking turns with the others: before and after in the same run",
+    )
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help="also count nginx's own instructions per request (valgrind's callgrind, one process, hits "
+        "only: rsagg behind it keeps its answers 600 s) for nginx static and rsagg behind nginx: "
+        "a per-hit cost that does not swing with the machine's load",
     )
     p.add_argument(
         "--dumps",
@@ -686,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
                     servers, store, plugins=args.plugins, dumps=args.dumps, tree=Path(args.before).resolve()
                 )
                 targets["rsagg (before)"] = (base, rsagg_paths, [before.pid])
+            confs: dict[str, Path | None] = {}
             if not args.no_nginx and nginx_binary():
                 confs = {"rsagg+nginx": None}
                 if args.nginx_conf_before:
@@ -728,6 +861,9 @@ def main(argv: list[str] | None = None) -> int:
                         loads[name] = r
             for name, values in cpus.items():
                 loads[name]["cpu_us"] = sorted(values)[len(values) // 2]  # the median round
+            counted: dict[str, dict] = {}
+            if args.instructions and "nginx" in targets:
+                counted = count_instructions(servers, store, static, work, paths, rsagg_paths, confs, args)
             load_rss, load_rss_wait4 = servers.stop(alone)
             for name, r in loads.items():
                 print(
@@ -791,6 +927,13 @@ def main(argv: list[str] | None = None) -> int:
                 by_cpu = f", {cpu[1] / cpu[0]:.2f}× by CPU per request" if all(cpu) else ""
                 headline(f"serving: {ours} / nginx static, resource GETs (c={args.concurrency})",
                          f"{ratio:.2f}× by req/s{by_cpu}", f"≥ {target}×")  # fmt: skip
+    for name, c in counted.items():
+        lines.append(row(f"nginx instructions per request, {name}", f"{c['ir']:,.0f}"))
+        lines.append(row("  of which parsing header lines", f"{c['parse']:,.0f}"))
+    for ours in ("rsagg+nginx", "rsagg+nginx-before"):
+        if ours in counted and "nginx" in counted:
+            ratio = counted["nginx"]["ir"] / counted[ours]["ir"]
+            lines.append(row(f"ratio {ours} / nginx by nginx's instructions", f"{ratio:.3f}x"))
     for ours in ("rsagg+nginx", "rsagg+nginx-before"):  # nginx static's CPU per request over ours
         if loads.get(ours, {}).get("cpu_us") and loads.get("nginx", {}).get("cpu_us"):
             ratio = loads["nginx"]["cpu_us"] / loads[ours]["cpu_us"]

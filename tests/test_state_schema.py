@@ -20,6 +20,7 @@ import sqlite3
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,11 +32,14 @@ from aggregator.store.open import connect
 from aggregator.store.rows import Change, Cursor, DumpPart, HubVerification, ResourceValidators, format_dt
 from aggregator.store.sets import PublishedSet
 from aggregator.store.sql import codec
-from aggregator.store.sql.dialect import from_us
+from aggregator.store.sql.dialect import from_us, uri_key
 from aggregator.store.sql.schema import STEPS
 
 V14 = json.loads((Path(__file__).parent / "data" / "state_v14_schema.json").read_text())
 V15 = json.loads((Path(__file__).parent / "data" / "state_v15_schema.json").read_text())
+V16 = json.loads((Path(__file__).parent / "data" / "state_v16_schema.json").read_text())
+#: The DDL of each older version a state is built from.
+DDL = {14: V14, 15: V15, 16: V16}
 #: The version this rsagg creates and migrates to.
 VERSION = len(STEPS)
 
@@ -126,7 +130,13 @@ def v15_sqlite(tmp_path: Path) -> Path:
     return _sqlite_at(tmp_path / "state15.db", V15, 15)
 
 
-@pytest.mark.parametrize("old", ["v14_sqlite", "v15_sqlite"])
+@pytest.fixture
+def v16_sqlite(tmp_path: Path) -> Path:
+    """A SQLite state at version 16 (before step 17, which changes nothing in SQLite)."""
+    return _sqlite_at(tmp_path / "state16.db", V16, 16)
+
+
+@pytest.mark.parametrize("old", ["v14_sqlite", "v15_sqlite", "v16_sqlite"])
 def test_an_older_sqlite_state_migrates_to_this_schema_and_works(
     old: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -163,7 +173,7 @@ def pg_facts(url: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ddl", [V14, V15], ids=["v14", "v15"])
+@pytest.mark.parametrize("ddl", [V14, V15, V16], ids=["v14", "v15", "v16"])
 def test_an_older_postgres_state_migrates_to_this_schema_and_works(pg_server, ddl: dict) -> None:  # type: ignore[no-untyped-def]
     import psycopg
 
@@ -423,8 +433,58 @@ def test_a_hash_that_is_not_hex_fails_the_migration_and_leaves_v14(v14_sqlite: P
     assert sqlite_facts(v14_sqlite)["version"] == 14
 
 
+#: PostgreSQL's two big tables put back into the form of version 16 (step 1's columns as steps 15 and 16
+#: altered them, in that order; 8-byte set ids; the indexes of step 16), their rows kept.
+PG_DOWNGRADE_TO_16 = [
+    "ALTER TABLE resources RENAME TO r17",
+    "ALTER TABLE changelog RENAME TO c17",
+    "ALTER INDEX resources_pkey RENAME TO r17_pkey",
+    "ALTER INDEX changelog_pkey RENAME TO c17_pkey",
+    "DROP INDEX resources_set, resources_uri, changelog_set_seq, changelog_resource",
+    """CREATE TABLE resources (
+        id BIGINT PRIMARY KEY, set_id BIGINT NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+        uri TEXT NOT NULL, sha256 BYTEA, length BIGINT, type TEXT, encoding TEXT, md5 BYTEA, sha1 BYTEA,
+        lastmod TIMESTAMPTZ, upstream_datetime TIMESTAMPTZ, links TEXT, md_extra TEXT, entry_extra TEXT,
+        deleted BOOLEAN NOT NULL DEFAULT false, generation INTEGER, updated_at TIMESTAMPTZ NOT NULL,
+        uri_key INTEGER NOT NULL
+    )""",
+    "INSERT INTO resources SELECT id, set_id, uri, sha256, length, type, encoding, md5, sha1, lastmod, "
+    "upstream_datetime, links, md_extra, entry_extra, deleted, generation, updated_at, uri_key FROM r17",
+    """CREATE TABLE changelog (
+        seq BIGINT PRIMARY KEY, set_id BIGINT NOT NULL REFERENCES sets(id) ON DELETE CASCADE,
+        resource_id BIGINT NOT NULL, uri TEXT,
+        change SMALLINT NOT NULL CONSTRAINT changelog_change_check CHECK (change IN (0, 1, 2)),
+        datetime TIMESTAMPTZ NOT NULL, sha256 BYTEA, length BIGINT, type TEXT
+    )""",
+    "INSERT INTO changelog SELECT seq, set_id, resource_id, uri, change, datetime, sha256, length, type "
+    "FROM c17",
+    "DROP TABLE r17, c17",
+    "CREATE INDEX resources_set_id ON resources(set_id, id)",
+    "CREATE INDEX resources_live ON resources(set_id, id) WHERE NOT deleted",
+    "CREATE INDEX changelog_set_seq ON changelog(set_id, seq)",
+    "CREATE INDEX changelog_resource ON changelog(resource_id, seq)",
+    "CREATE INDEX resources_uri ON resources(uri_key, set_id)",
+    "UPDATE schema_version SET version = 16",
+]
+
+
+def _to_15(conn: Any) -> None:
+    """PostgreSQL's version 16 put back into the form of version 15 (no uri_key, the (set_id, uri) key,
+    changelog_datetime, the change kind as text)."""
+    conn.execute("DROP INDEX resources_uri")
+    conn.execute("ALTER TABLE resources DROP COLUMN uri_key")
+    conn.execute("ALTER TABLE resources ADD CONSTRAINT resources_set_id_uri_key UNIQUE (set_id, uri)")
+    conn.execute("CREATE INDEX changelog_datetime ON changelog(datetime)")
+    conn.execute(
+        "ALTER TABLE changelog DROP CONSTRAINT changelog_change_check, "
+        f"ALTER COLUMN change TYPE TEXT USING {KIND_TEXT}, "
+        "ADD CONSTRAINT changelog_change_check CHECK (change IN ('created', 'updated', 'deleted'))"
+    )
+    conn.execute("UPDATE schema_version SET version = 15")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("version", [14, 15])
+@pytest.mark.parametrize("version", [14, 15, 16])
 def test_an_older_postgres_state_with_data_migrates_with_every_answer_unchanged(
     pg_server, version: int
 ) -> None:  # type: ignore[no-untyped-def]
@@ -432,22 +492,17 @@ def test_an_older_postgres_state_with_data_migrates_with_every_answer_unchanged(
 
     url, ref = pg_server.fresh_url(), pg_server.fresh_url()
     with psycopg.connect(ref) as conn:
-        for statement in (V14 if version == 14 else V15)["postgresql"]:
+        for statement in DDL[version]["postgresql"]:
             conn.execute(statement)
     with connect(url, clock=_clock()) as st:
         fill(st)
         before = answers(st)
-    with psycopg.connect(url) as conn:  # back to version 15's form (as downgrade_sqlite)
-        conn.execute("DROP INDEX resources_uri")
-        conn.execute("ALTER TABLE resources DROP COLUMN uri_key")
-        conn.execute("ALTER TABLE resources ADD CONSTRAINT resources_set_id_uri_key UNIQUE (set_id, uri)")
-        conn.execute("CREATE INDEX changelog_datetime ON changelog(datetime)")
-        conn.execute(
-            "ALTER TABLE changelog DROP CONSTRAINT changelog_change_check, "
-            f"ALTER COLUMN change TYPE TEXT USING {KIND_TEXT}, "
-            "ADD CONSTRAINT changelog_change_check CHECK (change IN ('created', 'updated', 'deleted'))"
-        )
-        conn.execute("UPDATE schema_version SET version = 15")
+    with psycopg.connect(url) as conn:  # back to version 16's form: step 17 rebuilt both tables
+        for statement in PG_DOWNGRADE_TO_16:
+            conn.execute(statement)
+    if version < 16:
+        with psycopg.connect(url) as conn:  # back to version 15's form (as downgrade_sqlite)
+            _to_15(conn)
     if version == 14:
         hx = "CASE WHEN id % 2 = 1 THEN upper(encode({0}, 'hex')) ELSE encode({0}, 'hex') END"
         with psycopg.connect(url) as conn:  # and to the last release's form
@@ -468,6 +523,45 @@ def test_an_older_postgres_state_with_data_migrates_with_every_answer_unchanged(
         assert st.schema_version == VERSION
         assert answers(st) == before
         assert next_change(st) == [(before["last_seq"] + 1, "https://repository.example.org/new")]
+    fresh = pg_server.fresh_url()
+    connect(fresh).close()
+    assert pg_facts(url) == pg_facts(fresh)  # step 17's column order, types and indexes
+
+
+@pytest.mark.slow
+def test_postgres_step_17_keeps_the_uri_of_a_record_whose_row_is_gone(pg_server) -> None:  # type: ignore[no-untyped-def]
+    import psycopg
+
+    url = pg_server.fresh_url()
+    with psycopg.connect(url) as conn:
+        for statement in V16["postgresql"]:
+            conn.execute(statement)
+        conn.execute(
+            "INSERT INTO sources (name, url, created_at, updated_at) VALUES ('s', 'u', now(), now())"
+        )
+        conn.execute(
+            "INSERT INTO sets (id, source, capabilitylist_url, name, created_at) "
+            "VALUES (1, 's', 'c', 'n', now())"
+        )
+        conn.execute(
+            "INSERT INTO resources (id, set_id, uri, sha256, deleted, updated_at, uri_key) "
+            f"VALUES (7, 1, 'https://kept.example/x', '\\x{_sha('x')}', false, '{format_dt(T0)}', "
+            f"{uri_key('https://kept.example/x')})"
+        )
+        conn.execute(
+            "INSERT INTO changelog (seq, set_id, resource_id, uri, change, datetime, sha256) VALUES "
+            f"(1, 1, 7, NULL, 0, '{format_dt(T0)}', '\\x{_sha('x')}'), "
+            f"(2, 1, 99, 'https://gone.example/y', 0, '{format_dt(T0)}', NULL)"
+        )
+        conn.execute("UPDATE changelog_head SET seq = 2")
+    with connect(url) as st:
+        assert [(r.seq, r.resource_id, r.uri, r.sha256) for r in st.iter_changelog()] == [
+            (1, 7, "https://kept.example/x", _sha("x")),
+            (2, 99, "https://gone.example/y", None),
+        ]
+        kept = st.resource(1, "https://kept.example/x")
+        assert kept is not None and (kept.id, kept.sha256, kept.updated_at) == (7, _sha("x"), T0)
+        assert next_change(st) == [(3, "https://repository.example.org/new")]
 
 
 @pytest.mark.slow

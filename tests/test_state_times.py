@@ -247,6 +247,58 @@ def test_postgres_looks_up_each_uri_by_its_key_analysed_or_not(pg_server) -> Non
             assert "Seq Scan on resources" not in plan and "Hash Join" not in plan, plan
 
 
+#: Reads of one set (store/sql/reads.py's shapes) and their parameters for the set ``s`` and its row ``r``.
+_SET_READS = [
+    ("{res} WHERE set_id = ? AND deleted = 0 AND id <= ? AND id > ? ORDER BY id LIMIT ?", "s, big, 0, 1000"),
+    ("{res} WHERE set_id = ? AND id > ? ORDER BY id LIMIT ?", "s, 0, 1000"),
+    ("SELECT count(*) FROM resources WHERE set_id = ? AND deleted = 0", "s"),
+    (
+        "SELECT id FROM resources WHERE set_id = ? AND deleted = 0 AND id > ? ORDER BY id LIMIT 1 OFFSET ?",
+        "s, 0, 9",
+    ),
+    ("SELECT count(*), max(updated_at) FROM resources WHERE set_id = ? AND id > ? AND id <= ?", "s, 0, big"),
+    ("SELECT 1 FROM resources WHERE set_id = ? AND generation = ? LIMIT 1", "s, 3"),
+    ("{res} WHERE set_id = ? AND uri_key = ? AND uri = ?", "s, key, uri"),
+    ("{log} WHERE c.set_id = ? AND c.seq <= ? AND c.seq > ? ORDER BY c.seq LIMIT ?", "s, big, 0, 1000"),
+    ("SELECT coalesce(max(seq), 0) FROM changelog WHERE set_id = ?", "s"),
+    ("SELECT seq FROM changelog WHERE set_id = ? AND seq > ? ORDER BY seq LIMIT 1", "s, 0"),
+    ("{log} WHERE c.resource_id = ? AND c.seq > ? ORDER BY c.seq LIMIT ?", "r, 0, 1000"),
+    (
+        "{log} WHERE c.resource_id = ? AND c.datetime <= now() AND c.change != 2 ORDER BY c.seq DESC LIMIT 1",
+        "r",
+    ),
+]
+
+
+@pytest.mark.slow
+def test_postgres_reads_a_small_set_by_its_indexes_analysed_or_not(pg_server) -> None:  # type: ignore[no-untyped-def]
+    """A set of 20 rows beside one of 20,000: every read of it is an index scan (schema step 17's
+    resources_set, the uri key, changelog_set_seq, changelog_resource), with statistics or without."""
+    import psycopg
+
+    from aggregator.store.sql.codec import LOG_SELECT, SELECT_RES
+    from aggregator.store.sql.dialect import POSTGRES
+
+    url = pg_server.fresh_url()
+    with connect(url) as st:
+        _, small, uris = _filled(st, 20000)
+        row = st.resource(small, uris[7])
+        assert row is not None
+    values = {"s": small, "big": 2**62, "key": uri_key(uris[7]), "uri": uris[7], "r": row.id}
+    with psycopg.connect(url, autocommit=True) as conn:
+        for analyse in (False, True):
+            if analyse:
+                conn.execute("VACUUM ANALYZE resources")
+                conn.execute("VACUUM ANALYZE changelog")
+            for sql, names in _SET_READS:
+                text = POSTGRES.sql(sql.format(res=SELECT_RES, log=LOG_SELECT))
+                params = [values.get(n, n) for n in names.split(", ")]
+                params = [int(p) if isinstance(p, str) and p.isdigit() else p for p in params]
+                plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + text, params))
+                assert "Seq Scan on" not in plan, (analyse, sql, plan)
+                assert "Index" in plan, (analyse, sql, plan)
+
+
 # -- one row per uri and set, without a unique index --------------------------------------------------
 
 

@@ -2,8 +2,9 @@
 and the versions of one resource (publish/versions.py; §14.6, RFC 7089).
 
 A published set is a list of state sets (config [[sets]] grouping). Queries run per state set on the
-indexes of the schema (resources_live, the (uri_key, set_id) key, changelog_set_seq) and are merged by id /
-seq in Python, so a small set in a big database never scans other sets' rows.
+indexes of the schema (resources_live, in PostgreSQL resources_set since step 17; the (uri_key, set_id)
+key; changelog_set_seq) and are merged by id / seq in Python, so a small set in a big database never
+scans other sets' rows.
 """
 
 from __future__ import annotations

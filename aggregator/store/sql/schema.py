@@ -5,10 +5,11 @@ The statements are SQLite's, with the column types that differ in braces (``TYPE
 fixed-width W3C text in SQLite, ``timestamptz`` in PostgreSQL; a 64-bit integer, a blob, a boolean...)
 and ``deleted = 0`` as ``Dialect.sql`` rewrites it; ``PostgresOnly`` marks the few statements only
 PostgreSQL runs (its changelog head, the resource id sequence, the version sequence, in-place
-conversions) and ``SqliteOnly`` the few only SQLite runs (steps 15 and 16's table rebuilds: since
-step 16 SQLite's ``resources`` and ``changelog`` keep their times as integer microseconds,
-``Dialect.t_row``). How the version is kept is the backend's: ``PRAGMA user_version``
-(store/state.py), the ``schema_version`` table under an advisory lock (store/postgres.py).
+conversions, step 17's rebuild of the two big tables for its row layout) and ``SqliteOnly`` the few
+only SQLite runs (steps 15 and 16's table rebuilds: since step 16 SQLite's ``resources`` and
+``changelog`` keep their times as integer microseconds, ``Dialect.t_row``). How the version is kept
+is the backend's: ``PRAGMA user_version`` (store/state.py), the ``schema_version`` table under an
+advisory lock (store/postgres.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ class SqliteOnly(str):
 
 #: Step 16: a change kind's text as its code (codec.LOG_KINDS; the CHECK of step 1 allows no other).
 _KIND_CODE = "CASE change WHEN 'created' THEN 0 WHEN 'updated' THEN 1 WHEN 'deleted' THEN 2 END"
+#: Step 17 (PostgreSQL): the columns of the two big tables, copied by name into their rebuilt tables.
+_RES_V17 = (
+    "id, updated_at, length, lastmod, upstream_datetime, set_id, uri_key, generation, deleted, uri, "
+    "sha256, md5, sha1, type, encoding, links, md_extra, entry_extra"
+)
+_LOG_V17 = "seq, resource_id, datetime, length, set_id, change, sha256, type, uri"
 
 #: Per dialect name, what each brace of ``STEPS`` reads as.
 TYPES = {
@@ -526,6 +533,76 @@ STEPS: list[tuple[str, ...]] = [
         # uri_key first: no query of a whole set picks this index (it is smaller than resources_live,
         # and SQLite chose it for counts of live rows, reading every row)
         "CREATE INDEX resources_uri ON resources(uri_key, set_id)",
+    ),
+    (  # 17: PostgreSQL's bytes of a resource cut again (SQLite's are not: it packs rows without padding
+        # and its index entries end with the rowid; its step is empty). (a) Both big tables rebuilt with
+        # their columns widest first (8-byte, then 4, 2, 1, then the variable-length ones, which need no
+        # alignment): no padding between columns; their set_id is a 4-byte integer (a set is a Capability
+        # List: two billion are not in sight; sets.id stays 8 bytes). (b) One index of a set's rows,
+        # (set_id, id) carrying ``deleted`` (INCLUDE), instead of resources_set_id and the partial
+        # resources_live: live pages and counts still read the index alone (index-only scans, skipping
+        # tombstones). (c) The uri key index keeps (uri_key, set_id), 8 bytes of key now (with uri_key
+        # alone, a planner without statistics ANDed it with the set's whole index, a bitmap of every
+        # row of the set for each uri looked up). (d) The changelog's seq indexes are
+        # append-only (seq only grows, a record is never updated): their pages are filled whole
+        # (fillfactor 100) where B-trees leave a tenth free for inserts that never come. changelog_resource
+        # stays (resource_id, seq): without statistics, a planner given (resource_id) alone walked the
+        # whole changelog backwards by seq for version_at. The rows are copied in id and seq order.
+        # The keys and the set references are added once the rows are in (one index build, one check).
+        PostgresOnly("""CREATE TABLE resources_v17 (
+            id BIGINT NOT NULL,
+            updated_at TIMESTAMPTZ NOT NULL,
+            length BIGINT,
+            lastmod TIMESTAMPTZ,
+            upstream_datetime TIMESTAMPTZ,
+            set_id INTEGER NOT NULL,
+            uri_key INTEGER NOT NULL,       -- dialect.uri_key(uri)
+            generation INTEGER,
+            deleted BOOLEAN NOT NULL DEFAULT false,
+            uri TEXT NOT NULL,
+            sha256 BYTEA,                   -- the digest's bytes (codec.hash_in / hash_out)
+            md5 BYTEA,
+            sha1 BYTEA,
+            type TEXT,
+            encoding TEXT,
+            links TEXT,                     -- JSON list of rs:ln attribute objects, NULL when none
+            md_extra TEXT,                  -- JSON object, NULL when empty
+            entry_extra TEXT                -- JSON list of XML strings, NULL when empty
+        )"""),
+        PostgresOnly(f"INSERT INTO resources_v17 ({_RES_V17}) SELECT {_RES_V17} FROM resources ORDER BY id"),
+        PostgresOnly("""CREATE TABLE changelog_v17 (
+            seq BIGINT NOT NULL,                    -- never reused, even after pruning
+            resource_id BIGINT NOT NULL,            -- no FK: the log outlives pruned rows
+            datetime TIMESTAMPTZ NOT NULL,          -- rsagg's clock, non-decreasing
+            length BIGINT,                          -- the change's own (not the row's current) values
+            set_id INTEGER NOT NULL,
+            change SMALLINT NOT NULL CONSTRAINT changelog_change_check CHECK (change IN (0, 1, 2)),
+            sha256 BYTEA,
+            type TEXT,
+            uri TEXT                                -- NULL: the uri of resource_id's row
+        )"""),
+        PostgresOnly(f"INSERT INTO changelog_v17 ({_LOG_V17}) SELECT {_LOG_V17} FROM changelog ORDER BY seq"),
+        PostgresOnly("DROP TABLE changelog"),
+        PostgresOnly("DROP TABLE resources"),
+        PostgresOnly("ALTER TABLE resources_v17 RENAME TO resources"),
+        PostgresOnly("ALTER TABLE changelog_v17 RENAME TO changelog"),
+        PostgresOnly(
+            "ALTER TABLE resources ADD CONSTRAINT resources_pkey PRIMARY KEY (id), ADD CONSTRAINT "
+            "resources_set_id_fkey FOREIGN KEY (set_id) REFERENCES sets(id) ON DELETE CASCADE"
+        ),
+        PostgresOnly(
+            "ALTER TABLE changelog ADD CONSTRAINT changelog_pkey PRIMARY KEY (seq) WITH (fillfactor = 100), "
+            "ADD CONSTRAINT changelog_set_id_fkey FOREIGN KEY (set_id) REFERENCES sets(id) ON DELETE CASCADE"
+        ),
+        PostgresOnly("CREATE INDEX resources_set ON resources(set_id, id) INCLUDE (deleted)"),
+        PostgresOnly("CREATE INDEX resources_uri ON resources(uri_key, set_id)"),
+        PostgresOnly("CREATE INDEX changelog_set_seq ON changelog(set_id, seq) WITH (fillfactor = 100)"),
+        PostgresOnly("CREATE INDEX changelog_resource ON changelog(resource_id, seq)"),
+        # statistics for the planner at once when there are rows (a new state stays never analysed)
+        PostgresOnly(
+            "DO $$ BEGIN IF EXISTS (SELECT FROM resources) THEN ANALYZE resources; ANALYZE changelog; "
+            "END IF; END $$"
+        ),
     ),
 ]
 
