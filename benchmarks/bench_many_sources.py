@@ -18,6 +18,11 @@ and prints the functions whose time grows most from one to many (the per-source 
     python benchmarks/bench_many_sources.py                      # 300 x 20 vs 1 x 6000, 3 rounds
     python benchmarks/bench_many_sources.py --sources 100 --per-source 20 --repeat 1   # quick look
     python benchmarks/bench_many_sources.py --profile /tmp/many.prof --repeat 1
+    python benchmarks/bench_many_sources.py --before /tmp/before   # another checkout, interleaved
+
+``--before DIR``: DIR is another checkout of rsagg; each round then runs both cases for both checkouts
+(the order turned round every round) and the table adds the before checkout's ratio and its CPU, so a
+change is judged against the tree before it on the same machine at the same time.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import Finished, lifespan, run_child, serve_until_sigterm
+from _harness import ROOT, Finished, lifespan, run_child, serve_until_sigterm
 from _headline import headline
 
 TARGET = 1.3  # many/one, per resource
@@ -168,6 +173,8 @@ class Run:
     resources: int
     done: Finished
     load: float
+    #: The checkout that ran ("after": this one; "before": ``--before``).
+    tree: str = "after"
     #: Requests the upstream answered, by kind (document, resource, other).
     requests: dict[str, int] = field(default_factory=dict)
 
@@ -186,7 +193,9 @@ def config_text(base: str, sources: int) -> str:
     return "\n".join(lines)
 
 
-def harvest(work: Path, name: str, base: str, sources: int, total: int, profile: str = "") -> Run:
+def harvest(
+    work: Path, name: str, base: str, sources: int, total: int, profile: str = "", root: Path = ROOT
+) -> Run:
     folder = work / name
     folder.mkdir(parents=True)
     (folder / "rsagg.toml").write_text(config_text(base, sources))
@@ -195,7 +204,7 @@ def harvest(work: Path, name: str, base: str, sources: int, total: int, profile:
         cmd += ["-m", "cProfile", "-o", profile]
     cmd += ["-m", "aggregator", "harvest", "--once", "-c", "rsagg.toml", "--log-level", "warning"]
     load = os.getloadavg()[0]
-    done = run_child(cmd, folder, "rsagg")
+    done = run_child(cmd, folder, "rsagg", root)
     out = (folder / "rsagg.out").read_text()
     ok = out.count(": ok: ")
     if done.code != 0 or ok != max(sources, 1):
@@ -207,15 +216,19 @@ def harvest(work: Path, name: str, base: str, sources: int, total: int, profile:
     return Run("many" if sources else "one", max(sources, 1), total, done, load)
 
 
-def one_round(work: Path, r: int, n: int, m: int) -> list[Run]:
+def one_round(work: Path, r: int, n: int, m: int, before: Path | None = None) -> list[Run]:
     runs = []
-    for sources in (0, n) if r % 2 == 0 else (n, 0):  # interleaved, alternating the order
+    trees = [("after", ROOT)] + ([("before", before)] if before else [])
+    cases = [(tree, sources) for tree in trees for sources in (0, n)]
+    for (tree, root), sources in cases if r % 2 == 0 else cases[::-1]:  # interleaved, the order turned
         up = Upstream(n if sources else 0, m, 0 if sources else n * m, work / "upstream.log")
         try:
-            runs.append(harvest(work, f"{'many' if sources else 'one'}-{r}", up.base, sources, n * m))
+            name = f"{tree}-{'many' if sources else 'one'}-{r}"
+            runs.append(harvest(work, name, up.base, sources, n * m, root=root))
         finally:
             counts = up.stop()
         runs[-1].requests = counts
+        runs[-1].tree = tree
     return runs
 
 
@@ -223,16 +236,18 @@ def median(runs: list[Run], case: str, f) -> float:
     return statistics.median(f(r) for r in runs if r.case == case)
 
 
-def table(runs: list[Run], n: int, m: int) -> str:
+def table(all_runs: list[Run], n: int, m: int) -> str:
+    """Every run, then the medians and ratios of this checkout's runs (and the ``--before`` one's ratio)."""
     rows = [
-        f"{'case':<24} {'time s':>8} {'CPU s':>8} {'of it sys':>9} {'RSS MB':>8} {'ms/res':>8} {'load':>6} "
+        f"{'case':<31} {'time s':>8} {'CPU s':>8} {'of it sys':>9} {'RSS MB':>8} {'ms/res':>8} {'load':>6} "
         f"{'docs':>6} {'res':>6}"
     ]
-    for r in runs:
-        label = f"{r.case} ({r.sources} x {r.resources // r.sources})"
-        rows.append(f"{label:<24} {r.done.wall:8.2f} {r.done.cpu:8.2f} {r.done.usage.ru_stime:9.2f} "
+    for r in all_runs:
+        label = f"{r.tree} {r.case} ({r.sources} x {r.resources // r.sources})"
+        rows.append(f"{label:<31} {r.done.wall:8.2f} {r.done.cpu:8.2f} {r.done.usage.ru_stime:9.2f} "
                     f"{r.done.rss_mb:8.1f} {r.per_resource_ms:8.3f} {r.load:6.2f} "
                     f"{r.requests.get('document', 0):6d} {r.requests.get('resource', 0):6d}")  # fmt: skip
+    runs = [r for r in all_runs if r.tree == "after"]
     t1, tn = median(runs, "one", lambda r: r.done.wall), median(runs, "many", lambda r: r.done.wall)
     c1, cn = median(runs, "one", lambda r: r.done.cpu), median(runs, "many", lambda r: r.done.cpu)
     m1, mn = median(runs, "one", lambda r: r.done.rss_mb), median(runs, "many", lambda r: r.done.rss_mb)
@@ -247,6 +262,13 @@ def table(runs: list[Run], n: int, m: int) -> str:
     dn = median(runs, "many", lambda r: sum(r.requests.values()))
     rows.append(f"per extra source: {(cn - c1) / (n - 1) * 1000:+.1f} ms CPU, "
                 f"{(mn - m1) * 1024 / (n - 1):+.0f} KB, {(dn - d1) / (n - 1):+.2f} requests")  # fmt: skip
+    before = [r for r in all_runs if r.tree == "before"]
+    if before:
+        b1 = median(before, "one", lambda r: r.done.cpu)
+        bn = median(before, "many", lambda r: r.done.cpu)
+        rows.append(f"before (--before, the same rounds): one {b1:.2f} s CPU, many {bn:.2f} s CPU, "
+                    f"many/one {bn / b1:.2f}x the CPU (this checkout: {cn / c1:.2f}x); many: {bn / cn:.2f}x "
+                    f"the CPU of this checkout's")  # fmt: skip
     return "\n".join(rows)
 
 
@@ -276,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="also run both cases under cProfile (into FILE.one, FILE.many) and show the difference",
     )
+    p.add_argument("--before", type=Path, help="another checkout of rsagg, run in the same rounds")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--big", type=int, default=0, help=argparse.SUPPRESS)
@@ -284,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         return serve_main(args.sources, args.per_source, args.big, args.counts)
     n, m = args.sources, args.per_source
+    if args.before and not (args.before / "aggregator").is_dir():
+        p.error(f"--before {args.before}: no aggregator/ package there")
     work = Path(tempfile.mkdtemp(prefix="rsagg-many-"))
     from importlib.metadata import entry_points
 
@@ -294,16 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     try:
         for r in range(args.repeat):
-            runs += one_round(work, r, n, m)
-            print(
-                f"round {r + 1}: " + ", ".join(f"{x.case} {x.done.wall:.2f} s" for x in runs[-2:]), flush=True
-            )
+            got = one_round(work, r, n, m, args.before)
+            runs += got
+            print(f"round {r + 1}: " + ", ".join(f"{x.tree} {x.case} {x.done.cpu:.2f} s CPU" for x in got),
+                  flush=True)  # fmt: skip
         if runs:
             print(table(runs, n, m))
-            c1, cn = median(runs, "one", lambda r: r.done.cpu), median(runs, "many", lambda r: r.done.cpu)
+            mine = [r for r in runs if r.tree == "after"]
+            c1, cn = median(mine, "one", lambda r: r.done.cpu), median(mine, "many", lambda r: r.done.cpu)
             m1, mn = (
-                median(runs, "one", lambda r: r.done.rss_mb),
-                median(runs, "many", lambda r: r.done.rss_mb),
+                median(mine, "one", lambda r: r.done.rss_mb),
+                median(mine, "many", lambda r: r.done.rss_mb),
             )
             extra = f"{(cn - c1) / (n - 1) * 1000:+.1f} ms, {(mn - m1) * 1024 / (n - 1):+.0f} KB"
             headline(f"many Sources: CPU of {n} × {m} over 1 × {n * m}",

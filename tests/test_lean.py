@@ -1,4 +1,5 @@
-"""The lean resource path (aggregator/net/lean.py) gives the outcome the httpx path gives, case for case.
+"""The lean path (aggregator/net/lean.py) gives the outcome the httpx path gives, case for case: resources
+and Capability documents.
 
 One raw loopback server answers scripted bytes (so the framing is exactly what a case says: Content-Length,
 chunked, close-delimited, truncated, garbage); the same Fetcher settings fetch every case once with the lean
@@ -7,12 +8,14 @@ path and once with it switched off (``_lean = None``: the httpx path), and the o
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import random
 import shutil
 import ssl
 import string
 import subprocess
+import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -526,3 +529,94 @@ def test_the_request_head_is_what_h11_writes() -> None:
         raw = [(b"Host", url.authority.encode())] + [(k.encode(), v.encode()) for k, v in fields.items()]
         ref = h11.Connection(h11.CLIENT).send(h11.Request(method="GET", target=url.target, headers=raw))
         assert head == ref, url
+
+
+# -- documents: the same table for Capability documents ---------------------------------------------------
+
+RL_HEAD = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n'
+    b'<urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9" '
+    b'xmlns:rs="http://www.openarchives.org/rs/terms/">\n'
+    b'<rs:md capability="resourcelist" at="2024-01-01T00:00:00Z"/>\n'
+)
+
+
+def resource_list_doc(n: int) -> bytes:
+    entries = b"".join(b"<url><loc>http://example.com/r%d</loc></url>\n" % i for i in range(n))
+    return RL_HEAD + entries + b"</urlset>\n"
+
+
+def _coded(body: bytes, coding: str) -> tuple[bytes, dict[str, str]]:
+    """``body`` as served with ``coding``: a Content-Encoding, or a gzip file served as such."""
+    if coding == "gzip":
+        return gzip.compress(body, mtime=0), {"Content-Encoding": "gzip"}
+    if coding == "deflate":
+        return zlib.compress(body), {"Content-Encoding": "deflate"}
+    if coding == "gzip file":  # sitemap.xml.gz: no coding, the bytes are a gzip file (sniffed)
+        return gzip.compress(body, mtime=0), {"Content-Type": "application/gzip"}
+    if coding == "bogus":
+        return body, {"Content-Encoding": "br-unknown"}
+    return body, {"Content-Type": "application/xml"}
+
+
+def _document_cases() -> list[tuple[str, bytes, bool, dict[str, str]]]:
+    """(name, raw response, server closes after it, request validators): generated answers to a document
+    GET -- statuses x framings x content codings x sizes x cuts -- and a few fixed ones."""
+    cases: list[tuple[str, bytes, bool, dict[str, str]]] = [
+        ("304 to a conditional GET", response(304, headers={"ETag": '"v1"'}), False, {"etag": '"v1"'}),
+        ("not XML", response(200, b"<html>no</html>"), False, {}),
+        ("truncated gzip", response(200, gzip.compress(resource_list_doc(50))[:-20],
+                                    headers={"Content-Encoding": "gzip"}), False, {}),
+        ("links and validators", response(200, resource_list_doc(2), headers={
+            "Link": '<http://x/cl.xml>; rel="up"', "ETag": '"e"',
+            "Last-Modified": "Sat, 01 Jan 2000 00:00:00 GMT", "Content-Type": "application/xml"}), False, {}),
+    ]  # fmt: skip
+    rng = random.Random(2017)
+    for i in range(30):
+        status = rng.choice([200, 200, 200, 200, 404, 410, 429, 500, 503])
+        framing = rng.choice(["length", "chunked", "close"])
+        coding = rng.choice(["identity", "identity", "gzip", "deflate", "gzip file", "bogus"])
+        body, hdrs = _coded(resource_list_doc(rng.choice([0, 1, 3, 40, 400])), coding)
+        if status != 200:
+            body = b"no"
+        if status in (429, 503):
+            hdrs["Retry-After"] = "0"
+        close = framing == "close" or rng.random() < 0.3
+        truncate = rng.choice([0, 0, 0, 5]) if status == 200 else 0
+        cases.append((f"generated {i}: {status} {framing} {coding} {len(body)}B close={close} cut={truncate}",
+                      response(status, body, framing=framing, headers=hdrs, truncate=truncate),
+                      close or truncate > 0, {}))  # fmt: skip
+    return cases
+
+
+DOCUMENT_CASES = _document_cases()
+
+
+async def document_outcome(f: Fetcher, url: str, validators: dict[str, str]) -> tuple:
+    """What a caller of ``Fetcher.document`` can see, in a comparable form."""
+    try:
+        async with f.document(url, **validators) as stream:
+            locs = [e.loc async for e in stream.entries]
+            head = stream.head.capability if stream.head is not None else None
+            return ("ok", stream.not_modified, stream.url, stream.etag, stream.content_type,
+                    stream.link_header, stream.last_modified, head, locs, stream.sha256)  # fmt: skip
+    except FetchError as exc:
+        words = str(exc) if exc.kind in ("http", "size", "parse") else ""
+        return ("error", exc.kind, exc.status, exc.transient, exc.retry_after, exc.url, words)
+
+
+@pytest.mark.parametrize("case", range(len(DOCUMENT_CASES)), ids=[c[0] for c in DOCUMENT_CASES])
+async def test_documents_on_the_lean_and_httpx_paths_agree(case: int) -> None:
+    """Capability documents take the lean path as resources do; whatever the framing, content coding
+    or failure, the caller sees what the httpx path would give it."""
+    name, raw, close, validators = DOCUMENT_CASES[case]
+    script = Script()
+    async with scripted(script) as base:
+        path = script.add("/doc.xml", raw, close=close)
+        async with fetcher() as lean_f, fetcher() as httpx_f:
+            assert lean_f._lean is not None
+            httpx_f._lean = None
+            a = await document_outcome(lean_f, base + path, validators)
+            b = await document_outcome(httpx_f, base + path, validators)
+            assert lean_f._lean.connections_opened >= 1  # the lean path ran
+    assert a == b, name

@@ -36,7 +36,7 @@ from aggregator.harvest import source as source_mod
 from aggregator.harvest.access import Access
 from aggregator.harvest.context import HarvestContext
 from aggregator.harvest.source import sync_source
-from aggregator.net import outbound
+from aggregator.net import lean, outbound
 from aggregator.rs import parse
 from aggregator.rs.model import RS_NS, SITEMAP_NS
 from aggregator.rs.parse import DocumentError, DocumentReader
@@ -238,15 +238,22 @@ async def test_sources_sharing_an_origin_share_its_connections(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twelve sources on one (loopback, so pinned) origin: no more connections than the per-host
-    limit allows at once, not one (or more) per source; and no more tasks than they have changes."""
+    limit allows at once, not one (or more) per source; and no more tasks than they have changes.
+    Connections of both paths count: httpx's and the lean client's (documents and resources)."""
     opened: list[tuple[str, int]] = []
     real = outbound.PolicedBackend.connect_tcp
+    real_lean = lean.LeanPool._connect
 
     async def connect_tcp(self, host, port, *args, **kwargs):
         opened.append((host, port))
         return await real(self, host, port, *args, **kwargs)
 
+    async def lean_connect(self, url, port, *args, **kwargs):
+        opened.append((url.host, port))
+        return await real_lean(self, url, port, *args, **kwargs)
+
     monkeypatch.setattr(outbound.PolicedBackend, "connect_tcp", connect_tcp)
+    monkeypatch.setattr(lean.LeanPool, "_connect", lean_connect)
     tasks: list[int] = []
     real_run = pipeline._Workers._run
 

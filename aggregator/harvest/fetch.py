@@ -475,7 +475,7 @@ class _NoEntries:
 class _DocMeta:
     url: str
     status: int
-    headers: httpx.Headers
+    headers: httpx.Headers | lean.Headers
 
 
 class _Started:
@@ -928,10 +928,10 @@ class Fetcher:
         with spool.scope:
             try:
                 with trio.move_on_after(self.document_deadline) as deadline:
-                    async with self._get(url, headers) as body:
+                    # The lean path when it can take the URL (``_get``): the body is decoded here.
+                    async with self._get(url, headers, lean_ok=True) as body:
                         self._check_status(body, allow=(304,))
                         resp = body.response
-                        assert isinstance(resp, httpx.Response)  # documents take the httpx path
                         decoder = _Decoder(
                             body.final_url, resp.headers.get("content-encoding"), sniff_gzip=True
                         )
