@@ -760,14 +760,17 @@ def _check_sets(file: str, sets: tuple[SetConfig, ...], sources: tuple[SourceCon
             )
 
 
+def read_config_file(path: str | Path) -> bytes:
+    """The bytes of a config file; a file that cannot be read is a ConfigError naming it."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(str(path), "-", f"cannot read: {exc.strerror or exc}") from None
+
+
 def load_config(path: str | Path) -> Config:
     """Read and check a config file; every problem is a ConfigError naming the file."""
-    file = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(file, "-", f"cannot read: {exc.strerror or exc}") from None
-    return parse_toml(raw, file)
+    return parse_toml(read_config_file(path), str(path))
 
 
 def parse_toml(raw: bytes, file: str) -> Config:

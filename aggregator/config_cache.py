@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .config import MODELS, Config, ConfigError, _trusted, parse_toml
+from .config import MODELS, Config, _trusted, parse_toml, read_config_file
 
 #: The environment variable naming the cache folder (set empty to turn snapshots off).
 CACHE_ENV = "RSAGG_CACHE_DIR"
@@ -78,10 +78,7 @@ def snapshot_key(raw: bytes, file: str) -> str:
 def load_config_cached(path: str | Path) -> Config:
     """``config.load_config``, from the snapshot when the same file was checked before."""
     file = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(file, "-", f"cannot read: {exc.strerror or exc}") from None
+    raw = read_config_file(path)
     folder = cache_folder()
     if folder is None:
         return parse_toml(raw, file)

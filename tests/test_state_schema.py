@@ -17,7 +17,8 @@ import json
 import random
 import re
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -528,13 +529,14 @@ def test_an_older_postgres_state_with_data_migrates_with_every_answer_unchanged(
     assert pg_facts(url) == pg_facts(fresh)  # step 17's column order, types and indexes
 
 
-@pytest.mark.slow
-def test_postgres_step_17_keeps_the_uri_of_a_record_whose_row_is_gone(pg_server) -> None:  # type: ignore[no-untyped-def]
+@contextmanager
+def _pg_old_state_with_a_set(url: str, schema: dict[str, list[str]]) -> Iterator[Any]:
+    """A PostgreSQL database at an old schema version (``schema``'s DDL) holding source "s" and its set
+    1: the connection, committed when the block ends."""
     import psycopg
 
-    url = pg_server.fresh_url()
     with psycopg.connect(url) as conn:
-        for statement in V16["postgresql"]:
+        for statement in schema["postgresql"]:
             conn.execute(statement)
         conn.execute(
             "INSERT INTO sources (name, url, created_at, updated_at) VALUES ('s', 'u', now(), now())"
@@ -543,6 +545,14 @@ def test_postgres_step_17_keeps_the_uri_of_a_record_whose_row_is_gone(pg_server)
             "INSERT INTO sets (id, source, capabilitylist_url, name, created_at) "
             "VALUES (1, 's', 'c', 'n', now())"
         )
+        yield conn
+
+
+@pytest.mark.slow
+def test_postgres_step_17_keeps_the_uri_of_a_record_whose_row_is_gone(pg_server) -> None:  # type: ignore[no-untyped-def]
+
+    url = pg_server.fresh_url()
+    with _pg_old_state_with_a_set(url, V16) as conn:
         conn.execute(
             "INSERT INTO resources (id, set_id, uri, sha256, deleted, updated_at, uri_key) "
             f"VALUES (7, 1, 'https://kept.example/x', '\\x{_sha('x')}', false, '{format_dt(T0)}', "
@@ -569,16 +579,7 @@ def test_a_hash_that_is_not_hex_fails_the_postgres_migration_and_leaves_v14(pg_s
     import psycopg
 
     url = pg_server.fresh_url()
-    with psycopg.connect(url) as conn:
-        for statement in V14["postgresql"]:
-            conn.execute(statement)
-        conn.execute(
-            "INSERT INTO sources (name, url, created_at, updated_at) VALUES ('s', 'u', now(), now())"
-        )
-        conn.execute(
-            "INSERT INTO sets (id, source, capabilitylist_url, name, created_at) "
-            "VALUES (1, 's', 'c', 'n', now())"
-        )
+    with _pg_old_state_with_a_set(url, V14) as conn:
         conn.execute(
             "INSERT INTO resources (id, set_id, uri, sha256, deleted, updated_at) "
             "VALUES (1, 1, 'x', 'zz', false, now())"
