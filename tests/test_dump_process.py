@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 from functools import partial
 from pathlib import Path
 
@@ -139,3 +140,40 @@ async def test_a_worker_that_cannot_run_turns_the_schedule_to_its_thread(tmp_pat
                     await build(config, True)
                 assert await build(config, True) >= 1  # in the thread now
             assert set(builder.available("up")) >= {"resourcedump"}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+async def test_a_worker_the_stop_signal_reached_first_does_not_fail_the_stop(tmp_path: Path, caplog) -> None:
+    """systemd's stop signals the unit's whole control group (a terminal's Ctrl-C, the process group): the
+    worker may die of it before the daemon closes its context. The daemon's stop stays clean (it was a
+    traceback and exit status 1), the worker's end is one log line, and it is gone."""
+    caplog.set_level(logging.INFO, logger="rsagg")
+    up = await _harvested(tmp_path)
+    async with up.serving() as base:
+        config = _config(tmp_path, base)
+        assert (await harvest(config))["up"].ok
+        async with open_context(config) as ctx:
+            builder = open_dump_builder(config, ctx.blobs)
+            assert builder is not None
+            plugins = parts.load_plugins(config)
+            runner = partial(dumpworker.dump_process, ctx.blobs, store_recipe(config, plugins), builder)
+            before = set(_children())
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_dumps, builder, lambda: config, stop.wait, None, runner)
+                with trio.fail_after(BOUND):  # a build done: the worker lives, idle
+                    while not set(builder.available("up")) >= {"resourcedump", "changedump"}:
+                        await trio.sleep(0.05)
+                own = os.getpriority(os.PRIO_PROCESS, 0)
+                workers = [pid for pid, nice in _children().items() if pid not in before and nice != own]
+                assert workers
+                for pid in workers:
+                    os.kill(pid, signal.SIGTERM)  # what the unit's stop sends every process of it
+                with trio.fail_after(BOUND):
+                    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                              for pid in workers):  # fmt: skip
+                        await trio.sleep(0.05)
+                stop.set()  # the schedule ends: the context closes over a worker that died
+            assert not any(pid in _children() for pid in workers)
+    said = [r.getMessage() for r in caplog.records if "did not stop cleanly" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said

@@ -379,7 +379,7 @@ def test_deploy_under_systemd(machine: Machine, tmp_path: Path) -> None:
             "Result": "success",
             "ExecMainCode": "1",
             "ExecMainStatus": "0",
-        }
+        }, m.sh("journalctl -u rsagg.service -o cat --no-pager").stdout[-4000:]
 
 
 def nginx_conf(rsagg_port: int, nginx_port: int) -> str:

@@ -129,7 +129,7 @@ async def dump_process(
     thread = in_thread(builder)
     finished = False  # a worker finished a build: one that dies later is not a sandbox's refusal
     fallback = False
-    async with trio_parallel.open_worker_context(idle_timeout=IDLE_TIMEOUT, init=_lower_priority) as ctx:
+    async with _worker_context() as ctx:
 
         async def build(config: Config, resource_dumps: bool) -> int:
             nonlocal finished, fallback
@@ -160,6 +160,32 @@ async def dump_process(
         yield build
         # (leaving the context stops the worker; a build under way was killed by the cancellation)
         await trio.lowlevel.checkpoint()
+
+
+@contextlib.asynccontextmanager
+async def _worker_context() -> AsyncIterator[trio_parallel.WorkerContext]:
+    """trio-parallel's worker context, whose closing never fails the daemon: a worker that did not exit
+    cleanly (the stop signal reached it too: systemd signals the unit's whole control group, a terminal
+    its process group) raised from the context's end and turned the daemon's clean stop into a
+    traceback and exit status 1. Nothing is lost with it: a build it had under way is built again by
+    the next round. Logged in one line; what the block itself raised goes on as it was."""
+    manager = trio_parallel.open_worker_context(idle_timeout=IDLE_TIMEOUT, init=_lower_priority)
+    ctx = await manager.__aenter__()
+    try:
+        yield ctx
+    except BaseException as exc:
+        await _close(manager, exc)
+        raise
+    await _close(manager, None)
+
+
+async def _close(manager: contextlib.AbstractAsyncContextManager[object], exc: BaseException | None) -> None:
+    try:
+        await manager.__aexit__(
+            type(exc) if exc is not None else None, exc, exc.__traceback__ if exc else None
+        )
+    except trio_parallel.BrokenWorkerError as broken:
+        log.info("the dump worker process did not stop cleanly (nothing lost): %s", broken.args[0])
 
 
 __all__ = ["IDLE_TIMEOUT", "DumpWorkerError", "dump_process", "worker_recipe"]
