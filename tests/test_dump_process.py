@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 
@@ -15,10 +16,11 @@ import psutil
 import pytest
 import trio
 
-from aggregator.config import parse_config
-from aggregator.harvest.context import store_recipe
+from aggregator.config import Config, parse_config
+from aggregator.harvest.context import HarvestContext, store_recipe
 from aggregator.harvest.offload import StoreRecipe
 from aggregator.publish import schedule
+from aggregator.publish.dumps import DumpBuilder
 from aggregator.publish.schedule import run_dumps
 from aggregator.run import dumpworker, parts
 from aggregator.run.compose import open_context
@@ -52,10 +54,21 @@ def _die(*args: object) -> None:
     os._exit(9)
 
 
-async def _harvested(tmp_path: Path, n: int = 12):
+@contextlib.asynccontextmanager
+async def _harvested(
+    tmp_path: Path, n: int = 12
+) -> AsyncIterator[tuple[Config, HarvestContext, DumpBuilder]]:
+    """A store that harvested an upstream of ``n`` resources (its dumps not built yet): its
+    configuration, its open context and the daemon's dump builder, while the upstream serves."""
     up = Upstream(resource_dump=False, change_dump=False)
     up.bulk_create(n)
-    return up
+    async with up.serving() as base:
+        config = _config(tmp_path, base)
+        assert (await harvest(config))["up"].ok
+        async with open_context(config) as ctx:
+            builder = open_dump_builder(config, ctx.blobs)
+            assert builder is not None
+            yield config, ctx, builder
 
 
 def _config(tmp_path: Path, base: str):
@@ -68,78 +81,67 @@ def _config(tmp_path: Path, base: str):
     return parse_config(raw, str(tmp_path / "rsagg.toml"))
 
 
+@contextlib.asynccontextmanager
+async def _dumps_built_by_a_worker(tmp_path: Path) -> AsyncIterator[tuple[set[int], trio.Event]]:
+    """A harvested store whose dump schedule runs with its worker process and has built both dumps:
+    yields this process's children from before the schedule began, and the event that ends the
+    schedule (set it in the block; the schedule is over once the ``async with`` is)."""
+    async with _harvested(tmp_path) as (config, ctx, builder):
+        plugins = parts.load_plugins(config)
+        runner = partial(dumpworker.dump_process, ctx.blobs, store_recipe(config, plugins), builder)
+        before = set(_children())
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_dumps, builder, lambda: config, stop.wait, None, runner)
+            with trio.fail_after(BOUND):  # built by the worker, read here from the state
+                while not set(builder.available("up")) >= {"resourcedump", "changedump"}:
+                    await trio.sleep(0.05)
+            yield before, stop
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 async def test_dumps_build_in_a_niced_worker_and_stop_with_the_schedule(tmp_path: Path) -> None:
-    up = await _harvested(tmp_path)
-    async with up.serving() as base:
-        config = _config(tmp_path, base)
-        assert (await harvest(config))["up"].ok
-        async with open_context(config) as ctx:
-            builder = open_dump_builder(config, ctx.blobs)
-            assert builder is not None
-            plugins = parts.load_plugins(config)
-            runner = partial(dumpworker.dump_process, ctx.blobs, store_recipe(config, plugins), builder)
-            before = set(_children())
-            stop = trio.Event()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_dumps, builder, lambda: config, stop.wait, None, runner)
-                with trio.fail_after(BOUND):  # built by the worker, read here from the state
-                    while not set(builder.available("up")) >= {"resourcedump", "changedump"}:
-                        await trio.sleep(0.05)
-                workers = {pid: nice for pid, nice in _children().items() if pid not in before}
-                own = os.getpriority(os.PRIO_PROCESS, 0)
-                # trio-parallel's spawn worker (beside multiprocessing's resource tracker), niced
-                assert min(19, own + schedule.DUMP_NICE) in workers.values(), workers
-                stop.set()
-            with trio.fail_after(BOUND):  # the worker is stopped with the schedule
-                while any(pid in _children() for pid, nice in workers.items() if nice != own):
-                    await trio.sleep(0.05)
+    async with _dumps_built_by_a_worker(tmp_path) as (before, stop):
+        workers = {pid: nice for pid, nice in _children().items() if pid not in before}
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        # trio-parallel's spawn worker (beside multiprocessing's resource tracker), niced
+        assert min(19, own + schedule.DUMP_NICE) in workers.values(), workers
+        stop.set()
+    with trio.fail_after(BOUND):  # the worker is stopped with the schedule
+        while any(pid in _children() for pid, nice in workers.items() if nice != own):
+            await trio.sleep(0.05)
 
 
 async def test_a_failing_build_is_named_and_the_schedule_goes_on(tmp_path: Path, caplog) -> None:
-    up = await _harvested(tmp_path)
-    async with up.serving() as base:
-        config = _config(tmp_path, base)
-        assert (await harvest(config))["up"].ok
-        async with open_context(config) as ctx:
-            builder = open_dump_builder(config, ctx.blobs)
-            assert builder is not None
-            broken = StoreRecipe(_broken_store, {}, config.store_path)
-            runner = partial(dumpworker.dump_process, ctx.blobs, broken, builder)
-            stop = trio.Event()
-            failed: list[Exception] = []  # the daemon counts them (rsagg_errors{kind="dump"})
-            with caplog.at_level(logging.ERROR, logger="rsagg.publish"):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(
-                        run_dumps, builder, lambda: config, stop.wait, None, runner, failed.append
-                    )
-                    with trio.fail_after(BOUND):
-                        while "building dumps failed" not in caplog.text:
-                            await trio.sleep(0.05)
-                    stop.set()
-            assert "building dumps failed: OSError: the disk under data is gone" in caplog.text
-            assert failed and all(isinstance(e, OSError) for e in failed)
-            assert builder.available("up") == {}  # nothing half built is served
+    async with _harvested(tmp_path) as (config, ctx, builder):
+        broken = StoreRecipe(_broken_store, {}, config.store_path)
+        runner = partial(dumpworker.dump_process, ctx.blobs, broken, builder)
+        stop = trio.Event()
+        failed: list[Exception] = []  # the daemon counts them (rsagg_errors{kind="dump"})
+        with caplog.at_level(logging.ERROR, logger="rsagg.publish"):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_dumps, builder, lambda: config, stop.wait, None, runner, failed.append)
+                with trio.fail_after(BOUND):
+                    while "building dumps failed" not in caplog.text:
+                        await trio.sleep(0.05)
+                stop.set()
+        assert "building dumps failed: OSError: the disk under data is gone" in caplog.text
+        assert failed and all(isinstance(e, OSError) for e in failed)
+        assert builder.available("up") == {}  # nothing half built is served
 
 
 async def test_a_worker_that_cannot_run_turns_the_schedule_to_its_thread(tmp_path: Path, monkeypatch) -> None:
     """A worker that dies before it ever finished a build (a sandbox forbidding processes): that round
     fails by name, the next ones build in the niced thread."""
-    up = await _harvested(tmp_path)
-    async with up.serving() as base:
-        config = _config(tmp_path, base)
-        assert (await harvest(config))["up"].ok
-        async with open_context(config) as ctx:
-            builder = open_dump_builder(config, ctx.blobs)
-            assert builder is not None
-            runner = partial(dumpworker.dump_process, ctx.blobs, store_recipe(config, ctx.plugins), builder)
-            monkeypatch.setattr(dumpworker, "_build_in_worker", _die)  # the worker dies at once
-            async with runner() as build:
-                assert build is not None
-                with pytest.raises(dumpworker.DumpWorkerError, match="died"):
-                    await build(config, True)
-                assert await build(config, True) >= 1  # in the thread now
-            assert set(builder.available("up")) >= {"resourcedump"}
+    async with _harvested(tmp_path) as (config, ctx, builder):
+        runner = partial(dumpworker.dump_process, ctx.blobs, store_recipe(config, ctx.plugins), builder)
+        monkeypatch.setattr(dumpworker, "_build_in_worker", _die)  # the worker dies at once
+        async with runner() as build:
+            assert build is not None
+            with pytest.raises(dumpworker.DumpWorkerError, match="died"):
+                await build(config, True)
+            assert await build(config, True) >= 1  # in the thread now
+        assert set(builder.available("up")) >= {"resourcedump"}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
@@ -148,32 +150,16 @@ async def test_a_worker_the_stop_signal_reached_first_does_not_fail_the_stop(tmp
     worker may die of it before the daemon closes its context. The daemon's stop stays clean (it was a
     traceback and exit status 1), the worker's end is one log line, and it is gone."""
     caplog.set_level(logging.INFO, logger="rsagg")
-    up = await _harvested(tmp_path)
-    async with up.serving() as base:
-        config = _config(tmp_path, base)
-        assert (await harvest(config))["up"].ok
-        async with open_context(config) as ctx:
-            builder = open_dump_builder(config, ctx.blobs)
-            assert builder is not None
-            plugins = parts.load_plugins(config)
-            runner = partial(dumpworker.dump_process, ctx.blobs, store_recipe(config, plugins), builder)
-            before = set(_children())
-            stop = trio.Event()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_dumps, builder, lambda: config, stop.wait, None, runner)
-                with trio.fail_after(BOUND):  # a build done: the worker lives, idle
-                    while not set(builder.available("up")) >= {"resourcedump", "changedump"}:
-                        await trio.sleep(0.05)
-                own = os.getpriority(os.PRIO_PROCESS, 0)
-                workers = [pid for pid, nice in _children().items() if pid not in before and nice != own]
-                assert workers
-                for pid in workers:
-                    os.kill(pid, signal.SIGTERM)  # what the unit's stop sends every process of it
-                with trio.fail_after(BOUND):
-                    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
-                              for pid in workers):  # fmt: skip
-                        await trio.sleep(0.05)
-                stop.set()  # the schedule ends: the context closes over a worker that died
-            assert not any(pid in _children() for pid in workers)
+    async with _dumps_built_by_a_worker(tmp_path) as (before, stop):  # a build done: the worker idles
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        workers = [pid for pid, nice in _children().items() if pid not in before and nice != own]
+        assert workers
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)  # what the unit's stop sends every process of it
+        with trio.fail_after(BOUND):
+            while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in workers):
+                await trio.sleep(0.05)
+        stop.set()  # the schedule ends: the context closes over a worker that died
+    assert not any(pid in _children() for pid in workers)
     said = [r.getMessage() for r in caplog.records if "did not stop cleanly" in r.getMessage()]
     assert len(said) == 1 and "\n" not in said[0], said
