@@ -250,48 +250,34 @@ def store_page(
     records, page.records = page.records, []
     if page.errors:  # an OAI-PMH error answer: no records to store
         return page, [], None
-    stored: list[StoredRecord] = []
     writers: list[BlobWriter] = []
     try:
+        contents = [rec.content for rec in records if rec.content is not None]
         put_small = getattr(blobs, "put_small", None)  # FileBlobStore's: small records, no writer each
-        infos = put_small([r.content for r in records if r.content is not None], _MD5) if put_small else None
-        if infos is not None:
-            found = iter(infos)
-            for rec in records:
-                via = get_record + quote_all(rec.identifier)
-                if rec.content is None:
-                    stored.append((rec.identifier, rec.datestamp, True, None, 0, None, via))
-                else:
-                    info = next(found)
-                    stored.append(
-                        (
-                            rec.identifier,
-                            rec.datestamp,
-                            False,
-                            info.sha256,
-                            info.length,
-                            info.hashes["md5"],
-                            via,
-                        )
-                    )
-            return page, stored, None
-        for rec in records:
-            via = get_record + quote_all(rec.identifier)
-            if rec.content is None:
-                stored.append((rec.identifier, rec.datestamp, True, None, 0, None, via))
-                continue
-            writer = begin_spooled(blobs, _MD5)
-            writers.append(writer)
-            writer.write(rec.content)
-            info = writer.finish()
-            stored.append(
-                (rec.identifier, rec.datestamp, False, info.sha256, info.length, info.hashes["md5"], via)
-            )
-        blobs.commit(writers)
+        infos = put_small(contents, _MD5) if put_small is not None else None
+        if infos is None:  # another store, or a record too big for small.db: a durable blob each
+            infos = []
+            for content in contents:
+                writer = begin_spooled(blobs, _MD5)
+                writers.append(writer)
+                writer.write(content)
+                infos.append(writer.finish())
+            blobs.commit(writers)
     except Exception as exc:
         for writer in writers:
             writer.abort()  # its temp file goes now (a committed blob stays)
         return page, [], _portable(exc)
+    stored: list[StoredRecord] = []
+    found = iter(infos)
+    for rec in records:
+        via = get_record + quote_all(rec.identifier)
+        if rec.content is None:
+            stored.append((rec.identifier, rec.datestamp, True, None, 0, None, via))
+            continue
+        info = next(found)
+        stored.append(
+            (rec.identifier, rec.datestamp, False, info.sha256, info.length, info.hashes["md5"], via)
+        )
     return page, stored, None
 
 
