@@ -17,7 +17,6 @@ import ctypes
 import errno
 import fcntl
 import functools
-import hashlib
 import heapq
 import inspect
 import io
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, cast, runtime_checkable
 
-from ..rs.fixity import ALGORITHMS, Hasher
+from ..rs.fixity import Hasher, digests
 from .inline import INLINE_FILE, InlineBlobs
 
 log = logging.getLogger(__name__)
@@ -662,16 +661,11 @@ class FileBlobStore:
         """
         if self._inline is None or not self.inline_bytes or any(len(c) > self.inline_bytes for c in contents):
             return None
-        extra = [(a, getattr(hashlib, ALGORITHMS[a])) for a in sorted(algorithms) if a in ALGORITHMS]
-        extra = [(a, new) for a, new in extra if a != "sha-256"]
-        sha256 = hashlib.sha256
         infos: list[BlobInfo] = []
         first: dict[str, bytes] = {}  # per content, its bytes (a repeat in the batch is stored once)
         for data in contents:
-            sha = sha256(data).hexdigest()
-            hashes = {"sha-256": sha}
-            for a, new in extra:
-                hashes[a] = new(data).hexdigest()
+            hashes = digests(data, algorithms)
+            sha = hashes["sha-256"]
             infos.append(BlobInfo(sha, len(data), hashes))
             first.setdefault(sha, data)
         if not first:
