@@ -185,7 +185,10 @@ async def _close(manager: contextlib.AbstractAsyncContextManager[object], exc: B
             type(exc) if exc is not None else None, exc, exc.__traceback__ if exc else None
         )
     except trio_parallel.BrokenWorkerError as broken:
-        log.info("the dump worker process did not stop cleanly (nothing lost): %s", broken.args[0])
+        log.info(
+            "the dump worker process did not stop cleanly (a build it had under way is built again): %s",
+            broken.args[0],
+        )
 
 
 __all__ = ["IDLE_TIMEOUT", "DumpWorkerError", "dump_process", "worker_recipe"]
