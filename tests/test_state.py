@@ -679,12 +679,10 @@ def vars_of(link: Link) -> dict:
 # -- reconciliation (harvest/reconcile.py) --------------------------------------------------------------
 
 
-def test_reconciliation_and_resource_validators_round_trip(st: State, set_id: int) -> None:
-    """The last reconciliation of a set is replaced, never appended; validators are kept per URI for the
-    version they were answered with, the last write of a URI winning."""
-    from aggregator.store.rows import Reconciliation, ResourceValidators
+def test_reconciliation_round_trips(st: State, set_id: int) -> None:
+    """The last reconciliation of a set is replaced, never appended."""
+    from aggregator.store.rows import Reconciliation
 
-    a, b, c = (f"https://example.org/{x}" for x in "abc")
     assert st.reconciliation(set_id) is None
     at = datetime(2024, 5, 1, 10, 0, tzinfo=UTC)
     first = Reconciliation(set_id, at, "scheduled", {"https://e.org/rl.xml": {"etag": '"x"', "at": None}},
@@ -694,15 +692,62 @@ def test_reconciliation_and_resource_validators_round_trip(st: State, set_id: in
     second = Reconciliation(set_id, at + timedelta(days=1), "list moved", {}, 1, {}, 1, False, "not read: x")
     st.put_reconciliation(second)
     assert st.reconciliation(set_id) == second
-    lastmod = datetime(2023, 1, 2, 3, 4, 5, tzinfo=UTC)
-    st.put_resource_validators(set_id, [
-        ResourceValidators(a, "a" * 64, '"1"', None, lastmod),
-        ResourceValidators(b, "b" * 64, None, "Tue, 01 Jan 2024 00:00:00 GMT"),
-        ResourceValidators(a, "c" * 64, 'W/"2"', None, lastmod),
-    ])  # fmt: skip
-    got = st.resource_validators(set_id, [a, b, c])
-    assert got == {
-        a: ResourceValidators(a, "c" * 64, 'W/"2"', None, lastmod),
-        b: ResourceValidators(b, "b" * 64, None, "Tue, 01 Jan 2024 00:00:00 GMT"),
-    }
+
+
+#: Last-Modified values an upstream may send: IMF-fixdates (kept), and what is not kept (RFC 850 and
+#: asctime forms, a wrong weekday, a day that does not exist, junk).
+_LAST_MODIFIED = [
+    "Mon, 01 Jan 2024 00:00:00 GMT", "Sat, 28 Nov 2026 11:11:32 GMT", "Thu, 29 Feb 2024 23:59:59 GMT",
+    "Sunday, 06-Nov-94 08:49:37 GMT", "Sun Nov  6 08:49:37 1994", "Tue, 01 Jan 2024 00:00:00 GMT",
+    "Thu, 31 Feb 2024 00:00:00 GMT", "yesterday", None,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_validators_name_the_version_their_row_holds(st: State, set_id: int, seed: int) -> None:
+    """Random histories of a few resources (created, updated, no-op, deleted, created again) with the
+    upstream's validators put for the version held or for another one, against a model of the rule:
+    validators are kept for the version the row holds (and only an IMF-fixdate Last-Modified), a change
+    of content or a deletion drops them, a no-op keeps them, and the lastmod read back is the one they
+    were confirmed under, else the row's own."""
+    import random
+
+    from aggregator.store.rows import ResourceValidators
+    from aggregator.store.sql.codec import http_date_in
+
+    rng = random.Random(seed)
+    uris = [f"https://example.org/r/{i}" for i in range(4)]
+    shas = [f"{i:064x}" for i in range(1, 4)]
+    times = [None, *(datetime(2020 + i, 1, 1, tzinfo=UTC) for i in range(3))]
+    held: dict[str, tuple[str, datetime | None]] = {}  # live rows: uri -> (sha256, the row's lastmod)
+    kept: dict[str, tuple] = {}  # uri -> (etag, Last-Modified, confirmed lastmod) as stored
+    for _ in range(40):
+        uri = rng.choice(uris)
+        if rng.random() < 0.5:
+            kind = rng.choice(["created", "updated", "deleted"])
+            sha, lastmod = rng.choice(shas), rng.choice(times)
+            st.apply(set_id, [ch(uri, kind, None if kind == "deleted" else sha, lastmod=lastmod)])
+            if kind == "deleted":
+                held.pop(uri, None)
+                kept.pop(uri, None)
+            elif uri not in held or held[uri][0] != sha:  # new content (else a no-op: nothing changes)
+                held[uri] = (sha, lastmod)
+                kept.pop(uri, None)
+        else:
+            sha = held[uri][0] if uri in held and rng.random() < 0.7 else rng.choice(shas)
+            etag, modified = rng.choice(['"a"', 'W/"b"', None]), rng.choice(_LAST_MODIFIED)
+            confirmed = rng.choice(times)
+            st.put_resource_validators(set_id, [ResourceValidators(uri, sha, etag, modified, confirmed)])
+            if uri in held and held[uri][0] == sha:
+                modified = modified if http_date_in(modified) else None
+                confirmed = None if confirmed == held[uri][1] else confirmed
+                if etag is None and modified is None and confirmed is None:
+                    kept.pop(uri, None)
+                else:
+                    kept[uri] = (etag, modified, confirmed)
+        expected = {
+            u: ResourceValidators(u, held[u][0], e, m, held[u][1] if c is None else c)
+            for u, (e, m, c) in kept.items()
+        }
+        assert st.resource_validators(set_id, [*uris, "https://example.org/none"]) == expected
     assert st.resource_validators(set_id, []) == {}

@@ -39,8 +39,9 @@ from aggregator.store.sql.schema import STEPS
 V14 = json.loads((Path(__file__).parent / "data" / "state_v14_schema.json").read_text())
 V15 = json.loads((Path(__file__).parent / "data" / "state_v15_schema.json").read_text())
 V16 = json.loads((Path(__file__).parent / "data" / "state_v16_schema.json").read_text())
+V17 = json.loads((Path(__file__).parent / "data" / "state_v17_schema.json").read_text())
 #: The DDL of each older version a state is built from.
-DDL = {14: V14, 15: V15, 16: V16}
+DDL = {14: V14, 15: V15, 16: V16, 17: V17}
 #: The version this rsagg creates and migrates to.
 VERSION = len(STEPS)
 
@@ -137,7 +138,13 @@ def v16_sqlite(tmp_path: Path) -> Path:
     return _sqlite_at(tmp_path / "state16.db", V16, 16)
 
 
-@pytest.mark.parametrize("old", ["v14_sqlite", "v15_sqlite", "v16_sqlite"])
+@pytest.fixture
+def v17_sqlite(tmp_path: Path) -> Path:
+    """A SQLite state at version 17 (before step 18: the validators in their own table)."""
+    return _sqlite_at(tmp_path / "state17.db", V17, 17)
+
+
+@pytest.mark.parametrize("old", ["v14_sqlite", "v15_sqlite", "v16_sqlite", "v17_sqlite"])
 def test_an_older_sqlite_state_migrates_to_this_schema_and_works(
     old: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -174,7 +181,7 @@ def pg_facts(url: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ddl", [V14, V15, V16], ids=["v14", "v15", "v16"])
+@pytest.mark.parametrize("ddl", [V14, V15, V16, V17], ids=["v14", "v15", "v16", "v17"])
 def test_an_older_postgres_state_migrates_to_this_schema_and_works(pg_server, ddl: dict) -> None:  # type: ignore[no-untyped-def]
     import psycopg
 
@@ -234,6 +241,16 @@ def fill(st: StateStore) -> None:
         sets[1], [Change(r.uri, "created", r.sha256, generation=gen) for r in st.iter_live([sets[1]])][:30]
     )
     st.finish_baseline(sets[1], gen, Cursor(baseline_at=T0))
+    # The upstream's validators of some held versions: ETags, Last-Modified (one the state does not
+    # keep), confirmed under the row's own lastmod, another or none; one for a version not held.
+    for n, sid in enumerate(sets):
+        live = [r for r in st.iter_live([sid]) if r.sha256][: 12 + n]
+        st.put_resource_validators(sid, [
+            ResourceValidators(r.uri, r.sha256 if i != 5 else _sha("not held"), f'"e{i}"' if i % 2 else None,
+                               ["Wed, 04 Mar 2026 05:06:07 GMT", None, "4 March 2026"][i % 3],
+                               [r.lastmod, T0 + timedelta(days=i), None][i % 3])
+            for i, r in enumerate(live)
+        ])  # fmt: skip
 
 
 def answers(st: StateStore) -> dict:
@@ -260,6 +277,7 @@ def answers(st: StateStore) -> dict:
         "record": [st.log_record(seq) for seq in range(st.last_seq() + 2)],
         "hashes": list(st.referenced_hashes()),
         "listing": list(st.iter_live_listing(sids)),
+        "validators": [st.resource_validators(sid, [r.uri for r in resources]) for sid in sids],
         "change_lists": lists,
         "resource_list": b"".join(iter_document_bytes(head, entries, flush_head=True)),
         "last_seq": st.last_seq(),
@@ -281,12 +299,31 @@ def _big_tables_ddl(ddl: dict) -> list[str]:
     return [s for s in ddl["sqlite"] if re.search(r"\b(TABLE|ON) \"?(resources|changelog)\b", s)]
 
 
+#: The validators of version 17's table as read back from the resource rows that keep them since step 18.
+_VALIDATORS_AS_V17 = (
+    "INSERT INTO resource_validators SELECT set_id, uri, {hex}, etag, {http}, {w3c} FROM resources "
+    "WHERE deleted = {false} AND (etag IS NOT NULL OR last_modified IS NOT NULL OR confirmed IS NOT NULL)"
+)
+
+
 def downgrade_sqlite(path: Path, to: int = 14) -> None:
-    """Put a state this rsagg wrote back into the form of version 15 (times as format_dt's text, no
-    uri_key, the (set_id, uri) key and changelog_datetime) and, ``to`` 14, of the last release (hex
-    text hashes, half of them uppercase as some writers left them, the uri on every changelog row)."""
+    """Put a state this rsagg wrote back into the form of version 17 (the upstream's validators in
+    their own table, step 13's), 15 (times as format_dt's text, no uri_key, the (set_id, uri) key and
+    changelog_datetime) or, ``to`` 14, of the last release (hex text hashes, half of them uppercase as
+    some writers left them, the uri on every changelog row)."""
     c = sqlite3.connect(path)
     c.create_function("w3c", 1, lambda us: format_dt(from_us(us)))
+    c.create_function("http", 1, lambda us: None if us is None else codec.http_date_out(from_us(us)))
+    c.execute(next(x for x in V17["sqlite"] if "TABLE resource_validators" in x))
+    c.execute(_VALIDATORS_AS_V17.format(hex="lower(hex(sha256))", http="http(last_modified)",
+                                        w3c="w3c(coalesce(confirmed, lastmod))", false="0"))  # fmt: skip
+    for column in ("etag", "last_modified", "confirmed"):
+        c.execute(f"ALTER TABLE resources DROP COLUMN {column}")
+    c.execute("PRAGMA user_version = 17")
+    c.commit()
+    if to == 17:
+        c.close()
+        return
     c.executescript(
         "ALTER TABLE resources RENAME TO r16; ALTER TABLE changelog RENAME TO c16;"
         "DROP INDEX resources_set_id; DROP INDEX resources_live; DROP INDEX changelog_set_seq;"
@@ -334,7 +371,7 @@ def downgrade_sqlite(path: Path, to: int = 14) -> None:
     c.close()
 
 
-@pytest.mark.parametrize("version", [14, 15])
+@pytest.mark.parametrize("version", [14, 15, 17])
 def test_an_older_sqlite_state_with_data_migrates_with_every_answer_unchanged(
     version: int, tmp_path: Path
 ) -> None:
@@ -343,14 +380,15 @@ def test_an_older_sqlite_state_with_data_migrates_with_every_answer_unchanged(
         fill(st)
         before = answers(st)
     downgrade_sqlite(path, to=version)
-    form = _sqlite_at(tmp_path / "form.db", V14 if version == 14 else V15, version)
+    form = _sqlite_at(tmp_path / "form.db", DDL[version] if version != 15 else V15, version)
     assert sqlite_facts(path) == sqlite_facts(form)  # that version's form, exactly
     raw = sqlite3.connect(path)
+    assert raw.execute("SELECT count(*) FROM resource_validators").fetchone()[0] > 10
     if version == 14:
         assert raw.execute("SELECT count(*) FROM resources WHERE sha256 <> lower(sha256)").fetchone()[0] > 0
-    # times as text then: lastmod, upstream datetimes (some), the log's clock
-    assert {t for (t,) in raw.execute("SELECT DISTINCT typeof(updated_at) FROM resources")} == {"text"}
-    assert raw.execute("SELECT count(*) FROM resources WHERE typeof(lastmod) = 'text'").fetchone()[0] > 0
+    if version < 16:  # times as text then: lastmod, upstream datetimes (some), the log's clock
+        assert {t for (t,) in raw.execute("SELECT DISTINCT typeof(updated_at) FROM resources")} == {"text"}
+        assert raw.execute("SELECT count(*) FROM resources WHERE typeof(lastmod) = 'text'").fetchone()[0] > 0
     raw.close()
     with connect(path, clock=_clock()) as st:
         assert st.schema_version == VERSION
@@ -485,7 +523,7 @@ def _to_15(conn: Any) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", [14, 15, 16])
+@pytest.mark.parametrize("version", [14, 15, 16, 17])
 def test_an_older_postgres_state_with_data_migrates_with_every_answer_unchanged(
     pg_server, version: int
 ) -> None:  # type: ignore[no-untyped-def]
@@ -498,9 +536,22 @@ def test_an_older_postgres_state_with_data_migrates_with_every_answer_unchanged(
     with connect(url, clock=_clock()) as st:
         fill(st)
         before = answers(st)
-    with psycopg.connect(url) as conn:  # back to version 16's form: step 17 rebuilt both tables
-        for statement in PG_DOWNGRADE_TO_16:
-            conn.execute(statement)
+    with psycopg.connect(url) as conn:  # back to version 17's form: the validators in their table
+        conn.execute(next(x for x in V17["postgresql"] if "TABLE IF NOT EXISTS resource_validators" in x))
+        http = """to_char(last_modified AT TIME ZONE 'UTC', 'Dy, DD Mon YYYY HH24:MI:SS "GMT"')"""
+        kept = _VALIDATORS_AS_V17.format(
+            hex="encode(sha256, 'hex')", http=http, w3c="coalesce(confirmed, lastmod)", false="false"
+        )
+        conn.execute(kept)
+        conn.execute(
+            "ALTER TABLE resources DROP COLUMN etag, DROP COLUMN last_modified, DROP COLUMN confirmed"
+        )
+        conn.execute("UPDATE schema_version SET version = 17")
+        assert conn.execute("SELECT count(*) FROM resource_validators").fetchone()[0] > 10
+    if version < 17:
+        with psycopg.connect(url) as conn:  # back to version 16's form: step 17 rebuilt both tables
+            for statement in PG_DOWNGRADE_TO_16:
+                conn.execute(statement)
     if version < 16:
         with psycopg.connect(url) as conn:  # back to version 15's form (as downgrade_sqlite)
             _to_15(conn)
@@ -710,3 +761,72 @@ def test_processes_opening_a_new_state_at_once_all_open_it(tmp_path: Path, round
 
     with connect(db) as state:
         assert state.schema_version == len(MIGRATIONS)
+
+
+#: Last-Modified values as version 17 kept them (the header as received): step 18 keeps the IMF-fixdates
+#: (RFC 9110 §5.6.7) only.
+_HEADERS = [
+    "Mon, 01 Jan 2024 00:00:00 GMT", "Thu, 29 Feb 2024 23:59:59 GMT", "Fri, 31 Dec 9999 23:59:59 GMT",
+    "Sunday, 06-Nov-94 08:49:37 GMT", "Sun Nov  6 08:49:37 1994", "Tue, 01 Jan 2024 00:00:00 GMT",
+    "Thu, 31 Feb 2024 00:00:00 GMT", "Mon, 01 Jan 2024 24:00:00 GMT", "mon, 01 jan 2024 00:00:00 gmt", "",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
+def test_step_18_carries_over_the_validators_of_the_versions_held(
+    backend: str, request, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Version 17's validators table onto the rows (step 18): each header kept only when it is an
+    IMF-fixdate written back byte for byte (the same rule as codec.http_date_in, in SQL on PostgreSQL),
+    the confirmed lastmod kept, and nothing of a version the row no longer holds or of a deleted row."""
+    uris = [f"https://example.org/r/{i}" for i in range(len(_HEADERS) + 2)]
+    confirmed = T0 - timedelta(days=3)
+    rows, validators = [], []
+    for i, uri in enumerate(uris):
+        stale, deleted = i == len(_HEADERS), i == len(_HEADERS) + 1
+        rows.append((i + 1, uri, _sha(uri), deleted, uri_key(uri)))
+        header = _HEADERS[i] if i < len(_HEADERS) else _HEADERS[0]
+        etag = f'"{i}"' if i % 2 else None
+        validators.append(
+            (uri, _sha("old") if stale else _sha(uri), etag, header, confirmed if i % 3 else None)
+        )
+    if backend == "sqlite":
+        path = _sqlite_at(tmp_path / "v17.db", V17, 17)
+        raw = sqlite3.connect(path)
+        raw.execute("INSERT INTO sources (name, url, created_at, updated_at) VALUES ('s', 'u', 't', 't')")
+        raw.execute(
+            "INSERT INTO sets (id, source, capabilitylist_url, name, created_at) "
+            "VALUES (1, 's', 'c', 'n', 't')"
+        )
+        raw.executemany(
+            "INSERT INTO resources (id, set_id, uri, sha256, deleted, updated_at, uri_key) "
+            "VALUES (?, 1, ?, ?, ?, 0, ?)",
+            [(rid, uri, bytes.fromhex(sha), int(gone), key) for rid, uri, sha, gone, key in rows],
+        )
+        raw.executemany(
+            "INSERT INTO resource_validators VALUES (1, ?, ?, ?, ?, ?)",
+            [(*v[:4], format_dt(v[4])) for v in validators],
+        )
+        raw.commit()
+        raw.close()
+        location: Any = path
+    else:
+        location = request.getfixturevalue("pg_server").fresh_url()
+        with _pg_old_state_with_a_set(location, V17) as conn:
+            conn.cursor().executemany(
+                "INSERT INTO resources (id, set_id, uri, sha256, deleted, updated_at, uri_key) "
+                "VALUES (%s, 1, %s, %s, %s, now(), %s)",
+                [(rid, uri, bytes.fromhex(sha), gone, key) for rid, uri, sha, gone, key in rows],
+            )
+            conn.cursor().executemany(
+                "INSERT INTO resource_validators VALUES (1, %s, %s, %s, %s, %s)", validators
+            )
+    with connect(location) as st:
+        got = st.resource_validators(1, uris)
+    expected = {}
+    for uri, sha, etag, header, when in validators[: len(_HEADERS)]:
+        kept = header if codec.http_date_in(header) else None
+        if etag or kept or when:
+            expected[uri] = ResourceValidators(uri, sha, etag, kept, when)
+    assert got == expected
+    assert [u for u, v in got.items() if v.last_modified] == uris[:3]  # the three IMF-fixdates

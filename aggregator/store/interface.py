@@ -229,11 +229,14 @@ class StateStore(Protocol):
         ...
 
     def resource_validators(self, set_id: int, uris: Sequence[str]) -> dict[str, ResourceValidators]:
-        """The upstream's validators of those of ``uris`` the set has them for, by uri (one read)."""
+        """The upstream's validators of the versions the set holds of ``uris``, by uri (one read); a
+        uri whose row is deleted, or holds no validators, is absent."""
         ...
 
     def put_resource_validators(self, set_id: int, rows: Sequence[ResourceValidators]) -> None:
-        """Store (replace) the validators of the resources in ``rows``, each for the version it names."""
+        """Store (replace) the validators of the resources in ``rows``, each for the version it names:
+        those of a version the set does not hold (any more) are dropped. A later change of a row's
+        content drops its validators."""
         ...
 
     # -- reads ------------------------------------------------------------------------------------

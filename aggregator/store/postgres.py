@@ -49,6 +49,7 @@ from .sql import codec
 from .sql.changes import Changes
 from .sql.cluster import Cluster
 from .sql.codec import (
+    CLEAR_VALIDATORS,
     LOG_COLS,
     RES_COLS,
     SYNCHRONOUS,
@@ -81,7 +82,7 @@ _UPDATE_FROM_BATCH = (
     + ", ".join(
         f"{c} = COALESCE(b.{c}, r.{c})" if c == "generation" else f"{c} = b.{c}" for c in RES_COLS[2:]
     )
-    + f" FROM {_BATCH} b WHERE r.id = b.id"
+    + f", {CLEAR_VALIDATORS} FROM {_BATCH} b WHERE r.id = b.id"
 )
 # ---------------------------------------------------------------------------------------------------
 # Locations and their secrets

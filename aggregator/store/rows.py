@@ -175,7 +175,9 @@ class ResourceValidators:
     """What the upstream answered with the held version of a resource (``sha256``): its ``ETag`` and
     ``Last-Modified``, sent back as ``If-None-Match`` / ``If-Modified-Since`` when it is re-checked, and
     the ``lastmod`` announced when that version was last fetched or confirmed (an entry announcing it
-    again needs no fetch, though the held row keeps its own lastmod: a no-op changes no row)."""
+    again needs no fetch, though the held row keeps its own lastmod: a no-op changes no row; read back,
+    the row's own lastmod when no other one confirmed it). ``last_modified`` is kept only as an
+    IMF-fixdate (``store.sql.codec.http_date_in``)."""
 
     uri: str
     sha256: str

@@ -37,11 +37,13 @@ from .rows import (
 from .sql.changes import Changes
 from .sql.cluster import Cluster
 from .sql.codec import (
+    CLEAR_VALIDATORS,
     RES_COLS,
     SYNCHRONOUS,
     hash_in,
+    http_date_in,
 )
-from .sql.dialect import SQLITE, uri_key, us_of_text
+from .sql.dialect import SQLITE, to_us, uri_key, us_of_text
 from .sql.dumps import Dumps
 from .sql.hub import Hub
 from .sql.notify import Notifications
@@ -64,12 +66,17 @@ _INSERT_RES = (
 _UPDATE_RES = (
     "UPDATE resources SET "
     + ", ".join(f"{c} = COALESCE(?, {c})" if c == "generation" else f"{c} = ?" for c in RES_COLS[2:])
-    + " WHERE id = ?"
+    + f", {CLEAR_VALIDATORS} WHERE id = ?"
 )
 _INSERT_LOG = (
     "INSERT INTO changelog (set_id, resource_id, change, datetime, sha256, length, type) "
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
+
+
+def _http_us(value: str | None) -> int | None:
+    """Schema step 18: a kept ``Last-Modified`` header as the row's time (None: not an IMF-fixdate)."""
+    return to_us(http_date_in(value))
 
 
 def _unhex(value: str | bytes | None) -> bytes | None:
@@ -234,6 +241,7 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
         self.conn.create_function("rsagg_unhex", 1, converter(15, "hash", _unhex), deterministic=True)
         self.conn.create_function("rsagg_us", 1, converter(16, "time", us_of_text), deterministic=True)
         self.conn.create_function("rsagg_uri_key", 1, uri_key, deterministic=True)
+        self.conn.create_function("rsagg_http_us", 1, _http_us, deterministic=True)  # step 18
         try:
             self._run_migrations()
         except sqlite3.OperationalError as exc:

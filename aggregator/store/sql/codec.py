@@ -8,7 +8,7 @@ import functools
 import json
 import re
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from ...rs.model import CREATED, DELETED, UPDATED, Link
@@ -102,6 +102,40 @@ def check_hashes(hashes: dict[str, str]) -> None:
             raise ValueError(f"not a hex {alg}: {v!r}")
 
 
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_IMF_FIXDATE = re.compile(
+    r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), (\d\d) ([A-Z][a-z]{2}) (\d{4}) (\d\d):(\d\d):(\d\d) GMT\Z"
+)
+
+
+def http_date_in(text: str | None) -> datetime | None:
+    """An upstream's ``Last-Modified`` as the resource row keeps it (schema step 18: 8 bytes, not 29 of
+    text): only an IMF-fixdate (RFC 9110 §5.6.7, what every current server sends) that ``http_date_out``
+    writes back byte for byte, so ``If-Modified-Since`` repeats exactly what the upstream said. Any
+    other value (the obsolete forms, a wrong weekday, junk) is None: not kept, and that resource's
+    re-check is then unconditional or by ``ETag`` (a full answer, never a wrong 304)."""
+    if text is None:
+        return None
+    m = _IMF_FIXDATE.match(text)
+    if m is None or m.group(2) not in _MONTHS:
+        return None
+    day, _, year, hh, mm, ss = m.groups()
+    try:
+        dt = datetime(
+            int(year), _MONTHS.index(m.group(2)) + 1, int(day), int(hh), int(mm), int(ss), tzinfo=UTC
+        )
+    except ValueError:
+        return None
+    return dt if http_date_out(dt) == text else None
+
+
+def http_date_out(dt: datetime) -> str:
+    """A kept ``Last-Modified`` back as the IMF-fixdate the upstream sent (``http_date_in``)."""
+    dt = dt.astimezone(UTC)
+    return f"{_DAYS[dt.weekday()]}, {dt.day:02d} {_MONTHS[dt.month - 1]} {dt.year:04d} {dt:%H:%M:%S} GMT"
+
+
 SOURCE_STATUS_FIELDS = frozenset(
     {"state", "last_error", "last_error_at", "last_success", "last_attempt", "next_attempt", "failures",
      "progress_done", "progress_total", "progress_what", "using_url"}
@@ -113,6 +147,9 @@ RES_COLS = (
     "upstream_datetime", "links", "md_extra", "entry_extra", "deleted", "generation", "updated_at",
 )  # fmt: skip
 SELECT_RES = "SELECT id, " + ", ".join(RES_COLS) + " FROM resources"
+#: A row's new content: the upstream's validators it held named the version before (schema step 18),
+#: so they go with it (``put_resource_validators`` keeps those of the new one, in the same write call).
+CLEAR_VALIDATORS = "etag = NULL, last_modified = NULL, confirmed = NULL"
 # Positions in a row being written (RES_COLS order, its id appended last) ...
 _W_UPSTREAM, _W_DELETED, _W_GENERATION = (
     RES_COLS.index(c) for c in ("upstream_datetime", "deleted", "generation")

@@ -1,20 +1,28 @@
 """Reconciliation with the Resource List (harvest/reconcile.py; migration 13): the last reconciliation
-of each set, and the upstream's validators of each held version (conditional re-checks)."""
+of each set, and the upstream's validators of each held version (conditional re-checks; on the
+resource row since schema step 18)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
 
 from ..rows import Reconciliation, ResourceValidators
 from .base import SqlState
-from .codec import upsert
+from .codec import hash_in, http_date_in, http_date_out, upsert
+from .dialect import uri_key
 
 _REC_COLS = (
     "set_id", "reconciled_at", "cause", "lists", "differences", "repaired", "unrepaired", "complete", "error",
 )  # fmt: skip
-_VALIDATOR_COLS = ("set_id", "uri", "sha256", "etag", "last_modified", "lastmod")
+#: A resource row's validators as ``resource_validators`` reads them (with what decides whether they hold).
+_VALIDATOR_COLS = ("uri", "sha256", "deleted", "etag", "last_modified", "confirmed", "lastmod")
+#: The lastmod a version was confirmed under is kept only when it is not the row's own (``unchanged``
+#: in harvest/pipeline.py tries both).
+_PUT_VALIDATORS = (
+    "UPDATE resources SET etag = ?, last_modified = ?, confirmed = nullif(?, lastmod) "
+    "WHERE set_id = ? AND uri_key = ? AND uri = ? AND sha256 = ? AND deleted = 0"
+)
 
 
 class Reconciliations(SqlState):
@@ -41,23 +49,31 @@ class Reconciliations(SqlState):
     def resource_validators(self, set_id: int, uris: Sequence[str]) -> dict[str, ResourceValidators]:
         if not uris:
             return {}
+        wanted = set(uris)
         with self._read() as c:
-            rows = c.execute(
-                "SELECT uri, sha256, etag, last_modified, lastmod FROM resource_validators "
-                "WHERE set_id = ? AND uri IN (SELECT value FROM json_each(?))",
-                (set_id, self.d.ids(list(dict.fromkeys(uris)))),
-            ).fetchall()
-        dt = self.d.dt
-        values: list[list[Any]] = [[*r[:4], dt(r[4])] for r in rows]
-        return {v[0]: ResourceValidators(*v) for v in values}
+            rows = c.execute(*self.d.by_uri(_VALIDATOR_COLS, set_id, uris)).fetchall()
+        dt = self.d.dt_row
+        out = {}
+        for uri, sha, deleted, etag, modified, confirmed, lastmod in rows:
+            if uri not in wanted or deleted or sha is None or (etag is None and modified is None
+                                                               and confirmed is None):  # fmt: skip
+                continue
+            when = None if modified is None else http_date_out(dt(modified))
+            out[uri] = ResourceValidators(
+                uri, sha.hex(), etag, when, dt(lastmod if confirmed is None else confirmed)
+            )
+        return out
 
     def put_resource_validators(self, set_id: int, rows: Sequence[ResourceValidators]) -> None:
+        """On the row holding the version each names (schema step 18): validators of a version the row
+        no longer holds (changed since, or deleted) name nothing and are dropped."""
         if not rows:
             return
         last = {r.uri: r for r in rows}  # one row per uri, the last given
-        t = self.d.t
+        t = self.d.t_row
         with self._write() as c:
             c.executemany(
-                upsert("resource_validators", _VALIDATOR_COLS, ("set_id", "uri")),
-                [(set_id, r.uri, r.sha256, r.etag, r.last_modified, t(r.lastmod)) for r in last.values()],
-            )
+                _PUT_VALIDATORS,
+                [(r.etag, t(http_date_in(r.last_modified)), t(r.lastmod), set_id, uri_key(r.uri), r.uri,
+                  hash_in(r.sha256)) for r in last.values()],
+            )  # fmt: skip

@@ -604,6 +604,52 @@ STEPS: list[tuple[str, ...]] = [
             "END IF; END $$"
         ),
     ),
+    (  # 18: the upstream's validators of a held version (ETag, Last-Modified, the lastmod it was last
+        # confirmed under: conditional re-checks, harvest/pipeline.py) live on its resource row, no longer
+        # in resource_validators: that table repeated the uri, the hex sha256 and the times as text, and
+        # keyed them by (set_id, uri) again -- about 240 bytes a resource in SQLite, more than the row
+        # itself, and one more B-tree written per fetched resource. On the row they name its current
+        # version: a change of content clears them (State._write_batch), and only validators of the
+        # version the row holds are carried over. Last-Modified is kept as a time when it is an
+        # IMF-fixdate written back byte for byte (codec.http_date_in; others are dropped: the re-check is
+        # then unconditional); ``confirmed`` only when it differs from the row's own lastmod.
+        "ALTER TABLE resources ADD COLUMN etag TEXT",
+        SqliteOnly("ALTER TABLE resources ADD COLUMN last_modified INTEGER"),  # dialect.to_us
+        SqliteOnly("ALTER TABLE resources ADD COLUMN confirmed INTEGER"),
+        PostgresOnly(
+            "ALTER TABLE resources ADD COLUMN last_modified TIMESTAMPTZ, ADD COLUMN confirmed TIMESTAMPTZ"
+        ),
+        SqliteOnly(
+            "UPDATE resources SET etag = v.etag, last_modified = rsagg_http_us(v.last_modified), "
+            "confirmed = nullif(rsagg_us(v.lastmod), resources.lastmod) FROM resource_validators v "
+            "WHERE v.set_id = resources.set_id AND v.uri = resources.uri "
+            "AND v.sha256 = lower(hex(resources.sha256)) AND resources.deleted = 0"
+        ),
+        # PostgreSQL reads the header in SQL: a value that is not an IMF-fixdate written back the same
+        # is dropped, as codec.http_date_in drops it (pg_temp: the function goes with the session).
+        PostgresOnly("""CREATE FUNCTION pg_temp.rsagg_http_time(t TEXT) RETURNS TIMESTAMPTZ
+            LANGUAGE plpgsql IMMUTABLE AS $$
+            DECLARE v TIMESTAMPTZ;
+            BEGIN
+                IF t IS NULL OR t !~ '^[A-Z][a-z]{2}, [0-9]{2} [A-Z][a-z]{2} [0-9]{4} [0-9:]{8} GMT$' THEN
+                    RETURN NULL;
+                END IF;
+                v := substr(t, 6, 20)::timestamp AT TIME ZONE 'UTC';
+                IF to_char(v AT TIME ZONE 'UTC', 'Dy, DD Mon YYYY HH24:MI:SS "GMT"') = t THEN
+                    RETURN v;
+                END IF;
+                RETURN NULL;
+            EXCEPTION WHEN others THEN
+                RETURN NULL;
+            END $$"""),
+        PostgresOnly(
+            "UPDATE resources r SET etag = v.etag, last_modified = pg_temp.rsagg_http_time(v.last_modified), "
+            "confirmed = nullif(v.lastmod, r.lastmod) FROM resource_validators v WHERE v.set_id = r.set_id "
+            "AND v.uri = r.uri AND v.sha256 = encode(r.sha256, 'hex') AND NOT r.deleted"
+        ),
+        PostgresOnly("DROP FUNCTION pg_temp.rsagg_http_time(TEXT)"),
+        "DROP TABLE resource_validators",
+    ),
 ]
 
 
