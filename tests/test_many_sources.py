@@ -588,7 +588,7 @@ async def test_a_pipeline_reads_its_set_name_only_for_event_hooks(
 
 async def test_a_batch_and_its_validators_take_one_write(tmp_path: Path, writes: list[str]) -> None:
     """A batch's changes and the upstream's validators of what it fetched are one write call (one wait
-    for the writer thread), the validators after the changes: both are stored."""
+    for the writer thread) and one transaction: both are stored."""
     up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
     uris = [up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a") for j in range(5)]
     async with up.serving():
@@ -596,7 +596,7 @@ async def test_a_batch_and_its_validators_take_one_write(tmp_path: Path, writes:
         results = await harvest(config)
         urls = [up.url(f"r{j}.txt", "a") for j in range(len(uris))]
     assert results["a"].ok
-    assert "put_resource_validators" not in writes and writes.count("_apply_then_keep") == 1, writes
+    assert "put_resource_validators" not in writes and writes.count("_apply_batch") == 1, writes
     with open_state(config) as state:
         set_id = state.sets("a")[0].id
         kept = state.resource_validators(set_id, urls)

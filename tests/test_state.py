@@ -703,13 +703,14 @@ _LAST_MODIFIED = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_validators_name_the_version_their_row_holds(st: State, set_id: int, seed: int) -> None:
-    """Random histories of a few resources (created, updated, no-op, deleted, created again) with the
-    upstream's validators put for the version held or for another one, against a model of the rule:
-    validators are kept for the version the row holds (and only an IMF-fixdate Last-Modified), a change
-    of content or a deletion drops them, a no-op keeps them, and the lastmod read back is the one they
-    were confirmed under, else the row's own."""
+    """Random histories of a few resources (batches of created, updated, no-op, deleted, created again)
+    with the upstream's validators given with a batch (``apply``) or alone (``put_resource_validators``),
+    for the version held or another one, against a model of the rule: validators are kept for the
+    version the row holds (and only an IMF-fixdate Last-Modified), a change of content drops those of the
+    version before, a deletion hides them, validators of another version change nothing, and the
+    lastmod read back is the one they were confirmed under, else the row's own."""
     import random
 
     from aggregator.store.rows import ResourceValidators
@@ -721,30 +722,46 @@ def test_validators_name_the_version_their_row_holds(st: State, set_id: int, see
     times = [None, *(datetime(2020 + i, 1, 1, tzinfo=UTC) for i in range(3))]
     held: dict[str, tuple[str, datetime | None]] = {}  # live rows: uri -> (sha256, the row's lastmod)
     kept: dict[str, tuple] = {}  # uri -> (etag, Last-Modified, confirmed lastmod) as stored
-    for _ in range(40):
-        uri = rng.choice(uris)
-        if rng.random() < 0.5:
-            kind = rng.choice(["created", "updated", "deleted"])
-            sha, lastmod = rng.choice(shas), rng.choice(times)
-            st.apply(set_id, [ch(uri, kind, None if kind == "deleted" else sha, lastmod=lastmod)])
-            if kind == "deleted":
-                held.pop(uri, None)
-                kept.pop(uri, None)
-            elif uri not in held or held[uri][0] != sha:  # new content (else a no-op: nothing changes)
-                held[uri] = (sha, lastmod)
-                kept.pop(uri, None)
+
+    def validators(uri: str) -> ResourceValidators:
+        sha = held[uri][0] if uri in held and rng.random() < 0.7 else rng.choice(shas)
+        etag, modified = rng.choice(['"a"', 'W/"b"', None]), rng.choice(_LAST_MODIFIED)
+        return ResourceValidators(uri, sha, etag, modified, rng.choice(times))
+
+    def keep(v: ResourceValidators) -> None:  # the model: v names the version its row holds
+        modified = v.last_modified if http_date_in(v.last_modified) else None
+        confirmed = None if v.lastmod == held[v.uri][1] else v.lastmod
+        if v.etag is None and modified is None and confirmed is None:
+            kept.pop(v.uri, None)
         else:
-            sha = held[uri][0] if uri in held and rng.random() < 0.7 else rng.choice(shas)
-            etag, modified = rng.choice(['"a"', 'W/"b"', None]), rng.choice(_LAST_MODIFIED)
-            confirmed = rng.choice(times)
-            st.put_resource_validators(set_id, [ResourceValidators(uri, sha, etag, modified, confirmed)])
-            if uri in held and held[uri][0] == sha:
-                modified = modified if http_date_in(modified) else None
-                confirmed = None if confirmed == held[uri][1] else confirmed
-                if etag is None and modified is None and confirmed is None:
+            kept[v.uri] = (v.etag, modified, confirmed)
+
+    for _ in range(40):
+        batch_uris = rng.sample(uris, rng.randint(1, 2))
+        if rng.random() < 0.6:
+            changes, rewritten = [], set()
+            for uri in batch_uris:
+                kind = rng.choice(["created", "updated", "deleted"])
+                sha, lastmod = rng.choice(shas), rng.choice(times)
+                changes.append(ch(uri, kind, None if kind == "deleted" else sha, lastmod=lastmod))
+                if kind == "deleted":
+                    held.pop(uri, None)
                     kept.pop(uri, None)
-                else:
-                    kept[uri] = (etag, modified, confirmed)
+                    rewritten.discard(uri)
+                elif uri not in held or held[uri][0] != sha:  # new content (else a no-op)
+                    held[uri] = (sha, lastmod)
+                    kept.pop(uri, None)
+                    rewritten.add(uri)
+            given = [validators(u) for u in batch_uris if rng.random() < 0.7]
+            st.apply(set_id, changes, validators=given)
+            for v in {v.uri: v for v in given}.values():  # the last given for a uri
+                if v.uri in held and held[v.uri][0] == v.sha256:
+                    keep(v)
+        else:
+            v = validators(batch_uris[0])
+            st.put_resource_validators(set_id, [v])
+            if v.uri in held and held[v.uri][0] == v.sha256:
+                keep(v)
         expected = {
             u: ResourceValidators(u, held[u][0], e, m, held[u][1] if c is None else c)
             for u, (e, m, c) in kept.items()

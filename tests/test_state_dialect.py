@@ -65,3 +65,34 @@ def test_every_shared_statement_reads_in_postgres_without_sqlite_spellings() -> 
                     found += 1
                     assert "?" not in text and "json_each" not in text and "deleted = 0" not in text, text
     assert found > 50  # the scan saw the shared SQL
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_kept_last_modified_reads_back_byte_for_byte(seed: int) -> None:
+    """``http_date_in`` keeps exactly the IMF-fixdates ``http_date_out`` writes (RFC 9110 §5.6.7, as
+    ``email.utils`` writes them): random times round-trip, and of random one-character edits of them
+    every value kept reads back as given (a wrong weekday, month, digit or letter case is dropped)."""
+    import random
+    from datetime import UTC, datetime, timedelta
+    from email.utils import format_datetime
+
+    from aggregator.store.sql.codec import http_date_in, http_date_out
+
+    rng = random.Random(seed)
+    alphabet = "0123456789 :,ADFGJMNOSTWabceghilnoprtuvy"
+    first = datetime(1000, 1, 1, tzinfo=UTC)
+    span = int((datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC) - first).total_seconds()) + 1
+    kept = dropped = 0
+    for _ in range(500):
+        dt = first + timedelta(seconds=rng.randrange(span))
+        text = http_date_out(dt)
+        assert text == format_datetime(dt, usegmt=True) and http_date_in(text) == dt
+        i = rng.randrange(len(text))
+        edited = text[:i] + rng.choice(alphabet) + text[i + 1 :]
+        got = http_date_in(edited)
+        if got is None:
+            dropped += 1
+        else:
+            kept += 1
+            assert http_date_out(got) == edited
+    assert kept > 0 and dropped > 0

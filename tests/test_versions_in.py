@@ -291,12 +291,12 @@ async def test_a_crash_between_versions_applies_none_twice(tmp_path: Path, monke
         real = State.apply
         calls = {"n": 0}
 
-        def dying(self, set_id, changes, cursor=None, retries=None):  # type: ignore[no-untyped-def]
+        def dying(self, set_id, changes, cursor=None, retries=None, validators=()):  # type: ignore[no-untyped-def]
             if changes:
                 calls["n"] += 1
                 if calls["n"] == 2:
                     raise RuntimeError("the process died here")
-            return real(self, set_id, changes, cursor, retries)
+            return real(self, set_id, changes, cursor, retries, validators)
 
         monkeypatch.setattr(State, "apply", dying)
         assert not (await harvest(cfg))[NAME].ok

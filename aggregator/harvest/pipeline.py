@@ -875,10 +875,9 @@ class Pipeline:
         retries = self._retry_bookkeeping(batch)
         if self._progress:  # before the write, so that the progress it saves counts this batch too
             self._progress(len(batch))
-        # After the commit, in the same thread hop: validators name the version now held (a crash
-        # between the two costs a full fetch, never a wrong 304).
+        # With the changes, in their transaction: validators name the version then held.
         kept = [r.validators for r in batch if r.validators is not None and r.change is not None]
-        applied = await self.ctx.write(_apply_then_keep, self.ctx.writer, self.set_id, changes, cursor,
+        applied = await self.ctx.write(_apply_batch, self.ctx.writer, self.set_id, changes, cursor,
                                        retries, kept)  # fmt: skip
         if self._on_batch is not None:
             self._on_batch(
@@ -904,7 +903,7 @@ class Pipeline:
                 break
 
 
-def _apply_then_keep(
+def _apply_batch(
     writer: StateStore,
     set_id: int,
     changes: list[Change],
@@ -912,12 +911,9 @@ def _apply_then_keep(
     retries: RetryChanges | None,
     kept: list[ResourceValidators],
 ) -> list[Change]:
-    """One batch's state writes in one call (one thread hop): the changes, the cursor and the retries in
-    one transaction, then, once that committed, the upstream's validators of what was fetched."""
-    applied = writer.apply(set_id, changes, cursor, retries)
-    if kept:
-        writer.put_resource_validators(set_id, kept)
-    return applied
+    """One batch's state writes in one call (one thread hop) and one transaction: the changes, the
+    cursor, the retries and the upstream's validators of what was fetched (on the rows, schema step 18)."""
+    return writer.apply(set_id, changes, cursor, retries, kept)
 
 
 def _one_version_each(batch: list[_Result]) -> list[list[_Result]]:

@@ -179,9 +179,11 @@ class StateStore(Protocol):
         changes: Sequence[Change],
         cursor: Cursor | None = None,
         retries: RetryChanges | None = None,
+        validators: Sequence[ResourceValidators] = (),
     ) -> list[Change]:
-        """Apply a batch of changes, move the cursor and write ``retries``, in ONE transaction
-        (store/sql/changes.py ``Changes.apply`` has the per-change rules)."""
+        """Apply a batch of changes, move the cursor, write ``retries`` and keep the upstream's
+        ``validators`` of the versions fetched, in ONE transaction (store/sql/changes.py
+        ``Changes.apply`` has the per-change rules)."""
         ...
 
     def begin_baseline(self, set_id: int) -> int: ...

@@ -49,10 +49,9 @@ from .sql import codec
 from .sql.changes import Changes
 from .sql.cluster import Cluster
 from .sql.codec import (
-    CLEAR_VALIDATORS,
     LOG_COLS,
-    RES_COLS,
     SYNCHRONOUS,
+    WRITE_COLS,
 )
 from .sql.dialect import POSTGRES, uri_key
 from .sql.dumps import Dumps
@@ -74,15 +73,15 @@ MIGRATIONS = migrations(POSTGRES)
 #: A time as SQLite stores it (state.format_dt: ``YYYY-MM-DDThh:mm:ss.ffffffZ``, UTC), written by the server.
 _W3C = """to_char({} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')"""
 #: iter_live_listing: interface.ListingRow's columns, then whether the row has more than those.
-_COPY_RES = "COPY {table} (id, " + ", ".join(RES_COLS) + ", uri_key) FROM STDIN"
+_COPY_RES = "COPY {table} (id, " + ", ".join(WRITE_COLS) + ", uri_key) FROM STDIN"
 #: Stored rows changed by a batch are copied into this temporary table, then updated in one statement.
 _BATCH = "rsagg_changed_rows"
 _UPDATE_FROM_BATCH = (
     "UPDATE resources r SET "
     + ", ".join(
-        f"{c} = COALESCE(b.{c}, r.{c})" if c == "generation" else f"{c} = b.{c}" for c in RES_COLS[2:]
+        f"{c} = COALESCE(b.{c}, r.{c})" if c == "generation" else f"{c} = b.{c}" for c in WRITE_COLS[2:]
     )
-    + f", {CLEAR_VALIDATORS} FROM {_BATCH} b WHERE r.id = b.id"
+    + f" FROM {_BATCH} b WHERE r.id = b.id"
 )
 # ---------------------------------------------------------------------------------------------------
 # Locations and their secrets

@@ -37,9 +37,8 @@ from .rows import (
 from .sql.changes import Changes
 from .sql.cluster import Cluster
 from .sql.codec import (
-    CLEAR_VALIDATORS,
-    RES_COLS,
     SYNCHRONOUS,
+    WRITE_COLS,
     hash_in,
     http_date_in,
 )
@@ -60,13 +59,13 @@ MIGRATIONS = migrations(SQLITE)
 # INSERT .. ON CONFLICT upsert, measured). Rows are never deleted (tombstones), so ids are never reused;
 # a future purge of tombstones must keep that true (e.g. keep the highest row) or use a counter.
 _INSERT_RES = (
-    f"INSERT INTO resources (id, {', '.join(RES_COLS)}, uri_key) "
-    f"VALUES ({', '.join('?' * (len(RES_COLS) + 2))})"
+    f"INSERT INTO resources (id, {', '.join(WRITE_COLS)}, uri_key) "
+    f"VALUES ({', '.join('?' * (len(WRITE_COLS) + 2))})"
 )
 _UPDATE_RES = (
     "UPDATE resources SET "
-    + ", ".join(f"{c} = COALESCE(?, {c})" if c == "generation" else f"{c} = ?" for c in RES_COLS[2:])
-    + f", {CLEAR_VALIDATORS} WHERE id = ?"
+    + ", ".join(f"{c} = COALESCE(?, {c})" if c == "generation" else f"{c} = ?" for c in WRITE_COLS[2:])
+    + " WHERE id = ?"
 )
 _INSERT_LOG = (
     "INSERT INTO changelog (set_id, resource_id, change, datetime, sha256, length, type) "

@@ -15,8 +15,16 @@ from typing import Any
 
 from ...rs.model import CHANGES, DELETED
 from ..interface import EmptySnapshot
-from ..rows import Change, Cursor, RetryChanges
-from .codec import C_STORED, DELETED_CODE, check_hashes, check_sha, plan_batch
+from ..rows import Change, Cursor, ResourceValidators, RetryChanges
+from .codec import (
+    C_STORED,
+    DELETED_CODE,
+    PUT_VALIDATORS,
+    check_hashes,
+    check_sha,
+    plan_batch,
+    put_validators_rows,
+)
 from .retries import Retries
 from .sources import Sources
 
@@ -65,6 +73,7 @@ class Changes(Sources, Retries):
         changes: Sequence[Change],
         cursor: Cursor | None = None,
         retries: RetryChanges | None = None,
+        validators: Sequence[ResourceValidators] = (),
     ) -> list[Change]:
         """Apply a batch of changes and move the cursor, in ONE transaction (invariants 1 and 2).
 
@@ -77,7 +86,10 @@ class Changes(Sources, Retries):
         must account for every change of what we republish.
 
         ``retries`` (failed changes to keep, URIs whose retry ends) is written in the same transaction,
-        after the changes and the cursor.
+        after the changes and the cursor. ``validators``: the upstream's validators of the versions the
+        batch fetched or confirmed, kept on their rows (schema step 18) in the same transaction: in the
+        row a change writes, else on the row already holding that version (``put_resource_validators``'
+        rule; the last given for a uri wins).
 
         Returns the changes that changed state, each with ``change`` set to the logged kind.
         """
@@ -94,7 +106,7 @@ class Changes(Sources, Retries):
                 raise KeyError(f"unknown set {set_id}")
             seq, log_time = self._log_time(c)
             now = self.d.t(log_time)  # the cursor's and the retries' tables store times as ``t``
-            applied = self._apply(c, set_id, changes, row[0], seq, self.d.t_row(log_time))
+            applied = self._apply(c, set_id, changes, row[0], seq, self.d.t_row(log_time), validators)
             if cursor is not None:
                 self._put_cursor(c, set_id, cursor, now)
             if retries is not None:  # bookkeeping that must commit with the changes
@@ -102,7 +114,14 @@ class Changes(Sources, Retries):
         return applied
 
     def _apply(
-        self, c: Any, set_id: int, changes: Sequence[Change], open_generation: int | None, seq: int, now: Any
+        self,
+        c: Any,
+        set_id: int,
+        changes: Sequence[Change],
+        open_generation: int | None,
+        seq: int,
+        now: Any,
+        validators: Sequence[ResourceValidators] = (),
     ) -> list[Change]:
         """``apply``'s work in its transaction; ``now``: the log time as the big tables store it (t_row)."""
         # 1. What is stored now, for every uri of the batch (one query).
@@ -117,8 +136,9 @@ class Changes(Sources, Retries):
                     current[uri] = [rid, None if sha is None else sha.hex(), not deleted, True]
         # 2. Decide, change by change (plan_batch: the rules).
         new_id = self._new_ids(c, len(uris) - len(current))
+        kept = {v.uri: v for v in validators}
         rows, tombstones, seen, log, applied = plan_batch(
-            set_id, changes, current, open_generation, now, new_id, self.d.t_row
+            set_id, changes, current, open_generation, now, new_id, self.d.t_row, kept
         )
         # 3. Write: no-op marks, tombstones, new rows, changed rows, then the log.
         new: list[tuple] = []
@@ -128,6 +148,9 @@ class Changes(Sources, Retries):
         self._write_batch(c, new, old, tombstones, seen, now)
         if log:
             self._append_log(c, seq, log)
+        held = [v for uri, v in kept.items() if uri not in rows]  # the versions of rows not written
+        if held:
+            c.executemany(PUT_VALIDATORS, put_validators_rows(set_id, held, self.d.t_row))
         return applied
 
     # -- baselines -------------------------------------------------------------------------------

@@ -7,12 +7,13 @@ import dataclasses
 import functools
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from ...rs.model import CREATED, DELETED, UPDATED, Link
-from ..rows import Change, LogRecord, Resource, format_dt, parse_dt
+from ..rows import Change, LogRecord, Resource, ResourceValidators, format_dt, parse_dt
+from .dialect import uri_key
 
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 #: A hash the state stores (md5, sha-1, sha-256): hex digits, an even number of them, either case.
@@ -102,38 +103,41 @@ def check_hashes(hashes: dict[str, str]) -> None:
             raise ValueError(f"not a hex {alg}: {v!r}")
 
 
-_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_MONTHS = {m: i for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct",
+                                        "Nov", "Dec"), 1)}  # fmt: skip
+_MONTH_NAMES = tuple(_MONTHS)
 _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
-_IMF_FIXDATE = re.compile(
-    r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), (\d\d) ([A-Z][a-z]{2}) (\d{4}) (\d\d):(\d\d):(\d\d) GMT\Z"
-)
+_IMF_FIXDATE = re.compile(r"([A-Z][a-z]{2}), (\d\d) ([A-Z][a-z]{2}) (\d{4}) (\d\d):(\d\d):(\d\d) GMT\Z")
 
 
 def http_date_in(text: str | None) -> datetime | None:
     """An upstream's ``Last-Modified`` as the resource row keeps it (schema step 18: 8 bytes, not 29 of
     text): only an IMF-fixdate (RFC 9110 §5.6.7, what every current server sends) that ``http_date_out``
     writes back byte for byte, so ``If-Modified-Since`` repeats exactly what the upstream said. Any
-    other value (the obsolete forms, a wrong weekday, junk) is None: not kept, and that resource's
-    re-check is then unconditional or by ``ETag`` (a full answer, never a wrong 304)."""
+    other value (the obsolete forms, a wrong weekday, a date that does not exist, junk) is None: not
+    kept, and that resource's re-check is then unconditional or by ``ETag`` (a full answer, never a
+    wrong 304). Every field's width is fixed by the pattern, so a valid date with the right weekday is
+    what ``http_date_out`` writes (tests/test_state_dialect.py checks it both ways)."""
     if text is None:
         return None
     m = _IMF_FIXDATE.match(text)
-    if m is None or m.group(2) not in _MONTHS:
+    if m is None:
         return None
-    day, _, year, hh, mm, ss = m.groups()
+    day, d, mon, y, hh, mm, ss = m.groups()
+    month = _MONTHS.get(mon)
+    if month is None:
+        return None
     try:
-        dt = datetime(
-            int(year), _MONTHS.index(m.group(2)) + 1, int(day), int(hh), int(mm), int(ss), tzinfo=UTC
-        )
+        dt = datetime(int(y), month, int(d), int(hh), int(mm), int(ss), tzinfo=UTC)
     except ValueError:
         return None
-    return dt if http_date_out(dt) == text else None
+    return dt if _DAYS[dt.weekday()] == day else None
 
 
 def http_date_out(dt: datetime) -> str:
     """A kept ``Last-Modified`` back as the IMF-fixdate the upstream sent (``http_date_in``)."""
     dt = dt.astimezone(UTC)
-    return f"{_DAYS[dt.weekday()]}, {dt.day:02d} {_MONTHS[dt.month - 1]} {dt.year:04d} {dt:%H:%M:%S} GMT"
+    return f"{_DAYS[dt.weekday()]}, {dt.day:02d} {_MONTH_NAMES[dt.month - 1]} {dt.year:04d} {dt:%H:%M:%S} GMT"
 
 
 SOURCE_STATUS_FIELDS = frozenset(
@@ -147,9 +151,12 @@ RES_COLS = (
     "upstream_datetime", "links", "md_extra", "entry_extra", "deleted", "generation", "updated_at",
 )  # fmt: skip
 SELECT_RES = "SELECT id, " + ", ".join(RES_COLS) + " FROM resources"
-#: A row's new content: the upstream's validators it held named the version before (schema step 18),
-#: so they go with it (``put_resource_validators`` keeps those of the new one, in the same write call).
-CLEAR_VALIDATORS = "etag = NULL, last_modified = NULL, confirmed = NULL"
+#: The upstream's validators of the version a row holds (schema step 18), written with the row by
+#: ``apply`` (a row with new content has those of its new version, or none: the old ones named the
+#: version before); read only by ``resource_validators``.
+VALIDATOR_COLS = ("etag", "last_modified", "confirmed")
+#: A row as ``apply`` writes it (``plan_batch``'s rows, their id appended).
+WRITE_COLS = (*RES_COLS, *VALIDATOR_COLS)
 # Positions in a row being written (RES_COLS order, its id appended last) ...
 _W_UPSTREAM, _W_DELETED, _W_GENERATION = (
     RES_COLS.index(c) for c in ("upstream_datetime", "deleted", "generation")
@@ -194,6 +201,7 @@ def plan_batch(
     now: Any,
     new_id: Callable[[], int],
     when: Callable[[datetime | None], Any],
+    validators: dict[str, ResourceValidators] | None = None,
 ) -> tuple[dict[str, list], dict[int, tuple], dict[int, int], list[tuple], list[Change]]:
     """What a batch does, change by change, against the rows as they stand (``State.apply`` says the
     rules): one place for them, whatever the backend writes with.
@@ -201,7 +209,9 @@ def plan_batch(
     ``changes`` have been checked (``check_sha``, ``check_hashes``). ``current``: uri -> [id, sha256,
     live, stored] of the batch's stored rows (the ``_C_*`` positions; updated as the batch goes);
     ``now`` the batch's changelog time and ``when`` a time as the backend stores it; ``new_id()`` an
-    id for a new row. Returns (rows: uri -> the ``RES_COLS`` values and the id, the final row per uri;
+    id for a new row; ``validators``: by uri, the upstream's validators of the version each change
+    brings (those of another version are not written). Returns (rows: uri -> the ``WRITE_COLS`` values and
+    the id, the final row per uri;
     tombstones: stored row id -> (generation, upstream_datetime); seen: id -> generation of no-ops
     during a baseline; log: changelog rows without seq; applied: the changes that changed state, each
     with the logged kind).
@@ -210,7 +220,8 @@ def plan_batch(
     # Records of a batch share a few datestamps, and formatting one cost more than the rest of its row.
     when, stamp = functools.cache(when), functools.cache(format_dt)
     # Collapse to the final row per uri; keep the log in order.
-    rows: dict[str, list] = {}  # uri -> column values (RES_COLS order) + [id] (the _W_* positions)
+    rows: dict[str, list] = {}  # uri -> column values (WRITE_COLS order) + [id] (the _W_* positions)
+    validators = validators or {}
     tombstones: dict[int, tuple] = {}  # id of a stored row -> (generation, upstream_datetime)
     seen: dict[int, int] = {}  # id -> generation, for no-ops during a baseline
     log: list[tuple] = []  # changelog rows
@@ -252,15 +263,46 @@ def plan_batch(
         h = ch.hashes
         sha = None if ch.sha256 is None else fromhex(ch.sha256)
         md5, sha1 = h.get("md5"), h.get("sha-1")
+        v = validators.get(ch.uri)
+        if v is not None and v.sha256 != ch.sha256:
+            v = None
         rows[ch.uri] = [
             set_id, ch.uri, sha, ch.length, ch.type, ch.encoding, None if md5 is None else fromhex(md5),
             None if sha1 is None else fromhex(sha1), when(ch.lastmod), when(ch.upstream_datetime),
             links_json(ch.links, stamp), json_or_none(ch.md_extra), json_or_none(ch.entry_extra),
-            False, gen, now, cur[_C_ID],
+            False, gen, now, *validator_values(v, ch.lastmod, when), cur[_C_ID],
         ]  # fmt: skip
         log.append((set_id, cur[_C_ID], KIND_CODE[kind], now, sha, ch.length, ch.type))
         applied.append(ch if ch.change == kind else dataclasses.replace(ch, change=kind))
     return rows, tombstones, seen, log, applied
+
+
+def validator_values(
+    v: ResourceValidators | None, row_lastmod: datetime | None, when: Callable[[datetime | None], Any]
+) -> tuple[Any, Any, Any]:
+    """``VALIDATOR_COLS``' values of ``v`` on a row whose lastmod is ``row_lastmod``: Last-Modified only
+    as an IMF-fixdate (``http_date_in``), the confirmed lastmod only when it is not the row's own."""
+    if v is None:
+        return None, None, None
+    return v.etag, when(http_date_in(v.last_modified)), None if v.lastmod == row_lastmod else when(v.lastmod)
+
+
+#: The validators of a version a stored row holds (a no-op change's, ``put_resource_validators``'):
+#: validators of a version the row no longer holds, or of a deleted row, name nothing and are not kept.
+PUT_VALIDATORS = (
+    "UPDATE resources SET etag = ?, last_modified = ?, confirmed = nullif(?, lastmod) "
+    "WHERE set_id = ? AND uri_key = ? AND uri = ? AND sha256 = ? AND deleted = 0"
+)
+
+
+def put_validators_rows(
+    set_id: int, rows: Iterable[ResourceValidators], when: Callable[[datetime | None], Any]
+) -> list[tuple]:
+    """``PUT_VALIDATORS``' parameters for ``rows``."""
+    return [
+        (v.etag, when(http_date_in(v.last_modified)), when(v.lastmod), set_id, uri_key(v.uri), v.uri,
+         hash_in(v.sha256)) for v in rows
+    ]  # fmt: skip
 
 
 def check_sha(sha256: str) -> None:

@@ -9,20 +9,13 @@ from collections.abc import Sequence
 
 from ..rows import Reconciliation, ResourceValidators
 from .base import SqlState
-from .codec import hash_in, http_date_in, http_date_out, upsert
-from .dialect import uri_key
+from .codec import PUT_VALIDATORS, http_date_out, put_validators_rows, upsert
 
 _REC_COLS = (
     "set_id", "reconciled_at", "cause", "lists", "differences", "repaired", "unrepaired", "complete", "error",
 )  # fmt: skip
 #: A resource row's validators as ``resource_validators`` reads them (with what decides whether they hold).
 _VALIDATOR_COLS = ("uri", "sha256", "deleted", "etag", "last_modified", "confirmed", "lastmod")
-#: The lastmod a version was confirmed under is kept only when it is not the row's own (``unchanged``
-#: in harvest/pipeline.py tries both).
-_PUT_VALIDATORS = (
-    "UPDATE resources SET etag = ?, last_modified = ?, confirmed = nullif(?, lastmod) "
-    "WHERE set_id = ? AND uri_key = ? AND uri = ? AND sha256 = ? AND deleted = 0"
-)
 
 
 class Reconciliations(SqlState):
@@ -65,15 +58,10 @@ class Reconciliations(SqlState):
         return out
 
     def put_resource_validators(self, set_id: int, rows: Sequence[ResourceValidators]) -> None:
-        """On the row holding the version each names (schema step 18): validators of a version the row
-        no longer holds (changed since, or deleted) name nothing and are dropped."""
+        """On the row holding the version each names (schema step 18; ``apply`` writes a batch's own
+        with its rows)."""
         if not rows:
             return
         last = {r.uri: r for r in rows}  # one row per uri, the last given
-        t = self.d.t_row
         with self._write() as c:
-            c.executemany(
-                _PUT_VALIDATORS,
-                [(r.etag, t(http_date_in(r.last_modified)), t(r.lastmod), set_id, uri_key(r.uri), r.uri,
-                  hash_in(r.sha256)) for r in last.values()],
-            )  # fmt: skip
+            c.executemany(PUT_VALIDATORS, put_validators_rows(set_id, last.values(), self.d.t_row))
