@@ -3,10 +3,12 @@ state in place.
 
 A state is filled with N small resources as harvests leave them: a realistic URI (~80 characters),
 sha-256, md5 (rsagg stores it for every resource), length, type and the Resource List's lastmod, one
-"created" change each, then one "updated" change for a tenth of them; and, as a harvest from a static
-server (nginx, Apache) keeps them for conditional re-checks, the upstream's validators of every version
-fetched: an ETag and a Last-Modified header. ``--earlier-fill``: neither lastmod nor validators, the fill
-of the figures before schema step 18 (which left out the table a harvest wrote the validators to).
+"created" change each in a baseline, then one "updated" change for a tenth of them; and, as a harvest
+from a static server (nginx, Apache) keeps them for conditional re-checks, the upstream's validators of
+every version fetched: an ETag and a Last-Modified header (tests/test_bench_state_size.py checks that
+a harvest leaves no table or column the fill does not). ``--earlier-fill``: no baseline, lastmod or
+validators, the fill of the figures before schema step 18 (which left out the table a harvest wrote the
+validators to).
 SQLite: the file after a checkpoint and VACUUM, and per table and index from ``dbstat`` when the library
 has it; PostgreSQL (a private server, tests/pgserver.py): ``pg_total_relation_size`` of ``resources``,
 ``changelog`` and (before step 18) ``resource_validators`` after ``VACUUM FULL``.
@@ -57,15 +59,16 @@ def uri(i: int) -> str:
 def fill(st: Any, n: int, realistic: bool = True) -> None:
     """N created, then a tenth updated, in batches of 1,000 (as a harvest applies them), each batch's
     validators (harvest/pipeline.py ``_apply_batch``)."""
-    from aggregator.store.rows import Change, ResourceValidators
+    from aggregator.store.rows import Change, Cursor, ResourceValidators
 
     t0 = datetime(2024, 1, 1, tzinfo=UTC)
 
-    def change(i: int, kind: str, v: int) -> Change:
+    def change(i: int, kind: str, v: int, generation: int | None = None) -> Change:
         body = f"{i}/{v}".encode()
         return Change(uri(i), kind, hashlib.sha256(body).hexdigest(), 200 + i % 800, "application/xml",
                       hashes={"md5": hashlib.md5(body).hexdigest()},
-                      lastmod=t0 + timedelta(seconds=i * 7 + v * 86400) if realistic else None)  # fmt: skip
+                      lastmod=t0 + timedelta(seconds=i * 7 + v * 86400) if realistic else None,
+                      generation=generation)  # fmt: skip
 
     def kept(ch: Change) -> ResourceValidators:  # nginx's ETag: "<mtime hex>-<length hex>"
         assert ch.sha256 is not None and ch.lastmod is not None and ch.length is not None
@@ -86,8 +89,11 @@ def fill(st: Any, n: int, realistic: bool = True) -> None:
 
     st.upsert_source("s", "https://repository.example.edu/.well-known/resourcesync")
     sid = st.ensure_set("s", "https://repository.example.edu/capabilitylist.xml")
+    gen = st.begin_baseline(sid) if realistic else None  # a first harvest is a baseline
     for b in range(0, n, 1000):
-        write(sid, [change(i, "created", 0) for i in range(b, min(n, b + 1000))])
+        write(sid, [change(i, "created", 0, gen) for i in range(b, min(n, b + 1000))])
+    if gen is not None:
+        st.finish_baseline(sid, gen, Cursor(baseline_at=t0))
     for b in range(0, n, 10000):
         write(sid, [change(i, "updated", 1) for i in range(b, min(n, b + 10000), 10)])
 
