@@ -210,11 +210,10 @@ def plan_batch(
     live, stored] of the batch's stored rows (the ``_C_*`` positions; updated as the batch goes);
     ``now`` the batch's changelog time and ``when`` a time as the backend stores it; ``new_id()`` an
     id for a new row; ``validators``: by uri, the upstream's validators of the version each change
-    brings (those of another version are not written). Returns (rows: uri -> the ``WRITE_COLS`` values and
-    the id, the final row per uri;
-    tombstones: stored row id -> (generation, upstream_datetime); seen: id -> generation of no-ops
-    during a baseline; log: changelog rows without seq; applied: the changes that changed state, each
-    with the logged kind).
+    brings (those of another version are not written). Returns (rows: uri -> the ``WRITE_COLS``
+    values and the id, the final row per uri; tombstones: stored row id -> (generation,
+    upstream_datetime); seen: id -> generation of no-ops during a baseline; log: changelog rows
+    without seq; applied: the changes that changed state, each with the logged kind).
     """
     fromhex = bytes.fromhex
     # Records of a batch share a few datestamps, and formatting one cost more than the rest of its row.

@@ -15,7 +15,7 @@ _REC_COLS = (
     "set_id", "reconciled_at", "cause", "lists", "differences", "repaired", "unrepaired", "complete", "error",
 )  # fmt: skip
 #: A resource row's validators as ``resource_validators`` reads them (with what decides whether they hold).
-_VALIDATOR_COLS = ("uri", "sha256", "deleted", "etag", "last_modified", "confirmed", "lastmod")
+_READ_VALIDATORS = ("uri", "sha256", "deleted", "etag", "last_modified", "confirmed", "lastmod")
 
 
 class Reconciliations(SqlState):
@@ -44,12 +44,13 @@ class Reconciliations(SqlState):
             return {}
         wanted = set(uris)
         with self._read() as c:
-            rows = c.execute(*self.d.by_uri(_VALIDATOR_COLS, set_id, uris)).fetchall()
+            rows = c.execute(*self.d.by_uri(_READ_VALIDATORS, set_id, uris)).fetchall()
         dt = self.d.dt_row
         out = {}
         for uri, sha, deleted, etag, modified, confirmed, lastmod in rows:
-            if uri not in wanted or deleted or sha is None or (etag is None and modified is None
-                                                               and confirmed is None):  # fmt: skip
+            if uri not in wanted or deleted or sha is None:
+                continue
+            if etag is None and modified is None and confirmed is None:
                 continue
             when = None if modified is None else http_date_out(dt(modified))
             out[uri] = ResourceValidators(
