@@ -49,7 +49,7 @@ MAX_PATCH_BASE_BYTES = 64 * 1024 * 1024
 LOOKUP_BATCH = 64
 #: Up to this many changes are looked up directly on a local state (SQLite): a thread hop costs more
 #: than their few indexed reads (``store/calls.py``), and a small set's changes come a few at a time.
-DIRECT_LOOKUP = 4
+DIRECT_LOOKUP = 32
 
 
 @dataclass
@@ -869,7 +869,6 @@ class Pipeline:
     async def _flush_part(self, batch: list[_Result]) -> None:
         """Blobs durable, then one state transaction for the changes and the cursor of ``batch``."""
         writers = [r.blob for r in batch if r.blob is not None and r.change is not None]
-        await self.ctx.commit_blobs(writers)
         changes = [r.change for r in batch if r.change is not None]
         cursor = next((r.work.cursor_after for r in reversed(batch) if r.work.cursor_after), None)
         retries = self._retry_bookkeeping(batch)
@@ -878,8 +877,9 @@ class Pipeline:
         # After the commit, in the same thread hop: validators name the version now held (a crash
         # between the two costs a full fetch, never a wrong 304).
         kept = [r.validators for r in batch if r.validators is not None and r.change is not None]
-        applied = await self.ctx.write(_apply_then_keep, self.ctx.writer, self.set_id, changes, cursor,
-                                       retries, kept)  # fmt: skip
+        # The blobs durable first (invariant 2), in the same thread hop when the store can (small ones).
+        applied = await self.ctx.write_after_blobs(writers, _apply_then_keep, self.ctx.writer, self.set_id,
+                                                   changes, cursor, retries, kept)  # fmt: skip
         if self._on_batch is not None:
             self._on_batch(
                 [r.work.entry.loc for r in batch], applied, [r.failure for r in batch if r.failure]
