@@ -699,6 +699,32 @@ async def test_sources_of_random_sizes_harvested_together_hold_what_each_alone_w
                 assert ctx.blobs.size(sha) == length
 
 
+async def test_a_set_holding_no_row_looks_nothing_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new set's first baseline looks up no stored row (it holds none: one read says so, no lookup per
+    batch); once it holds rows, its changes are looked up again and what is unchanged is not fetched."""
+    looked_up: list[int] = []
+    real_stored = pipeline.Pipeline._stored
+
+    def stored(self, batch):
+        looked_up.append(len(batch))
+        return real_stored(self, batch)
+
+    monkeypatch.setattr(pipeline.Pipeline, "_stored", stored)
+    up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
+    n = pipeline.DIRECT_LOOKUP + 9  # more than a direct lookup takes at once
+    for j in range(n):
+        up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a")
+    async with up.serving():
+        config = make_config(tmp_path / "store", {"a": up.doc_url("capabilitylist.xml", "a")})
+        first = (await harvest(config))["a"]
+        assert first.ok and sum(s.fetched for s in first.stats) == n
+        assert looked_up == []
+        up.update("r0.txt", b"resource 0, changed", set_name="a")
+        again = (await harvest(config))["a"]
+    assert again.ok and sum(looked_up) == n
+    assert sum(s.fetched for s in again.stats) == 1 and sum(s.unchanged for s in again.stats) == n - 1
+
+
 # -- a few syncs of one host at once (harvest/admission.py) ---------------------------------------------
 
 

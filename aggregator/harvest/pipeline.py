@@ -48,7 +48,8 @@ MAX_PATCH_BASE_BYTES = 64 * 1024 * 1024
 #: Most changes whose stored rows are looked up together, in one worker-thread hop.
 LOOKUP_BATCH = 64
 #: Up to this many changes are looked up directly on a local state (SQLite): a thread hop costs more
-#: than their few indexed reads (``store/calls.py``), and a small set's changes come a few at a time.
+#: than one query for their rows (``store/calls.py``), and a small set's changes come a few at a time.
+#: Measured: a hop ~0.4 ms of CPU (both threads, a busy loop); 20 URIs ~40 us new, ~0.2 ms held.
 DIRECT_LOOKUP = 32
 
 
@@ -444,6 +445,8 @@ class Pipeline:
         # Records appended after this point are announced (rsagg_change_published).
         self._last_seq = 0
         self._primed = False
+        #: The set held no row when the run started (a local state only: ``run``): nothing to look up.
+        self._empty = False
         self._hosts: dict[str, str] = {}  # scheme://authority -> host (``_host_free``)
         self._fetch_tasks: _Workers | None = None  # ``run``'s fetch tasks (``_host_free``)
 
@@ -466,6 +469,13 @@ class Pipeline:
     @for_source  # the tasks started below make their requests for the source
     async def run(self, items: AsyncGenerator[Work, None]) -> PipelineStats:
         await self._prime()
+        reader = self.ctx.reader
+        if limiter_of(reader) is None:
+            # A set that holds no row yet (a new Source's first baseline) has nothing to look up: its
+            # changes skip the lookup, a thread hop per batch of a small set (one indexed read here,
+            # direct on a local state). Rows this run commits meanwhile are not looked up (a URI listed
+            # twice is fetched twice), as when the second lookup came before the first one's commit.
+            self._empty = not list(reader.iter_resources(self.set_id, include_deleted=True, limit=1))
         new_send, new_recv = trio.open_memory_channel[tuple[int, Work]](LOOKUP_BATCH)
         batches, result_recv = trio.open_memory_channel[list[_Result]](math.inf)
         order = _Order(self._batch_size)
@@ -588,7 +598,7 @@ class Pipeline:
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
                 works = [w for _, w in batch]
-                if any(w.change != DELETED and w.blob is None for w in works):
+                if not self._empty and any(w.change != DELETED and w.blob is None for w in works):
                     limiter = limiter_of(self.ctx.reader)
                     if limiter is None and len(works) <= DIRECT_LOOKUP:
                         found = self._stored(works)
