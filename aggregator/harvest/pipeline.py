@@ -48,9 +48,10 @@ MAX_PATCH_BASE_BYTES = 64 * 1024 * 1024
 #: Most changes whose stored rows are looked up together, in one worker-thread hop.
 LOOKUP_BATCH = 64
 #: Up to this many changes are looked up directly on a local state (SQLite): a thread hop costs more
-#: than one query for their rows (``store/calls.py``), and a small set's changes come a few at a time.
-#: Measured: a hop ~0.4 ms of CPU (both threads, a busy loop); 20 URIs ~40 us new, ~0.2 ms held.
-DIRECT_LOOKUP = 32
+#: than their few indexed reads (``store/calls.py``), and a small set's changes come a few at a time.
+#: Not more: an unchanged change asks the blob store whether it holds the content (``unchanged``), a
+#: request each on a remote store (S3), which must not stall the event loop.
+DIRECT_LOOKUP = 4
 
 
 @dataclass
