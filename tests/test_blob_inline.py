@@ -311,3 +311,52 @@ def test_writers_of_every_process_queue_on_one_lock_file(store: FileBlobStore) -
     assert proc.wait(timeout=120) == 0
     assert store.read_inline(sha(b"from the other process")) == b"from the other process"
     assert (store.root / "small.db.lock").is_file()
+
+
+# -- a batch whose commit is one small.db transaction (HarvestContext.write_after_blobs) ----------------
+
+
+def test_commits_inline_says_when_a_commit_is_one_transaction_and_no_file(tmp_path: Path) -> None:
+    """Random batches (blobs at, under and over the limit, repeats, some committed already, a writer with
+    a temp file from the start): ``commits_inline`` is True exactly when every blob still to commit is
+    small and in memory, and then the commit stores them all as rows and writes no file."""
+    rng = random.Random(11)
+    limit = 64
+    with FileBlobStore(tmp_path / "blobs", inline_bytes=limit) as store:
+        for round_ in range(60):
+            batch: list = []
+            expect = True
+            for i in range(rng.randrange(0, 8)):
+                kind = rng.choice(["small", "small", "small", "at", "over", "file", "repeat", "committed"])
+                if kind == "repeat" and batch:
+                    data = batch[-1][1]
+                    kind = "small" if len(data) <= limit else "over"
+                else:
+                    n = {"at": limit, "over": limit + 1 + rng.randrange(100)}.get(
+                        kind, rng.randrange(1, limit)
+                    )
+                    data = f"{round_}.{i}.".encode() + rng.randbytes(n)[: n - len(f"{round_}.{i}.")]
+                if kind == "file":
+                    w = store.begin(spool=0)
+                    w.write(data)
+                    w.finish()
+                else:
+                    w = spooled(store, data)
+                if kind == "committed":
+                    store.commit([w])
+                elif kind in ("over", "file"):
+                    expect = False
+                batch.append((w, data))
+            writers = [w for w, _ in batch]
+            files_before = blob_files(store)
+            assert store.commits_inline(writers) is expect, [len(d) for _, d in batch]
+            store.commit(writers)
+            assert all(w.state == "committed" for w in writers)
+            for _, data in batch:
+                assert store.exists(sha(data))
+                with store.open(sha(data)) as f:
+                    assert f.read() == data
+            if expect:
+                assert blob_files(store) == files_before  # rows only: no file touched
+        with FileBlobStore(tmp_path / "none", inline_bytes=0) as plain:  # no small.db: never inline
+            assert not plain.commits_inline([spooled(plain, b"tiny")])

@@ -14,6 +14,7 @@ the speed is measured by benchmarks/bench_many_sources.py).
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import random
 import threading
@@ -601,6 +602,127 @@ async def test_a_batch_and_its_validators_take_one_write(tmp_path: Path, writes:
         set_id = state.sets("a")[0].id
         kept = state.resource_validators(set_id, urls)
     assert sorted(kept) == sorted(urls) and all(v.etag for v in kept.values())
+
+
+async def test_a_small_batch_commits_its_blobs_in_the_hop_of_its_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random batches through ``write_after_blobs``: the write runs only once every blob of its batch is
+    durable (found by the store from the writer thread); a batch of small blobs held in memory takes one
+    thread hop, its blobs' commit and the write together, while one with a bigger blob commits it as
+    before, in hops of its own; a blob commit that fails runs no write and its error is the caller's."""
+    hops: list[str] = []
+    real_run_sync = trio.to_thread.run_sync
+
+    async def counted(fn, *args, **kwargs):
+        hops.append(getattr(fn, "__name__", type(fn).__name__))
+        return await real_run_sync(fn, *args, **kwargs)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counted)
+    rng = random.Random(3)
+    config = make_config(tmp_path / "store", {})
+    async with open_context(config) as ctx:
+        limit = ctx.blobs.inline_bytes  # type: ignore[attr-defined]
+        for round_ in range(25):
+            sizes = [rng.choice([10, 100, limit, limit + 1, 3 * limit]) for _ in range(rng.randrange(1, 6))]
+            datas = [f"{round_}.{i}.".encode().ljust(n, b"x") for i, n in enumerate(sizes)]
+            writers = []
+            for data in datas:
+                w = ctx.blobs.begin(spool=limit * 4)
+                w.write(data)
+                w.finish()
+                writers.append(w)
+            shas = [hashlib.sha256(d).hexdigest() for d in datas]
+            seen: list[bool] = []
+
+            def write(shas: list[str] = shas, seen: list[bool] = seen) -> int:
+                seen.extend(ctx.blobs.exists(s) for s in shas)
+                return len(shas)
+
+            hops.clear()
+            assert await ctx.write_after_blobs(writers, write) == len(datas)
+            assert seen == [True] * len(datas)  # every blob durable before the write ran
+            small = all(n <= limit for n in sizes)
+            assert (len(hops) == 1) is small, (sizes, hops)
+        # The blobs fail to commit: the write does not run; the caller gets the error.
+        w = ctx.blobs.begin(spool=limit)
+        w.write(b"small")
+        w.finish()
+
+        def failing(writers: list) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(ctx.blobs, "commit", failing)
+        ran: list[int] = []
+        with pytest.raises(OSError, match="No space"):
+            await ctx.write_after_blobs([w], ran.append, 1)
+        assert ran == []
+
+
+async def test_sources_of_random_sizes_harvested_together_hold_what_each_alone_would(tmp_path: Path) -> None:
+    """Sources of random sizes (a few resources or more than a lookup batch; bodies held inline or as
+    files) harvested at once into one store hold exactly what each harvested alone holds: the same rows
+    (URI, content, length), every blob readable, every source "ok"; whatever their batches shared (a
+    thread hop, a lookup on the event loop) changed nothing of what was stored."""
+    rng = random.Random(23)
+    names = [f"s{i}" for i in range(7)]
+    up = Upstream(sets=names, resource_dump=False, change_dump=False, change_list=False)
+    for name in names:
+        for j in range(rng.choice([1, 3, 20, 33, 70])):
+            size = rng.choice([20, 900, 20_000])
+            up.create(f"r{j}.txt", f"{name} {j} ".encode().ljust(size, b"."), set_name=name)
+
+    def held(config) -> dict[str, list[tuple]]:
+        with open_state(config) as state:
+            rows = {
+                s.source: sorted((r.uri, r.sha256, r.length, r.deleted) for r in state.iter_resources(s.id))
+                for s in state.sets()
+            }
+            assert {s.name: s.state for s in state.sources()} == {n: "ok" for n in rows}
+        return rows
+
+    async with up.serving():
+        urls = {n: up.doc_url("capabilitylist.xml", n) for n in names}
+        together = make_config(tmp_path / "together", urls)
+        assert all(r.ok for r in (await harvest(together)).values())
+        alone: dict[str, list[tuple]] = {}
+        for n in names:
+            config = make_config(tmp_path / f"alone-{n}", {n: urls[n]})
+            assert (await harvest(config))[n].ok
+            alone.update(held(config))
+    got = held(together)
+    assert got == alone
+    assert sum(len(rows) for rows in got.values()) > 100
+    async with open_context(together) as ctx:
+        for rows in got.values():
+            for _uri, sha, length, _deleted in rows:
+                assert ctx.blobs.size(sha) == length
+
+
+async def test_a_set_holding_no_row_looks_nothing_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new set's first baseline looks up no stored row (it holds none: one read says so, no lookup per
+    batch); once it holds rows, its changes are looked up again and what is unchanged is not fetched."""
+    looked_up: list[int] = []
+    real_stored = pipeline.Pipeline._stored
+
+    def stored(self, batch):
+        looked_up.append(len(batch))
+        return real_stored(self, batch)
+
+    monkeypatch.setattr(pipeline.Pipeline, "_stored", stored)
+    up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
+    n = pipeline.DIRECT_LOOKUP + 9  # more than a direct lookup takes at once
+    for j in range(n):
+        up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a")
+    async with up.serving():
+        config = make_config(tmp_path / "store", {"a": up.doc_url("capabilitylist.xml", "a")})
+        first = (await harvest(config))["a"]
+        assert first.ok and sum(s.fetched for s in first.stats) == n
+        assert looked_up == []
+        up.update("r0.txt", b"resource 0, changed", set_name="a")
+        again = (await harvest(config))["a"]
+    assert again.ok and sum(looked_up) == n
+    assert sum(s.fetched for s in again.stats) == 1 and sum(s.unchanged for s in again.stats) == n - 1
 
 
 # -- a few syncs of one host at once (harvest/admission.py) ---------------------------------------------

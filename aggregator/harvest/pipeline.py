@@ -49,6 +49,8 @@ MAX_PATCH_BASE_BYTES = 64 * 1024 * 1024
 LOOKUP_BATCH = 64
 #: Up to this many changes are looked up directly on a local state (SQLite): a thread hop costs more
 #: than their few indexed reads (``store/calls.py``), and a small set's changes come a few at a time.
+#: Not more: an unchanged change asks the blob store whether it holds the content (``unchanged``), a
+#: request each on a remote store (S3), which must not stall the event loop.
 DIRECT_LOOKUP = 4
 
 
@@ -444,6 +446,8 @@ class Pipeline:
         # Records appended after this point are announced (rsagg_change_published).
         self._last_seq = 0
         self._primed = False
+        #: The set held no row when the run started (a local state only: ``run``): nothing to look up.
+        self._empty = False
         self._hosts: dict[str, str] = {}  # scheme://authority -> host (``_host_free``)
         self._fetch_tasks: _Workers | None = None  # ``run``'s fetch tasks (``_host_free``)
 
@@ -466,6 +470,13 @@ class Pipeline:
     @for_source  # the tasks started below make their requests for the source
     async def run(self, items: AsyncGenerator[Work, None]) -> PipelineStats:
         await self._prime()
+        reader = self.ctx.reader
+        if limiter_of(reader) is None:
+            # A set that holds no row yet (a new Source's first baseline) has nothing to look up: its
+            # changes skip the lookup, a thread hop per batch of a small set (one indexed read here,
+            # direct on a local state). Rows this run commits meanwhile are not looked up (a URI listed
+            # twice is fetched twice), as when the second lookup came before the first one's commit.
+            self._empty = not list(reader.iter_resources(self.set_id, include_deleted=True, limit=1))
         new_send, new_recv = trio.open_memory_channel[tuple[int, Work]](LOOKUP_BATCH)
         batches, result_recv = trio.open_memory_channel[list[_Result]](math.inf)
         order = _Order(self._batch_size)
@@ -588,7 +599,7 @@ class Pipeline:
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
                 works = [w for _, w in batch]
-                if any(w.change != DELETED and w.blob is None for w in works):
+                if not self._empty and any(w.change != DELETED and w.blob is None for w in works):
                     limiter = limiter_of(self.ctx.reader)
                     if limiter is None and len(works) <= DIRECT_LOOKUP:
                         found = self._stored(works)
@@ -869,7 +880,6 @@ class Pipeline:
     async def _flush_part(self, batch: list[_Result]) -> None:
         """Blobs durable, then one state transaction for the changes and the cursor of ``batch``."""
         writers = [r.blob for r in batch if r.blob is not None and r.change is not None]
-        await self.ctx.commit_blobs(writers)
         changes = [r.change for r in batch if r.change is not None]
         cursor = next((r.work.cursor_after for r in reversed(batch) if r.work.cursor_after), None)
         retries = self._retry_bookkeeping(batch)
@@ -877,8 +887,9 @@ class Pipeline:
             self._progress(len(batch))
         # With the changes, in their transaction: validators name the version then held.
         kept = [r.validators for r in batch if r.validators is not None and r.change is not None]
-        applied = await self.ctx.write(_apply_batch, self.ctx.writer, self.set_id, changes, cursor,
-                                       retries, kept)  # fmt: skip
+        # The blobs durable first (invariant 2), in the same thread hop when the store can (small ones).
+        applied = await self.ctx.write_after_blobs(writers, _apply_batch, self.ctx.writer, self.set_id,
+                                                   changes, cursor, retries, kept)  # fmt: skip
         if self._on_batch is not None:
             self._on_batch(
                 [r.work.entry.loc for r in batch], applied, [r.failure for r in batch if r.failure]

@@ -684,6 +684,25 @@ class FileBlobStore:
             self.on_commit(written, found)
         return infos
 
+    def commits_inline(self, writers: Sequence[BlobWriter]) -> bool:
+        """True when ``commit(writers)`` is one ``small.db`` transaction and touches no file: every blob
+        not committed yet is finished, held in memory and small enough to be stored inline. Such a
+        commit has no per-blob syscall, so it may run whole in a worker thread (``commit_steps`` says
+        why the others may not): the harvest then commits it in the thread hop of the state write that
+        names its blobs (``HarvestContext.write_after_blobs``)."""
+        if self._inline is None or not self.inline_bytes:
+            return False
+        limit = self.inline_bytes
+        for w in writers:
+            if w.state == "committed":
+                continue
+            if not isinstance(w, SpooledBlobWriter) or w.tmp_path is not None or w._parts is None:
+                return False
+            info = w.info
+            if w.state != "finished" or info is None or info.length > limit:
+                return False
+        return True
+
     def commit(self, writers: Sequence[BlobWriter]) -> None:
         """Make every finished writer's blob durable and visible (see ``commit_steps``); blocking."""
         for slow in self.commit_steps(writers):
