@@ -1,7 +1,7 @@
 """``benchmarks/bench_state_size.py`` fills a state as a harvest leaves it: every table a harvest writes
 a row in for each resource, and every column it fills there, the fill writes too. A figure that leaves
-one out flatters the state (the validators table was left out until schema step 18: 40 % of the bytes
-of a harvested state)."""
+one out flatters the state (the validators table was left out until schema step 18: about 40 % of the
+bytes of a harvested state)."""
 
 from __future__ import annotations
 
