@@ -258,6 +258,36 @@ def test_a_rolled_back_batch_leaves_no_gap(
     assert [(r.seq, r.uri) for r in st.iter_changelog()] == [(1, "a"), (2, "c")]
 
 
+def test_a_batch_writes_its_new_rows_and_their_validators_once(
+    url: str, st: PostgresState, set_id: int
+) -> None:
+    """A fetched version's validators ride in the batch's COPY of its new rows (schema step 18): an
+    UPDATE after it would leave a dead version of every row a baseline creates, and of its index
+    entries. A row already holding the version gets its validators by one UPDATE (a 304's)."""
+    from aggregator.store.rows import ResourceValidators
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE updated (id BIGINT)")
+        conn.execute(
+            "CREATE FUNCTION note_update() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN INSERT INTO updated VALUES (NEW.id); RETURN NEW; END $$"
+        )
+        conn.execute(
+            "CREATE TRIGGER note BEFORE UPDATE ON resources FOR EACH ROW EXECUTE FUNCTION note_update()"
+        )
+        shas = [A, B, C]
+        kept = [
+            ResourceValidators(u, sha, f'"{u}"', "Mon, 01 Jan 2024 00:00:00 GMT")
+            for u, sha in zip("abc", shas, strict=True)
+        ]
+        st.apply(set_id, [ch(u, "created", sha) for u, sha in zip("abc", shas, strict=True)], validators=kept)
+        assert conn.execute("SELECT count(*) FROM updated").fetchone() == (0,)
+        assert set(st.resource_validators(set_id, ["a", "b", "c"])) == {"a", "b", "c"}
+        st.apply(set_id, [ch("a", "created", A)], validators=[ResourceValidators("a", A, '"again"', None)])
+        assert conn.execute("SELECT count(*) FROM updated").fetchone() == (1,)
+        assert st.resource_validators(set_id, ["a"])["a"].etag == '"again"'
+
+
 def test_iterators_hold_no_connection_between_pages(
     st: PostgresState,
     set_id: int,
