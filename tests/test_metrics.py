@@ -366,6 +366,57 @@ def test_metrics_objects_do_not_collide():
     assert 'source="x"' not in b.exposition().decode()
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_fetch_families_expose_what_prometheus_objects_would(seed: int) -> None:
+    """``fetch_hook`` keeps plain sums; its three families must read exactly as prometheus-client's own
+    Counter and Histogram objects would after the same requests: generated requests (sources, every
+    status class and none, durations on and around every bucket bound, zero and large bodies)."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+
+    from aggregator.observe.metrics import FETCH_BUCKETS
+    from aggregator.scope import current_source
+
+    rng = random.Random(seed)
+    ours = Metrics()
+    ref = CollectorRegistry()
+    nbytes = Counter("rsagg_fetched_bytes", "b", ["source"], registry=ref)
+    requests = Counter("rsagg_upstream_requests", "r", ["source", "status_class"], registry=ref)
+    durations = Histogram(
+        "rsagg_fetch_duration_seconds", "d", ["source"], buckets=FETCH_BUCKETS, registry=ref
+    )
+    edges = [b + d for b in FETCH_BUCKETS for d in (-1e-9, 0.0, 1e-9)] + [0.0, 1e6]
+    for _ in range(rng.randrange(1, 300)):
+        source = rng.choice(["", "a", "b", "c d"])
+        status = rng.choice([None, 100, 200, 204, 304, 404, 410, 500, 503, 99, 600])
+        seconds = rng.choice(edges) if rng.random() < 0.5 else rng.uniform(0, 200)
+        size = rng.choice([0, 1, rng.randrange(10**9)])
+        token = current_source.set(source)
+        try:
+            ours.fetch_hook("host", status, seconds, size)
+        finally:
+            current_source.reset(token)
+        requests.labels(source, status_class(status)).inc()
+        durations.labels(source).observe(seconds)
+        nbytes.labels(source).inc(size)
+
+    def samples(text: str) -> set[tuple[str, tuple, float]]:
+        names = ("rsagg_fetched_bytes", "rsagg_upstream_requests", "rsagg_fetch_duration_seconds")
+        return {
+            (s.name, tuple(sorted(s.labels.items())), s.value)
+            for fam in text_string_to_metric_families(text)
+            if fam.name in names
+            for s in fam.samples
+            if not s.name.endswith("_created")
+        }
+
+    from prometheus_client import generate_latest
+
+    got, want = samples(ours.exposition().decode()), samples(generate_latest(ref).decode())
+    assert got == want and want
+
+
 def test_notification_and_plugin_counters_are_exposed():
     """Counts kept by the notification parts (``Notifications.counters``) and ``Plugins.failures`` are
     read when scraped, under rsagg's names."""
