@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import math
 import random
 import shutil
 import ssl
@@ -40,6 +41,10 @@ class Script:
         self.answers: dict[str, tuple[bytes, bool]] = {}
         self.connections = 0
         self.requests: list[tuple[str, dict[str, str]]] = []
+        #: path -> seconds the server waits before it answers (math.inf: it never does)
+        self.delays: dict[str, float] = {}
+        #: path -> the answers that replace its answer, one after each request of it
+        self.then: dict[str, list[tuple[bytes, bool]]] = {}
 
     def add(self, path: str, raw: bytes, *, close: bool = False) -> str:
         self.answers[path] = (raw, close)
@@ -67,6 +72,13 @@ async def _serve_one(tcp: trio.SocketStream, script: Script, tls: ssl.SSLContext
             raw, close = script.answers.get(
                 path, (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", False)
             )
+            if script.then.get(path):
+                script.answers[path] = script.then[path].pop(0)
+            delay = script.delays.get(path, 0.0)
+            if delay == math.inf:
+                await trio.sleep_forever()
+            elif delay:
+                await trio.sleep(delay)
             await stream.send_all(raw)
             if close:
                 return
@@ -278,19 +290,12 @@ async def test_retries_agree(tmp_path: Path) -> None:
         script = Script()
         async with scripted(script) as base:
             script.add("/r", response(503, headers={"Retry-After": "0"}), close=True)
+            script.then["/r"] = [(response(200, BODY), False)]  # the second request's answer
             store = FileBlobStore(tmp_path / str(use_lean))
             async with fetcher(retries=2) as f:
                 if not use_lean:
                     f._lean = None
-
-                async def swap(script: Script) -> None:
-                    while not script.requests:
-                        await trio.sleep(0.001)
-                    script.add("/r", response(200, BODY))
-
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(swap, script)
-                    outcomes.append(await outcome(f, store, f"{base}/r", Expected({"md5": md5(BODY)})))
+                outcomes.append(await outcome(f, store, f"{base}/r", Expected({"md5": md5(BODY)})))
         assert len(script.requests) == 2
     assert outcomes[0][2:] == outcomes[1][2:] and outcomes[0][0] == "ok", outcomes  # two servers: two URLs
 
@@ -353,6 +358,63 @@ async def test_keep_alive_reuse_and_a_server_closing_idle_connections(tmp_path: 
             assert (await outcome(f, store, f"{base}/k", Expected({})))[0] == "ok"
         assert script.connections == 2
         assert f._lean is not None and f._lean.connections_opened == 2
+
+
+@pytest.mark.parametrize("reused", [False, True], ids=["new connection", "reused connection"])
+async def test_a_read_waiting_past_the_timeout_fails_alike_on_both_paths(
+    reused: bool, tmp_path: Path
+) -> None:
+    """A server that takes the request and never answers: both paths fail the GET as a timeout
+    (transient), never before the timeout has passed; on the lean path a stalled reused connection is
+    not taken for a stale one (no second request on a new connection)."""
+    timeout = 0.5
+    outcomes = []
+    for use_lean in (True, False):
+        script = Script()
+        script.add("/ok", response(200, BODY))
+        script.add("/stall", response(200, BODY))
+        script.delays["/stall"] = math.inf
+        store = FileBlobStore(tmp_path / str(use_lean))
+        async with scripted(script) as base, Fetcher(retries=0, timeout=timeout) as f:
+            if not use_lean:
+                f._lean = None
+            if reused:
+                assert (await outcome(f, store, f"{base}/ok", Expected({})))[0] == "ok"
+            start = trio.current_time()
+            with trio.fail_after(30):  # a timeout that never fires fails here, not by hanging
+                outcomes.append(await outcome(f, store, f"{base}/stall", Expected({})))
+            assert trio.current_time() - start >= timeout
+        assert [p for p, _ in script.requests] == ["/ok", "/stall"][1 - reused :]
+        assert script.connections == 1
+    assert outcomes[0][:5] == outcomes[1][:5] == ("error", "timeout", None, True, None), outcomes
+
+
+async def test_reads_at_once_time_out_each_on_its_own(tmp_path: Path) -> None:
+    """Generated: GETs at once on one pool, each answered at once, a little later or never. Those never
+    answered fail as timeouts; every other one succeeds, its connection untouched by the others'."""
+    rng = random.Random(7)
+    timeout = 2.0
+    script = Script()
+    kinds: dict[str, str] = {}
+    for i in range(24):
+        path = script.add(f"/r{i}", response(200, BODY))
+        kinds[path] = rng.choice(["now", "later", "never"])
+        script.delays[path] = {"now": 0.0, "later": rng.uniform(0.01, 0.1), "never": math.inf}[kinds[path]]
+    results: dict[str, tuple] = {}
+    store = FileBlobStore(tmp_path)
+    async with scripted(script) as base, Fetcher(retries=0, timeout=timeout, per_host=len(kinds)) as f:
+
+        async def one(path: str) -> None:
+            results[path] = await outcome(f, store, base + path, Expected({"md5": md5(BODY)}))
+
+        with trio.fail_after(60):  # timeouts that never fire fail here, not by hanging
+            async with trio.open_nursery() as nursery:
+                for path in kinds:
+                    nursery.start_soon(one, path)
+    assert {p: r[:2] if r[0] == "error" else r[:1] for p, r in results.items()} == {
+        p: ("error", "timeout") if k == "never" else ("ok",) for p, k in kinds.items()
+    }
+    assert "never" in kinds.values() and "later" in kinds.values()
 
 
 async def test_request_hook_sees_every_hop_on_the_lean_path(tmp_path: Path) -> None:
@@ -492,19 +554,27 @@ def test_the_lean_path_is_off_where_httpx_must_route(monkeypatch: pytest.MonkeyP
 
 def test_own_origin_is_true_wherever_own_url_is() -> None:
     """The lean path asks ``own_url`` only where ``own_origin`` says an own URL may be: on generated
-    URLs and bases, every URL ``own_url`` refuses has ``own_origin`` true (no own URL slips past)."""
+    URLs and bases, every URL ``own_url`` refuses has ``own_origin`` true (no own URL slips past). One
+    policy throughout, its ``own_urls`` assigned anew now and then as a reload does: its remembered
+    answers are always those of a fresh policy."""
     rng = random.Random(2)
     hosts = ["agg.example", "other.example", "127.0.0.1", "AGG.example"]
     hits = 0
+    policy = outbound.AddressPolicy()
     for _ in range(3000):
         base = f"{rng.choice(['http', 'https'])}://{rng.choice(hosts)}{rng.choice(['', ':8080', ':443'])}"
         base += rng.choice(["", "/", "/rs", "/rs/"])
-        policy = outbound.AddressPolicy(own_urls=(base,))
+        if rng.random() < 0.3 or not policy.own_urls:
+            policy.own_urls = (base,)  # what update_policy does on a reload
+        fresh = outbound.AddressPolicy(own_urls=policy.own_urls)
         text = f"{rng.choice(['http', 'https'])}://{rng.choice(hosts).lower()}"
         text += rng.choice(["", ":8080", ":80"]) + rng.choice(["/", "/rs", "/rs/x", "/rsx", "/a"])
         url = lean.parse_url(text)
         if url is None:
             continue
+        assert policy.own_origin(url.host, url.effective_port) == fresh.own_origin(
+            url.host, url.effective_port
+        )
         if policy.own_url(text):
             hits += 1
             assert policy.own_origin(url.host, url.effective_port), (base, text)

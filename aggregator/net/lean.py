@@ -48,6 +48,9 @@ MAX_HEAD_BYTES = 100 * 1024
 EAGER_READS = 4
 #: Plain sockets are read and written through their descriptor (``os.read``/``os.write``), POSIX only.
 _FD_IO = os.name == "posix"
+#: A read that waits longer than the pool's timeout fails within this share of the timeout after it: the
+#: watchdog's period (``LeanPool._watchdog``).
+LATE_SHARE = 0.125
 #: An idle connection older than this is closed rather than reused (httpx's default keep-alive expiry).
 KEEPALIVE_EXPIRY = 5.0
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
@@ -159,7 +162,8 @@ class Request:
 class _Connection:
     """One keep-alive connection: a trio stream and the parser of the answers on it."""
 
-    __slots__ = ("eager", "fd", "idle_poll", "idle_since", "key", "parser", "plain", "pool", "sock", "stream")
+    __slots__ = ("deadline", "eager", "fd", "idle_poll", "idle_since", "key", "parser", "plain", "pool",
+                 "sock", "stream", "timed_out")  # fmt: skip
 
     def __init__(self, pool: LeanPool, key: tuple, stream: trio.abc.Stream, sock: Any) -> None:
         self.pool = pool
@@ -177,6 +181,8 @@ class _Connection:
             self.idle_poll.register(self.fd, select.POLLIN)
         self.parser = ResponseParser()
         self.idle_since = 0.0
+        self.deadline = 0.0  # of the read waiting now (``LeanPool._wait_readable``)
+        self.timed_out = False  # closed by the watchdog: a read waited past its deadline
 
     def usable(self, now: float) -> bool:
         """An idle connection may carry another request: not expired, and nothing to read on it (the
@@ -229,14 +235,17 @@ class _Connection:
 
         Why not ``sock.recv`` (or ``SocketStream.receive_some``): trio's wrappers pass through the
         scheduler even when the bytes are already there, inside generator-based context managers, and
-        a deadline scope was entered around every read. Here only a wait has a deadline, and a read
-        that need not wait does not yield -- but never more than ``EAGER_READS`` in a row (a large
-        body arriving as fast as it is read must not hold the event loop): then one checkpoint.
+        a deadline scope was entered around every read. Here only a wait has a deadline (the pool's
+        watchdog's, ``LeanPool._wait_readable``), and a read that need not wait does not yield -- but
+        never more than ``EAGER_READS`` in a row (a large body arriving as fast as it is read must not
+        hold the event loop): then one checkpoint.
 
         ``wait``: the first read of an answer to a request just sent would all but always find nothing
         (the server has yet to run): wait for the socket first rather than fail a read."""
         while True:
             if self.sock is None:  # closed by this task or another (close() is synchronous)
+                if self.timed_out:  # by the watchdog, as the bytes came: too late all the same
+                    raise httpx.ReadTimeout(f"no data within {timeout}s")
                 raise trio.ClosedResourceError("the connection was closed")
             if not wait:
                 try:
@@ -251,10 +260,7 @@ class _Connection:
                     return data
             wait = False
             self.eager = 0
-            with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-                await trio.lowlevel.wait_readable(self.sock)  # a checkpoint: cancellation lands here
-            if scope.cancelled_caught:
-                raise httpx.ReadTimeout(f"no data within {timeout}s") from None
+            await self.pool._wait_readable(self, timeout)  # a checkpoint: cancellation lands here
 
     async def _write(self, data: bytes, timeout: float) -> None:
         """Plain TCP: all of ``data``, waiting (within ``timeout`` each time) only when the socket's
@@ -526,6 +532,11 @@ class LeanPool:
         self._fields: dict[tuple, bytes] = {}
         self._slots = trio.Semaphore(max_connections)
         self._open: set[_Connection] = set()
+        #: Connections whose read waits now, each with its deadline (``_wait_readable``).
+        self._waiting: set[_Connection] = set()
+        #: The trio run the watchdog runs in (a pool may outlive one run: a new one starts its own).
+        self._watched: trio.lowlevel.TrioToken | None = None
+        self._ended = False  # aclose(): the watchdog ends
         #: Connections opened so far (tests and benchmarks read it: reuse is visible).
         self.connections_opened = 0
 
@@ -609,6 +620,42 @@ class LeanPool:
         except BaseException:
             conn.close()
             raise
+
+    async def _wait_readable(self, conn: _Connection, timeout: float) -> None:
+        """Wait until ``conn`` has bytes, or fail with ``httpx.ReadTimeout`` once ``timeout`` has passed.
+
+        Why not a deadline scope around the wait: a resource GET waits once for its answer, and entering
+        and leaving a trio ``CancelScope`` with a deadline (its registration in the run's deadlines)
+        was about 3 % of a harvest's instructions at 0 ms (benchmarks/bench_harvest.py). Here the wait
+        is written down with its deadline, and one watchdog task per pool and run closes a connection
+        whose wait is past its deadline (``_watchdog``), which wakes it: the same failure, at most
+        ``LATE_SHARE`` of the timeout later."""
+        conn.deadline = trio.current_time() + timeout
+        conn.timed_out = False
+        if self._watched is not (token := trio.lowlevel.current_trio_token()):
+            self._watched = token
+            trio.lowlevel.spawn_system_task(self._watchdog, name="rsagg lean read timeouts")
+        waiting = self._waiting
+        waiting.add(conn)
+        try:
+            await trio.lowlevel.wait_readable(conn.sock)
+        except trio.ClosedResourceError:
+            if conn.timed_out:
+                raise httpx.ReadTimeout(f"no data within {timeout}s") from None
+            raise
+        finally:
+            waiting.discard(conn)
+
+    async def _watchdog(self) -> None:
+        """Close each connection whose read waits past its deadline (``_wait_readable``), every
+        ``LATE_SHARE`` of the timeout, until the pool is closed (or the run ends: a system task)."""
+        period = max(self.timeout * LATE_SHARE, 0.001)
+        while not self._ended:
+            await trio.sleep(period)
+            now = trio.current_time()
+            for conn in [c for c in self._waiting if c.deadline <= now]:
+                conn.timed_out = True
+                conn.close()  # its waiter wakes with ClosedResourceError: ReadTimeout there
 
     def _take(self, key: tuple) -> _Connection | None:
         idle = self._idle.get(key)
@@ -699,6 +746,7 @@ class LeanPool:
         return tls, tcp.socket
 
     async def aclose(self) -> None:
+        self._ended = True
         for conn in list(self._open):
             conn.close()
         self._idle.clear()
