@@ -263,7 +263,9 @@ class Access:
             return
         found = self._sources(config).get(name)
         if found is not None:
-            await self._access(config, found[1]).prepare(request)
+            access = self._access(config, found[1])
+            if access.rate or access.headers:  # else nothing to do: no coroutine for it on every request
+                await access.prepare(request)
 
     def _sources(self, config: Config) -> dict[str, tuple[int, SourceConfig]]:
         """``config``'s sources by name, with their index (the first of a name, as a scan finds it)."""

@@ -157,6 +157,8 @@ class Entry:
 
     def links_by_rel(self, rel: str) -> list[Link]:
         """Links of one relation, best ``pri`` first (§7: lower integer, higher priority)."""
+        if not self.links:
+            return []  # most entries have none: asked several times for each, on every harvest
         return sorted((ln for ln in self.links if has_rel(ln, rel)), key=lambda ln: ln.priority)
 
 
