@@ -465,19 +465,26 @@ def start_nginx_with(
 def shipped_settings() -> tuple[str, str]:
     """The shipped ``config/nginx.conf``'s worker, events and http-level settings (up to its first
     ``upstream``, without the maps of rsagg's variables and with two workers, as the offloading nginx
-    runs here) and its ``open_file_cache`` lines: what every nginx compared with it takes."""
+    runs here), and the lines a server compared with it puts in its server block: the
+    ``open_file_cache`` lines, and how the resources' location sends a body (``sendfile``,
+    ``tcp_nopush``, ``output_buffers``): what every nginx compared with it takes."""
     text = (ROOT / "config" / "nginx.conf").read_text()
     head = text[: text.index("    upstream rsagg {")]  # worker, events and http-level settings ...
     head = re.sub(r"(?ms)^    map .*?^    }\n", "", head)  # ... but the maps of rsagg's variables
     file_cache = "".join(re.findall(r"(?m)^ *open_file_cache\w* [^;]*;\n", text))
     assert file_cache, "config/nginx.conf has no open_file_cache: update bench_publish.shipped_settings"
-    return head.replace("worker_processes auto;", "worker_processes 2;"), file_cache
+    resources = re.search(r"(?ms)^        location ~ \^/\[\^/\]\+/r/ \{\n(.*?)^        \}", text)
+    assert resources, "config/nginx.conf has no resources' location: update bench_publish.shipped_settings"
+    sending = re.findall(r"(?m)^ *((?:sendfile|tcp_nopush|output_buffers) [^;]*;)", resources.group(1))
+    server = file_cache + "".join(f"        {line}\n" for line in sending)
+    return head.replace("worker_processes auto;", "worker_processes 2;"), server
 
 
 def static_conf(folder: Path, port: int) -> str:
     """nginx serving ``folder`` statically with the shipped ``config/nginx.conf``'s settings (like with
-    like: its worker, connection and http settings, ``open_file_cache`` included), only the server's
-    locations replaced by a plain ``root``; the same two workers as the offloading nginx."""
+    like: its worker, connection and http settings, ``open_file_cache`` included, and its resources'
+    way of sending a body), only the server's locations replaced by a plain ``root``; the same two
+    workers as the offloading nginx."""
     head, file_cache = shipped_settings()
     return head + (
         f"    server {{\n        listen 127.0.0.1:{port};\n        root {folder};\n"
@@ -764,7 +771,8 @@ def start_answers(servers: Servers, expires: int) -> tuple[subprocess.Popen, str
 
 
 def floor_conf(upstream: str, port: int) -> str:
-    """The least a cache hit can be: the shipped settings (as ``static_conf``), one location that
+    """The least a cache hit can be: the shipped settings (as ``static_conf``, its way of sending a body
+    included), one location that
     answers every GET from ``proxy_cache`` (key ``$uri``, answers kept an hour by ``proxy_cache_valid``,
     one page read per hit) whose answers come from ``upstream`` (``serve_answers``: two header
     lines). No regular expression, no ``if``, no ranges, no second server."""
@@ -799,6 +807,19 @@ def shipped_minimal_conf(upstream: str, blobs: Path, port: int) -> str:
     return text
 
 
+#: The line of the shipped resources' location that sends a hit's body without ``sendfile``.
+SENDFILE_OFF = "        sendfile off;\n"
+
+#: ``--floor``'s cases, as its table's columns name them.
+SHORT = {
+    "nginx static": "static",
+    "hit, smallest answer": "smallest",
+    "hit, smallest answer, shipped conf": "shipped",
+    "hit, rsagg's answer, shipped conf": "rsagg's",
+    "nginx static, sendfile on": "static sf",
+    "hit, smallest answer, sendfile on": "small. sf",
+}
+
 #: Functions whose inclusive instructions per request ``--floor`` prints: where a hit's cost goes (the
 #: names nginx exports; Debian's binary has no symbols for its static functions).
 FLOOR_FUNCTIONS = {
@@ -809,7 +830,7 @@ FLOOR_FUNCTIONS = {
     "ngx_http_parse_status_line": "    cached status line parsed",
     "ngx_http_parse_header_line": "    cached (static: request) header lines parsed",
     "ngx_http_send_header": "    answer's header written",
-    "ngx_http_output_filter": "    body sent (sendfile)",
+    "ngx_http_output_filter": "    body sent",
     "ngx_open_cached_file": "  open_file_cache lookups",
     "ngx_http_complex_value": "  complex values (key, map, if)",
 }
@@ -867,6 +888,17 @@ def run_floor(args: argparse.Namespace) -> int:
                     rsagg,
                 ),
             }
+            if SENDFILE_OFF in static_conf(static, 0):  # the same two, as nginx sends a file by default
+                cases["nginx static, sendfile on"] = (
+                    lambda port: static_conf(static, port).replace(SENDFILE_OFF, ""),
+                    paths,
+                    None,
+                )
+                cases["hit, smallest answer, sendfile on"] = (
+                    lambda port: floor_conf(plain_base, port).replace(SENDFILE_OFF, ""),
+                    paths,
+                    plain,
+                )
             targets: dict[str, tuple[str, list[str], list[int]]] = {}
             for name, (conf, ps, upstream) in cases.items():
                 port = free_port()
@@ -947,19 +979,26 @@ def floor_table(results: dict[str, dict], concurrency: int) -> str:
         lines += [
             "",
             f"{'nginx instructions per request, inclusive':<50}"
-            + "".join(f"{n:>10}" for n in ("static", "smallest", "shipped", "rsagg's")),
+            + "".join(f"{SHORT.get(n, n[:9]):>10}" for n in results),
             f"{'all of them':<50}" + "".join(f"{r['ir']:>10,.0f}" for r in results.values()),
         ]
         for function, what in FLOOR_FUNCTIONS.items():
             values = [r["functions"].get(function, 0) for r in results.values()]
             lines.append(f"{what:<50}" + "".join(f"{v:>10,.0f}" for v in values))
-    floor = results["hit, smallest answer"]
-    by = [
-        f"{floor['rps'] / static['rps']:.2f}x by req/s",
-        f"{static['cpu_us'] / floor['cpu_us']:.2f}x by CPU",
-    ]
-    by += [f"{static['ir'] / floor['ir']:.2f}x by nginx's instructions"] if "ir" in floor else []
-    lines += ["", f"the floor (a hit of the smallest cached answer / nginx static): {', '.join(by)}"]
+    lines.append("")
+    for base, hit, what in (
+        (
+            "nginx static",
+            "hit, smallest answer",
+            "the floor (a hit of the smallest cached answer / nginx static)",
+        ),
+        ("nginx static, sendfile on", "hit, smallest answer, sendfile on", "the same, both with sendfile on"),
+    ):
+        if base in results and hit in results:
+            a, b = results[base], results[hit]
+            by = [f"{b['rps'] / a['rps']:.2f}x by req/s", f"{a['cpu_us'] / b['cpu_us']:.2f}x by CPU"]
+            by += [f"{a['ir'] / b['ir']:.2f}x by nginx's instructions"] if "ir" in a and "ir" in b else []
+            lines.append(f"{what}: {', '.join(by)}")
     return "\n".join(lines)
 
 
