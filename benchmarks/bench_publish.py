@@ -422,8 +422,14 @@ def report(what: str, r: dict) -> None:
     )
 
 
-def write_static(folder: Path, urls: list[str]) -> list[str]:
-    """The picked resources' bytes as files ``folder/r/<i>.txt``; their paths."""
+def body_of(i: int, size: int = 0) -> bytes:
+    """Resource ``i``'s bytes: its blob's (``blob_bytes``), or ``size`` bytes of them repeated."""
+    data = blob_bytes(i % BLOBS)
+    return data if not size else (data * (size // len(data) + 1))[:size]
+
+
+def write_static(folder: Path, urls: list[str], size: int = 0) -> list[str]:
+    """The picked resources' bytes (``body_of``) as files ``folder/r/<i>.txt``; their paths."""
     (folder / "r").mkdir(parents=True, exist_ok=True)
     paths = []
     for url in urls:
@@ -431,7 +437,7 @@ def write_static(folder: Path, urls: list[str]) -> list[str]:
         if m is None:
             raise SystemExit(f"unexpected resource URL {url}")
         i = int(m.group(1))
-        (folder / "r" / f"{i}.txt").write_bytes(blob_bytes(i % BLOBS))
+        (folder / "r" / f"{i}.txt").write_bytes(body_of(i, size))
         paths.append(f"/r/{i}.txt")
     for p in [folder, folder / "r", *folder.glob("r/*")]:
         p.chmod(0o755 if p.is_dir() else 0o644)  # nginx workers may run as another user
@@ -725,7 +731,7 @@ def count_instructions(
 # -- the floor: what any cache hit costs next to a static file --------------------------------------------
 
 
-def serve_answers(port: int, expires: int) -> None:
+def serve_answers(port: int, expires: int, size: int = 0) -> None:
     """``--floor``'s upstream: the bytes of ``r/<i>.txt`` (as ``write_static`` writes them) under any
     path ending so, with the fewest header lines an answer can have (Content-Type, Content-Length;
     ``expires``: also ``X-Accel-Expires``, which the shipped configuration needs to keep an answer).
@@ -743,7 +749,7 @@ def serve_answers(port: int, expires: int) -> None:
                 while self.rfile.readline() not in (b"\r\n", b"\n", b""):
                     pass  # the request's header lines: nothing in them changes the answer
                 m = re.search(rb"/r/(\d+)\.txt ", line)
-                body = blob_bytes(int(m.group(1)) % BLOBS) if m else b""
+                body = body_of(int(m.group(1)), size) if m else b""
                 status = b"200 OK" if m else b"404 Not Found"
                 head = b"HTTP/1.1 %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n" % (
                     status,
@@ -760,10 +766,11 @@ def serve_answers(port: int, expires: int) -> None:
         server.serve_forever()
 
 
-def start_answers(servers: Servers, expires: int) -> tuple[subprocess.Popen, str]:
+def start_answers(servers: Servers, expires: int, size: int = 0) -> tuple[subprocess.Popen, str]:
     """A ``serve_answers`` upstream in its own process; its base URL."""
     port = free_port()
     cmd = [sys.executable, __file__, "--answers", str(port), "--answers-expires", str(expires)]
+    cmd += ["--body-bytes", str(size)] if size else []
     proc = servers.start(cmd)
     base = f"http://127.0.0.1:{port}"
     wait_until_up(base + "/", proc)
@@ -870,10 +877,12 @@ def run_floor(args: argparse.Namespace) -> int:
             filled = json.loads(subprocess.run(cmd, capture_output=True, env=child_env(), check=True).stdout)
             rsagg, rsagg_base = start_rsagg(servers, store, "x-accel", args.plugins, cache_seconds=600)
             _, urls = stream_lists(rsagg_base, filled["set"], args.resources)
-            paths = write_static(static, urls)
+            if args.body_bytes:  # large bodies: as many resources as make 64 MB (at least 8)
+                urls = urls[: max(8, 64_000_000 // args.body_bytes)]
+            paths = write_static(static, urls, args.body_bytes)
             rsagg_paths = ["/" + u.split("/", 3)[3] for u in urls]
-            plain, plain_base = start_answers(servers, 0)
-            expiring, expiring_base = start_answers(servers, 3600)
+            plain, plain_base = start_answers(servers, 0, args.body_bytes)
+            expiring, expiring_base = start_answers(servers, 3600, args.body_bytes)
             cases = {  # name: (configuration for a port, paths, the upstream's process)
                 "nginx static": (lambda port: static_conf(static, port), paths, None),
                 "hit, smallest answer": (lambda port: floor_conf(plain_base, port), paths, plain),
@@ -888,6 +897,8 @@ def run_floor(args: argparse.Namespace) -> int:
                     rsagg,
                 ),
             }
+            if args.body_bytes:  # rsagg's store holds small blobs only
+                del cases["hit, rsagg's answer, shipped conf"]
             if SENDFILE_OFF in static_conf(static, 0):  # the same two, as nginx sends a file by default
                 cases["nginx static, sendfile on"] = (
                     lambda port: static_conf(static, port).replace(SENDFILE_OFF, ""),
@@ -1065,6 +1076,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--answers", type=int, metavar="PORT", help=argparse.SUPPRESS)  # child: floor upstream
     p.add_argument("--answers-expires", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--body-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--floor: every body N bytes long (the small blobs' bytes repeated) instead of the blobs' "
+        "17-800 bytes, rsagg's answer left out (its store holds small blobs): what large answers cost",
+    )
     p.add_argument("--fill", metavar="STORE", help=argparse.SUPPRESS)  # child: fill the store
     p.add_argument("--serve", metavar="STORE", help=argparse.SUPPRESS)  # child: rsagg publisher
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -1084,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(load(Path(args.load), args.requests, args.concurrency, args.timeout)))
         return 0
     if args.answers:
-        serve_answers(args.answers, args.answers_expires)
+        serve_answers(args.answers, args.answers_expires, args.body_bytes)
         return 0
     if args.floor:
         return run_floor(args)

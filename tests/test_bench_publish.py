@@ -100,3 +100,12 @@ def test_the_floor_table_gives_each_ratio_against_nginx_static() -> None:
     assert rsagg.split()[5:] == ["70,000", "0.70x", "1.00", "14.0", "60%", "0.71x", "28,000", "0.36x"]
     for what in bench_publish.FLOOR_FUNCTIONS.values():
         assert what.strip() in table
+
+
+def test_a_body_of_a_given_size_is_its_blobs_bytes_repeated() -> None:
+    for i in (0, 7, 299, 300):
+        assert bench_publish.body_of(i) == bench_publish.blob_bytes(i % bench_publish.BLOBS)
+        for size in (1, 100, 4096, 2_000_000):
+            body = bench_publish.body_of(i, size)
+            assert len(body) == size
+            assert body == (bench_publish.blob_bytes(i % bench_publish.BLOBS) * size)[:size]
