@@ -779,10 +779,10 @@ def start_answers(servers: Servers, expires: int, size: int = 0) -> tuple[subpro
 
 def floor_conf(upstream: str, port: int) -> str:
     """The least a cache hit can be: the shipped settings (as ``static_conf``, its way of sending a body
-    included), one location that
-    answers every GET from ``proxy_cache`` (key ``$uri``, answers kept an hour by ``proxy_cache_valid``,
-    one page read per hit) whose answers come from ``upstream`` (``serve_answers``: two header
-    lines). No regular expression, no ``if``, no ranges, no second server."""
+    included), one location that answers every GET from ``proxy_cache`` (key ``$uri``, answers kept an
+    hour by ``proxy_cache_valid``, one page read per hit) whose answers come from ``upstream``
+    (``serve_answers``: two header lines). No regular expression, no ``if``, no ranges, no second
+    server."""
     head, file_cache = shipped_settings()
     return head + (
         "    proxy_cache_path floor levels=1:2 keys_zone=floor:10m max_size=1g inactive=60m\n"
@@ -866,6 +866,8 @@ def run_floor(args: argparse.Namespace) -> int:
     only: rsagg keeps its answers 600 s), each by wrk (the servers taking turns, ``--rounds``, the best
     counting; the CPU per request of the median round) and by nginx's own instructions per request
     (callgrind, one process), with where a hit's instructions go."""
+    import httpx
+
     servers = Servers()
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rsagg-bench-floor-") as tmp:
@@ -920,8 +922,6 @@ def run_floor(args: argparse.Namespace) -> int:
                 if started is None:
                     raise SystemExit(f"--floor: nginx did not start for {name}")
                 targets[name] = (started[1], ps, [started[0].pid] + ([upstream.pid] if upstream else []))
-                import httpx
-
                 with httpx.Client(timeout=30) as client:  # every answer cached before the first count
                     for path in ps:
                         client.get(started[1] + path).raise_for_status()
@@ -955,7 +955,7 @@ def run_floor(args: argparse.Namespace) -> int:
                 slug = re.sub(r"[^a-z]+", "-", name).strip("-")
                 got = nginx_instructions(servers, conf(port), work / f"count-{slug}", port, ps, args.duration)
                 if got is None:
-                    print("  --floor: valgrind (callgrind) or wrk is not installed: no instruction counts")
+                    print("  --floor: no instruction counts (valgrind, callgrind_control or wrk missing?)")
                     break
                 inclusive = callgrind_inclusive(got.pop("dump"), list(FLOOR_FUNCTIONS))
                 got["functions"] = {f: v / got["requests"] for f, v in inclusive.items()}
@@ -1082,7 +1082,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="N",
         help="--floor: every body N bytes long (the small blobs' bytes repeated) instead of the blobs' "
-        "17-800 bytes, rsagg's answer left out (its store holds small blobs): what large answers cost",
+        "16-720 bytes, rsagg's answer left out (its store holds small blobs): what large answers cost",
     )
     p.add_argument("--fill", metavar="STORE", help=argparse.SUPPRESS)  # child: fill the store
     p.add_argument("--serve", metavar="STORE", help=argparse.SUPPRESS)  # child: rsagg publisher
