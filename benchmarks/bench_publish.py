@@ -18,6 +18,11 @@ the rsagg publisher in its own process and, from this process:
   each one's best round counts. Load generator: ``wrk`` when installed (``-d 10s -c 32 -t 2``), else an
   httpx client in its own process (bounded request count). Beside each rate: the CPU time the server's
   processes (nginx: master and workers; rsagg behind nginx: both) spent per request, median round;
+* ``--floor`` (instead of the above): the least any answer cache can cost next to nginx static, a hit of
+  the smallest answer (two header lines) in a bare ``proxy_cache`` location (``floor_conf``), beside the
+  shipped configuration's hit of that answer and of rsagg's (hits only), by req/s, server CPU per
+  request (with the kernel's share) and nginx's instructions per request (callgrind), with where a
+  hit's instructions go (``FLOOR_FUNCTIONS``);
 * ``--before DIR``: one more rsagg alone, run from the tree ``DIR`` (a worktree of an earlier commit,
   with its own ``.venv`` if it has one), on the same store and taking turns with the others: before
   and after, interleaved.
@@ -26,6 +31,7 @@ Every server listens on 127.0.0.1 and is stopped at the end, also on errors.
 
     python benchmarks/bench_publish.py                      # full size (1,000,000 resources)
     python benchmarks/bench_publish.py --resources 100000   # quick
+    python benchmarks/bench_publish.py --floor --resources 20000 --duration 4 --warmup 1 --rounds 3
 """
 
 from __future__ import annotations
@@ -416,8 +422,14 @@ def report(what: str, r: dict) -> None:
     )
 
 
-def write_static(folder: Path, urls: list[str]) -> list[str]:
-    """The picked resources' bytes as files ``folder/r/<i>.txt``; their paths."""
+def body_of(i: int, size: int = 0) -> bytes:
+    """Resource ``i``'s bytes: its blob's (``blob_bytes``), or ``size`` bytes of them repeated."""
+    data = blob_bytes(i % BLOBS)
+    return data if not size else (data * (size // len(data) + 1))[:size]
+
+
+def write_static(folder: Path, urls: list[str], size: int = 0) -> list[str]:
+    """The picked resources' bytes (``body_of``) as files ``folder/r/<i>.txt``; their paths."""
     (folder / "r").mkdir(parents=True, exist_ok=True)
     paths = []
     for url in urls:
@@ -425,7 +437,7 @@ def write_static(folder: Path, urls: list[str]) -> list[str]:
         if m is None:
             raise SystemExit(f"unexpected resource URL {url}")
         i = int(m.group(1))
-        (folder / "r" / f"{i}.txt").write_bytes(blob_bytes(i % BLOBS))
+        (folder / "r" / f"{i}.txt").write_bytes(body_of(i, size))
         paths.append(f"/r/{i}.txt")
     for p in [folder, folder / "r", *folder.glob("r/*")]:
         p.chmod(0o755 if p.is_dir() else 0o644)  # nginx workers may run as another user
@@ -456,16 +468,31 @@ def start_nginx_with(
     )
 
 
-def static_conf(folder: Path, port: int) -> str:
-    """nginx serving ``folder`` statically with the shipped ``config/nginx.conf``'s settings (like with
-    like: its worker, connection and http settings, ``open_file_cache`` included), only the server's
-    locations replaced by a plain ``root``; the same two workers as the offloading nginx."""
+def shipped_settings() -> tuple[str, str]:
+    """The shipped ``config/nginx.conf``'s worker, events and http-level settings (up to its first
+    ``upstream``, without the maps of rsagg's variables and with two workers, as the offloading nginx
+    runs here), and the lines a server compared with it puts in its server block: the
+    ``open_file_cache`` lines, and how the resources' location sends a body (``sendfile``,
+    ``tcp_nopush``, ``output_buffers``): what every nginx compared with it takes."""
     text = (ROOT / "config" / "nginx.conf").read_text()
     head = text[: text.index("    upstream rsagg {")]  # worker, events and http-level settings ...
     head = re.sub(r"(?ms)^    map .*?^    }\n", "", head)  # ... but the maps of rsagg's variables
     file_cache = "".join(re.findall(r"(?m)^ *open_file_cache\w* [^;]*;\n", text))
-    assert file_cache, "config/nginx.conf has no open_file_cache: update bench_publish.static_conf"
-    return head.replace("worker_processes auto;", "worker_processes 2;") + (
+    assert file_cache, "config/nginx.conf has no open_file_cache: update bench_publish.shipped_settings"
+    resources = re.search(r"(?ms)^        location ~ \^/\[\^/\]\+/r/ \{\n(.*?)^        \}", text)
+    assert resources, "config/nginx.conf has no resources' location: update bench_publish.shipped_settings"
+    sending = re.findall(r"(?m)^ *((?:sendfile|tcp_nopush|output_buffers) [^;]*;)", resources.group(1))
+    server = file_cache + "".join(f"        {line}\n" for line in sending)
+    return head.replace("worker_processes auto;", "worker_processes 2;"), server
+
+
+def static_conf(folder: Path, port: int) -> str:
+    """nginx serving ``folder`` statically with the shipped ``config/nginx.conf``'s settings (like with
+    like: its worker, connection and http settings, ``open_file_cache`` included, and its resources'
+    way of sending a body), only the server's locations replaced by a plain ``root``; the same two
+    workers as the offloading nginx."""
+    head, file_cache = shipped_settings()
+    return head + (
         f"    server {{\n        listen 127.0.0.1:{port};\n        root {folder};\n"
         f"        default_type text/plain;\n{file_cache}    }}\n}}\n"
     )
@@ -524,10 +551,10 @@ def nginx_instructions(
     servers: Servers, conf_text: str, work: Path, port: int, paths: list[str], seconds: int
 ) -> dict | None:
     """nginx's own instructions per request (user space, libraries included; valgrind's callgrind), as
-    one process with ``conf_text``: every path fetched once (nginx's answer cache filled), the counters
-    zeroed, then ``seconds`` of wrk (c=4) counted. Unlike req/s and CPU time, this count does not swing
-    with the machine's load: it tells what one configuration asks of nginx next to another. None when
-    valgrind or wrk is missing."""
+    one process with ``conf_text``: every path fetched twice (nginx's answer cache filled, then its files
+    opened), the counters zeroed, then ``seconds`` of wrk (c=4) counted. Unlike req/s and CPU time, this
+    count does not swing with the machine's load: it tells what one configuration asks of nginx next to
+    another. None when valgrind or wrk is missing."""
     import httpx
 
     valgrind, control, wrk = (shutil.which(n) for n in ("valgrind", "callgrind_control", "wrk"))
@@ -542,8 +569,9 @@ def nginx_instructions(
     try:
         wait_until_up(base + "/", proc, 120)
         with httpx.Client(timeout=60) as client:
-            for path in paths:
-                client.get(base + path)
+            for _ in range(2):  # the answer cache filled, then every file opened once (open_file_cache)
+                for path in paths:
+                    client.get(base + path)
         subprocess.run([control, "-z", str(proc.pid)], capture_output=True, check=True)
         script = work / "paths.lua"
         quoted = ",".join(json.dumps(p[1:]) for p in paths)
@@ -562,7 +590,7 @@ def nginx_instructions(
         return None
     requests = int(done.group(1))
     total, parse = callgrind_costs(dumps[0], "ngx_http_parse_header_line")
-    return {"requests": requests, "ir": total / requests, "parse": parse / requests}
+    return {"requests": requests, "ir": total / requests, "parse": parse / requests, "dump": dumps[0]}
 
 
 def callgrind_costs(dump: Path, function: str) -> tuple[int, int]:
@@ -593,17 +621,23 @@ def callgrind_costs(dump: Path, function: str) -> tuple[int, int]:
 
 def process_cpu(pids: list[int]) -> float:
     """CPU seconds (user + system) used so far by ``pids`` and their child processes (nginx's workers)."""
+    return sum(process_times(pids))
+
+
+def process_times(pids: list[int]) -> tuple[float, float]:
+    """CPU seconds in user space and in the kernel used so far by ``pids`` and their child processes."""
     import psutil
 
-    total = 0.0
+    user = system = 0.0
     for pid in pids:
         with contextlib.suppress(psutil.Error):  # gone meanwhile
             proc = psutil.Process(pid)
             for p in [proc, *proc.children()]:
                 with contextlib.suppress(psutil.Error):
                     times = p.cpu_times()
-                    total += times.user + times.system
-    return total
+                    user += times.user
+                    system += times.system
+    return user, system
 
 
 def run_load(
@@ -694,6 +728,291 @@ def count_instructions(
     return counted
 
 
+# -- the floor: what any cache hit costs next to a static file --------------------------------------------
+
+
+def serve_answers(port: int, expires: int, size: int = 0) -> None:
+    """``--floor``'s upstream: the bytes of ``r/<i>.txt`` (as ``write_static`` writes them) under any
+    path ending so, with the fewest header lines an answer can have (Content-Type, Content-Length;
+    ``expires``: also ``X-Accel-Expires``, which the shipped configuration needs to keep an answer).
+    nginx keeps this answer's header block verbatim in its cache file: the least a hit can re-read."""
+    import socketserver
+
+    extra = b"X-Accel-Expires: %d\r\n" % expires if expires else b""
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            while True:
+                line = self.rfile.readline()
+                if not line:
+                    return
+                while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # the request's header lines: nothing in them changes the answer
+                m = re.search(rb"/r/(\d+)\.txt ", line)
+                body = body_of(int(m.group(1)), size) if m else b""
+                status = b"200 OK" if m else b"404 Not Found"
+                head = b"HTTP/1.1 %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n" % (
+                    status,
+                    len(body),
+                )
+                self.wfile.write(head + (extra if m else b"") + b"\r\n" + body)
+                self.wfile.flush()
+
+    class Server(socketserver.ThreadingTCPServer):
+        allow_reuse_address = True
+        daemon_threads = True
+
+    with Server(("127.0.0.1", port), Handler) as server:
+        server.serve_forever()
+
+
+def start_answers(servers: Servers, expires: int, size: int = 0) -> tuple[subprocess.Popen, str]:
+    """A ``serve_answers`` upstream in its own process; its base URL."""
+    port = free_port()
+    cmd = [sys.executable, __file__, "--answers", str(port), "--answers-expires", str(expires)]
+    cmd += ["--body-bytes", str(size)] if size else []
+    proc = servers.start(cmd)
+    base = f"http://127.0.0.1:{port}"
+    wait_until_up(base + "/", proc)
+    return proc, base
+
+
+def floor_conf(upstream: str, port: int) -> str:
+    """The least a cache hit can be: the shipped settings (as ``static_conf``, its way of sending a body
+    included), one location that answers every GET from ``proxy_cache`` (key ``$uri``, answers kept an
+    hour by ``proxy_cache_valid``, one page read per hit) whose answers come from ``upstream``
+    (``serve_answers``: two header lines). No regular expression, no ``if``, no ranges, no second
+    server."""
+    head, file_cache = shipped_settings()
+    return head + (
+        "    proxy_cache_path floor levels=1:2 keys_zone=floor:10m max_size=1g inactive=60m\n"
+        "                     use_temp_path=off;\n"
+        f"    upstream answers {{\n        server {upstream.split('//', 1)[1]};\n"
+        "        keepalive 64;\n    }\n"
+        f"    server {{\n        listen 127.0.0.1:{port};\n{file_cache}"
+        "        location / {\n"
+        "            proxy_pass http://answers;\n"
+        "            proxy_http_version 1.1;\n"
+        '            proxy_set_header Connection "";\n'
+        "            proxy_cache floor;\n"
+        "            proxy_cache_key $uri;\n"
+        "            proxy_cache_valid 200 60m;\n"
+        "            proxy_buffer_size 4k;\n"
+        "        }\n    }\n}\n"
+    )
+
+
+def shipped_minimal_conf(upstream: str, blobs: Path, port: int) -> str:
+    """The shipped ``config/nginx.conf`` (``offload_conf``) whose answer cache is filled from
+    ``upstream`` (``serve_answers`` with ``X-Accel-Expires``) instead of its second server: the
+    shipped front server's work per hit on the smallest cached answer."""
+    text = offload_conf(upstream, blobs, port)
+    text, n = re.subn(
+        r"(upstream rsagg_files \{\n\s*server )[^;]+;", rf"\g<1>{upstream.split('//', 1)[1]};", text
+    )
+    assert n == 1, "config/nginx.conf has no upstream rsagg_files: update bench_publish.shipped_minimal_conf"
+    return text
+
+
+#: The line of the shipped resources' location that sends a hit's body without ``sendfile``.
+SENDFILE_OFF = "        sendfile off;\n"
+
+#: ``--floor``'s cases, as its table's columns name them.
+SHORT = {
+    "nginx static": "static",
+    "hit, smallest answer": "smallest",
+    "hit, smallest answer, shipped conf": "shipped",
+    "hit, rsagg's answer, shipped conf": "rsagg's",
+    "nginx static, sendfile on": "static sf",
+    "hit, smallest answer, sendfile on": "small. sf",
+}
+
+#: Functions whose inclusive instructions per request ``--floor`` prints: where a hit's cost goes (the
+#: names nginx exports; Debian's binary has no symbols for its static functions).
+FLOOR_FUNCTIONS = {
+    "ngx_http_process_request": "the request, read to finalized",
+    "ngx_http_core_content_phase": "  its content phase (file, or cache)",
+    "ngx_http_file_cache_create_key": "    cache key (MD5)",
+    "ngx_http_file_cache_open": "    cache entry open (shm, open file, pread)",
+    "ngx_http_parse_status_line": "    cached status line parsed",
+    "ngx_http_parse_header_line": "    cached (static: request) header lines parsed",
+    "ngx_http_send_header": "    answer's header written",
+    "ngx_http_output_filter": "    body sent",
+    "ngx_open_cached_file": "  open_file_cache lookups",
+    "ngx_http_complex_value": "  complex values (key, map, if)",
+}
+
+
+def callgrind_inclusive(dump: Path, functions: list[str]) -> dict[str, int]:
+    """Inclusive instructions of ``functions`` in a callgrind dump (``callgrind_annotate
+    --inclusive=yes``); missing ones count 0."""
+    annotate = shutil.which("callgrind_annotate")
+    if annotate is None:
+        return {}
+    text = subprocess.run(
+        [annotate, "--inclusive=yes", "--threshold=100", str(dump)], capture_output=True, text=True
+    ).stdout
+    out = dict.fromkeys(functions, 0)
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d,]+) \([^)]*\)\s+\S*:(\w+)", line) or re.match(r"\s*([\d,]+)\s+\S*:(\w+)", line)
+        if m and m.group(2) in out:
+            out[m.group(2)] = max(out[m.group(2)], int(m.group(1).replace(",", "")))
+    return out
+
+
+def run_floor(args: argparse.Namespace) -> int:
+    """``--floor``: nginx static, a cache hit of the smallest answer (``floor_conf``), the shipped
+    configuration's hit of the smallest answer (``shipped_minimal_conf``) and of rsagg's answer (hits
+    only: rsagg keeps its answers 600 s), each by wrk (the servers taking turns, ``--rounds``, the best
+    counting; the CPU per request of the median round) and by nginx's own instructions per request
+    (callgrind, one process), with where a hit's instructions go."""
+    import httpx
+
+    servers = Servers()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="rsagg-bench-floor-") as tmp:
+        store, static, work = Path(tmp) / "store", Path(tmp) / "static", Path(tmp) / "work"
+        work.mkdir()
+        try:
+            print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
+            cmd = [sys.executable, __file__, "--fill", str(store), "--resources", str(args.resources)]
+            filled = json.loads(subprocess.run(cmd, capture_output=True, env=child_env(), check=True).stdout)
+            rsagg, rsagg_base = start_rsagg(servers, store, "x-accel", args.plugins, cache_seconds=600)
+            _, urls = stream_lists(rsagg_base, filled["set"], args.resources)
+            if args.body_bytes:  # large bodies: as many resources as make 64 MB (at least 8)
+                urls = urls[: max(8, 64_000_000 // args.body_bytes)]
+            paths = write_static(static, urls, args.body_bytes)
+            rsagg_paths = ["/" + u.split("/", 3)[3] for u in urls]
+            plain, plain_base = start_answers(servers, 0, args.body_bytes)
+            expiring, expiring_base = start_answers(servers, 3600, args.body_bytes)
+            cases = {  # name: (configuration for a port, paths, the upstream's process)
+                "nginx static": (lambda port: static_conf(static, port), paths, None),
+                "hit, smallest answer": (lambda port: floor_conf(plain_base, port), paths, plain),
+                "hit, smallest answer, shipped conf": (
+                    lambda port: shipped_minimal_conf(expiring_base, store / "blobs", port),
+                    rsagg_paths,
+                    expiring,
+                ),
+                "hit, rsagg's answer, shipped conf": (
+                    lambda port: offload_conf(rsagg_base, store / "blobs", port),
+                    rsagg_paths,
+                    rsagg,
+                ),
+            }
+            if args.body_bytes:  # rsagg's store holds small blobs only
+                del cases["hit, rsagg's answer, shipped conf"]
+            if SENDFILE_OFF in static_conf(static, 0):  # the same two, as nginx sends a file by default
+                cases["nginx static, sendfile on"] = (
+                    lambda port: static_conf(static, port).replace(SENDFILE_OFF, ""),
+                    paths,
+                    None,
+                )
+                cases["hit, smallest answer, sendfile on"] = (
+                    lambda port: floor_conf(plain_base, port).replace(SENDFILE_OFF, ""),
+                    paths,
+                    plain,
+                )
+            targets: dict[str, tuple[str, list[str], list[int]]] = {}
+            for name, (conf, ps, upstream) in cases.items():
+                port = free_port()
+                slug = re.sub(r"[^a-z]+", "-", name).strip("-")
+                started = _nginx_up(
+                    servers, start_nginx_with(servers, conf(port), work / slug), f"http://127.0.0.1:{port}"
+                )
+                if started is None:
+                    raise SystemExit(f"--floor: nginx did not start for {name}")
+                targets[name] = (started[1], ps, [started[0].pid] + ([upstream.pid] if upstream else []))
+                with httpx.Client(timeout=30) as client:  # every answer cached before the first count
+                    for path in ps:
+                        client.get(started[1] + path).raise_for_status()
+            cpus: dict[str, list[float]] = {}
+            kernel: dict[str, list[float]] = {}  # the kernel's share of the CPU, per round
+            for n in range(max(1, args.rounds)):
+                for name, (base, ps, pids) in targets.items():
+                    # (the kernel's share: over the warm-up and the measured run alike)
+                    user, system = process_times(pids)
+                    r = run_load(re.sub(r"[^a-z]+", "-", name).strip("-"), base, ps, work, args, pids)
+                    after = process_times(pids)
+                    per = 1e6 / max(1, r["requests"])
+                    cpu = sum(after) - user - system - r.pop("warm_cpu", 0.0)
+                    cpus.setdefault(name, []).append(cpu * per)
+                    kernel.setdefault(name, []).append(
+                        (after[1] - system) / (sum(after) - user - system or 1)
+                    )
+                    r["load"] = os.getloadavg()[0]
+                    print(
+                        f"  round {n + 1}: {name} {r['rps']:,.0f} req/s, {cpus[name][-1]:.1f} us CPU/req "
+                        f"(load {r['load']:.2f})",
+                        flush=True,
+                    )
+                    if name not in results or r["rps"] > results[name]["rps"]:
+                        results[name] = r
+            for name, values in cpus.items():
+                results[name]["cpu_us"] = sorted(values)[len(values) // 2]
+                results[name]["kernel"] = sorted(kernel[name])[len(values) // 2]
+            for name, (conf, ps, _) in cases.items():
+                port = free_port()
+                slug = re.sub(r"[^a-z]+", "-", name).strip("-")
+                got = nginx_instructions(servers, conf(port), work / f"count-{slug}", port, ps, args.duration)
+                if got is None:
+                    print("  --floor: no instruction counts (valgrind, callgrind_control or wrk missing?)")
+                    break
+                inclusive = callgrind_inclusive(got.pop("dump"), list(FLOOR_FUNCTIONS))
+                got["functions"] = {f: v / got["requests"] for f, v in inclusive.items()}
+                results[name].update(got)
+                print(f"  {name}: {got['ir']:,.0f} instructions per request", flush=True)
+        finally:
+            servers.stop_all()
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+    print()
+    print(floor_table(results, args.concurrency))
+    return 0
+
+
+def floor_table(results: dict[str, dict], concurrency: int) -> str:
+    """``--floor``'s table: per case req/s (best round), server CPU per request (median round) and
+    nginx's instructions per request, each beside nginx static's as a ratio (static / case for costs),
+    then the inclusive instructions per request of ``FLOOR_FUNCTIONS``."""
+    static = results["nginx static"]
+    lines = [
+        f"{'resource GETs, wrk c=' + str(concurrency):<36} {'req/s':>8} {'ratio':>6} {'load':>5} "
+        f"{'CPU us':>7} {'kernel':>6} {'ratio':>6} {'instr.':>7} {'ratio':>6}",
+        "-" * 97,
+    ]
+    for name, r in results.items():
+        ir = r.get("ir")
+        lines.append(
+            f"{name:<36} {r['rps']:>8,.0f} {r['rps'] / static['rps']:>5.2f}x {r['load']:>5.2f} "
+            f"{r['cpu_us']:>7.1f} {r['kernel']:>6.0%} {static['cpu_us'] / r['cpu_us']:>5.2f}x "
+            + (f"{ir:>7,.0f} {static['ir'] / ir:>5.2f}x" if ir and static.get("ir") else f"{'':>7} {'':>6}")
+        )
+    if all("functions" in r for r in results.values()):
+        lines += [
+            "",
+            f"{'nginx instructions per request, inclusive':<50}"
+            + "".join(f"{SHORT.get(n, n[:9]):>10}" for n in results),
+            f"{'all of them':<50}" + "".join(f"{r['ir']:>10,.0f}" for r in results.values()),
+        ]
+        for function, what in FLOOR_FUNCTIONS.items():
+            values = [r["functions"].get(function, 0) for r in results.values()]
+            lines.append(f"{what:<50}" + "".join(f"{v:>10,.0f}" for v in values))
+    lines.append("")
+    for base, hit, what in (
+        (
+            "nginx static",
+            "hit, smallest answer",
+            "the floor (a hit of the smallest cached answer / nginx static)",
+        ),
+        ("nginx static, sendfile on", "hit, smallest answer, sendfile on", "the same, both with sendfile on"),
+    ):
+        if base in results and hit in results:
+            a, b = results[base], results[hit]
+            by = [f"{b['rps'] / a['rps']:.2f}x by req/s", f"{a['cpu_us'] / b['cpu_us']:.2f}x by CPU"]
+            by += [f"{a['ir'] / b['ir']:.2f}x by nginx's instructions"] if "ir" in a and "ir" in b else []
+            lines.append(f"{what}: {', '.join(by)}")
+    return "\n".join(lines)
+
+
 def row(metric: str, value: str, target: str = "", ok: bool | None = None) -> str:
     verdict = "" if ok is None else ("OK" if ok else "MISSED")
     return f"{metric:<44} {value:>18}  {target:<12} {verdict}"
@@ -748,6 +1067,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep the installed third-party plugins (default: rsagg's own only, as deployed)",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="instead of the above: the floor of rsagg behind nginx, a cache hit of the smallest answer "
+        "(two header lines, a bare proxy_cache location) next to nginx static, the shipped configuration "
+        "on that answer and on rsagg's (hits only), by req/s, CPU and nginx's instructions per request",
+    )
+    p.add_argument("--answers", type=int, metavar="PORT", help=argparse.SUPPRESS)  # child: floor upstream
+    p.add_argument("--answers-expires", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--body-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--floor: every body N bytes long (the small blobs' bytes repeated) instead of the blobs' "
+        "16-720 bytes, rsagg's answer left out (its store holds small blobs): what large answers cost",
+    )
     p.add_argument("--fill", metavar="STORE", help=argparse.SUPPRESS)  # child: fill the store
     p.add_argument("--serve", metavar="STORE", help=argparse.SUPPRESS)  # child: rsagg publisher
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -766,6 +1102,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.load:
         print(json.dumps(load(Path(args.load), args.requests, args.concurrency, args.timeout)))
         return 0
+    if args.answers:
+        serve_answers(args.answers, args.answers_expires, args.body_bytes)
+        return 0
+    if args.floor:
+        return run_floor(args)
 
     servers = Servers()
     with tempfile.TemporaryDirectory(prefix="rsagg-bench-publish-") as tmp:
