@@ -23,6 +23,10 @@ and prints the functions whose time grows most from one to many (the per-source 
 ``--before DIR``: DIR is another checkout of rsagg; each round then runs both cases for both checkouts
 (the order turned round every round) and the table adds the before checkout's ratio and its CPU, so a
 change is judged against the tree before it on the same machine at the same time.
+
+``--threads``: the CPU of each run split by thread, read from ``/proc/PID/task`` while it runs (Linux):
+the event loop's thread (the main one) and the others together (the state writer's thread, chiefly), with
+the medians and the extra CPU of each per extra Source.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,10 +183,56 @@ class Run:
     tree: str = "after"
     #: Requests the upstream answered, by kind (document, resource, other).
     requests: dict[str, int] = field(default_factory=dict)
+    #: ``--threads``: CPU seconds of the event loop's thread and of the process's other threads.
+    threads: tuple[float, float] | None = None
 
     @property
     def per_resource_ms(self) -> float:
         return self.done.wall / self.resources * 1000
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each live thread of ``pid`` (``/proc/PID/task/TID/stat``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def run_watched(cmd: list[str], cwd: Path, root: Path) -> tuple[Finished, tuple[float, float]]:
+    """``run_child``, and the CPU of the child's threads, sampled every 20 ms until it exits: (the main
+    thread's, the other threads' together; a thread that ended counts with its last sample)."""
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    seen: dict[int, float] = {}
+    with (cwd / "rsagg.out").open("wb") as out, (cwd / "rsagg.err").open("wb") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, env=env)
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.02):
+                seen.update(thread_cpu(proc.pid))
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        done.set()
+        watcher.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    main = seen.pop(proc.pid, 0.0)
+    return Finished(wall, proc.returncode, usage), (main, sum(seen.values()))
 
 
 def config_text(base: str, sources: int) -> str:
@@ -194,7 +246,14 @@ def config_text(base: str, sources: int) -> str:
 
 
 def harvest(
-    work: Path, name: str, base: str, sources: int, total: int, profile: str = "", root: Path = ROOT
+    work: Path,
+    name: str,
+    base: str,
+    sources: int,
+    total: int,
+    profile: str = "",
+    root: Path = ROOT,
+    threads: bool = False,
 ) -> Run:
     folder = work / name
     folder.mkdir(parents=True)
@@ -204,7 +263,11 @@ def harvest(
         cmd += ["-m", "cProfile", "-o", profile]
     cmd += ["-m", "aggregator", "harvest", "--once", "-c", "rsagg.toml", "--log-level", "warning"]
     load = os.getloadavg()[0]
-    done = run_child(cmd, folder, "rsagg", root)
+    split = None
+    if threads:
+        done, split = run_watched(cmd, folder, root)
+    else:
+        done = run_child(cmd, folder, "rsagg", root)
     out = (folder / "rsagg.out").read_text()
     ok = out.count(": ok: ")
     if done.code != 0 or ok != max(sources, 1):
@@ -213,10 +276,12 @@ def harvest(
                   if ": ok: " in line)  # fmt: skip
     if fetched != total:
         raise SystemExit(f"{name}: {fetched} resources fetched, expected {total} (see {folder})")
-    return Run("many" if sources else "one", max(sources, 1), total, done, load)
+    return Run("many" if sources else "one", max(sources, 1), total, done, load, threads=split)
 
 
-def one_round(work: Path, r: int, n: int, m: int, before: Path | None = None) -> list[Run]:
+def one_round(
+    work: Path, r: int, n: int, m: int, before: Path | None = None, threads: bool = False
+) -> list[Run]:
     runs = []
     trees = [("after", ROOT)] + ([("before", before)] if before else [])
     cases = [(tree, sources) for tree in trees for sources in (0, n)]
@@ -224,7 +289,7 @@ def one_round(work: Path, r: int, n: int, m: int, before: Path | None = None) ->
         up = Upstream(n if sources else 0, m, 0 if sources else n * m, work / "upstream.log")
         try:
             name = f"{tree}-{'many' if sources else 'one'}-{r}"
-            runs.append(harvest(work, name, up.base, sources, n * m, root=root))
+            runs.append(harvest(work, name, up.base, sources, n * m, root=root, threads=threads))
         finally:
             counts = up.stop()
         runs[-1].requests = counts
@@ -242,11 +307,16 @@ def table(all_runs: list[Run], n: int, m: int) -> str:
         f"{'case':<31} {'time s':>8} {'CPU s':>8} {'of it sys':>9} {'RSS MB':>8} {'ms/res':>8} {'load':>6} "
         f"{'docs':>6} {'res':>6}"
     ]
+    split = all(r.threads is not None for r in all_runs)
+    if split:
+        rows[0] += f" {'loop s':>7} {'others s':>8}"
     for r in all_runs:
         label = f"{r.tree} {r.case} ({r.sources} x {r.resources // r.sources})"
         rows.append(f"{label:<31} {r.done.wall:8.2f} {r.done.cpu:8.2f} {r.done.usage.ru_stime:9.2f} "
                     f"{r.done.rss_mb:8.1f} {r.per_resource_ms:8.3f} {r.load:6.2f} "
                     f"{r.requests.get('document', 0):6d} {r.requests.get('resource', 0):6d}")  # fmt: skip
+        if split and r.threads is not None:
+            rows[-1] += f" {r.threads[0]:7.2f} {r.threads[1]:8.2f}"
     runs = [r for r in all_runs if r.tree == "after"]
     t1, tn = median(runs, "one", lambda r: r.done.wall), median(runs, "many", lambda r: r.done.wall)
     c1, cn = median(runs, "one", lambda r: r.done.cpu), median(runs, "many", lambda r: r.done.cpu)
@@ -262,6 +332,12 @@ def table(all_runs: list[Run], n: int, m: int) -> str:
     dn = median(runs, "many", lambda r: sum(r.requests.values()))
     rows.append(f"per extra source: {(cn - c1) / (n - 1) * 1000:+.1f} ms CPU, "
                 f"{(mn - m1) * 1024 / (n - 1):+.0f} KB, {(dn - d1) / (n - 1):+.2f} requests")  # fmt: skip
+    if split:
+        for i, what in ((0, "event loop thread"), (1, "other threads (the state writer)")):
+            h1 = median(runs, "one", lambda r: r.threads[i])  # noqa: B023 (used at once)
+            hn = median(runs, "many", lambda r: r.threads[i])  # noqa: B023
+            rows.append(f"{what}: one {h1:.2f} s, many {hn:.2f} s CPU, "
+                        f"{(hn - h1) / (n - 1) * 1000:+.1f} ms per extra source")  # fmt: skip
     before = [r for r in all_runs if r.tree == "before"]
     if before:
         b1 = median(before, "one", lambda r: r.done.cpu)
@@ -300,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--before", type=Path, help="another checkout of rsagg, run in the same rounds")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument(
+        "--threads", action="store_true", help="also split each run's CPU by thread (event loop / others)"
+    )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--big", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--counts", default="", help=argparse.SUPPRESS)
@@ -319,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     try:
         for r in range(args.repeat):
-            got = one_round(work, r, n, m, args.before)
+            got = one_round(work, r, n, m, args.before, args.threads)
             runs += got
             print(f"round {r + 1}: " + ", ".join(f"{x.tree} {x.case} {x.done.cpu:.2f} s CPU" for x in got),
                   flush=True)  # fmt: skip
