@@ -45,11 +45,11 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS blobs (sha256 BLOB PRIMARY KEY, data BLOB NOT NULL, stored_at REAL NOT NULL)"
 )
 #: The page size of a new database (an existing one keeps its own: SQLite cannot change it in WAL mode).
-#: Why not SQLite's 4 KiB: a row of 2-4 KiB fits one to a page there, so a harvest of such blobs wrote a
-#: page and its WAL frame header per blob, and left each page half empty. 16 KiB holds four to seven
-#: such rows: the same bytes in about half the frames, the pages and the file fuller
-#: (benchmarks/bench_harvest.py; https://www.sqlite.org/intern-v-extern-blob.html: larger pages for
-#: blobs of some KiB).
+#: Why not SQLite's 4 KiB: a row of 2-4 KiB takes a page of its own there, so a harvest of such blobs
+#: wrote a page and its WAL frame per blob. 16 KiB holds four or more such rows: fewer frames and fuller
+#: pages (10,000 blobs of 23 MB: 26 MB of database instead of 34; benchmarks/bench_harvest.py,
+#: docs/benchmarks.md; https://www.sqlite.org/intern-v-extern-blob.html: larger pages for blobs of
+#: some KiB).
 PAGE_BYTES = 16 * 1024
 #: Keys per query asking which of a batch's blobs are stored already (well under SQLite's variable limit).
 _HELD_CHUNK = 500
