@@ -47,7 +47,7 @@ _SCHEMA = (
 #: The page size of a new database (an existing one keeps its own: SQLite cannot change it in WAL mode).
 #: Why not SQLite's 4 KiB: a row of 2-4 KiB takes a page of its own there, so a harvest of such blobs
 #: wrote a page and its WAL frame per blob. 16 KiB holds four or more such rows: fewer frames and fuller
-#: pages (10,000 blobs of 23 MB: 26 MB of database instead of 34; benchmarks/bench_harvest.py,
+#: pages (10,000 blobs of 23 MB: 26 MB of database instead of 32; benchmarks/bench_harvest.py,
 #: docs/benchmarks.md; https://www.sqlite.org/intern-v-extern-blob.html: larger pages for blobs of
 #: some KiB).
 PAGE_BYTES = 16 * 1024
