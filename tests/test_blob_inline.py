@@ -22,7 +22,6 @@ from aggregator.config import ConfigError, parse_config
 from aggregator.harvest.context import open_blob_store
 from aggregator.plugins.manager import Plugins
 from aggregator.store.blobs import INLINE_BYTES, BlobInfo, FileBlobStore, SpooledBlobWriter
-from aggregator.store.inline import PAGE_BYTES
 from aggregator.store.rows import Change
 from aggregator.store.state import State
 from tests.blobtesting import temp_files
@@ -215,44 +214,6 @@ def test_a_killed_writer_leaves_committed_rows_and_no_partial_one(tmp_path: Path
         assert list(store.iter_hashes()) == [sha(b"committed")]
     with sqlite3.connect(root / "small.db") as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-
-
-@pytest.mark.parametrize("existing_page", [None, 4096])
-def test_page_size_new_databases_larger_older_kept(tmp_path: Path, existing_page: int | None) -> None:
-    """A new small.db has ``PAGE_BYTES`` pages; one made with SQLite's default keeps its pages (WAL mode
-    cannot change them) and goes on working. Either way, generated blobs of sizes around the page
-    boundaries (and up to the inline limit, overflow pages included) read back byte for byte."""
-    root = tmp_path / "blobs"
-    if existing_page is not None:
-        root.mkdir()
-        with sqlite3.connect(root / "small.db") as conn:
-            conn.execute(f"PRAGMA page_size = {existing_page}")
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute(
-                "CREATE TABLE blobs (sha256 BLOB PRIMARY KEY, data BLOB NOT NULL, stored_at REAL NOT NULL)"
-            )
-            conn.execute("INSERT INTO blobs VALUES (?, ?, 0)", (bytes.fromhex(sha(b"old")), b"old"))
-        conn.close()
-    rng = random.Random(existing_page or 1)
-    edges = [n + d for n in (1024, 2048, 4096, 8192, PAGE_BYTES, INLINE_BYTES) for d in (-1, 0, 1)]
-    sizes = [n for n in edges if 0 < n <= INLINE_BYTES] + [
-        rng.randrange(1, INLINE_BYTES + 1) for _ in range(40)
-    ]
-    with FileBlobStore(root) as store:
-        blobs = [rng.randbytes(n) for n in sizes]
-        half = len(blobs) // 2
-        for data in blobs[:half]:  # one at a time, and the rest as one batch (a harvest's commit)
-            store.put_bytes(data)
-        store.commit([spooled(store, data) for data in blobs[half:]])
-        assert blob_files(store) == []  # every one inline
-        for data in blobs:
-            assert store.read_inline(sha(data)) == data
-        if existing_page is not None:
-            assert store.read_inline(sha(b"old")) == b"old"
-    with sqlite3.connect(root / "small.db") as conn:
-        assert conn.execute("PRAGMA page_size").fetchone() == (existing_page or PAGE_BYTES,)
-        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-    conn.close()
 
 
 def test_a_refused_write_is_an_os_error_naming_the_database(store: FileBlobStore) -> None:

@@ -44,13 +44,6 @@ LOCK_SUFFIX = ".lock"
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS blobs (sha256 BLOB PRIMARY KEY, data BLOB NOT NULL, stored_at REAL NOT NULL)"
 )
-#: The page size of a new database (an existing one keeps its own: SQLite cannot change it in WAL mode).
-#: Why not SQLite's 4 KiB: a row of 2-4 KiB takes a page of its own there, so a harvest of such blobs
-#: wrote a page and its WAL frame per blob. 16 KiB holds four or more such rows: fewer frames and fuller
-#: pages (10,000 blobs of 23 MB: 26 MB of database instead of 32; benchmarks/bench_harvest.py,
-#: docs/benchmarks.md; https://www.sqlite.org/intern-v-extern-blob.html: larger pages for blobs of
-#: some KiB).
-PAGE_BYTES = 16 * 1024
 #: Keys per query asking which of a batch's blobs are stored already (well under SQLite's variable limit).
 _HELD_CHUNK = 500
 #: SQLite result codes -> the OSError a file store would raise (callers handle OSError: full disk etc.)
@@ -116,7 +109,6 @@ class InlineBlobs:
                 self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
             )
             try:
-                conn.execute(f"PRAGMA page_size = {PAGE_BYTES}")  # a new database's only (PAGE_BYTES)
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA synchronous = FULL")  # see the module docstring: blob before state
                 conn.execute(_SCHEMA)
