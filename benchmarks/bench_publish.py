@@ -71,6 +71,21 @@ def upstream_uri(i: int) -> str:
     return f"http://upstream.example/r/{i}.txt"
 
 
+def record_round(
+    name: str, n: int, r: dict, cpu_us: float, cpus: dict[str, list[float]], best: dict[str, dict]
+) -> None:
+    """One round of server ``name``'s GET load ``r``: its CPU per request kept, the machine's load over
+    the run beside it, a line printed, and ``best[name]`` the round of most req/s so far."""
+    cpus.setdefault(name, []).append(cpu_us)
+    r["load"] = os.getloadavg()[0]
+    print(
+        f"  round {n + 1}: {name} {r['rps']:,.0f} req/s, {cpu_us:.1f} us CPU/req (load {r['load']:.2f})",
+        flush=True,
+    )
+    if name not in best or r["rps"] > best[name]["rps"]:
+        best[name] = r
+
+
 def third_party_plugins() -> list[str]:
     """Plugins installed from outside rsagg (entry points), e.g. the test suite's example plugin."""
     from importlib.metadata import entry_points
@@ -935,18 +950,10 @@ def run_floor(args: argparse.Namespace) -> int:
                     after = process_times(pids)
                     per = 1e6 / max(1, r["requests"])
                     cpu = sum(after) - user - system - r.pop("warm_cpu", 0.0)
-                    cpus.setdefault(name, []).append(cpu * per)
                     kernel.setdefault(name, []).append(
                         (after[1] - system) / (sum(after) - user - system or 1)
                     )
-                    r["load"] = os.getloadavg()[0]
-                    print(
-                        f"  round {n + 1}: {name} {r['rps']:,.0f} req/s, {cpus[name][-1]:.1f} us CPU/req "
-                        f"(load {r['load']:.2f})",
-                        flush=True,
-                    )
-                    if name not in results or r["rps"] > results[name]["rps"]:
-                        results[name] = r
+                    record_round(name, n, r, cpu * per, cpus, results)
             for name, values in cpus.items():
                 results[name]["cpu_us"] = sorted(values)[len(values) // 2]
                 results[name]["kernel"] = sorted(kernel[name])[len(values) // 2]
@@ -1191,15 +1198,7 @@ def main(argv: list[str] | None = None) -> int:
                     # the servers' CPU time per request of the measured run (warm-up excluded as far as
                     # wrk's own warm-up run ends before; a shared machine does not inflate it as req/s)
                     cpu = process_cpu(pids) - cpu - r.pop("warm_cpu", 0.0)
-                    cpus.setdefault(name, []).append(cpu / max(1, r["requests"]) * 1e6)
-                    r["load"] = os.getloadavg()[0]  # the machine's load over the run, beside its figure
-                    print(
-                        f"  round {n + 1}: {name} {r['rps']:,.0f} req/s, {cpus[name][-1]:.1f} us CPU/req "
-                        f"(load {r['load']:.2f})",
-                        flush=True,
-                    )
-                    if name not in loads or r["rps"] > loads[name]["rps"]:
-                        loads[name] = r
+                    record_round(name, n, r, cpu / max(1, r["requests"]) * 1e6, cpus, loads)
             for name, values in cpus.items():
                 loads[name]["cpu_us"] = sorted(values)[len(values) // 2]  # the median round
             counted: dict[str, dict] = {}
