@@ -50,7 +50,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, Finished, lifespan, run_child, serve_until_sigterm
+from _harness import ROOT, Finished, lifespan, plugins_off, run_child, serve_until_sigterm
 from _headline import headline
 
 TARGET = 1.3  # many/one, per resource
@@ -236,13 +236,14 @@ def run_watched(cmd: list[str], cwd: Path, root: Path) -> tuple[Finished, tuple[
 
 
 def config_text(base: str, sources: int) -> str:
-    """rsagg's configuration: defaults, the store in ``data``, ``sources`` Sources (0: the big one)."""
+    """rsagg's configuration: defaults, the store in ``data``, ``sources`` Sources (0: the big one),
+    third-party plugins off (``_harness.plugins_off``)."""
     lines = ['[store]\npath = "data"\n']
     if sources == 0:
         lines.append(f'[[sources]]\nname = "big"\nurl = "{base}/big/capabilitylist.xml"\n')
     for i in range(sources):
         lines.append(f'[[sources]]\nname = "s{i}"\nurl = "{base}/s{i}/capabilitylist.xml"\n')
-    return "\n".join(lines)
+    return "\n".join(lines) + plugins_off()
 
 
 def harvest(

@@ -51,6 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _harness import third_party_plugins
 from _headline import headline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,15 +85,6 @@ def record_round(
     )
     if name not in best or r["rps"] > best[name]["rps"]:
         best[name] = r
-
-
-def third_party_plugins() -> list[str]:
-    """Plugins installed from outside rsagg (entry points), e.g. the test suite's example plugin."""
-    from importlib.metadata import entry_points
-
-    from aggregator.plugins.manager import GROUP
-
-    return sorted({ep.name for ep in entry_points(group=GROUP)})
 
 
 def bench_config(
