@@ -200,6 +200,11 @@ class SourceAccess:
         self._names = [h.lower() for h in self.headers]
         self._pace = _Pace(max_rate) if max_rate > 0 else None
 
+    @property
+    def acts(self) -> bool:
+        """``prepare`` has something to do: a pace to keep or headers to set."""
+        return self._pace is not None or bool(self.headers)
+
     async def prepare(self, request: httpx.Request) -> None:
         if self._pace is not None:
             await self._pace.wait()
@@ -264,7 +269,7 @@ class Access:
         found = self._sources(config).get(name)
         if found is not None:
             access = self._access(config, found[1])
-            if access.rate or access.headers:  # else nothing to do: no coroutine for it on every request
+            if access.acts:  # else no coroutine for nothing on every request
                 await access.prepare(request)
 
     def _sources(self, config: Config) -> dict[str, tuple[int, SourceConfig]]:

@@ -149,6 +149,14 @@ def _host_key(host: str) -> str:
         return host
 
 
+@functools.lru_cache(maxsize=4096)  # asked before every lean GET; keyed by own_urls too (a reload)
+def _own_origin(own_urls: tuple[str, ...], host: str, port: int) -> bool:
+    """``AddressPolicy.own_origin``'s answer for these own URLs."""
+    key = _host_key(host)
+    return any(b is not None and b[0] == key and (b[1] == port or {b[1], port} == {80, 443})
+               for b in _origins(own_urls))  # fmt: skip
+
+
 def implicit_networks(url: str) -> tuple[IPNetwork, ...]:
     """The networks a configured URL's origin is trusted at without being told: its literal address
     (no name, so nothing to re-point), or loopback for ``localhost`` (RFC 6761 §6.3: always loopback;
@@ -242,11 +250,6 @@ class AddressPolicy:
     on_refused: Callable[[str], None] | None = field(default=None, repr=False)
     #: The source a request is made for ("" outside a source's sync), unless ``acting_for`` says.
     current_source: Callable[[], str] | None = field(default=None, repr=False)
-    #: ``own_origin``'s answers by (host, port), for the ``own_urls`` they were found for (a reload
-    #: assigns new ones: the answers are found again).
-    _own_origins: tuple[tuple[str, ...], dict[tuple[str, int], bool]] = field(
-        default=((), {}), init=False, repr=False, compare=False
-    )
 
     def requester(self) -> str:
         """Who the request being made is for (``acting_for``, else the current source, else anyone)."""
@@ -288,23 +291,8 @@ class AddressPolicy:
     def own_origin(self, host: str, port: int) -> bool:
         """Whether an own URL (``server.base_url``) may be on (host, port): only then does ``own_url``
         have a path to judge. Why: asked before every lean GET (``net/lean.py``), which already has the
-        URL's parts; the answer for an origin asked before is one dict lookup."""
-        own_urls = self.own_urls
-        if not own_urls:
-            return False
-        found, answers = self._own_origins
-        if found is not own_urls:
-            answers = {}
-            self._own_origins = (own_urls, answers)
-        answer = answers.get((host, port))
-        if answer is None:
-            key = _host_key(host)
-            answer = any(b is not None and b[0] == key and (b[1] == port or {b[1], port} == {80, 443})
-                         for b in _origins(own_urls))  # fmt: skip
-            if len(answers) >= 4096:  # bounded: hosts are many in a crawl of many Sources
-                answers.clear()
-            answers[(host, port)] = answer
-        return answer
+        URL's parts; the answer for an origin asked before is one cache lookup (``_own_origin``)."""
+        return bool(self.own_urls) and _own_origin(self.own_urls, host, port)
 
     def own_url(self, url: str) -> bool:
         """Whether ``url`` is rsagg's own (at or below ``server.base_url``), however it is spelt."""

@@ -103,6 +103,8 @@ OUTBOUND_REASONS = ("loopback", "private", "link-local", "unspecified", "multica
 #: ``serverguard.REASONS``: why the server cut a client off.
 SERVER_REASONS = ("connections", "head_size", "head_time", "body_size", "body_time", "slow_reader")
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+#: The ``le`` labels of ``FETCH_BUCKETS`` as exposed, ``+Inf`` last (``_collect_fetches``).
+_FETCH_LE = (*map(floatToGoString, FETCH_BUCKETS), "+Inf")
 
 #: Every rsagg family (as prometheus-client names them: counters without ``_total``) and its type; the
 #: tests hold the exposition to this list and ``config/grafana-dashboard.json`` to what it exposes.
@@ -659,9 +661,7 @@ class Metrics:
             "rsagg_fetch_duration_seconds", "Upstream HTTP request duration, body included", labels=["source"]
         )
         for source, d in fetched.items():
-            cumulative = list(accumulate(d.counts))
-            bounds = [*map(floatToGoString, FETCH_BUCKETS), "+Inf"]
-            durations.add_metric([source], list(zip(bounds, cumulative, strict=True)), d.sum)
+            durations.add_metric([source], list(zip(_FETCH_LE, accumulate(d.counts), strict=True)), d.sum)
         yield durations
 
     def _collect_errors(self) -> Iterator[Metric]:

@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
+from email.utils import format_datetime
 from typing import Any
 
 from ...rs.model import CREATED, DELETED, UPDATED, Link
@@ -105,7 +106,6 @@ def check_hashes(hashes: dict[str, str]) -> None:
 
 _MONTHS = {m: i for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct",
                                         "Nov", "Dec"), 1)}  # fmt: skip
-_MONTH_NAMES = tuple(_MONTHS)
 _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _IMF_FIXDATE = re.compile(r"([A-Z][a-z]{2}), (\d\d) ([A-Z][a-z]{2}) (\d{4}) (\d\d):(\d\d):(\d\d) GMT\Z")
 
@@ -136,8 +136,7 @@ def http_date_in(text: str | None) -> datetime | None:
 
 def http_date_out(dt: datetime) -> str:
     """A kept ``Last-Modified`` back as the IMF-fixdate the upstream sent (``http_date_in``)."""
-    dt = dt.astimezone(UTC)
-    return f"{_DAYS[dt.weekday()]}, {dt.day:02d} {_MONTH_NAMES[dt.month - 1]} {dt.year:04d} {dt:%H:%M:%S} GMT"
+    return format_datetime(dt.astimezone(UTC), usegmt=True)
 
 
 SOURCE_STATUS_FIELDS = frozenset(
