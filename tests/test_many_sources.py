@@ -362,7 +362,7 @@ async def test_a_change_whose_host_is_busy_starts_no_task_of_its_own(free_after:
         handled.append(item)
 
     async with trio.open_nursery() as nursery:
-        async with pipeline._Workers(nursery, handle, 16, 4, ready=ready) as workers:
+        with pipeline._Workers(nursery, handle, 16, 4, ready=ready) as workers:
             for i in range(40):
                 await workers.send(i)
     assert sorted(handled) == list(range(40))

@@ -31,7 +31,7 @@ async def test_results_are_released_in_order_in_full_batches() -> None:
         order = pipeline._Order(size)
         root = pipeline._InOrder(send, order)
         clones = [root.clone() for _ in range(senders)]
-        await root.aclose()
+        root.close()
         got: list[list[pipeline._Result]] = []
         released = 0
         for i, seq in enumerate(arrival):
@@ -47,7 +47,7 @@ async def test_results_are_released_in_order_in_full_batches() -> None:
             arrived = set(arrival[: i + 1])
             assert all(s in arrived for s in range(released))
         for clone in clones:
-            await clone.aclose()
+            clone.close()
         async with recv:
             assert [b async for b in recv] == []  # closed once every sender is
         assert all(len(b) == size for b in got)

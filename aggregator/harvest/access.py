@@ -272,6 +272,13 @@ class Access:
             if access.acts:  # else no coroutine for nothing on every request
                 await access.prepare(request)
 
+    def paces(self) -> bool:
+        """The requests of the source this task acts for keep a pace (``max_rate``): the Fetcher keeps
+        no request slot between its GETs (``Fetcher.keeping_slots``)."""
+        config = self._config()
+        found = self._sources(config).get(current_source.get() or "")
+        return found is not None and self._access(config, found[1])._pace is not None
+
     def _sources(self, config: Config) -> dict[str, tuple[int, SourceConfig]]:
         """``config``'s sources by name, with their index (the first of a name, as a scan finds it)."""
         known, named = self._named

@@ -33,7 +33,7 @@ import tempfile
 import urllib.request
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, BinaryIO, TypeVar
@@ -573,24 +573,71 @@ class _ShardedTransport(httpx.AsyncBaseTransport):
             await pool.aclose()
 
 
+#: GETs in a row that a task keeping its request slots (``Fetcher.keeping_slots``) makes on one slot of
+#: a host before it hands the slot on to whoever waits for it.
+KEEP_MOST = 8
+
+
+class SlotKeeper:
+    """A task's request slot kept from one GET to its next (``Fetcher.keeping_slots``).
+
+    Why: when more tasks want a host than it has slots (many small Sources of one host, each pipeline
+    with its fetch task), every GET of a task that hands its slot back at once then waits for the next
+    free one: a park and a wake-up per resource, a third of a small Source's passes through the
+    scheduler (benchmarks/bench_many_sources.py). Kept for up to ``KEEP_MOST`` GETs in a row while the
+    task has more to fetch, the slot changes hands once per ``KEEP_MOST`` GETs instead. Never more
+    requests at once than the host's slots: a kept slot stays borrowed."""
+
+    __slots__ = ("limiter", "more", "uses")
+
+    def __init__(self, more: Callable[[], bool]) -> None:
+        #: Whether the task has another GET coming at once (a fetch waiting for it).
+        self.more = more
+        #: The limiter of the slot kept now (None: none kept).
+        self.limiter: trio.CapacityLimiter | None = None
+        self.uses = 0
+
+    def hand_back(self) -> None:
+        """Give the kept slot back (before the task waits for anything but its next GET)."""
+        limiter, self.limiter = self.limiter, None
+        self.uses = 0
+        if limiter is not None:
+            limiter.release()
+
+
 class _HostSlot:
     """``async with``: one slot of a host's limiter, taken at once when one is free (``acquire_nowait``
-    queues behind waiters as ``acquire`` does), else waited for. Why not ``async with limiter``: that
-    always passes through the scheduler once more, a cost on every request; the request's own I/O
-    follows at once and is where it may be cancelled."""
+    queues behind waiters as ``acquire`` does), else waited for; or the slot the task kept from its last
+    GET (``SlotKeeper``). Why not ``async with limiter``: that always passes through the scheduler once
+    more, a cost on every request; the request's own I/O follows at once and is where it may be
+    cancelled."""
 
-    __slots__ = ("_limiter",)
+    __slots__ = ("_keeper", "_limiter")
 
-    def __init__(self, limiter: trio.CapacityLimiter) -> None:
+    def __init__(self, limiter: trio.CapacityLimiter, keeper: SlotKeeper | None = None) -> None:
         self._limiter = limiter
+        self._keeper = keeper
 
     async def __aenter__(self) -> None:
+        keeper = self._keeper
+        if keeper is not None and keeper.limiter is not None:
+            if keeper.limiter is self._limiter:
+                keeper.limiter = None  # in use again
+                return
+            keeper.hand_back()  # another host's
         try:
             self._limiter.acquire_nowait()
         except trio.WouldBlock:
             await self._limiter.acquire()
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        keeper = self._keeper
+        if keeper is not None:
+            if exc_type is None and keeper.uses < KEEP_MOST - 1 and keeper.more():
+                keeper.uses += 1
+                keeper.limiter = self._limiter
+                return
+            keeper.uses = 0
         self._limiter.release()
 
 
@@ -645,6 +692,8 @@ class Fetcher:
         self.metrics_hook = metrics_hook
         self.request_hook = request_hook
         self._limiters: dict[str, trio.CapacityLimiter] = {}
+        #: The tasks that keep their request slots between GETs (``keeping_slots``).
+        self._keepers: dict[trio.lowlevel.Task, SlotKeeper] = {}
         #: Cluster nodes sharing each host (``set_host_shares``): a host's ``per_host`` is split among them.
         self._sharers: dict[str, int] = {}
         self._default_sharers = 1
@@ -693,6 +742,25 @@ class Fetcher:
 
     # -- plumbing ---------------------------------------------------------------------------------
 
+    @contextmanager
+    def keeping_slots(self, more: Callable[[], bool]) -> Iterator[SlotKeeper | None]:
+        """Inside, the current task keeps its request slot from one GET to the next (``SlotKeeper``)
+        while ``more()`` says another GET comes at once; the caller calls ``hand_back()`` on what this
+        yields before it waits for anything else (its next item). Yields None, keeping nothing, for a
+        Source whose requests keep a pace (``max_rate``): a slot kept through the pause would stand idle
+        while others wait."""
+        paces = getattr(self.request_hook, "paces", None)
+        if paces is not None and paces():
+            yield None
+            return
+        task = trio.lowlevel.current_task()
+        keeper = self._keepers[task] = SlotKeeper(more)
+        try:
+            yield keeper
+        finally:
+            del self._keepers[task]
+            keeper.hand_back()
+
     def _limiter(self, host: str) -> trio.CapacityLimiter:
         lim = self._limiters.get(host)
         if lim is None:
@@ -731,6 +799,9 @@ class Fetcher:
             log.exception("metrics hook failed")
 
     async def _sleep(self, seconds: float) -> None:
+        keeper = self._keepers.get(trio.lowlevel.current_task()) if self._keepers else None
+        if keeper is not None:  # nobody waits on a slot kept through a backoff
+            keeper.hand_back()
         await trio.sleep(seconds)
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
@@ -783,7 +854,8 @@ class Fetcher:
             host = request.url.host
             if self.request_hook is not None:
                 await self.request_hook(request)
-            async with _HostSlot(self._limiter(host)):
+            keeper = self._keepers.get(trio.lowlevel.current_task()) if self._keepers else None
+            async with _HostSlot(self._limiter(host), keeper):
                 start = trio.current_time()
                 response: AnyResponse
                 try:
@@ -1146,4 +1218,5 @@ __all__ = [
     "FetchedResource",
     "Fetcher",
     "ResourceNotModified",
+    "SlotKeeper",
 ]

@@ -13,7 +13,7 @@ import logging
 import math
 import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -29,7 +29,7 @@ from ..store.rows import Change, Cursor, FailedChange, Resource, ResourceValidat
 from .access import for_source
 from .context import HarvestContext
 from .deviations import deviation
-from .fetch import Expected, FetchedResource, FetchError, ResourceNotModified
+from .fetch import Expected, FetchedResource, FetchError, ResourceNotModified, SlotKeeper
 from .metadata import MetadataRecords
 from .patch import fetch_by_patch
 from .versions import (
@@ -256,7 +256,7 @@ class _InOrder:
     """The sending side of the results channel: ``(seq, result)`` items come from many tasks in any
     order; the commit task receives them in ``seq`` order, a full batch (``batch_size``) at a time,
     and what is left at the end from ``rest()``. Used like a ``MemorySendChannel`` (``send_nowait``,
-    ``send``, ``clone``, ``aclose``, ``async with``); clones share the order.
+    ``send``, ``clone``, ``close``, ``with``); clones share the order.
 
     Why: the commit task took one result at a time, each one a wake-up and a pass through the
     scheduler per resource; it only ever acted on a full batch (or the end), so the batches are
@@ -287,14 +287,14 @@ class _InOrder:
     def clone(self) -> _InOrder:
         return _InOrder(self._send.clone(), self._order)
 
-    async def aclose(self) -> None:
-        await self._send.aclose()
+    def close(self) -> None:
+        self._send.close()
 
-    async def __aenter__(self) -> _InOrder:
+    def __enter__(self) -> _InOrder:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass
@@ -317,7 +317,7 @@ class _Workers:
     *outs)`` (``outs``: channels every task gets a clone of). A task is started when an item comes and
     no task is free, so a set of a few changes starts a few tasks, not ``harvest.workers`` of them (all
     started and ended per pipeline, they were part of the per-source cost of many small sources:
-    benchmarks/bench_many_sources.py). Used like a send channel: ``send``, and ``async with`` to close.
+    benchmarks/bench_many_sources.py). Used like a send channel: ``send``, and ``with`` to close.
 
     ``ready(item)``: whether one more task would get to work on ``item`` now; when it says no (e.g. every
     request slot of the item's host is taken, ``Fetcher.host_busy``) no task is started for it and the
@@ -335,9 +335,11 @@ class _Workers:
         buffer: int,
         *outs: trio.MemorySendChannel | _InOrder,
         ready: Callable[[object], bool] | None = None,
+        keeping: Callable[[Callable[[], bool]], AbstractContextManager[SlotKeeper | None]] | None = None,
     ) -> None:
         self._nursery, self._handle, self._most, self._outs = nursery, handle, most, outs
         self._ready = ready
+        self._keeping = keeping
         self._send, self._recv = trio.open_memory_channel[object](buffer)
         self._started = self._free = self._queued = 0
         self._closed = False
@@ -365,10 +367,15 @@ class _Workers:
         self, recv: trio.MemoryReceiveChannel, outs: list[trio.MemorySendChannel | _InOrder]
     ) -> None:
         try:
-            async with recv:
+            with recv, self._keeping(self._waiting) if self._keeping else nullcontext() as keeper:
                 while True:
                     try:
-                        item = await _receive(recv)
+                        try:
+                            item = recv.receive_nowait()
+                        except trio.WouldBlock:
+                            if keeper is not None:  # a slot is kept for the next GET only
+                                keeper.hand_back()
+                            item = await recv.receive()
                     except trio.EndOfChannel:
                         break
                     self._queued -= 1
@@ -379,7 +386,11 @@ class _Workers:
                         self._grow(item)  # items wait that were not given a task: one may start now
         finally:
             for out in outs:
-                await out.aclose()
+                out.close()
+
+    def _waiting(self) -> bool:
+        """An item waits for a task (``keeping``: a task's next GET comes at once)."""
+        return self._queued > 0
 
     @property
     def started(self) -> int:
@@ -391,15 +402,15 @@ class _Workers:
         """Tasks started that hold no item (just started, or between two): each takes the next one."""
         return self._free
 
-    async def __aenter__(self) -> _Workers:
+    def __enter__(self) -> _Workers:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._closed = True  # the items sent are with the running tasks; none is started any more
-        await self._send.aclose()
-        await self._recv.aclose()
+        self._send.close()
+        self._recv.close()
         for out in self._outs:
-            await out.aclose()
+            out.close()
 
 
 class Pipeline:
@@ -483,16 +494,17 @@ class Pipeline:
         result_send = _InOrder(batches, order)
         try:
             async with trio.open_nursery() as nursery:
-                async with result_send:
+                with result_send:
                     if self._filtering:  # plugins decide per entry, concurrently (metadata fetches)
                         filters = _Workers(nursery, self._filter_one, self._workers, self._workers,
                                            new_send.clone(), result_send.clone())  # fmt: skip
                         nursery.start_soon(self._produce, items, filters)
-                        await new_send.aclose()
+                        new_send.close()
                     else:
                         nursery.start_soon(self._produce, items, new_send)
                     workers = _Workers(nursery, self._work_one, self._workers, self._workers * 2,
-                                       result_send.clone(), ready=self._host_free)  # fmt: skip
+                                       result_send.clone(), ready=self._host_free,
+                                       keeping=self.ctx.fetcher.keeping_slots)  # fmt: skip
                     self._fetch_tasks = workers
                     nursery.start_soon(self._look_up, new_recv, workers, result_send.clone())
                 nursery.start_soon(self._commit, result_recv, order)
@@ -539,20 +551,23 @@ class Pipeline:
     ) -> None:
         # Close the generator in the task that iterates it: its context managers (HTTP streams, cancel
         # scopes) must exit in the task that entered them.
-        async with send, aclosing(items):
-            seq = 0
-            async for work in items:
-                if work.entry.loc in self._waiting:
-                    self._listed.add(work.entry.loc)
-                try:  # as ``_hand``: no pass through the scheduler while there is room
-                    self._inflight.acquire_nowait()
-                except trio.WouldBlock:
-                    await self._inflight.acquire()
-                pending = send.send((seq, work)) if isinstance(send, _Workers) else _hand(send, (seq, work))
-                if pending is not None:
-                    await pending
-                seq += 1
-                self.stats.seen += 1
+        with send:
+            async with aclosing(items):
+                seq = 0
+                async for work in items:
+                    if work.entry.loc in self._waiting:
+                        self._listed.add(work.entry.loc)
+                    try:  # as ``_hand``: no pass through the scheduler while there is room
+                        self._inflight.acquire_nowait()
+                    except trio.WouldBlock:
+                        await self._inflight.acquire()
+                    pending = (
+                        send.send((seq, work)) if isinstance(send, _Workers) else _hand(send, (seq, work))
+                    )
+                    if pending is not None:
+                        await pending
+                    seq += 1
+                    self.stats.seen += 1
 
     async def _filter_one(self, item: tuple[int, Work], send: trio.MemorySendChannel, done: _InOrder) -> None:
         """``rsagg_filter_harvest``: an entry any plugin refuses is not harvested. In a baseline it is not
@@ -590,7 +605,7 @@ class Pipeline:
         arriving alone is looked up alone, so nothing waits for a batch to fill. A few changes on a
         local state are looked up directly (``DIRECT_LOOKUP``): cheaper than the hop.
         """
-        async with recv, work, done:
+        with recv, work, done:
             async for first in recv:
                 batch = [first]
                 while len(batch) < LOOKUP_BATCH:
@@ -848,7 +863,7 @@ class Pipeline:
     async def _commit(self, recv: trio.MemoryReceiveChannel, order: _Order) -> None:
         """Release results in input order, in batches (``_InOrder`` forms them): blobs durable first,
         then one state transaction."""
-        async with recv:
+        with recv:
             while True:
                 try:
                     batch = await _receive(recv)
