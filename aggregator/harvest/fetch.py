@@ -60,6 +60,10 @@ MAX_REDIRECTS = 10
 CHUNK = 64 * 1024
 #: Document bodies up to this size stay in memory while spooled; bigger ones go to a temp file.
 SPOOL_MEMORY = 1024 * 1024
+#: A document whose answer declares at most this many bytes (Content-Length) is read whole by the task
+#: that asked for it, then parsed; a larger one, or one of unknown length, by a task of its own while
+#: the caller parses it (``Fetcher._start_document``).
+INLINE_DOCUMENT = 256 * 1024
 #: Resource bodies up to this size stay in memory until their batch is committed (``begin_spooled``).
 SMALL_BODY = SPOOL_BYTES
 DOCUMENT_ACCEPT = "application/xml, text/xml;q=0.9, */*;q=0.1"
@@ -327,12 +331,27 @@ class _Decoder:
 
 
 class _Body:
-    """An open response; ``chunks()`` streams the raw body and turns httpx failures into FetchErrors."""
+    """An open response; ``chunks()`` streams the raw body and turns httpx failures into FetchErrors;
+    ``close`` ends it (``Fetcher._open``: the response, its report and its request slot)."""
 
-    def __init__(self, url: str, response: AnyResponse) -> None:
+    __slots__ = ("_fetcher", "_host", "_slot", "_start", "received", "response", "url")
+
+    def __init__(
+        self, url: str, response: AnyResponse, fetcher: Fetcher, host: str, start: float, slot: _HostSlot
+    ) -> None:
         self.url = url
         self.response: AnyResponse = response
         self.received = 0
+        self._fetcher, self._host, self._start, self._slot = fetcher, host, start, slot
+
+    async def close(self, ok: bool) -> None:
+        """Close the response and give its request slot back (``ok``: it was read as its reader wanted;
+        a slot may then be kept for the task's next GET, ``SlotKeeper``)."""
+        try:
+            await self.response.aclose()
+        finally:
+            self._fetcher._report(self._host, self.response.status_code, self._start, self.received)
+            self._slot.give(ok)
 
     @property
     def final_url(self) -> str:
@@ -354,7 +373,8 @@ class _Body:
 
 
 class _Spool:
-    """A document body written by the download task and read by the parser, each at its own pace."""
+    """A document body, written by its download (``Fetcher._download_document``: a task of its own, or
+    the caller before it parses) and read by the parser, each at its own pace."""
 
     def __init__(self) -> None:
         self.file = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY)  # closed by close()
@@ -427,6 +447,11 @@ class _Entries:
             raise FetchError(self._url, "parse", "a second document head")
         return item
 
+    @property
+    def ended(self) -> bool:
+        """The document was parsed to its end."""
+        return self._end
+
     def estimate(self, count: int) -> int | None:
         """Entries in the whole document, from the ``count`` handed out and the share of its bytes parsed;
         None while it is still arriving (its size is not known yet)."""
@@ -469,26 +494,6 @@ class _NoEntries:
 
     async def __anext__(self) -> Entry:
         raise StopAsyncIteration
-
-
-@dataclass
-class _DocMeta:
-    url: str
-    status: int
-    headers: httpx.Headers | lean.Headers
-
-
-class _Started:
-    """The download task's first word: the response headers, or why there will be none."""
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-        self.meta: _DocMeta | None = None
-        self.error: BaseException | None = None
-
-    def set(self, *, meta: _DocMeta | None = None, error: BaseException | None = None) -> None:
-        self.meta, self.error = meta, error
-        self.event.set()
 
 
 # -- connection pools ----------------------------------------------------------------------------
@@ -606,39 +611,50 @@ class SlotKeeper:
 
 
 class _HostSlot:
-    """``async with``: one slot of a host's limiter, taken at once when one is free (``acquire_nowait``
-    queues behind waiters as ``acquire`` does), else waited for; or the slot the task kept from its last
-    GET (``SlotKeeper``). Why not ``async with limiter``: that always passes through the scheduler once
+    """One slot of a host's limiter: ``take`` it at once when one is free (``acquire_nowait`` queues
+    behind waiters as ``acquire`` does), else wait for it; or the slot the task kept from its last GET
+    (``SlotKeeper``). Why not ``async with limiter``: that always passes through the scheduler once
     more, a cost on every request; the request's own I/O follows at once and is where it may be
-    cancelled."""
+    cancelled. ``borrower``: whom the slot is borrowed for when not the task that takes it (a document
+    whose body another task may finish reading: ``Fetcher._start_document``)."""
 
-    __slots__ = ("_keeper", "_limiter")
+    __slots__ = ("_borrower", "_keeper", "_limiter")
 
-    def __init__(self, limiter: trio.CapacityLimiter, keeper: SlotKeeper | None = None) -> None:
+    def __init__(
+        self, limiter: trio.CapacityLimiter, keeper: SlotKeeper | None = None, borrower: object = None
+    ) -> None:
         self._limiter = limiter
         self._keeper = keeper
+        self._borrower = borrower
 
-    async def __aenter__(self) -> None:
-        keeper = self._keeper
+    async def take(self) -> None:
+        keeper, limiter = self._keeper, self._limiter
         if keeper is not None and keeper.limiter is not None:
-            if keeper.limiter is self._limiter:
+            if keeper.limiter is limiter:
                 keeper.limiter = None  # in use again
                 return
             keeper.hand_back()  # another host's
+        borrower = self._borrower
         try:
-            self._limiter.acquire_nowait()
+            if borrower is None:
+                limiter.acquire_nowait()
+            else:
+                limiter.acquire_on_behalf_of_nowait(borrower)
         except trio.WouldBlock:
-            await self._limiter.acquire()
+            await (limiter.acquire() if borrower is None else limiter.acquire_on_behalf_of(borrower))
 
-    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+    def give(self, ok: bool) -> None:
         keeper = self._keeper
         if keeper is not None:
-            if exc_type is None and keeper.uses < KEEP_MOST - 1 and keeper.more():
+            if ok and keeper.uses < KEEP_MOST - 1 and keeper.more():
                 keeper.uses += 1
                 keeper.limiter = self._limiter
                 return
             keeper.uses = 0
-        self._limiter.release()
+        if self._borrower is None:
+            self._limiter.release()
+        else:
+            self._limiter.release_on_behalf_of(self._borrower)
 
 
 # -- the fetcher ---------------------------------------------------------------------------------
@@ -835,7 +851,20 @@ class Fetcher:
 
     @asynccontextmanager
     async def _get(self, url: str, headers: dict[str, str], *, lean_ok: bool = False) -> AsyncIterator[_Body]:
-        """One GET, redirects followed (max 10), the per-host slot held while the response is open.
+        """``async with``: one GET (``_open``), its body inside, closed after."""
+        body = await self._open(url, headers, lean_ok=lean_ok)
+        try:
+            yield body
+        except BaseException:
+            await body.close(False)
+            raise
+        await body.close(True)
+
+    async def _open(
+        self, url: str, headers: dict[str, str], *, lean_ok: bool = False, borrower: object = None
+    ) -> _Body:
+        """One GET, redirects followed (max 10), its answer open with the per-host slot held until
+        ``_Body.close`` (``borrower``: see ``_HostSlot``).
 
         ``lean_ok``: the caller reads the body as served (no decoding): the GET takes the lean path
         when there is one and it can send the URL as written (``lean.parse_url``), else httpx."""
@@ -850,39 +879,44 @@ class Fetcher:
                                         extensions=self._extensions)  # fmt: skip
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise _transport_error(url, exc) from exc
+        keeper = (
+            self._keepers.get(trio.lowlevel.current_task()) if self._keepers and borrower is None else None
+        )
         for _hop in range(MAX_REDIRECTS + 1):
             host = request.url.host
             if self.request_hook is not None:
                 await self.request_hook(request)
-            keeper = self._keepers.get(trio.lowlevel.current_task()) if self._keepers else None
-            async with _HostSlot(self._limiter(host), keeper):
-                start = trio.current_time()
-                response: AnyResponse
-                try:
-                    if isinstance(request, lean.Request):
-                        assert self._lean is not None
-                        try:
-                            response = await self._lean.send(request)
-                        except lean.HeadRefused:  # the httpx path's reading decides (``HeadRefused``)
-                            request = httpx.Request("GET", str(request.url), headers=request.headers,
-                                                    extensions=self._extensions)  # fmt: skip
-                            response = await self._send_httpx(request)
-                    else:
+            slot = _HostSlot(self._limiter(host), keeper, borrower)
+            await slot.take()
+            start = trio.current_time()
+            response: AnyResponse
+            try:
+                if isinstance(request, lean.Request):
+                    assert self._lean is not None
+                    try:
+                        response = await self._lean.send(request)
+                    except lean.HeadRefused:  # the httpx path's reading decides (``HeadRefused``)
+                        request = httpx.Request("GET", str(request.url), headers=request.headers,
+                                                extensions=self._extensions)  # fmt: skip
                         response = await self._send_httpx(request)
-                except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                else:
+                    response = await self._send_httpx(request)
+            except BaseException as exc:
+                slot.give(False)
+                if isinstance(exc, httpx.HTTPError | httpx.InvalidURL):
                     self._report(host, None, start, 0)
                     raise _transport_error(str(request.url), exc) from exc
-                body = _Body(url, response)
-                try:
-                    if response.has_redirect_location:  # 301, 302, 303, 307, 308 with a Location
-                        request = _redirect(request, response, self._extensions)
-                        _check_url(str(request.url))
-                        continue
-                    yield body
-                    return
-                finally:
-                    await response.aclose()
-                    self._report(host, response.status_code, start, body.received)
+                raise
+            body = _Body(url, response, self, host, start, slot)
+            if not response.has_redirect_location:  # 301, 302, 303, 307, 308 with a Location
+                return body
+            try:
+                request = _redirect(request, response, self._extensions)
+                _check_url(str(request.url))
+            except BaseException:
+                await body.close(False)
+                raise
+            await body.close(True)
         raise FetchError(url, "http", f"more than {MAX_REDIRECTS} redirects")
 
     async def _send_httpx(self, request: httpx.Request) -> httpx.Response:
@@ -942,41 +976,59 @@ class Fetcher:
     ) -> DocumentStream:
         spool = _Spool()
         spools.append(spool)
-        started = _Started()
-        # A system task, not a nursery: callers iterate documents inside async generators (harvest/lists.py),
-        # and a nursery's cancel scope must never stay open across a generator's ``yield``. The task
-        # never raises; it is stopped through ``spool.scope`` and ends with the run at the latest.
-        trio.lowlevel.spawn_system_task(
-            self._download_document, url, headers, cap, spool, started, name=f"rsagg.fetch {url}",
-            context=contextvars.copy_context(),  # the caller's: metrics label requests by source
-        )  # fmt: skip
-        try:
-            await started.event.wait()
-        finally:
-            if started.error is not None or not started.event.is_set():
-                spool.close()
-        if started.error is not None:
-            raise started.error
-        meta = started.meta
-        assert meta is not None
-        h = meta.headers
+        deadline = trio.current_time() + self.document_deadline
+        body: _Body | None = None
+        inline = False
+        with trio.move_on_at(deadline) as timer:
+            # The slot is borrowed for the spool: a download task may finish the body (below).
+            body = await self._open(url, headers, lean_ok=True, borrower=spool)
+            try:
+                self._check_status(body, allow=(304,))
+            except BaseException:
+                await body.close(False)
+                raise
+            declared = body.response.headers.get("content-length")
+            if body.response.status_code == 304:
+                await body.close(True)
+                spool.finish()
+            elif declared is not None and declared.isdigit() and int(declared) <= INLINE_DOCUMENT:
+                # Read whole here, under the same deadline: a task, its start and the parser's waits
+                # for it cost more than the transfer of a small document (a small Source's two
+                # documents: benchmarks/bench_many_sources.py).
+                inline = True
+                await self._download(body, cap, spool)
+        if timer.cancelled_caught:
+            if body is None:  # no answer yet
+                raise self._late(url)
+            spool.finish(error=self._late(url))  # the parser meets it as it would a download task's
+        assert body is not None
+        h = body.response.headers
         common: dict[str, Any] = {
-            "url": meta.url,
+            "url": body.final_url,
             "content_type": h.get("content-type"),
             "link_header": h.get("link"),
             "last_modified": h.get("last-modified"),
         }
-        if meta.status == 304:
+        if body.response.status_code == 304:
             common["last_modified"] = common["last_modified"] or headers.get("If-Modified-Since")
             etag = h.get("etag") or headers.get("If-None-Match")
             return DocumentStream(not_modified=True, etag=etag, head=None, entries=_NoEntries(), **common)
+        if not inline:
+            # The rest by a task of its own, into the spool, while the caller parses. A system task, not
+            # a nursery: callers iterate documents inside async generators (harvest/lists.py), and a
+            # nursery's cancel scope must never stay open across a generator's ``yield``. It never
+            # raises; it is stopped through ``spool.scope`` and ends with the run at the latest.
+            trio.lowlevel.spawn_system_task(
+                self._download_document, body, cap, spool, deadline, name=f"rsagg.fetch {url}",
+                context=contextvars.copy_context(),  # the caller's: metrics label requests by source
+            )  # fmt: skip
         # Lenient on values (an unknown attribute or one bad date must not cost the whole document):
         # each problem is logged with its line; structural problems still raise DocumentError.
         reader = parse.DocumentReader(
-            meta.url, max_bytes=cap, on_problem=_problem_logger(meta.url), require=True,
-            on_tolerated=partial(_tolerated, meta.url),
+            body.final_url, max_bytes=cap, on_problem=_problem_logger(body.final_url), require=True,
+            on_tolerated=partial(_tolerated, body.final_url),
         )  # fmt: skip
-        entries = _Entries(spool, reader, meta.url)
+        entries = _Entries(spool, reader, body.final_url)
         try:
             head = await entries.head()
         except BaseException:
@@ -988,60 +1040,55 @@ class Fetcher:
             stream.sha256 = sha256
 
         entries.on_end = _ended
+        if entries.ended:  # a document without entries: its head came with its end
+            _ended(spool.sha256)
         return stream
 
-    async def _download_document(
-        self, url: str, headers: dict[str, str], cap: int, spool: _Spool, started: _Started
-    ) -> None:
-        """Download into the spool. Errors before the headers go to ``started``, later ones to the spool.
+    async def _download_document(self, body: _Body, cap: int, spool: _Spool, deadline: float) -> None:
+        """The download task of a document not read whole at once: ``_download`` by ``deadline``.
 
-        Runs as a system task: it must not raise anything but Cancelled.
-        """
-        with spool.scope:
-            try:
-                with trio.move_on_after(self.document_deadline) as deadline:
-                    # The lean path when it can take the URL (``_get``): the body is decoded here.
-                    async with self._get(url, headers, lean_ok=True) as body:
-                        self._check_status(body, allow=(304,))
-                        resp = body.response
-                        decoder = _Decoder(
-                            body.final_url, resp.headers.get("content-encoding"), sniff_gzip=True
-                        )
-                        started.set(meta=_DocMeta(body.final_url, resp.status_code, resp.headers))
-                        if resp.status_code == 304:
-                            spool.finish()
-                            return
-                        hasher = Hasher()
+        Runs as a system task: it must not raise anything but Cancelled."""
+        timer = trio.move_on_at(deadline)
+        try:
+            with spool.scope, timer:
+                await self._download(body, cap, spool)
+        finally:  # cancelled: by the deadline, or the caller left (or the run ends)
+            if not spool.done:
+                spool.finish(error=self._late(body.url) if timer.cancelled_caught else
+                             FetchError(body.url, "network", "download cancelled"))  # fmt: skip
 
-                        def put(piece: bytes) -> None:
-                            hasher.update(piece)
-                            if hasher.length > cap:
-                                raise FetchError(body.final_url, "size", f"document larger than {cap} bytes")
-                            spool.append(piece)
+    def _late(self, url: str) -> FetchError:
+        return FetchError(
+            url, "timeout", f"document not read within {self.document_deadline}s", transient=True
+        )
 
-                        async for raw in body.chunks():
-                            for piece in decoder.feed(raw):
-                                put(piece)
-                        for piece in decoder.finish():
-                            put(piece)
-                        spool.finish(sha256=hasher.sha256)
-                if deadline.cancelled_caught:
-                    raise FetchError(
-                        url, "timeout", f"document not read within {self.document_deadline}s", transient=True
-                    )
-            except Exception as exc:
-                if not isinstance(exc, FetchError):
-                    log.exception("downloading %s failed", url)
-                if started.event.is_set():
-                    spool.finish(error=exc)
-                else:
-                    started.set(error=exc)
-            finally:
-                # Cancelled (the caller left, or the run ends): nobody may be left waiting.
-                if not started.event.is_set():
-                    started.set(error=FetchError(url, "network", "download cancelled"))
-                if not spool.done:
-                    spool.finish(error=FetchError(url, "network", "download cancelled"))
+    async def _download(self, body: _Body, cap: int, spool: _Spool) -> None:
+        """Read the body into the spool, decoded, and close it. Errors go to the spool (the parser
+        raises them where it reaches them); nothing but Cancelled leaves."""
+        url, ok = body.final_url, False
+        try:
+            decoder = _Decoder(url, body.response.headers.get("content-encoding"), sniff_gzip=True)
+            hasher = Hasher()
+
+            def put(piece: bytes) -> None:
+                hasher.update(piece)
+                if hasher.length > cap:
+                    raise FetchError(url, "size", f"document larger than {cap} bytes")
+                spool.append(piece)
+
+            async for raw in body.chunks():
+                for piece in decoder.feed(raw):
+                    put(piece)
+            for piece in decoder.finish():
+                put(piece)
+            spool.finish(sha256=hasher.sha256)
+            ok = True
+        except Exception as exc:
+            if not isinstance(exc, FetchError):
+                log.exception("downloading %s failed", url)
+            spool.finish(error=exc)
+        finally:  # cancelled: the spool is left to the caller, who knows why
+            await body.close(ok)
 
     # -- small bodies, resources, packages ------------------------------------------------------
 
