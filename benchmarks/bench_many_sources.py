@@ -33,8 +33,8 @@ counted (``benchmarks/_opcodes.py``: all threads, each opcode for the nearest rs
 and a third case, one Source of N×M/10, gives the opcodes per resource of one Source (the slope: start-up
 cancels out). The table: each case's total, the slope, the start-up, the opcodes per extra Source, many/one
 with start-up left out, and the 15 rsagg functions whose opcodes grow most per extra Source; with
-``--before``, both checkouts side by side. A run takes 10-20 times as long as untraced; the count does not
-swing with the machine's load, but leaves out C code (SQLite, lxml, the kernel).
+``--before``, both checkouts side by side. A run takes about six times the CPU of an untraced one; the
+count does not swing with the machine's load, but leaves out C code (SQLite, lxml, the kernel).
 
     python benchmarks/bench_many_sources.py --opcodes [--before /tmp/before]
 """
