@@ -9,8 +9,11 @@ It imports ``aggregator.cli`` (and each ``--preload`` module: their imports are 
 ``sys.settrace`` with ``frame.f_trace_opcodes`` in this thread and in every thread started later
 (``threading.settrace``), runs the command, and writes to ``--out`` the opcodes executed, by *owner*: the
 nearest frame of the ``aggregator`` package on the stack (the function itself when it is rsagg's; library
-code counts for the rsagg function that called it; code with no rsagg frame under it, such as trio's
-scheduler loop, for none). The command's exit code is this process's.
+code counts for the rsagg function that called it, trio's scheduler loop for the one that called
+``trio.run``; code with no rsagg frame under it, such as a worker thread's own loop, for none). A
+function is named by its module's path in the package and its qualified name, without its line (the same
+function in another checkout is the same row; two lambdas of one function share one). The command's exit
+code is this process's.
 
 What is not counted: code in C (SQLite, lxml, hashing, the interpreter itself, the kernel), and the
 Python code that runs before the counter starts. The counts depend on the run's timing only where rsagg
@@ -32,7 +35,7 @@ from pathlib import Path
 NO_OWNER = "(no rsagg frame: the worker threads' own loops)"
 
 
-class Counter:
+class OpcodeCounter:
     """The counting trace functions. A frame's opcodes go to a cell of its owner and thread, found once
     per call (or resumption) of the frame, so the per-opcode work is one increment; a cell per thread so
     that no increment of two threads is lost between its load and its store."""
@@ -111,7 +114,7 @@ def count_main(argv: list[str] | None = None) -> int:
         except ModuleNotFoundError as exc:  # an older checkout without it: imported while counted, then
             if exc.name != module:
                 raise
-    counter = Counter(str(Path(aggregator.__file__).resolve().parent))
+    counter = OpcodeCounter(str(Path(aggregator.__file__).resolve().parent))
     threading.settrace(counter.trace)
     sys.settrace(counter.trace)
     code: int | str | None = 0

@@ -437,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--before {args.before}: no aggregator/ package there")
     if args.opcodes and (n < 2 or n * m < 2):
         p.error("--opcodes: needs at least 2 Sources and 2 resources")
+    if args.opcodes and (args.profile or args.threads):
+        p.error("--opcodes: counts instead of timing; --profile and --threads time (run them apart)")
     work = Path(tempfile.mkdtemp(prefix="rsagg-many-"))
     from importlib.metadata import entry_points
 

@@ -44,12 +44,12 @@ def package(tmp_path: Path, monkeypatch):
     import oplib
     import oppkg.mod
 
-    yield oppkg.mod, oplib, _opcodes.Counter(str(tmp_path / "oppkg"))
+    yield oppkg.mod, oplib, _opcodes.OpcodeCounter(str(tmp_path / "oppkg"))
     for name in ("oplib", "oppkg", "oppkg.mod"):
         sys.modules.pop(name, None)
 
 
-def counted(counter: _opcodes.Counter, f, *args) -> dict[str, int]:
+def counted(counter: _opcodes.OpcodeCounter, f, *args) -> dict[str, int]:
     before = counter.by_owner()
     sys.settrace(counter.trace)
     try:
