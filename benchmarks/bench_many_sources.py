@@ -27,6 +27,16 @@ change is judged against the tree before it on the same machine at the same time
 ``--threads``: the CPU of each run split by thread, read from ``/proc/PID/task`` while it runs (Linux):
 the event loop's thread (the main one) and the others together (the state writer's thread, chiefly), with
 the medians and the extra CPU of each per extra Source.
+
+``--opcodes``: counting instead of timing. Each case runs once, with every Python opcode it executes
+counted (``benchmarks/_opcodes.py``: all threads, each opcode for the nearest rsagg function on the stack),
+and a third case, one Source of N×M/10, gives the opcodes per resource of one Source (the slope: start-up
+cancels out). The table: each case's total, the slope, the start-up, the opcodes per extra Source, many/one
+with start-up left out, and the 15 rsagg functions whose opcodes grow most per extra Source; with
+``--before``, both checkouts side by side. A run takes about six times the CPU of an untraced one; the
+count does not swing with the machine's load, but leaves out C code (SQLite, lxml, the kernel).
+
+    python benchmarks/bench_many_sources.py --opcodes [--before /tmp/before]
 """
 
 from __future__ import annotations
@@ -52,8 +62,14 @@ from pathlib import Path
 
 from _harness import ROOT, Finished, lifespan, plugins_off, run_child, serve_until_sigterm
 from _headline import headline
+from _opcodes import Counts, Figures
+from _opcodes import table as opcodes_table
 
 TARGET = 1.3  # many/one, per resource
+#: ``--opcodes``: the counter (run in place of ``python -m aggregator``) and the modules it imports before it
+#: counts (the harvest's own imports, the same in every case: left out, they cost no traced time).
+OPCODES = Path(__file__).resolve().parent / "_opcodes.py"
+PRELOAD = ("aggregator.commands.harvest", "aggregator.harvest.source", "aggregator.run.compose")
 RS = "http://www.openarchives.org/rs/terms/"
 SM = "http://www.sitemaps.org/schemas/sitemap/0.9"
 
@@ -255,14 +271,22 @@ def harvest(
     profile: str = "",
     root: Path = ROOT,
     threads: bool = False,
+    opcodes: Path | None = None,
 ) -> Run:
+    """``rsagg harvest --once`` of ``sources`` Sources (0: the big one) of ``total`` resources in all, in
+    ``work/name``; every Source must end ok with every resource fetched. ``profile``: under cProfile, into
+    that file; ``opcodes``: under the opcode counter, its counts into that file."""
     folder = work / name
     folder.mkdir(parents=True)
     (folder / "rsagg.toml").write_text(config_text(base, sources))
     cmd = [sys.executable]
     if profile:
         cmd += ["-m", "cProfile", "-o", profile]
-    cmd += ["-m", "aggregator", "harvest", "--once", "-c", "rsagg.toml", "--log-level", "warning"]
+    if opcodes is not None:
+        cmd += [str(OPCODES), "--out", str(opcodes), *(f"--preload={m}" for m in PRELOAD), "--"]
+    else:
+        cmd += ["-m", "aggregator"]
+    cmd += ["harvest", "--once", "-c", "rsagg.toml", "--log-level", "warning"]
     load = os.getloadavg()[0]
     split = None
     if threads:
@@ -349,6 +373,23 @@ def table(all_runs: list[Run], n: int, m: int) -> str:
     return "\n".join(rows)
 
 
+def count_opcodes(work: Path, n: int, m: int, small: int, root: Path = ROOT, tree: str = "after") -> Figures:
+    """One run of each case under the opcode counter (``_opcodes.py``): one Source of N×M, one of
+    ``small`` (for the slope), N Sources of M; each checked as the timed runs are."""
+    counts = {}
+    for case, sources, total in (("one", 0, n * m), ("small", 0, small), ("many", n, n * m)):
+        up = Upstream(n if sources else 0, m, 0 if sources else total, work / "upstream.log")
+        out = work / f"opcodes-{tree}-{case}.json"
+        try:
+            harvest(work, f"opcodes-{tree}-{case}", up.base, sources, total, root=root, opcodes=out)
+        finally:
+            up.stop()
+        counts[case] = Counts.read(out)
+        print(f"{tree} {case} ({max(sources, 1)} x {total // max(sources, 1)}): {counts[case].total:,} "
+              f"opcodes, load average {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    return Figures(counts["one"], counts["small"], counts["many"], n, m, small)
+
+
 def show_profile(one: str, many: str, top: int = 40) -> None:
     """The functions whose own time grows most from the one case to the many case (the per-source cost;
     main thread only: state writes in worker threads are not in it)."""
@@ -380,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--threads", action="store_true", help="also split each run's CPU by thread (event loop / others)"
     )
+    p.add_argument(
+        "--opcodes",
+        action="store_true",
+        help="count Python opcodes instead of timing: each case once, under the counter (see above)",
+    )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--big", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--counts", default="", help=argparse.SUPPRESS)
@@ -389,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     n, m = args.sources, args.per_source
     if args.before and not (args.before / "aggregator").is_dir():
         p.error(f"--before {args.before}: no aggregator/ package there")
+    if args.opcodes and (n < 2 or n * m < 2):
+        p.error("--opcodes: needs at least 2 Sources and 2 resources")
+    if args.opcodes and (args.profile or args.threads):
+        p.error("--opcodes: counts instead of timing; --profile and --threads time (run them apart)")
     work = Path(tempfile.mkdtemp(prefix="rsagg-many-"))
     from importlib.metadata import entry_points
 
@@ -398,6 +448,13 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)  # fmt: skip
     runs: list[Run] = []
     try:
+        if args.opcodes:
+            small = max(1, n * m // 10)
+            after = count_opcodes(work, n, m, small)
+            before = count_opcodes(work, n, m, small, args.before, "before") if args.before else None
+            print(opcodes_table(after, before, target=TARGET))
+            print(f"load average after: {os.getloadavg()[0]:.2f}")
+            return 0
         for r in range(args.repeat):
             got = one_round(work, r, n, m, args.before, args.threads)
             runs += got
