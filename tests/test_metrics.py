@@ -361,7 +361,7 @@ async def test_a_dump_baseline_counts_towards_its_manifests(tmp_path: Path, monk
 def test_metrics_objects_do_not_collide():
     """Each Metrics has its own registry: two in one process (tests, several apps) count apart."""
     a, b = Metrics(), Metrics()
-    a.resources_harvested.labels("x").inc(3)
+    a.committed("x", [SimpleNamespace(change="created")] * 3, ())
     assert 'rsagg_resources_harvested_total{source="x"} 3.0' in a.exposition().decode()
     assert 'source="x"' not in b.exposition().decode()
 
@@ -415,6 +415,157 @@ def test_fetch_families_expose_what_prometheus_objects_would(seed: int) -> None:
 
     got, want = samples(ours.exposition().decode()), samples(generate_latest(ref).decode())
     assert got == want and want
+
+
+def _reference_harvest_registry() -> tuple[object, ...]:
+    """prometheus-client's own objects for the harvest families, defined as rsagg defined them before it
+    kept plain sums (names, help, labels and buckets copied, so that a drift of ours shows)."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+
+    r = CollectorRegistry()
+    harvested = Counter(
+        "rsagg_resources_harvested",
+        "Resources stored (created or updated) by harvesting",
+        ["source"],
+        registry=r,
+    )
+    deleted = Counter("rsagg_resources_deleted", "Resources tombstoned by harvesting", ["source"], registry=r)
+    syncs = Counter(
+        "rsagg_syncs",
+        "Syncs of a source finished, by result: ok, degraded, error",
+        ["source", "result"],
+        registry=r,
+    )
+    deviations = Counter(
+        "rsagg_upstream_deviations",
+        "Deviations from the specification tolerated in upstream documents, by rule "
+        "(aggregator/harvest/deviations.py)",
+        ["source", "rule"],
+        registry=r,
+    )
+    reconciliations = Counter(
+        "rsagg_reconciliations",
+        "Reconciliations of a set with its Resource List (harvest/reconcile.py), by result: in_sync, "
+        "repaired, unrepaired (a repair failed), incomplete (a list could not be read)",
+        ["source", "result"],
+        registry=r,
+    )
+    repairs = Counter(
+        "rsagg_reconcile_repairs",
+        "Differences from the Resource List repaired by reconciliation, by the change applied "
+        "(created: missed creation, updated: missed update, deleted: held but not listed)",
+        ["source", "kind"],
+        registry=r,
+    )
+    duration = Histogram(
+        "rsagg_sync_duration_seconds",
+        "Duration of a sync of a source",
+        ["source"],
+        registry=r,
+        buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 48 * 3600),
+    )
+    return r, harvested, deleted, syncs, deviations, reconciliations, repairs, duration
+
+
+HARVEST_FAMILIES = ("rsagg_resources_harvested", "rsagg_resources_deleted", "rsagg_syncs",
+                    "rsagg_upstream_deviations", "rsagg_reconciliations", "rsagg_reconcile_repairs",
+                    "rsagg_sync_duration_seconds")  # fmt: skip
+_HARVEST_LINE = re.compile(
+    rf"(# (HELP|TYPE) )?({'|'.join(HARVEST_FAMILIES)})(_total|_bucket|_count|_sum|_created)?[{{ ]"
+)
+
+
+def _harvest_lines(text: str) -> str:
+    """The lines of ``text`` (HELP, TYPE, samples, ``_created`` ones too) of the harvest families."""
+    return "".join(ln for ln in text.splitlines(keepends=True) if _HARVEST_LINE.match(ln))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_harvest_families_expose_what_prometheus_objects_would(seed: int) -> None:
+    """``committed``, ``sync_finished``, ``reconciled`` and ``deviation`` keep plain sums; their families
+    must read byte for byte as prometheus-client's Counter and Histogram objects would after the same
+    events (family order, HELP and TYPE, series in the order they first happened, label escaping):
+    generated events over many sources (syncs ok, degraded and error; durations on and around every
+    bucket bound, 0, negative, infinite, NaN; batches of creations, updates and deletions, empty ones;
+    reconciliations with and without repairs; deviations). The errors family exposes every kind of each
+    source that synced or failed, 0 until it happens."""
+    import random
+
+    from prometheus_client import generate_latest
+
+    from aggregator.observe.metrics import ERROR_KINDS, SYNC_BUCKETS
+
+    rng = random.Random(seed)
+    ours = Metrics(process=False)
+    ref, harvested, deleted, syncs, deviations, reconciliations, repairs, duration = (
+        _reference_harvest_registry()
+    )
+    sources = [f"s{i}" for i in range(rng.randrange(1, 60))] + ["", 'q"uo\\te\nnl', "é"]
+    edges = [b + d for b in SYNC_BUCKETS for d in (-1e-9, 0.0, 1e-9)] + [0.0, -1.0, 1e9, float("inf")]
+    if seed % 3 == 0:
+        edges.append(float("nan"))
+    expected_errors: dict[tuple[str, str], int] = {}
+    exposed_sources: set[str] = set()
+    for _ in range(0 if seed == 0 else rng.randrange(1, 600)):
+        source = rng.choice(sources)
+        event = rng.random()
+        if event < 0.35:
+            ok = rng.random() < 0.6
+            degraded = not ok and rng.random() < 0.5
+            exc = None if ok or degraded or rng.random() < 0.3 else ValueError("boom")
+            seconds = rng.choice(edges) if rng.random() < 0.6 else rng.uniform(0, 200_000)
+            ours.sync_finished(source, ok, seconds, exc, degraded=degraded)
+            syncs.labels(source, "ok" if ok else "degraded" if degraded else "error").inc()
+            duration.labels(source).observe(seconds)
+            exposed_sources.add(source)
+            if exc is not None:
+                expected_errors[(source, "sync")] = expected_errors.get((source, "sync"), 0) + 1
+        elif event < 0.75:
+            changes = [
+                rng.choice(["created", "updated", "deleted"]) for _ in range(rng.choice([0, 1, 3, 50]))
+            ]
+            if rng.random() < 0.2:
+                changes = ["deleted"] * len(changes)
+            kinds = [rng.choice(["fixity", "http", "parse"]) for _ in range(rng.choice([0, 0, 1, 2]))]
+            ours.committed(
+                source, [SimpleNamespace(change=c) for c in changes], [SimpleNamespace(kind=k) for k in kinds]
+            )
+            stored = sum(c != "deleted" for c in changes)
+            if stored:
+                harvested.labels(source).inc(stored)
+            if len(changes) > stored:
+                deleted.labels(source).inc(len(changes) - stored)
+            for k in kinds:
+                expected_errors[(source, k)] = expected_errors.get((source, k), 0) + 1
+                exposed_sources.add(source)
+        elif event < 0.9:
+            result = rng.choice(["in_sync", "repaired", "unrepaired", "incomplete"])
+            repaired = {k: rng.choice([0, 0, 1, 7]) for k in ("created", "updated", "deleted")}
+            ours.reconciled(source, result, repaired)
+            reconciliations.labels(source, result).inc()
+            for kind, n in repaired.items():
+                if n:
+                    repairs.labels(source, kind).inc(n)
+        else:
+            rule = rng.choice(["relative-loc", "no-md", "bad-lastmod"])
+            ours.deviation(source, rule)
+            deviations.labels(source, rule).inc()
+
+    text = ours.exposition().decode()
+    want = generate_latest(ref).decode()
+    assert _harvest_lines(text) == want
+    assert want.count("# TYPE") == 7
+    # rsagg_errors: each source that synced or failed, every kind (but "plugin": not by source)
+    got_errors = {
+        (s.labels["source"], s.labels["kind"]): s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "rsagg_errors"
+        for s in fam.samples
+        if s.labels["source"] or s.labels["kind"] != "plugin"
+    }
+    kinds = [k for k in ERROR_KINDS if k != "plugin"]
+    model = {(s, k): expected_errors.get((s, k), 0) for s in exposed_sources or {""} for k in kinds}
+    assert got_errors == model
 
 
 def test_notification_and_plugin_counters_are_exposed():

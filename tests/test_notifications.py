@@ -94,7 +94,10 @@ def last_success(ctx: HarvestContext) -> datetime | None:
 
 def syncs(ctx: HarvestContext) -> float:
     """Syncs of the source "up" (polls) the node ran so far."""
-    return sum(ctx.metrics.syncs.labels("up", r)._value.get() for r in ("ok", "error", "degraded"))
+    get = ctx.metrics.registry.get_sample_value
+    return sum(
+        get("rsagg_syncs_total", {"source": "up", "result": r}) or 0 for r in ("ok", "error", "degraded")
+    )
 
 
 def log_size(ctx: HarvestContext) -> int:

@@ -105,6 +105,33 @@ SERVER_REASONS = ("connections", "head_size", "head_time", "body_size", "body_ti
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 #: The ``le`` labels of ``FETCH_BUCKETS`` as exposed, ``+Inf`` last (``_collect_fetches``).
 _FETCH_LE = (*map(floatToGoString, FETCH_BUCKETS), "+Inf")
+#: Upper bounds of ``rsagg_sync_duration_seconds`` (seconds: 0.1 s to two days).
+SYNC_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 48 * 3600.0)
+_SYNC_LE = (*map(floatToGoString, SYNC_BUCKETS), "+Inf")
+#: The counter families of ``_collect_harvest``, in the order exposed: name, help, label names.
+_HARVEST_COUNTERS = (
+    ("rsagg_resources_harvested", "Resources stored (created or updated) by harvesting", ("source",)),
+    ("rsagg_resources_deleted", "Resources tombstoned by harvesting", ("source",)),
+    ("rsagg_syncs", "Syncs of a source finished, by result: ok, degraded, error", ("source", "result")),
+    (
+        "rsagg_upstream_deviations",
+        "Deviations from the specification tolerated in upstream documents, by rule "
+        "(aggregator/harvest/deviations.py)",
+        ("source", "rule"),
+    ),
+    (
+        "rsagg_reconciliations",
+        "Reconciliations of a set with its Resource List (harvest/reconcile.py), by result: in_sync, "
+        "repaired, unrepaired (a repair failed), incomplete (a list could not be read)",
+        ("source", "result"),
+    ),
+    (
+        "rsagg_reconcile_repairs",
+        "Differences from the Resource List repaired by reconciliation, by the change applied "
+        "(created: missed creation, updated: missed update, deleted: held but not listed)",
+        ("source", "kind"),
+    ),
+)
 
 #: Every rsagg family (as prometheus-client names them: counters without ``_total``) and its type; the
 #: tests hold the exposition to this list and ``config/grafana-dashboard.json`` to what it exposes.
@@ -212,17 +239,18 @@ def _timestamp(dt: datetime | None) -> float | None:
 
 
 class _Durations:
-    """One source's upstream requests so far (``Metrics.fetch_hook``): bytes, durations per bucket."""
+    """One source's upstream requests so far (``Metrics.fetch_hook``): bytes, durations per bucket; or
+    its syncs (``Metrics.sync_finished``: ``bounds`` = ``len(SYNC_BUCKETS)``, no bytes)."""
 
     __slots__ = ("bytes", "counts", "sum")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(FETCH_BUCKETS) + 1)  # the last: above every bound (+Inf)
+    def __init__(self, bounds: int = len(FETCH_BUCKETS)) -> None:
+        self.counts = [0] * (bounds + 1)  # the last: above every bound (+Inf)
         self.sum = 0.0
         self.bytes = 0
 
     def copy(self) -> _Durations:
-        other = _Durations()
+        other = _Durations(len(self.counts) - 1)
         other.counts, other.sum, other.bytes = list(self.counts), self.sum, self.bytes
         return other
 
@@ -355,52 +383,23 @@ class Metrics:
             __version__
         ).set(1)
 
-        # -- harvest
-        self.resources_harvested = Counter(
-            "rsagg_resources_harvested",
-            "Resources stored (created or updated) by harvesting",
-            ["source"],
-            registry=r,
-        )
-        self.resources_deleted = Counter(
-            "rsagg_resources_deleted", "Resources tombstoned by harvesting", ["source"], registry=r
-        )
-        self.syncs = Counter(
-            "rsagg_syncs",
-            "Syncs of a source finished, by result: ok, degraded, error",
-            ["source", "result"],
-            registry=r,
-        )
-        self.upstream_deviations = Counter(
-            "rsagg_upstream_deviations",
-            "Deviations from the specification tolerated in upstream documents, by rule "
-            "(aggregator/harvest/deviations.py)",
-            ["source", "rule"],
-            registry=r,
-        )
-        self.reconciliations = Counter(
-            "rsagg_reconciliations",
-            "Reconciliations of a set with its Resource List (harvest/reconcile.py), by result: in_sync, "
-            "repaired, unrepaired (a repair failed), incomplete (a list could not be read)",
-            ["source", "result"],
-            registry=r,
-        )
-        self.reconcile_repairs = Counter(
-            "rsagg_reconcile_repairs",
-            "Differences from the Resource List repaired by reconciliation, by the change applied "
-            "(created: missed creation, updated: missed update, deleted: held but not listed)",
-            ["source", "kind"],
-            registry=r,
-        )
-        self.sync_duration = Histogram(
-            "rsagg_sync_duration_seconds",
-            "Duration of a sync of a source",
-            ["source"],
-            registry=r,
-            buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 48 * 3600),
-        )
-        self._errors: dict[tuple[str, str], int] = {}
-        self._errors_lock = threading.Lock()
+        # -- harvest: the families of each source's syncs and batches (and the errors, by source and
+        # kind), kept as plain sums under one lock and exposed when scraped (``_collect_harvest``, at this
+        # place of the exposition; ``_collect_errors``). Why not prometheus-client's Counter and Histogram:
+        # the first ``labels()`` of a source builds a child (for a histogram: a value and a lock per
+        # bucket, each bucket's label) and every later one checks and looks it up again, about 3,000
+        # Python opcodes per source harvested (benchmarks/bench_many_sources.py); a sum costs a dict
+        # update. The exposition is the same, byte for byte (tests/test_metrics.py).
+        self._lock = threading.Lock()
+        self._harvested: dict[str, int] = {}  # source -> resources
+        self._deleted: dict[str, int] = {}  # source -> resources
+        self._syncs: dict[tuple[str, str], int] = {}  # (source, result) -> syncs
+        self._deviations: dict[tuple[str, str], int] = {}  # (source, rule)
+        self._reconciliations: dict[tuple[str, str], int] = {}  # (source, result)
+        self._repairs: dict[tuple[str, str], int] = {}  # (source, kind) -> repairs
+        self._sync_durations: dict[str, _Durations] = {}  # source -> its syncs' durations (no bytes)
+        r.register(_Callback(self._collect_harvest))
+        self._errors: dict[tuple[str, str], int] = {}  # (source, kind) -> errors; under ``_lock`` too
         #: The upstream requests' families (``fetch_hook``), kept as plain numbers and exposed when
         #: scraped (``_collect_fetches``): requests by (source, status class); per source its bytes, and
         #: its durations as counts per bucket of ``FETCH_BUCKETS`` (the last one: above them all) and
@@ -542,26 +541,33 @@ class Metrics:
         """A pipeline batch is in the state: ``applied`` Changes (created/updated/deleted) and the
         ``Failure``s of the batch (counted by their kind)."""
         stored = sum(1 for ch in applied if ch.change != "deleted")
-        if stored:
-            self.resources_harvested.labels(source).inc(stored)
-        if len(applied) > stored:
-            self.resources_deleted.labels(source).inc(len(applied) - stored)
+        deleted = len(applied) - stored
+        if stored or deleted:
+            with self._lock:
+                if stored:
+                    self._harvested[source] = self._harvested.get(source, 0) + stored
+                if deleted:
+                    self._deleted[source] = self._deleted.get(source, 0) + deleted
         for f in failures:
             self.error(source, f.kind)
 
     def reconciled(self, source: str, result: str, repaired: dict[str, int]) -> None:
         """A reconciliation ended (``harvest/reconcile.py``): its result and the repairs by kind."""
-        self.reconciliations.labels(source, result).inc()
-        for kind, n in repaired.items():
-            if n:
-                self.reconcile_repairs.labels(source, kind).inc(n)
+        with self._lock:
+            key = (source, result)
+            self._reconciliations[key] = self._reconciliations.get(key, 0) + 1
+            for kind, n in repaired.items():
+                if n:
+                    key = (source, kind)
+                    self._repairs[key] = self._repairs.get(key, 0) + n
 
     def deviation(self, source: str, rule: str) -> None:
         """An upstream deviation rsagg read past (``harvest/deviations.py``)."""
-        self.upstream_deviations.labels(source, rule).inc()
+        with self._lock:
+            self._deviations[(source, rule)] = self._deviations.get((source, rule), 0) + 1
 
     def error(self, source: str, kind: str) -> None:
-        with self._errors_lock:
+        with self._lock:
             self._errors[(source, kind)] = self._errors.get((source, kind), 0) + 1
 
     def sync_finished(
@@ -575,12 +581,15 @@ class Metrics:
     ) -> None:
         """``sync_source`` ended; ``exc`` is what stopped it (counted as an error of its kind);
         ``degraded``: it went through but skipped a list (result "degraded", never "ok")."""
-        with self._errors_lock:  # every kind of a synced source is exposed, 0 until it happens
-            for kind in ERROR_KINDS:
-                if kind != "plugin":
-                    self._errors.setdefault((source, kind), 0)
-        self.syncs.labels(source, "ok" if ok else "degraded" if degraded else "error").inc()
-        self.sync_duration.labels(source).observe(seconds)
+        key = (source, "ok" if ok else "degraded" if degraded else "error")
+        with self._lock:  # (every error kind of a synced source is exposed: ``_collect_errors``)
+            self._syncs[key] = self._syncs.get(key, 0) + 1
+            durations = self._sync_durations.get(source)
+            if durations is None:
+                durations = self._sync_durations[source] = _Durations(len(SYNC_BUCKETS))
+            if seconds == seconds:  # NaN: in no bucket, nor in the count (as prometheus-client's)
+                durations.counts[bisect_left(SYNC_BUCKETS, seconds)] += 1
+            durations.sum += seconds
         if exc is not None:
             self.error(source, error_kind(exc))
         if ok or degraded:
@@ -664,15 +673,45 @@ class Metrics:
             durations.add_metric([source], list(zip(_FETCH_LE, accumulate(d.counts), strict=True)), d.sum)
         yield durations
 
+    def _collect_harvest(self) -> Iterator[Metric]:
+        """The families of ``committed``, ``sync_finished``, ``reconciled`` and ``deviation``: what
+        prometheus-client's labelled Counters and Histogram would expose (a series once it happened,
+        in the order the series first happened)."""
+        with self._lock:
+            counters = [
+                dict(d)
+                for d in (
+                    self._harvested,
+                    self._deleted,
+                    self._syncs,
+                    self._deviations,
+                    self._reconciliations,
+                    self._repairs,
+                )
+            ]
+            durations = [(s, list(d.counts), d.sum) for s, d in self._sync_durations.items()]
+        for (name, doc, labels), values in zip(_HARVEST_COUNTERS, counters, strict=True):
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            for key, n in values.items():
+                fam.add_metric(key if isinstance(key, tuple) else (key,), n)
+            yield fam
+        hist = HistogramMetricFamily(
+            "rsagg_sync_duration_seconds", "Duration of a sync of a source", labels=["source"]
+        )
+        for source, counts, total in durations:
+            hist.add_metric([source], list(zip(_SYNC_LE, accumulate(counts), strict=True)), total)
+        yield hist
+
     def _collect_errors(self) -> Iterator[Metric]:
         fam = CounterMetricFamily(
             "rsagg_errors",
             "Errors by kind: resource failures, failed syncs, plugin exceptions",
             labels=["source", "kind"],
         )
-        with self._errors_lock:
+        with self._lock:
             errors = dict(self._errors)
-        sources = {s for s, _ in errors} or {""}
+            synced = {s for s, _ in self._syncs}  # every kind of a synced source: 0 until it happens
+        sources = ({s for s, _ in errors} | synced) or {""}
         for source in sorted(sources):
             for kind in ERROR_KINDS:
                 if kind != "plugin":
