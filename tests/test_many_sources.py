@@ -410,6 +410,49 @@ async def test_sources_on_a_busy_host_start_fewer_fetch_tasks_than_changes(
     assert len(names) <= tasks[0] < 72 * 2 // 3, tasks[0]
 
 
+@pytest.mark.parametrize("seed", range(5))
+async def test_syncs_sharing_a_host_start_fetch_tasks_within_their_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Generated: Sources of one host (random count, sizes, ``per_host``). A pipeline starts a fetch
+    task beyond its first only while its sync's share of the host's slots (the slots over the syncs of
+    the host admitted then) has room; every resource is fetched, every Source ok; a Source alone on
+    its host still grows past one task."""
+    rng = random.Random(seed)
+    per_host = rng.randrange(1, 5) if seed else 4
+    names = [f"s{i}" for i in range(rng.randrange(2, 9))] if seed else ["s0"]
+    sizes = {n: rng.randrange(1, 3 * per_host + 8) if seed else 4 * per_host + 8 for n in names}
+    grown: list[tuple[int, int, int]] = []  # (syncs of the host, its slots, tasks before) at a growth
+    most: Counter[int] = Counter()
+    real_grow = pipeline._Workers._grow
+
+    def grow(self: pipeline._Workers, item: object) -> None:
+        before = self._started
+        real_grow(self, item)
+        if self._ready is not None and self._started > before:
+            most[id(self)] = self._started
+            if before >= 1:
+                p = self._ready.__self__  # type: ignore[attr-defined]
+                host = "127.0.0.1"
+                grown.append((p.ctx.admissions.syncs_of(host), p.ctx.fetcher.host_limit(host), before))
+
+    monkeypatch.setattr(pipeline._Workers, "_grow", grow)
+    up = Upstream(sets=names, resource_dump=False, change_dump=False, change_list=False)
+    for name in names:
+        for j in range(sizes[name]):
+            up.create(f"r{j}.txt", f"resource {j} of {name}".encode(), set_name=name)
+    async with up.serving():
+        config = make_config(
+            tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n in names}, per_host=per_host
+        )
+        results = await harvest(config)
+    assert all(r.ok for r in results.values())
+    assert {n: r.stats[0].fetched for n, r in results.items()} == sizes
+    assert all(syncs < 2 or before < slots // syncs for syncs, slots, before in grown), grown
+    if len(names) == 1 and per_host > 1:
+        assert max(most.values()) > 1  # alone on its host: no share to keep to
+
+
 @pytest.mark.parametrize("per_host", [1, 2, 3])
 async def test_one_source_starts_no_more_fetch_tasks_than_its_host_has_slots(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_host: int

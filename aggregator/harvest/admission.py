@@ -76,6 +76,12 @@ class Admissions:
         h = self._hosts.get(_host(url))
         return len(h.waiting) if h is not None else 0
 
+    def syncs_of(self, host: str) -> int:
+        """Syncs of ``host`` (lower case) admitted and counted now: they share its request slots
+        (``pipeline.Pipeline._host_free`` starts no more fetch tasks than a sync's share)."""
+        h = self._hosts.get(host)
+        return len(h.held) if h is not None else 0
+
     @asynccontextmanager
     async def admitted(self, url: str, slots: Callable[[str], int]) -> AsyncIterator[None]:
         """``async with``: the sync of a Source at ``url`` runs inside, once admitted. ``slots(host)``:

@@ -672,11 +672,23 @@ class Pipeline:
         host = self._hosts.get(origin)
         if host is None:
             host = self._hosts[origin] = urlsplit(origin).hostname or ""
+        if not host:
+            return True
+        tasks = self._fetch_tasks
+        fetcher = self.ctx.fetcher
         # Tasks started and not yet at their request count as taking a slot: else a burst of changes
         # (the first ones of a list) starts ``harvest.workers`` tasks for a host of fewer slots, and
         # the extra tasks then wait for a slot on every request (a park and a wake-up per resource).
-        tasks = self._fetch_tasks
-        return not host or not self.ctx.fetcher.host_busy(host, tasks.idle if tasks is not None else 0)
+        if fetcher.host_busy(host, tasks.idle if tasks is not None else 0):
+            return False
+        if tasks is None:
+            return True
+        # Only a sync's share of the host's slots when several syncs of the host run (``admission.py``):
+        # its task keeps a slot busy from one GET to the next (``Fetcher.keeping_slots``), so more
+        # tasks would only take slots the others' tasks are about to use, each started, parked and
+        # ended (many small Sources of one host: benchmarks/bench_many_sources.py).
+        syncs = self.ctx.admissions.syncs_of(host)
+        return syncs < 2 or tasks.started < fetcher.host_limit(host) // syncs
 
     async def _work_one(
         self, item: tuple[int, Work, Resource | None, ResourceValidators | None], send: _InOrder
