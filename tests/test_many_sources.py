@@ -921,3 +921,58 @@ def test_settle_freezes_start_up_and_collects_the_young_less_often() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_status_updates_waiting_in_a_row_are_one_write(tmp_path: Path, seed: int) -> None:
+    """Generated: status updates (random fields) queued with ``write_later``, other writes between
+    some of them. Updates in a row of one Source become one write of their fields (the later's win),
+    and the Sources' rows end as when each update is written on its own."""
+    rng = random.Random(seed)
+    texts = ["ok", "error", "syncing", None, "x" * 3]
+    steps: list[tuple] = []
+    for _ in range(rng.randrange(1, 30)):
+        name = rng.choice(["a", "b"])
+        if rng.random() < 0.2:
+            steps.append(("notes", name))
+        else:
+            fields = {
+                f: rng.choice([1, 2, 7, None]) if f.startswith("progress_d") else rng.choice(texts)
+                for f in rng.sample(
+                    ["state", "last_error", "progress_done", "using_url"], rng.randrange(1, 4)
+                )
+            }
+            steps.append(("status", name, fields))
+    rows = []
+    for merged in (True, False):
+        config = make_config(
+            tmp_path / f"store-{merged}", {"a": "http://127.0.0.1:1/a", "b": "http://127.0.0.1:1/b"}
+        )
+        async with open_context(config) as ctx:
+            for name in ("a", "b"):
+                ctx.writer.upsert_source(name, f"http://127.0.0.1:1/{name}")
+            for step in steps:
+                if merged:
+                    if step[0] == "notes":
+                        ctx.write_later(step[1], ctx.writer.put_upstream_notes, step[1], [], {})
+                    else:
+                        ctx.write_later(step[1], ctx.writer.set_source_status, step[1], **step[2])
+                elif step[0] == "notes":
+                    ctx.writer.put_upstream_notes(step[1], [], {})
+                else:
+                    ctx.writer.set_source_status(step[1], **step[2])
+            if merged:
+                for name in ("a", "b"):
+                    queued = len(ctx._later.get(name, []))
+                    runs = sum(1 for i, s in enumerate(steps) if s[1] == name and
+                               (s[0] == "notes" or not any(p[1] == name for p in steps[:i]) or
+                                [p for p in steps[:i] if p[1] == name][-1][0] == "notes"))  # fmt: skip
+                    assert queued == runs
+                    token = current_source.set(name)
+                    try:
+                        await ctx.write(lambda: None)
+                    finally:
+                        current_source.reset(token)
+            rows.append([(s.name, s.state, s.last_error, s.progress_done, s.using_url)
+                         for s in ctx.writer.sources()])  # fmt: skip
+    assert rows[0] == rows[1]

@@ -139,8 +139,21 @@ class HarvestContext:
         """A state write for ``source`` (its status) that needs no thread hop of its own: it runs, in the
         order given, in the thread hop of the next ``write`` made for that source (``current_source``),
         just before that write. Why: a sync's status writes, each its own hop, were a good part of the
-        per-source cost of a harvest of many small sources (benchmarks/bench_many_sources.py)."""
-        self._later.setdefault(source, []).append(partial(fn, *args, **kwargs))
+        per-source cost of a harvest of many small sources (benchmarks/bench_many_sources.py).
+
+        Two status updates in a row (``set_source_status`` of the same source) are one write of their
+        fields, the later's winning: one transaction, the same row in the end."""
+        queued = self._later.setdefault(source, [])
+        last = queued[-1] if queued else None
+        if (
+            isinstance(last, partial)
+            and fn == self.writer.set_source_status
+            and last.func == fn
+            and last.args == args
+        ):
+            queued[-1] = partial(fn, *args, **{**last.keywords, **kwargs})
+            return
+        queued.append(partial(fn, *args, **kwargs))
 
     def drop_later(self, source: str) -> None:
         """Forget the writes waiting for ``source``'s next write (its sync ended without one: the store
