@@ -413,6 +413,33 @@ class _Workers:
             out.close()
 
 
+class _Unlooked:
+    """The producer's side of a pipeline with nothing to look up (``Pipeline.run``: a set that held no
+    row): each change goes to the fetch tasks, or, its content already here (a dump's), to the commit,
+    as ``Pipeline._look_up`` would send a change it found no row for."""
+
+    __slots__ = ("_done", "_work")
+
+    def __init__(self, work: _Workers, done: _InOrder) -> None:
+        self._work, self._done = work, done
+
+    async def send(self, item: tuple[int, Work]) -> None:
+        seq, w = item
+        if w.blob is not None and w.change != DELETED:  # content already here: nothing to fetch
+            pending = _hand(self._done, (seq, _Result(w, change_from(w, w.info), w.blob)))
+            if pending is not None:
+                await pending
+        else:
+            await self._work.send((seq, w, None, None))
+
+    def __enter__(self) -> _Unlooked:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._work, self._done:
+            pass
+
+
 class Pipeline:
     """Bring an ordered stream of ``Work`` into one set of the store."""
 
@@ -500,13 +527,21 @@ class Pipeline:
                                            new_send.clone(), result_send.clone())  # fmt: skip
                         nursery.start_soon(self._produce, items, filters)
                         new_send.close()
-                    else:
-                        nursery.start_soon(self._produce, items, new_send)
                     workers = _Workers(nursery, self._work_one, self._workers, self._workers * 2,
                                        result_send.clone(), ready=self._host_free,
                                        keeping=self.ctx.fetcher.keeping_slots)  # fmt: skip
                     self._fetch_tasks = workers
-                    nursery.start_soon(self._look_up, new_recv, workers, result_send.clone())
+                    if self._empty and not self._filtering:
+                        # Nothing to look up: the producer hands each change to the fetch tasks
+                        # itself, without the lookup task and its channel between (a task and a
+                        # channel per pipeline, a good part of a small new Source's cost).
+                        new_send.close()
+                        new_recv.close()
+                        nursery.start_soon(self._produce, items, _Unlooked(workers, result_send.clone()))
+                    else:
+                        if not self._filtering:
+                            nursery.start_soon(self._produce, items, new_send)
+                        nursery.start_soon(self._look_up, new_recv, workers, result_send.clone())
                 nursery.start_soon(self._commit, result_recv, order)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
@@ -547,7 +582,7 @@ class Pipeline:
         return self.stats
 
     async def _produce(
-        self, items: AsyncGenerator[Work, None], send: trio.MemorySendChannel | _Workers
+        self, items: AsyncGenerator[Work, None], send: trio.MemorySendChannel | _Workers | _Unlooked
     ) -> None:
         # Close the generator in the task that iterates it: its context managers (HTTP streams, cancel
         # scopes) must exit in the task that entered them.
@@ -562,7 +597,9 @@ class Pipeline:
                     except trio.WouldBlock:
                         await self._inflight.acquire()
                     pending = (
-                        send.send((seq, work)) if isinstance(send, _Workers) else _hand(send, (seq, work))
+                        send.send((seq, work))
+                        if not isinstance(send, trio.MemorySendChannel)
+                        else _hand(send, (seq, work))
                     )
                     if pending is not None:
                         await pending
