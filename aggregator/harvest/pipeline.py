@@ -519,13 +519,14 @@ class Pipeline:
         batches, result_recv = trio.open_memory_channel[list[_Result]](math.inf)
         order = _Order(self._batch_size)
         result_send = _InOrder(batches, order)
+        send: trio.MemorySendChannel | _Workers | _Unlooked = new_send
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._commit, result_recv, order)
                 with result_send:
                     if self._filtering:  # plugins decide per entry, concurrently (metadata fetches)
-                        filters = _Workers(nursery, self._filter_one, self._workers, self._workers,
-                                           new_send.clone(), result_send.clone())  # fmt: skip
-                        nursery.start_soon(self._produce, items, filters)
+                        send = _Workers(nursery, self._filter_one, self._workers, self._workers,
+                                        new_send.clone(), result_send.clone())  # fmt: skip
                         new_send.close()
                     workers = _Workers(nursery, self._work_one, self._workers, self._workers * 2,
                                        result_send.clone(), ready=self._host_free,
@@ -537,12 +538,12 @@ class Pipeline:
                         # channel per pipeline, a good part of a small new Source's cost).
                         new_send.close()
                         new_recv.close()
-                        nursery.start_soon(self._produce, items, _Unlooked(workers, result_send.clone()))
+                        send = _Unlooked(workers, result_send.clone())
                     else:
-                        if not self._filtering:
-                            nursery.start_soon(self._produce, items, new_send)
                         nursery.start_soon(self._look_up, new_recv, workers, result_send.clone())
-                nursery.start_soon(self._commit, result_recv, order)
+                # The changes are produced here, in the task that opened their generator (no task of
+                # their own), while the others fetch and commit them.
+                await self._produce(items, send)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
         return self.stats
