@@ -21,6 +21,7 @@ The rules:
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -51,12 +52,15 @@ class _Ticket:
 
 
 class _Host:
-    __slots__ = ("held", "waiting")
+    __slots__ = ("held", "timer", "waiting")
 
     def __init__(self) -> None:
         #: Admitted syncs still counted (admitted less than ``LEASE`` ago), oldest first.
         self.held: dict[_Ticket, None] = {}
         self.waiting: deque[_Ticket] = deque()
+        #: The one waiting sync that wakes when the oldest admitted sync's lease ends (the others wait
+        #: for their turn only): one timer per host, not one per waiting sync.
+        self.timer: _Ticket | None = None
 
 
 class Admissions:
@@ -109,18 +113,31 @@ class Admissions:
                 del self._hosts[host]  # past its lease may leave after its host's entry was renewed)
 
     async def _wait(self, h: _Host, ticket: _Ticket, most: int) -> None:
+        """Wait for ``ticket``'s turn. One waiting sync of the host (``_Host.timer``) also watches the
+        oldest admitted sync's lease and, when it ends, hands the places on; when it leaves the queue
+        (admitted or cancelled), the last waiting sync takes the watch over (it waits the longest).
+        Why one: a timed wait (a cancel scope) for each of 300 waiting Sources of a host was most of
+        what waiting cost them, and they all woke at once when a lease ended."""
         import trio
 
         h.waiting.append(ticket)
+        if h.timer is None:
+            h.timer = ticket
         try:
             while ticket.admitted_at is None:
-                # Until a place is handed on, or the oldest admitted sync's lease ends (then it leaves
-                # its place: whoever wakes first hands the places on, in turn).
-                oldest = next(iter(h.held), None)
-                now = trio.current_time()
-                deadline = oldest.admitted_at + self.lease if oldest and oldest.admitted_at else now
-                with trio.move_on_at(deadline):
+                if h.timer is ticket:
+                    # Until a place is handed on, or the oldest admitted sync's lease ends (then it
+                    # leaves its place: the places go to the waiting syncs in turn).
+                    oldest = next(iter(h.held), None)
+                    now = trio.current_time()
+                    at = oldest.admitted_at if oldest is not None else None  # (0.0 is a time: a test clock)
+                    deadline = at + self.lease if at is not None else now
+                    with trio.move_on_at(deadline):
+                        await ticket.wake.wait()
+                else:
                     await ticket.wake.wait()
+                if ticket.admitted_at is None and ticket.wake.is_set():  # woken to take the watch
+                    ticket.wake = trio.Event()
                 self._expire(h)
                 self._admit_waiting(h, most)
         except BaseException:
@@ -130,6 +147,18 @@ class Admissions:
                 h.held.pop(ticket, None)
                 self._admit_waiting(h, most)
             raise
+        finally:
+            if h.timer is ticket:
+                h.timer = None
+                self._hand_watch(h)
+
+    @staticmethod
+    def _hand_watch(h: _Host) -> None:
+        """The watch of the leases goes to the last waiting sync, woken to take it (if it was admitted
+        meanwhile, it hands it on again as it leaves ``_wait``)."""
+        if h.waiting:
+            h.timer = h.waiting[-1]
+            h.timer.wake.set()
 
     def _admit(self, h: _Host, ticket: _Ticket) -> None:
         import trio
@@ -156,6 +185,7 @@ class Admissions:
                 break  # oldest first: the rest are younger
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of the text: each sync of a Source asks it again
 def _host(url: str) -> str:
     try:
         return (urlsplit(url).hostname or "").lower()

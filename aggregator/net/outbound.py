@@ -110,6 +110,7 @@ def parse_networks(values: Iterable[str]) -> tuple[IPNetwork, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of the text, asked per configured URL and per listen
 def is_loopback_host(host: str) -> bool:
     """Whether ``host`` (a name or a literal address) is this machine's loopback only."""
     host = host.strip("[]").lower()
@@ -161,7 +162,15 @@ def implicit_networks(url: str) -> tuple[IPNetwork, ...]:
     """The networks a configured URL's origin is trusted at without being told: its literal address
     (no name, so nothing to re-point), or loopback for ``localhost`` (RFC 6761 §6.3: always loopback;
     what it resolves to is still checked against loopback). Other names: none."""
-    host = urlsplit(url).hostname or ""
+    return _implicit_networks(urlsplit(url).hostname or "")
+
+
+# Why cached: a pure function of the host, asked for every configured Source (300 Sources on one host
+# parsed the same address 300 times), and the networks it returns are then the same objects for every
+# Source of the host, which the connection pools' keys compare by identity first (``LeanPool``).
+@functools.lru_cache(maxsize=4096)
+def _implicit_networks(host: str) -> tuple[IPNetwork, ...]:
+    """``implicit_networks`` of a URL whose host (``urlsplit(...).hostname``) is ``host``."""
     if is_loopback_host(host) and not _is_literal(host):
         return LOOPBACK
     try:
@@ -170,6 +179,7 @@ def implicit_networks(url: str) -> tuple[IPNetwork, ...]:
         return ()
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of the text: per configured URL, per literal check
 def _is_literal(host: str) -> bool:
     try:
         ipaddress.ip_address(host.strip("[]"))
@@ -569,7 +579,8 @@ def configured_pins(config: Config) -> Pins:
         if o is None or not nets:
             return
         mine = pins.setdefault(o, {}).get(requester, ())
-        pins[o][requester] = tuple(dict.fromkeys((*mine, *nets)))
+        # One network alone is kept as it is (the same objects for every Source of the host).
+        pins[o][requester] = nets if not mine and len(nets) == 1 else tuple(dict.fromkeys((*mine, *nets)))
 
     for src in config.sources:
         pin(src.url, src.name, implicit_networks(src.url) + parse_networks(src.addresses))
