@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial, wraps
 from pathlib import Path
@@ -125,11 +126,15 @@ class HarvestContext:
         later = self._later.pop(current_source.get(), None) if self._later else None
 
         def call() -> T:
-            if progress:
-                self._save_progress(progress)
-            for step in later or ():
-                step()
-            return fn(*args, **kwargs)
+            if not progress and not later:
+                return fn(*args, **kwargs)
+            # What rides along and the write itself: one transaction where the state can join them.
+            with together() if (together := getattr(self.writer, "together", None)) else nullcontext():
+                if progress:
+                    self._save_progress(progress)
+                for step in later or ():
+                    step()
+                return fn(*args, **kwargs)
 
         if self._writes is None:
             self._writes = _SharedHops(partial(in_thread, limiter=self._write_limiter))

@@ -169,6 +169,8 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
         self._clock = clock
         self._lock = threading.RLock()
         self._commits = 0  # own committed write transactions (version())
+        #: The thread whose writes join one transaction now (``together``), or None.
+        self._together: int | None = None
         try:
             conn = sqlite3.connect(str(self.path), timeout=busy_timeout, check_same_thread=False)
         except sqlite3.Error as exc:
@@ -261,12 +263,35 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
                 self.conn.execute(f"PRAGMA user_version = {i + 1}")
 
     @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """The writes of this thread inside are one transaction: all of them, or none (an exception
+        rolls every one back). Why: a sync's status writes ride along with its next write
+        (``HarvestContext.write_later``), and each was a transaction of its own, its locks and its
+        WAL frames, a good part of the state writer's work for a small Source
+        (benchmarks/bench_many_sources.py)."""
+        if self._together == threading.get_ident():  # nested: the outer one decides
+            yield
+            return
+        with self._write():
+            self._together = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._together = None
+
+    @contextlib.contextmanager
     def _write(self, *, fence: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction: BEGIN IMMEDIATE (take the write lock now, not at the first write,
         so concurrent writers wait in busy_timeout instead of failing on lock upgrade) ... COMMIT.
+        Inside ``together``, the writes of its thread are part of its transaction.
 
         Under a fence (``interface.FENCE``) the lease is checked first, inside the transaction: the
         write lock is held from the check to the commit, so no grant can come in between."""
+        if self._together is not None and self._together == threading.get_ident():
+            if not self.conn.in_transaction:  # SQLite rolled it back after an error a caller let pass
+                raise StateUnavailable(f"state {self.path}: a write failed and its transaction is gone")
+            yield self.conn  # the lock is held by ``together``'s transaction, in this thread
+            return
         current = FENCE.get() if fence else None
         with self._lock, self._unwritable():
             with immediate_transaction(self.conn) as conn:
