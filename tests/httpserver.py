@@ -23,3 +23,14 @@ def serve_app(
 ) -> AbstractAsyncContextManager[str]:
     """Serve the ASGI ``app`` on ``host`` at a free port; yields the base URL (no trailing slash)."""
     return serving(app, host, 0, graceful_timeout=graceful_timeout)
+
+
+async def answer_lifespan(receive: Any, send: Any) -> None:
+    """A raw ASGI app's answer to the server's lifespan messages (start-up, then shut-down)."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        else:
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -16,7 +16,7 @@ import trio
 
 from aggregator.harvest import fetch
 from aggregator.harvest.fetch import Fetcher, FetchError
-from tests.httpserver import serve_app
+from tests.httpserver import answer_lifespan, serve_app
 
 HEAD = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -51,12 +51,8 @@ class Answer:
 def app_for(answer: Answer, stalled: trio.Event) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                done = message["type"] == "lifespan.shutdown"
-                await send({"type": f"{message['type']}.complete"})
-                if done:
-                    return
+            await answer_lifespan(receive, send)
+            return
         headers = [(b"content-type", b"application/xml")]
         if answer.gzip:
             headers.append((b"content-encoding", b"gzip"))

@@ -41,7 +41,7 @@ from aggregator.testing.upstream import Upstream
 
 from .apps import create_app
 from .harvesting import harvest, make_config
-from .httpserver import serve_app
+from .httpserver import answer_lifespan, serve_app
 
 # Harvests the demo upstream, serves it, reads it back with httpx and the resync client (seconds per test).
 pytestmark = pytest.mark.slow
@@ -64,13 +64,8 @@ async def publishing(
 
     async def asgi(scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                else:
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         await holder["app"](scope, receive, send)
 
     async def fast_lane(method: bytes, target: bytes) -> Any:  # the server's fast lane: the app's

@@ -14,7 +14,7 @@ import trio
 
 from aggregator.harvest import pipeline
 from aggregator.harvest.fetch import KEEP_MOST, Fetcher, SlotKeeper
-from tests.httpserver import serve_app
+from tests.httpserver import answer_lifespan, serve_app
 
 
 class Server:
@@ -29,13 +29,8 @@ class Server:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                else:
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         host = dict(scope["headers"]).get(b"host", b"").decode().split(":")[0]
         self.order.append(scope["path"])
         self.now[host] += 1

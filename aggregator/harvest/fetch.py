@@ -372,6 +372,15 @@ class _Body:
             raise _transport_error(self.final_url, exc) from exc
 
 
+async def _pour(body: _Body, decoder: _Decoder, put: Callable[[bytes], None]) -> None:
+    """``body``, decoded, piece by piece into ``put``."""
+    async for raw in body.chunks():
+        for piece in decoder.feed(raw):
+            put(piece)
+    for piece in decoder.finish():
+        put(piece)
+
+
 class _Spool:
     """A document body, written by its download (``Fetcher._download_document``: a task of its own, or
     the caller before it parses) and read by the parser, each at its own pace."""
@@ -1076,11 +1085,7 @@ class Fetcher:
                     raise FetchError(url, "size", f"document larger than {cap} bytes")
                 spool.append(piece)
 
-            async for raw in body.chunks():
-                for piece in decoder.feed(raw):
-                    put(piece)
-            for piece in decoder.finish():
-                put(piece)
+            await _pour(body, decoder, put)
             spool.finish(sha256=hasher.sha256)
             ok = True
         except Exception as exc:
@@ -1115,11 +1120,7 @@ class Fetcher:
                             raise FetchError(body.final_url, "size", f"body larger than {max_bytes} bytes")
                         parts.append(piece)
 
-                    async for raw in body.chunks():
-                        for piece in decoder.feed(raw):
-                            put(piece)
-                    for piece in decoder.finish():
-                        put(piece)
+                    await _pour(body, decoder, put)
                     ctype = resp.headers.get("content-type")
                     return FetchedBytes(
                         body.final_url, resp.status_code, b"".join(parts), ctype, resp.headers
