@@ -40,7 +40,7 @@ class Answer:
         self.sent = gzip.compress(self.doc) if self.gzip else self.doc
         self.declared = rng.random() < 0.7  # Content-Length, else chunked
         self.cut = rng.randrange(len(self.sent)) if rng.random() < 0.3 else None
-        self.stall = rng.randrange(1, len(self.sent)) if self.cut is None and rng.random() < 0.15 else None
+        self.stall = rng.randrange(1, len(self.sent)) if self.cut is None and rng.random() < 0.2 else None
         self.status = rng.choice([200] * 8 + [404, 503])
 
     def __repr__(self) -> str:
@@ -94,7 +94,7 @@ async def read(fetcher: Fetcher, url: str) -> tuple:
         return ("open failed", exc.kind, exc.transient)
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(24))
 async def test_a_document_reads_the_same_whether_read_whole_or_by_a_task(
     seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -116,7 +116,10 @@ async def test_a_document_reads_the_same_whether_read_whole_or_by_a_task(
         stalled = trio.Event()
         with trio.fail_after(30):
             async with serve_app(app_for(answer, stalled)) as base:
-                async with Fetcher(document_deadline=0.3, retries=1, backoff_base=0.0) as fetcher:
+                # The deadline passes only where the answer stalls (the rest of it never comes until
+                # the test ends): a second there, a minute elsewhere (no race with a loaded machine).
+                deadline = 1.0 if answer.stall is not None else 60.0
+                async with Fetcher(document_deadline=deadline, retries=0) as fetcher:
                     seen.append(await read(fetcher, f"{base}/rl.xml"))
                 stalled.set()
         started = bool(tasks)

@@ -389,6 +389,7 @@ async def test_a_read_waiting_past_the_timeout_fails_alike_on_both_paths(
     assert outcomes[0][:5] == outcomes[1][:5] == ("error", "timeout", None, True, None), outcomes
 
 
+@pytest.mark.slow  # about 2 s: waits out its read timeouts
 async def test_reads_at_once_time_out_each_on_its_own(tmp_path: Path) -> None:
     """Generated: GETs at once on one pool, each answered at once, a little later or never. Those never
     answered fail as timeouts; every other one succeeds, its connection untouched by the others'."""

@@ -97,6 +97,7 @@ def test_botocore_logs_credentials_unless_tamed(s3_endpoint: str, restore_loggin
     assert _leaks(raw.getvalue())
 
 
+@pytest.mark.slow  # about 2 s each: a whole harvest at debug level
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_debug_logging_leaks_no_credential(
     s3_endpoint: str, restore_logging: None, capsys: pytest.CaptureFixture[str], fmt: str

@@ -276,6 +276,7 @@ async def test_kill_9_mid_walk_then_resume_no_gap_no_duplicate(tmp_path: Path):
         assert titles(cfg) == repo.live()
 
 
+@pytest.mark.slow  # about 4 s: every set and deletion policy, with errors, against the server
 async def test_sets_errors_and_deleted_policies(tmp_path: Path, caplog):
     repo = Repository(deleted_record="transient")
     repo.bulk_add(0, 300)
