@@ -161,8 +161,21 @@ class _Model:
             object.__setattr__(self, name, getattr(checked, name))
 
 
+#: What no URL holds (RFC 3986 §2): the C0 controls and DEL. ``urlsplit`` drops some of them silently,
+#: httpx refuses them all, at a Source's first request, after the start.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _is_url(value: str) -> bool:
-    parts = urlsplit(value)
+    """An http(s) URL with a host, readable as the harvest's clients read it: no control character, a
+    port that is a number."""
+    if _CONTROL.search(value):
+        return False
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 (ValueError: not a port)
+    except ValueError:
+        return False
     return parts.scheme in ("http", "https") and bool(parts.netloc)
 
 

@@ -359,3 +359,32 @@ def test_cli_reports_every_problem_on_its_own_line(tmp_path, capsys):
         f"rsagg status: config error: {path}: store.settings: must be a table, not 5",
         f"{path}: sources[0].interval: must be float, not '5'",
     ]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_source_url_the_config_takes_is_one_httpx_reads(tmp_path, seed):
+    """Generated: URLs of letters, digits, the URL delimiters, spaces, percent signs, non-ASCII letters
+    and control characters. Any the configuration takes as a Source's URL, httpx reads too (it refused
+    a control character at the Source's first request, after the start, with a traceback); any it
+    refuses is refused naming the key."""
+    import json
+    import random
+
+    import httpx
+
+    rng = random.Random(seed)
+    alphabet = "abcxyz019-._~:/?#[]@!$&'()*+,;=% é" + "".join(map(chr, [0, 9, 10, 13, 27, 31, 127]))
+    taken = 0
+    for _ in range(300):
+        host = rng.choice(["x", "127.0.0.1", "[::1]", "exa mple", "h:80", "h:8a", "[::1"])
+        url = "http://" + host + "/" + "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12)))
+        path = tmp_path / "c.toml"
+        path.write_text(f'[[sources]]\nname = "a"\nurl = {json.dumps(url)}\n', encoding="utf-8")
+        try:
+            load_config(path)
+        except ConfigError as err:
+            assert err.key == "sources[0].url", (url, err)
+            continue
+        taken += 1
+        httpx.URL(url)  # raises for what the configuration should have refused
+    assert taken > 30
