@@ -30,8 +30,6 @@ import json
 import os
 import sys
 from dataclasses import fields, is_dataclass
-from itertools import compress, repeat
-from operator import not_
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -160,13 +158,8 @@ def encode(value: Any) -> Any:
         return {"d": {k: encode(v) for k, v in value.items()}}
     names = _FIELDS.get(kind)
     if names is not None:
-        # The fields as they are, then those holding a container encoded (a Source has 17 fields, most
-        # of them plain: the loop over them runs in C).
-        values = list(map(getattr, repeat(value), names))
-        out = dict(zip(names, values, strict=True))
-        for name in compress(names, map(not_, map(_PLAIN.__contains__, map(type, values)))):
-            out[name] = encode(out[name])
-        return {"c": kind.__name__, "f": out}
+        got = {n: getattr(value, n) for n in names}  # a Source's 17 fields, most of them plain
+        return {"c": kind.__name__, "f": {n: v if type(v) in _PLAIN else encode(v) for n, v in got.items()}}
     raise _Unsnapshottable(kind.__name__)
 
 
@@ -187,11 +180,7 @@ def _decode(data: Any) -> Any:
         return {k: v if type(v) in _PLAIN else _decode(v) for k, v in data["d"].items()}
     if data.keys() == {"c", "f"}:
         cls = MODELS[data["c"]]
-        given = data["f"]
-        kwargs = dict(given.items())  # as ``encode`` above: only the containers decoded one by one
-        for name in compress(given, map(not_, map(_PLAIN.__contains__, map(type, given.values())))):
-            kwargs[name] = _decode(given[name])
-        return cls(**kwargs)
+        return cls(**{k: v if type(v) in _PLAIN else _decode(v) for k, v in data["f"].items()})
     raise ValueError(f"not a tagged value: {sorted(data)}")
 
 

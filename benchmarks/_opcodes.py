@@ -16,8 +16,10 @@ function in another checkout is the same row; two lambdas of one function share 
 code is this process's.
 
 What is not counted: code in C (SQLite, lxml, hashing, the interpreter itself, the kernel), and the
-Python code that runs before the counter starts. The counts depend on the run's timing only where rsagg
-does (which writes share a thread hop, how often a task waits for a slot), far less than CPU time does.
+Python code that runs before the counter starts. The counts depend on the run's timing where rsagg
+does (which writes share a thread hop, how often a task waits for a slot, when a timer fires), and the
+counter slows the run about six times, which changes those parts: a guide to where Python work goes, not
+a measure of what a change saves in CPU (docs/benchmarks.md, "Many sources").
 """
 
 from __future__ import annotations

@@ -786,6 +786,10 @@ class Fetcher:
             del self._keepers[task]
             keeper.hand_back()
 
+    def _keeper(self) -> SlotKeeper | None:
+        """The current task's ``SlotKeeper``, if it keeps its slots (``keeping_slots``)."""
+        return self._keepers.get(trio.lowlevel.current_task()) if self._keepers else None
+
     def _limiter(self, host: str) -> trio.CapacityLimiter:
         lim = self._limiters.get(host)
         if lim is None:
@@ -824,7 +828,7 @@ class Fetcher:
             log.exception("metrics hook failed")
 
     async def _sleep(self, seconds: float) -> None:
-        keeper = self._keepers.get(trio.lowlevel.current_task()) if self._keepers else None
+        keeper = self._keeper()
         if keeper is not None:  # nobody waits on a slot kept through a backoff
             keeper.hand_back()
         await trio.sleep(seconds)
@@ -888,9 +892,7 @@ class Fetcher:
                                         extensions=self._extensions)  # fmt: skip
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise _transport_error(url, exc) from exc
-        keeper = (
-            self._keepers.get(trio.lowlevel.current_task()) if self._keepers and borrower is None else None
-        )
+        keeper = self._keeper() if borrower is None else None
         for _hop in range(MAX_REDIRECTS + 1):
             host = request.url.host
             if self.request_hook is not None:

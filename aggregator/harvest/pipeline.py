@@ -229,6 +229,11 @@ def change_from(work: Work, info: BlobInfo | None, content_type: str | None = No
     )
 
 
+def _arrived(w: Work) -> _Result | None:
+    """The result of a change whose content is already here (a dump's): nothing to look up or fetch."""
+    return _Result(w, change_from(w, w.info), w.blob) if w.blob is not None and w.change != DELETED else None
+
+
 def _hand(send: trio.MemorySendChannel | _InOrder, item: Any) -> Awaitable[None] | None:
     """Hand ``item`` on at once when ``send`` has room (None), else the send to await.
 
@@ -425,12 +430,11 @@ class _Unlooked:
 
     async def send(self, item: tuple[int, Work]) -> None:
         seq, w = item
-        if w.blob is not None and w.change != DELETED:  # content already here: nothing to fetch
-            pending = _hand(self._done, (seq, _Result(w, change_from(w, w.info), w.blob)))
-            if pending is not None:
-                await pending
-        else:
+        here = _arrived(w)
+        if here is None:
             await self._work.send((seq, w, None, None))
+        elif (pending := _hand(self._done, (seq, here))) is not None:
+            await pending
 
     def __enter__(self) -> _Unlooked:
         return self
@@ -661,8 +665,8 @@ class Pipeline:
                 else:  # deletions and content from dumps: nothing to look up
                     found = [(None, False, None)] * len(works)
                 for (seq, w), (existing, same, validators) in zip(batch, found, strict=True):
-                    if w.blob is not None and w.change != DELETED:  # content already here: nothing to fetch
-                        pending = _hand(done, (seq, _Result(w, change_from(w, w.info), w.blob)))
+                    if (here := _arrived(w)) is not None:
+                        pending = _hand(done, (seq, here))
                     elif same:
                         self.stats.unchanged += 1
                         assert existing is not None and existing.sha256 is not None

@@ -239,18 +239,29 @@ def _timestamp(dt: datetime | None) -> float | None:
 
 
 class _Durations:
-    """One source's upstream requests so far (``Metrics.fetch_hook``): bytes, durations per bucket; or
-    its syncs (``Metrics.sync_finished``: ``bounds`` = ``len(SYNC_BUCKETS)``, no bytes)."""
+    """One source's durations per bucket of ``bounds`` (and bytes): its upstream requests
+    (``Metrics.fetch_hook``, ``FETCH_BUCKETS``) or its syncs (``Metrics.sync_finished``, ``SYNC_BUCKETS``,
+    no bytes), as prometheus-client's Histogram would count them."""
 
-    __slots__ = ("bytes", "counts", "sum")
+    __slots__ = ("bounds", "bytes", "counts", "sum")
 
-    def __init__(self, bounds: int = len(FETCH_BUCKETS)) -> None:
-        self.counts = [0] * (bounds + 1)  # the last: above every bound (+Inf)
+    def __init__(self, bounds: tuple[float, ...] = FETCH_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
         self.sum = 0.0
         self.bytes = 0
 
+    def observe(self, seconds: float) -> None:
+        if seconds == seconds:  # NaN: in no bucket, nor in the count (as prometheus-client's)
+            self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def buckets(self, le: tuple[str, ...]) -> list[tuple[str, int]]:
+        """(``le`` label, count at or below it) per bucket: ``le`` are the bounds as exposed."""
+        return list(zip(le, accumulate(self.counts), strict=True))
+
     def copy(self) -> _Durations:
-        other = _Durations(len(self.counts) - 1)
+        other = _Durations(self.bounds)
         other.counts, other.sum, other.bytes = list(self.counts), self.sum, self.bytes
         return other
 
@@ -525,8 +536,7 @@ class Metrics:
             durations = self._fetched.get(source)
             if durations is None:
                 durations = self._fetched[source] = _Durations()
-            durations.counts[bisect_left(FETCH_BUCKETS, seconds)] += 1
-            durations.sum += seconds
+            durations.observe(seconds)
             durations.bytes += nbytes
 
     def server_refused_hook(self, reason: str) -> None:
@@ -586,10 +596,8 @@ class Metrics:
             self._syncs[key] = self._syncs.get(key, 0) + 1
             durations = self._sync_durations.get(source)
             if durations is None:
-                durations = self._sync_durations[source] = _Durations(len(SYNC_BUCKETS))
-            if seconds == seconds:  # NaN: in no bucket, nor in the count (as prometheus-client's)
-                durations.counts[bisect_left(SYNC_BUCKETS, seconds)] += 1
-            durations.sum += seconds
+                durations = self._sync_durations[source] = _Durations(SYNC_BUCKETS)
+            durations.observe(seconds)
         if exc is not None:
             self.error(source, error_kind(exc))
         if ok or degraded:
@@ -670,7 +678,7 @@ class Metrics:
             "rsagg_fetch_duration_seconds", "Upstream HTTP request duration, body included", labels=["source"]
         )
         for source, d in fetched.items():
-            durations.add_metric([source], list(zip(_FETCH_LE, accumulate(d.counts), strict=True)), d.sum)
+            durations.add_metric([source], d.buckets(_FETCH_LE), d.sum)
         yield durations
 
     def _collect_harvest(self) -> Iterator[Metric]:
@@ -689,7 +697,7 @@ class Metrics:
                     self._repairs,
                 )
             ]
-            durations = [(s, list(d.counts), d.sum) for s, d in self._sync_durations.items()]
+            durations = [(s, d.copy()) for s, d in self._sync_durations.items()]
         for (name, doc, labels), values in zip(_HARVEST_COUNTERS, counters, strict=True):
             fam = CounterMetricFamily(name, doc, labels=labels)
             for key, n in values.items():
@@ -698,8 +706,8 @@ class Metrics:
         hist = HistogramMetricFamily(
             "rsagg_sync_duration_seconds", "Duration of a sync of a source", labels=["source"]
         )
-        for source, counts, total in durations:
-            hist.add_metric([source], list(zip(_SYNC_LE, accumulate(counts), strict=True)), total)
+        for source, d in durations:
+            hist.add_metric([source], d.buckets(_SYNC_LE), d.sum)
         yield hist
 
     def _collect_errors(self) -> Iterator[Metric]:
