@@ -24,6 +24,20 @@ HARVEST_ONCE = [sys.executable, "-m", "aggregator", "harvest", "--once", "-c", "
                 "--log-level", "warning"]  # fmt: skip
 
 
+def run_cli(command: list[str]) -> int:
+    """``aggregator.cli.main(command)`` as a child process's whole work (the runners ``_opcodes.py`` and
+    ``_phases.py``, which set up their measure before and read it after): its exit code, a SystemExit's
+    included."""
+    from aggregator.cli import main
+
+    code: int | str | None
+    try:
+        code = main(command)
+    except SystemExit as exc:
+        code = exc.code
+    return code if isinstance(code, int) else (0 if code is None else 1)
+
+
 def third_party_plugins() -> list[str]:
     """Plugins installed from outside rsagg (entry points), e.g. the test suite's example plugin."""
     from importlib.metadata import entry_points

@@ -33,6 +33,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from _harness import run_cli
+
 #: The owner of the opcodes run with no frame of the ``aggregator`` package on the stack.
 NO_OWNER = "(no rsagg frame: the worker threads' own loops)"
 
@@ -108,7 +110,7 @@ def count_main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     sys.argv = ["rsagg", *command]
     import aggregator
-    from aggregator.cli import main
+    import aggregator.cli  # imported before counting, as the preloads are
 
     for module in args.preload:
         try:
@@ -119,17 +121,13 @@ def count_main(argv: list[str] | None = None) -> int:
     counter = OpcodeCounter(str(Path(aggregator.__file__).resolve().parent))
     threading.settrace(counter.trace)
     sys.settrace(counter.trace)
-    code: int | str | None = 0
     try:
-        code = main(command)
-    except SystemExit as exc:
-        code = exc.code
+        return run_cli(command)
     finally:
         sys.settrace(None)
         threading.settrace(None)  # type: ignore[arg-type]
         owners = counter.by_owner()
         args.out.write_text(json.dumps({"total": sum(owners.values()), "owners": owners}))
-    return code if isinstance(code, int) else (0 if code is None else 1)
 
 
 # -- reading the counts: bench_many_sources.py's table ------------------------------------------------

@@ -37,6 +37,17 @@ with start-up left out, and the 15 rsagg functions whose opcodes grow most per e
 count does not swing with the machine's load, but leaves out C code (SQLite, lxml, the kernel).
 
     python benchmarks/bench_many_sources.py --opcodes [--before /tmp/before]
+
+``--phases``: what a small Source's extra CPU is made of, at full speed. Each case runs once, one sync
+and one fetch at a time (``[harvest] per_host = 1, workers = 1``, one sync per request slot), under
+``benchmarks/_phases.py``, which sums the CPU of its thread over each call of a few functions (a sync,
+its discovery, its baseline, the Resource List's entries, the pipeline's fetches and commits) and of each
+state write, on the event loop's side and in the state writer's thread; then the process's CPU, its write
+syscalls, the bytes it wrote and its context switches. The table gives each in both cases and the extra
+per Source. One at a time, a Source's waits are not overlapped with another's: its extra CPU is higher
+than the timed runs', but every part of it has a name.
+
+    python benchmarks/bench_many_sources.py --phases
 """
 
 from __future__ import annotations
@@ -64,11 +75,17 @@ from _harness import ROOT, Finished, lifespan, plugins_off, run_child, serve_unt
 from _headline import headline
 from _opcodes import Counts, Figures
 from _opcodes import table as opcodes_table
+from _phases import Phases
+from _phases import table as phases_table
 
 TARGET = 1.3  # many/one, per resource
 #: ``--opcodes``: the counter (run in place of ``python -m aggregator``) and the modules it imports before it
 #: counts (the harvest's own imports, the same in every case: left out, they cost no traced time).
 OPCODES = Path(__file__).resolve().parent / "_opcodes.py"
+#: ``--phases``: the runner that sums the CPU of a sync's parts, and the harvest settings it needs (one sync
+#: at a time, one fetch at a time: an await's CPU is then that sync's).
+PHASES = Path(__file__).resolve().parent / "_phases.py"
+ONE_AT_A_TIME = {"per_host": 1, "workers": 1}
 PRELOAD = ("aggregator.commands.harvest", "aggregator.harvest.source", "aggregator.run.compose")
 RS = "http://www.openarchives.org/rs/terms/"
 SM = "http://www.sitemaps.org/schemas/sitemap/0.9"
@@ -251,10 +268,12 @@ def run_watched(cmd: list[str], cwd: Path, root: Path) -> tuple[Finished, tuple[
     return Finished(wall, proc.returncode, usage), (main, sum(seen.values()))
 
 
-def config_text(base: str, sources: int) -> str:
-    """rsagg's configuration: defaults, the store in ``data``, ``sources`` Sources (0: the big one),
-    third-party plugins off (``_harness.plugins_off``)."""
+def config_text(base: str, sources: int, harvest: dict[str, int] | None = None) -> str:
+    """rsagg's configuration: defaults (but ``harvest``'s settings), the store in ``data``, ``sources``
+    Sources (0: the big one), third-party plugins off (``_harness.plugins_off``)."""
     lines = ['[store]\npath = "data"\n']
+    if harvest:
+        lines.append("[harvest]\n" + "".join(f"{k} = {v}\n" for k, v in harvest.items()))
     if sources == 0:
         lines.append(f'[[sources]]\nname = "big"\nurl = "{base}/big/capabilitylist.xml"\n')
     for i in range(sources):
@@ -272,18 +291,22 @@ def harvest(
     root: Path = ROOT,
     threads: bool = False,
     opcodes: Path | None = None,
+    phases: Path | None = None,
 ) -> Run:
     """``rsagg harvest --once`` of ``sources`` Sources (0: the big one) of ``total`` resources in all, in
     ``work/name``; every Source must end ok with every resource fetched. ``profile``: under cProfile, into
-    that file; ``opcodes``: under the opcode counter, its counts into that file."""
+    that file; ``opcodes``: under the opcode counter, its counts into that file; ``phases``: one sync and
+    one fetch at a time, the CPU of its parts summed into that file."""
     folder = work / name
     folder.mkdir(parents=True)
-    (folder / "rsagg.toml").write_text(config_text(base, sources))
+    (folder / "rsagg.toml").write_text(config_text(base, sources, ONE_AT_A_TIME if phases else None))
     cmd = [sys.executable]
     if profile:
         cmd += ["-m", "cProfile", "-o", profile]
     if opcodes is not None:
         cmd += [str(OPCODES), "--out", str(opcodes), *(f"--preload={m}" for m in PRELOAD), "--"]
+    elif phases is not None:
+        cmd += [str(PHASES), "--out", str(phases), "--"]
     else:
         cmd += ["-m", "aggregator"]
     cmd += ["harvest", "--once", "-c", "rsagg.toml", "--log-level", "warning"]
@@ -390,6 +413,21 @@ def count_opcodes(work: Path, n: int, m: int, small: int, root: Path = ROOT, tre
     return Figures(counts["one"], counts["small"], counts["many"], n, m, small)
 
 
+def sum_phases(work: Path, n: int, m: int) -> tuple[Phases, Phases]:
+    """One run of each case with the CPU of a sync's parts summed (``_phases.py``), one sync at a time."""
+    got = {}
+    for case, sources in (("one", 0), ("many", n)):
+        up = Upstream(n if sources else 0, m, 0 if sources else n * m, work / "upstream.log")
+        out = work / f"phases-{case}.json"
+        try:
+            harvest(work, f"phases-{case}", up.base, sources, n * m, phases=out)
+        finally:
+            up.stop()
+        got[case] = Phases.read(out)
+        print(f"{case}: {got[case].process_cpu:.2f} s CPU, load average {os.getloadavg()[0]:.2f}", flush=True)
+    return got["one"], got["many"]
+
+
 def show_profile(one: str, many: str, top: int = 40) -> None:
     """The functions whose own time grows most from the one case to the many case (the per-source cost;
     main thread only: state writes in worker threads are not in it)."""
@@ -426,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="count Python opcodes instead of timing: each case once, under the counter (see above)",
     )
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="the CPU of each part of a sync, one sync and one fetch at a time: each case once (see above)",
+    )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--big", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--counts", default="", help=argparse.SUPPRESS)
@@ -439,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--opcodes: needs at least 2 Sources and 2 resources")
     if args.opcodes and (args.profile or args.threads):
         p.error("--opcodes: counts instead of timing; --profile and --threads time (run them apart)")
+    if args.phases and (args.opcodes or args.profile or args.threads or args.before or n < 2):
+        p.error("--phases: runs alone, on this checkout, with at least 2 Sources")
     work = Path(tempfile.mkdtemp(prefix="rsagg-many-"))
     from importlib.metadata import entry_points
 
@@ -453,6 +498,13 @@ def main(argv: list[str] | None = None) -> int:
             after = count_opcodes(work, n, m, small)
             before = count_opcodes(work, n, m, small, args.before, "before") if args.before else None
             print(opcodes_table(after, before, target=TARGET))
+            print(f"load average after: {os.getloadavg()[0]:.2f}")
+            return 0
+        if args.phases:
+            settings = ", ".join(f"{k} = {v}" for k, v in ONE_AT_A_TIME.items())
+            print(f"one sync at a time: [harvest] {settings}, one sync per request slot")
+            one, many = sum_phases(work, n, m)
+            print(phases_table(one, many, n, m))
             print(f"load average after: {os.getloadavg()[0]:.2f}")
             return 0
         for r in range(args.repeat):
