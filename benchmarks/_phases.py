@@ -1,22 +1,25 @@
-"""What each part of a sync costs in CPU, at full speed: ``bench_many_sources.py --phases``.
+"""What each part of a harvest costs in CPU, at full speed: ``bench_many_sources.py --phases``.
 
 Run as a child process in place of ``python -m aggregator``::
 
     python benchmarks/_phases.py --out phases.json -- harvest --once -c rsagg.toml
 
-It wraps a few functions of the harvest (``LOOP_PHASES``) so that each call adds the CPU time of the thread
-that runs it (``time.thread_time``, across its awaits) to its phase, and every state write the CPU it
-takes in the state writer's thread, by the function it runs (the writes riding along with it included).
-It runs the command, then writes to ``--out`` those sums, the process's CPU, its I/O counters
-(``/proc/self/io``: write syscalls, bytes) and its context switches (``getrusage``). The command's exit code
-is this process's.
+The event loop's thread: a trio instrument reads the thread's CPU (``time.thread_time``) at the start and
+end of every task step and gives it to the part the task is in then. A part is a call of one of a few
+functions of the harvest (``LOOP_PHASES``, and every state write), wrapped so that each call marks its
+task as in that part until it returns. Parts nest within a task (a discovery inside a sync), and each
+step's CPU goes to the innermost one, so every figure is a part's own CPU, that of the parts inside it left
+out. A step in no part goes to its task's name; the loop's CPU between steps goes to the scheduler. The
+attribution is exact however many syncs run at once: a step belongs to one task.
+
+The state writer's thread: each write call's CPU in that thread, by the function written (the writes
+riding along with it included).
+
+The process: its CPU, its I/O counters (``/proc/self/io``: write syscalls, bytes) and its context
+switches (``getrusage``).
 
 Why not a profiler or the opcode counter: both slow the harvest (cProfile about twice, the counter six
-times), which changes how its tasks and threads wait; a wrapper costs a few microseconds a call.
-
-Valid only when one sync runs at a time: an await's CPU is then that sync's. The benchmark runs both cases
-with ``per_host = 1`` and ``workers = 1`` (printed), and this runner admits one sync per request slot of a
-host (``admission.PER_SLOT = 1``). The phases nest (a baseline is part of its sync); the table says how.
+times), which changes how its tasks and threads wait; the instrument costs about 4 µs a task step.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import inspect
 import json
 import resource
 import sys
@@ -35,52 +39,109 @@ from typing import Any
 
 from _harness import run_cli
 
-#: (label, module, attribute): async functions (or async generator functions, each step counted) of the
-#: event loop's thread, wrapped where their callers look them up. Indented labels are parts of the one
-#: above them.
+#: (label, module, attribute): coroutine functions (or async generator functions: each step a call) run by
+#: the event loop's tasks, wrapped where their callers look them up.
 LOOP_PHASES = (
-    ("a sync, once admitted", "aggregator.harvest.source", "_sync_admitted"),
-    ("  discovery", "aggregator.harvest.source", "discover"),
-    ("  the baseline", "aggregator.harvest.source", "run_baseline"),
-    ("    the Resource List's entries", "aggregator.harvest.baseline", "resource_list_entries"),
-    ("    pipeline: state read at its start", "aggregator.harvest.pipeline", "Pipeline._prime"),
-    ("    pipeline: a resource fetched", "aggregator.harvest.pipeline", "Pipeline._work_one"),
-    ("    pipeline: a batch committed", "aggregator.harvest.pipeline", "Pipeline._flush_part"),
+    ("sync (the rest of it)", "aggregator.harvest.source", "_sync_admitted"),
+    ("discovery", "aggregator.harvest.source", "discover"),
+    ("baseline (the rest of it)", "aggregator.harvest.source", "run_baseline"),
+    ("the Resource List's entries", "aggregator.harvest.baseline", "resource_list_entries"),
+    ("pipeline: state reads at its start", "aggregator.harvest.pipeline", "Pipeline._prime"),
+    ("pipeline: resource fetches", "aggregator.harvest.pipeline", "Pipeline._work_one"),
+    ("pipeline: batch commits", "aggregator.harvest.pipeline", "Pipeline._flush_part"),
 )
-#: The loop's side of every state write (its thread hop), by the function written, under this prefix.
-WRITE_LOOP = "  state write, event loop: "
+#: The event loop's side of every state write (its thread hop), by the function written.
+WRITE_LOOP = "state write: "
 #: The state writer's thread, by the function written.
-WRITE_THREAD = "state write, writer thread: "
+WRITE_THREAD = "writer thread: "
+#: A task step in no part, by the task's name.
+TASK = "task, no part: "
+#: The event loop's thread between task steps (trio's scheduler, the I/O wait's syscalls).
+SCHEDULER = "the scheduler, between task steps"
 
 
 @dataclass
 class Sums:
-    """CPU seconds and calls, by phase."""
+    """CPU seconds and calls, by part."""
 
     cpu: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
 
-    def add(self, label: str, seconds: float) -> None:
+    def add(self, label: str, seconds: float, calls: int = 1) -> None:
         self.cpu[label] = self.cpu.get(label, 0.0) + seconds
-        self.calls[label] = self.calls.get(label, 0) + 1
+        self.calls[label] = self.calls.get(label, 0) + calls
 
 
-def timed_async(fn: Callable, label: str, sums: Sums) -> Callable:
-    """``fn`` (a coroutine function) adding the CPU of its thread while it runs, awaits included."""
+class StepClock:
+    """The trio instrument: each task step's CPU to the innermost part its task is in."""
 
-    @functools.wraps(fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.thread_time()
-        try:
-            return await fn(*args, **kwargs)
-        finally:
-            sums.add(label, time.thread_time() - start)
+    def __init__(self, sums: Sums) -> None:
+        self.sums = sums
+        self._stacks: dict[object, list[str]] = {}
+        self._task: Any = None
+        self._mark = self._step_start = 0.0
+        self._run_start = 0.0
+        self._in_steps = 0.0
 
-    return wrapper
+    # -- trio.abc.Instrument's hooks (duck-typed: trio checks the methods, not the class) --
+
+    def before_run(self) -> None:
+        self._run_start = time.thread_time()
+
+    def after_run(self) -> None:
+        total = time.thread_time() - self._run_start
+        self.sums.add(SCHEDULER, total - self._in_steps, 0)
+
+    def before_task_step(self, task: Any) -> None:
+        self._task, self._mark = task, time.thread_time()
+        self._step_start = self._mark
+
+    def after_task_step(self, task: Any) -> None:
+        self._flush()
+        self._in_steps += time.thread_time() - self._step_start
+        self._task = None
+
+    # -- the parts --
+
+    def _flush(self) -> None:
+        now = time.thread_time()
+        stack = self._stacks.get(self._task)
+        label = stack[-1] if stack else TASK + str(self._task.name).rpartition(".")[2]
+        self.sums.add(label, now - self._mark, 0)
+        self._mark = now
+
+    def enter(self, label: str) -> bool:
+        """The current task enters ``label`` (False outside a task step: nothing marked)."""
+        if self._task is None:
+            return False
+        self._flush()
+        self._stacks.setdefault(self._task, []).append(label)
+        self.sums.add(label, 0.0)
+        return True
+
+    def leave(self) -> None:
+        self._flush()
+        stack = self._stacks[self._task]
+        stack.pop()
+        if not stack:
+            del self._stacks[self._task]
 
 
-def timed_agen(fn: Callable, label: str, sums: Sums) -> Callable:
-    """``fn`` (an async generator function) adding the CPU of each of its steps (one call per step)."""
+def in_part(fn: Callable, label: str, clock: StepClock) -> Callable:
+    """``fn`` (a coroutine function, or an async generator function: each step) marking its task as in
+    ``label`` while it runs."""
+    if not inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            marked = clock.enter(label)
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                if marked:
+                    clock.leave()
+
+        return call
 
     class Steps:
         def __init__(self, agen: Any) -> None:
@@ -90,26 +151,27 @@ def timed_agen(fn: Callable, label: str, sums: Sums) -> Callable:
             return self
 
         async def __anext__(self) -> Any:
-            start = time.thread_time()
+            marked = clock.enter(label)
             try:
                 return await self._agen.__anext__()
             finally:
-                sums.add(label, time.thread_time() - start)
+                if marked:
+                    clock.leave()
 
         async def aclose(self) -> None:
             await self._agen.aclose()
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Steps:
+    def steps(*args: Any, **kwargs: Any) -> Steps:
         return Steps(fn(*args, **kwargs))
 
-    return wrapper
+    return steps
 
 
-def install(sums: Sums) -> list[str]:
-    """Wrap the phases and the state writes; returns the phases this checkout lacks (left out)."""
-    import inspect
-
+def install(sums: Sums) -> tuple[StepClock, list[str]]:
+    """Wrap the parts and the state writes, and have ``trio.run`` take the instrument; returns it and the
+    parts this checkout lacks (left out)."""
+    clock = StepClock(sums)
     missing = []
     for label, module, attr in LOOP_PHASES:
         owner: Any = importlib.import_module(module)
@@ -120,22 +182,24 @@ def install(sums: Sums) -> list[str]:
         if fn is None:
             missing.append(f"{module}.{attr}")
             continue
-        wrap = timed_agen if inspect.isasyncgenfunction(fn) else timed_async
-        setattr(owner, name, wrap(fn, label, sums))
+        setattr(owner, name, in_part(fn, label, clock))
+    import trio
+
     from aggregator.harvest import context
 
     naming = {"name": "?"}  # set by a write just before it enters its hop (no await in between)
-    write, run = context.HarvestContext.write, context._SharedHops.run
+    write, run, trio_run = context.HarvestContext.write, context._SharedHops.run, trio.run
 
     @functools.wraps(write)
-    async def timed_write(self: Any, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    async def marked_write(self: Any, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         name = getattr(fn, "__name__", type(fn).__name__)
         naming["name"] = name
-        start = time.thread_time()
+        marked = clock.enter(WRITE_LOOP + name)
         try:
             return await write(self, fn, *args, **kwargs)
         finally:
-            sums.add(WRITE_LOOP + name, time.thread_time() - start)
+            if marked:
+                clock.leave()
 
     @functools.wraps(run)
     async def timed_run(self: Any, call: Callable[[], Any]) -> Any:
@@ -150,12 +214,15 @@ def install(sums: Sums) -> list[str]:
 
         return await run(self, timed_call)
 
-    context.HarvestContext.write = timed_write  # type: ignore[method-assign]
-    context._SharedHops.run = timed_run  # type: ignore[method-assign]
-    from aggregator.harvest import admission
+    @functools.wraps(trio_run)
+    def instrumented_run(*args: Any, **kwargs: Any) -> Any:
+        kwargs["instruments"] = [*kwargs.get("instruments", ()), clock]
+        return trio_run(*args, **kwargs)
 
-    admission.PER_SLOT = 1  # one sync per request slot: with per_host = 1, one at a time
-    return missing
+    context.HarvestContext.write = marked_write  # type: ignore[method-assign]
+    context._SharedHops.run = timed_run  # type: ignore[method-assign]
+    trio.run = instrumented_run
+    return clock, missing
 
 
 def proc_io(text: str) -> dict[str, int]:
@@ -169,8 +236,8 @@ def proc_io(text: str) -> dict[str, int]:
 
 
 def phases_main(argv: list[str] | None = None) -> int:
-    """Child mode: run ``aggregator.cli.main`` with the arguments after ``--``, its phases timed."""
-    p = argparse.ArgumentParser(description="run an rsagg command with the CPU of its phases summed")
+    """Child mode: run ``aggregator.cli.main`` with the arguments after ``--``, its parts' CPU summed."""
+    p = argparse.ArgumentParser(description="run an rsagg command with the CPU of its parts summed")
     p.add_argument("--out", type=Path, required=True, help="where to write the sums (JSON)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then rsagg's arguments")
     args = p.parse_args(argv)
@@ -179,7 +246,7 @@ def phases_main(argv: list[str] | None = None) -> int:
     import aggregator.cli  # noqa: F401 (the harvest's modules loaded, to be wrapped)
 
     sums = Sums()
-    missing = install(sums)
+    _, missing = install(sums)
     try:
         return run_cli(command)
     finally:
@@ -214,30 +281,42 @@ class Phases:
         return cls(d["cpu"], d["calls"], d["process_cpu"], d["io"], d["switches"])
 
 
-def table(one: Phases, many: Phases, sources: int, per_source: int) -> str:
-    """Each phase's calls and CPU in both cases and its extra CPU per extra Source ((many − one) / (N − 1)),
-    then the process's CPU, I/O and context switches the same way."""
+def table(one: Phases, many: Phases, sources: int, per_source: int, top: int = 12) -> str:
+    """Each part's calls and own CPU in both cases and its extra per extra Source ((many − one) / (N − 1)),
+    the event loop's parts by that extra (the ``top`` tasks outside any part, the others summed), then the
+    writer's thread, then the process's CPU, I/O and context switches the same way."""
     k = sources - 1
-    head = f"{'phase (CPU of its thread)':<58} {'one: calls':>10} {'ms':>9} {'many: calls':>11} {'ms':>9} " \
-           f"{'extra ms/Source':>15}"  # fmt: skip
+    head = (f"{'part (own CPU of its thread)':<52} {'one: calls':>10} {'ms':>9} {'many: calls':>11} "
+            f"{'ms':>9} {'extra ms/Source':>15}")  # fmt: skip
     rows = [head, "-" * len(head)]
-    loop = [label for label, _, _ in LOOP_PHASES]
-    writes = sorted({x for x in (*one.cpu, *many.cpu) if x.startswith(WRITE_LOOP)})
-    thread = sorted({x for x in (*one.cpu, *many.cpu) if x.startswith(WRITE_THREAD)})
 
     def row(label: str, a: float, ca: int | str, b: float, cb: int | str, scale: float = 1000.0) -> None:
-        rows.append(f"{label:<58} {ca!s:>10} {a * scale:9.1f} {cb!s:>11} {b * scale:9.1f} "
+        rows.append(f"{label[:52]:<52} {ca!s:>10} {a * scale:9.1f} {cb!s:>11} {b * scale:9.1f} "
                     f"{(b - a) / k * scale:15.3f}")  # fmt: skip
 
+    def part(label: str, shown: str) -> None:
+        row(shown, one.cpu.get(label, 0.0), one.calls.get(label, 0), many.cpu.get(label, 0.0),
+            many.calls.get(label, 0))  # fmt: skip
+
+    def extra(label: str) -> float:
+        return many.cpu.get(label, 0.0) - one.cpu.get(label, 0.0)
+
+    labels = set(one.cpu) | set(many.cpu)
+    thread = sorted((x for x in labels if x.startswith(WRITE_THREAD)), key=extra, reverse=True)
+    tasks = sorted((x for x in labels if x.startswith(TASK)), key=extra, reverse=True)
+    loop = sorted((x for x in labels if not x.startswith((WRITE_THREAD, TASK))), key=extra, reverse=True)
     rows.append("the event loop's thread")
-    for label in (*loop[:1], *writes, *loop[1:]):
-        if label in one.cpu or label in many.cpu:
-            row(label, one.cpu.get(label, 0.0), one.calls.get(label, 0),
-                many.cpu.get(label, 0.0), many.calls.get(label, 0))  # fmt: skip
+    for label in loop:
+        part(label, "  " + label)
+    for label in tasks[:top]:
+        part(label, "  " + label)
+    if tasks[top:]:
+        rest = tasks[top:]
+        row(f"  {len(rest)} more tasks, no part", sum(one.cpu.get(x, 0.0) for x in rest), "",
+            sum(many.cpu.get(x, 0.0) for x in rest), "")  # fmt: skip
     rows.append("the state writer's thread")
     for label in thread:
-        row("  " + label[len(WRITE_THREAD) :], one.cpu.get(label, 0.0), one.calls.get(label, 0),
-            many.cpu.get(label, 0.0), many.calls.get(label, 0))  # fmt: skip
+        part(label, "  " + label[len(WRITE_THREAD) :])
     rows.append("the process")
     row("  CPU, user + system (ms)", one.process_cpu, "", many.process_cpu, "")
     for key, what in (("syscw", "write syscalls (sockets and files)"), ("wchar", "KB written (sockets and "
@@ -247,7 +326,7 @@ def table(one: Phases, many: Phases, sources: int, per_source: int) -> str:
             row(f"  {what}", one.io[key], "", many.io[key], "", scale)
     row("  context switches", one.switches, "", many.switches, "", 1.0)
     rows.append(f"({per_source} resources a Source in the many case; 'extra' is (many − one) / {k}, in the "
-                f"unit of its row; the indented phases are parts of the one above)")  # fmt: skip
+                f"unit of its row; a part's own CPU leaves out the parts called inside it)")  # fmt: skip
     return "\n".join(rows)
 
 

@@ -38,14 +38,12 @@ count does not swing with the machine's load, but leaves out C code (SQLite, lxm
 
     python benchmarks/bench_many_sources.py --opcodes [--before /tmp/before]
 
-``--phases``: what a small Source's extra CPU is made of, at full speed. Each case runs once, one sync
-and one fetch at a time (``[harvest] per_host = 1, workers = 1``, one sync per request slot), under
-``benchmarks/_phases.py``, which sums the CPU of its thread over each call of a few functions (a sync,
-its discovery, its baseline, the Resource List's entries, the pipeline's fetches and commits) and of each
-state write, on the event loop's side and in the state writer's thread; then the process's CPU, its write
-syscalls, the bytes it wrote and its context switches. The table gives each in both cases and the extra
-per Source. One at a time, a Source's waits are not overlapped with another's: its extra CPU is higher
-than the timed runs', but every part of it has a name.
+``--phases``: what a small Source's extra CPU is made of, at full speed. Each case runs once, with the
+same settings as the timed runs, under ``benchmarks/_phases.py``: every task step's CPU on the event loop
+goes to the part its task is in (a sync, its discovery, its baseline, the Resource List's entries, the
+pipeline's fetches and commits, each state write), or to the task's name; each state write's CPU in the
+writer's thread to the function written; then the process's CPU, its write syscalls, the bytes it wrote
+and its context switches. The table gives each part's own CPU in both cases and the extra per Source.
 
     python benchmarks/bench_many_sources.py --phases
 """
@@ -82,10 +80,8 @@ TARGET = 1.3  # many/one, per resource
 #: ``--opcodes``: the counter (run in place of ``python -m aggregator``) and the modules it imports before it
 #: counts (the harvest's own imports, the same in every case: left out, they cost no traced time).
 OPCODES = Path(__file__).resolve().parent / "_opcodes.py"
-#: ``--phases``: the runner that sums the CPU of a sync's parts, and the harvest settings it needs (one sync
-#: at a time, one fetch at a time: an await's CPU is then that sync's).
+#: ``--phases``: the runner that sums the CPU of a harvest's parts.
 PHASES = Path(__file__).resolve().parent / "_phases.py"
-ONE_AT_A_TIME = {"per_host": 1, "workers": 1}
 PRELOAD = ("aggregator.commands.harvest", "aggregator.harvest.source", "aggregator.run.compose")
 RS = "http://www.openarchives.org/rs/terms/"
 SM = "http://www.sitemaps.org/schemas/sitemap/0.9"
@@ -268,12 +264,10 @@ def run_watched(cmd: list[str], cwd: Path, root: Path) -> tuple[Finished, tuple[
     return Finished(wall, proc.returncode, usage), (main, sum(seen.values()))
 
 
-def config_text(base: str, sources: int, harvest: dict[str, int] | None = None) -> str:
-    """rsagg's configuration: defaults (but ``harvest``'s settings), the store in ``data``, ``sources``
-    Sources (0: the big one), third-party plugins off (``_harness.plugins_off``)."""
+def config_text(base: str, sources: int) -> str:
+    """rsagg's configuration: defaults, the store in ``data``, ``sources`` Sources (0: the big one),
+    third-party plugins off (``_harness.plugins_off``)."""
     lines = ['[store]\npath = "data"\n']
-    if harvest:
-        lines.append("[harvest]\n" + "".join(f"{k} = {v}\n" for k, v in harvest.items()))
     if sources == 0:
         lines.append(f'[[sources]]\nname = "big"\nurl = "{base}/big/capabilitylist.xml"\n')
     for i in range(sources):
@@ -295,11 +289,11 @@ def harvest(
 ) -> Run:
     """``rsagg harvest --once`` of ``sources`` Sources (0: the big one) of ``total`` resources in all, in
     ``work/name``; every Source must end ok with every resource fetched. ``profile``: under cProfile, into
-    that file; ``opcodes``: under the opcode counter, its counts into that file; ``phases``: one sync and
-    one fetch at a time, the CPU of its parts summed into that file."""
+    that file; ``opcodes``: under the opcode counter, its counts into that file; ``phases``: the CPU of its
+    parts summed into that file."""
     folder = work / name
     folder.mkdir(parents=True)
-    (folder / "rsagg.toml").write_text(config_text(base, sources, ONE_AT_A_TIME if phases else None))
+    (folder / "rsagg.toml").write_text(config_text(base, sources))
     cmd = [sys.executable]
     if profile:
         cmd += ["-m", "cProfile", "-o", profile]
@@ -414,7 +408,7 @@ def count_opcodes(work: Path, n: int, m: int, small: int, root: Path = ROOT, tre
 
 
 def sum_phases(work: Path, n: int, m: int) -> tuple[Phases, Phases]:
-    """One run of each case with the CPU of a sync's parts summed (``_phases.py``), one sync at a time."""
+    """One run of each case with the CPU of its parts summed (``_phases.py``)."""
     got = {}
     for case, sources in (("one", 0), ("many", n)):
         up = Upstream(n if sources else 0, m, 0 if sources else n * m, work / "upstream.log")
@@ -467,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--phases",
         action="store_true",
-        help="the CPU of each part of a sync, one sync and one fetch at a time: each case once (see above)",
+        help="the CPU of each part of a harvest, at full speed: each case once (see above)",
     )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--big", type=int, default=0, help=argparse.SUPPRESS)
@@ -501,8 +495,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"load average after: {os.getloadavg()[0]:.2f}")
             return 0
         if args.phases:
-            settings = ", ".join(f"{k} = {v}" for k, v in ONE_AT_A_TIME.items())
-            print(f"one sync at a time: [harvest] {settings}, one sync per request slot")
             one, many = sum_phases(work, n, m)
             print(phases_table(one, many, n, m))
             print(f"load average after: {os.getloadavg()[0]:.2f}")

@@ -1,11 +1,13 @@
-"""``benchmarks/bench_many_sources.py --phases`` sums the CPU of a sync's parts at full speed: a wrapped
-coroutine must add its thread's CPU across its awaits, an async generator each step's, a state write its
-hop's CPU in the writer's thread under the function written; the table's extra per Source must follow from
-the sums; and every phase it names must exist, or the figures it prints would silently lose that part."""
+"""``benchmarks/bench_many_sources.py --phases`` gives every task step's CPU on the event loop to the part
+its task is in, at full speed: a part's own CPU must leave out the parts called inside it and the other
+tasks' steps, however the tasks interleave; a state write's CPU in the writer's thread must go to the
+function written; the table's extra per Source must follow from the sums; and every part it names must
+exist, or the figures it prints would silently lose that part."""
 
 from __future__ import annotations
 
 import importlib
+import random
 import sys
 import time
 from pathlib import Path
@@ -24,35 +26,63 @@ def burn(seconds: float) -> None:
         pass
 
 
-def test_a_coroutine_adds_its_threads_cpu_across_its_awaits() -> None:
+@pytest.mark.parametrize("seed", range(6))
+def test_each_part_gets_its_own_cpu_however_tasks_interleave(seed: int) -> None:
+    """Tasks in generated orders each burn known CPU in an outer part, an inner part it calls, and
+    outside any part: each part's own sum is what was burnt in it, whatever ran between."""
+    rng = random.Random(seed)
     sums = _phases.Sums()
+    clock = _phases.StepClock(sums)
+    spent = {"outer": 0.0, "inner": 0.0}
 
-    async def work(n: int) -> int:
-        burn(0.01)
+    async def inner(ms: float) -> None:
+        burn(ms / 1000)
+        await trio.sleep(0)  # another task runs here: not the inner part's
+        burn(ms / 1000)
+
+    timed_inner = _phases.in_part(inner, "inner", clock)
+
+    async def outer(ms: float, inner_ms: float) -> None:
+        burn(ms / 1000)
+        await timed_inner(inner_ms)
         await trio.sleep(0)
-        burn(0.01)
-        return n + 1
+        burn(ms / 1000)
 
-    timed = _phases.timed_async(work, "work", sums)
+    timed_outer = _phases.in_part(outer, "outer", clock)
 
-    async def main() -> list[int]:
-        return [await timed(1), await timed(2)]
+    async def task(ms: float, inner_ms: float, loose_ms: float) -> None:
+        burn(loose_ms / 1000)  # in no part: the task's name
+        await timed_outer(ms, inner_ms)
 
-    assert trio.run(main) == [2, 3]
-    assert sums.calls == {"work": 2}
-    assert sums.cpu["work"] >= 0.04  # both halves of both calls, the await between them included
-    assert timed.__name__ == "work"
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(rng.randint(2, 5)):
+                ms, inner_ms, loose = rng.uniform(1, 4), rng.uniform(1, 4), rng.uniform(1, 4)
+                spent["outer"] += 2 * ms
+                spent["inner"] += 2 * inner_ms
+                nursery.start_soon(task, ms, inner_ms, loose)
+
+    trio.run(main, instruments=[clock])
+    for part in ("outer", "inner"):
+        want = spent[part] / 1000
+        # Each part's own CPU: what it burnt, plus a little of the wrappers' and trio's own work
+        # (never another part's few milliseconds).
+        assert want <= sums.cpu[part] < want + 0.0015 * sums.calls[part] + 0.001, (part, sums.cpu)
+    assert sums.calls["outer"] == sums.calls["inner"]
+    assert sums.cpu[_phases.TASK + "task"] >= 0.001
+    assert _phases.SCHEDULER in sums.cpu
 
 
-def test_an_async_generator_adds_each_steps_cpu() -> None:
+def test_an_async_generator_counts_each_step() -> None:
     sums = _phases.Sums()
+    clock = _phases.StepClock(sums)
 
     async def entries(n: int):
         for i in range(n):
-            burn(0.005)
+            burn(0.002)
             yield i
 
-    timed = _phases.timed_agen(entries, "entries", sums)
+    timed = _phases.in_part(entries, "entries", clock)
 
     async def main() -> list[int]:
         gen = timed(3)
@@ -60,9 +90,9 @@ def test_an_async_generator_adds_each_steps_cpu() -> None:
         await gen.aclose()
         return got
 
-    assert trio.run(main) == [0, 1, 2]
-    assert sums.calls == {"entries": 4}  # three entries and the step that ends it
-    assert sums.cpu["entries"] >= 0.015
+    assert trio.run(main, instruments=[clock]) == [0, 1, 2]
+    assert sums.calls["entries"] == 4  # three entries and the step that ends it
+    assert sums.cpu["entries"] >= 0.006
 
 
 @pytest.fixture
@@ -74,20 +104,19 @@ def restored(monkeypatch):
         for part in path:
             owner = getattr(owner, part)
         monkeypatch.setattr(owner, name, getattr(owner, name))
-    from aggregator.harvest import admission, context
+    from aggregator.harvest import context
 
     monkeypatch.setattr(context.HarvestContext, "write", context.HarvestContext.write)
     monkeypatch.setattr(context._SharedHops, "run", context._SharedHops.run)
-    monkeypatch.setattr(admission, "PER_SLOT", admission.PER_SLOT)
+    monkeypatch.setattr(trio, "run", trio.run)
 
 
-def test_every_phase_exists_and_writes_are_named_by_their_function(restored) -> None:
+def test_every_part_exists_and_writes_are_named_by_their_function(restored) -> None:
     """A renamed function would drop out of the table without a word: install names what it lacks."""
     sums = _phases.Sums()
-    assert _phases.install(sums) == []
-    from aggregator.harvest import admission, context
-
-    assert admission.PER_SLOT == 1
+    _clock, missing = _phases.install(sums)
+    assert missing == []
+    from aggregator.harvest import context
 
     class Ctx:
         """The parts of HarvestContext that ``write`` uses."""
@@ -108,10 +137,12 @@ def test_every_phase_exists_and_writes_are_named_by_their_function(restored) -> 
     async def main() -> int:
         return await context.HarvestContext.write(Ctx(), set_status, 21)  # type: ignore[arg-type]
 
-    assert trio.run(main) == 42
+    assert trio.run(main) == 42  # the instrument is handed to trio.run by install
     assert sums.calls[_phases.WRITE_THREAD + "set_status"] == 1
     assert sums.cpu[_phases.WRITE_THREAD + "set_status"] >= 0.01  # in the writer's thread
     assert sums.calls[_phases.WRITE_LOOP + "set_status"] == 1
+    assert sums.cpu[_phases.WRITE_LOOP + "set_status"] < 0.01  # the loop's side only
+    assert _phases.SCHEDULER in sums.cpu
 
 
 def phases(cpu: dict[str, float], calls: dict[str, int], process: float, **io: int) -> _phases.Phases:
@@ -123,14 +154,20 @@ def phases(cpu: dict[str, float], calls: dict[str, int], process: float, **io: i
 def test_the_tables_extra_per_source_follows_from_the_sums(sources: int) -> None:
     sync = _phases.LOOP_PHASES[0][0]
     write = _phases.WRITE_THREAD + "_apply_batch"
-    one = phases({sync: 1.0, write: 0.2}, {sync: 1, write: 24}, 2.0, syscw=1000, wchar=2048, switches=10)
-    many = phases({sync: 1.0 + 0.003 * (sources - 1), write: 0.5}, {sync: sources, write: sources},
-                  2.0 + 0.004 * (sources - 1), syscw=1000 + 90 * (sources - 1),
-                  wchar=2048 + 1024 * 174 * (sources - 1), switches=10 + 21 * (sources - 1))  # fmt: skip
-    text = _phases.table(one, many, sources, 20)
-    rows = {line[:58].strip(): line[58:].split() for line in text.splitlines()}
+    tasks = {_phases.TASK + f"t{i}": 0.001 * i for i in range(15)}
+    one = phases({sync: 1.0, write: 0.2, **tasks}, {sync: 1, write: 24}, 2.0, syscw=1000, wchar=2048,
+                 switches=10)  # fmt: skip
+    many = phases({sync: 1.0 + 0.003 * (sources - 1), write: 0.5, **{k: 2 * v for k, v in tasks.items()}},
+                  {sync: sources, write: sources}, 2.0 + 0.004 * (sources - 1),
+                  syscw=1000 + 90 * (sources - 1), wchar=2048 + 1024 * 174 * (sources - 1),
+                  switches=10 + 21 * (sources - 1))  # fmt: skip
+    text = _phases.table(one, many, sources, 20, top=12)
+    rows = {line[:52].strip(): line[52:].split() for line in text.splitlines()}
     assert rows[sync][-1] == "3.000"  # ms per extra Source
     assert rows["_apply_batch"] == ["24", "200.0", str(sources), "500.0", f"{300 / (sources - 1):.3f}"]
+    shown = [x for x in rows if x.startswith(_phases.TASK)]
+    assert shown == [_phases.TASK + f"t{i}" for i in range(14, 2, -1)]  # the 12 that grow most, first
+    assert rows["3 more tasks, no part"][:2] == ["3.0", "6.0"]  # the rest summed: t0, t1, t2
     assert rows["CPU, user + system (ms)"][-1] == "4.000"
     assert rows["write syscalls (sockets and files)"][-1] == "90.000"
     assert rows["KB written (sockets and files)"][-1] == "174.000"
