@@ -274,11 +274,13 @@ class Phases:
     process_cpu: float
     io: dict[str, int]
     switches: int
+    #: The parts the checkout that ran lacks (an older one): left out of its figures.
+    missing: list[str] = field(default_factory=list)
 
     @classmethod
     def read(cls, path: Path) -> Phases:
         d = json.loads(path.read_text())
-        return cls(d["cpu"], d["calls"], d["process_cpu"], d["io"], d["switches"])
+        return cls(d["cpu"], d["calls"], d["process_cpu"], d["io"], d["switches"], d.get("missing", []))
 
 
 def table(one: Phases, many: Phases, sources: int, per_source: int, top: int = 12) -> str:
@@ -327,6 +329,28 @@ def table(one: Phases, many: Phases, sources: int, per_source: int, top: int = 1
     row("  context switches", one.switches, "", many.switches, "", 1.0)
     rows.append(f"({per_source} resources a Source in the many case; 'extra' is (many − one) / {k}, in the "
                 f"unit of its row; a part's own CPU leaves out the parts called inside it)")  # fmt: skip
+    return "\n".join(rows)
+
+
+def compare(after: tuple[Phases, Phases], before: tuple[Phases, Phases], sources: int) -> str:
+    """Each part's extra CPU per extra Source in this checkout and in the one before (``--before``), and
+    the change: ``after`` and ``before`` are each (one, many)."""
+    k = sources - 1
+
+    def extra(runs: tuple[Phases, Phases], label: str) -> float:
+        one, many = runs
+        return (many.cpu.get(label, 0.0) - one.cpu.get(label, 0.0)) / k * 1000
+
+    labels = sorted({x for runs in (after, before) for r in runs for x in r.cpu},
+                    key=lambda x: -max(abs(extra(after, x)), abs(extra(before, x))))  # fmt: skip
+    head = f"{'part: extra ms per Source':<52} {'after':>9} {'before':>9} {'change':>9}"
+    rows = [head, "-" * len(head)]
+    for label in labels:
+        a, b = extra(after, label), extra(before, label)
+        rows.append(f"{label[:52]:<52} {a:9.3f} {b:9.3f} {a - b:+9.3f}")
+    a = (after[1].process_cpu - after[0].process_cpu) / k * 1000
+    b = (before[1].process_cpu - before[0].process_cpu) / k * 1000
+    rows.append(f"{'the process, CPU':<52} {a:9.3f} {b:9.3f} {a - b:+9.3f}")
     return "\n".join(rows)
 
 

@@ -43,9 +43,11 @@ same settings as the timed runs, under ``benchmarks/_phases.py``: every task ste
 goes to the part its task is in (a sync, its discovery, its baseline, the Resource List's entries, the
 pipeline's fetches and commits, each state write), or to the task's name; each state write's CPU in the
 writer's thread to the function written; then the process's CPU, its write syscalls, the bytes it wrote
-and its context switches. The table gives each part's own CPU in both cases and the extra per Source.
+and its context switches. The table gives each part's own CPU in both cases and the extra per Source;
+with ``--before DIR``, DIR's checkout runs the same cases and a second table sets each part's extra per
+Source beside DIR's.
 
-    python benchmarks/bench_many_sources.py --phases
+    python benchmarks/bench_many_sources.py --phases [--before /tmp/before]
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from _headline import headline
 from _opcodes import Counts, Figures
 from _opcodes import table as opcodes_table
 from _phases import Phases
+from _phases import compare as phases_compare
 from _phases import table as phases_table
 
 TARGET = 1.3  # many/one, per resource
@@ -407,19 +410,27 @@ def count_opcodes(work: Path, n: int, m: int, small: int, root: Path = ROOT, tre
     return Figures(counts["one"], counts["small"], counts["many"], n, m, small)
 
 
-def sum_phases(work: Path, n: int, m: int) -> tuple[Phases, Phases]:
-    """One run of each case with the CPU of its parts summed (``_phases.py``)."""
-    got = {}
-    for case, sources in (("one", 0), ("many", n)):
+def sum_phases(work: Path, n: int, m: int, before: Path | None = None) -> dict[str, tuple[Phases, Phases]]:
+    """One run of each case with the CPU of its parts summed (``_phases.py``): tree -> (one, many). With
+    ``before``, that checkout's runs too, interleaved with this one's (after one, before one, before many,
+    after many), so that a drift of the machine weighs on both alike."""
+    trees = [("after", ROOT)] + ([("before", before)] if before else [])
+    order = [(t, 0) for t in trees] + [(t, n) for t in reversed(trees)]
+    got: dict[tuple[str, int], Phases] = {}
+    for (tree, root), sources in order:
+        case = "many" if sources else "one"
         up = Upstream(n if sources else 0, m, 0 if sources else n * m, work / "upstream.log")
-        out = work / f"phases-{case}.json"
+        out = work / f"phases-{tree}-{case}.json"
         try:
-            harvest(work, f"phases-{case}", up.base, sources, n * m, phases=out)
+            harvest(work, f"phases-{tree}-{case}", up.base, sources, n * m, root=root, phases=out)
         finally:
             up.stop()
-        got[case] = Phases.read(out)
-        print(f"{case}: {got[case].process_cpu:.2f} s CPU, load average {os.getloadavg()[0]:.2f}", flush=True)
-    return got["one"], got["many"]
+        got[tree, sources] = runs = Phases.read(out)
+        load = os.getloadavg()[0]
+        print(f"{tree} {case}: {runs.process_cpu:.2f} s CPU, load average {load:.2f}", flush=True)
+        if runs.missing:
+            print(f"  not in that checkout, left out: {', '.join(runs.missing)}")
+    return {tree: (got[tree, 0], got[tree, n]) for tree, _ in trees}
 
 
 def show_profile(one: str, many: str, top: int = 40) -> None:
@@ -476,8 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--opcodes: needs at least 2 Sources and 2 resources")
     if args.opcodes and (args.profile or args.threads):
         p.error("--opcodes: counts instead of timing; --profile and --threads time (run them apart)")
-    if args.phases and (args.opcodes or args.profile or args.threads or args.before or n < 2):
-        p.error("--phases: runs alone, on this checkout, with at least 2 Sources")
+    if args.phases and (args.opcodes or args.profile or args.threads or n < 2):
+        p.error("--phases: runs apart from --opcodes, --profile and --threads, with at least 2 Sources")
     work = Path(tempfile.mkdtemp(prefix="rsagg-many-"))
     from importlib.metadata import entry_points
 
@@ -495,8 +506,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"load average after: {os.getloadavg()[0]:.2f}")
             return 0
         if args.phases:
-            one, many = sum_phases(work, n, m)
-            print(phases_table(one, many, n, m))
+            runs = sum_phases(work, n, m, args.before)
+            print(phases_table(*runs["after"], n, m))
+            if "before" in runs:
+                print()
+                print(phases_compare(runs["after"], runs["before"], n))
             print(f"load average after: {os.getloadavg()[0]:.2f}")
             return 0
         for r in range(args.repeat):

@@ -180,3 +180,19 @@ def test_proc_io_reads_the_kernels_counters() -> None:
     assert _phases.proc_io(text) == {
         "rchar": 10, "wchar": 20, "syscr": 3, "syscw": 4, "read_bytes": 0, "cancelled_write_bytes": 0,
     }  # fmt: skip
+
+
+def test_the_comparison_sets_each_parts_extra_beside_the_other_checkouts() -> None:
+    """``--before``: per part, this checkout's extra per Source, the other's, and the change; a part only
+    one checkout has counts 0 in the other."""
+    sources, k = 101, 100
+    part, new, old = "discovery", _phases.TASK + "new", _phases.TASK + "old"
+    after = (phases({part: 1.0, new: 0.0}, {}, 2.0), phases({part: 1.04, new: 0.01}, {}, 2.3))
+    before = (phases({part: 1.0, old: 0.0}, {}, 2.0), phases({part: 1.05, old: 0.02}, {}, 2.4))
+    text = _phases.compare(after, before, sources)
+    rows = {line[:52].strip(): line[52:].split() for line in text.splitlines()}
+    assert rows[part] == [f"{0.04 / k * 1000:.3f}", f"{0.05 / k * 1000:.3f}", f"{-0.01 / k * 1000:+.3f}"]
+    assert rows[new] == ["0.100", "0.000", "+0.100"]
+    assert rows[old] == ["0.000", "0.200", "-0.200"]
+    assert rows["the process, CPU"] == ["3.000", "4.000", "-1.000"]
+    assert list(rows)[2] == part  # the parts that weigh most first
