@@ -79,9 +79,9 @@ class StepClock:
         self.sums = sums
         self._stacks: dict[object, list[str]] = {}
         self._task: Any = None
-        self._mark = self._step_start = 0.0
+        self._mark = 0.0
         self._run_start = 0.0
-        self._in_steps = 0.0
+        self._in_steps = 0.0  # the CPU given to parts and tasks so far: the rest is the scheduler's
 
     # -- trio.abc.Instrument's hooks (duck-typed: trio checks the methods, not the class) --
 
@@ -94,11 +94,9 @@ class StepClock:
 
     def before_task_step(self, task: Any) -> None:
         self._task, self._mark = task, time.thread_time()
-        self._step_start = self._mark
 
     def after_task_step(self, task: Any) -> None:
         self._flush()
-        self._in_steps += time.thread_time() - self._step_start
         self._task = None
 
     # -- the parts --
@@ -108,10 +106,14 @@ class StepClock:
         stack = self._stacks.get(self._task)
         label = stack[-1] if stack else TASK + str(self._task.name).rpartition(".")[2]
         self.sums.add(label, now - self._mark, 0)
+        self._in_steps += now - self._mark
         self._mark = now
 
-    def enter(self, label: str) -> bool:
-        """The current task enters ``label`` (False outside a task step: nothing marked)."""
+    def part(self, label: str) -> _Part:
+        """``with``: the current task is in ``label`` inside (outside a task step: nothing marked)."""
+        return _Part(self, label)
+
+    def _enter(self, label: str) -> bool:
         if self._task is None:
             return False
         self._flush()
@@ -119,12 +121,28 @@ class StepClock:
         self.sums.add(label, 0.0)
         return True
 
-    def leave(self) -> None:
+    def _leave(self) -> None:
         self._flush()
         stack = self._stacks[self._task]
         stack.pop()
         if not stack:
             del self._stacks[self._task]
+
+
+class _Part:
+    """One call's stay in a part (``StepClock.part``): a plain class, as cheap as a context can be."""
+
+    __slots__ = ("_clock", "_label", "_marked")
+
+    def __init__(self, clock: StepClock, label: str) -> None:
+        self._clock, self._label, self._marked = clock, label, False
+
+    def __enter__(self) -> None:
+        self._marked = self._clock._enter(self._label)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._marked:
+            self._clock._leave()
 
 
 def in_part(fn: Callable, label: str, clock: StepClock) -> Callable:
@@ -134,12 +152,8 @@ def in_part(fn: Callable, label: str, clock: StepClock) -> Callable:
 
         @functools.wraps(fn)
         async def call(*args: Any, **kwargs: Any) -> Any:
-            marked = clock.enter(label)
-            try:
+            with clock.part(label):
                 return await fn(*args, **kwargs)
-            finally:
-                if marked:
-                    clock.leave()
 
         return call
 
@@ -151,12 +165,8 @@ def in_part(fn: Callable, label: str, clock: StepClock) -> Callable:
             return self
 
         async def __anext__(self) -> Any:
-            marked = clock.enter(label)
-            try:
+            with clock.part(label):
                 return await self._agen.__anext__()
-            finally:
-                if marked:
-                    clock.leave()
 
         async def aclose(self) -> None:
             await self._agen.aclose()
@@ -194,12 +204,8 @@ def install(sums: Sums) -> tuple[StepClock, list[str]]:
     async def marked_write(self: Any, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         name = getattr(fn, "__name__", type(fn).__name__)
         naming["name"] = name
-        marked = clock.enter(WRITE_LOOP + name)
-        try:
+        with clock.part(WRITE_LOOP + name):
             return await write(self, fn, *args, **kwargs)
-        finally:
-            if marked:
-                clock.leave()
 
     @functools.wraps(run)
     async def timed_run(self: Any, call: Callable[[], Any]) -> Any:

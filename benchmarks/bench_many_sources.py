@@ -506,11 +506,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"load average after: {os.getloadavg()[0]:.2f}")
             return 0
         if args.phases:
-            runs = sum_phases(work, n, m, args.before)
-            print(phases_table(*runs["after"], n, m))
-            if "before" in runs:
+            parts = sum_phases(work, n, m, args.before)  # (not ``runs``: the timed runs' list)
+            print(phases_table(*parts["after"], n, m))
+            if "before" in parts:
                 print()
-                print(phases_compare(runs["after"], runs["before"], n))
+                print(phases_compare(parts["after"], parts["before"], n))
             print(f"load average after: {os.getloadavg()[0]:.2f}")
             return 0
         for r in range(args.repeat):

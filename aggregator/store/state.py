@@ -287,7 +287,7 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
 
         Under a fence (``interface.FENCE``) the lease is checked first, inside the transaction: the
         write lock is held from the check to the commit, so no grant can come in between."""
-        if self._together is not None and self._together == threading.get_ident():
+        if self._together == threading.get_ident():
             if not self.conn.in_transaction:  # SQLite rolled it back after an error a caller let pass
                 raise StateUnavailable(f"state {self.path}: a write failed and its transaction is gone")
             yield self.conn  # the lock is held by ``together``'s transaction, in this thread
