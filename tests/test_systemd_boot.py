@@ -402,10 +402,14 @@ def nginx_conf(rsagg_port: int, nginx_port: int) -> str:
 def check_blob_permissions(m: Machine, port: int) -> None:
     """nginx (config/nginx.conf, workers as www-data) in front of rsagg with x-accel offload: it can send a
     blob file itself only once www-data is in the group rsagg; never can it read the state."""
-    nport = free_port()
-    m.sh("cat > /etc/rsagg/nginx.conf", stdin=nginx_conf(port, nport))
     nginx = "nginx -p /var/lib/rsagg-nginx -c /etc/rsagg/nginx.conf"  # the README's command
-    m.sh(f"mkdir -p /var/lib/rsagg-nginx && {nginx}")
+    for _ in range(5):  # nginx binds its ports itself: one another process took meanwhile means new ones
+        nport = free_port()  # (and nport + 1, its second server's)
+        m.sh("cat > /etc/rsagg/nginx.conf", stdin=nginx_conf(port, nport))
+        started = m.sh(f"mkdir -p /var/lib/rsagg-nginx && {nginx}", check=False)
+        if started.returncode == 0 or "Address already in use" not in started.stderr:
+            break
+    assert started.returncode == 0, started.stderr
     url, blob = resource_and_blob(port)
     front = re.sub(r"^http://[^/]+", f"http://127.0.0.1:{nport}", url)
     assert m.sh("stat -c '%U:%G %a' /var/lib/rsagg").stdout.split() == ["rsagg:rsagg", "750"]
