@@ -386,7 +386,8 @@ class _Spool:
     the caller before it parses) and read by the parser, each at its own pace."""
 
     def __init__(self) -> None:
-        self.file = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY)  # closed by close()
+        #: Made at the first bytes (closed by close()): a document read whole (``_Whole``) needs none.
+        self.file: Any = None
         self.written = 0
         self.done = False
         self.error: BaseException | None = None
@@ -398,6 +399,8 @@ class _Spool:
     def append(self, data: bytes) -> None:
         if self.closed:  # a download finishing its last step after being cancelled
             return
+        if self.file is None:
+            self.file = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY)
         self.file.seek(0, 2)
         self.file.write(data)
         self.written += len(data)
@@ -429,7 +432,38 @@ class _Spool:
     def close(self) -> None:
         self.scope.cancel()
         self.closed = True
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
+
+
+class _Whole:
+    """A document body read whole by the task that asked for it (``INLINE_DOCUMENT``), in memory: parsed
+    at once (``_Entries.parse_whole``), with no spool between the download and the parser. Why: the
+    spool's file, its reads and their passes through the scheduler cost more than the parse of a small
+    document (a small Source's two documents: benchmarks/bench_many_sources.py). ``_download`` fills it
+    as it would a spool."""
+
+    __slots__ = ("done", "error", "parts", "sha256")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.done = False
+        self.error: BaseException | None = None
+        self.sha256: str | None = None
+
+    def append(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def finish(self, sha256: str | None = None, error: BaseException | None = None) -> None:
+        if not self.done:
+            self.done, self.sha256, self.error = True, sha256, error
+
+    def into(self, spool: _Spool, error: BaseException | None) -> None:
+        """What arrived, then ``error``, handed to ``spool``: a body that did not arrive whole is read
+        from there as any other (the parser meets the error where the bytes end)."""
+        for part in self.parts:
+            spool.append(part)
+        spool.finish(error=error)
 
 
 class _Entries:
@@ -443,7 +477,24 @@ class _Entries:
         self._items: collections.deque[Head | Entry] = collections.deque()
         self._end = False
         self._error: FetchError | None = None
+        #: The body's SHA-256, once parsed to its end.
+        self.sha256: str | None = None
         self.on_end: Callable[[str | None], None] = lambda sha256: None
+
+    def parse_whole(self, whole: _Whole) -> None:
+        """Parse a body that arrived whole, now: every item ready, or the error met after the items
+        before it, exactly as the spool's reads would have handed them (``CHUNK`` bytes a feed)."""
+        data = b"".join(whole.parts)
+        try:
+            for i in range(0, len(data), CHUNK):
+                self._pos = min(len(data), i + CHUNK)
+                self._items.extend(self._reader.feed(data[i : i + CHUNK]))
+            self._items.extend(self._reader.close())
+        except parse.DocumentError as exc:
+            self._error = FetchError(self._url, "parse", str(exc), line=getattr(exc, "line", None))
+            return
+        self._end = True
+        self.sha256 = whole.sha256
 
     def __aiter__(self) -> _Entries:
         return self
@@ -464,10 +515,12 @@ class _Entries:
     def estimate(self, count: int) -> int | None:
         """Entries in the whole document, from the ``count`` handed out and the share of its bytes parsed;
         None while it is still arriving (its size is not known yet)."""
+        parsed = count + len(self._items)
+        if self._end:
+            return parsed
         if not self._spool.done or not self._pos:
             return None
-        parsed = count + len(self._items)
-        return parsed if self._end else max(parsed, round(parsed * self._spool.written / self._pos))
+        return max(parsed, round(parsed * self._spool.written / self._pos))
 
     async def head(self) -> Head:
         item = await self._next()
@@ -489,7 +542,8 @@ class _Entries:
                 else:
                     self._items.extend(self._reader.close())
                     self._end = True
-                    self.on_end(self._spool.sha256)
+                    self.sha256 = self._spool.sha256
+                    self.on_end(self.sha256)
             except parse.DocumentError as exc:
                 # The parser's message names the URL and the line (contract of parse.py).
                 self._error = FetchError(self._url, "parse", str(exc), line=getattr(exc, "line", None))
@@ -990,6 +1044,7 @@ class Fetcher:
         deadline = trio.current_time() + self.document_deadline
         body: _Body | None = None
         inline = False
+        whole: _Whole | None = None
         with trio.move_on_at(deadline) as timer:
             # The slot is borrowed for the spool: a download task may finish the body (below).
             body = await self._open(url, headers, lean_ok=True, borrower=spool)
@@ -1006,12 +1061,20 @@ class Fetcher:
                 # Read whole here, under the same deadline: a task, its start and the parser's waits
                 # for it cost more than the transfer of a small document (a small Source's two
                 # documents: benchmarks/bench_many_sources.py).
-                inline = True
-                await self._download(body, cap, spool)
+                inline, whole = True, _Whole()
+                await self._download(body, cap, whole)
         if timer.cancelled_caught:
             if body is None:  # no answer yet
                 raise self._late(url)
-            spool.finish(error=self._late(url))  # the parser meets it as it would a download task's
+            # The parser meets it as it would a download task's.
+            if whole is not None:
+                whole.into(spool, self._late(url))
+                whole = None
+            else:
+                spool.finish(error=self._late(url))
+        elif whole is not None and whole.error is not None:
+            whole.into(spool, whole.error)
+            whole = None
         assert body is not None
         h = body.response.headers
         common: dict[str, Any] = {
@@ -1040,6 +1103,8 @@ class Fetcher:
             on_tolerated=partial(_tolerated, body.final_url),
         )  # fmt: skip
         entries = _Entries(spool, reader, body.final_url)
+        if whole is not None:
+            entries.parse_whole(whole)
         try:
             head = await entries.head()
         except BaseException:
@@ -1051,8 +1116,8 @@ class Fetcher:
             stream.sha256 = sha256
 
         entries.on_end = _ended
-        if entries.ended:  # a document without entries: its head came with its end
-            _ended(spool.sha256)
+        if entries.ended:  # read whole, or a document without entries: its head came with its end
+            _ended(entries.sha256)
         return stream
 
     async def _download_document(self, body: _Body, cap: int, spool: _Spool, deadline: float) -> None:
@@ -1073,9 +1138,9 @@ class Fetcher:
             url, "timeout", f"document not read within {self.document_deadline}s", transient=True
         )
 
-    async def _download(self, body: _Body, cap: int, spool: _Spool) -> None:
-        """Read the body into the spool, decoded, and close it. Errors go to the spool (the parser
-        raises them where it reaches them); nothing but Cancelled leaves."""
+    async def _download(self, body: _Body, cap: int, spool: _Spool | _Whole) -> None:
+        """Read the body into the spool (or whole into memory), decoded, and close it. Errors go to the
+        spool (the parser raises them where it reaches them); nothing but Cancelled leaves."""
         url, ok = body.final_url, False
         try:
             decoder = _Decoder(url, body.response.headers.get("content-encoding"), sniff_gzip=True)
