@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing, nullcontext
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -27,8 +28,8 @@ from ..rs.model import (
     RESOURCELIST_ARCHIVE,
     Entry,
 )
-from ..store.interface import EmptySnapshot
-from ..store.rows import Cursor
+from ..store.interface import EmptySnapshot, StateStore
+from ..store.rows import Change, Cursor, RetryChanges
 from . import deviations as _deviations
 from .access import for_source
 from .context import HarvestContext
@@ -158,6 +159,27 @@ async def _dump_items(
                 yield Work(entry, CREATED, None, generation, blob=item.blob, info=item.info)
 
 
+def _finish(
+    writer: StateStore,
+    set_id: int,
+    generation: int,
+    cursor: Cursor,
+    retries: RetryChanges | None,
+    documents: list[tuple[str, str, str, str | None, str | None]],
+) -> list[Change] | EmptySnapshot:
+    """``finish_baseline``, then the validators of the snapshot's ``documents`` (url, source, kind,
+    etag, last_modified): the next poll asks for them conditionally. An empty snapshot's refusal is
+    returned rather than raised: nothing is written then, and what the transaction holds besides (the
+    last batch) stands."""
+    try:
+        swept = writer.finish_baseline(set_id, generation, cursor, retries)
+    except EmptySnapshot as exc:
+        return exc
+    for url, source, kind, etag, last_modified in documents:
+        writer.put_document(url, source, kind, etag=etag, last_modified=last_modified, sha256=None)
+    return swept
+
+
 def _no_total(n: int) -> None:
     """Several dumps of one set: each one's count is not the set's (the total stays unknown)."""
 
@@ -270,11 +292,35 @@ async def _baseline_from(
 
     notes = _deviations.current()
     before = dict(notes.skipped) if notes is not None else {}
+
+    def finishing() -> Callable[[], list[Change] | EmptySnapshot] | None:
+        """Once the whole snapshot is in: the write that finishes the baseline, or None when it must
+        not finish (below). Made in the transaction of the pipeline's last batch, else after it."""
+        if skipped or (notes is not None and notes.skipped != before):
+            return None
+        ats = [s.at for s in snaps]
+        # The oldest snapshot of the set: changes after it are read again and applied by content.
+        at = None if any(a is None for a in ats) else min(ats)  # type: ignore[type-var]
+        cursor = Cursor(
+            baseline_at=at,
+            changelist_url=None,
+            last_datetime=at,
+            same_datetime_count=0,
+            list_index=0,
+            list_until=None,
+        )
+        # The lists' validators (a set re-read on every poll) are kept with it, in its transaction.
+        kind = RESOURCEDUMP if how == "dump" else RESOURCELIST
+        pending = validators.pending if validators else {}
+        documents = [(url, source, kind, etag, modified) for url, (etag, modified) in pending.items()]
+        retries = pipeline.unlisted_retries()
+        return partial(_finish, ctx.writer, set_id, generation, cursor, retries, documents)
+
     # A scratch folder only for dump packages: making and removing one per list-read set was a
     # good part of the per-source cost of a harvest of many small sources.
     with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) if how == "dump" else nullcontext() as d:
         async with aclosing(items(Path(d) if d else Path())) as stream:
-            stats = await pipeline.run(stream)
+            stats = await pipeline.run(stream, last=finishing)
     if skipped:
         log.warning("source=%s set=%s baseline from %s not finished: %d of %d lists unreadable",
                     source, info.capabilitylist_url, how, len(skipped), len(urls))  # fmt: skip
@@ -285,33 +331,20 @@ async def _baseline_from(
         log.warning("source=%s set=%s baseline from %s not finished: not read: %s",
                     source, info.capabilitylist_url, how, notes.skipped_text())  # fmt: skip
         return stats
-    ats = [s.at for s in snaps]
-    # The oldest snapshot of the set: changes after it are read again and applied by content.
-    at = None if any(a is None for a in ats) else min(ats)  # type: ignore[type-var]
-    cursor = Cursor(
-        baseline_at=at,
-        changelist_url=None,
-        last_datetime=at,
-        same_datetime_count=0,
-        list_index=0,
-        list_until=None,
-    )
-    try:
-        swept = await ctx.write(
-            ctx.writer.finish_baseline, set_id, generation, cursor, pipeline.unlisted_retries()
-        )
-    except EmptySnapshot as exc:  # lenient in, truthful out: the source is degraded, nothing is deleted
+    if pipeline.last_written is not None:
+        swept = pipeline.last_written[0]
+    else:
+        write = finishing()
+        assert write is not None  # the same answer as above: nothing was skipped
+        swept = await ctx.write(write)
+    if isinstance(swept, EmptySnapshot):  # lenient in, truthful out: the source is degraded, nothing deleted
         log.warning("source=%s set=%s baseline from %s not finished: %s", source, info.capabilitylist_url,
-                    how, exc)  # fmt: skip
+                    how, swept)  # fmt: skip
         for url in urls:
-            skip(url, f"the snapshot lists no resource: {exc}")
+            skip(url, f"the snapshot lists no resource: {swept}")
         return stats
     await pipeline.announce(swept)
     ctx.metrics.committed(source, swept, ())
-    for doc_url, (etag, last_modified) in (validators.pending if validators else {}).items():
-        kind = RESOURCEDUMP if how == "dump" else RESOURCELIST
-        await ctx.write(ctx.writer.put_document, doc_url, source, kind, etag=etag,
-                        last_modified=last_modified, sha256=None)  # fmt: skip
     for ch in swept:
         stats.applied[ch.change] = stats.applied.get(ch.change, 0) + 1
     await trio.lowlevel.checkpoint()

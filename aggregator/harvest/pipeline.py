@@ -492,6 +492,9 @@ class Pipeline:
         self._empty = False
         self._hosts: dict[str, str] = {}  # scheme://authority -> host (``_host_free``)
         self._fetch_tasks: _Workers | None = None  # ``run``'s fetch tasks (``_host_free``)
+        #: ``run``'s ``last``, and what its write returned once made in the last batch's transaction.
+        self._last: Callable[[], Callable[[], Any] | None] | None = None
+        self.last_written: tuple[Any] | None = None
 
     async def _prime(self) -> None:
         """What the run starts from, read from the state once (``HarvestContext.read``: not in the event
@@ -510,7 +513,15 @@ class Pipeline:
         self._primed = True
 
     @for_source  # the tasks started below make their requests for the source
-    async def run(self, items: AsyncGenerator[Work, None]) -> PipelineStats:
+    async def run(
+        self, items: AsyncGenerator[Work, None], *, last: Callable[[], Callable[[], Any] | None] | None = None
+    ) -> PipelineStats:
+        """``last``: asked, once every item is in, for a state write to make in the transaction of the
+        last batch, after its changes (``last_written`` then holds its result); it answers None when
+        there is none. Why: a baseline's end (``finish_baseline``) right after the last batch was a
+        thread hop and a transaction of its own, a good part of a small Source's cost
+        (benchmarks/bench_many_sources.py). Not asked when the last batch is empty."""
+        self._last = last
         await self._prime()
         reader = self.ctx.reader
         if limiter_of(reader) is None:
@@ -924,9 +935,9 @@ class Pipeline:
                 except trio.EndOfChannel:
                     break
                 await self._flush(batch)
-            await self._flush(order.rest())
+            await self._flush(order.rest(), last=True)
 
-    async def _flush(self, batch: list[_Result], release: bool = True) -> None:
+    async def _flush(self, batch: list[_Result], release: bool = True, last: bool = False) -> None:
         """``release``: the changes hold the in-flight bound (``run``'s, not ``run_batches``')."""
         if not batch:
             return
@@ -940,14 +951,16 @@ class Pipeline:
                 if r.blob is not None:
                     r.blob.abort()
                 r.change, r.blob = None, None
-        for part in _one_version_each(batch):
-            await self._flush_part(part)
+        parts = _one_version_each(batch)
+        for i, part in enumerate(parts, 1):
+            await self._flush_part(part, last=last and i == len(parts))
         if release:
             for _ in batch:
                 self._inflight.release()
 
-    async def _flush_part(self, batch: list[_Result]) -> None:
-        """Blobs durable, then one state transaction for the changes and the cursor of ``batch``."""
+    async def _flush_part(self, batch: list[_Result], last: bool = False) -> None:
+        """Blobs durable, then one state transaction for the changes and the cursor of ``batch`` (and,
+        ``last``, ``run``'s last write)."""
         writers = [r.blob for r in batch if r.blob is not None and r.change is not None]
         changes = [r.change for r in batch if r.change is not None]
         cursor = next((r.work.cursor_after for r in reversed(batch) if r.work.cursor_after), None)
@@ -957,8 +970,11 @@ class Pipeline:
         # With the changes, in their transaction: validators name the version then held.
         kept = [r.validators for r in batch if r.validators is not None and r.change is not None]
         # The blobs durable first (invariant 2), in the same thread hop when the store can (small ones).
-        applied = await self.ctx.write_after_blobs(writers, _apply_batch, self.ctx.writer, self.set_id,
-                                                   changes, cursor, retries, kept)  # fmt: skip
+        then = self._last() if last and self._last is not None else None
+        applied, after = await self.ctx.write_after_blobs(writers, _apply_batch, self.ctx.writer, self.set_id,
+                                                          changes, cursor, retries, kept, then)  # fmt: skip
+        if then is not None:
+            self.last_written = (after,)
         if self._on_batch is not None:
             self._on_batch(
                 [r.work.entry.loc for r in batch], applied, [r.failure for r in batch if r.failure]
@@ -990,10 +1006,17 @@ def _apply_batch(
     cursor: Cursor | None,
     retries: RetryChanges | None,
     kept: list[ResourceValidators],
-) -> list[Change]:
+    then: Callable[[], Any] | None = None,
+) -> tuple[list[Change], Any]:
     """One batch's state writes in one call (one thread hop) and one transaction: the changes, the
-    cursor, the retries and the upstream's validators of what was fetched (on the rows, schema step 18)."""
-    return writer.apply(set_id, changes, cursor, retries, kept)
+    cursor, the retries and the upstream's validators of what was fetched (on the rows, schema step 18);
+    then ``then`` (``Pipeline.run``'s ``last``), in the same transaction where the state can join them
+    (``together``): both, or neither. Returns what changed state and what ``then`` returned."""
+    if then is None:
+        return writer.apply(set_id, changes, cursor, retries, kept), None
+    together = getattr(writer, "together", None)
+    with together() if together is not None else nullcontext():
+        return writer.apply(set_id, changes, cursor, retries, kept), then()
 
 
 def _one_version_each(batch: list[_Result]) -> list[list[_Result]]:
