@@ -768,6 +768,39 @@ async def test_a_set_holding_no_row_looks_nothing_up(tmp_path: Path, monkeypatch
     assert sum(s.fetched for s in again.stats) == 1 and sum(s.unchanged for s in again.stats) == n - 1
 
 
+async def test_a_set_seen_for_the_first_time_reads_nothing_at_its_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new set holds no row and no retry (one question in its first write's hop says so): its sync
+    reads neither its retries nor its rows. Once it holds a retry (a resource that failed), the next
+    sync reads them and tries the resource again."""
+    reads: list[str] = []
+    for name in ("pending_retries", "retry_uris", "iter_resources"):
+        real = getattr(State, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            reads.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(State, name, counted)
+    up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
+    for j in range(4):
+        up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a")
+    async with up.serving():
+        config = make_config(tmp_path / "store", {"a": up.doc_url("capabilitylist.xml", "a")})
+        up.serve_503 = {"/a/res/r2.txt": 10}  # outlasts the retries of the first run
+        first = (await harvest(config))["a"]
+        assert [f.uri for f in first.failures] == [up.url("r2.txt", "a")]
+        assert reads == []
+        up.serve_503 = {}
+        again = (await harvest(config))["a"]
+    assert again.ok, again.error
+    assert "pending_retries" in reads and "retry_uris" in reads
+    with open_state(config) as state:
+        set_id = state.sets("a")[0].id
+        assert state.pending_retries(set_id) == [] and not state.holds_nothing(set_id)
+
+
 # -- a few syncs of one host at once (harvest/admission.py) ---------------------------------------------
 
 

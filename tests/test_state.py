@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -11,9 +12,18 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from aggregator.rs.model import Link
+from aggregator.rs.model import Entry, Link
 from aggregator.store.interface import EmptySnapshot, StateStore
-from aggregator.store.rows import Change, Cursor, DocumentRow, LogRecord, format_dt, parse_dt
+from aggregator.store.rows import (
+    Change,
+    Cursor,
+    DocumentRow,
+    FailedChange,
+    LogRecord,
+    RetryChanges,
+    format_dt,
+    parse_dt,
+)
 from aggregator.store.sql import codec
 from aggregator.store.sql.dialect import SQLITE
 from aggregator.store.state import MIGRATIONS, State
@@ -91,6 +101,37 @@ def ch(uri: str, change: str, sha: str | None = None, **kw) -> Change:
 
 def log_of(st: State) -> list[tuple[str, str, str | None]]:
     return [(r.uri, r.change, r.sha256) for r in st.iter_changelog()]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_set_holds_nothing_until_a_row_or_a_retry_is_written(st: State, seed: int) -> None:
+    """``holds_nothing``: true exactly while the set has no resource row (a tombstone is one) and no
+    retry (an ended one is one), whatever else the other sets hold; generated sequences of writes."""
+    rng = random.Random(seed)
+    sets = [st.ensure_set("src", f"https://example.org/cl{i}.xml") for i in range(3)]
+    rows: dict[int, set[str]] = {s: set() for s in sets}
+    retries: dict[int, set[str]] = {s: set() for s in sets}
+    assert all(st.holds_nothing(s) for s in sets)
+    for _ in range(12):
+        sid, uri = rng.choice(sets), rng.choice("uvw")
+        op = rng.choice(["created", "deleted", "fail", "clear", "end", "nothing"])
+        if op == "created":
+            st.apply(sid, [ch(uri, "created", rng.choice([A, B]))])
+            rows[sid].add(uri)
+        elif op == "deleted":  # a tombstone where a row was; nothing where none was
+            st.apply(sid, [ch(uri, "deleted")])
+        elif op == "fail":
+            st.apply(sid, [], retries=RetryChanges([FailedChange(Entry(uri), "created", "http", "500")]))
+            retries[sid].add(uri)
+        elif op == "clear":
+            st.apply(sid, [], retries=RetryChanges(cleared=[uri]))
+            retries[sid].discard(uri)
+        elif op == "end":  # an ended retry stays a row of the set
+            st.end_retries(sid, [uri], "gone")
+        else:
+            st.apply(sid, [])
+        for s in sets:
+            assert st.holds_nothing(s) == (not rows[s] and not retries[s]), (op, s, rows, retries)
 
 
 # -- apply semantics ------------------------------------------------------------------------------

@@ -196,12 +196,15 @@ async def run_baseline(
     total: Callable[[int], None] | None = None,
     validators: Validators | None = None,
     opened: int | None = None,
+    empty: bool = False,
 ) -> PipelineStats | None:
     """Synchronize one set from a snapshot; returns the pipeline's figures.
 
     ``opened``: a baseline generation the caller began for it already (``begin_baseline``, in the thread
     hop that found the set: ``source._open_set``); the first snapshot read takes it, any other (a dump
-    that failed, then the list) begins its own.
+    that failed, then the list) begins its own. ``empty``: the caller found the set holding nothing
+    (``StateStore.holds_nothing``), true for the first snapshot read only (a dump that failed may have
+    stored some of it).
 
     With ``validators`` (a set already baselined and without Change List, re-read on every poll) an
     unchanged Resource List (or Resource Dump) returns None without touching the store.
@@ -214,7 +217,7 @@ async def run_baseline(
     if RESOURCELIST not in caps and RESOURCEDUMP not in caps:
         raise SyncError(f"{info.capabilitylist_url}: advertises neither a Resource List nor a Resource Dump")
     set_total = total or (lambda n: None)
-    generations = [opened] if opened is not None else []
+    generations = [(opened, empty)] if opened is not None else []
     if RESOURCELIST not in caps:  # the dump is the only snapshot
         try:
             return await _baseline_from(
@@ -254,16 +257,19 @@ async def _baseline_from(
     progress: Callable[[int], None] | None,
     total: Callable[[int], None],
     validators: Validators | None,
-    opened: list[int],
+    opened: list[tuple[int, bool]],
 ) -> PipelineStats:
-    """``opened``: a generation begun already and not used yet (taken from the list), else none."""
+    """``opened``: a generation begun already and not used yet, and whether the set held nothing then
+    (taken from the list), else none."""
     urls = info.urls(RESOURCEDUMP if how == "dump" else RESOURCELIST)
     if not urls:  # never a generation without a snapshot to fill it: its sweep would empty the set
         raise SyncError(
             f"{info.capabilitylist_url}: no Resource {'Dump' if how == 'dump' else 'List'} to read"
         )
-    generation = opened.pop() if opened else await ctx.write(ctx.writer.begin_baseline, set_id)
-    pipeline = Pipeline(ctx, set_id, source, progress=progress)
+    generation, empty = (
+        opened.pop() if opened else (await ctx.write(ctx.writer.begin_baseline, set_id), False)
+    )
+    pipeline = Pipeline(ctx, set_id, source, progress=progress, empty=empty)
     snaps = [Snapshot() for _ in urls]
     skipped: list[str] = []
     if len(urls) > 1:

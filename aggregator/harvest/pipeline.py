@@ -455,10 +455,14 @@ class Pipeline:
         *,
         progress: Callable[[int], None] | None = None,
         on_batch: Callable[[list[str], list[Change], list[Failure]], None] | None = None,
+        empty: bool = False,
     ):
         """``on_batch(uris, applied, failures)``: told after each batch committed, with the URIs it
         carried, the changes that changed state and the changes that failed (reconciliation logs each
-        repair with its cause from it)."""
+        repair with its cause from it). ``empty``: the caller knows the set holds nothing (no row, no
+        retry: ``StateStore.holds_nothing``), so nothing is read or looked up; a set seen for the first
+        time, whose reads were a good part of a small new Source's cost
+        (benchmarks/bench_many_sources.py)."""
         self.ctx = ctx
         self._on_batch = on_batch
         self.set_id = set_id
@@ -488,8 +492,9 @@ class Pipeline:
         # Records appended after this point are announced (rsagg_change_published).
         self._last_seq = 0
         self._primed = False
-        #: The set held no row when the run started (a local state only: ``run``): nothing to look up.
-        self._empty = False
+        #: The set held no row when the run started (``empty``, or a local state's read: ``run``):
+        #: nothing to look up.
+        self._empty = empty
         self._hosts: dict[str, str] = {}  # scheme://authority -> host (``_host_free``)
         self._fetch_tasks: _Workers | None = None  # ``run``'s fetch tasks (``_host_free``)
         #: ``run``'s ``last``, and what its write returned once made in the last batch's transaction.
@@ -507,8 +512,9 @@ class Pipeline:
             # sources cost N^2 rows (benchmarks/bench_many_sources.py).
             sets = await ctx.read(ctx.reader.sets, self.source)
             self._set_name = next((s.name for s in sets if s.id == set_id), str(set_id))
-        self._retrying = await ctx.read(ctx.reader.retry_uris, set_id)
-        self._waiting = frozenset(e.loc for e, _, _ in await ctx.read(ctx.reader.pending_retries, set_id))
+        if not self._empty:  # else no retry to read
+            self._retrying = await ctx.read(ctx.reader.retry_uris, set_id)
+            self._waiting = frozenset(e.loc for e, _, _ in await ctx.read(ctx.reader.pending_retries, set_id))
         self._last_seq = await ctx.read(ctx.reader.last_seq) if self._events else 0
         self._primed = True
 
@@ -524,7 +530,7 @@ class Pipeline:
         self._last = last
         await self._prime()
         reader = self.ctx.reader
-        if limiter_of(reader) is None:
+        if limiter_of(reader) is None and not self._empty:
             # A set that holds no row yet (a new Source's first baseline) has nothing to look up: its
             # changes skip the lookup, a thread hop per batch of a small set (one indexed read here,
             # direct on a local state). Rows this run commits meanwhile are not looked up (a URI listed

@@ -182,12 +182,14 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
             # A baseline is opened with the set only for a set that offers its snapshot now (one read
             # from an archive, or none at all, opens its own or none, as ``run_baseline`` decides).
             snapshot = RESOURCELIST in info.capabilities or RESOURCEDUMP in info.capabilities
-            set_id, cursor, opened = await ctx.write(
+            set_id, cursor, opened, empty = await ctx.write(
                 _open_set, ctx.writer, src.name, info.capabilitylist_url, CHANGELIST in info.capabilities,
                 snapshot,
             )  # fmt: skip
-            # failed in earlier runs: URI -> attempts so far
-            waiting = {e.loc: n for e, _, n in await ctx.read(ctx.reader.pending_retries, set_id)}
+            # failed in earlier runs: URI -> attempts so far (none in a set that holds nothing)
+            waiting = {} if empty else {
+                e.loc: n for e, _, n in await ctx.read(ctx.reader.pending_retries, set_id)
+            }  # fmt: skip
             baseline = cursor is None or CHANGELIST not in info.capabilities
             if not baseline:
                 assert cursor is not None
@@ -211,7 +213,7 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
                     ctx, info, set_id, src.name, use_dumps=ctx.config.use_dumps(src) and not polled,
                     progress=progress.add, total=progress.set_total,
                     validators=Validators(partial(ctx.read, ctx.reader.document), conditional=polled),
-                    opened=opened,
+                    opened=opened, empty=empty,
                 )  # fmt: skip
                 if stats is not None:
                     result.baselines += 1
@@ -284,15 +286,17 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
 
 def _open_set(
     writer: StateStore, source: str, capabilitylist_url: str, changelist: bool, snapshot: bool
-) -> tuple[int, Cursor | None, int | None]:
-    """The set (created on first sight), its cursor and, when it is to be baselined whatever comes
-    next (no cursor yet, or no Change List: re-read on every poll), its new baseline generation: one
-    write call, one thread hop, where these were two and a read (in the same order: the set, then the
-    baseline opened before its snapshot is asked for, ``baseline.run_baseline``)."""
+) -> tuple[int, Cursor | None, int | None, bool]:
+    """The set (created on first sight), its cursor, when it is to be baselined whatever comes next
+    (no cursor yet, or no Change List: re-read on every poll) its new baseline generation, and whether
+    it holds nothing at all (asked only of a set never baselined: one seen for the first time has no
+    row and no retry for its sync to read first, ``Pipeline``'s ``empty``): one write call, one thread
+    hop, where these were two and reads (in the same order: the set, then the baseline opened before
+    its snapshot is asked for, ``baseline.run_baseline``)."""
     set_id = writer.ensure_set(source, capabilitylist_url)
     cursor = writer.cursor(set_id)
     opened = writer.begin_baseline(set_id) if snapshot and (cursor is None or not changelist) else None
-    return set_id, cursor, opened
+    return set_id, cursor, opened, cursor is None and writer.holds_nothing(set_id)
 
 
 async def _baseline_finished(ctx: HarvestContext, source: str, set_id: int) -> bool:

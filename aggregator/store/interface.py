@@ -209,6 +209,11 @@ class StateStore(Protocol):
 
     def retry_uris(self, set_id: int) -> set[str]: ...
 
+    def holds_nothing(self, set_id: int) -> bool:
+        """No resource row (tombstones included) and no retry of the set: nothing for a sync to look up
+        or to try again."""
+        ...
+
     def end_retries(self, set_id: int, ended: Iterable[str], reason: str) -> None:
         """Mark the retries of ``ended`` URIs (not already ended) as ended: kind "ended", message
         ``f"{reason} (last failure: {kind}: {message})"``, last_at now."""

@@ -57,6 +57,17 @@ class Retries(SqlState):
             out.extend((e, change, attempts) for e in entries)
         return out
 
+    def holds_nothing(self, set_id: int) -> bool:
+        """The set holds no resource row (tombstones included) and no retry: a sync of it has nothing
+        to look up or to try again (a set seen for the first time)."""
+        with self._read() as c:
+            row = c.execute(
+                "SELECT EXISTS (SELECT 1 FROM resources WHERE set_id = ?) "
+                "OR EXISTS (SELECT 1 FROM retries WHERE set_id = ?)",
+                (set_id, set_id),
+            ).fetchone()
+        return not row[0]
+
     def retry_uris(self, set_id: int) -> set[str]:
         """Every URI of a set with a retry row, ended ones included."""
         with self._read() as c:
