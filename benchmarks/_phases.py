@@ -30,6 +30,7 @@ import importlib
 import inspect
 import json
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -146,8 +147,16 @@ class _Part:
 
 
 def in_part(fn: Callable, label: str, clock: StepClock) -> Callable:
-    """``fn`` (a coroutine function, or an async generator function: each step) marking its task as in
-    ``label`` while it runs."""
+    """``fn`` (a coroutine function, an async generator function: each step, or a plain function: its
+    call within a task step) marking its task as in ``label`` while it runs."""
+    if not inspect.iscoroutinefunction(fn) and not inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        def plain(*args: Any, **kwargs: Any) -> Any:
+            with clock.part(label):
+                return fn(*args, **kwargs)
+
+        return plain
     if not inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
@@ -287,6 +296,25 @@ class Phases:
     def read(cls, path: Path) -> Phases:
         d = json.loads(path.read_text())
         return cls(d["cpu"], d["calls"], d["process_cpu"], d["io"], d["switches"], d.get("missing", []))
+
+    @classmethod
+    def median(cls, runs: list[Phases]) -> Phases:
+        """Each figure's median over runs of one case (a part absent from a run counts as 0 there):
+        rounds of the same case, so that one run's noise does not decide a part's figure."""
+
+        def med(values: list[float]) -> float:
+            return statistics.median(values)
+
+        labels = {x for r in runs for x in r.cpu}
+        keys = {x for r in runs for x in r.io}
+        return cls(
+            {x: med([r.cpu.get(x, 0.0) for r in runs]) for x in labels},
+            {x: round(med([r.calls.get(x, 0) for r in runs])) for x in labels},
+            med([r.process_cpu for r in runs]),
+            {x: round(med([r.io.get(x, 0) for r in runs])) for x in keys},
+            round(med([r.switches for r in runs])),
+            sorted({m for r in runs for m in r.missing}),
+        )
 
 
 def table(one: Phases, many: Phases, sources: int, per_source: int, top: int = 12) -> str:

@@ -38,8 +38,9 @@ count does not swing with the machine's load, but leaves out C code (SQLite, lxm
 
     python benchmarks/bench_many_sources.py --opcodes [--before /tmp/before]
 
-``--phases``: what a small Source's extra CPU is made of, at full speed. Each case runs once, with the
-same settings as the timed runs, under ``benchmarks/_phases.py``: every task step's CPU on the event loop
+``--phases``: what a small Source's extra CPU is made of, at full speed. Each case runs ``--repeat`` times
+(interleaved rounds; each figure is its median over them), with the same settings as the timed runs,
+under ``benchmarks/_phases.py``: every task step's CPU on the event loop
 goes to the part its task is in (a sync, its discovery, its baseline, the Resource List's entries, the
 pipeline's fetches and commits, each state write), or to the task's name; each state write's CPU in the
 writer's thread to the function written; then the process's CPU, its write syscalls, the bytes it wrote
@@ -410,19 +411,21 @@ def count_opcodes(work: Path, n: int, m: int, small: int, root: Path = ROOT, tre
     return Figures(counts["one"], counts["small"], counts["many"], n, m, small)
 
 
-def sum_phases(work: Path, n: int, m: int, before: Path | None = None) -> dict[str, tuple[Phases, Phases]]:
+def sum_phases(
+    work: Path, n: int, m: int, before: Path | None = None, r: int = 0
+) -> dict[str, tuple[Phases, Phases]]:
     """One run of each case with the CPU of its parts summed (``_phases.py``): tree -> (one, many). With
     ``before``, that checkout's runs too, interleaved with this one's (after one, before one, before many,
-    after many), so that a drift of the machine weighs on both alike."""
+    after many), so that a drift of the machine weighs on both alike. ``r``: the round (its runs' names)."""
     trees = [("after", ROOT)] + ([("before", before)] if before else [])
     order = [(t, 0) for t in trees] + [(t, n) for t in reversed(trees)]
     got: dict[tuple[str, int], Phases] = {}
     for (tree, root), sources in order:
         case = "many" if sources else "one"
         up = Upstream(n if sources else 0, m, 0 if sources else n * m, work / "upstream.log")
-        out = work / f"phases-{tree}-{case}.json"
+        out = work / f"phases-{tree}-{case}-{r}.json"
         try:
-            harvest(work, f"phases-{tree}-{case}", up.base, sources, n * m, root=root, phases=out)
+            harvest(work, f"phases-{tree}-{case}-{r}", up.base, sources, n * m, root=root, phases=out)
         finally:
             up.stop()
         got[tree, sources] = runs = Phases.read(out)
@@ -506,7 +509,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"load average after: {os.getloadavg()[0]:.2f}")
             return 0
         if args.phases:
-            parts = sum_phases(work, n, m, args.before)  # (not ``runs``: the timed runs' list)
+            rounds = [sum_phases(work, n, m, args.before, r) for r in range(args.repeat)]
+            # Each part's figure: its median over the rounds (one, many: each case's median).
+            parts = {
+                tree: (
+                    Phases.median([x[tree][0] for x in rounds]),
+                    Phases.median([x[tree][1] for x in rounds]),
+                )
+                for tree in rounds[0]
+            }
             print(phases_table(*parts["after"], n, m))
             if "before" in parts:
                 print()

@@ -196,3 +196,53 @@ def test_the_comparison_sets_each_parts_extra_beside_the_other_checkouts() -> No
     assert rows[old] == ["0.000", "0.200", "-0.200"]
     assert rows["the process, CPU"] == ["3.000", "4.000", "-1.000"]
     assert list(rows)[2] == part  # the parts that weigh most first
+
+
+def test_a_plain_function_counts_its_own_cpu_within_the_step() -> None:
+    """A plain (not async) function wrapped as a part: its call's CPU is its own, the rest of the task
+    step stays with the part around it."""
+    sums = _phases.Sums()
+    clock = _phases.StepClock(sums)
+
+    def parse(ms: float) -> int:
+        burn(ms / 1000)
+        return 7
+
+    timed_parse = _phases.in_part(parse, "parse", clock)
+
+    async def fetch() -> int:
+        burn(0.003)
+        got = timed_parse(5)
+        burn(0.003)
+        return got
+
+    timed_fetch = _phases.in_part(fetch, "fetch", clock)
+    assert trio.run(timed_fetch, instruments=[clock]) == 7
+    assert sums.calls["parse"] == 1
+    assert 0.005 <= sums.cpu["parse"] < 0.0065
+    assert 0.006 <= sums.cpu["fetch"] < 0.0075
+    assert timed_parse(0) == 7  # outside a task step: called, nothing marked
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_rounds_median_is_each_figures_median(seed: int) -> None:
+    """``--repeat``: each part's figure is its median over the rounds, a part a round lacks counting 0
+    there, so one noisy round does not decide it."""
+    rng = random.Random(seed)
+    labels = [f"part{i}" for i in range(6)]
+    runs = []
+    for _ in range(rng.choice([1, 2, 3, 5])):
+        present = [x for x in labels if rng.random() < 0.8]
+        cpu = {x: rng.uniform(0, 2) for x in present}
+        calls = {x: rng.randrange(1, 50) for x in present}
+        runs.append(
+            phases(cpu, calls, rng.uniform(1, 3), syscw=rng.randrange(100), switches=rng.randrange(100))
+        )
+    med = _phases.Phases.median(runs)
+    for x in {x for r in runs for x in r.cpu}:
+        values = sorted(r.cpu.get(x, 0.0) for r in runs)
+        mid = len(values) // 2
+        want = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+        assert med.cpu[x] == pytest.approx(want)
+    assert min(r.process_cpu for r in runs) <= med.process_cpu <= max(r.process_cpu for r in runs)
+    assert min(r.switches for r in runs) <= med.switches <= max(r.switches for r in runs)
