@@ -149,15 +149,28 @@ async def test_state_calls_and_rows_grow_linearly_with_the_sources(
 
 @pytest.fixture
 def parsers(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """The XMLPullParsers the document reader builds (their options)."""
+    """The XMLPullParsers the document reader puts to work (their options), each document's made or
+    taken from those kept (``parse._pull_parser``)."""
     made: list[dict] = []
-    real = etree.XMLPullParser
+    real, real_pull = etree.XMLPullParser, parse._pull_parser
+    pulling = False
 
     def make(*args, **kwargs):
-        made.append(kwargs)
+        if not pulling:
+            made.append(kwargs)
         return real(*args, **kwargs)
 
+    def pull():
+        nonlocal pulling
+        made.append({"events": ("start",), "tag": parse._ROOT_TAGS, **parse._HARDENED})
+        pulling = True
+        try:
+            return real_pull()
+        finally:
+            pulling = False
+
     monkeypatch.setattr(parse.etree, "XMLPullParser", make)
+    monkeypatch.setattr(parse, "_pull_parser", pull)
     return made
 
 

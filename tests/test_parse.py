@@ -609,6 +609,48 @@ def test_random_damage_gives_a_result_or_a_document_error() -> None:
     assert outcomes == {"parsed", "refused"}
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_kept_parser_reads_the_next_document_as_a_new_one_would(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parsers are kept per thread from one document to the next (``_pull_parser``): generated runs of
+    documents, good, damaged, refused (entities, wrong roots, truncations) and nested, each fed in random
+    slices, give the same items or the same error as with a parser made for each."""
+    rnd = random.Random(seed)
+    seeds = [RICH, *(p.read_bytes() for p in EXAMPLES[:6])]
+    odd = [
+        doc("<url><loc>&l9;</loc></url>", prolog=f'<!DOCTYPE urlset [<!ENTITY l0 "lol">{LAUGHS}]>\n'),
+        doc("<url><loc>http://a/&u;</loc></url>", prolog="<!DOCTYPE urlset>\n"),
+        doc("<url><loc>http://a</loc></url>")[:-20],
+        b"<html><body/></html>",
+        doc(f"<url><loc>http://a</loc><x><urlset xmlns='{SITEMAP_NS}'/></x></url>"),
+        b"",
+    ]
+    tokens = [b"<", b">", b"&", b"</url>", b"<!DOCTYPE urlset>", b"\xff", b"<rs:md at='x'/>"]
+
+    def outcome(data: bytes, sizes: int) -> tuple:
+        try:
+            items = feed_in(data, random_sizes(sizes), on_problem=lambda line, message: None)
+            return ("parsed", comparable(items))
+        except DocumentError as e:
+            return ("refused", str(e))
+
+    kept = 0
+    for _ in range(60):
+        data = bytearray(rnd.choice(seeds + odd))
+        if data and rnd.random() < 0.4:
+            pos = rnd.randrange(len(data))
+            data[pos:pos] = rnd.choice(tokens)
+        sizes = rnd.randrange(1000)
+        kept += bool(getattr(parse_mod._free_parsers, "parsers", None))
+        again = outcome(bytes(data), sizes)  # with whatever parser the last documents left
+        with monkeypatch.context() as m:
+            m.setattr(parse_mod._free_parsers, "parsers", [], raising=False)
+            alone = outcome(bytes(data), sizes)  # with a new parser
+        assert again == alone, bytes(data)[:200]
+    assert kept > 10  # parsers were kept and taken again
+
+
 # -- memory -----------------------------------------------------------------------------------------------
 
 

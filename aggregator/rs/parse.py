@@ -23,6 +23,7 @@ import importlib
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from types import ModuleType
@@ -77,6 +78,31 @@ MD_TAG = _RS + "md"
 LN_TAG = _RS + "ln"
 _ROOT_TAGS = (_SM + URLSET, _SM + SITEMAPINDEX)
 _ENTRY_OF = {URLSET: URL_TAG, SITEMAPINDEX: SITEMAP_TAG}
+
+#: Pull parsers whose last document closed cleanly, kept for the next document of the same thread (an
+#: lxml parser belongs to the thread that made it). Why: the set-up of a parser at its first feed
+#: (libxml2's push context, its buffers) cost more than parsing a small document (about 35 us against
+#: 25 for a Capability List), and a harvest of many small Sources parses two documents for each
+#: (benchmarks/bench_many_sources.py). A parser's next feed starts a new document, its error log
+#: emptied; the events of the last one are all read before it is kept.
+_free_parsers = threading.local()
+_FREE_PARSERS_MOST = 8
+
+
+def _pull_parser() -> etree.XMLPullParser:
+    free: list[etree.XMLPullParser] | None = getattr(_free_parsers, "parsers", None)
+    if free:
+        return free.pop()
+    return etree.XMLPullParser(events=("start",), tag=_ROOT_TAGS, **_HARDENED)
+
+
+def _keep_parser(parser: etree.XMLPullParser) -> None:
+    """``parser`` closed its document without error: kept for the thread's next one."""
+    for _ in parser.read_events():  # none may show in the next document
+        pass
+    free = _free_parsers.__dict__.setdefault("parsers", [])
+    if len(free) < _FREE_PARSERS_MOST:
+        free.append(parser)
 
 #: libxml2 errors and warnings that mean an entity was declared, referenced or expanded.
 _ENTITY_ERRORS = frozenset(
@@ -225,7 +251,7 @@ class DocumentReader:
         self._require = require
         # The one parser: one event only, the root's start, where the root and the DOCTYPE are checked
         # (``_check_root``). Entries are read by walking the root's children.
-        self._parser = etree.XMLPullParser(events=("start",), tag=_ROOT_TAGS, **_HARDENED)
+        self._parser = _pull_parser()
         # A document whose first _SNIFF bytes gave no <urlset>/<sitemapindex> start (a wrong root, or a
         # long prolog) is read by a second parser too, that sees the first start tag whatever its name,
         # so that a wrong root is refused early rather than after the whole document is built. Kept
@@ -294,6 +320,7 @@ class DocumentReader:
             except etree.XMLSyntaxError as exc:
                 raise self._syntax_error(self._parser, exc, closing=True) from None
             self._check_log()
+            _keep_parser(self._parser)  # its document is read: ``root`` stays whole
             if self._head is None:  # a root no event showed (a wrong one): refused here
                 self._check_root(root)
             if self._root is None:
