@@ -416,9 +416,12 @@ def sum_phases(
 ) -> dict[str, tuple[Phases, Phases]]:
     """One run of each case with the CPU of its parts summed (``_phases.py``): tree -> (one, many). With
     ``before``, that checkout's runs too, interleaved with this one's (after one, before one, before many,
-    after many), so that a drift of the machine weighs on both alike. ``r``: the round (its runs' names)."""
+    after many; the other way round in odd rounds ``r``), so that a drift of the machine, or a run's
+    place in the round, weighs on both alike."""
     trees = [("after", ROOT)] + ([("before", before)] if before else [])
     order = [(t, 0) for t in trees] + [(t, n) for t in reversed(trees)]
+    if r % 2:
+        order.reverse()
     got: dict[tuple[str, int], Phases] = {}
     for (tree, root), sources in order:
         case = "many" if sources else "one"
