@@ -13,12 +13,15 @@ the speed is measured by benchmarks/bench_many_sources.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import logging
 import math
 import random
 import threading
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -33,6 +36,7 @@ from starlette.routing import Route
 
 from aggregator.harvest import admission, pipeline
 from aggregator.harvest import context as context_mod
+from aggregator.harvest import deviations as deviations_mod
 from aggregator.harvest import source as source_mod
 from aggregator.harvest.access import Access
 from aggregator.harvest.context import HarvestContext
@@ -129,10 +133,11 @@ async def test_state_calls_and_rows_grow_linearly_with_the_sources(
             results = await harvest(config)
         assert all(r.ok for r in results.values()) and len(results) == k
         costs[k] = counted.cost
-        # One status write of its own per sync (the final one); the others rode along with it or
-        # with the sync's other writes, and all of them happened.
-        assert sum(1 for w in writes if w in STATUS_WRITES) == k
+        # No status write of its own: the first ones rode along with the sync's first write, the final
+        # one with its baseline's end (its last step), and all of them happened.
+        assert sum(1 for w in writes if w in STATUS_WRITES) == 0, writes
         assert counted.calls["upsert_source"] == k and counted.calls["put_upstream_notes"] == k
+        assert counted.calls["set_source_status"] == 2 * k  # "syncing", then "ok"
         with open_state(config) as state:
             rows = {s.name: s for s in state.sources()}
         assert {n: (rows[n].state, rows[n].last_attempt is not None) for n in names} == {
@@ -580,7 +585,7 @@ async def test_a_harvest_of_many_sources_makes_fewer_write_hops_than_writes(
     assert all(r.ok for r in results.values())
     assert len(made) == 1
     shared = made[0]
-    assert shared.calls >= 3 * len(names)  # a set and its baseline begun, a batch and its end, a status
+    assert shared.calls >= 2 * len(names)  # a set and its baseline begun; a batch, its end, the status
     assert shared.hops < shared.calls * 3 // 4, (shared.hops, shared.calls)
     with open_state(config) as state:
         assert {s.name: s.state for s in state.sources()} == {n: "ok" for n in names}
@@ -812,6 +817,101 @@ async def test_a_set_seen_for_the_first_time_reads_nothing_at_its_start(
     with open_state(config) as state:
         set_id = state.sets("a")[0].id
         assert state.pending_retries(set_id) == [] and not state.holds_nothing(set_id)
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_the_state_holds_the_status_each_sync_reported(tmp_path: Path, seed: int) -> None:
+    """A sync's final status is written ahead with its last baseline's end when nothing after it can
+    change it, else at its end: generated Sources (with and without Change List, empty, with resources
+    that fail or announce a wrong hash, emptied later so that their snapshot is refused) harvested twice;
+    each time the state holds exactly what each sync reported: its state, its error, its upstream notes,
+    a success time only for "ok"."""
+    rng = random.Random(seed)
+    ups = [
+        Upstream(sets=[f"p{i}" for i in range(6)], resource_dump=False, change_dump=False, change_list=False),
+        Upstream(sets=[f"c{i}" for i in range(3)], resource_dump=False, change_dump=False),
+    ]
+    sources = {}
+    # p0 is emptied later (its snapshot refused: degraded), p1 has a resource that keeps failing; the
+    # others are drawn.
+    for up in ups:
+        for name in up.set_names:
+            count = 3 if name in ("p0", "p1") else rng.choice([0, 1, 3])
+            for j in range(count):
+                path = f"{name}-r{j}.txt"
+                up.create(path, f"{name} {j}".encode(), set_name=name)
+                if (name == "p1" and j == 0) or (name != "p0" and rng.random() < 0.1):
+                    up.serve_503[f"/{name}/res/{path}"] = 10
+                elif name not in ("p0", "p1") and rng.random() < 0.1:
+                    up.wrong_hash.add(path)
+            sources[name] = (up, name)
+    async with contextlib.AsyncExitStack() as stack:
+        for up in ups:
+            await stack.enter_async_context(up.serving())
+        config = make_config(
+            tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n, (up, _) in sources.items()}
+        )
+        succeeded: dict[str, datetime | None] = {}
+        seen: set[tuple[bool, bool, bool]] = set()
+        for round_ in range(2):
+            if round_:  # some lose every resource (a refused snapshot where rows are held), some change
+                for name, (up, _) in sources.items():
+                    held = list(up.resources(set_name=name))
+                    if held and (name == "p0" or (name != "p1" and rng.random() < 0.3)):
+                        for path in held:
+                            up.delete(path, set_name=name)
+                    elif held:
+                        up.update(held[0], f"{name} again".encode(), set_name=name)
+            results = await harvest(config)
+            with open_state(config) as state:
+                rows = {row.name: row for row in state.sources()}
+                for name, r in results.items():
+                    row, notes = rows[name], state.upstream_notes(name)
+                    want = "ok" if r.ok else "degraded" if r.skipped and not r.failures else "error"
+                    assert (row.state, row.last_error) == (want, r.error), (round_, name)
+                    assert {x["url"]: x["reason"] for x in notes["skipped"]} == r.skipped
+                    assert [(x["rule"], x["count"]) for x in notes["deviations"]] == [
+                        (d["rule"], d["count"]) for d in r.deviations
+                    ]
+                    if r.ok:  # a success time of this sync's own
+                        assert row.last_success is not None and row.last_success != succeeded.get(name)
+                    else:
+                        assert row.last_success == succeeded.get(name)
+                    succeeded[name] = row.last_success
+            seen |= {(r.ok, bool(r.skipped), bool(r.failures)) for r in results.values()}
+    assert {(True, False, False), (False, False, True), (False, True, False)} <= seen  # ok, failed, degraded
+
+
+async def test_a_status_written_ahead_and_overtaken_is_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Were anything to change a sync's outcome after its status was written with its last baseline's
+    end (here a list named unread once the baseline is over), the end of the sync writes the status it
+    ends with: the state never keeps an "ok" the sync did not report."""
+    real_announce = pipeline.Pipeline.announce
+
+    async def announce(self, applied):
+        await real_announce(self, applied)
+        if applied and applied[0].change == "deleted":  # the baseline's end (its sweep), after its write
+            deviations_mod.skip("http://example.org/late.xml", "named unread after the end")
+
+    monkeypatch.setattr(pipeline.Pipeline, "announce", announce)
+    up = Upstream(sets=["a"], resource_dump=False, change_dump=False, change_list=False)
+    for j in range(3):
+        up.create(f"r{j}.txt", f"resource {j}".encode(), set_name="a")
+    async with up.serving():
+        config = make_config(tmp_path / "store", {"a": up.doc_url("capabilitylist.xml", "a")})
+        assert (await harvest(config))["a"].ok
+        up.delete("r2.txt", set_name="a")
+        with caplog.at_level(logging.WARNING, logger="rsagg.harvest"):
+            result = (await harvest(config))["a"]
+    assert not result.ok and result.skipped == {"http://example.org/late.xml": "named unread after the end"}
+    assert "was overtaken" in caplog.text
+    with open_state(config) as state:
+        (row,) = state.sources()
+        notes = state.upstream_notes("a")
+    assert (row.state, row.last_error) == ("degraded", result.error)
+    assert [x["url"] for x in notes["skipped"]] == ["http://example.org/late.xml"]
 
 
 # -- a few syncs of one host at once (harvest/admission.py) ---------------------------------------------

@@ -166,17 +166,20 @@ def _finish(
     cursor: Cursor,
     retries: RetryChanges | None,
     documents: list[tuple[str, str, str, str | None, str | None]],
+    after: Callable[[], None] | None = None,
 ) -> list[Change] | EmptySnapshot:
     """``finish_baseline``, then the validators of the snapshot's ``documents`` (url, source, kind,
-    etag, last_modified): the next poll asks for them conditionally. An empty snapshot's refusal is
-    returned rather than raised: nothing is written then, and what the transaction holds besides (the
-    last batch) stands."""
+    etag, last_modified): the next poll asks for them conditionally; then ``after`` (``closing``'s
+    write). An empty snapshot's refusal is returned rather than raised: nothing is written then, and
+    what the transaction holds besides (the last batch) stands."""
     try:
         swept = writer.finish_baseline(set_id, generation, cursor, retries)
     except EmptySnapshot as exc:
         return exc
     for url, source, kind, etag, last_modified in documents:
         writer.put_document(url, source, kind, etag=etag, last_modified=last_modified, sha256=None)
+    if after is not None:
+        after()
     return swept
 
 
@@ -197,6 +200,7 @@ async def run_baseline(
     validators: Validators | None = None,
     opened: int | None = None,
     empty: bool = False,
+    closing: Callable[[PipelineStats], Callable[[], None] | None] | None = None,
 ) -> PipelineStats | None:
     """Synchronize one set from a snapshot; returns the pipeline's figures.
 
@@ -205,6 +209,10 @@ async def run_baseline(
     that failed, then the list) begins its own. ``empty``: the caller found the set holding nothing
     (``StateStore.holds_nothing``), true for the first snapshot read only (a dump that failed may have
     stored some of it).
+
+    ``closing``: the caller's last write, when nothing it does after this baseline can change it (its
+    sync's final status): asked with the pipeline's figures once the snapshot is in, it answers a write
+    to make after the baseline's end, in the same transaction, or None.
 
     With ``validators`` (a set already baselined and without Change List, re-read on every poll) an
     unchanged Resource List (or Resource Dump) returns None without touching the store.
@@ -221,7 +229,7 @@ async def run_baseline(
     if RESOURCELIST not in caps:  # the dump is the only snapshot
         try:
             return await _baseline_from(
-                ctx, info, set_id, source, "dump", progress, set_total, validators, generations
+                ctx, info, set_id, source, "dump", progress, set_total, validators, generations, closing
             )
         except NotModified:
             log.debug("source=%s set=%s resource dump not modified", source, info.capabilitylist_url)
@@ -232,7 +240,7 @@ async def run_baseline(
     if use_dumps and RESOURCEDUMP in caps and dumps_cover:
         try:
             return await _baseline_from(
-                ctx, info, set_id, source, "dump", progress, set_total, None, generations
+                ctx, info, set_id, source, "dump", progress, set_total, None, generations, closing
             )
         except (DumpError, FetchError, SyncError) as exc:
             if RESOURCELIST not in caps:
@@ -241,7 +249,7 @@ async def run_baseline(
                         source, caps[RESOURCEDUMP].url, exc)  # fmt: skip
     try:
         return await _baseline_from(
-            ctx, info, set_id, source, "list", progress, set_total, validators, generations
+            ctx, info, set_id, source, "list", progress, set_total, validators, generations, closing
         )
     except NotModified:
         log.debug("source=%s set=%s resource list not modified", source, info.capabilitylist_url)
@@ -258,6 +266,7 @@ async def _baseline_from(
     total: Callable[[int], None],
     validators: Validators | None,
     opened: list[tuple[int, bool]],
+    closing: Callable[[PipelineStats], Callable[[], None] | None] | None = None,
 ) -> PipelineStats:
     """``opened``: a generation begun already and not used yet, and whether the set held nothing then
     (taken from the list), else none."""
@@ -320,7 +329,8 @@ async def _baseline_from(
         pending = validators.pending if validators else {}
         documents = [(url, source, kind, etag, modified) for url, (etag, modified) in pending.items()]
         retries = pipeline.unlisted_retries()
-        return partial(_finish, ctx.writer, set_id, generation, cursor, retries, documents)
+        after = closing(pipeline.stats) if closing is not None else None
+        return partial(_finish, ctx.writer, set_id, generation, cursor, retries, documents, after)
 
     # A scratch folder only for dump packages: making and removing one per list-read set was a
     # good part of the per-source cost of a harvest of many small sources.

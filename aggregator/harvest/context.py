@@ -160,6 +160,10 @@ class HarvestContext:
             return
         queued.append(partial(fn, *args, **kwargs))
 
+    def later_waiting(self, source: str) -> bool:
+        """Writes wait to ride along with ``source``'s next write."""
+        return bool(self._later.get(source))
+
     def drop_later(self, source: str) -> None:
         """Forget the writes waiting for ``source``'s next write (its sync ended without one: the store
         refused it)."""

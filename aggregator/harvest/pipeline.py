@@ -522,11 +522,12 @@ class Pipeline:
     async def run(
         self, items: AsyncGenerator[Work, None], *, last: Callable[[], Callable[[], Any] | None] | None = None
     ) -> PipelineStats:
-        """``last``: asked, once every item is in, for a state write to make in the transaction of the
-        last batch, after its changes (``last_written`` then holds its result); it answers None when
-        there is none. Why: a baseline's end (``finish_baseline``) right after the last batch was a
-        thread hop and a transaction of its own, a good part of a small Source's cost
-        (benchmarks/bench_many_sources.py). Not asked when the last batch is empty."""
+        """``last``: asked, once every item is in (``stats.failed`` holding every failure of the run),
+        for a state write to make in the transaction of the last batch, after its changes
+        (``last_written`` then holds its result); it answers None when there is none. Why: a
+        baseline's end (``finish_baseline``) right after the last batch was a thread hop and a
+        transaction of its own, a good part of a small Source's cost (benchmarks/bench_many_sources.py).
+        Not asked when the last batch is empty."""
         self._last = last
         await self._prime()
         reader = self.ctx.reader
@@ -975,6 +976,14 @@ class Pipeline:
             self._progress(len(batch))
         # With the changes, in their transaction: validators name the version then held.
         kept = [r.validators for r in batch if r.validators is not None and r.change is not None]
+        # The failures decided in commit order, before the write: ``last`` sees every one of the run.
+        if self.stats.failed or any(r.failure is not None for r in batch):
+            for r in batch:
+                uri = r.work.entry.loc
+                if r.failure is not None:
+                    self.stats.failed[r.failure.key] = r.failure
+                else:
+                    self.stats.failed.pop(uri, None)
         # The blobs durable first (invariant 2), in the same thread hop when the store can (small ones).
         then = self._last() if last and self._last is not None else None
         applied, after = await self.ctx.write_after_blobs(writers, _apply_batch, self.ctx.writer, self.set_id,
@@ -991,13 +1000,6 @@ class Pipeline:
         for ch in applied:
             self.stats.applied[ch.change] = self.stats.applied.get(ch.change, 0) + 1
         self.ctx.metrics.committed(self.source, applied, [r.failure for r in batch if r.failure])
-        if self.stats.failed or any(r.failure is not None for r in batch):
-            for r in batch:
-                uri = r.work.entry.loc
-                if r.failure is not None:
-                    self.stats.failed[r.failure.key] = r.failure
-                else:
-                    self.stats.failed.pop(uri, None)
         for r in reversed(batch):
             dt = r.work.entry.md.datetime if r.work.entry.md else None
             if dt is not None:

@@ -104,6 +104,7 @@ def _keep_parser(parser: etree.XMLPullParser) -> None:
     if len(free) < _FREE_PARSERS_MOST:
         free.append(parser)
 
+
 #: libxml2 errors and warnings that mean an entity was declared, referenced or expanded.
 _ENTITY_ERRORS = frozenset(
     getattr(etree.ErrorTypes, name)
