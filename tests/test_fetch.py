@@ -653,3 +653,46 @@ async def test_document_inside_an_async_generator() -> None:
         async with aclosing(locs(f, f"{base}/rl.xml")) as agen:
             assert len([x async for x in agen]) == 50
     assert got == [f"http://example.com/res{i}" for i in range(3)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_spool_hands_its_bytes_to_a_reader_at_any_pace(seed: int) -> None:
+    """A document's spool (``fetch._Spool``): a download appending at random moments and a reader at its
+    own pace; the reader gets every byte once, in order, then b"" (or the download's error); a download
+    task that starts after the spool was closed finds its scope cancelled already."""
+    import random
+
+    from aggregator.harvest import fetch as fetch_mod
+
+    rng = random.Random(seed)
+    parts = [rng.randbytes(rng.randrange(1, 300)) for _ in range(rng.randrange(0, 12))]
+    fails = rng.random() < 0.3
+
+    async def main() -> bytes:
+        spool = fetch_mod._Spool()
+        got = bytearray()
+
+        async def download() -> None:
+            for part in parts:
+                for _ in range(rng.randrange(3)):
+                    await trio.lowlevel.checkpoint()
+                spool.append(part)
+            spool.finish(sha256="x", error=FetchError("u", "network", "gone") if fails else None)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(download)
+            while True:
+                try:
+                    data = await spool.read(len(got), rng.randrange(1, 500))
+                except FetchError:
+                    assert fails
+                    break
+                if not data:
+                    assert not fails
+                    break
+                got += data
+        spool.close()
+        assert spool.scope.cancel_called  # made after close: cancelled already
+        return bytes(got)
+
+    assert trio.run(main) == b"".join(parts)

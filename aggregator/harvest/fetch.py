@@ -392,9 +392,19 @@ class _Spool:
         self.done = False
         self.error: BaseException | None = None
         self.sha256: str | None = None
-        self.scope = trio.CancelScope()  # entered by the download task; cancelled by close()
         self.closed = False
-        self._more = trio.Event()
+        # Made when first needed, like the file: a document read whole never waits or downloads here.
+        self._scope: trio.CancelScope | None = None
+        self._more: trio.Event | None = None
+
+    @property
+    def scope(self) -> trio.CancelScope:
+        """Entered by the download task; cancelled by close() (already, when made after it)."""
+        if self._scope is None:
+            self._scope = trio.CancelScope()
+            if self.closed:
+                self._scope.cancel()
+        return self._scope
 
     def append(self, data: bytes) -> None:
         if self.closed:  # a download finishing its last step after being cancelled
@@ -412,13 +422,16 @@ class _Spool:
             self._wake()
 
     def _wake(self) -> None:
-        self._more.set()
-        self._more = trio.Event()
+        if self._more is not None:  # the reader waits
+            self._more.set()
+            self._more = None
 
     async def read(self, pos: int, n: int) -> bytes:
         """Up to ``n`` bytes at ``pos``; b"" at the clean end; the download's error at a broken end."""
         if self.written <= pos and not self.done:
             while self.written <= pos and not self.done:
+                if self._more is None:
+                    self._more = trio.Event()
                 await self._more.wait()
         else:
             await trio.lowlevel.checkpoint()  # the caller's loop must yield even when data is ready
@@ -430,7 +443,8 @@ class _Spool:
         return b""
 
     def close(self) -> None:
-        self.scope.cancel()
+        if self._scope is not None:
+            self._scope.cancel()
         self.closed = True
         if self.file is not None:
             self.file.close()
