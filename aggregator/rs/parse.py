@@ -81,10 +81,10 @@ _ENTRY_OF = {URLSET: URL_TAG, SITEMAPINDEX: SITEMAP_TAG}
 
 #: Pull parsers whose last document closed cleanly, kept for the next document of the same thread (an
 #: lxml parser belongs to the thread that made it). Why: the set-up of a parser at its first feed
-#: (libxml2's push context, its buffers) cost more than parsing a small document (about 35 us against
-#: 25 for a Capability List), and a harvest of many small Sources parses two documents for each
-#: (benchmarks/bench_many_sources.py). A parser's next feed starts a new document, its error log
-#: emptied; the events of the last one are all read before it is kept.
+#: (libxml2's push context, its buffers) was about a third of reading a small document (a Capability
+#: List: 26 us with a new parser, 18 with a kept one), and a harvest of many small Sources reads two
+#: documents for each (benchmarks/bench_many_sources.py). A parser's next feed starts a new
+#: document, its error log emptied; the events of the last one are all read before it is kept.
 _free_parsers = threading.local()
 _FREE_PARSERS_MOST = 8
 
