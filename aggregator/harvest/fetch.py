@@ -505,10 +505,15 @@ class _Entries:
                 self._items.extend(self._reader.feed(data[i : i + CHUNK]))
             self._items.extend(self._reader.close())
         except parse.DocumentError as exc:
-            self._error = FetchError(self._url, "parse", str(exc), line=getattr(exc, "line", None))
+            self._error = self._refused(exc)
             return
         self._end = True
         self.sha256 = whole.sha256
+
+    def _refused(self, exc: parse.DocumentError) -> FetchError:
+        """The parser's refusal as the fetch's error (its message names the URL and the line: the
+        contract of parse.py)."""
+        return FetchError(self._url, "parse", str(exc), line=getattr(exc, "line", None))
 
     def __aiter__(self) -> _Entries:
         return self
@@ -559,8 +564,7 @@ class _Entries:
                     self.sha256 = self._spool.sha256
                     self.on_end(self.sha256)
             except parse.DocumentError as exc:
-                # The parser's message names the URL and the line (contract of parse.py).
-                self._error = FetchError(self._url, "parse", str(exc), line=getattr(exc, "line", None))
+                self._error = self._refused(exc)
                 raise self._error from exc
         return self._items.popleft()
 
@@ -1077,18 +1081,15 @@ class Fetcher:
                 # documents: benchmarks/bench_many_sources.py).
                 inline, whole = True, _Whole()
                 await self._download(body, cap, whole)
-        if timer.cancelled_caught:
-            if body is None:  # no answer yet
-                raise self._late(url)
-            # The parser meets it as it would a download task's.
-            if whole is not None:
-                whole.into(spool, self._late(url))
+        if timer.cancelled_caught and body is None:  # no answer yet
+            raise self._late(url)
+        failed = self._late(url) if timer.cancelled_caught else whole.error if whole is not None else None
+        if failed is not None:  # the parser meets it where the bytes end, as it would a download task's
+            if whole is not None:  # what arrived goes through the spool, as any body not read whole
+                whole.into(spool, failed)
                 whole = None
             else:
-                spool.finish(error=self._late(url))
-        elif whole is not None and whole.error is not None:
-            whole.into(spool, whole.error)
-            whole = None
+                spool.finish(error=failed)
         assert body is not None
         h = body.response.headers
         common: dict[str, Any] = {
