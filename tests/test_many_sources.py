@@ -38,6 +38,7 @@ from aggregator.harvest import admission, pipeline
 from aggregator.harvest import context as context_mod
 from aggregator.harvest import deviations as deviations_mod
 from aggregator.harvest import source as source_mod
+from aggregator.harvest import writes as writes_mod
 from aggregator.harvest.access import Access
 from aggregator.harvest.context import HarvestContext
 from aggregator.harvest.source import sync_source
@@ -504,7 +505,7 @@ async def test_one_source_starts_no_more_fetch_tasks_than_its_host_has_slots(
 
 
 async def _writes_at_once(k: int, failing: set[int], cancelled: set[int]) -> tuple[int, int]:
-    """``k`` writes asked at once through one ``_SharedHops`` (those in ``failing`` raise, the callers
+    """``k`` writes asked at once through one ``SharedHops`` (those in ``failing`` raise, the callers
     in ``cancelled`` are cancelled just after asking); checks each ran once, in order, with its own
     answer. Returns (hops made, writes dropped by a cancellation)."""
     ran: list[int] = []
@@ -516,7 +517,7 @@ async def _writes_at_once(k: int, failing: set[int], cancelled: set[int]) -> tup
         hops.append(1)
         await trio.to_thread.run_sync(fn)
 
-    shared = context_mod._SharedHops(hop)
+    shared = writes_mod.SharedHops(hop)
 
     def call(i: int) -> int:
         ran.append(i)
@@ -568,16 +569,16 @@ async def test_writes_asked_while_a_hop_runs_share_the_next_hop() -> None:
 async def test_a_harvest_of_many_sources_makes_fewer_write_hops_than_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Twelve sources syncing at once: their state writes (each its own transaction) share the writer
-    thread's hops instead of taking one each, and every source ends "ok"."""
-    made: list[context_mod._SharedHops] = []
-    real_init = context_mod._SharedHops.__init__
+    """Twelve sources syncing at once: their state writes share the writer thread's hops (and
+    transactions) instead of taking one each, and every source ends "ok"."""
+    made: list[writes_mod.SharedHops] = []
+    real_init = writes_mod.SharedHops.__init__
 
-    def init(self, hop):
-        real_init(self, hop)
+    def init(self, hop, **kwargs):
+        real_init(self, hop, **kwargs)
         made.append(self)
 
-    monkeypatch.setattr(context_mod._SharedHops, "__init__", init)
+    monkeypatch.setattr(writes_mod.SharedHops, "__init__", init)
     up, names = many_sources(12)
     async with up.serving():
         config = make_config(tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n in names})
@@ -587,6 +588,7 @@ async def test_a_harvest_of_many_sources_makes_fewer_write_hops_than_writes(
     shared = made[0]
     assert shared.calls >= 2 * len(names)  # a set and its baseline begun; a batch, its end, the status
     assert shared.hops < shared.calls * 3 // 4, (shared.hops, shared.calls)
+    assert shared.shared >= 1  # and, on SQLite, their transactions (harvest/writes.py)
     with open_state(config) as state:
         assert {s.name: s.state for s in state.sources()} == {n: "ok" for n in names}
 

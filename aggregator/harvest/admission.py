@@ -69,6 +69,9 @@ class Admissions:
     def __init__(self, lease: float = LEASE) -> None:
         self.lease = lease
         self._hosts: dict[str, _Host] = {}
+        #: Syncs running now, of every host, counted against it or not (``HarvestContext``'s writes
+        #: wait for each other only while more than one runs).
+        self.running = 0
 
     def held(self, url: str) -> int:
         """Syncs of ``url``'s host counted now (tests)."""
@@ -92,7 +95,11 @@ class Admissions:
         the host's request slots (``Fetcher.host_limit``); ``PER_SLOT`` syncs are admitted per slot."""
         host = _host(url)
         if not host:
-            yield
+            self.running += 1
+            try:
+                yield
+            finally:
+                self.running -= 1
             return
         most = PER_SLOT * max(1, slots(host))
         h = self._hosts.get(host)
@@ -104,9 +111,11 @@ class Admissions:
             self._admit(h, ticket)
         else:
             await self._wait(h, ticket, most)
+        self.running += 1
         try:
             yield
         finally:
+            self.running -= 1
             h.held.pop(ticket, None)
             self._admit_waiting(h, most)
             if not h.held and not h.waiting and self._hosts.get(host) is h:  # (a sync that ran on

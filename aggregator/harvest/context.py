@@ -12,18 +12,19 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from functools import partial, wraps
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from ..config import Config, ConfigError
 from ..plugins.manager import Plugins
 from ..progress_text import progress_figures
 from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
 from .admission import Admissions
+from .writes import AfterBlobs, SharedHops
 
 if TYPE_CHECKING:  # the harvest's libraries (trio, httpx, prometheus-client) load with a HarvestContext:
     # ``rsagg status`` and ``retries`` import this module for prepare_store only (benchmarks/bench_startup.py)
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # the harvest's libraries (trio, httpx, prometheus-client) lo
     from .fetch import Fetcher
     from .offload import Offload, StoreRecipe
     from .patch import PatchApplier
+    from .writes import Gathering
 
 T = TypeVar("T")
 log = logging.getLogger("rsagg.harvest")
@@ -40,6 +42,11 @@ log = logging.getLogger("rsagg.harvest")
 #: Seconds between two saves of a running baseline's progress in the sources table (``rsagg status``,
 #: the status page): the save rides along with the next state write (``HarvestContext.write``).
 PROGRESS_SAVE_EVERY = 1.0
+#: Seconds a state write waits for others to share its thread hop and transaction while other syncs
+#: run (``harvest/writes.py``). Five milliseconds gathered about three writes a hop in a harvest of 300
+#: small Sources (one in 1.4 without the wait), a third of the writer's transactions, at no cost in time
+#: (benchmarks/bench_many_sources.py; docs/benchmarks.md "Many sources").
+GATHER = 0.005
 
 
 class HarvestMetrics(Protocol):
@@ -101,8 +108,8 @@ class HarvestContext:
     #: (``discovery.Known``): the next sync asks for them conditionally. In memory only: a restart
     #: reads each once afresh.
     discovered: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: The writes waiting for the worker thread, taken together by its next hop (``_SharedHops``).
-    _writes: _SharedHops | None = None
+    #: The writes waiting for the worker thread, taken together by its next hop (``writes.py``).
+    _writes: SharedHops | None = None
     #: Which syncs run now, a few per host (``harvest/admission.py``).
     admissions: Admissions = field(default_factory=Admissions)
 
@@ -120,7 +127,6 @@ class HarvestContext:
     async def write(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a state-writing call in a worker thread; one at a time (SQLite has one writer)."""
         from ..scope import current_source
-        from ..store.calls import in_thread
 
         progress = self._progress_due()
         later = self._later.pop(current_source.get(), None) if self._later else None
@@ -136,9 +142,27 @@ class HarvestContext:
                     step()
                 return fn(*args, **kwargs)
 
+        return await self._shared_writes().run(call, fn.writers if isinstance(fn, AfterBlobs) else ())
+
+    def _shared_writes(self) -> SharedHops:
+        """The writer thread's hops (``harvest/writes.py``), made at the first write: one transaction for
+        the writes of a hop where the state can join them (SQLite), their blobs committed together."""
         if self._writes is None:
-            self._writes = _SharedHops(partial(in_thread, limiter=self._write_limiter))
-        return await self._writes.run(call)
+            from ..store.calls import in_thread
+
+            gathering = self.writer if hasattr(self.writer, "savepoint") else None
+            self._writes = SharedHops(
+                partial(in_thread, limiter=self._write_limiter),
+                gathering=cast("Gathering | None", gathering),
+                gather=self._gather,
+                commit_blobs=self.blobs.commit if gathering is not None else None,
+            )
+        return self._writes
+
+    def _gather(self) -> float:
+        """How long a write waits for others to share its hop: ``GATHER`` while other syncs run (their
+        writes are on their way), else nothing (a write alone goes at once)."""
+        return GATHER if self.admissions.running > 1 else 0.0
 
     def write_later(self, source: str, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         """A state write for ``source`` (its status) that needs no thread hop of its own: it runs, in the
@@ -221,14 +245,7 @@ class HarvestContext:
         if not writers or inline is None or not inline(writers):
             await self.commit_blobs(writers)
             return await self.write(fn, *args, **kwargs)
-        commit = self.blobs.commit
-
-        @wraps(fn)  # named as ``fn`` (what the write is for: logs, tests that count the writes)
-        def both() -> T:
-            commit(writers)
-            return fn(*args, **kwargs)
-
-        return await self.write(both)
+        return await self.write(AfterBlobs(writers, self.blobs.commit, fn, *args, **kwargs))
 
     async def commit_blobs(self, writers: list[BlobWriter]) -> None:
         """Make blobs durable before any state row names them (docs/architecture.md invariant 2)."""
@@ -244,103 +261,6 @@ class HarvestContext:
         # whole in a thread, each of its syscalls handed the GIL back and forth with this busy loop).
         for slow in steps(writers):
             await trio.to_thread.run_sync(slow, abandon_on_cancel=False)
-
-
-class _Waiting:
-    """One write call waiting for a hop, and what came of it."""
-
-    __slots__ = ("call", "done", "error", "lead", "ran", "result", "taken", "wake")
-
-    def __init__(self, call: Callable[[], Any], wake: Any) -> None:
-        self.call, self.wake = call, wake
-        self.taken = self.ran = self.done = self.lead = False
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-
-class _SharedHops:
-    """State writes that share worker-thread hops: the writes asked for while a hop runs go together in
-    the next one, each still its own call (its own transaction, its own result or error), in the order
-    they were asked for. Why: with many sources syncing at once, their writes (a set, a baseline begun
-    and finished, a batch, a status) queued for the one writer thread a hop each, and the hops (and the
-    fetched content waiting for its commit) were much of a small source's cost
-    (benchmarks/bench_many_sources.py). A write alone still takes one hop, at once.
-
-    A waiting write whose caller is cancelled before a hop takes it is dropped (as a write waiting for
-    the writer was); once taken it runs to its end and its caller waits for it (``in_thread``).
-    """
-
-    def __init__(self, hop: Callable[[Callable[[], None]], Awaitable[object]]) -> None:
-        self._hop = hop
-        self._queue: list[_Waiting] = []
-        self._leading = False
-        #: Hops made and calls run in them (tests count them).
-        self.hops = self.calls = 0
-
-    async def run(self, call: Callable[[], T]) -> T:
-        import trio
-
-        me = _Waiting(call, trio.Event())
-        self._queue.append(me)
-        if self._leading:  # a hop runs: wait to be taken by the next one, or to be handed the lead
-            try:
-                await me.wake.wait()
-            except trio.Cancelled:
-                if not me.taken:
-                    self._queue.remove(me)
-                    if me.lead:
-                        self._hand_on()
-                    raise
-                with trio.CancelScope(shield=True):  # taken: it runs whole; wait for it
-                    await me.wake.wait()
-                raise
-        else:
-            self._leading = True
-        if not me.done:  # leading: this task's hop takes every write waiting, this one included
-            try:
-                with trio.CancelScope(shield=True):  # the others wait on this hop
-                    await self._one_hop()
-            finally:
-                self._hand_on()
-        if me.error is not None:
-            raise me.error
-        return me.result  # type: ignore[no-any-return]
-
-    def _hand_on(self) -> None:
-        """The lead to the first write still waiting (it makes the next hop), or to nobody."""
-        if self._queue:
-            nxt = self._queue[0]
-            nxt.lead = True
-            nxt.wake.set()
-        else:
-            self._leading = False
-
-    async def _one_hop(self) -> None:
-        batch, self._queue = self._queue, []
-        for w in batch:
-            w.taken = True
-
-        def run_all() -> None:
-            for w in batch:
-                try:
-                    w.result = w.call()
-                except BaseException as exc:  # handed to its caller, raised there
-                    w.error = exc
-                w.ran = True
-
-        self.hops += 1
-        self.calls += len(batch)
-        try:
-            await self._hop(run_all)
-        except BaseException as exc:  # the hop itself failed (no thread): what did not run fails with it
-            for w in batch:
-                if not w.ran:
-                    w.error = exc
-            raise
-        finally:
-            for w in batch:
-                w.done = True
-                w.wake.set()
 
 
 def prepare_store(config: Config, *, create: bool = True) -> Path:

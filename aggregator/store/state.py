@@ -171,6 +171,8 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
         self._commits = 0  # own committed write transactions (version())
         #: The thread whose writes join one transaction now (``together``), or None.
         self._together: int | None = None
+        #: The fences checked in ``together``'s transaction so far (each write's own is checked once).
+        self._fenced: set[Fence | None] = set()
         try:
             conn = sqlite3.connect(str(self.path), timeout=busy_timeout, check_same_thread=False)
         except sqlite3.Error as exc:
@@ -263,21 +265,56 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
                 self.conn.execute(f"PRAGMA user_version = {i + 1}")
 
     @contextlib.contextmanager
-    def together(self) -> Iterator[None]:
+    def together(self, *, fence: bool = True) -> Iterator[None]:
         """The writes of this thread inside are one transaction: all of them, or none (an exception
         rolls every one back). Why: a sync's status writes ride along with its next write
         (``HarvestContext.write_later``), and each was a transaction of its own, its locks and its
         WAL frames, a good part of the state writer's work for a small Source
-        (benchmarks/bench_many_sources.py)."""
+        (benchmarks/bench_many_sources.py). Each write inside is checked against its own fence
+        (``interface.FENCE`` where it runs), once per fence; ``fence=False`` checks none for the
+        transaction itself (the writes of many sources' tasks gathered in one: ``harvest/writes.py``)."""
         if self._together == threading.get_ident():  # nested: the outer one decides
             yield
             return
-        with self._write():
+        with self._write(fence=fence):
             self._together = threading.get_ident()
+            self._fenced = {FENCE.get()} if fence else set()  # checked by ``_write`` just now
             try:
                 yield
+                if not self.conn.in_transaction:  # SQLite rolled it back (a full disk) under a write
+                    raise self._gone()
             finally:
                 self._together = None
+                self._fenced = set()
+
+    def _gone(self) -> StateUnavailable:
+        return StateUnavailable(f"state {self.path}: a write failed and its transaction is gone")
+
+    @contextlib.contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """Inside ``together``: the writes inside are undone alone when they raise, and the transaction
+        goes on without them. Why: the writes of many sources share one transaction
+        (``harvest/writes.py``), and one write's failure must not take the others' with it, nor leave
+        half of itself behind (SQLite undoes only the failing statement). Outside ``together`` each
+        write is a transaction of its own already: nothing to do."""
+        if self._together != threading.get_ident():
+            yield
+            return
+        conn = self.conn
+        with self._lock:
+            if not conn.in_transaction:  # lost under an earlier write: a SAVEPOINT would begin another
+                raise self._gone()
+            conn.execute("SAVEPOINT rsagg_write")
+        try:
+            yield
+        except BaseException:
+            with self._lock, contextlib.suppress(sqlite3.Error):  # gone with the transaction: the
+                if conn.in_transaction:  # next write or the commit says so (``_write``)
+                    conn.execute("ROLLBACK TO rsagg_write")
+                    conn.execute("RELEASE rsagg_write")
+            raise
+        with self._lock:
+            conn.execute("RELEASE rsagg_write")
 
     @contextlib.contextmanager
     def _write(self, *, fence: bool = True) -> Iterator[sqlite3.Connection]:
@@ -289,8 +326,13 @@ class State(Changes, Reads, Reconciliations, Notifications, Dumps, Hub, Cluster)
         write lock is held from the check to the commit, so no grant can come in between."""
         if self._together == threading.get_ident():
             if not self.conn.in_transaction:  # SQLite rolled it back after an error a caller let pass
-                raise StateUnavailable(f"state {self.path}: a write failed and its transaction is gone")
-            yield self.conn  # the lock is held by ``together``'s transaction, in this thread
+                raise self._gone()
+            current = FENCE.get() if fence else None
+            with self._unwritable():  # a full disk, a file gone: named, as outside ``together``
+                if current is not None and current not in self._fenced:  # another task's, gathered
+                    self._check_fence(self.conn, current)
+                    self._fenced.add(current)
+                yield self.conn  # the lock is held by ``together``'s transaction, in this thread
             return
         current = FENCE.get() if fence else None
         with self._lock, self._unwritable():

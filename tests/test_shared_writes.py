@@ -1,0 +1,242 @@
+"""State writes of many tasks in shared thread hops and shared transactions (aggregator/harvest/writes.py):
+each write keeps its own outcome, its own fence and its own context; what a caller is told was written
+was committed; a write waits for others only when asked to."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import random
+import sqlite3
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from aggregator.harvest import context
+from aggregator.harvest.writes import SharedHops
+from aggregator.run.compose import open_context
+from aggregator.store.calls import in_thread
+from aggregator.store.interface import LeaseLost, StateUnavailable, fenced
+from aggregator.store.state import State
+from tests.harvesting import make_config
+
+URL = "http://127.0.0.1:9/capabilitylist.xml"
+OK, FAILS, LOSES = "ok", "fails", "loses the transaction"
+
+
+def hops_of(state: State | None, gather: float = 0.0) -> SharedHops:
+    return SharedHops(functools.partial(in_thread, limiter=trio.CapacityLimiter(1)), gathering=state,
+                      gather=lambda: gather)  # fmt: skip
+
+
+def write(state: State, i: int, kind: str) -> int:
+    """Source ``s{i}`` stored; then, as ``kind`` says, nothing more, an error, or an error after SQLite
+    rolled the whole transaction back (as it does on a full disk). One transaction when alone."""
+    with state.together():
+        state.upsert_source(f"s{i}", URL)
+        if kind == FAILS:
+            raise ValueError(f"write {i} refused")
+        if kind == LOSES:
+            with state._write():  # the state's own connection, as a write's statements use it
+                state.conn.execute("ROLLBACK")
+                raise sqlite3.OperationalError("database or disk is full")
+    return i
+
+
+async def asked_at_once(shared: SharedHops, calls: list) -> list[object]:
+    """Each call through ``shared`` from a task of its own, all asked before the first hop ends: what
+    each caller got (its result, or its error)."""
+    got: list[object] = [None] * len(calls)
+
+    async def one(k: int) -> None:
+        try:
+            got[k] = await shared.run(calls[k])
+        except Exception as exc:
+            got[k] = exc
+
+    async with trio.open_nursery() as nursery:
+        for k in range(len(calls)):
+            nursery.start_soon(one, k)
+    return got
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_writes_sharing_a_transaction_keep_their_own_outcome(tmp_path: Path, seed: int) -> None:
+    """Random writes, some failing, some losing the whole transaction: a write that fails alone is
+    undone alone and its caller gets its error; the others are stored. When the transaction is lost,
+    nothing of it is stored and every caller of it hears so, none hears "written"."""
+    rng = random.Random(seed)
+    n = rng.randrange(2, 30)
+    kinds = [rng.choice([OK, OK, OK, FAILS]) for _ in range(n)]
+    loss = rng.randrange(1, n) if seed % 3 == 0 else None  # the place, in the order run, of a loss
+    ran: list[int] = []  # the order the writes ran in (trio starts the tasks in an order of its own)
+
+    def call(state: State, i: int) -> int:
+        ran.append(i)
+        if len(ran) - 1 == loss:
+            kinds[i] = LOSES
+        return write(state, i, kinds[i])
+
+    with State(tmp_path / "state.db") as state:
+        shared = hops_of(state)
+        got = await asked_at_once(shared, [functools.partial(call, state, i) for i in range(n)])
+        stored = {s.name for s in state.sources()}
+        # The first write asked went alone, at once; the others were asked while it ran: the next hop.
+        assert (shared.hops, shared.calls, shared.shared) == (2, n, 1)
+        for at, i in enumerate(ran):
+            kind, answer = kinds[i], got[i]
+            if loss is not None and at > 0 and not (kind == FAILS and at < loss):
+                assert isinstance(answer, StateUnavailable), (at, kind, answer)  # not written
+                assert f"s{i}" not in stored
+                if at <= loss:  # what lost the transaction, named
+                    assert "full" in str(answer) and str(tmp_path) in str(answer)
+            elif kind == FAILS:
+                assert isinstance(answer, ValueError) and f"s{i}" not in stored
+            else:
+                assert answer == i and f"s{i}" in stored
+        state.upsert_source("after", URL)  # the state goes on
+        assert "after" in {s.name for s in state.sources()}
+
+
+@pytest.mark.parametrize("gathered", [True, False])
+@pytest.mark.parametrize("seed", range(6))
+async def test_each_write_is_checked_against_its_own_fence(tmp_path: Path, gathered: bool, seed: int) -> None:
+    """Writes of sources whose leases are current and of sources whose lease went to another node, asked
+    at once in any order: whoever leads the hop, a write is refused (LeaseLost) exactly when its own
+    fence is stale, in a shared transaction or not (a server state joins none)."""
+    rng = random.Random(seed)
+    names = [f"s{i}" for i in range(rng.randrange(3, 12))]
+    with State(tmp_path / "state.db") as state, State(tmp_path / "state.db") as other:
+        for n in names:
+            state.upsert_source(n, URL)
+        fences = {f.source: f for f in state.claim_leases("A", names, want=len(names), lease_seconds=60)}
+        stale = {n for n in names if rng.random() < 0.5}
+        for n in stale:  # another node takes them over (released by A's own handle, then claimed)
+            assert other.release_lease(fences[n])
+        taken = other.claim_leases("B", sorted(stale), want=len(stale), lease_seconds=60)
+        assert {f.source for f in taken} == stale
+
+        def status(name: str) -> str:
+            state.set_source_status(name, state="ok")
+            return name
+
+        async def fenced_write(name: str) -> object:
+            with fenced(fences[name]):
+                return await shared.run(functools.partial(status, name))
+
+        shared = hops_of(state if gathered else None)
+        order = rng.sample(names, len(names))
+        got: dict[str, object] = {}
+
+        async def one(name: str) -> None:
+            try:
+                got[name] = await fenced_write(name)
+            except LeaseLost as exc:
+                got[name] = exc
+
+        async with trio.open_nursery() as nursery:
+            for n in order:
+                nursery.start_soon(one, n)
+        assert shared.hops == 2  # the first alone; the others in the next hop, whoever leads it
+        for n in names:
+            if n in stale:
+                assert isinstance(got[n], LeaseLost) and n in str(got[n])
+            else:
+                assert got[n] == n
+        written = {s.name for s in state.sources() if s.state == "ok"}
+        assert written == set(names) - stale
+
+
+@pytest.mark.parametrize("gathered", [True, False])
+async def test_a_write_runs_in_its_callers_context(tmp_path: Path, gathered: bool) -> None:
+    """What a write reads of the context (the source it logs for, its fence) is its caller's, not that of
+    the task whose hop took it."""
+    who: contextvars.ContextVar[int] = contextvars.ContextVar("who")
+    with State(tmp_path / "state.db") as state:
+        shared = hops_of(state if gathered else None)
+
+        async def asks(k: int) -> int:
+            who.set(k)
+            return await shared.run(who.get)
+
+        got: dict[int, int] = {}
+
+        async def one(k: int) -> None:
+            got[k] = await asks(k)
+
+        async with trio.open_nursery() as nursery:
+            for k in range(10):
+                nursery.start_soon(one, k)
+        assert got == {k: k for k in range(10)} and shared.hops == 2
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_first_write_waits_for_others_only_when_asked(tmp_path: Path, seed: int) -> None:
+    """With a gathering time, writes asked within it after the first go in the first's hop, one
+    transaction; without, the first goes at once. A first write cancelled while it waits hands the hop
+    to the next: the others run, it does not. (trio's MockClock: no real time is waited for.)"""
+    rng = random.Random(seed)
+    k = rng.randrange(2, 12)
+    cancel_first = rng.random() < 0.5
+    for gather in (0.0, 1.0):
+        clock = trio.testing.MockClock(autojump_threshold=0)
+
+        async def main(gather: float = gather) -> tuple[SharedHops, int, list[int], float | None]:
+            with State(tmp_path / f"state-{seed}-{gather}.db") as state:
+                shared = hops_of(state, gather)
+                ran: list[int] = []
+                first_done: list[float] = []
+
+                def call(i: int) -> int:
+                    state.upsert_source(f"s{i}", URL)
+                    ran.append(i)
+                    return i
+
+                commits_before = state._commits
+                async with trio.open_nursery() as nursery:
+                    first = trio.CancelScope()
+
+                    async def first_write() -> None:
+                        with first:
+                            await shared.run(functools.partial(call, 0))
+                            first_done.append(trio.current_time())
+
+                    nursery.start_soon(first_write)
+                    await trio.sleep(0.1)  # within the gathering time
+                    if cancel_first and gather:
+                        first.cancel()
+                    for i in range(1, k):
+                        nursery.start_soon(shared.run, functools.partial(call, i))
+                return shared, state._commits - commits_before, ran, (first_done or [None])[0]
+
+        shared, commits, ran, first_at = trio.run(main, clock=clock)
+        if gather:
+            assert shared.hops == 1 and commits == 1  # every write in the first's hop and transaction
+            assert sorted(ran) == (list(range(1, k)) if cancel_first else list(range(k)))
+            assert first_at == (None if cancel_first else gather)
+        else:
+            assert ran[0] == 0  # at once, alone: the others were asked after its hop began
+            assert sorted(ran) == list(range(k)) and shared.hops >= 2
+
+
+async def test_a_write_waits_for_others_only_while_other_syncs_run(tmp_path: Path) -> None:
+    """The harvest's gathering time: nothing while one sync runs (or none: a one-shot write), ``GATHER``
+    while another runs too, of any host; nothing again once it ended."""
+    config = make_config(tmp_path / "store", {})
+    async with open_context(config) as ctx:
+        assert ctx._gather() == 0
+
+        def slots(host: str) -> int:
+            return 1
+
+        async with ctx.admissions.admitted("http://127.0.0.1:9/a/capabilitylist.xml", slots):
+            assert ctx._gather() == 0
+            async with ctx.admissions.admitted("http://localhost:9/b/capabilitylist.xml", slots):
+                assert ctx._gather() == context.GATHER > 0
+            assert ctx._gather() == 0
+        async with ctx.admissions.admitted("no host", slots), ctx.admissions.admitted("no host", slots):
+            assert ctx._gather() == context.GATHER
+        assert ctx.admissions.running == 0
+        assert ctx._shared_writes()._gathering is ctx.writer  # SQLite: shared transactions
