@@ -32,6 +32,7 @@ import json
 import resource
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,11 @@ LOOP_PHASES = (
 WRITE_LOOP = "state write: "
 #: The state writer's thread, by the function written.
 WRITE_THREAD = "writer thread: "
+#: The writer thread's part outside the writes themselves: a shared transaction's begin and commit
+#: (aggregator/harvest/writes.py) ...
+SHARED = "a hop's shared transaction"
+#: ... and the blobs of a hop's writes, committed together (one ``small.db`` transaction).
+SHARED_BLOBS = "a hop's blobs, committed together"
 #: A task step in no part, by the task's name.
 TASK = "task, no part: "
 #: The event loop's thread between task steps (trio's scheduler, the I/O wait's syscalls).
@@ -206,8 +212,15 @@ def install(sums: Sums) -> tuple[StepClock, list[str]]:
 
     from aggregator.harvest import context
 
+    try:
+        from aggregator.harvest.writes import SharedHops as hops
+    except ImportError:  # a tree from before harvest/writes.py (``--before``)
+        hops = context._SharedHops  # type: ignore[attr-defined]
     naming = {"name": "?"}  # set by a write just before it enters its hop (no await in between)
-    write, run, trio_run = context.HarvestContext.write, context._SharedHops.run, trio.run
+    write, run, trio_run = context.HarvestContext.write, hops.run, trio.run
+    run_all = getattr(hops, "_run_all", None)
+    blobs_first = getattr(hops, "_blobs_first", None)
+    in_calls = threading.local()  # the writer thread's CPU in the calls of the hop it runs
 
     @functools.wraps(write)
     async def marked_write(self: Any, fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -217,7 +230,7 @@ def install(sums: Sums) -> tuple[StepClock, list[str]]:
             return await write(self, fn, *args, **kwargs)
 
     @functools.wraps(run)
-    async def timed_run(self: Any, call: Callable[[], Any]) -> Any:
+    async def timed_run(self: Any, call: Callable[[], Any], blobs: Any = ()) -> Any:
         label = WRITE_THREAD + naming["name"]
 
         def timed_call() -> Any:
@@ -225,9 +238,29 @@ def install(sums: Sums) -> tuple[StepClock, list[str]]:
             try:
                 return call()
             finally:
-                sums.add(label, time.thread_time() - start)
+                spent = time.thread_time() - start
+                sums.add(label, spent)
+                in_calls.spent = getattr(in_calls, "spent", 0.0) + spent
 
-        return await run(self, timed_call)
+        return await run(self, timed_call, *([blobs] if blobs else []))
+
+    def timed_run_all(self: Any, batch: Any, gathering: Any) -> None:
+        """What a hop spends outside its calls: a shared transaction's begin and commit, and its
+        blobs committed together (``writes.SharedHops``)."""
+        in_calls.spent = in_calls.blobs = 0.0
+        start = time.thread_time()
+        try:
+            run_all(self, batch, gathering)  # type: ignore[misc]
+        finally:
+            sums.add(WRITE_THREAD + SHARED, time.thread_time() - start - in_calls.spent - in_calls.blobs)
+
+    def timed_blobs_first(self: Any, batch: Any) -> None:
+        start = time.thread_time()
+        try:
+            blobs_first(self, batch)  # type: ignore[misc]
+        finally:
+            in_calls.blobs = time.thread_time() - start
+            sums.add(WRITE_THREAD + SHARED_BLOBS, in_calls.blobs)
 
     @functools.wraps(trio_run)
     def instrumented_run(*args: Any, **kwargs: Any) -> Any:
@@ -235,7 +268,10 @@ def install(sums: Sums) -> tuple[StepClock, list[str]]:
         return trio_run(*args, **kwargs)
 
     context.HarvestContext.write = marked_write  # type: ignore[method-assign]
-    context._SharedHops.run = timed_run  # type: ignore[method-assign]
+    hops.run = timed_run  # type: ignore[method-assign]
+    if run_all is not None and blobs_first is not None:
+        hops._run_all = timed_run_all  # type: ignore[method-assign]
+        hops._blobs_first = timed_blobs_first  # type: ignore[method-assign]
     trio.run = instrumented_run
     return clock, missing
 

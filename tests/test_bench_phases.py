@@ -6,6 +6,7 @@ exist, or the figures it prints would silently lose that part."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import random
 import sys
@@ -104,10 +105,12 @@ def restored(monkeypatch):
         for part in path:
             owner = getattr(owner, part)
         monkeypatch.setattr(owner, name, getattr(owner, name))
-    from aggregator.harvest import context
+    from aggregator.harvest import context, writes
 
     monkeypatch.setattr(context.HarvestContext, "write", context.HarvestContext.write)
-    monkeypatch.setattr(context._SharedHops, "run", context._SharedHops.run)
+    monkeypatch.setattr(writes.SharedHops, "run", writes.SharedHops.run)
+    monkeypatch.setattr(writes.SharedHops, "_run_all", writes.SharedHops._run_all)
+    monkeypatch.setattr(writes.SharedHops, "_blobs_first", writes.SharedHops._blobs_first)
     monkeypatch.setattr(trio, "run", trio.run)
 
 
@@ -116,19 +119,21 @@ def test_every_part_exists_and_writes_are_named_by_their_function(restored) -> N
     sums = _phases.Sums()
     _clock, missing = _phases.install(sums)
     assert missing == []
-    from aggregator.harvest import context
+    from aggregator.harvest import context, writes
+    from aggregator.store.calls import in_thread
 
     class Ctx:
         """The parts of HarvestContext that ``write`` uses."""
 
         def __init__(self) -> None:
             self._later: dict = {}
-            self._writes = None
-            self._write_limiter = trio.CapacityLimiter(1)
             self.writer = object()
 
         def _progress_due(self) -> dict:
             return {}
+
+        def _shared_writes(self) -> writes.SharedHops:
+            return writes.SharedHops(functools.partial(in_thread, limiter=trio.CapacityLimiter(1)))
 
     def set_status(n: int) -> int:
         burn(0.01)
@@ -142,6 +147,8 @@ def test_every_part_exists_and_writes_are_named_by_their_function(restored) -> N
     assert sums.cpu[_phases.WRITE_THREAD + "set_status"] >= 0.01  # in the writer's thread
     assert sums.calls[_phases.WRITE_LOOP + "set_status"] == 1
     assert sums.cpu[_phases.WRITE_LOOP + "set_status"] < 0.01  # the loop's side only
+    assert sums.calls[_phases.WRITE_THREAD + _phases.SHARED] == 1  # the hop's own part, the call's left out
+    assert sums.cpu[_phases.WRITE_THREAD + _phases.SHARED] < 0.01
     assert _phases.SCHEDULER in sums.cpu
 
 
