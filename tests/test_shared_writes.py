@@ -175,17 +175,20 @@ async def test_a_write_runs_in_its_callers_context(tmp_path: Path, gathered: boo
 @pytest.mark.parametrize("seed", range(8))
 def test_the_first_write_waits_for_others_only_when_asked(tmp_path: Path, seed: int) -> None:
     """With a gathering time, writes asked within it after the first go in the first's hop, one
-    transaction; without, the first goes at once. A first write cancelled while it waits hands the hop
-    to the next: the others run, it does not. (trio's MockClock: no real time is waited for.)"""
+    transaction; without (or where the state joins no writes in one transaction), the first goes at
+    once. A first write cancelled while it waits hands the hop to the next: the others run, it does
+    not. (trio's MockClock: no real time is waited for.)"""
     rng = random.Random(seed)
     k = rng.randrange(2, 12)
     cancel_first = rng.random() < 0.5
-    for gather in (0.0, 1.0):
+    for gather, gathering in ((0.0, True), (1.0, True), (1.0, False)):
         clock = trio.testing.MockClock(autojump_threshold=0)
 
-        async def main(gather: float = gather) -> tuple[SharedHops, int, list[int], float | None]:
-            with State(tmp_path / f"state-{seed}-{gather}.db") as state:
-                shared = hops_of(state, gather)
+        async def main(
+            gather: float = gather, gathering: bool = gathering
+        ) -> tuple[SharedHops, int, list[int], float | None]:
+            with State(tmp_path / f"state-{seed}-{gather}-{gathering}.db") as state:
+                shared = hops_of(state if gathering else None, gather)
                 ran: list[int] = []
                 first_done: list[float] = []
 
@@ -205,18 +208,18 @@ def test_the_first_write_waits_for_others_only_when_asked(tmp_path: Path, seed: 
 
                     nursery.start_soon(first_write)
                     await trio.sleep(0.1)  # within the gathering time
-                    if cancel_first and gather:
+                    if cancel_first and gather and gathering:
                         first.cancel()
                     for i in range(1, k):
                         nursery.start_soon(shared.run, functools.partial(call, i))
                 return shared, state._commits - commits_before, ran, (first_done or [None])[0]
 
         shared, commits, ran, first_at = trio.run(main, clock=clock)
-        if gather:
+        if gather and gathering:
             assert shared.hops == 1 and commits == 1  # every write in the first's hop and transaction
             assert sorted(ran) == (list(range(1, k)) if cancel_first else list(range(k)))
             assert first_at == (None if cancel_first else gather)
-        else:
+        else:  # no wait asked, or none worth it (no shared transaction: a server state)
             assert ran[0] == 0  # at once, alone: the others were asked after its hop began
             assert sorted(ran) == list(range(k)) and shared.hops >= 2
 

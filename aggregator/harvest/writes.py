@@ -105,7 +105,8 @@ class SharedHops:
     """The writes of a harvest, taken by the writer thread's hops (see the module docstring).
 
     ``hop(fn)`` runs ``fn`` in the writer thread; ``gathering``: the state, when it can join writes in
-    one transaction; ``gather()``: seconds the next hop's first write waits for others (0: none);
+    one transaction; ``gather()``: seconds the next hop's first write waits for others (0: none; never
+    without ``gathering``);
     ``commit_blobs``: the blob store's ``commit``, for the hop's ``AfterBlobs`` together."""
 
     def __init__(
@@ -144,8 +145,8 @@ class SharedHops:
                 raise
         else:
             self._leading = me.lead = True
-            pause = self._gather()
-            if pause > 0:  # others are likely to ask soon: let them join this hop
+            pause = self._gather() if self._gathering is not None else 0.0  # (no shared transaction:
+            if pause > 0:  # a wait would buy nothing) others are likely to ask soon: let them join
                 try:
                     await trio.sleep(pause)
                 except trio.Cancelled:
