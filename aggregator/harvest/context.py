@@ -43,10 +43,10 @@ log = logging.getLogger("rsagg.harvest")
 #: the status page): the save rides along with the next state write (``HarvestContext.write``).
 PROGRESS_SAVE_EVERY = 1.0
 #: Seconds a state write waits for others to share its thread hop and transaction while other syncs
-#: run (``harvest/writes.py``). Five milliseconds gathered about three writes a hop in a harvest of 300
-#: small Sources (one in 1.4 without the wait), a third of the writer's transactions, at no cost in time
-#: (benchmarks/bench_many_sources.py; docs/benchmarks.md "Many sources").
-GATHER = 0.005
+#: run (``harvest/writes.py``). In a harvest of 300 small Sources a hop took 1.4 writes without the
+#: wait, 2.8 with 5 ms, 3.3 with 10 ms; 10 ms against 5 ms cost no time and spared some CPU
+#: (benchmarks/bench_many_sources.py; docs/benchmarks.md "Many sources", twelfth pass).
+GATHER = 0.010
 
 
 class HarvestMetrics(Protocol):
