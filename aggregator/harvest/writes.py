@@ -106,8 +106,7 @@ class SharedHops:
 
     ``hop(fn)`` runs ``fn`` in the writer thread; ``gathering``: the state, when it can join writes in
     one transaction; ``gather()``: seconds the next hop's first write waits for others (0: none; never
-    without ``gathering``);
-    ``commit_blobs``: the blob store's ``commit``, for the hop's ``AfterBlobs`` together."""
+    without ``gathering``); ``commit_blobs``: the blob store's ``commit``, for the hop's blobs together."""
 
     def __init__(
         self,
@@ -213,8 +212,8 @@ class SharedHops:
                     try:
                         with gathering.savepoint():  # its failure undoes it alone
                             w.run()
-                    except BaseException as exc:  # noted for its caller (or the savepoint's own end
-                        w.error = w.error or exc  # failed: the transaction's, and the commit says so)
+                    except BaseException as exc:  # noted for its caller; or the savepoint's own end
+                        w.error = w.error or exc  # failed (the transaction lost: the commit fails it all)
         except BaseException as exc:  # not committed: none of it is written, every caller hears so
             # (what lost the transaction, when a write met it, says more than a failed COMMIT)
             from ..store.interface import StateUnavailable
