@@ -9,6 +9,7 @@ import functools
 import random
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -19,6 +20,7 @@ from aggregator.harvest.writes import SharedHops
 from aggregator.run.compose import open_context
 from aggregator.store.calls import in_thread
 from aggregator.store.interface import LeaseLost, StateUnavailable, fenced
+from aggregator.store.open import connect
 from aggregator.store.state import State
 from tests.harvesting import make_config
 
@@ -26,7 +28,7 @@ URL = "http://127.0.0.1:9/capabilitylist.xml"
 OK, FAILS, LOSES = "ok", "fails", "loses the transaction"
 
 
-def hops_of(state: State | None, gather: float = 0.0) -> SharedHops:
+def hops_of(state: Any, gather: float = 0.0) -> SharedHops:
     return SharedHops(functools.partial(in_thread, limiter=trio.CapacityLimiter(1)), gathering=state,
                       gather=lambda: gather)  # fmt: skip
 
@@ -100,15 +102,26 @@ async def test_writes_sharing_a_transaction_keep_their_own_outcome(tmp_path: Pat
         assert "after" in {s.name for s in state.sources()}
 
 
-@pytest.mark.parametrize("gathered", [True, False])
+@pytest.fixture(
+    params=["sqlite, shared transactions", "sqlite", pytest.param("postgresql", marks=pytest.mark.slow)]
+)
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path | str, bool]:
+    """Where the state is (a SQLite file, or a fresh schema of the test PostgreSQL server, a cluster's)
+    and whether a hop's writes share one transaction there (a server state joins none)."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("pg_server").fresh_url(), False
+    return tmp_path / "state.db", request.param.endswith("transactions")
+
+
 @pytest.mark.parametrize("seed", range(6))
-async def test_each_write_is_checked_against_its_own_fence(tmp_path: Path, gathered: bool, seed: int) -> None:
+async def test_each_write_is_checked_against_its_own_fence(where: tuple[Path | str, bool], seed: int) -> None:
     """Writes of sources whose leases are current and of sources whose lease went to another node, asked
     at once in any order: whoever leads the hop, a write is refused (LeaseLost) exactly when its own
-    fence is stale, in a shared transaction or not (a server state joins none)."""
+    fence is stale, in a shared transaction or not."""
+    location, gathered = where
     rng = random.Random(seed)
     names = [f"s{i}" for i in range(rng.randrange(3, 12))]
-    with State(tmp_path / "state.db") as state, State(tmp_path / "state.db") as other:
+    with connect(location) as state, connect(location) as other:
         for n in names:
             state.upsert_source(n, URL)
         fences = {f.source: f for f in state.claim_leases("A", names, want=len(names), lease_seconds=60)}
