@@ -17,14 +17,14 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..config import Config, ConfigError
 from ..plugins.manager import Plugins
 from ..progress_text import progress_figures
 from ..store.blobs import BLOB_STORE_METHODS, BlobStore, BlobWriter
 from .admission import Admissions
-from .writes import AfterBlobs, SharedHops
+from .writes import AfterBlobs, Gathering, SharedHops
 
 if TYPE_CHECKING:  # the harvest's libraries (trio, httpx, prometheus-client) load with a HarvestContext:
     # ``rsagg status`` and ``retries`` import this module for prepare_store only (benchmarks/bench_startup.py)
@@ -34,7 +34,6 @@ if TYPE_CHECKING:  # the harvest's libraries (trio, httpx, prometheus-client) lo
     from .fetch import Fetcher
     from .offload import Offload, StoreRecipe
     from .patch import PatchApplier
-    from .writes import Gathering
 
 T = TypeVar("T")
 log = logging.getLogger("rsagg.harvest")
@@ -150,10 +149,10 @@ class HarvestContext:
         if self._writes is None:
             from ..store.calls import in_thread
 
-            gathering = self.writer if hasattr(self.writer, "savepoint") else None
+            gathering = self.writer if isinstance(self.writer, Gathering) else None
             self._writes = SharedHops(
                 partial(in_thread, limiter=self._write_limiter),
-                gathering=cast("Gathering | None", gathering),
+                gathering=gathering,
                 gather=self._gather,
                 commit_blobs=self.blobs.commit if gathering is not None else None,
             )

@@ -32,7 +32,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, suppress
 from functools import partial, update_wrapper
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:  # trio loads with the harvest (harvest/context.py imports this module: its docstring)
     import trio
@@ -43,6 +43,7 @@ T = TypeVar("T")
 log = logging.getLogger("rsagg.harvest")
 
 
+@runtime_checkable
 class Gathering(Protocol):
     """A state that joins writes in one transaction (``store.state.State``)."""
 
