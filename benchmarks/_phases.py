@@ -13,7 +13,7 @@ out. A step in no part goes to its task's name; the loop's CPU between steps goe
 attribution is exact however many syncs run at once: a step belongs to one task.
 
 The state writer's thread: each write call's CPU in that thread, by the function written (the writes
-riding along with it included).
+riding along with it included; the blobs a write commits itself before its rows apart).
 
 The process: its CPU, its I/O counters (``/proc/self/io``: write syscalls, bytes) and its context
 switches (``getrusage``).
@@ -61,6 +61,10 @@ WRITE_THREAD = "writer thread: "
 SHARED = "a hop's shared transaction"
 #: ... and the blobs of a hop's writes, committed together (one ``small.db`` transaction).
 SHARED_BLOBS = "a hop's blobs, committed together"
+#: The blobs a write commits itself before its rows (``writes.AfterBlobs``: a write alone in its hop, or
+#: one whose blobs the hop could not commit with the others'), apart from its rows: so that the blobs'
+#: cost is comparable between a case whose hops hold one write and one whose hops hold many.
+OWN_BLOBS = "a write's own blobs"
 #: A task step in no part, by the task's name.
 TASK = "task, no part: "
 #: The event loop's thread between task steps (trio's scheduler, the I/O wait's syscalls).
@@ -220,6 +224,8 @@ def install(sums: Sums) -> tuple[StepClock, list[str]]:
     write, run, trio_run = context.HarvestContext.write, hops.run, trio.run
     run_all = getattr(hops, "_run_all", None)
     blobs_first = getattr(hops, "_blobs_first", None)
+    after_blobs = getattr(importlib.import_module(hops.__module__), "AfterBlobs", None)  # (harvest/writes.py)
+    after_blobs_call = after_blobs.__call__ if after_blobs is not None else None
     in_calls = threading.local()  # the writer thread's CPU in the calls of the hop it runs
 
     @functools.wraps(write)
@@ -234,12 +240,12 @@ def install(sums: Sums) -> tuple[StepClock, list[str]]:
         label = WRITE_THREAD + naming["name"]
 
         def timed_call() -> Any:
-            start = time.thread_time()
+            start, blobs_before = time.thread_time(), getattr(in_calls, "own_blobs", 0.0)
             try:
                 return call()
             finally:
                 spent = time.thread_time() - start
-                sums.add(label, spent)
+                sums.add(label, spent - (getattr(in_calls, "own_blobs", 0.0) - blobs_before))
                 in_calls.spent = getattr(in_calls, "spent", 0.0) + spent
 
         return await run(self, timed_call, *([blobs] if blobs else []))
@@ -262,6 +268,22 @@ def install(sums: Sums) -> tuple[StepClock, list[str]]:
             in_calls.blobs = time.thread_time() - start
             sums.add(WRITE_THREAD + SHARED_BLOBS, in_calls.blobs)
 
+    def timed_after_blobs(self: Any) -> Any:
+        """``AfterBlobs.__call__`` as it is, its blobs' commit timed apart (``OWN_BLOBS``)."""
+        commit = self.commit
+
+        def timed_commit(writers: Any) -> None:
+            start = time.thread_time()
+            try:
+                commit(writers)
+            finally:
+                spent = time.thread_time() - start
+                sums.add(WRITE_THREAD + OWN_BLOBS, spent)
+                in_calls.own_blobs = getattr(in_calls, "own_blobs", 0.0) + spent
+
+        self.commit = timed_commit
+        return after_blobs_call(self)
+
     @functools.wraps(trio_run)
     def instrumented_run(*args: Any, **kwargs: Any) -> Any:
         kwargs["instruments"] = [*kwargs.get("instruments", ()), clock]
@@ -272,6 +294,8 @@ def install(sums: Sums) -> tuple[StepClock, list[str]]:
     if run_all is not None and blobs_first is not None:
         hops._run_all = timed_run_all  # type: ignore[method-assign]
         hops._blobs_first = timed_blobs_first  # type: ignore[method-assign]
+    if after_blobs is not None:
+        after_blobs.__call__ = timed_after_blobs
     trio.run = instrumented_run
     return clock, missing
 

@@ -49,6 +49,13 @@ with ``--before DIR``, DIR's checkout runs the same cases and a second table set
 Source beside DIR's.
 
     python benchmarks/bench_many_sources.py --phases [--before /tmp/before]
+
+``--latency MS``: the upstream answers each request MS milliseconds late (a trio sleep before it
+answers: no CPU). At 0 (the default) the harvest is bound by the CPU of this machine, where rsagg, its
+writer thread and the upstream share the cores; with a delay it is bound by the host's request slots, as
+a harvest of real Sources is. Why both: at full speed, the more syncs run at once, the more CPU each
+resource costs them (the threads and the upstream take turns on the cores), so the many case's CPU is
+partly the price of its parallelism (docs/benchmarks.md, "Many sources", the thirteenth pass).
 """
 
 from __future__ import annotations
@@ -81,6 +88,9 @@ from _phases import compare as phases_compare
 from _phases import table as phases_table
 
 TARGET = 1.3  # many/one, per resource
+#: ``--latency``: read by the upstream's process (set by ``main`` for every upstream it starts).
+LATENCY_ENV = "RSAGG_BENCH_LATENCY_MS"
+
 #: ``--opcodes``: the counter (run in place of ``python -m aggregator``) and the modules it imports before it
 #: counts (the harvest's own imports, the same in every case: left out, they cost no traced time).
 OPCODES = Path(__file__).resolve().parent / "_opcodes.py"
@@ -131,11 +141,17 @@ def upstream_app(sources: int, per_source: int, big: int, counts: Counter[str] |
 
     md5_b64 = [base64.b64encode(bytes.fromhex(h)).decode() for h in md5]
 
+    delay = float(os.environ.get(LATENCY_ENV) or 0) / 1000
+
     async def app(scope, receive, send):
         if await lifespan(scope, receive, send):
             return
         if scope["type"] != "http":
             return
+        if delay:
+            import trio
+
+            await trio.sleep(delay)
         host = dict(scope["headers"]).get(b"host", b"127.0.0.1").decode()
         path = scope["path"]
         status, ctype, body = 404, "text/plain", b"not found\n"
@@ -480,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the CPU of each part of a harvest, at full speed: each case once (see above)",
     )
+    p.add_argument(
+        "--latency", type=float, default=0.0, metavar="MS",
+        help="the upstream answers each request MS ms late (default 0: full speed; see above)",
+    )  # fmt: skip
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--big", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--counts", default="", help=argparse.SUPPRESS)
@@ -487,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         return serve_main(args.sources, args.per_source, args.big, args.counts)
     n, m = args.sources, args.per_source
+    if args.latency < 0:
+        p.error("--latency: a delay, 0 or more milliseconds")
+    os.environ[LATENCY_ENV] = str(args.latency)  # for every upstream process started below
     if args.before and not (args.before / "aggregator").is_dir():
         p.error(f"--before {args.before}: no aggregator/ package there")
     if args.opcodes and (n < 2 or n * m < 2):
@@ -500,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
 
     plugins = ", ".join(sorted(ep.name for ep in entry_points(group="rsagg"))) or "none"
     print(f"work folder {work}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; "
-          f"{n} sources x {m} resources vs 1 x {n * m}; rsagg defaults; plugins installed: {plugins}",
+          f"{n} sources x {m} resources vs 1 x {n * m}; upstream latency {args.latency:g} ms; "
+          f"rsagg defaults; plugins installed: {plugins}",
           flush=True)  # fmt: skip
     runs: list[Run] = []
     try:

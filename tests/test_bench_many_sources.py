@@ -171,3 +171,30 @@ def test_a_tiny_harvest_is_counted_and_its_table_is_consistent(capsys) -> None:
     check_table(text, 3, 2, 1)
     functions = text.split("they call):\n", 1)[1].splitlines()[1:]
     assert any("aggregator/harvest/" in line for line in functions)
+
+
+@pytest.mark.parametrize("latency_ms", [0, 20, 250])
+def test_the_upstream_answers_each_request_as_late_as_latency_says(monkeypatch, latency_ms: int) -> None:
+    """``--latency``: each answer waits that long (trio's clock, jumped: no real time is waited for)."""
+    import trio
+    import trio.testing
+
+    monkeypatch.setenv(bench_many_sources.LATENCY_ENV, str(latency_ms))
+    app = bench_many_sources.upstream_app(2, 3, 0)
+    sent: list[tuple[float, dict]] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append((trio.current_time(), message))
+
+    async def main() -> None:
+        scope = {"type": "http", "path": "/s1/r/2", "headers": [(b"host", b"up.example")]}
+        await app(scope, receive, send)
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    trio.run(main, clock=clock)
+    (at, start), (_, body) = sent
+    assert start["status"] == 200 and body["body"]  # the resource, as without a delay
+    assert at == pytest.approx(latency_ms / 1000)

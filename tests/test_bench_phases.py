@@ -111,6 +111,7 @@ def restored(monkeypatch):
     monkeypatch.setattr(writes.SharedHops, "run", writes.SharedHops.run)
     monkeypatch.setattr(writes.SharedHops, "_run_all", writes.SharedHops._run_all)
     monkeypatch.setattr(writes.SharedHops, "_blobs_first", writes.SharedHops._blobs_first)
+    monkeypatch.setattr(writes.AfterBlobs, "__call__", writes.AfterBlobs.__call__)
     monkeypatch.setattr(trio, "run", trio.run)
 
 
@@ -150,6 +151,47 @@ def test_every_part_exists_and_writes_are_named_by_their_function(restored) -> N
     assert sums.calls[_phases.WRITE_THREAD + _phases.SHARED] == 1  # the hop's own part, the call's left out
     assert sums.cpu[_phases.WRITE_THREAD + _phases.SHARED] < 0.01
     assert _phases.SCHEDULER in sums.cpu
+
+
+def test_a_writes_own_blobs_are_timed_apart_from_its_rows(restored) -> None:
+    """A write alone in its hop commits its blobs itself (``AfterBlobs``): their CPU goes to the part of
+    its own, not to the write's (so one Source's blobs compare with many Sources' committed together)."""
+    sums = _phases.Sums()
+    _phases.install(sums)
+    from aggregator.harvest import context, writes
+    from aggregator.store.calls import in_thread
+
+    class Ctx:
+        def __init__(self) -> None:
+            self._later: dict = {}
+            self.writer = object()
+
+        def _progress_due(self) -> dict:
+            return {}
+
+        def _shared_writes(self) -> writes.SharedHops:
+            return writes.SharedHops(functools.partial(in_thread, limiter=trio.CapacityLimiter(1)))
+
+    committed: list[list[str]] = []
+
+    def commit(writers: list) -> None:
+        burn(0.03)
+        committed.append(list(writers))
+
+    def apply_rows(n: int) -> int:
+        burn(0.01)
+        return n * 2
+
+    async def main() -> int:
+        write = writes.AfterBlobs(["blob"], commit, apply_rows, 21)  # type: ignore[list-item]
+        return await context.HarvestContext.write(Ctx(), write)  # type: ignore[arg-type]
+
+    assert trio.run(main) == 42
+    assert committed == [["blob"]]  # committed, once, before the rows
+    assert sums.calls[_phases.WRITE_THREAD + _phases.OWN_BLOBS] == 1
+    assert sums.cpu[_phases.WRITE_THREAD + _phases.OWN_BLOBS] >= 0.03
+    rows = sums.cpu[_phases.WRITE_THREAD + "apply_rows"]  # named as the function the write runs
+    assert 0.01 <= rows < 0.03  # its rows only: the blobs' CPU left out
 
 
 def phases(cpu: dict[str, float], calls: dict[str, int], process: float, **io: int) -> _phases.Phases:
