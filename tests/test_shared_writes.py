@@ -8,6 +8,7 @@ import contextvars
 import functools
 import random
 import sqlite3
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,63 @@ def test_the_first_write_waits_for_others_only_when_asked(tmp_path: Path, seed: 
         else:  # no wait asked, or none worth it (no shared transaction: a server state)
             assert ran[0] == 0  # at once, alone: the others were asked after its hop began
             assert sorted(ran) == list(range(k)) and shared.hops >= 2
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_first_write_waits_until_enough_others_wait_or_its_time_is_up(tmp_path: Path, seed: int) -> None:
+    """The first write's wait ends when ``enough()`` writes wait (itself included) or after ``gather()``
+    seconds, whichever comes first; its hop takes every write asked until then, in one transaction, and
+    the later ones go in later hops. ``enough() == 0`` waits the whole time. (trio's MockClock.)"""
+    rng = random.Random(seed)
+    k = rng.randrange(2, 10)
+    enough = rng.choice([0, *range(2, k + 2)])  # k + 1: never reached
+    gather = 1.0
+    asked_at = [0.0, *sorted(rng.uniform(0.01, 2.0) for _ in range(k - 1))]
+    reached = asked_at[enough - 1] if 0 < enough <= k else None
+    ends = min(gather, reached) if reached is not None else gather
+    expected = sum(1 for t in asked_at if t <= ends)
+
+    async def main() -> list[tuple[float, int]]:
+        with State(tmp_path / "state.db") as state:
+            hops: list[tuple[float, int]] = []  # (when a hop began, the writes asked before it)
+            limiter = trio.CapacityLimiter(1)
+
+            async def hop(fn: Any) -> Any:
+                hops.append((trio.current_time(), shared.calls))
+                return await in_thread(fn, limiter=limiter)
+
+            shared = SharedHops(hop, gathering=state, gather=lambda: gather, enough=lambda: enough)
+
+            async def one(i: int) -> None:
+                await trio.sleep_until(asked_at[i])
+                await shared.run(functools.partial(state.upsert_source, f"s{i}", URL))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(k):
+                    nursery.start_soon(one, i)
+            assert len(state.sources()) == k  # every write ran, once
+            return hops
+
+    hops = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert hops[0] == (pytest.approx(ends), expected)  # the first hop: when its wait ended, whom it took
+    assert all(calls > expected for _, calls in hops[1:])  # the others: later hops
+
+
+async def test_the_writes_that_end_a_wait_follow_the_syncs_running(tmp_path: Path) -> None:
+    """Half the syncs running, two at least: each sync has a write or two on their way at most."""
+    config = make_config(tmp_path / "store", {})
+    async with open_context(config) as ctx:
+
+        def slots(host: str) -> int:
+            return 1
+
+        seen = []
+        async with AsyncExitStack() as stack:
+            for n in range(1, 10):
+                await stack.enter_async_context(ctx.admissions.admitted(f"http://h{n}.example/cl.xml", slots))
+                seen.append((ctx.admissions.running, ctx._enough()))
+        assert seen == [(n, max(2, n // 2)) for n in range(1, 10)]
+        assert ctx._shared_writes()._enough == ctx._enough
 
 
 async def test_a_write_waits_for_others_only_while_other_syncs_run(tmp_path: Path) -> None:

@@ -41,11 +41,14 @@ log = logging.getLogger("rsagg.harvest")
 #: Seconds between two saves of a running baseline's progress in the sources table (``rsagg status``,
 #: the status page): the save rides along with the next state write (``HarvestContext.write``).
 PROGRESS_SAVE_EVERY = 1.0
-#: Seconds a state write waits for others to share its thread hop and transaction while other syncs
-#: run (``harvest/writes.py``). In a harvest of 300 small Sources a hop took 1.4 writes without the
-#: wait, 2.8 with 5 ms, 3.3 with 10 ms; 10 ms against 5 ms cost no time and spared some CPU
-#: (benchmarks/bench_many_sources.py; docs/benchmarks.md "Many sources", twelfth pass).
-GATHER = 0.010
+#: Seconds a state write waits at most for others to share its thread hop and transaction while other
+#: syncs run (``harvest/writes.py``); it goes earlier once half the syncs running have a write waiting
+#: (``HarvestContext._enough``). In a harvest of 300 small Sources a hop took 1.4 writes without the
+#: wait, 2.8 with 5 ms, 3.3 with 10 ms. With the upstream 20 ms late, Sources' writes came tens of
+#: milliseconds apart and a 10 ms wait gathered few: 50 ms, ended early, spared CPU there and at full
+#: speed without costing time (benchmarks/bench_many_sources.py; docs/benchmarks.md "Many sources",
+#: twelfth and thirteenth passes).
+GATHER = 0.050
 
 
 class HarvestMetrics(Protocol):
@@ -154,14 +157,21 @@ class HarvestContext:
                 partial(in_thread, limiter=self._write_limiter),
                 gathering=gathering,
                 gather=self._gather,
+                enough=self._enough,
                 commit_blobs=self.blobs.commit if gathering is not None else None,
             )
         return self._writes
 
     def _gather(self) -> float:
-        """How long a write waits for others to share its hop: ``GATHER`` while other syncs run (their
-        writes are on their way), else nothing (a write alone goes at once)."""
+        """How long a write waits for others to share its hop, at most: ``GATHER`` while other syncs run
+        (their writes are on their way), else nothing (a write alone goes at once)."""
         return GATHER if self.admissions.running > 1 else 0.0
+
+    def _enough(self) -> int:
+        """Writes waiting (the first included) that end that wait: half the syncs running, two at least.
+        Why half: each sync has at most a write or two on their way, and most of the syncs are fetching,
+        not writing; waiting for all of them would wait the whole time at full speed."""
+        return max(2, self.admissions.running // 2)
 
     def write_later(self, source: str, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         """A state write for ``source`` (its status) that needs no thread hop of its own: it runs, in the

@@ -17,9 +17,12 @@ than its resources (benchmarks/bench_many_sources.py, docs/benchmarks.md "Many s
 - the blobs the hop's writes name (those a ``small.db`` transaction stores, ``AfterBlobs``) are
   committed first, together: one ``small.db`` transaction and ``fsync`` for the hop. Should that fail,
   each write commits its own blobs, and fails alone if they fail;
-- while other syncs run, the write that would make the next hop first waits ``gather()`` seconds for
-  more to join it. That wait costs the write a few milliseconds and no CPU; alone (one Source syncing,
-  a one-shot write) a write goes at once.
+- while other syncs run, the write that would make the next hop first waits for more to join it: until
+  ``enough()`` writes wait (itself included), at most ``gather()`` seconds. That wait costs the write a
+  few milliseconds and no CPU; alone (one Source syncing, a one-shot write) a write goes at once. Why
+  both: writes come fast at full speed (a hop fills in a few milliseconds, and need not wait longer)
+  and slowly when the upstream is slow (Sources' writes tens of milliseconds apart: a short wait
+  gathered none, and each write was a transaction and a ``small.db`` ``fsync`` of its own).
 
 A waiting write whose caller is cancelled before a hop takes it is dropped (nothing of it ran); once
 taken it runs to its end and its caller waits for it.
@@ -102,12 +105,18 @@ def _go_now() -> float:
     return 0.0
 
 
+def _never_early() -> int:
+    return 0
+
+
 class SharedHops:
     """The writes of a harvest, taken by the writer thread's hops (see the module docstring).
 
     ``hop(fn)`` runs ``fn`` in the writer thread; ``gathering``: the state, when it can join writes in
-    one transaction; ``gather()``: seconds the next hop's first write waits for others (0: none; never
-    without ``gathering``); ``commit_blobs``: the blob store's ``commit``, for the hop's blobs together."""
+    one transaction; ``gather()``: seconds the next hop's first write waits for others at most (0: none;
+    never without ``gathering``); ``enough()``: writes waiting (the first included) that end that wait
+    early (0: it lasts ``gather()``); ``commit_blobs``: the blob store's ``commit``, for the hop's blobs
+    together."""
 
     def __init__(
         self,
@@ -115,14 +124,19 @@ class SharedHops:
         *,
         gathering: Gathering | None = None,
         gather: Callable[[], float] = _go_now,
+        enough: Callable[[], int] = _never_early,
         commit_blobs: Callable[[Sequence[BlobWriter]], None] | None = None,
     ) -> None:
         self._hop = hop
         self._gathering = gathering
         self._gather = gather
+        self._enough = enough
         self._commit_blobs = commit_blobs
         self._queue: list[_Waiting] = []
         self._leading = False
+        #: While the first write waits for others: set once ``_want`` writes wait (``run``).
+        self._filled: trio.Event | None = None
+        self._want = 0
         #: Hops made, calls run in them, and hops whose calls shared one transaction (tests count them).
         self.hops = self.calls = self.shared = 0
 
@@ -133,6 +147,8 @@ class SharedHops:
 
         me = _Waiting(call, blobs, trio.Event())
         self._queue.append(me)
+        if self._filled is not None and len(self._queue) >= self._want:
+            self._filled.set()  # the first write need wait no longer
         if self._leading:  # a hop runs: wait to be taken by the next one, or to be handed the lead
             try:
                 await me.wake.wait()
@@ -148,7 +164,7 @@ class SharedHops:
             pause = self._gather() if self._gathering is not None else 0.0  # (no shared transaction:
             if pause > 0:  # a wait would buy nothing) others are likely to ask soon: let them join
                 try:
-                    await trio.sleep(pause)
+                    await self._wait_for_others(pause)
                 except trio.Cancelled:
                     self._drop(me)
                     raise
@@ -161,6 +177,23 @@ class SharedHops:
         if me.error is not None:
             raise me.error
         return me.result  # type: ignore[no-any-return]
+
+    async def _wait_for_others(self, pause: float) -> None:
+        """The first write's wait: ``pause`` seconds, or until ``enough()`` writes wait."""
+        import trio
+
+        want = self._enough()
+        if want <= 0:
+            await trio.sleep(pause)
+            return
+        if len(self._queue) >= want:
+            return
+        self._filled, self._want = trio.Event(), want
+        try:
+            with trio.move_on_after(pause):
+                await self._filled.wait()
+        finally:
+            self._filled = None
 
     def _drop(self, me: _Waiting) -> None:
         """A write whose caller went before a hop took it: out of the line (its lead, if it had it, to
