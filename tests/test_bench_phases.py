@@ -12,6 +12,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -115,26 +116,29 @@ def restored(monkeypatch):
     monkeypatch.setattr(trio, "run", trio.run)
 
 
+class Ctx:
+    """The parts of HarvestContext that ``write`` uses (its hops in a worker thread, nothing riding)."""
+
+    def __init__(self) -> None:
+        self._later: dict = {}
+        self.writer = object()
+
+    def _progress_due(self) -> dict:
+        return {}
+
+    def _shared_writes(self) -> Any:
+        from aggregator.harvest.writes import SharedHops
+        from aggregator.store.calls import in_thread
+
+        return SharedHops(functools.partial(in_thread, limiter=trio.CapacityLimiter(1)))
+
+
 def test_every_part_exists_and_writes_are_named_by_their_function(restored) -> None:
     """A renamed function would drop out of the table without a word: install names what it lacks."""
     sums = _phases.Sums()
     _clock, missing = _phases.install(sums)
     assert missing == []
-    from aggregator.harvest import context, writes
-    from aggregator.store.calls import in_thread
-
-    class Ctx:
-        """The parts of HarvestContext that ``write`` uses."""
-
-        def __init__(self) -> None:
-            self._later: dict = {}
-            self.writer = object()
-
-        def _progress_due(self) -> dict:
-            return {}
-
-        def _shared_writes(self) -> writes.SharedHops:
-            return writes.SharedHops(functools.partial(in_thread, limiter=trio.CapacityLimiter(1)))
+    from aggregator.harvest import context
 
     def set_status(n: int) -> int:
         burn(0.01)
@@ -159,18 +163,6 @@ def test_a_writes_own_blobs_are_timed_apart_from_its_rows(restored) -> None:
     sums = _phases.Sums()
     _phases.install(sums)
     from aggregator.harvest import context, writes
-    from aggregator.store.calls import in_thread
-
-    class Ctx:
-        def __init__(self) -> None:
-            self._later: dict = {}
-            self.writer = object()
-
-        def _progress_due(self) -> dict:
-            return {}
-
-        def _shared_writes(self) -> writes.SharedHops:
-            return writes.SharedHops(functools.partial(in_thread, limiter=trio.CapacityLimiter(1)))
 
     committed: list[list[str]] = []
 
