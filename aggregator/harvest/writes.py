@@ -18,8 +18,8 @@ than its resources (benchmarks/bench_many_sources.py, docs/benchmarks.md "Many s
   committed first, together: one ``small.db`` transaction and ``fsync`` for the hop. Should that fail,
   each write commits its own blobs, and fails alone if they fail;
 - while other syncs run, the write that would make the next hop first waits for more to join it: until
-  ``enough()`` writes wait (itself included), at most ``gather()`` seconds. That wait costs the write a
-  few milliseconds and no CPU; alone (one Source syncing, a one-shot write) a write goes at once. Why
+  ``enough()`` writes wait (itself included), at most ``gather()`` seconds. That wait costs the write
+  that much time and no CPU; alone (one Source syncing, a one-shot write) a write goes at once. Why
   both: writes come fast at full speed (a hop fills in a few milliseconds, and need not wait longer)
   and slowly when the upstream is slow (Sources' writes tens of milliseconds apart: a short wait
   gathered none, and each write was a transaction and a ``small.db`` ``fsync`` of its own).
