@@ -241,8 +241,8 @@ def test_the_first_write_waits_for_others_only_when_asked(tmp_path: Path, seed: 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_first_write_waits_until_enough_others_wait_or_its_time_is_up(tmp_path: Path, seed: int) -> None:
     """The first write's wait ends when ``enough()`` writes wait (itself included) or after ``gather()``
-    seconds, whichever comes first; its hop takes every write asked until then, in one transaction, and
-    the later ones go in later hops. ``enough() == 0`` waits the whole time. (trio's MockClock.)"""
+    seconds, whichever comes first; its hop takes every write asked until then, and the later ones go in
+    later hops. ``enough() == 0`` waits the whole time. (trio's MockClock.)"""
     rng = random.Random(seed)
     k = rng.randrange(2, 10)
     enough = rng.choice([0, *range(2, k + 2)])  # k + 1: never reached
