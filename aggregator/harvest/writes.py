@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, suppress
 from functools import partial, update_wrapper
@@ -182,10 +183,7 @@ class SharedHops:
         """The first write's wait: ``pause`` seconds, or until ``enough()`` writes wait."""
         import trio
 
-        want = self._enough()
-        if want <= 0:
-            await trio.sleep(pause)
-            return
+        want = self._enough() or sys.maxsize  # 0: none end it early
         if len(self._queue) >= want:
             return
         self._filled, self._want = trio.Event(), want
