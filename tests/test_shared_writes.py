@@ -4,8 +4,10 @@ was committed; a write waits for others only when asked to."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
+import os
 import random
 import sqlite3
 from contextlib import AsyncExitStack
@@ -101,6 +103,58 @@ async def test_writes_sharing_a_transaction_keep_their_own_outcome(tmp_path: Pat
                 assert answer == i and f"s{i}" in stored
         state.upsert_source("after", URL)  # the state goes on
         assert "after" in {s.name for s in state.sources()}
+
+
+def temporary_files() -> list[str]:
+    """The temporary files of SQLite this process holds open now (``etilqs_*``, Linux's ``/proc``)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if "etilqs" in (target := os.readlink(f"/proc/self/fd/{fd}")):
+                held.append(target)
+    return held
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_shared_transaction_keeps_its_savepoints_undo_in_memory(tmp_path: Path, seed: int) -> None:
+    """Writes of random sizes (up to a few hundred pages each), some failing, share one transaction:
+    each is undone alone or kept as before, and no write opens a temporary file for what its savepoint
+    would undo (SQLite's sub-journal, which spills to a file past 64 KiB unless kept in memory). Outside
+    the shared transaction the state keeps SQLite's default (a large statement spills to disk)."""
+    rng = random.Random(seed)
+    with State(tmp_path / "state.db") as state:
+        with state._write() as c:  # rows on pages of their own, which the writes change
+            c.execute("CREATE TABLE pad (id INTEGER PRIMARY KEY, v BLOB NOT NULL)")
+            c.executemany("INSERT INTO pad VALUES (?, ?)", [(k, b"-" * 3000) for k in range(600)])
+        ids = list(range(600))
+        rng.shuffle(ids)
+        n = rng.randrange(3, 9)
+        cuts = sorted(rng.sample(range(1, 600), n - 1))
+        mine = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, 600], strict=True)]  # each write's own rows
+        fails = {i for i in range(n) if rng.random() < 0.3}
+        seen: list[list[str]] = []
+
+        def mark(i: int) -> bytes:
+            return bytes([65 + i]) * 3000
+
+        def change(i: int) -> int:  # one transaction when alone (the first write goes alone)
+            with state.together(), state._write() as c:
+                c.executemany("UPDATE pad SET v = ? WHERE id = ?", [(mark(i), k) for k in mine[i]])
+                seen.append(temporary_files())
+                if i in fails:
+                    raise ValueError(f"write {i} refused")
+            return i
+
+        shared = hops_of(state)
+        got = await asked_at_once(shared, [functools.partial(change, i) for i in range(n)])
+        assert shared.shared == 1 and len(seen) == n
+        assert seen == [[]] * n  # a write changes up to 600 pages of 4 KiB (a row of 3,000 bytes each)
+        values = dict(state.conn.execute("SELECT id, v FROM pad"))
+        for i in range(n):
+            want = b"-" * 3000 if i in fails else mark(i)
+            assert all(values[k] == want for k in mine[i]), i
+            assert isinstance(got[i], ValueError) if i in fails else got[i] == i
+        assert state.conn.execute("PRAGMA temp_store").fetchone()[0] == 0  # the default, outside
 
 
 @pytest.fixture(
