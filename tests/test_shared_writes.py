@@ -333,7 +333,7 @@ def test_the_first_write_waits_until_enough_others_wait_or_its_time_is_up(tmp_pa
 
 
 async def test_the_writes_that_end_a_wait_follow_the_syncs_running(tmp_path: Path) -> None:
-    """Half the syncs running, two at least: each sync has a write or two on their way at most."""
+    """Three quarters of the syncs running, two at least: each sync has a write on its way at most."""
     config = make_config(tmp_path / "store", {})
     async with open_context(config) as ctx:
 
@@ -345,7 +345,7 @@ async def test_the_writes_that_end_a_wait_follow_the_syncs_running(tmp_path: Pat
             for n in range(1, 10):
                 await stack.enter_async_context(ctx.admissions.admitted(f"http://h{n}.example/cl.xml", slots))
                 seen.append((ctx.admissions.running, ctx._enough()))
-        assert seen == [(n, max(2, n // 2)) for n in range(1, 10)]
+        assert seen == [(n, max(2, n * 3 // 4)) for n in range(1, 10)]
         assert ctx._shared_writes()._enough == ctx._enough
 
 
