@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
 import logging
 import math
@@ -23,6 +24,7 @@ import threading
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -34,9 +36,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from aggregator.config import SourceConfig
 from aggregator.harvest import admission, pipeline
 from aggregator.harvest import context as context_mod
 from aggregator.harvest import deviations as deviations_mod
+from aggregator.harvest import fetch as fetch_mod
 from aggregator.harvest import source as source_mod
 from aggregator.harvest import writes as writes_mod
 from aggregator.harvest.access import Access
@@ -1162,3 +1166,81 @@ async def test_a_new_set_holds_the_same_with_or_without_its_lookups(
                                    for s in state.sets() for r in state.iter_resources(s.id)))  # fmt: skip
             monkeypatch.undo()
     assert held[0] == held[1] and held[0]
+
+
+# -- what a sync made is freed when it ends -----------------------------------------------------------
+
+
+#: Where what a sync makes comes from. Not connections (``aggregator.net``: a closed connection's
+#: parser and its callbacks are a cycle, once per connection, not per sync) nor the test upstream's
+#: server (``aggregator.run``, ``aggregator.testing``).
+SYNC_MODULES = ("aggregator.harvest.", "aggregator.rs.", "aggregator.store.")
+
+
+def _sync_garbage() -> Counter[str]:
+    """Objects of a sync's making the collector found in reference cycles since ``gc.DEBUG_SAVEALL``
+    was set."""
+    gc.collect()
+    kinds: Counter[str] = Counter()
+    for o in gc.garbage:
+        module = getattr(type(o), "__module__", "") or ""
+        if module.startswith(SYNC_MODULES):
+            kinds[f"{module}.{type(o).__qualname__}"] += 1
+    return kinds
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_what_a_sync_made_is_freed_without_the_garbage_collector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Sources of random sizes, with or without Change Lists, their documents read whole or streamed
+    by a download task, some resources and one Resource List failing, harvested together, then changed
+    and harvested again in the same context (lists unchanged since answer 304): no object made for a
+    sync (its pipeline, its documents, their readers, spools and entries) is left in a reference cycle.
+    Why: each sync of a small Source left about a hundred objects for the collector (a pipeline held by
+    its fetch tasks' methods and its last write; a document by its end callback; an unchanged list's
+    NotModified by trio's cancellation of the pipeline's tasks; a failed sync by its error's traceback),
+    so the collector's work grew with the Sources synced, a daemon's all day."""
+    rng = random.Random(seed)
+    if seed % 2:  # every document streamed (the download task's path), not read whole
+        monkeypatch.setattr(fetch_mod, "INLINE_DOCUMENT", 0)
+    names = [f"s{i}" for i in range(rng.randrange(3, 8))]
+    up = Upstream(sets=names, resource_dump=False, change_dump=False, change_list=seed >= 2)
+    for name in names:
+        for j in range(rng.choice([1, 4, 20, 60])):
+            up.create(f"r{j}.txt", f"{name} {j} ".encode().ljust(rng.choice([30, 900, 20_000]), b"."),
+                      set_name=name)  # fmt: skip
+
+    failing = [n for n in names[:-1] if rng.random() < 0.4]
+
+    async def sync_all(ctx: HarvestContext) -> None:
+        results = {}
+
+        async def one(src: SourceConfig) -> None:
+            results[src.name] = await sync_source(ctx, src)
+
+        async with trio.open_nursery() as nursery:
+            for src in config.sources:
+                nursery.start_soon(one, src)
+        assert {n for n, r in results.items() if not r.ok} == {*failing, names[-1]}
+
+    async with up.serving():
+        # Some resources, and the last Source's Resource List, answer 503 past the retries.
+        faults = {urlsplit(up.url("r0.txt", n)).path: 100 for n in failing}
+        up.serve_503 = {**faults, urlsplit(up.doc_url("resourcelist.xml", names[-1])).path: 100}
+        config = make_config(tmp_path / "store", {n: up.doc_url("capabilitylist.xml", n) for n in names})
+        async with open_context(config) as ctx:  # one context for both harvests, as the daemon's
+            gc.collect()
+            gc.garbage.clear()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                await sync_all(ctx)
+                for name in names:
+                    up.create("new.txt", f"{name} new".encode(), set_name=name)
+                    up.update("r0.txt", f"{name} changed".encode(), set_name=name)
+                await sync_all(ctx)
+                left = _sync_garbage()
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+    assert not left, "; ".join(f"{k} {v}" for k, v in sorted(left.items()))

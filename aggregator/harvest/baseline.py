@@ -256,6 +256,15 @@ async def run_baseline(
         return None
 
 
+async def _starting_with(first: Work | None, rest: AsyncGenerator[Work, None]) -> AsyncGenerator[Work, None]:
+    if first is None:
+        return
+    yield first
+    async with aclosing(rest):
+        async for work in rest:
+            yield work
+
+
 async def _baseline_from(
     ctx: HarvestContext,
     info: SetInfo,
@@ -336,7 +345,11 @@ async def _baseline_from(
     # good part of the per-source cost of a harvest of many small sources.
     with tempfile.TemporaryDirectory(dir=ctx.scratch_dir()) if how == "dump" else nullcontext() as d:
         async with aclosing(items(Path(d) if d else Path())) as stream:
-            stats = await pipeline.run(stream, last=finishing)
+            # The first change is read before the pipeline's tasks start: a list answered 304 (an
+            # unchanged poll) raises NotModified here, and starts and cancels no task for nothing (a
+            # cancelled nursery's error is a reference cycle holding the whole run, until collected).
+            first = await anext(stream, None)
+            stats = await pipeline.run(_starting_with(first, stream), last=finishing)
     if skipped:
         log.warning("source=%s set=%s baseline from %s not finished: %d of %d lists unreadable",
                     source, info.capabilitylist_url, how, len(skipped), len(urls))  # fmt: skip

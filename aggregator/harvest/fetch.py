@@ -480,6 +480,10 @@ class _Whole:
         spool.finish(error=error)
 
 
+def _no_end(sha256: str | None) -> None:
+    pass
+
+
 class _Entries:
     """The entries of a document, parsed from the spool as the caller asks for them."""
 
@@ -493,7 +497,8 @@ class _Entries:
         self._error: FetchError | None = None
         #: The body's SHA-256, once parsed to its end.
         self.sha256: str | None = None
-        self.on_end: Callable[[str | None], None] = lambda sha256: None
+        #: Told the SHA-256 once the document is parsed to its end (``Fetcher._start_document``).
+        self.on_end: Callable[[str | None], None] = _no_end
 
     def parse_whole(self, whole: _Whole) -> None:
         """Parse a body that arrived whole, now: every item ready, or the error met after the items
@@ -562,7 +567,8 @@ class _Entries:
                     self._items.extend(self._reader.close())
                     self._end = True
                     self.sha256 = self._spool.sha256
-                    self.on_end(self.sha256)
+                    on_end, self.on_end = self.on_end, _no_end  # told once; and no cycle left behind
+                    on_end(self.sha256)
             except parse.DocumentError as exc:
                 self._error = self._refused(exc)
                 raise self._error from exc
@@ -1047,12 +1053,15 @@ class Fetcher:
         if last_modified:
             headers["If-Modified-Since"] = last_modified
         spools: list[_Spool] = []
+        stream: DocumentStream | None = None
         try:
             stream = await self._with_retries(url, partial(self._start_document, url, headers, cap, spools))
             yield stream
         finally:
             for spool in spools:  # the caller is done: stop a download it no longer wants
                 spool.close()
+            if stream is not None and isinstance(stream.entries, _Entries):  # left before its end: no
+                stream.entries.on_end = _no_end  # cycle (stream -> entries -> on_end -> stream) left
 
     async def _start_document(
         self, url: str, headers: dict[str, str], cap: int, spools: list[_Spool]
@@ -1126,13 +1135,14 @@ class Fetcher:
             spool.close()  # stop this attempt's download; a transient failure is retried afresh
             raise
         stream = DocumentStream(not_modified=False, etag=h.get("etag"), head=head, entries=entries, **common)
-
-        def _ended(sha256: str | None) -> None:
-            stream.sha256 = sha256
-
-        entries.on_end = _ended
         if entries.ended:  # read whole, or a document without entries: its head came with its end
-            _ended(entries.sha256)
+            stream.sha256 = entries.sha256
+        else:  # (a cycle, stream -> entries -> this function -> stream, until the end is told)
+
+            def _ended(sha256: str | None) -> None:
+                stream.sha256 = sha256
+
+            entries.on_end = _ended
         return stream
 
     async def _download_document(self, body: _Body, cap: int, spool: _Spool, deadline: float) -> None:

@@ -568,6 +568,8 @@ class Pipeline:
                 await self._produce(items, send)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
+        finally:  # they hold this pipeline (its methods, the caller's ``last``): freed with it, not
+            self._fetch_tasks = self._last = None  # left in a cycle for the collector
         return self.stats
 
     @for_source

@@ -286,6 +286,9 @@ async def _sync_source(ctx: HarvestContext, src: SourceConfig, deviations: Devia
     ctx.metrics.sync_finished(
         src.name, result.ok, time.monotonic() - started, stopped_by, degraded=state == "degraded"
     )
+    # The error's traceback holds this frame, whose local held the error: a cycle that would keep the
+    # whole failed sync (its pipeline, documents, tasks' frames) for the garbage collector.
+    stopped_by = None
     return result
 
 
