@@ -148,7 +148,7 @@ async def test_a_worker_that_cannot_run_turns_the_schedule_to_its_thread(tmp_pat
 async def test_a_worker_the_stop_signal_reached_first_does_not_fail_the_stop(tmp_path: Path, caplog) -> None:
     """systemd's stop signals the unit's whole control group (a terminal's Ctrl-C, the process group): the
     worker may die of it before the daemon closes its context. The daemon's stop stays clean (it was a
-    traceback and exit status 1), the worker's end is one log line, and it is gone."""
+    traceback and exit status 1), the worker's end is one log line at most, and it is gone."""
     caplog.set_level(logging.INFO, logger="rsagg")
     async with _dumps_built_by_a_worker(tmp_path) as (before, stop):  # a build done: the worker idles
         own = os.getpriority(os.PRIO_PROCESS, 0)
@@ -161,5 +161,9 @@ async def test_a_worker_the_stop_signal_reached_first_does_not_fail_the_stop(tmp
                 await trio.sleep(0.05)
         stop.set()  # the schedule ends: the context closes over a worker that died
     assert not any(pid in _children() for pid in workers)
+    # One line when trio-parallel still holds the dead worker at the stop; none when it no longer does
+    # (it drops a dead worker silently when it next looks at its idle ones, ``prune``): seen once on a
+    # loaded machine, not reproduced. Never a traceback either way.
     said = [r.getMessage() for r in caplog.records if "did not stop cleanly" in r.getMessage()]
-    assert len(said) == 1 and "\n" not in said[0], said
+    assert len(said) <= 1 and all("\n" not in line for line in said), said
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
