@@ -43,6 +43,7 @@ from .lists import (
     SyncError,
     Validators,
     open_list,
+    peek,
     resolve,
     resolved,
     resource_list_entries,
@@ -256,15 +257,6 @@ async def run_baseline(
         return None
 
 
-async def _starting_with(first: Work | None, rest: AsyncGenerator[Work, None]) -> AsyncGenerator[Work, None]:
-    if first is None:
-        return
-    yield first
-    async with aclosing(rest):
-        async for work in rest:
-            yield work
-
-
 async def _baseline_from(
     ctx: HarvestContext,
     info: SetInfo,
@@ -348,8 +340,8 @@ async def _baseline_from(
             # The first change is read before the pipeline's tasks start: a list answered 304 (an
             # unchanged poll) raises NotModified here, and starts and cancels no task for nothing (a
             # cancelled nursery's error is a reference cycle holding the whole run, until collected).
-            first = await anext(stream, None)
-            stats = await pipeline.run(_starting_with(first, stream), last=finishing)
+            _, changes = await peek(stream)
+            stats = await pipeline.run(changes, last=finishing)
     if skipped:
         log.warning("source=%s set=%s baseline from %s not finished: %d of %d lists unreadable",
                     source, info.capabilitylist_url, how, len(skipped), len(urls))  # fmt: skip

@@ -567,8 +567,7 @@ class _Entries:
                     self._items.extend(self._reader.close())
                     self._end = True
                     self.sha256 = self._spool.sha256
-                    on_end, self.on_end = self.on_end, _no_end  # told once; and no cycle left behind
-                    on_end(self.sha256)
+                    self.on_end(self.sha256)
             except parse.DocumentError as exc:
                 self._error = self._refused(exc)
                 raise self._error from exc
@@ -1060,8 +1059,8 @@ class Fetcher:
         finally:
             for spool in spools:  # the caller is done: stop a download it no longer wants
                 spool.close()
-            if stream is not None and isinstance(stream.entries, _Entries):  # left before its end: no
-                stream.entries.on_end = _no_end  # cycle (stream -> entries -> on_end -> stream) left
+            if stream is not None and isinstance(stream.entries, _Entries):  # no cycle left behind:
+                stream.entries.on_end = _no_end  # stream -> entries -> on_end -> stream
 
     async def _start_document(
         self, url: str, headers: dict[str, str], cap: int, spools: list[_Spool]
@@ -1135,14 +1134,13 @@ class Fetcher:
             spool.close()  # stop this attempt's download; a transient failure is retried afresh
             raise
         stream = DocumentStream(not_modified=False, etag=h.get("etag"), head=head, entries=entries, **common)
+
+        def _ended(sha256: str | None) -> None:
+            stream.sha256 = sha256
+
+        entries.on_end = _ended
         if entries.ended:  # read whole, or a document without entries: its head came with its end
-            stream.sha256 = entries.sha256
-        else:  # (a cycle, stream -> entries -> this function -> stream, until the end is told)
-
-            def _ended(sha256: str | None) -> None:
-                stream.sha256 = sha256
-
-            entries.on_end = _ended
+            _ended(entries.sha256)
         return stream
 
     async def _download_document(self, body: _Body, cap: int, spool: _Spool, deadline: float) -> None:

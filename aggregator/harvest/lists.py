@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TypedDict
+from typing import TypedDict, TypeVar
 from urllib.parse import urljoin
 
 from ..rs.model import (
@@ -33,6 +33,7 @@ from .fetch import DocumentStream, Fetcher, FetchError
 _ABSOLUTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 log = logging.getLogger("rsagg.harvest")
+T = TypeVar("T")
 
 
 class Conditional(TypedDict, total=False):
@@ -198,7 +199,7 @@ def _looks_like_index(first: Entry | None, capability: str, is_index: bool) -> b
 async def open_list(url: str, doc: DocumentStream, capability: str) -> tuple[bool, AsyncIterator[Entry]]:
     """(is it an index, its entries resolved against its URL) of a fetched list document."""
     head = _expect(url, doc.head, capability)
-    first, entries = await _peek(resolved(doc.entries, doc.url or url))
+    first, entries = await peek(resolved(doc.entries, doc.url or url))
     is_index = _looks_like_index(first, capability, head.is_index)
     if is_index != head.is_index:
         rule, what = ("index-as-urlset", "an index") if is_index else ("list-as-sitemapindex", "a list")
@@ -207,11 +208,11 @@ async def open_list(url: str, doc: DocumentStream, capability: str) -> tuple[boo
     return is_index, entries
 
 
-async def _peek(entries: AsyncIterator[Entry]) -> tuple[Entry | None, AsyncIterator[Entry]]:
-    """The first entry, and all the entries (that one included) still to be read."""
+async def peek(entries: AsyncIterator[T]) -> tuple[T | None, AsyncGenerator[T, None]]:
+    """The first item, and all the items (that one included) still to be read."""
     first = await anext(entries, None)
 
-    async def chain() -> AsyncGenerator[Entry, None]:
+    async def chain() -> AsyncGenerator[T, None]:
         if first is not None:
             yield first
         async for e in entries:
@@ -525,7 +526,7 @@ async def change_entries(
             if not is_index:
                 ref = ListRef(doc.url, md.from_ if md else None, md.until if md else None)
                 if ref.from_ is None:
-                    first, entries = await _peek(entries)
+                    first, entries = await peek(entries)
                     ref = _without_from(ref, first)
                 older = _closed_before(archived, ref, pos)
                 check_gap(url, [*older, ref], pos.datetime)
